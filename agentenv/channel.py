@@ -1,0 +1,133 @@
+"""The host end of the agent connection: exec, spawn and files over the sandbox's unix socket.
+
+One short-lived connection per call (a connect costs tens of microseconds), so a memory snapshot
+only has to close the connections of calls in flight; such a call reconnects through ``gate`` and
+resumes its job from the byte offsets it already has.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agentenv import agent
+from agentenv.errors import ConnectionLost, SandboxError
+
+OutputCallback = Callable[[str, bytes], None]
+
+
+class Gate:
+    """Lets calls through unless a snapshot is closing connections; calls wait while it is shut."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shut = 0
+
+    def wait_open(self) -> None:
+        with self._cond:
+            while self._shut:
+                self._cond.wait()
+
+    def shut(self) -> None:
+        with self._cond:
+            self._shut += 1
+
+    def open(self) -> None:
+        with self._cond:
+            self._shut -= 1
+            self._cond.notify_all()
+
+
+class Channel:
+    """Calls into one sandbox's agent; ``socket_path`` is resolved through /proc/<init pid>/root."""
+
+    def __init__(self, socket_path: Callable[[], str], gate: Gate) -> None:
+        self._path = socket_path
+        self.gate = gate
+
+    def connect(self, wait: float = 0.0) -> socket.socket:
+        """Open a connection, retrying for up to ``wait`` seconds (the agent may still be starting)."""
+        self.gate.wait_open()
+        deadline = time.monotonic() + wait
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(self._path())
+                return s
+            except OSError as e:
+                s.close()
+                if time.monotonic() >= deadline:
+                    raise ConnectionLost(f"the sandbox agent does not answer ({e})",
+                                         fix="the sandbox may have been closed or paused; check Sandbox.list()") from e
+                time.sleep(0.002)
+
+    def call(self, header: dict[str, Any], blob: bytes = b"") -> tuple[dict[str, Any], bytes]:
+        """One request and its reply; agent-side errors become exceptions."""
+        with self.connect() as s:
+            agent.send_frame(s, header, blob)
+            try:
+                reply, data = agent.recv_frame(s)
+            except ConnectionError as e:
+                raise ConnectionLost(f"the sandbox agent closed the connection during {header['op']}") from e
+        raise_for(reply)
+        return reply, data
+
+    def exec(self, header: dict[str, Any], on_output: OutputCallback | None) -> dict[str, Any]:
+        """Run a command to completion; the final header carries 'stdout'/'stderr' as bytes."""
+        stream = on_output is not None
+        out = [bytearray(), bytearray()]
+        job: int | None = None
+        while True:
+            try:
+                with self.connect() as s:
+                    if job is None:
+                        agent.send_frame(s, {**header, "op": "exec", "stream": stream})
+                        first, _ = agent.recv_frame(s)
+                        raise_for(first)
+                        job = int(first["job"])
+                    else:
+                        agent.send_frame(s, {"op": "wait", "job": job, "offsets": [len(b) for b in out],
+                                             "stream": stream})
+                    while True:
+                        h, data = agent.recv_frame(s)
+                        raise_for(h)
+                        if "fd" in h:
+                            out[h["fd"] - 1] += data
+                            if on_output:
+                                on_output("stdout" if h["fd"] == 1 else "stderr", data)
+                            continue
+                        n = h["stdout_len"]
+                        tail = (data[:n], data[n:])
+                        for i, name in ((0, "stdout"), (1, "stderr")):
+                            out[i] += tail[i]
+                            if on_output and tail[i]:
+                                on_output(name, tail[i])
+                        h["stdout"], h["stderr"] = bytes(out[0]), bytes(out[1])
+                        return h
+            except ConnectionLost:
+                raise
+            except ConnectionError:
+                if job is None:
+                    raise
+                continue  # closed by a snapshot: reconnect once the gate opens, resume from offsets
+
+
+def raise_for(reply: dict[str, Any]) -> None:
+    """Map an agent error reply onto the matching Python exception."""
+    err = reply.get("error")
+    if err is None:
+        return
+    msg = reply.get("message", err)
+    if err == "FileNotFoundError":
+        raise FileNotFoundError(reply.get("errno", 2), msg)
+    if err in ("IsADirectoryError", "NotADirectoryError", "PermissionError", "FileExistsError"):
+        raise {"IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
+               "PermissionError": PermissionError, "FileExistsError": FileExistsError}[err](reply.get("errno"), msg)
+    if err == "ProcessLookupError":
+        raise ProcessLookupError(msg)
+    if err == "BadRequest":
+        raise ValueError(msg)
+    raise SandboxError(f"agent error {err}: {msg}")

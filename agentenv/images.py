@@ -1,0 +1,60 @@
+"""Docker images as sandbox roots: resolve a name to its overlay2 layers through the Docker SDK."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import docker
+import docker.errors
+
+from agentenv.errors import AgentEnvError, ImageNotFound
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    """What a sandbox needs of an image: its id, overlay layers (top first), env and workdir."""
+
+    id: str
+    layers: list[str]
+    env: list[str]
+    workdir: str
+
+
+@functools.cache
+def docker_client() -> docker.DockerClient:
+    """One Docker SDK client per process; a clear error when the engine is down."""
+    try:
+        client = docker.from_env(timeout=60)
+        client.ping()
+    except docker.errors.DockerException as e:
+        raise AgentEnvError(f"the Docker engine does not answer ({e})",
+                            fix="start it with scripts/bootstrap.sh (or 'dockerd &')") from e
+    return client
+
+
+def resolve(name: str) -> ImageInfo:
+    """Look an image up by name or id; ImageNotFound lists the images that exist."""
+    client = docker_client()
+    try:
+        attrs = client.api.inspect_image(name)
+    except docker.errors.ImageNotFound:
+        raise ImageNotFound(name, available()) from None
+    except docker.errors.APIError as e:
+        if e.status_code == 404 or e.status_code == 400:
+            raise ImageNotFound(name, available()) from None
+        raise
+    driver = attrs.get("GraphDriver", {})
+    if driver.get("Name") != "overlay2":
+        raise AgentEnvError(f"image {name!r} uses the {driver.get('Name')} storage driver",
+                            fix="run dockerd with the overlay2 storage driver (scripts/bootstrap.sh does)")
+    data = driver["Data"]
+    layers = [data["UpperDir"]] + [d for d in data.get("LowerDir", "").split(":") if d]
+    config = attrs.get("Config") or {}
+    return ImageInfo(id=attrs["Id"], layers=layers, env=list(config.get("Env") or []),
+                     workdir=config.get("WorkingDir") or "/")
+
+
+def available() -> list[str]:
+    """Tags of every local image, sorted."""
+    return sorted(tag for img in docker_client().images.list() for tag in img.tags)

@@ -1,0 +1,271 @@
+"""The container runtime under a sandbox: an overlayfs root over the Docker image's layers, run by runc.
+
+Docker owns the images; runc (the runtime Docker itself uses) runs the sandbox directly so that
+CRIU checkpoints and restores skip Docker's checkpoint plumbing, which copies every checkpoint
+through containerd's content store (seconds instead of a few hundred milliseconds).
+The OCI spec keeps Docker's safe defaults: own pid/ipc/uts/mount/network namespaces, a small
+capability set, no-new-privileges, masked /proc paths and cgroup limits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentenv import agent
+from agentenv.errors import CheckpointError, SandboxError
+
+AGENT_DEST = "/.agentenv/agent.py"
+DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
+                "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT"]
+_MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
+           "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware"]
+_READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
+CPU_PERIOD = 100_000
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits of one sandbox, enforced by its cgroup."""
+
+    cpus: float = 1.0
+    memory: int = 1 << 30
+    pids: int = 512
+
+
+@dataclass
+class ContainerSpec:
+    """Everything needed to (re)build the OCI bundle of a sandbox; stored with it and its snapshots."""
+
+    image_id: str
+    layers: list[str]               # overlay lower dirs, top first
+    env: list[str]
+    workdir: str
+    limits: Limits
+    network: bool = False
+    caps: list[str] = field(default_factory=lambda: list(DEFAULT_CAPS))
+
+    def to_json(self) -> dict[str, Any]:
+        d = dict(self.__dict__)
+        d["limits"] = dict(self.limits.__dict__)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ContainerSpec:
+        return cls(**{**d, "limits": Limits(**d["limits"])})
+
+
+def oci_config(spec: ContainerSpec, hostname: str, cgroup: str) -> dict[str, Any]:
+    """The runc config.json of a sandbox whose PID 1 is the agent."""
+    namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
+    if not spec.network:
+        namespaces.append({"type": "network"})  # runc gives it a loopback device only
+    caps = sorted(set(spec.caps))
+    mounts: list[dict[str, Any]] = [
+        {"destination": "/proc", "type": "proc", "source": "proc"},
+        {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
+        {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
+         "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
+         "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
+        {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
+        {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
+        {"destination": agent.SOCKET_DIR, "type": "tmpfs", "source": "tmpfs",
+         "options": ["nosuid", "nodev", "mode=700", "size=268435456"]},
+        {"destination": AGENT_DEST, "type": "bind", "source": agent.__file__, "options": ["rbind", "ro"]},
+    ]
+    if spec.network:
+        mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
+                       "options": ["rbind", "ro"]})
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": ["python3", "-I", "-S", AGENT_DEST],
+            "env": spec.env + ["AGENTENV_AGENT=1"],
+            "cwd": spec.workdir or "/",
+            "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
+            "noNewPrivileges": True,
+        },
+        "root": {"path": "rootfs", "readonly": False},
+        "hostname": hostname,
+        "mounts": mounts,
+        "linux": {
+            "namespaces": namespaces,
+            "cgroupsPath": cgroup,
+            "resources": {
+                "devices": [{"allow": False, "access": "rwm"}],
+                "memory": {"limit": spec.limits.memory},
+                "cpu": {"quota": int(spec.limits.cpus * CPU_PERIOD), "period": CPU_PERIOD},
+                "pids": {"limit": spec.limits.pids},
+            },
+            "maskedPaths": _MASKED,
+            "readonlyPaths": _READONLY,
+        },
+    }
+
+
+class Container:
+    """One runc container in a bundle folder: ``upper/`` and ``work/`` (overlay), ``rootfs/``, ``config.json``."""
+
+    def __init__(self, cid: str, bundle: Path, runc_root: Path) -> None:
+        self.cid, self.bundle, self.runc_root = cid, bundle, runc_root
+
+    @property
+    def upper(self) -> Path:
+        return self.bundle / "upper"
+
+    @property
+    def rootfs(self) -> Path:
+        return self.bundle / "rootfs"
+
+    @property
+    def cgroup(self) -> str:
+        return f"/agentenv/{self.cid}"
+
+    def _runc(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run runc; its errors come back in ``stderr``. The container's own stdio is /dev/null."""
+        log = self.bundle / "runc.log"
+        log.unlink(missing_ok=True)
+        r = subprocess.run(["runc", "--root", str(self.runc_root), "--log", str(log), "--log-format", "json", *args],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if args[0] == "state" else subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, text=True, timeout=timeout, check=False)
+        if r.returncode != 0 and log.exists():
+            msgs = [json.loads(line).get("msg", "") for line in log.read_text().splitlines() if line.startswith("{")]
+            r.stderr = "\n".join(m for m in msgs if m)
+        return r
+
+    # --- filesystem ------------------------------------------------------------------------
+
+    def prepare(self, spec: ContainerSpec, fs_from: Path | None = None) -> None:
+        """Create the bundle: an empty (or copied) upper dir, the overlay mount and config.json."""
+        for d in ("upper", "work", "rootfs"):
+            (self.bundle / d).mkdir(parents=True, exist_ok=True)
+        if fs_from is not None:
+            copy_tree(fs_from, self.upper)
+        self.mount(spec)
+        config = oci_config(spec, hostname=self.cid[-12:], cgroup=self.cgroup)
+        (self.bundle / "config.json").write_text(json.dumps(config))
+
+    def mount(self, spec: ContainerSpec) -> None:
+        if os.path.ismount(self.rootfs):
+            return
+        opts = f"lowerdir={':'.join(spec.layers)},upperdir={self.upper},workdir={self.bundle / 'work'}"
+        r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(self.rootfs)],
+                           capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise SandboxError(f"overlay mount failed: {r.stderr.strip()}",
+                               fix="check that the image's layers still exist (docker image inspect)")
+
+    def unmount(self) -> None:
+        if os.path.ismount(self.rootfs):
+            r = subprocess.run(["umount", str(self.rootfs)], capture_output=True, text=True, check=False)
+            if r.returncode != 0:
+                subprocess.run(["umount", "-l", str(self.rootfs)], capture_output=True, check=False)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> int:
+        """Run the container detached; returns the host pid of its init (the agent)."""
+        pidfile = self.bundle / "init.pid"
+        r = self._runc("run", "--detach", "--bundle", str(self.bundle), "--pid-file", str(pidfile), self.cid)
+        if r.returncode != 0:
+            raise SandboxError(f"runc run failed: {r.stderr.strip()}")
+        return int(pidfile.read_text())
+
+    def state(self) -> dict[str, Any] | None:
+        """runc's view of the container (status, pid), or None if runc does not know it."""
+        r = self._runc("state", self.cid)
+        return json.loads(r.stdout) if r.returncode == 0 else None
+
+    def destroy(self) -> None:
+        """Kill every process, delete the runc container and unmount; tolerant of half-made state."""
+        self._runc("delete", "--force", self.cid)
+        self.unmount()
+
+    def freezer(self) -> Path | None:
+        """The freezer control file of the container's cgroup (v1 freezer.state or v2 cgroup.freeze)."""
+        v1 = Path("/sys/fs/cgroup/freezer") / self.cgroup.lstrip("/") / "freezer.state"
+        if v1.exists():
+            return v1
+        v2 = Path("/sys/fs/cgroup") / self.cgroup.lstrip("/") / "cgroup.freeze"
+        return v2 if v2.exists() else None
+
+    def freeze(self, frozen: bool) -> None:
+        """Stop or resume every process of the sandbox at once, for a consistent filesystem copy."""
+        f = self.freezer()
+        if f is None:
+            raise SandboxError("no freezer cgroup for the sandbox")
+        if f.name == "freezer.state":
+            f.write_text("FROZEN" if frozen else "THAWED")
+            want = "FROZEN" if frozen else "THAWED"
+            for _ in range(2000):
+                if f.read_text().strip() == want:
+                    return
+                time.sleep(0.0005)
+            raise SandboxError(f"cgroup freezer did not reach {want}")
+        f.write_text("1" if frozen else "0")
+
+    # --- CRIU --------------------------------------------------------------------------------
+
+    def checkpoint(self, images: Path, work: Path, leave_running: bool, criu: str | None = None) -> None:
+        """Dump every process of the container with CRIU (through runc) into ``images``."""
+        args = ["checkpoint", "--image-path", str(images), "--work-path", str(work), "--tcp-established",
+                "--file-locks"]
+        if leave_running:
+            args.append("--leave-running")
+        r = self._runc(*(["--criu", criu] if criu else []), *args, self.cid, timeout=300)
+        if r.returncode != 0:
+            raise CheckpointError(f"CRIU dump failed: {_criu_reason(r.stderr, work / 'dump.log')}",
+                                  fix=criu_fix(criu))
+
+    def restore(self, images: Path, work: Path, criu: str | None = None) -> int:
+        """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init."""
+        pidfile = self.bundle / "init.pid"
+        work.mkdir(parents=True, exist_ok=True)
+        r = self._runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),
+                       "--work-path", str(work), "--bundle", str(self.bundle), "--pid-file", str(pidfile),
+                       "--tcp-established", "--file-locks", self.cid, timeout=300)
+        if r.returncode != 0:
+            raise CheckpointError(f"CRIU restore failed: {_criu_reason(r.stderr, work / 'restore.log')}",
+                                  fix=criu_fix(criu))
+        return int(pidfile.read_text())
+
+
+def criu_fix(criu: str | None) -> str:
+    """What to do when CRIU fails: where it is missing, install it; otherwise read its log."""
+    binary = criu or "criu"
+    if shutil.which(binary) is None:
+        return f"CRIU ({binary}) is not installed: run scripts/bootstrap.sh, which installs CRIU >= 4"
+    return "run 'criu check' and read the CRIU log named above; filesystem snapshots (memory=False) still work"
+
+
+def _criu_reason(stderr: str, log: Path) -> str:
+    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
+    reason = lines[-1] if lines else "unknown error"
+    if log.exists():
+        errors = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln]
+        if errors:
+            reason += f"; CRIU says: {errors[-1].strip()}"
+        reason += f" (log: {log})"
+    return reason
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """Copy a folder's content with owners, modes, xattrs and overlay whiteouts (``cp -a``)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["cp", "-a", "--reflink=auto", f"{src}/.", str(dst)], capture_output=True, text=True,
+                       check=False)
+    if r.returncode != 0:
+        msg = r.stderr.strip()
+        if "No space left" in msg:
+            raise OSError(28, f"no space left copying to {dst}: {msg}")
+        raise SandboxError(f"copying {src} failed: {msg}")

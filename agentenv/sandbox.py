@@ -1,0 +1,462 @@
+"""Sandboxes: containers you exec in, snapshot, fork, pause and restore (DESIGN.md §3).
+
+A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 is the agent
+(see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
+list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
+or close the same sandbox at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import posixpath
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from agentenv import agent, images, store
+from agentenv.channel import Channel, Gate, OutputCallback
+from agentenv.config import parse_size, paths
+from agentenv.errors import CheckpointError, SandboxNotFound, SandboxStateError
+from agentenv.runtime import Container, ContainerSpec, Limits, copy_tree
+from agentenv.store import Snapshot
+
+DEFAULT_IMAGE = "agentenv/base"
+DEFAULT_EXEC_TIMEOUT = 600.0
+MAX_FORK = 64
+_gates: dict[str, Gate] = {}
+_gates_lock = threading.Lock()
+
+
+def _gate(sandbox_id: str) -> Gate:
+    """One gate per sandbox per process, shared by every Sandbox object of that id."""
+    with _gates_lock:
+        return _gates.setdefault(sandbox_id, Gate())
+
+
+@dataclass(frozen=True)
+class ExecResult:
+    """The outcome of one command."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration: float
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+class Process:
+    """A background process started with ``Sandbox.spawn``; it survives snapshots and forks."""
+
+    def __init__(self, sandbox: Sandbox, pid: int, log: str, command: str) -> None:
+        self.sandbox, self.pid, self.log, self.command = sandbox, pid, log, command
+
+    def __repr__(self) -> str:
+        return f"Process(pid={self.pid}, command={self.command!r})"
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs, else its exit code (128 + signal when killed)."""
+        reply, _ = self.sandbox._channel.call({"op": "procs"})
+        entry = reply["procs"].get(str(self.pid))
+        return None if entry is None else entry["exit_code"]
+
+    def output(self) -> str:
+        """Everything it wrote so far (stdout and stderr interleaved)."""
+        return self.sandbox.read_file(self.log).decode(errors="replace")
+
+    def kill(self, signal: int = 9) -> None:
+        self.sandbox._channel.call({"op": "kill", "pid": self.pid, "signal": signal})
+
+    def wait(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.exit_code) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self!r} still running after {timeout} s")
+            time.sleep(0.02)
+        return code
+
+
+class Sandbox:
+    """An isolated Linux environment with fast snapshot, fork, pause and restore."""
+
+    def __init__(self, record: dict[str, Any]) -> None:
+        self._rec = record
+        self.id: str = record["id"]
+        self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root)
+        self._channel = Channel(self._socket_path, _gate(self.id))
+
+    # --- creation ------------------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
+               network: bool = False, env: dict[str, str] | None = None, workdir: str | None = None,
+               ttl: float | None = None, labels: dict[str, str] | None = None) -> Sandbox:
+        """Start a sandbox from a Docker image: no network, CPU/memory/pids limits, few capabilities."""
+        if not isinstance(cpus, int | float) or cpus <= 0:
+            raise ValueError(f"cpus must be a positive number, got {cpus!r}")
+        if not isinstance(pids, int) or pids < 8:
+            raise ValueError(f"pids must be an integer >= 8, got {pids!r}")
+        if ttl is not None and ttl <= 0:
+            raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
+        limits = Limits(cpus=float(cpus), memory=parse_size(memory), pids=pids)
+        info = images.resolve(image)
+        merged = dict(e.split("=", 1) for e in info.env if "=" in e)
+        merged.update(env or {})
+        spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
+                             workdir=workdir or info.workdir, limits=limits, network=network)
+        sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
+        sb._boot(None)
+        return sb
+
+    @classmethod
+    def _new(cls, spec: ContainerSpec, image: str, ttl: float | None, labels: dict[str, str] | None,
+             parent: str | None) -> Sandbox:
+        now = time.time()
+        rec = {"id": store.new_id("sb"), "image": image, "spec": spec.to_json(), "state": "creating",
+               "created_at": now, "expires_at": now + ttl if ttl else None, "labels": dict(labels or {}),
+               "init_pid": None, "paused_snapshot": None, "parent_snapshot": parent}
+        sb = cls(rec)
+        sb._container.bundle.mkdir(parents=True)
+        sb._save()
+        return sb
+
+    def _boot(self, snap: Snapshot | None) -> None:
+        """Prepare the bundle and start the agent, fresh or from a snapshot; undo everything on failure."""
+        try:
+            spec = self._spec()
+            spec.layers = images.resolve(spec.image_id).layers  # the layer dirs, as the engine has them now
+            self._rec["spec"] = spec.to_json()
+            self._container.prepare(spec, fs_from=snap.fs_dir if snap else None)
+            if snap is not None and snap.has_memory:
+                pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
+            else:
+                pid = self._container.start()
+            self._rec.update(init_pid=pid, state="running")
+            with self._channel.connect(wait=30.0) as s:
+                agent.send_frame(s, {"op": "ping"})
+                agent.recv_frame(s)
+            self._save()
+        except BaseException:
+            self._destroy()
+            raise
+
+    @classmethod
+    def restore(cls, snapshot: Snapshot | str, *, labels: dict[str, str] | None = None) -> Sandbox:
+        """A new sandbox from a snapshot, in any process, after dockerd restarts or the source is gone."""
+        snap = Snapshot.get(snapshot) if isinstance(snapshot, str) else snapshot
+        spec = ContainerSpec.from_json(snap.spec)
+        sb = cls._new(spec, image=snap.labels.get("image", spec.image_id), ttl=None, labels=labels, parent=snap.id)
+        sb._boot(snap)
+        return sb
+
+    # --- lookup -------------------------------------------------------------------------------
+
+    @classmethod
+    def get(cls, sandbox_id: str) -> Sandbox:
+        try:
+            rec = json.loads((paths().sandboxes / os.path.basename(sandbox_id) / "sandbox.json").read_text())
+        except FileNotFoundError:
+            raise SandboxNotFound(f"no sandbox {sandbox_id!r}") from None
+        return cls(rec)
+
+    @classmethod
+    def list(cls) -> list[Sandbox]:
+        """Every sandbox on this host, running or paused, oldest first."""
+        found = []
+        for d in paths().sandboxes.iterdir():
+            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
+                found.append(cls(json.loads((d / "sandbox.json").read_text())))
+        return sorted(found, key=lambda s: s.created_at)
+
+    # --- properties ---------------------------------------------------------------------------
+
+    def __repr__(self) -> str:
+        return f"Sandbox(id={self.id!r}, state={self.state!r}, image={self.image!r})"
+
+    @property
+    def state(self) -> str:
+        """'running', 'paused', 'closed', or 'lost' when its processes died behind our back."""
+        self._reload()
+        st = self._rec["state"]
+        if st == "running":
+            runc = self._container.state()
+            if runc is None or runc.get("status") not in ("running", "paused", "created"):
+                return "lost"
+        return str(st)
+
+    @property
+    def image(self) -> str:
+        return str(self._rec["image"])
+
+    @property
+    def created_at(self) -> float:
+        return float(self._rec["created_at"])
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self._rec["labels"])
+
+    @property
+    def expires_at(self) -> float | None:
+        return self._rec.get("expires_at")
+
+    @property
+    def limits(self) -> Limits:
+        return self._spec().limits
+
+    def set_ttl(self, ttl: float) -> None:
+        """Extend (or shorten) the time to live, counted from now."""
+        with self._locked():
+            self._rec["expires_at"] = time.time() + ttl
+            self._save()
+
+    # --- commands and files -------------------------------------------------------------------
+
+    def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
+             env: dict[str, str] | None = None, on_output: OutputCallback | None = None) -> ExecResult:
+        """Run ``command`` with /bin/sh; past ``timeout`` its whole process group is killed.
+
+        ``on_output(stream, data)`` receives output as it comes ('stdout' or 'stderr').
+        """
+        self._require_running()
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {}}, on_output)
+        return ExecResult(exit_code=h["exit_code"], stdout=h["stdout"].decode(errors="replace"),
+                          stderr=h["stderr"].decode(errors="replace"), duration=h["duration"],
+                          timed_out=h["timed_out"])
+
+    def spawn(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Process:
+        """Start a background process; its output goes to a log file inside the sandbox."""
+        self._require_running()
+        reply, _ = self._channel.call({"op": "spawn", "cmd": command, "cwd": cwd, "env": env or {}})
+        return Process(self, reply["pid"], reply["log"], command)
+
+    def processes(self) -> list[Process]:
+        """Every process started with ``spawn`` (running or finished)."""
+        reply, _ = self._channel.call({"op": "procs"})
+        return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
+
+    def read_file(self, path: str) -> bytes:
+        self._require_running()
+        return self._channel.call({"op": "read", "path": _abs(path, self._spec().workdir)})[1]
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write a whole file atomically, creating parent folders."""
+        self._require_running()
+        payload = data.encode() if isinstance(data, str) else bytes(data)
+        self._channel.call({"op": "write", "path": _abs(path, self._spec().workdir), "mode": mode}, payload)
+
+    # --- snapshots ----------------------------------------------------------------------------
+
+    def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> Snapshot:
+        """Save the filesystem (and with ``memory=True`` every process) into the snapshot store."""
+        with self._locked():
+            self._require_running()
+            return self._snapshot(memory, leave_running=True, labels=labels)
+
+    def _snapshot(self, memory: bool, leave_running: bool, labels: dict[str, str] | None) -> Snapshot:
+        snap_id = store.new_id("snap")
+        with store.writing(snap_id) as folder:
+            with self._frozen(quiesce=memory):
+                store_fs = folder / "fs"
+                copy_tree(self._container.upper, store_fs)
+                if memory:
+                    self._container.checkpoint(folder / "criu", folder / "criu", leave_running=leave_running,
+                                               criu=os.environ.get("AGENTENV_CRIU"))
+            snap = Snapshot(id=snap_id, parent_id=self._rec.get("parent_snapshot"), created_at=time.time(),
+                            size_bytes=store.disk_usage(folder), has_memory=memory, sandbox_id=self.id,
+                            spec=self._rec["spec"], labels={"image": self.image, **(labels or {})})
+            store.write_meta(folder, snap)
+        return snap
+
+    @contextlib.contextmanager
+    def _frozen(self, quiesce: bool) -> Iterator[None]:
+        """Hold every process still (cgroup freezer); with ``quiesce``, first close the host's connections."""
+        gate = self._channel.gate
+        if quiesce:
+            gate.shut()
+        try:
+            if quiesce:
+                self._quiesce()
+            self._container.freeze(True)
+            try:
+                yield
+            finally:
+                if self._container.freezer() is not None:
+                    self._container.freeze(False)
+        finally:
+            if quiesce:
+                gate.open()
+
+    def _quiesce(self) -> None:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(self._socket_path())
+            agent.send_frame(s, {"op": "quiesce"})
+            agent.recv_frame(s)
+            with contextlib.suppress(ConnectionError):
+                agent.recv_frame(s)  # returns only when the agent closed its end
+        finally:
+            s.close()
+
+    def fork(self, n: int = 1) -> list[Sandbox]:
+        """``n`` independent sandboxes that continue from this instant; this one keeps running."""
+        if not isinstance(n, int) or not 1 <= n <= MAX_FORK:
+            raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
+        with self._locked():
+            self._require_running()
+            snap = self._snapshot(True, leave_running=True, labels={"agentenv.kind": "fork"})
+        try:
+            with ThreadPoolExecutor(max_workers=n) as pool:
+                futures = [pool.submit(Sandbox.restore, snap, labels=self.labels) for _ in range(n)]
+            kids, errors = [], []
+            for f in futures:
+                try:
+                    kids.append(f.result())
+                except Exception as e:  # noqa: BLE001 - collected, re-raised below
+                    errors.append(e)
+            if errors:
+                for k in kids:
+                    k.close()
+                raise errors[0]
+            return kids
+        finally:
+            snap.delete()
+
+    def pause(self) -> Snapshot:
+        """Free the sandbox's CPU and memory; its whole state goes to the snapshot store."""
+        with self._locked():
+            self._require_running()
+            snap = self._snapshot(True, leave_running=False, labels={"agentenv.kind": "pause"})
+            self._container.destroy()
+            shutil.rmtree(self._container.upper, ignore_errors=True)
+            self._rec.update(state="paused", paused_snapshot=snap.id, init_pid=None)
+            self._save()
+            return snap
+
+    def resume(self) -> None:
+        """Bring a paused sandbox back where it was."""
+        with self._locked():
+            if self._rec["state"] != "paused":
+                raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}, not paused")
+            snap = Snapshot.get(self._rec["paused_snapshot"])
+            for d in ("upper", "work"):
+                shutil.rmtree(self._container.bundle / d, ignore_errors=True)
+            try:
+                self._boot_in_place(snap)
+            except BaseException:
+                self._rec.update(state="paused")
+                self._save()
+                raise
+            self._rec["paused_snapshot"] = None
+            self._save()
+            snap.delete()
+
+    def _boot_in_place(self, snap: Snapshot) -> None:
+        spec = self._spec()
+        spec.layers = images.resolve(spec.image_id).layers
+        self._container.prepare(spec, fs_from=snap.fs_dir)
+        try:
+            pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
+        except CheckpointError:
+            self._container.destroy()
+            raise
+        self._rec.update(init_pid=pid, state="running")
+
+    # --- teardown -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every process and remove the sandbox (its snapshots stay in the store)."""
+        with self._locked():
+            paused = self._rec.get("paused_snapshot")
+            self._destroy()
+        if paused:
+            with contextlib.suppress(Exception):
+                Snapshot.get(paused).delete()
+
+    def _destroy(self) -> None:
+        self._container.destroy()
+        self._rec["state"] = "closed"
+        shutil.rmtree(self._container.bundle, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(SandboxNotFound):
+            self.close()
+
+    @classmethod
+    def reap_expired(cls) -> list[str]:
+        """Pause every running sandbox past its TTL (its state is kept, not destroyed); returns their ids."""
+        paused = []
+        for sb in cls.list():
+            exp = sb.expires_at
+            if exp is not None and exp < time.time() and sb.state == "running":
+                sb.pause()
+                paused.append(sb.id)
+        return paused
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _spec(self) -> ContainerSpec:
+        return ContainerSpec.from_json(self._rec["spec"])
+
+    def _socket_path(self) -> str:
+        return f"/proc/{self._rec['init_pid']}/root{agent.SOCKET_PATH}"
+
+    def _reload(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._rec = json.loads((self._container.bundle / "sandbox.json").read_text())
+            return
+        self._rec["state"] = "closed"
+
+    def _require_running(self) -> None:
+        if self._rec["state"] != "running":
+            self._reload()
+        if self._rec["state"] != "running":
+            raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}",
+                                    fix="resume() a paused sandbox; a closed one is gone")
+
+    def _save(self) -> None:
+        path = self._container.bundle / "sandbox.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._rec))
+        os.replace(tmp, path)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock across processes for state changes; raises if the sandbox is gone."""
+        try:
+            fd = os.open(self._container.bundle / "lock", os.O_CREAT | os.O_RDWR, 0o600)
+        except FileNotFoundError:
+            raise SandboxNotFound(f"no sandbox {self.id!r} (closed?)") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._reload()
+            if self._rec["state"] == "closed":
+                raise SandboxStateError(f"sandbox {self.id} is closed")
+            yield
+        finally:
+            os.close(fd)
+
+
+def _abs(path: str, workdir: str) -> str:
+    """Absolute path inside the sandbox; relative ones are taken from the working directory."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ValueError(f"path must be a non-empty string, got {path!r}")
+    return path if path.startswith("/") else posixpath.join(workdir, path)

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Host bootstrap for agentenv, idempotent: a second run finishes in seconds.
+#   Docker engine (Debian's docker.io, experimental on), CRIU >= 4 (built from Debian's
+#   source tarball where the packaged one fails `criu check`), the offline base image
+#   agentenv/base, and the project's virtual environment (.venv) with its test extras.
+# Usage: scripts/bootstrap.sh [--skip-venv]      (as root, on Debian 12 or 13)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CACHE="${AGENTENV_CACHE:-/var/cache/agentenv}"
+CRIU_VERSION="4.1.1"
+CRIU_SHA256="f80a66cb3726bb2116266d4759ce3bcbfab7abdb6b6d430bf20dd41911717afe"
+SKIP_VENV=0
+[ "${1:-}" = "--skip-venv" ] && SKIP_VENV=1
+
+log() { printf '\033[1m[bootstrap]\033[0m %s\n' "$*"; }
+die() { printf '[bootstrap] error: %s\n' "$*" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || die "run as root"
+export DEBIAN_FRONTEND=noninteractive
+mkdir -p "$CACHE"
+
+APT_UPDATED=0
+apt_install() {  # apt_install PKG... : installs only what is missing
+    local missing=()
+    for p in "$@"; do dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p"); done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$APT_UPDATED" = 0 ]; then log "apt-get update"; apt-get update -qq; APT_UPDATED=1; fi
+    log "installing ${missing[*]}"
+    apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+}
+
+version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
+
+# --- 1. Docker engine -------------------------------------------------------------------
+apt_install docker.io runc containerd iptables debootstrap tar xz-utils ca-certificates
+mkdir -p /etc/docker
+if ! grep -q '"experimental": *true' /etc/docker/daemon.json 2>/dev/null; then
+    echo '{"experimental": true, "storage-driver": "overlay2"}' >/etc/docker/daemon.json
+fi
+DOCKER=/usr/bin/docker
+if ! $DOCKER info >/dev/null 2>&1; then
+    log "starting dockerd"
+    if command -v systemctl >/dev/null && systemctl is-system-running >/dev/null 2>&1; then
+        systemctl restart docker
+    else
+        pgrep -x dockerd >/dev/null || nohup dockerd >/var/log/agentenv-dockerd.log 2>&1 &
+    fi
+    for _ in $(seq 120); do $DOCKER info >/dev/null 2>&1 && break; sleep 0.5; done
+    $DOCKER info >/dev/null 2>&1 || die "dockerd did not answer within 60 s; see /var/log/agentenv-dockerd.log"
+fi
+log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
+
+# --- 2. CRIU >= 4 -------------------------------------------------------------------------
+criu_ok() {
+    command -v criu >/dev/null 2>&1 || return 1
+    local v; v="$(criu --version 2>/dev/null | awk '/^Version/{print $2}')"
+    version_ge "${v:-0}" 4.0 && criu check >/dev/null 2>&1
+}
+build_criu() {
+    local src="$CACHE/criu-$CRIU_VERSION"
+    if [ ! -x "$src/criu/criu" ]; then
+        log "building CRIU $CRIU_VERSION from Debian's source tarball (about a minute)"
+        apt_install build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler \
+            protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev libbsd-dev \
+            libgnutls28-dev libnftables-dev uuid-dev libdrm-dev dpkg-dev
+        local tarball="$CACHE/criu_$CRIU_VERSION.orig.tar.xz"
+        if [ ! -f "$tarball" ] || ! echo "$CRIU_SHA256  $tarball" | sha256sum -c --status; then
+            # Only a deb-src line for trixie: a deb line would let later installs pull trixie's libc6.
+            cat >/etc/apt/sources.list.d/agentenv-trixie-src.sources <<'SRC'
+Types: deb-src
+URIs: http://deb.debian.org/debian
+Suites: trixie
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+            apt-get update -qq
+            # The .dsc and .debian.tar.xz may answer 404 while the upstream tarball arrives: check it, go on.
+            (cd "$CACHE" && apt-get source --download-only criu/trixie >/dev/null 2>&1) || true
+        fi
+        [ -f "$tarball" ] || die "could not fetch criu_$CRIU_VERSION.orig.tar.xz"
+        echo "$CRIU_SHA256  $tarball" | sha256sum -c --status || die "sha256 mismatch for $tarball"
+        rm -rf "$src" && tar -C "$CACHE" -xf "$tarball"
+        make -C "$src" -j"$(nproc)" criu >"$CACHE/criu-build.log" 2>&1 || die "CRIU build failed: $CACHE/criu-build.log"
+        make -C "$src" lib >>"$CACHE/criu-build.log" 2>&1 || die "pycriu build failed: $CACHE/criu-build.log"
+    fi
+    install -m 0755 "$src/criu/criu" /usr/local/sbin/criu
+    rm -rf "$CACHE/pycriu" && cp -r "$src/lib/pycriu" "$CACHE/pycriu"
+}
+if ! criu_ok; then
+    if ! command -v criu >/dev/null 2>&1 && apt-cache policy criu 2>/dev/null | awk '/Candidate/{print $2}' | grep -q '^4'; then
+        apt_install criu python3-pycriu   # Debian 13: the packaged 4.x works
+    fi
+    criu_ok || build_criu
+    criu_ok || die "criu check still fails: run 'criu check' to see why"
+fi
+log "criu $(criu --version | awk '/^Version/{print $2}') passes criu check"
+
+# --- 3. Base image ------------------------------------------------------------------------
+"$ROOT/scripts/build-base-image.sh"
+
+# --- 4. Python environment ----------------------------------------------------------------
+if [ "$SKIP_VENV" = 0 ]; then
+    VENV="$ROOT/.venv"
+    STAMP="$VENV/.agentenv-installed"
+    WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+    if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+        log "creating the virtual environment in .venv (torch, ray, ... a few minutes the first time)"
+        apt_install python3-venv
+        PY="$(command -v python3.11 || command -v python3)"
+        [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+        "$VENV/bin/pip" install -q --upgrade pip
+        # Pin the CPU build that the package registries here serve; a bare 'torch' pulls CUDA wheels.
+        "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "torch==2.13.0"
+        "$VENV/bin/pip" install -q -e "$ROOT[test]"
+        echo "$WANT" >"$STAMP"
+    fi
+    # CRIU's Python bindings: the packaged ones (Debian 13) or the ones built above.
+    SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+    if [ -d "$CACHE/pycriu" ]; then echo "$CACHE" >"$SITE/agentenv-pycriu.pth";
+    elif [ -d /usr/lib/python3/dist-packages/pycriu ]; then echo "/usr/lib/python3/dist-packages/pycriu/.." >"$SITE/agentenv-pycriu.pth"; fi
+    "$VENV/bin/python" -c "import pycriu" || die "pycriu does not import in .venv"
+    log "python environment ready: $VENV"
+fi
+log "bootstrap done"
