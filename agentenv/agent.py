@@ -91,6 +91,7 @@ class Agent:
         self.jobs: dict[int, Job] = {}
         self.spawned: dict[int, dict[str, Any]] = {}  # pid -> {"cmd", "exit_code", "log"}
         self.by_pid: dict[int, Job] = {}
+        self.children: dict[int, subprocess.Popen[bytes]] = {}  # every child we started, until reaped
         self.next_id = 1
         self.child_started = threading.Event()
         self.conns: set[socket.socket] = set()
@@ -108,6 +109,9 @@ class Agent:
             code = os.waitstatus_to_exitcode(status)
             code = 128 - code if code < 0 else code
             with self.lock:
+                popen = self.children.pop(pid, None)
+                if popen is not None:
+                    popen.returncode = code  # reaped here: Popen must never waitpid() a recycled pid
                 job = self.by_pid.pop(pid, None)
                 spawned = self.spawned.get(pid)
                 if spawned is not None:
@@ -126,6 +130,7 @@ class Agent:
             ["/bin/sh", "-c", header["cmd"]], cwd=header.get("cwd") or None, env=env,
             stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
             close_fds=True)
+        self.children[proc.pid] = proc  # callers hold self.lock
         self.child_started.set()
         return proc
 

@@ -9,10 +9,16 @@ capability set, no-new-privileges, masked /proc paths and cgroup limits.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import json
 import os
 import shutil
+import socket
+import struct
 import subprocess
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +34,8 @@ _MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/lat
            "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 CPU_PERIOD = 100_000
+CLONE_NEWNET = 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 
 @dataclass(frozen=True)
@@ -116,8 +124,8 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str) -> dict[str, Any
 class Container:
     """One runc container in a bundle folder: ``upper/`` and ``work/`` (overlay), ``rootfs/``, ``config.json``."""
 
-    def __init__(self, cid: str, bundle: Path, runc_root: Path) -> None:
-        self.cid, self.bundle, self.runc_root = cid, bundle, runc_root
+    def __init__(self, cid: str, bundle: Path, runc_root: Path, network: bool = False) -> None:
+        self.cid, self.bundle, self.runc_root, self.network = cid, bundle, runc_root, network
 
     @property
     def upper(self) -> Path:
@@ -224,8 +232,10 @@ class Container:
             args.append("--leave-running")
         r = self._runc(*(["--criu", criu] if criu else []), *args, self.cid, timeout=300)
         if r.returncode != 0:
-            raise CheckpointError(f"CRIU dump failed: {_criu_reason(r.stderr, work / 'dump.log')}",
-                                  fix=criu_fix(criu))
+            log = self.bundle / "last-dump.log"  # kept: the snapshot folder is removed on failure
+            with contextlib.suppress(OSError):
+                shutil.copyfile(work / "dump.log", log)
+            raise CheckpointError(f"CRIU dump failed: {_criu_reason(r.stderr, log)}", fix=criu_fix(criu))
 
     def restore(self, images: Path, work: Path, criu: str | None = None) -> int:
         """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init."""
@@ -237,7 +247,40 @@ class Container:
         if r.returncode != 0:
             raise CheckpointError(f"CRIU restore failed: {_criu_reason(r.stderr, work / 'restore.log')}",
                                   fix=criu_fix(criu))
-        return int(pidfile.read_text())
+        pid = int(pidfile.read_text())
+        if not self.network:
+            loopback_up(pid)
+        return pid
+
+
+def loopback_up(pid: int) -> None:
+    """Bring up ``lo`` in the network namespace of ``pid``.
+
+    runc re-creates a restored sandbox's private network namespace but leaves its loopback down
+    (CRIU is not asked to dump the namespace: it only ever holds ``lo``).
+    """
+    error: list[OSError] = []
+
+    def run() -> None:  # setns() changes only this thread, which then ends
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        try:
+            if libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns")
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                req = struct.pack("16sh", b"lo", 0)
+                flags = struct.unpack("16sh", fcntl.ioctl(s, SIOCGIFFLAGS, req))[1]
+                fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh", b"lo", flags | IFF_UP))
+        except OSError as e:
+            error.append(e)
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if error:
+        raise SandboxError(f"could not bring up the restored sandbox's loopback: {error[0]}")
 
 
 def criu_fix(criu: str | None) -> str:
@@ -252,9 +295,9 @@ def _criu_reason(stderr: str, log: Path) -> str:
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     reason = lines[-1] if lines else "unknown error"
     if log.exists():
-        errors = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln]
+        errors = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln or "rror" in ln]
         if errors:
-            reason += f"; CRIU says: {errors[-1].strip()}"
+            reason += "; CRIU says: " + " | ".join(e.strip() for e in errors[:3])
         reason += f" (log: {log})"
     return reason
 

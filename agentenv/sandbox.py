@@ -95,7 +95,8 @@ class Sandbox:
     def __init__(self, record: dict[str, Any]) -> None:
         self._rec = record
         self.id: str = record["id"]
-        self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root)
+        self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root,
+                                    network=bool(record["spec"]["network"]))
         self._channel = Channel(self._socket_path, _gate(self.id))
 
     # --- creation ------------------------------------------------------------------------------
@@ -380,8 +381,11 @@ class Sandbox:
     # --- teardown -----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop every process and remove the sandbox (its snapshots stay in the store)."""
-        with self._locked():
+        """Stop every process and remove the sandbox (its snapshots stay in the store); idempotent."""
+        if not self._container.bundle.exists():
+            self._rec["state"] = "closed"
+            return
+        with self._locked(allow_closed=True):
             paused = self._rec.get("paused_snapshot")
             self._destroy()
         if paused:
@@ -397,8 +401,7 @@ class Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(SandboxNotFound):
-            self.close()
+        self.close()
 
     @classmethod
     def reap_expired(cls) -> list[str]:
@@ -439,7 +442,7 @@ class Sandbox:
         os.replace(tmp, path)
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
+    def _locked(self, allow_closed: bool = False) -> Iterator[None]:
         """An exclusive lock across processes for state changes; raises if the sandbox is gone."""
         try:
             fd = os.open(self._container.bundle / "lock", os.O_CREAT | os.O_RDWR, 0o600)
@@ -448,7 +451,7 @@ class Sandbox:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             self._reload()
-            if self._rec["state"] == "closed":
+            if self._rec["state"] == "closed" and not allow_closed:
                 raise SandboxStateError(f"sandbox {self.id} is closed")
             yield
         finally:

@@ -51,16 +51,21 @@ fi
 log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
 
 # --- 2. CRIU >= 4 -------------------------------------------------------------------------
-criu_ok() {
+# Patches to 4.1.1 (scripts/criu-patches): kernels >= 6.16 answer EOPNOTSUPP for SO_PASSCRED on
+# TCP sockets, which makes CRIU 4.1.1 fail to dump any process holding one.
+PATCH_STAMP="$(cat "$ROOT"/scripts/criu-patches/*.patch | sha256sum | cut -c1-16)"
+criu_ok() {  # our patched build, or an upstream release that has the fix (>= 4.2)
     command -v criu >/dev/null 2>&1 || return 1
     local v; v="$(criu --version 2>/dev/null | awk '/^Version/{print $2}')"
-    version_ge "${v:-0}" 4.0 && criu check >/dev/null 2>&1
+    criu check >/dev/null 2>&1 || return 1
+    version_ge "${v:-0}" 4.2 && return 0
+    [ "$(command -v criu)" = /usr/local/sbin/criu ] && [ "$(cat "$CACHE/criu.patches" 2>/dev/null)" = "$PATCH_STAMP" ]
 }
 build_criu() {
     local src="$CACHE/criu-$CRIU_VERSION"
-    if [ ! -x "$src/criu/criu" ]; then
+    if [ ! -x "$src/criu/criu" ] || [ "$(cat "$src/.patches" 2>/dev/null)" != "$PATCH_STAMP" ]; then
         log "building CRIU $CRIU_VERSION from Debian's source tarball (about a minute)"
-        apt_install build-essential pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler \
+        apt_install build-essential patch pkg-config libprotobuf-dev libprotobuf-c-dev protobuf-c-compiler \
             protobuf-compiler python3-protobuf libnl-3-dev libnet1-dev libcap-dev libaio-dev libbsd-dev \
             libgnutls28-dev libnftables-dev uuid-dev libdrm-dev dpkg-dev
         local tarball="$CACHE/criu_$CRIU_VERSION.orig.tar.xz"
@@ -80,17 +85,17 @@ SRC
         [ -f "$tarball" ] || die "could not fetch criu_$CRIU_VERSION.orig.tar.xz"
         echo "$CRIU_SHA256  $tarball" | sha256sum -c --status || die "sha256 mismatch for $tarball"
         rm -rf "$src" && tar -C "$CACHE" -xf "$tarball"
+        for p in "$ROOT"/scripts/criu-patches/*.patch; do patch -d "$src" -p1 -s <"$p" || die "patch $p failed"; done
         make -C "$src" -j"$(nproc)" criu >"$CACHE/criu-build.log" 2>&1 || die "CRIU build failed: $CACHE/criu-build.log"
         make -C "$src" lib >>"$CACHE/criu-build.log" 2>&1 || die "pycriu build failed: $CACHE/criu-build.log"
+        echo "$PATCH_STAMP" >"$src/.patches"
     fi
     install -m 0755 "$src/criu/criu" /usr/local/sbin/criu
+    echo "$PATCH_STAMP" >"$CACHE/criu.patches"
     rm -rf "$CACHE/pycriu" && cp -r "$src/lib/pycriu" "$CACHE/pycriu"
 }
 if ! criu_ok; then
-    if ! command -v criu >/dev/null 2>&1 && apt-cache policy criu 2>/dev/null | awk '/Candidate/{print $2}' | grep -q '^4'; then
-        apt_install criu python3-pycriu   # Debian 13: the packaged 4.x works
-    fi
-    criu_ok || build_criu
+    build_criu   # Debian 12's 3.17 fails on this kernel; 13's 4.1.1 lacks the 6.16+ socket fix
     criu_ok || die "criu check still fails: run 'criu check' to see why"
 fi
 log "criu $(criu --version | awk '/^Version/{print $2}') passes criu check"
@@ -116,8 +121,7 @@ if [ "$SKIP_VENV" = 0 ]; then
     fi
     # CRIU's Python bindings: the packaged ones (Debian 13) or the ones built above.
     SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-    if [ -d "$CACHE/pycriu" ]; then echo "$CACHE" >"$SITE/agentenv-pycriu.pth";
-    elif [ -d /usr/lib/python3/dist-packages/pycriu ]; then echo "/usr/lib/python3/dist-packages/pycriu/.." >"$SITE/agentenv-pycriu.pth"; fi
+    [ -d "$CACHE/pycriu" ] && echo "$CACHE" >"$SITE/agentenv-pycriu.pth"
     "$VENV/bin/python" -c "import pycriu" || die "pycriu does not import in .venv"
     log "python environment ready: $VENV"
 fi

@@ -1,0 +1,90 @@
+"""Integration fixtures: a private agentenv home per test session, real Docker and CRIU, a leak check at the end."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+DOCKERD_LOG = "/var/log/agentenv-dockerd.log"
+
+
+def _require(cmd: list[str], what: str) -> None:
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        pytest.fail(f"{what} is not usable ({' '.join(cmd)}: {r.stderr.strip()[:200]}); run scripts/bootstrap.sh")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def agentenv_home() -> Iterator[Path]:
+    """Run every integration test against a fresh store and runc root, then check nothing leaked."""
+    _require(["docker", "info"], "the Docker engine")
+    _require(["criu", "check"], "CRIU")
+    home = Path(tempfile.mkdtemp(prefix="agentenv-test-", dir="/var/tmp"))
+    old = os.environ.get("AGENTENV_HOME")
+    os.environ["AGENTENV_HOME"] = str(home)
+    yield home
+    try:
+        leaks = leaked(home)
+        assert not leaks, f"the test session leaked: {leaks}"
+    finally:
+        if old is None:
+            os.environ.pop("AGENTENV_HOME", None)
+        else:
+            os.environ["AGENTENV_HOME"] = old
+        cleanup(home)
+
+
+def leaked(home: Path) -> dict[str, list[str]]:
+    """Containers, mounts, sandbox records and snapshot files left under ``home``."""
+    runc = subprocess.run(["runc", "--root", str(home / "runc"), "list", "-q"], capture_output=True, text=True,
+                          check=False).stdout.split()
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
+              if line.split()[1].startswith(str(home))]
+    out = {
+        "containers": runc,
+        "mounts": mounts,
+        "sandboxes": sorted(p.name for p in (home / "sandboxes").iterdir()) if (home / "sandboxes").exists() else [],
+        "snapshots": sorted(p.name for p in (home / "snapshots").iterdir()) if (home / "snapshots").exists() else [],
+    }
+    return {k: v for k, v in out.items() if v}
+
+
+def cleanup(home: Path) -> None:
+    """Best-effort removal of everything under a test home (after the leak check has looked)."""
+    for cid in subprocess.run(["runc", "--root", str(home / "runc"), "list", "-q"], capture_output=True,
+                              text=True, check=False).stdout.split():
+        subprocess.run(["runc", "--root", str(home / "runc"), "delete", "--force", cid], capture_output=True,
+                       check=False)
+    for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+        target = line.split()[1]
+        if target.startswith(str(home)):
+            subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def restart_dockerd() -> None:
+    """Stop the Docker engine and start it again the way scripts/bootstrap.sh does."""
+    managed = subprocess.run(["systemctl", "is-active", "docker"], capture_output=True, text=True,
+                             check=False).stdout.strip() == "active" if shutil.which("systemctl") else False
+    if managed:
+        subprocess.run(["systemctl", "restart", "docker"], check=True)
+    else:
+        subprocess.run(["pkill", "-x", "dockerd"], check=False)
+        for _ in range(200):
+            if subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, check=False).returncode != 0:
+                break
+            time.sleep(0.1)
+        with open(DOCKERD_LOG, "ab") as log:
+            subprocess.Popen(["dockerd"], stdout=log, stderr=log, start_new_session=True)
+    for _ in range(300):
+        if subprocess.run(["docker", "info"], capture_output=True, check=False).returncode == 0:
+            return
+        time.sleep(0.2)
+    raise RuntimeError("dockerd did not come back within 60 s")
