@@ -12,6 +12,7 @@ before a memory snapshot) reconnects and resumes from the byte offsets it alread
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -86,7 +87,8 @@ class Job:
 class Agent:
     """Process table, reaper and request handlers of the sandbox's init."""
 
-    def __init__(self) -> None:
+    def __init__(self, log_dir: str = LOG_DIR) -> None:
+        self.log_dir = log_dir
         self.lock = threading.Lock()
         self.jobs: dict[int, Job] = {}
         self.spawned: dict[int, dict[str, Any]] = {}  # pid -> {"cmd", "exit_code", "log"}
@@ -192,11 +194,11 @@ class Agent:
             job.cond.notify_all()
 
     def spawn(self, header: dict[str, Any]) -> dict[str, Any]:
-        os.makedirs(LOG_DIR, exist_ok=True)
+        os.makedirs(self.log_dir, exist_ok=True)
         with self.lock:
             job_id = self.next_id
             self.next_id += 1
-            log = f"{LOG_DIR}/{job_id}.log"
+            log = f"{self.log_dir}/{job_id}.log"
             with open(log, "wb") as f:
                 proc = self._popen(header, f, subprocess.STDOUT, job_id)
             self.spawned[proc.pid] = {"cmd": header["cmd"], "exit_code": None, "log": log, "job": job_id}
@@ -237,7 +239,11 @@ class Agent:
                     table = {str(pid): dict(v) for pid, v in self.spawned.items()}
                 send_frame(conn, {"procs": table})
             elif op == "kill":
-                os.kill(int(h["pid"]), int(h.get("signal", signal.SIGTERM)))
+                pid, sig = int(h["pid"]), int(h.get("signal", signal.SIGTERM))
+                if pid in self.spawned:
+                    os.killpg(pid, sig)  # spawn made it a group leader: the shell and what it started
+                else:
+                    os.kill(pid, sig)
                 send_frame(conn, {"ok": True})
             elif op == "read":
                 with open(h["path"], "rb") as f:
@@ -293,10 +299,8 @@ class Agent:
             self.closing.update(others)
             jobs = list(self.jobs.values())
         for c in others:
-            try:
+            with contextlib.suppress(OSError):
                 c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         for job in jobs:
             with job.cond:
                 job.cond.notify_all()
@@ -310,10 +314,8 @@ class Agent:
 
 def kill_job(job_id: int, pgid: int) -> None:
     """SIGKILL a job's process group and every process that carries its marker in the environment."""
-    try:
+    with contextlib.suppress(OSError):
         os.killpg(pgid, signal.SIGKILL)
-    except OSError:
-        pass
     marker = f"{JOB_ENV}={job_id}".encode()
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == 1:
@@ -342,15 +344,16 @@ def write_file(path: str, data: bytes, mode: int) -> None:
         raise
 
 
-def main() -> None:
-    os.makedirs(SOCKET_DIR, exist_ok=True)
-    if os.path.exists(SOCKET_PATH):
-        os.unlink(SOCKET_PATH)
-    agent = Agent()
+def main(path: str = SOCKET_PATH) -> None:
+    """Serve forever on ``path`` (another path is for running the agent outside a sandbox, in tests)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)
+    agent = Agent(log_dir=os.path.join(os.path.dirname(path), "proc"))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: sys.exit(0))
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(SOCKET_PATH)
+    server.bind(path)
     server.listen(128)
     threading.Thread(target=agent.reap_forever, daemon=True).start()
     while True:
@@ -359,4 +362,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:2])

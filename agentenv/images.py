@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
-
-import docker
-import docker.errors
+from typing import TYPE_CHECKING
 
 from agentenv.errors import AgentEnvError, ImageNotFound
+
+if TYPE_CHECKING:
+    import docker
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,8 @@ class ImageInfo:
 @functools.cache
 def docker_client() -> docker.DockerClient:
     """One Docker SDK client per process; a clear error when the engine is down."""
+    import docker  # imported on first use: it costs a fifth of a second, and restores do not need it
+
     try:
         client = docker.from_env(timeout=60)
         client.ping()
@@ -35,6 +39,8 @@ def docker_client() -> docker.DockerClient:
 
 def resolve(name: str) -> ImageInfo:
     """Look an image up by name or id; ImageNotFound lists the images that exist."""
+    import docker.errors
+
     client = docker_client()
     try:
         attrs = client.api.inspect_image(name)
@@ -53,6 +59,11 @@ def resolve(name: str) -> ImageInfo:
     config = attrs.get("Config") or {}
     return ImageInfo(id=attrs["Id"], layers=layers, env=list(config.get("Env") or []),
                      workdir=config.get("WorkingDir") or "/")
+
+
+def layers_present(layers: list[str]) -> bool:
+    """True when every overlay layer folder still exists (then Docker need not be asked again)."""
+    return bool(layers) and all(os.path.isdir(d) for d in layers)
 
 
 def available() -> list[str]:

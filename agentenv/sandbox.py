@@ -8,6 +8,7 @@ or close the same sandbox at once.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import fcntl
 import json
@@ -138,8 +139,9 @@ class Sandbox:
         """Prepare the bundle and start the agent, fresh or from a snapshot; undo everything on failure."""
         try:
             spec = self._spec()
-            spec.layers = images.resolve(spec.image_id).layers  # the layer dirs, as the engine has them now
-            self._rec["spec"] = spec.to_json()
+            if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
+                spec.layers = images.resolve(spec.image_id).layers
+                self._rec["spec"] = spec.to_json()
             self._container.prepare(spec, fs_from=snap.fs_dir if snap else None)
             if snap is not None and snap.has_memory:
                 pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
@@ -246,7 +248,7 @@ class Sandbox:
         reply, _ = self._channel.call({"op": "spawn", "cmd": command, "cwd": cwd, "env": env or {}})
         return Process(self, reply["pid"], reply["log"], command)
 
-    def processes(self) -> list[Process]:
+    def processes(self) -> builtins.list[Process]:
         """Every process started with ``spawn`` (running or finished)."""
         reply, _ = self._channel.call({"op": "procs"})
         return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
@@ -314,7 +316,7 @@ class Sandbox:
         finally:
             s.close()
 
-    def fork(self, n: int = 1) -> list[Sandbox]:
+    def fork(self, n: int = 1) -> builtins.list[Sandbox]:
         """``n`` independent sandboxes that continue from this instant; this one keeps running."""
         if not isinstance(n, int) or not 1 <= n <= MAX_FORK:
             raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
@@ -336,7 +338,7 @@ class Sandbox:
                 raise errors[0]
             return kids
         finally:
-            snap.delete()
+            snap.delete(background=True)
 
     def pause(self) -> Snapshot:
         """Free the sandbox's CPU and memory; its whole state goes to the snapshot store."""
@@ -365,11 +367,12 @@ class Sandbox:
                 raise
             self._rec["paused_snapshot"] = None
             self._save()
-            snap.delete()
+        snap.delete(background=True)
 
     def _boot_in_place(self, snap: Snapshot) -> None:
         spec = self._spec()
-        spec.layers = images.resolve(spec.image_id).layers
+        if not images.layers_present(spec.layers):
+            spec.layers = images.resolve(spec.image_id).layers
         self._container.prepare(spec, fs_from=snap.fs_dir)
         try:
             pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
@@ -404,7 +407,7 @@ class Sandbox:
         self.close()
 
     @classmethod
-    def reap_expired(cls) -> list[str]:
+    def reap_expired(cls) -> builtins.list[str]:
         """Pause every running sandbox past its TTL (its state is kept, not destroyed); returns their ids."""
         paused = []
         for sb in cls.list():

@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -68,15 +69,22 @@ class Snapshot:
                 found.append(cls(**json.loads((d / "meta.json").read_text())))
         return sorted(found, key=lambda s: s.created_at)
 
-    def delete(self) -> None:
-        """Remove the snapshot (children made from it are independent and stay)."""
+    def delete(self, background: bool = False) -> None:
+        """Remove the snapshot (sandboxes made from it are independent and stay).
+
+        It leaves the list at once (an atomic rename); with ``background`` the files are removed by a
+        thread, off the caller's critical path (``gc`` finishes the job if the process dies first).
+        """
         root = paths().snapshots
         trash = root / f".del-{self.id}-{os.getpid()}"
         try:
-            os.rename(self.path, trash)  # atomic: it is gone from the list at once
+            os.rename(self.path, trash)
         except FileNotFoundError:
             raise SnapshotNotFound(f"no snapshot {self.id!r} in the store") from None
-        shutil.rmtree(trash, ignore_errors=True)
+        if background:
+            threading.Thread(target=shutil.rmtree, args=(trash, True), name="agentenv-discard").start()
+        else:
+            shutil.rmtree(trash, ignore_errors=True)
 
 
 def new_id(prefix: str) -> str:

@@ -8,9 +8,9 @@ import torch
 from policy.config import K3Config, from_k3_json, k3_mini, preset
 from policy.model import Cache, K3Model, param_counts
 
-K3_JSON = Path(__file__).resolve().parents[3] / "shared" / "k3" / "config.json"
-if not K3_JSON.exists():
-    K3_JSON = Path("/work/shared/k3/config.json")
+# the reference config sits in shared/ inside the checkout or next to it
+K3_JSON = next((p / "shared" / "k3" / "config.json" for p in Path(__file__).resolve().parents[3:5]
+                if (p / "shared" / "k3" / "config.json").exists()), Path("shared/k3/config.json"))
 
 
 @pytest.mark.skipif(not K3_JSON.exists(), reason="K3 reference config.json not present")

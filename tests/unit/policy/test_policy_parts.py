@@ -6,7 +6,7 @@ import torch
 
 from policy.attnres import BlockAttnRes, DepthStream
 from policy.config import k3_mini
-from policy.layers import situ
+from policy.layers import SiTUMLP, situ
 from policy.mla import GatedMLA
 from policy.moe import LatentMoE
 
@@ -104,3 +104,11 @@ def test_router_bias_selects_but_does_not_weigh():
     scores = torch.sigmoid(x @ moe.router.weight.T)
     torch.testing.assert_close(w, scores.gather(-1, idx) / scores.gather(-1, idx).sum(-1, keepdim=True))
     torch.testing.assert_close(w.sum(-1), torch.ones(5, dtype=torch.float64))
+
+
+def test_dense_situ_mlp_matches_formula():
+    mlp = SiTUMLP(CFG.hidden_size, CFG.intermediate_size).double()
+    x = torch.randn(3, CFG.hidden_size, dtype=torch.float64)
+    g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
+    h = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)
+    torch.testing.assert_close(mlp(x), h @ mlp.down_proj.weight.T)

@@ -1,0 +1,106 @@
+"""The ``agentenv`` command line. Other packages add subcommands through the ``agentenv.commands``
+entry-point group (e.g. ``agentenv policy serve``), so this package imports none of them."""
+
+from __future__ import annotations
+
+import datetime
+from importlib.metadata import entry_points
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="agentenv: sandboxes that snapshot, fork and resume fast.", no_args_is_help=True)
+snapshots_app = typer.Typer(help="The snapshot store.", no_args_is_help=True)
+app.add_typer(snapshots_app, name="snapshots")
+console = Console()
+
+
+def _when(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M:%S")
+
+
+@app.command()
+def tour(image: str = typer.Option("agentenv/base", help="image to run the tour in")) -> None:
+    """Create, snapshot, fork 4 ways, pause/resume and restore a sandbox, timing each step."""
+    from agentenv import tour as tour_mod
+
+    tour_mod.run(image)
+
+
+@app.command("ls")
+def list_sandboxes() -> None:
+    """List sandboxes on this host."""
+    from agentenv import Sandbox
+
+    t = Table("id", "state", "image", "created", "labels")
+    for sb in Sandbox.list():
+        t.add_row(sb.id, sb.state, sb.image, _when(sb.created_at), ",".join(f"{k}={v}" for k, v in sb.labels.items()))
+    console.print(t)
+
+
+@app.command("rm")
+def remove_sandbox(ids: list[str]) -> None:
+    """Close sandboxes by id."""
+    from agentenv import Sandbox
+
+    for sid in ids:
+        Sandbox.get(sid).close()
+        console.print(f"closed {sid}")
+
+
+@app.command("gc")
+def collect(
+    max_age: float | None = typer.Option(None, help="also delete snapshots older than this many seconds"),
+) -> None:
+    """Pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
+    from agentenv import Sandbox, store
+
+    for sid in Sandbox.reap_expired():
+        console.print(f"paused expired sandbox {sid}")
+    for name in store.gc(max_age):
+        console.print(f"removed {name}")
+
+
+@snapshots_app.command("ls")
+def list_snapshots() -> None:
+    """List snapshots in the store."""
+    from agentenv import Snapshot
+
+    t = Table("id", "parent", "memory", "size MB", "created", "sandbox", "labels")
+    for s in Snapshot.list():
+        t.add_row(s.id, s.parent_id or "-", "yes" if s.has_memory else "no", f"{s.size_bytes / 1e6:.1f}",
+                  _when(s.created_at), s.sandbox_id or "-", ",".join(f"{k}={v}" for k, v in s.labels.items()))
+    console.print(t)
+
+
+@snapshots_app.command("rm")
+def remove_snapshots(ids: list[str]) -> None:
+    """Delete snapshots by id."""
+    from agentenv import Snapshot
+
+    for sid in ids:
+        Snapshot.get(sid).delete()
+        console.print(f"deleted {sid}")
+
+
+def _mount_plugins() -> None:
+    for ep in entry_points(group="agentenv.commands"):
+        try:
+            sub = ep.load()
+        except ImportError as e:  # a package that is not installed adds no command
+            console.print(f"[yellow]agentenv {ep.name} unavailable: {e}[/]")
+            continue
+        app.add_typer(sub, name=ep.name)
+
+
+def main() -> None:
+    """Entry point of the console script."""
+    _mount_plugins()
+    from agentenv.errors import AgentEnvError
+
+    try:
+        app()
+    except AgentEnvError as e:
+        console.print(f"[red]error:[/] {e}")
+        raise SystemExit(1) from None

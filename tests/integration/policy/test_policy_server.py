@@ -1,0 +1,181 @@
+"""The policy server for real (EP=2 over gloo, on a free loopback port) driven by the official openai client."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+
+from policy.config import k3_mini
+from policy.engines import EngineSpec, reload_weights, smoke_check, start, wait_healthy
+from policy.model import K3Model
+from policy.runner import save_weights
+from policy.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.integration
+TOKEN = "test-token-123"
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    spec = EngineSpec("agentenv", "k3-mini", port=_free_port(), data_parallel_size=2, api_key=TOKEN, max_model_len=256)
+    proc = start(spec)
+    try:
+        wait_healthy(spec.base_url, timeout=180, interval=0.5)
+        yield spec
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.fixture()
+def client(spec):
+    return openai.OpenAI(base_url=spec.base_url + "/v1", api_key=TOKEN, max_retries=0)
+
+
+def _checkpoint(path, seed: int) -> str:
+    tok = load_tokenizer()
+    torch.manual_seed(seed)
+    save_weights(K3Model(k3_mini(vocab_size=tok.vocab_size)), str(path))
+    return str(path)
+
+
+def test_models_and_chat_with_tools(client):
+    assert [m.id for m in client.models.list().data] == ["k3-mini"]
+    r = client.chat.completions.create(
+        model="k3-mini", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=8, temperature=0,
+        logprobs=True)
+    choice = r.choices[0].model_dump()
+    extra = r.model_dump()
+    assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == r.usage.completion_tokens > 0
+    assert extra["prompt_token_ids"] and extra["weight_version"] == 0
+    tok = load_tokenizer()
+    assert tok.decode(extra["prompt_token_ids"]).endswith("functions.get_weather:0<|tool_call_argument_begin|>")
+    # an untrained model writes arbitrary arguments: either valid tool calls or content flagged as malformed
+    assert choice["malformed_tool_calls"] or choice["message"]["tool_calls"]
+    req = client.chat.completions.create(model="k3-mini", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
+                                         tool_choice="required", max_tokens=4)
+    assert tok.decode(req.model_extra["prompt_token_ids"]).endswith("<|tool_call_begin|>functions.")
+
+
+def test_streaming_gives_the_same_tokens_as_non_streaming(client):
+    kw = dict(model="k3-mini", messages=[{"role": "user", "content": "hello"}], max_tokens=10, temperature=0.8, seed=5)
+    full = client.chat.completions.create(**kw)
+    ids, content, finish = [], "", None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            ids += (c.model_extra or {}).get("token_ids", [])
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+    assert ids == full.choices[0].model_extra["token_ids"]
+    assert content == (full.choices[0].message.content or "") and finish == full.choices[0].finish_reason
+
+
+def test_completions_accept_token_ids(client):
+    tok = load_tokenizer()
+    prompt = tok.encode("def main():")
+    r = client.completions.create(model="k3-mini", prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
+    extra = r.model_dump()
+    assert extra["prompt_token_ids"] == prompt
+    assert len(extra["choices"][0]["token_ids"]) == len(r.choices[0].logprobs.token_logprobs) == 5
+    # the EP=2 server decodes exactly what one plain process does with the same (seed 0) weights
+    torch.manual_seed(0)
+    model = K3Model(k3_mini(vocab_size=tok.vocab_size)).eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(5):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+    assert ids[len(prompt):] == extra["choices"][0]["token_ids"]
+    r2 = client.completions.create(model="k3-mini", prompt="def main():", max_tokens=5, temperature=0, n=2)
+    assert [c.model_extra["token_ids"] for c in r2.choices] == [extra["choices"][0]["token_ids"]] * 2
+    chunks = list(client.completions.create(model="k3-mini", prompt=prompt, max_tokens=5, temperature=0, stream=True))
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt
+    assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == extra["choices"][0]["token_ids"]
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def test_concurrent_requests_are_batched(client, spec):
+    def one(i: int) -> int:
+        r = client.completions.create(model="k3-mini", prompt=f"request {i}", max_tokens=24, temperature=0)
+        return len(r.choices[0].model_extra["token_ids"])
+
+    with ThreadPoolExecutor(6) as pool:
+        assert list(pool.map(one, range(6))) == [24] * 6
+    m = httpx.get(spec.base_url + "/metrics").json()
+    assert m["max_batch_seen"] >= 2 and m["ep_size"] == 2
+    load = m["tokens_per_expert_total"]
+    assert len(load) == 7 and len(load[0]) == 64 and sum(map(sum, load)) > 0
+
+
+def test_update_weights_bumps_the_version(client, spec, tmp_path):
+    before = httpx.get(spec.base_url + "/health").json()["weight_version"]
+    result: dict = {}
+
+    def long_request() -> None:  # in flight during the update: finishes on the old weights (drain)
+        r = client.completions.create(model="k3-mini", prompt="x", max_tokens=120, temperature=0)
+        result.update(r.model_dump())
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    for _ in range(2000):  # wait until the request is running, so the update must drain it
+        if httpx.get(spec.base_url + "/metrics").json()["running"] >= 1:
+            break
+        time.sleep(0.005)
+    r = httpx.post(spec.base_url + "/update_weights", json={"path": _checkpoint(tmp_path / "w.safetensors", 7)},
+                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
+    t.join(60)
+    assert r.status_code == 200 and r.json()["weight_version"] == before + 1
+    assert result["weight_version"] == before and result["choices"][0]["finish_reason"] == "length"
+    after = client.completions.create(model="k3-mini", prompt="x", max_tokens=3)
+    assert after.model_extra["weight_version"] == before + 1
+
+
+def test_bad_input_is_a_4xx_and_the_server_keeps_serving(client, spec):
+    msgs = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=msgs)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="k3-mini", messages=msgs, max_tokens=-1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="k3-mini", prompt=list(range(20, 320)), max_tokens=4)  # > 256 context
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="k3-mini", messages=msgs, tools=[{"type": "function", "function": {}}])
+    bad = httpx.post(spec.base_url + "/v1/chat/completions", content=b"{not json",
+                     headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"})
+    assert 400 <= bad.status_code < 500 and "error" in bad.json()
+    missing = httpx.post(spec.base_url + "/update_weights", json={"path": "/nonexistent.safetensors"},
+                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+    assert missing.status_code == 400 and "could not load" in json.dumps(missing.json())
+    ok = client.chat.completions.create(model="k3-mini", messages=msgs, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_auth_is_required_except_health_and_metrics(spec):
+    assert httpx.get(spec.base_url + "/v1/models").status_code == 401
+    assert httpx.get(spec.base_url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.post(spec.base_url + "/update_weights", json={"path": "x"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=spec.base_url + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert httpx.get(spec.base_url + "/health").status_code == 200
+    assert httpx.get(spec.base_url + "/metrics").status_code == 200
+
+
+def test_engine_client_code_runs_against_our_server(spec, tmp_path):
+    out = smoke_check(spec.base_url, TOKEN, "k3-mini")
+    assert out["models"] == ["k3-mini"] and out["finish_reason"] in ("length", "stop")
+    v = httpx.get(spec.base_url + "/health").json()["weight_version"]
+    assert reload_weights(spec, _checkpoint(tmp_path / "w2.safetensors", 8))["weight_version"] == v + 1

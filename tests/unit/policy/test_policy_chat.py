@@ -1,0 +1,96 @@
+"""Tokenizer special tokens and K3's chat template / tool-call parser."""
+
+import json
+
+import pytest
+
+from policy.chat import parse_assistant, render_assistant_body, render_chat, validate_tools
+from policy.tokenizer import CORPUS, SPECIAL_TOKENS, load_tokenizer, train_tokenizer
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather for a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_special_tokens_are_single_tokens_and_text_round_trips():
+    tok = load_tokenizer()
+    for s in SPECIAL_TOKENS:
+        assert tok.encode(s) == [tok.token_id(s)], s
+    text = "<|im_user|>user<|im_middle|>Grüße, 世界! def f(x): return x<|im_end|>"
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert ids.count(tok.token_id("<|im_middle|>")) == 1
+    assert tok.eos_id == tok.token_id("<|im_end|>")
+
+
+def test_training_is_deterministic_and_matches_the_cached_tokenizer():
+    a, b = train_tokenizer(CORPUS), train_tokenizer(CORPUS)
+    assert a.get_vocab() == b.get_vocab()
+    assert a.get_vocab() == load_tokenizer().tok.get_vocab()
+
+
+def test_render_chat_follows_k3_format():
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "reasoning_content": "use the tool", "tool_calls": [
+            {"id": "functions.get_weather:0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+    ]
+    out = render_chat(msgs, TOOLS)
+    assert out.startswith("<|im_system|>tool_declare<|im_middle|>[{")
+    assert json.loads(out.split("<|im_middle|>", 1)[1].split("<|im_end|>", 1)[0]) == TOOLS
+    assert "<|im_system|>system<|im_middle|>Be brief.<|im_end|>" in out
+    assert "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>" in out
+    assert ("<|im_assistant|>assistant<|im_middle|><think>use the tool</think><|tool_calls_section_begin|>"
+            "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"Paris\"}"
+            "<|tool_call_end|><|tool_calls_section_end|><|im_end|>") in out
+    assert "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>" in out
+    assert out.endswith("<|im_assistant|>assistant<|im_middle|>")
+
+
+@pytest.mark.parametrize("text", [
+    "Plain answer.",
+    "<think>let me think</think>The answer is 4.",
+    "<think></think>",
+    "Calling.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    '{"city":  "Paris"}<|tool_call_end|><|tool_call_begin|>functions.run_command:1<|tool_call_argument_begin|>'
+    '{"cmd": "ls"}<|tool_call_end|><|tool_calls_section_end|>',
+    "<think>t</think><|tool_calls_section_begin|><|tool_call_begin|>functions.x.y-z:7<|tool_call_argument_begin|>"
+    "[]<|tool_call_end|><|tool_calls_section_end|>",
+])
+def test_parse_then_render_is_byte_identical(text):
+    msg = parse_assistant(text)
+    assert not msg.malformed
+    assert render_assistant_body(msg.to_openai()) == text
+
+
+def test_parse_gives_openai_tool_calls():
+    text = ("Sure.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+    msg = parse_assistant(text)
+    assert msg.content == "Sure."
+    assert msg.tool_calls == [{"id": "functions.get_weather:0", "type": "function",
+                               "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+
+
+@pytest.mark.parametrize("text", [
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{bad json<|tool_call_end|>"
+    "<|tool_calls_section_end|>",
+    "<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{}",
+    "text<|tool_call_end|>",
+    "<|tool_calls_section_begin|><|tool_call_begin|>nonsense<|tool_call_argument_begin|>{}<|tool_call_end|>"
+    "<|tool_calls_section_end|>",
+    "<|tool_calls_section_begin|><|tool_calls_section_end|>",
+])
+def test_malformed_tool_calls_become_plain_content(text):
+    msg = parse_assistant(text)
+    assert msg.malformed and msg.tool_calls == [] and msg.content == text
+
+
+def test_validate_tools_rejects_malformed():
+    assert validate_tools(TOOLS) == TOOLS
+    for bad in ["x", [{"type": "function"}], [{"type": "function", "function": {"name": "bad name!"}}],
+                [{"type": "function", "function": {"name": "f", "parameters": "no"}}]]:
+        with pytest.raises(ValueError):
+            validate_tools(bad)

@@ -1,0 +1,103 @@
+"""The agent and its host channel, run as a plain process on a temporary socket (no container)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from agentenv import agent
+from agentenv.channel import Channel, Gate, raise_for
+
+
+@pytest.fixture
+def channel(tmp_path: Path):
+    path = str(tmp_path / "agent.sock")
+    proc = subprocess.Popen([sys.executable, agent.__file__, path])
+    ch = Channel(lambda: path, Gate())
+    ch.connect(wait=10).close()
+    yield ch
+    proc.kill()
+    proc.wait()
+
+
+def test_frames_round_trip_binary_blobs():
+    a, b = socket.socketpair()
+    blob = bytes(range(256)) * 100  # fits the socket buffer: nobody reads while we send
+    agent.send_frame(a, {"op": "x", "n": 1}, blob)
+    assert agent.recv_frame(b) == ({"op": "x", "n": 1}, blob)
+    a.close()
+    with pytest.raises(ConnectionError):
+        agent.recv_frame(b)
+
+
+def test_exec_collects_output_and_exit_code(channel):
+    h = channel.exec({"cmd": "echo out; echo err >&2; exit 4", "timeout": 10}, None)
+    assert (h["exit_code"], h["stdout"], h["stderr"], h["timed_out"]) == (4, b"out\n", b"err\n", False)
+
+
+def test_exec_timeout_kills_the_group(channel):
+    h = channel.exec({"cmd": "sleep 30 & sleep 31", "timeout": 0.5}, None)
+    assert h["timed_out"] and h["exit_code"] == 137
+    assert subprocess.run(["pgrep", "-f", "^sleep 3[01]$"], capture_output=True).returncode == 1
+
+
+def test_exec_resumes_after_the_agent_closes_connections(channel):
+    """A snapshot closes every connection; the call reconnects and loses no output."""
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(channel.exec(
+        {"cmd": "for i in $(seq 20); do echo $i; sleep 0.02; done", "timeout": 10}, None)))
+    t.start()
+    time.sleep(0.15)
+    channel.gate.shut()
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(channel._path())
+    agent.send_frame(s, {"op": "quiesce"})
+    assert agent.recv_frame(s)[0] == {"ok": True}
+    with pytest.raises(ConnectionError):
+        agent.recv_frame(s)  # the agent closed the control connection too
+    s.close()
+    time.sleep(0.1)
+    channel.gate.open()
+    t.join(10)
+    assert result["stdout"].split() == [str(i).encode() for i in range(1, 21)]
+
+
+def test_streaming_delivers_chunks_in_order(channel):
+    seen: list[tuple[str, bytes]] = []
+    h = channel.exec({"cmd": "echo a; sleep 0.1; echo b", "timeout": 10}, lambda s, d: seen.append((s, d)))
+    assert b"".join(d for s, d in seen if s == "stdout") == b"a\nb\n" == h["stdout"]
+
+
+def test_files_and_errors(channel, tmp_path):
+    target = str(tmp_path / "d" / "f.bin")
+    channel.call({"op": "write", "path": target, "mode": 0o600}, b"\x00\x01")
+    reply, data = channel.call({"op": "read", "path": target})
+    assert data == b"\x00\x01" and reply["mode"] == 0o600
+    with pytest.raises(FileNotFoundError):
+        channel.call({"op": "read", "path": str(tmp_path / "missing")})
+    with pytest.raises(ValueError):
+        channel.call({"op": "nonsense"})
+
+
+def test_spawn_and_process_table(channel):
+    reply, _ = channel.call({"op": "spawn", "cmd": "echo bg; exit 3"})
+    pid = reply["pid"]
+    for _ in range(200):
+        procs = channel.call({"op": "procs"})[0]["procs"]
+        if procs[str(pid)]["exit_code"] is not None:
+            break
+        time.sleep(0.01)
+    assert procs[str(pid)]["exit_code"] == 3
+    assert Path(reply["log"]).read_text() == "bg\n"
+
+
+def test_raise_for_maps_errors():
+    raise_for({"ok": True})
+    with pytest.raises(PermissionError):
+        raise_for({"error": "PermissionError", "errno": 13, "message": "no"})

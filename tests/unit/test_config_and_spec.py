@@ -1,0 +1,92 @@
+"""Sizes, the OCI spec of a sandbox, and the snapshot store's atomic writes."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+
+from agentenv import store
+from agentenv.config import parse_size
+from agentenv.errors import SnapshotNotFound, StoreFullError
+from agentenv.runtime import ContainerSpec, Limits, oci_config
+
+
+@pytest.mark.parametrize(("text", "n"), [("1g", 1 << 30), ("512m", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096),
+                                          (100, 100), ("2k", 2048)])
+def test_parse_size(text, n):
+    assert parse_size(text) == n
+
+
+@pytest.mark.parametrize("bad", ["lots", "", "-1g", "1x", 0, -5, "0"])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_size(bad)
+
+
+def _spec(network: bool = False) -> ContainerSpec:
+    return ContainerSpec(image_id="sha256:x", layers=["/l1", "/l0"], env=["A=1"], workdir="/testbed",
+                         limits=Limits(cpus=0.5, memory=256 << 20, pids=64), network=network)
+
+
+def test_oci_config_is_locked_down():
+    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x")
+    ns = {n["type"] for n in c["linux"]["namespaces"]}
+    assert ns == {"pid", "ipc", "uts", "mount", "network"}
+    caps = set(c["process"]["capabilities"]["bounding"])
+    assert "CAP_SYS_ADMIN" not in caps and "CAP_NET_RAW" not in caps and "CAP_SYS_PTRACE" not in caps
+    assert c["process"]["noNewPrivileges"] is True
+    res = c["linux"]["resources"]
+    assert res["memory"]["limit"] == 256 << 20 and res["pids"]["limit"] == 64
+    assert res["cpu"]["quota"] == 50_000 and res["cpu"]["period"] == 100_000
+    assert not any("docker.sock" in m.get("source", "") for m in c["mounts"])
+    assert "/proc/kcore" in c["linux"]["maskedPaths"]
+
+
+def test_network_is_opt_in():
+    ns = {n["type"] for n in oci_config(_spec(network=True), "h", "/x")["linux"]["namespaces"]}
+    assert "network" not in ns
+
+
+def test_spec_round_trips_through_json():
+    s = _spec()
+    assert ContainerSpec.from_json(s.to_json()) == s
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_store_publishes_only_complete_snapshots(home):
+    sid = store.new_id("snap")
+    with pytest.raises(RuntimeError), store.writing(sid) as d:
+        (d / "fs").mkdir()
+        raise RuntimeError("crash mid-snapshot")
+    assert store.Snapshot.list() == []
+    assert os.listdir(home / "snapshots") == []
+    with store.writing(sid) as d:
+        snap = store.Snapshot(id=sid, parent_id=None, created_at=1.0, size_bytes=0, has_memory=False)
+        store.write_meta(d, snap)
+    assert store.Snapshot.get(sid) == snap
+    snap.delete()
+    with pytest.raises(SnapshotNotFound):
+        store.Snapshot.get(sid)
+
+
+def test_store_full_is_typed_and_leaves_nothing(home):
+    with pytest.raises(StoreFullError), store.writing("snap-full") as d:
+        (d / "x").write_text("partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+    assert os.listdir(home / "snapshots") == []
+
+
+def test_gc_removes_leftovers_of_dead_writers_only(home):
+    dead = home / "snapshots" / ".tmp-snap-a-999999999"
+    alive = home / "snapshots" / f".tmp-snap-b-{os.getpid()}"
+    dead.mkdir(parents=True)
+    alive.mkdir()
+    assert store.gc() == [dead.name]
+    assert alive.exists() and not dead.exists()
