@@ -34,6 +34,9 @@ _MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/lat
            "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 CPU_PERIOD = 100_000
+# What CRIU need not save: the private network namespace only ever holds ``lo`` (brought up again
+# after a restore), which saves tens of milliseconds.
+CRIU_TRIM = ["--empty-ns", "network"]
 CLONE_NEWNET = 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
@@ -227,7 +230,7 @@ class Container:
     def checkpoint(self, images: Path, work: Path, leave_running: bool, criu: str | None = None) -> None:
         """Dump every process of the container with CRIU (through runc) into ``images``."""
         args = ["checkpoint", "--image-path", str(images), "--work-path", str(work), "--tcp-established",
-                "--file-locks"]
+                "--file-locks", *CRIU_TRIM]
         if leave_running:
             args.append("--leave-running")
         r = self._runc(*(["--criu", criu] if criu else []), *args, self.cid, timeout=300)
@@ -243,7 +246,7 @@ class Container:
         work.mkdir(parents=True, exist_ok=True)
         r = self._runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),
                        "--work-path", str(work), "--bundle", str(self.bundle), "--pid-file", str(pidfile),
-                       "--tcp-established", "--file-locks", self.cid, timeout=300)
+                       "--tcp-established", "--file-locks", *CRIU_TRIM, self.cid, timeout=300)
         if r.returncode != 0:
             raise CheckpointError(f"CRIU restore failed: {_criu_reason(r.stderr, work / 'restore.log')}",
                                   fix=criu_fix(criu))

@@ -1,0 +1,82 @@
+"""``agentenv policy ...``: serve the k3-mini policy with expert parallelism behind the OpenAI-compatible API."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(help="The K3 policy: k3-mini model, expert-parallel engine, OpenAI-compatible server.",
+                  no_args_is_help=True)
+
+
+def resolve_token(token: str | None, token_file: Path | None) -> str:
+    """The bearer token: --token, else --token-file, else $AGENTENV_POLICY_TOKEN, else a fresh random one."""
+    if token:
+        return token
+    if token_file:
+        return token_file.read_text().strip()
+    return os.environ.get("AGENTENV_POLICY_TOKEN") or secrets.token_urlsafe(32)
+
+
+@app.command()
+def serve(
+    preset: Annotated[str, typer.Option(help="model preset")] = "k3-mini",
+    ep: Annotated[int, typer.Option("--ep", help="expert-parallel ranks (processes)")] = 1,
+    host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port")] = 8000,
+    token: Annotated[str | None, typer.Option(help="bearer token clients must send")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token")] = None,
+    weights: Annotated[str | None, typer.Option(help="safetensors checkpoint to start from")] = None,
+    seed: Annotated[int, typer.Option(help="initialisation seed when no weights are given")] = 0,
+    max_batch: Annotated[int, typer.Option(help="most sequences in the running batch")] = 32,
+    max_context: Annotated[int, typer.Option(help="context length (prompt + completion tokens)")] = 4096,
+    device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per EP rank, NCCL)")] = "cpu",
+) -> None:
+    """Start the policy server (FastAPI + uvicorn)."""
+    import uvicorn
+
+    from policy.config import preset as get_preset
+    from policy.engine import Engine
+    from policy.server import create_app
+    from policy.tokenizer import load_tokenizer
+
+    secret = resolve_token(token, token_file)
+    if not (token or token_file or os.environ.get("AGENTENV_POLICY_TOKEN")):
+        print(f"policy token: {secret}", file=sys.stderr)
+    tok = load_tokenizer()
+    cfg = get_preset(preset, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                     pad_token_id=tok.pad_id)
+    engine = Engine(cfg, tok, ep_size=ep, seed=seed, weights=weights, max_batch=max_batch,
+                    max_context=max_context, device=device)
+    try:
+        uvicorn.run(create_app(engine, secret, preset), host=host, port=port, log_level="warning")
+    finally:
+        engine.close()
+
+
+@app.command()
+def info(
+    preset: Annotated[str, typer.Option(help="model preset")] = "k3-mini",
+    k3_config: Annotated[Path | None, typer.Option(help="a K3 config.json")] = None,
+) -> None:
+    """Print a model's parameter counts (a K3 config.json is built on the meta device)."""
+    import torch
+
+    from policy.config import from_k3_json
+    from policy.config import preset as get_preset
+    from policy.model import K3Model, param_counts
+
+    cfg = from_k3_json(k3_config) if k3_config else get_preset(preset)
+    with torch.device("meta"):
+        counts = param_counts(K3Model(cfg))
+    for k, v in counts.items():
+        print(f"{k}: {v / 1e9:.2f}B")
+
+
+if __name__ == "__main__":
+    app()

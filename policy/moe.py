@@ -1,0 +1,80 @@
+"""LatentMoE: K3's mixture of experts. A sigmoid router picks the top-k experts (its bias steers selection
+only), the weights are renormalised and scaled; routed experts run in a down-projected latent width and
+are projected back; shared experts see every token; all experts use SiTU."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from policy.config import K3Config
+from policy.ep import EPGroup, dispatch_combine
+from policy.layers import RMSNorm, SiTUMLP, situ
+
+
+class Router(nn.Module):
+    """Sigmoid scores; ``scores + bias`` chooses the top-k, the unbiased scores weigh them."""
+
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.k, self.renormalize, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden_size) * cfg.hidden_size ** -0.5)
+        # aux-loss-free balancing bias (noaux_tc): moved by the trainer, never by gradients
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.sigmoid(x @ self.weight.t())
+        idx = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1).indices
+        w = scores.gather(-1, idx)
+        if self.renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return idx, w * self.scaling
+
+
+class GroupedExperts(nn.Module):
+    """This rank's routed experts as stacked SiTU-MLP weights, applied to tokens grouped by expert."""
+
+    def __init__(self, n_local: int, dim: int, hidden: int, beta: float, linear_beta: float) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.randn(n_local, dim, hidden) * dim ** -0.5)
+        self.w_up = nn.Parameter(torch.randn(n_local, dim, hidden) * dim ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(n_local, hidden, dim) * hidden ** -0.5)
+        self.beta, self.linear_beta = beta, linear_beta
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for e, chunk in enumerate(tokens.split(counts.tolist())):
+            if chunk.shape[0]:
+                h = situ(chunk @ self.w_gate[e], chunk @ self.w_up[e], self.beta, self.linear_beta)
+                outs.append(h @ self.w_down[e])
+        return torch.cat(outs) if outs else tokens.new_zeros(0, self.w_down.shape[-1])
+
+
+class LatentMoE(nn.Module):
+    """Router + shared experts + routed experts in a latent width (down-project, experts, up-project)."""
+
+    def __init__(self, cfg: K3Config, ep: EPGroup | None = None) -> None:
+        super().__init__()
+        self.cfg, self.ep = cfg, ep
+        D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
+        n_local = len((ep or EPGroup()).expert_range(cfg.num_experts))
+        self.router = Router(cfg)
+        self.shared_experts = SiTUMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts,
+                                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.latent_down = nn.Linear(D, L, bias=False)
+        self.latent_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else nn.Identity()
+        self.experts = GroupedExperts(n_local, L, cfg.moe_intermediate_size,
+                                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.latent_up = nn.Linear(L, D, bias=False)
+        self.tokens_per_expert = torch.zeros(n_local, dtype=torch.long)  # last step's load, for metrics
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        idx, w = self.router(x)
+        z = self.latent_norm(self.latent_down(x))
+        y, counts = dispatch_combine(z, idx, w, self.experts, self.cfg.num_experts, self.ep)
+        self.tokens_per_expert = counts.detach().cpu()
+        return (self.latent_up(y) + self.shared_experts(x)).reshape(shape)

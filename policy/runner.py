@@ -1,0 +1,201 @@
+"""Model runners: one per EP rank, each holding its expert shard and the decoding caches of its sequences.
+
+Rank 0 lives in the serving process; ranks 1..N-1 are worker processes. Every step, rank 0 broadcasts a
+plan (which rank runs which sequences), all ranks run the same number of forward rounds so that their
+expert all-to-alls line up, and the last-token logits come back to rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from policy.config import K3Config
+from policy.ep import EPGroup, init_ep, shard_state_dict
+from policy.model import Cache, K3Model
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    """Feed ``tokens`` to sequence ``seq_id``: a prefill (``fresh``, its own round) or one decode token."""
+
+    seq_id: int
+    tokens: list[int]
+    fresh: bool = False
+
+
+def save_weights(model: K3Model, path: str) -> None:
+    """Write a full (unsharded) model's weights as safetensors."""
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
+
+
+class Runner:
+    """Runs jobs on one rank's model shard and keeps its sequences' caches."""
+
+    def __init__(self, cfg: K3Config, ep: EPGroup | None, seed: int = 0, weights: str | None = None,
+                 device: str = "cpu") -> None:
+        self.cfg, self.ep, self.device = cfg, ep, torch.device(device)
+        torch.manual_seed(seed)
+        full = K3Model(cfg)                     # identical on every rank: same seed
+        self.model = K3Model(cfg, ep) if ep and ep.world > 1 else full
+        self.load_state(load_file(weights) if weights else full.state_dict())
+        self.model.to(self.device).eval()
+        self.caches: dict[int, Cache] = {}
+
+    def load_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a full checkpoint (expert tensors are sliced to this rank); refuses before touching weights."""
+        state = shard_state_dict(state, self.ep) if self.ep and self.ep.world > 1 else state
+        own = self.model.state_dict()
+        if set(state) != set(own):
+            raise ValueError(f"checkpoint keys differ from the model's (missing {sorted(set(own) - set(state))[:3]}, "
+                             f"unexpected {sorted(set(state) - set(own))[:3]})")
+        wrong = [k for k, v in state.items() if v.shape != own[k].shape]
+        if wrong:
+            raise ValueError(f"checkpoint shapes differ from the model's for {wrong[:3]}")
+        self.model.load_state_dict({k: v.to(own[k].device) for k, v in state.items()})
+
+    @staticmethod
+    def rounds(jobs: list[Job]) -> int:
+        """Forward rounds for ``jobs``: one per new sequence (prefill) plus one for all decodes."""
+        fresh = sum(1 for j in jobs if j.fresh)
+        return fresh + (1 if len(jobs) > fresh else 0)
+
+    @torch.no_grad()
+    def execute(self, jobs: list[Job], n_rounds: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Run ``jobs`` padded to ``n_rounds`` rounds; return last-token logits and this rank's expert load."""
+        out: dict[int, torch.Tensor] = {}
+        moes = self.model.moe_layers()
+        load = torch.zeros(len(moes), moes[0].experts.w_gate.shape[0], dtype=torch.long) if moes else torch.zeros(0, 0)
+        prefills = [j for j in jobs if j.fresh]
+        decodes = [j for j in jobs if not j.fresh]
+        done = 0
+        for j in prefills:
+            logits, self.caches[j.seq_id] = self.model(torch.tensor([j.tokens], device=self.device))
+            out[j.seq_id] = logits[0, -1].float().cpu()
+            load += torch.stack([m.tokens_per_expert for m in moes]) if moes else 0
+            done += 1
+        if decodes:
+            batch = Cache.stack([self.caches[j.seq_id] for j in decodes])
+            ids = torch.tensor([j.tokens for j in decodes], device=self.device)
+            logits, new = self.model(ids, batch)
+            for j, c, row in zip(decodes, new.unstack(), logits[:, -1], strict=True):
+                self.caches[j.seq_id], out[j.seq_id] = c, row.float().cpu()
+            load += torch.stack([m.tokens_per_expert for m in moes]) if moes else 0
+            done += 1
+        for _ in range(n_rounds - done):
+            self.model.idle_step()
+        return out, load
+
+    def free(self, seq_ids: list[int]) -> None:
+        for s in seq_ids:
+            self.caches.pop(s, None)
+
+    def handle(self, plan: dict[str, Any]) -> tuple[dict[int, torch.Tensor], torch.Tensor] | None:
+        """Apply one broadcast plan on this rank."""
+        self.free(plan.get("free", []))
+        if plan["op"] == "load":  # rank 0 checked the file before sending this plan
+            try:
+                self.load_state(load_file(plan["path"]))
+            except Exception:
+                log.exception("rank %s could not load %s", self.ep.rank if self.ep else 0, plan["path"])
+            return None
+        if plan["op"] == "step":
+            jobs = [Job(*j) for j in plan["jobs"][self.ep.rank if self.ep else 0]]
+            n = max(self.rounds([Job(*j) for j in js]) for js in plan["jobs"])
+            return self.execute(jobs, n)
+        return None
+
+
+def _rank_device(device: str, rank: int) -> str:
+    """One GPU per rank on CUDA (NCCL); every rank on the CPU otherwise (gloo)."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        return f"cuda:{rank}"
+    return "cpu"
+
+
+def _threads_per_rank(world: int) -> int:
+    """Split the machine's cores evenly over the EP ranks (they all compute at once)."""
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], seed: int, weights: str | None, device: str) -> None:
+    torch.set_num_threads(_threads_per_rank(world))
+    dev = _rank_device(device, rank)
+    ep = init_ep(rank, world, port, backend="nccl" if dev.startswith("cuda") else "gloo")
+    runner = Runner(K3Config.from_dict(cfg), ep, seed, weights, dev)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        plan = box[0]
+        if plan["op"] == "stop":
+            break
+        result = runner.handle(plan)
+        if plan["op"] == "step":
+            dist.gather_object(result, None, dst=0)
+    dist.destroy_process_group()
+
+
+class RankGroup:
+    """Rank 0's view of all EP ranks: broadcast a plan, run its own share, gather every rank's results."""
+
+    def __init__(self, cfg: K3Config, ep_size: int = 1, seed: int = 0, weights: str | None = None,
+                 device: str = "cpu") -> None:
+        self.world = ep_size
+        self.procs: list[Any] = []
+        if ep_size > 1:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            ctx = mp.get_context("spawn")
+            for r in range(1, ep_size):
+                p = ctx.Process(target=_worker, args=(r, ep_size, port, cfg.to_dict(), seed, weights, device),
+                                daemon=True)
+                p.start()
+                self.procs.append(p)
+            torch.set_num_threads(_threads_per_rank(ep_size))
+            dev = _rank_device(device, 0)
+            ep = init_ep(0, ep_size, port, backend="nccl" if dev.startswith("cuda") else "gloo")
+            self.runner = Runner(cfg, ep, seed, weights, dev)
+        else:
+            self.runner = Runner(cfg, None, seed, weights, device)
+
+    def _send(self, plan: dict[str, Any]) -> None:
+        if self.world > 1:
+            dist.broadcast_object_list([plan], src=0)
+
+    def step(self, jobs: list[list[Job]], free: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+        """Run one step; ``jobs[r]`` are rank r's. Returns logits per sequence and the load (layers, experts)."""
+        plan = {"op": "step", "jobs": [[(j.seq_id, j.tokens, j.fresh) for j in js] for js in jobs], "free": free}
+        self._send(plan)
+        result = self.runner.handle(plan)
+        assert result is not None
+        if self.world == 1:
+            return result
+        gathered: list[Any] = [None] * self.world
+        dist.gather_object(result, gathered, dst=0)
+        logits = {k: v for r in gathered for k, v in r[0].items()}
+        return logits, torch.cat([r[1] for r in gathered], dim=1)
+
+    def load(self, path: str) -> None:
+        """Check the checkpoint on rank 0, then have every rank load its shard of it."""
+        self.runner.load_state(load_file(path))  # raises (nothing sent) on a missing or mismatched file
+        self._send({"op": "load", "path": path})
+
+    def close(self) -> None:
+        if self.world > 1:
+            self._send({"op": "stop"})
+            for p in self.procs:
+                p.join(timeout=10)
+            dist.destroy_process_group()
+            self.world = 1
