@@ -1,7 +1,7 @@
 """The in-sandbox agent: PID 1 of every sandbox, serving exec, spawn and files over a unix socket.
 
 It runs inside the container with the image's own python3 and the standard library only, so any
-image with python3 works. The host reaches it at ``/proc/<pid>/root/run/agentenv/agent.sock``,
+image with python3 works. The host reaches it at ``/proc/<pid>/root/dev/agentenv/agent.sock``,
 which avoids ``docker exec``'s round trip, and because the agent *is* the container's init, a CRIU
 snapshot carries every job, its buffered output and the listening socket along.
 
@@ -23,9 +23,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
-SOCKET_DIR = "/run/agentenv"
+SOCKET_DIR = "/dev/agentenv"  # on the sandbox's private /dev tmpfs: saved with the processes
 SOCKET_PATH = SOCKET_DIR + "/agent.sock"
 LOG_DIR = SOCKET_DIR + "/proc"
 JOB_ENV = "AGENTENV_JOB"
@@ -77,6 +78,7 @@ class Job:
         self.timed_out = False
         self.duration = 0.0
         self.done = False
+        self.key = ""
         self.cond = threading.Condition()
 
     def result(self) -> dict[str, Any]:
@@ -98,6 +100,8 @@ class Agent:
         self.child_started = threading.Event()
         self.conns: set[socket.socket] = set()
         self.closing: set[socket.socket] = set()
+        self.keys: dict[str, int] = {}  # request key -> job id, until the result is delivered
+        self.replies: OrderedDict[str, dict[str, Any]] = OrderedDict()  # spawn replies by request key
 
     # reaping: PID 1 collects every exit, its own jobs' and orphans' alike
     def reap_forever(self) -> None:
@@ -143,6 +147,8 @@ class Agent:
             proc = self._popen(header, subprocess.PIPE, subprocess.PIPE, job_id)
             job = Job(job_id, proc, header.get("timeout"))
             self.jobs[job_id] = job
+            job.key = header.get("key", "")
+            self.keys[job.key] = job_id
             self.by_pid[proc.pid] = job
         threading.Thread(target=self._pump, args=(job,), daemon=True).start()
         return job
@@ -202,7 +208,11 @@ class Agent:
             with open(log, "wb") as f:
                 proc = self._popen(header, f, subprocess.STDOUT, job_id)
             self.spawned[proc.pid] = {"cmd": header["cmd"], "exit_code": None, "log": log, "job": job_id}
-        return {"pid": proc.pid, "log": log}
+            reply = {"pid": proc.pid, "log": log}
+            self.replies[header.get("key", "")] = reply
+            while len(self.replies) > 1024:
+                self.replies.popitem(last=False)
+        return reply
 
     # --- connection handling ------------------------------------------------------------------
 
@@ -226,14 +236,17 @@ class Agent:
         try:
             if op == "ping":
                 send_frame(conn, {"ok": True, "pid": os.getpid()})
-            elif op == "exec":
-                job = self.start_job(h)
-                send_frame(conn, {"job": job.id})
-                self.wait(conn, job.id, [0, 0], bool(h.get("stream")))
-            elif op == "wait":
-                self.wait(conn, h["job"], list(h.get("offsets", [0, 0])), bool(h.get("stream")))
+            elif op == "exec":  # start the job, or attach to the one a closed connection left behind
+                with self.lock:
+                    job_id = self.keys.get(h.get("key", ""))
+                if job_id is None:
+                    job_id = self.start_job(h).id
+                send_frame(conn, {"job": job_id})
+                self.wait(conn, job_id, list(h.get("offsets", [0, 0])), bool(h.get("stream")))
             elif op == "spawn":
-                send_frame(conn, self.spawn(h))
+                with self.lock:
+                    done = self.replies.get(h.get("key", ""))
+                send_frame(conn, done if done is not None else self.spawn(h))
             elif op == "procs":
                 with self.lock:
                     table = {str(pid): dict(v) for pid, v in self.spawned.items()}
@@ -290,6 +303,7 @@ class Agent:
                 send_frame(conn, header, chunks[0] + chunks[1])
                 with self.lock:
                     self.jobs.pop(job_id, None)  # delivered: forget it
+                    self.keys.pop(job.key, None)
                 return
 
     def quiesce(self, keep: socket.socket) -> None:
@@ -347,6 +361,9 @@ def write_file(path: str, data: bytes, mode: int) -> None:
 def main(path: str = SOCKET_PATH) -> None:
     """Serve forever on ``path`` (another path is for running the agent outside a sandbox, in tests)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if path == SOCKET_PATH and not os.path.isdir("/dev/shm"):  # POSIX shared memory lives on /dev's tmpfs
+        os.makedirs("/dev/shm")
+        os.chmod("/dev/shm", 0o1777)
     if os.path.exists(path):
         os.unlink(path)
     agent = Agent(log_dir=os.path.join(os.path.dirname(path), "proc"))

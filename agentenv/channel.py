@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -65,32 +66,39 @@ class Channel:
                 time.sleep(0.002)
 
     def call(self, header: dict[str, Any], blob: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        """One request and its reply; agent-side errors become exceptions."""
-        with self.connect() as s:
-            agent.send_frame(s, header, blob)
-            try:
-                reply, data = agent.recv_frame(s)
-            except ConnectionError as e:
-                raise ConnectionLost(f"the sandbox agent closed the connection during {header['op']}") from e
-        raise_for(reply)
-        return reply, data
+        """One request and its reply; agent-side errors become exceptions.
 
-    def exec(self, header: dict[str, Any], on_output: OutputCallback | None) -> dict[str, Any]:
-        """Run a command to completion; the final header carries 'stdout'/'stderr' as bytes."""
-        stream = on_output is not None
-        out = [bytearray(), bytearray()]
-        job: int | None = None
+        A connection closed under the call (by a snapshot) is retried: every request carries a
+        ``key``, and the agent answers a repeated key from memory instead of acting twice.
+        """
+        header = {**header, "key": uuid.uuid4().hex}
         while True:
             try:
                 with self.connect() as s:
-                    if job is None:
-                        agent.send_frame(s, {**header, "op": "exec", "stream": stream})
-                        first, _ = agent.recv_frame(s)
-                        raise_for(first)
-                        job = int(first["job"])
-                    else:
-                        agent.send_frame(s, {"op": "wait", "job": job, "offsets": [len(b) for b in out],
-                                             "stream": stream})
+                    agent.send_frame(s, header, blob)
+                    reply, data = agent.recv_frame(s)
+            except ConnectionLost:
+                raise
+            except ConnectionError:
+                continue
+            raise_for(reply)
+            return reply, data
+
+    def exec(self, header: dict[str, Any], on_output: OutputCallback | None) -> dict[str, Any]:
+        """Run a command to completion; the final header carries 'stdout'/'stderr' as bytes.
+
+        If a snapshot closes the connection, the call reconnects with the same key and resumes from
+        the byte offsets it already has; the agent never starts the command twice.
+        """
+        stream = on_output is not None
+        out = [bytearray(), bytearray()]
+        request = {**header, "op": "exec", "stream": stream, "key": uuid.uuid4().hex}
+        while True:
+            try:
+                with self.connect() as s:
+                    agent.send_frame(s, {**request, "offsets": [len(b) for b in out]})
+                    first, _ = agent.recv_frame(s)
+                    raise_for(first)
                     while True:
                         h, data = agent.recv_frame(s)
                         raise_for(h)
@@ -110,8 +118,6 @@ class Channel:
             except ConnectionLost:
                 raise
             except ConnectionError:
-                if job is None:
-                    raise
                 continue  # closed by a snapshot: reconnect once the gate opens, resume from offsets
 
 

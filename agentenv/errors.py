@@ -47,3 +47,15 @@ class StoreFullError(AgentEnvError, OSError):
 
 class ConnectionLost(AgentEnvError, ConnectionError):
     """The in-sandbox agent or the remote server stopped answering."""
+
+
+class QuotaExceeded(AgentEnvError):
+    """A server's quota (live sandboxes or memory) is used up; retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, *, retry_after: float = 5.0, fix: str | None = None) -> None:
+        self.retry_after = retry_after
+        super().__init__(message, fix=fix or f"close or pause sandboxes, or retry in {retry_after:g} s")
+
+
+class Unauthorized(AgentEnvError, PermissionError):
+    """The server refused the bearer token (missing or wrong)."""

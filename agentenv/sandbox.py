@@ -96,8 +96,7 @@ class Sandbox:
     def __init__(self, record: dict[str, Any]) -> None:
         self._rec = record
         self.id: str = record["id"]
-        self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root,
-                                    network=bool(record["spec"]["network"]))
+        self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root)
         self._channel = Channel(self._socket_path, _gate(self.id))
 
     # --- creation ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ apt_install() {  # apt_install PKG... : installs only what is missing
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
 
 # --- 1. Docker engine -------------------------------------------------------------------
-apt_install docker.io runc containerd iptables debootstrap tar xz-utils ca-certificates
+apt_install docker.io runc containerd iptables iproute2 util-linux debootstrap tar xz-utils ca-certificates
 mkdir -p /etc/docker
 if ! grep -q '"experimental": *true' /etc/docker/daemon.json 2>/dev/null; then
     echo '{"experimental": true, "storage-driver": "overlay2"}' >/etc/docker/daemon.json

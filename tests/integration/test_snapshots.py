@@ -190,7 +190,11 @@ def test_snapshots_during_concurrent_commands_are_consistent():
             i = 0
             while not stop.is_set():
                 i += 1
-                r = sb.exec(f"echo line-{i:06d} >> /testbed/log && echo ok")
+                try:
+                    r = sb.exec(f"echo line-{i:06d} >> /testbed/log && echo ok")
+                except Exception as e:  # noqa: BLE001 - any failure of a concurrent exec fails the test
+                    errors.append(f"exec {i} raised {e!r}")
+                    return
                 if r.stdout != "ok\n":
                     errors.append(f"exec {i}: {r!r}")
 

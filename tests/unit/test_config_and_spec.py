@@ -31,9 +31,9 @@ def _spec(network: bool = False) -> ContainerSpec:
 
 
 def test_oci_config_is_locked_down():
-    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x")
-    ns = {n["type"] for n in c["linux"]["namespaces"]}
-    assert ns == {"pid", "ipc", "uts", "mount", "network"}
+    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x", netns="/b/netns")
+    ns = {n["type"]: n.get("path") for n in c["linux"]["namespaces"]}
+    assert ns == {"pid": None, "ipc": None, "uts": None, "mount": None, "network": "/b/netns"}
     caps = set(c["process"]["capabilities"]["bounding"])
     assert "CAP_SYS_ADMIN" not in caps and "CAP_NET_RAW" not in caps and "CAP_SYS_PTRACE" not in caps
     assert c["process"]["noNewPrivileges"] is True
@@ -47,6 +47,8 @@ def test_oci_config_is_locked_down():
 def test_network_is_opt_in():
     ns = {n["type"] for n in oci_config(_spec(network=True), "h", "/x")["linux"]["namespaces"]}
     assert "network" not in ns
+    with pytest.raises(ValueError):
+        oci_config(_spec(network=False), "h", "/x")  # no network means a namespace of its own
 
 
 def test_spec_round_trips_through_json():
