@@ -277,6 +277,19 @@ def drop_netns(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
+def dump_stats(images: Path) -> dict[str, int]:
+    """CRIU's own account of a dump (``stats-dump``, read with pycriu): frozen time and memory
+    figures in microseconds and pages. Empty when pycriu or the file is missing."""
+    try:
+        from pycriu import images as criu_images
+
+        with open(images / "stats-dump", "rb") as f:
+            entry = criu_images.load(f)["entries"][0]["dump"]
+    except (ImportError, OSError, KeyError, IndexError, ValueError):
+        return {}
+    return {k: int(v) for k, v in entry.items()}
+
+
 def criu_fix(criu: str | None) -> str:
     """What to do when CRIU fails: where it is missing, install it; otherwise read its log."""
     binary = criu or "criu"

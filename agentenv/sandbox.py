@@ -27,7 +27,7 @@ from agentenv import agent, images, store
 from agentenv.channel import Channel, Gate, OutputCallback
 from agentenv.config import parse_size, paths
 from agentenv.errors import CheckpointError, SandboxNotFound, SandboxStateError
-from agentenv.runtime import Container, ContainerSpec, Limits, copy_tree
+from agentenv.runtime import Container, ContainerSpec, Limits, copy_tree, dump_stats
 from agentenv.store import Snapshot
 
 DEFAULT_IMAGE = "agentenv/base"
@@ -281,7 +281,8 @@ class Sandbox:
                                                criu=os.environ.get("AGENTENV_CRIU"))
             snap = Snapshot(id=snap_id, parent_id=self._rec.get("parent_snapshot"), created_at=time.time(),
                             size_bytes=store.disk_usage(folder), has_memory=memory, sandbox_id=self.id,
-                            spec=self._rec["spec"], labels={"image": self.image, **(labels or {})})
+                            spec=self._rec["spec"], labels={"image": self.image, **(labels or {})},
+                            criu_stats=dump_stats(folder / "criu") if memory else {})
             store.write_meta(folder, snap)
         return snap
 

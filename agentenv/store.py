@@ -36,6 +36,7 @@ class Snapshot:
     sandbox_id: str | None = None
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
     labels: dict[str, str] = field(default_factory=dict)
+    criu_stats: dict[str, int] = field(default_factory=dict, repr=False)  # e.g. frozen_time (µs)
 
     @property
     def path(self) -> Path:

@@ -113,10 +113,11 @@ if [ "$SKIP_VENV" = 0 ]; then
         apt_install python3-venv
         PY="$(command -v python3.11 || command -v python3)"
         [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-        "$VENV/bin/pip" install -q --upgrade pip
+        pip() { { "$VENV/bin/pip" "$@" 2>&1; } | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
+        pip install -q --upgrade pip
         # Pin the CPU build that the package registries here serve; a bare 'torch' pulls CUDA wheels.
-        "$VENV/bin/python" -c "import torch" 2>/dev/null || "$VENV/bin/pip" install -q "torch==2.13.0"
-        "$VENV/bin/pip" install -q -e "$ROOT[test]"
+        "$VENV/bin/python" -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+        pip install -q -e "$ROOT[test]"
         echo "$WANT" >"$STAMP"
     fi
     # CRIU's Python bindings: the packaged ones (Debian 13) or the ones built above.

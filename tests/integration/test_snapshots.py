@@ -80,6 +80,7 @@ def test_tcp_server_answers_after_restore(counting):
     snap = counting.snapshot(memory=True)
     try:
         assert snap.has_memory and snap.size_bytes > 0
+        assert snap.criu_stats["pages_written"] > 0 and snap.criu_stats["frozen_time"] > 0  # read with pycriu
         assert ask(counting, 10) == 13
         restored = agentenv.Sandbox.restore(snap)
         try:
