@@ -13,22 +13,11 @@ import pytest
 
 import agentenv
 from agentenv.errors import SandboxStateError
+from agentenv.tour import ASK, COUNTER  # a counter kept only in a TCP server's memory
 
 from .conftest import restart_dockerd
 
 pytestmark = pytest.mark.integration
-
-# A counter kept in memory only, served over TCP: each connection gets the next value.
-COUNTER = r"""
-import socket
-srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", 7000)); srv.listen(16)
-n = 0
-while True:
-    c, _ = srv.accept(); n += 1; c.sendall(str(n).encode()); c.close()
-"""
-ASK = "python3 -c \"import socket; print(socket.create_connection(('127.0.0.1', 7000), timeout=5).recv(64).decode())\""
-
 
 def start_counter(sb: agentenv.Sandbox) -> None:
     sb.write_file("/opt/counter.py", COUNTER)
