@@ -217,8 +217,7 @@ class Agent:
     # --- connection handling ------------------------------------------------------------------
 
     def serve(self, conn: socket.socket) -> None:
-        with self.lock:
-            self.conns.add(conn)
+        """Answer requests on one connection until the host closes it (registered by ``accept``)."""
         try:
             while True:
                 header, blob = recv_frame(conn)
@@ -375,6 +374,8 @@ def main(path: str = SOCKET_PATH) -> None:
     threading.Thread(target=agent.reap_forever, daemon=True).start()
     while True:
         conn, _ = server.accept()
+        with agent.lock:
+            agent.conns.add(conn)  # before the thread starts: quiesce must never miss a connection
         threading.Thread(target=agent.serve, args=(conn,), daemon=True).start()
 
 

@@ -273,12 +273,21 @@ class Sandbox:
     def _snapshot(self, memory: bool, leave_running: bool, labels: dict[str, str] | None) -> Snapshot:
         snap_id = store.new_id("snap")
         with store.writing(snap_id) as folder:
-            with self._frozen(quiesce=memory):
-                store_fs = folder / "fs"
-                copy_tree(self._container.upper, store_fs)
-                if memory:
-                    self._container.checkpoint(folder / "criu", folder / "criu", leave_running=leave_running,
-                                               criu=os.environ.get("AGENTENV_CRIU"))
+            for attempt in range(3):
+                with self._frozen(quiesce=memory):
+                    shutil.rmtree(folder / "fs", ignore_errors=True)
+                    copy_tree(self._container.upper, folder / "fs")
+                    if not memory:
+                        break
+                    try:
+                        self._container.checkpoint(folder / "criu", folder / "criu", leave_running=leave_running,
+                                                   criu=os.environ.get("AGENTENV_CRIU"))
+                        break
+                    except CheckpointError as e:
+                        # a host connection that another process opened in the meantime: quiesce again
+                        if "unix" not in str(e).lower() or attempt == 2:
+                            raise
+                shutil.rmtree(folder / "criu", ignore_errors=True)
             snap = Snapshot(id=snap_id, parent_id=self._rec.get("parent_snapshot"), created_at=time.time(),
                             size_bytes=store.disk_usage(folder), has_memory=memory, sandbox_id=self.id,
                             spec=self._rec["spec"], labels={"image": self.image, **(labels or {})},
