@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentenv.errors import AgentEnvError, ImageNotFound
 
@@ -37,13 +37,23 @@ def docker_client() -> docker.DockerClient:
     return client
 
 
+def _inspect(name: str) -> dict[str, Any]:
+    """``docker image inspect``, reconnecting once if the engine restarted under a cached client."""
+    import requests
+
+    try:
+        return dict(docker_client().api.inspect_image(name))
+    except requests.exceptions.ConnectionError:
+        docker_client.cache_clear()
+        return dict(docker_client().api.inspect_image(name))
+
+
 def resolve(name: str) -> ImageInfo:
     """Look an image up by name or id; ImageNotFound lists the images that exist."""
     import docker.errors
 
-    client = docker_client()
     try:
-        attrs = client.api.inspect_image(name)
+        attrs = _inspect(name)
     except docker.errors.ImageNotFound:
         raise ImageNotFound(name, available()) from None
     except docker.errors.APIError as e:
