@@ -1,0 +1,223 @@
+"""Environment images, offline: one image per repository and version, built ``FROM agentenv/base``.
+
+The host fetches what an image needs from the package registry with pip (sandboxes have no
+network): the repository's source distribution (checked against a pinned sha256) and a wheelhouse
+of its dependencies. The Dockerfile installs the wheelhouse with ``pip --no-index``, puts the
+source at ``/testbed`` as a git repository with one commit (fixed author and dates, so its hash is
+the same on every machine), and makes it importable through a ``.pth`` file (what an editable
+install does, without needing the build backend offline).
+
+Builds are cached by a hash of their inputs (the recipe, the Dockerfile and the base image id),
+kept as the image label ``agentenv.inputs``: a rebuild with nothing changed is one inspect call.
+Downloads are cached under ``$AGENTENV_CACHE`` (default ``/var/cache/agentenv/swe``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agentenv.errors import AgentEnvError
+from agentenv.images import docker_client
+
+BASE_IMAGE = "agentenv/base"
+LABEL = "agentenv.inputs"
+GIT_ENV = {
+    "GIT_AUTHOR_NAME": "agentenv", "GIT_AUTHOR_EMAIL": "agentenv@localhost",
+    "GIT_COMMITTER_NAME": "agentenv", "GIT_COMMITTER_EMAIL": "agentenv@localhost",
+    "GIT_AUTHOR_DATE": "2000-01-01T00:00:00+0000", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00+0000",
+}
+# Files git never tracks in /testbed (byte code, caches, build metadata), so `git diff` shows only edits.
+GIT_EXCLUDES = ["__pycache__/", "*.pyc", ".pytest_cache/", "*.egg-info/", ".eggs/", "build/"]
+
+DOCKERFILE = """\
+FROM {base}
+ENV {env} PYTHONDONTWRITEBYTECODE=1
+COPY wheels /tmp/wheels
+RUN {install} rm -rf /tmp/wheels /root/.cache
+RUN printf '{excludes}' > /etc/gitignore \\
+ && git config --system core.excludesFile /etc/gitignore \\
+ && git config --system init.defaultBranch main \\
+ && git config --system advice.detachedHead false \\
+ && git config --system safe.directory '*'
+COPY src /testbed
+WORKDIR /testbed
+RUN echo /testbed/{pythonpath} > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/testbed.pth" \\
+ && git init -q && git add -A && git commit -q -m '{repo} {version}'
+"""
+
+
+class ImageBuildError(AgentEnvError):
+    """An environment image could not be built (download, checksum or docker build failed)."""
+
+
+@dataclass(frozen=True)
+class ImageRecipe:
+    """What one repository+version image is made of."""
+
+    repo: str                       # distribution name on the registry, e.g. "toolz"
+    version: str                    # pinned version
+    sha256: str                     # of the source distribution
+    pythonpath: str = "."           # folder of /testbed that goes on sys.path ("src" for src layouts)
+    requirements: tuple[str, ...] = field(default_factory=tuple)  # pinned wheels for the wheelhouse
+    base: str = BASE_IMAGE
+
+    @property
+    def tag(self) -> str:
+        return f"agentenv/swe-{re.sub(r'[^a-z0-9._-]+', '-', self.repo.lower())}:{self.version}"
+
+    def inputs_hash(self, base_id: str) -> str:
+        blob = json.dumps({"recipe": asdict(self), "dockerfile": DOCKERFILE, "base": base_id,
+                           "git": GIT_ENV, "excludes": GIT_EXCLUDES}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    d = Path(os.environ.get("AGENTENV_CACHE", "/var/cache/agentenv/swe"))
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _pip(args: Sequence[str], what: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "-q", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise ImageBuildError(f"pip could not download {what}: {r.stderr.strip()[-800:]}",
+                              fix="check that the host reaches the package registry (pip config, proxy)")
+
+
+def fetch_sdist(repo: str, version: str, sha256: str) -> Path:
+    """The source distribution from the registry (cached), checked against its pinned sha256."""
+    folder = cache_dir() / "sdists" / sha256
+    found = [p for p in folder.glob("*.tar.gz")] if folder.exists() else []
+    if not found or _sha256(found[0]) != sha256:
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(dir=cache_dir()))
+        try:
+            _pip(["--no-deps", "--no-binary", ":all:", "-d", str(tmp), f"{repo}=={version}"], f"{repo}=={version}")
+            found = list(tmp.glob("*.tar.gz"))
+            if len(found) != 1:
+                raise ImageBuildError(f"expected one .tar.gz sdist for {repo}=={version}, got {[p.name for p in found]}")
+            got = _sha256(found[0])
+            if got != sha256:
+                raise ImageBuildError(f"{found[0].name}: sha256 {got} differs from the pinned {sha256}",
+                                      fix="the registry served another file: re-pin only after checking it")
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        found = list(folder.glob("*.tar.gz"))
+    return found[0]
+
+
+def extract_sdist(archive: Path, dest: Path) -> Path:
+    """Unpack an sdist's single top folder into ``dest`` (created); returns ``dest``."""
+    with tarfile.open(archive) as tar:
+        members = tar.getmembers()
+        tops = {m.name.split("/", 1)[0] for m in members}
+        if len(tops) != 1:
+            raise ImageBuildError(f"{archive.name}: expected one top folder, got {sorted(tops)[:5]}")
+        tmp = dest.parent / (dest.name + ".unpack")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tar.extractall(tmp, filter="data")
+    shutil.rmtree(dest, ignore_errors=True)
+    (tmp / tops.pop()).rename(dest)
+    shutil.rmtree(tmp, ignore_errors=True)
+    for link in [p for p in dest.rglob("*") if p.is_symlink() and not p.exists()]:
+        link.unlink()  # dangling links (e.g. docs pointing at files the sdist left out) break COPY
+    return dest
+
+
+def fetch_wheels(requirements: Sequence[str]) -> Path:
+    """A wheelhouse with ``requirements`` and their dependencies (cached by the requirement list)."""
+    key = hashlib.sha256("\n".join(sorted(requirements)).encode()).hexdigest()[:16]
+    folder = cache_dir() / "wheels" / key
+    if (folder / ".complete").exists():
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    if requirements:
+        _pip(["--only-binary", ":all:", "-d", str(folder), *requirements], ", ".join(requirements))
+    (folder / ".complete").write_text("\n".join(requirements))
+    return folder
+
+
+def image_inputs(tag: str) -> str | None:
+    """The ``agentenv.inputs`` label of a local image, or None when it is absent."""
+    import docker.errors
+
+    try:
+        attrs = docker_client().api.inspect_image(tag)
+    except docker.errors.ImageNotFound:
+        return None
+    return ((attrs.get("Config") or {}).get("Labels") or {}).get(LABEL)
+
+
+def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str], None] | None = None) -> str:
+    """Build (or find, when its inputs are unchanged) the image of ``recipe``; returns its tag."""
+    import docker.errors
+
+    say = log or (lambda _m: None)
+    client = docker_client()
+    try:
+        base_id = client.api.inspect_image(recipe.base)["Id"]
+    except docker.errors.ImageNotFound:
+        raise ImageBuildError(f"base image {recipe.base!r} is missing", fix="run scripts/bootstrap.sh") from None
+    digest = recipe.inputs_hash(base_id)
+    if not force and image_inputs(recipe.tag) == digest:
+        say(f"[image] {recipe.tag} is up to date ({digest})")
+        return recipe.tag
+    say(f"[image] building {recipe.tag} ({digest})")
+    sdist = fetch_sdist(recipe.repo, recipe.version, recipe.sha256)
+    wheels = fetch_wheels(recipe.requirements)
+    with tempfile.TemporaryDirectory(prefix="agentenv-image-", dir=cache_dir()) as tmp:
+        ctx = Path(tmp)
+        extract_sdist(sdist, ctx / "src")
+        shutil.copytree(wheels, ctx / "wheels")
+        reqs = " ".join(_shell_word(r) for r in recipe.requirements)
+        install = (f"python3 -m pip install --no-index --find-links /tmp/wheels --break-system-packages "
+                   f"--no-warn-script-location -q {reqs} &&" if recipe.requirements else "")
+        (ctx / "Dockerfile").write_text(DOCKERFILE.format(
+            base=recipe.base, env=" ".join(f'{k}="{v}"' for k, v in GIT_ENV.items()), install=install,
+            excludes="\\n".join(GIT_EXCLUDES) + "\\n", pythonpath=recipe.pythonpath,
+            repo=recipe.repo, version=recipe.version))
+        labels = {LABEL: digest, "agentenv.repo": recipe.repo, "agentenv.version": recipe.version}
+        lines: list[str] = []
+        try:
+            for chunk in client.api.build(path=str(ctx), tag=recipe.tag, rm=True, forcerm=True, decode=True,
+                                          network_mode="none", labels=labels, pull=False):
+                if "error" in chunk:
+                    raise ImageBuildError(f"docker build of {recipe.tag} failed: {chunk['error'].strip()}\n"
+                                          + "".join(lines[-20:]))
+                if "stream" in chunk:
+                    lines.append(chunk["stream"])
+        except docker.errors.APIError as e:
+            raise ImageBuildError(f"docker build of {recipe.tag} failed: {e}") from e
+    if image_inputs(recipe.tag) != digest:
+        raise ImageBuildError(f"docker build of {recipe.tag} finished but the image is not there")
+    say(f"[image] built {recipe.tag}")
+    return recipe.tag
+
+
+def _shell_word(s: str) -> str:
+    if re.fullmatch(r"[A-Za-z0-9_.=<>!~,\[\]-]+", s) and not any(c in s for c in "<>"):
+        return s
+    return "'" + s.replace("'", "'\"'\"'") + "'"

@@ -1,0 +1,299 @@
+"""The task-set builder: real libraries, injected bugs, kept only when the library's own tests catch them.
+
+Pipeline (``python -m envs.tasks ...``):
+
+1. ``images``   build one image per pinned library (``libraries.json``; see ``envs.images``).
+2. ``search``   for each library, try mutation sites (``envs.tasks.mutate``) in a seeded order, run the
+                library's own tests in a sandbox with each, and pin the ones where at least one test
+                that passes on the pristine code fails (and at most ``MAX_FAILING`` do, so a bug is
+                specific) into ``mutations.json``.
+3. ``build``    from the pinned specs only: apply each, take the gold patch (``git diff`` back to the
+                pristine code), run the tests with the bug, and write task records with the real
+                FAIL_TO_PASS / PASS_TO_PASS ids (PASS_TO_PASS: the other passing tests of the same test
+                files) and a problem statement made from the failing tests, to ``swe_tasks.jsonl``.
+4. ``validate`` every (or a sample of) task: the unchanged repository, a wrong patch (a no-op edit of
+                the buggy file) and a patch that deletes the failing tests grade as not resolved; the
+                gold patch grades as resolved.
+
+At reset a task's setup commands turn the pristine image into its base commit: reverse-apply the
+gold patch, then start a fresh one-commit history (fixed author and dates, so the commit hash is
+the same everywhere), so the pristine code is not in the repository's history for an agent to find.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shlex
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentenv.sandbox import Sandbox
+from envs.grading import PASSING, failure_messages, grade, parse_pytest
+from envs.swe_env import start_task_sandbox
+from envs.task import SHIPPED, Task, load_tasks, write_tasks
+from envs.tasks.libraries import TEST_COMMAND, Library, load_libraries
+from envs.tasks.mutate import KINDS, MutationError, MutationSpec, apply, candidates
+
+MUTATIONS_FILE = Path(__file__).with_name("mutations.json")
+MAX_FAILING = 25
+PATCH_EOF = "AGENTENV_PATCH_EOF"
+REINIT = "rm -rf .git && git init -q && git add -A && git commit -q -m base"
+
+Log = Callable[[str], None]
+
+
+def setup_commands(gold_patch: str) -> list[str]:
+    """Shell commands (run in /testbed of the pristine image) that make the task's base commit."""
+    body = gold_patch if gold_patch.endswith("\n") else gold_patch + "\n"
+    return [f"git apply -R --whitespace=nowarn <<'{PATCH_EOF}'\n{body}{PATCH_EOF}", REINIT]
+
+
+def _run_tests(sb: Sandbox, lib: Library, timeout: float) -> tuple[dict[str, str], str, bool]:
+    r = sb.exec(TEST_COMMAND.format(tests=" ".join(shlex.quote(t) for t in lib.tests)), timeout=timeout,
+                cwd="/testbed")
+    log = r.stdout + r.stderr
+    return parse_pytest(log), log, r.timed_out
+
+
+@dataclass
+class _Baseline:
+    statuses: dict[str, str]
+    seconds: float
+    commit: str
+
+    @property
+    def passing(self) -> set[str]:
+        return {t for t, s in self.statuses.items() if s == "PASSED"}
+
+
+def _baseline(sb: Sandbox, lib: Library) -> _Baseline:
+    t0 = time.monotonic()
+    statuses, log, timed_out = _run_tests(sb, lib, 600)
+    if timed_out or not any(s == "PASSED" for s in statuses.values()):
+        raise RuntimeError(f"{lib.name}: the pristine test suite does not run:\n{log[-2000:]}")
+    commit = sb.exec("git rev-parse HEAD", cwd="/testbed").stdout.strip()
+    return _Baseline(statuses, time.monotonic() - t0, commit)
+
+
+def _interleave(specs: list[MutationSpec], rng: random.Random) -> list[MutationSpec]:
+    """Candidates in a seeded order that alternates between kinds (so a set mixes them)."""
+    by_kind: dict[str, list[MutationSpec]] = {k: [] for k in KINDS}
+    for s in specs:
+        by_kind[s.kind].append(s)
+    for v in by_kind.values():
+        rng.shuffle(v)
+    out: list[MutationSpec] = []
+    while any(by_kind.values()):
+        for k in KINDS:
+            if by_kind[k]:
+                out.append(by_kind[k].pop())
+    return out
+
+
+def _failing(base: _Baseline, statuses: dict[str, str]) -> list[str]:
+    return sorted(t for t in base.passing if statuses.get(t, "MISSING") not in PASSING)
+
+
+def search(lib: Library, *, keep: int, max_tries: int, seed: int, log: Log) -> list[MutationSpec]:
+    """Pinned-to-be mutation specs of ``lib`` that its own tests catch (see the module doc)."""
+    from envs.images import extract_sdist, fetch_sdist
+
+    src_dir = extract_sdist(fetch_sdist(lib.name, lib.version, lib.sha256),
+                            Path(f"/var/tmp/agentenv-src-{lib.name}-{lib.version}"))
+    sources = {f: (src_dir / f).read_text() for f in lib.mutate}
+    rng = random.Random(f"{lib.name}-{lib.version}-{seed}")
+    order = _interleave([c for f, s in sources.items() for c in candidates(s, f)], rng)
+    kept: list[MutationSpec] = []
+    used_functions: set[tuple[str, str]] = set()
+    per_kind_cap = max(2, (keep + 2) // 3)
+    with Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
+        base = _baseline(sb, lib)
+        timeout = max(30.0, 10 * base.seconds)
+        tries = 0
+        for spec in order:
+            if len(kept) >= keep or tries >= max_tries:
+                break
+            if (spec.file, spec.function) in used_functions or sum(k.kind == spec.kind for k in kept) >= per_kind_cap:
+                continue
+            try:
+                mutated, edit = apply(sources[spec.file], spec)
+            except MutationError:
+                continue
+            tries += 1
+            sb.write_file(f"/testbed/{spec.file}", mutated)
+            try:
+                statuses, _log, timed_out = _run_tests(sb, lib, timeout)
+            finally:
+                sb.exec(f"git checkout -q -- {shlex.quote(spec.file)}", cwd="/testbed")
+            failing = _failing(base, statuses)
+            ok = not timed_out and 1 <= len(failing) <= MAX_FAILING
+            log(f"[search] {lib.name} {spec.function} {spec.kind}#{spec.index}: "
+                f"{'timed out' if timed_out else f'{len(failing)} failing'}{' -> kept' if ok else ''}")
+            if ok:
+                kept.append(spec)
+                used_functions.add((spec.file, spec.function))
+    return kept
+
+
+def write_mutations(found: dict[str, list[MutationSpec]], seed: int, path: Path = MUTATIONS_FILE) -> None:
+    data: dict[str, Any] = {"_comment": "Pinned bug injections (see envs/tasks/mutate.py for the kinds); "
+                                        "written by `python -m envs.tasks search`, read by `build`.",
+                            "seed": seed, "max_failing": MAX_FAILING,
+                            "mutations": {k: [s.to_json() for s in v] for k, v in found.items()}}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def read_mutations(path: Path = MUTATIONS_FILE) -> dict[str, list[MutationSpec]]:
+    data = json.loads(path.read_text())
+    return {k: [MutationSpec.from_json(s) for s in v] for k, v in data["mutations"].items()}
+
+
+def instance_id(lib: Library, spec: MutationSpec) -> str:
+    return f"{lib.name}-{lib.version}__{spec.function}__{spec.kind}_{spec.index}"
+
+
+def problem_statement(lib: Library, failing: list[str], messages: dict[str, str]) -> str:
+    files = sorted({t.split("::", 1)[0] for t in failing})
+    lines = [f"{lib.name} {lib.version}: {len(failing)} of the library's own tests fail "
+             f"({', '.join(files)}).", "", "For example:", ""]
+    for t in failing[:3]:
+        msg = messages.get(t, "").strip() or "the test fails"
+        lines += [f"    {t}", f"        {msg[:300]}", ""]
+    lines.append("The tests are right; the library's code is not. Find the bug in the library's source and fix "
+                 "it so these tests pass again, without breaking the other tests.")
+    return "\n".join(lines)
+
+
+def build_library(lib: Library, specs: Iterable[MutationSpec], log: Log) -> list[Task]:
+    """Task records for ``lib`` from pinned specs (each checked again: it must still fail some test)."""
+    from envs.images import extract_sdist, fetch_sdist
+
+    src_dir = extract_sdist(fetch_sdist(lib.name, lib.version, lib.sha256),
+                            Path(f"/var/tmp/agentenv-src-{lib.name}-{lib.version}"))
+    tasks = []
+    with Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
+        base = _baseline(sb, lib)
+        timeout = max(30.0, 10 * base.seconds)
+        for spec in specs:
+            mutated, _edit = apply((src_dir / spec.file).read_text(), spec)
+            sb.write_file(f"/testbed/{spec.file}", mutated)
+            gold = sb.exec("git diff -R", cwd="/testbed").stdout
+            statuses, test_log, timed_out = _run_tests(sb, lib, timeout)
+            sb.exec(f"git checkout -q -- {shlex.quote(spec.file)}", cwd="/testbed")
+            failing = _failing(base, statuses)
+            if timed_out or not 1 <= len(failing) <= MAX_FAILING:
+                log(f"[build] {lib.name} {spec}: dropped ({len(failing)} failing, timed out={timed_out})")
+                continue
+            cmds = setup_commands(gold)
+            # one command a line: a heredoc's terminator must stand alone on its line
+            script = "\n".join(["set -e", "rm -rf /tmp/tb", "cp -a /testbed /tmp/tb", "cd /tmp/tb", *cmds,
+                                 "git rev-parse HEAD"])
+            r = sb.exec(script, cwd="/tmp")
+            sb.exec("rm -rf /tmp/tb")
+            if r.exit_code != 0:
+                raise RuntimeError(f"{lib.name} {spec}: setup commands fail: {r.stdout + r.stderr}")
+            files = {t.split("::", 1)[0] for t in failing}
+            p2p = sorted(t for t in base.passing - set(failing)
+                         if t.split("::", 1)[0] in files and statuses.get(t) == "PASSED")
+            tid = instance_id(lib, spec)
+            tasks.append(Task.from_json({
+                "instance_id": tid, "repo": f"pypi/{lib.name}", "version": lib.version,
+                "base_commit": r.stdout.strip().splitlines()[-1], "environment_setup_commit": base.commit,
+                "patch": gold, "test_patch": "", "hints_text": "",
+                "problem_statement": problem_statement(lib, failing, failure_messages(test_log)),
+                "FAIL_TO_PASS": failing, "PASS_TO_PASS": p2p, "image": lib.image,
+                "setup_commands": cmds, "test_command": TEST_COMMAND, "log_parser": "pytest",
+                "metadata": {"library": lib.name, "license": lib.license, "mutation": spec.to_json()},
+            }))
+            log(f"[build] {tid}: {len(failing)} FAIL_TO_PASS, {len(p2p)} PASS_TO_PASS")
+    return tasks
+
+
+def build(libraries: list[Library] | None = None, out: Path = SHIPPED, log: Log = print) -> list[Task]:
+    pinned = read_mutations()
+    tasks: list[Task] = []
+    for lib in libraries or load_libraries():
+        tasks += build_library(lib, pinned.get(lib.name, []), log)
+    write_tasks(tasks, out)
+    log(f"[build] wrote {len(tasks)} tasks to {out}")
+    return tasks
+
+
+@dataclass(frozen=True)
+class Verdict:
+    instance_id: str
+    ok: bool
+    detail: str
+
+
+WRONG_NOOP = "wrong patch (a comment added to the buggy file)"
+WRONG_TESTS = "wrong patch (the failing tests deleted)"
+
+
+def validate_task(task: Task) -> Verdict:
+    """Unchanged and wrong patches must not resolve the task; the gold patch must."""
+    problems = []
+    sb = start_task_sandbox(task, cpus=1.0, memory="2g")
+    try:
+        def check(label: str, prepare: str | None, want: bool) -> None:
+            sb.exec("git reset -q --hard && git clean -fdq", cwd="/testbed")
+            if prepare:
+                r = sb.exec(prepare, cwd="/testbed")
+                if r.exit_code != 0:
+                    problems.append(f"{label}: could not apply ({(r.stdout + r.stderr).strip()[:200]})")
+                    return
+            res = grade(sb, task, timeout=600)
+            if res.resolved != want:
+                bad = {t: s for t, s in {**res.fail_to_pass, **res.pass_to_pass}.items() if s not in PASSING}
+                problems.append(f"{label}: resolved={res.resolved}, expected {want} "
+                                f"(not passing: {dict(list(bad.items())[:3])}; {res.error})")
+
+        buggy = task.metadata.get("mutation", {}).get("file") or task.test_files[0]
+        gold_file = "/tmp/.gold.patch"
+        check("unchanged repository", None, False)
+        check(WRONG_NOOP, f"echo '# agentenv: not a fix' >> {shlex.quote(buggy)}", False)
+        files = " ".join(shlex.quote(f) for f in {t.split('::', 1)[0] for t in task.FAIL_TO_PASS})
+        check(WRONG_TESTS, f"rm -f {files}", False)
+        sb.write_file(gold_file, task.patch)
+        check("gold patch", f"git apply --whitespace=nowarn {gold_file} && rm -f {gold_file}", True)
+    finally:
+        sb.close()
+    return Verdict(task.instance_id, not problems, "; ".join(problems) or "ok")
+
+
+def validate(tasks: list[Task], *, budget: float | None = None, log: Log = print) -> list[Verdict]:
+    """Validate tasks in order until the time budget (seconds) is spent."""
+    out: list[Verdict] = []
+    t0 = time.monotonic()
+    for task in tasks:
+        if budget is not None and time.monotonic() - t0 > budget:
+            log(f"[validate] time budget of {budget:g} s spent after {len(out)} tasks")
+            break
+        v = validate_task(task)
+        out.append(v)
+        log(f"[validate] {'ok  ' if v.ok else 'FAIL'} {v.instance_id}" + ("" if v.ok else f": {v.detail}"))
+    return out
+
+
+def sample(tasks: list[Task], n: int, seed: int = 0) -> list[Task]:
+    """``n`` tasks, spread over libraries (round robin over a seeded shuffle)."""
+    rng = random.Random(seed)
+    by_lib: dict[str, list[Task]] = {}
+    for t in tasks:
+        by_lib.setdefault(t.repo, []).append(t)
+    for v in by_lib.values():
+        rng.shuffle(v)
+    out: list[Task] = []
+    while len(out) < n and any(by_lib.values()):
+        for v in by_lib.values():
+            if v and len(out) < n:
+                out.append(v.pop())
+    return out
+
+
+def load(path: Path = SHIPPED) -> list[Task]:
+    return load_tasks(path)
