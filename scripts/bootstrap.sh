@@ -109,7 +109,7 @@ if [ "$SKIP_VENV" = 0 ]; then
     STAMP="$VENV/.agentenv-installed"
     WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
     if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-        log "creating the virtual environment in .venv (torch, ray, ... a few minutes the first time)"
+        log "installing the Python environment in .venv (torch and the project; a few minutes the first time)"
         apt_install python3-venv
         PY="$(command -v python3.11 || command -v python3)"
         [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
