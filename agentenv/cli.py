@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime
 from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -60,6 +62,26 @@ def collect(
         console.print(f"paused expired sandbox {sid}")
     for name in store.gc(max_age):
         console.print(f"removed {name}")
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you mean otherwise)"),
+    port: int = typer.Option(8700, help="TCP port"),
+    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $AGENTENV_TOKEN)")] = None,
+    max_sandboxes: int = typer.Option(64, help="quota: live sandboxes on this server"),
+    max_memory: str = typer.Option("64g", help="quota: memory of the live sandboxes together"),
+    reap_interval: float = typer.Option(5.0, help="seconds between TTL checks (expired sandboxes are paused)"),
+) -> None:
+    """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token."""
+    from agentenv import server
+
+    try:
+        token = server.load_token(token_file)
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, reap_interval=reap_interval)
 
 
 @snapshots_app.command("ls")

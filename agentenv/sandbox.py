@@ -325,13 +325,17 @@ class Sandbox:
         finally:
             s.close()
 
-    def fork(self, n: int = 1) -> builtins.list[Sandbox]:
-        """``n`` independent sandboxes that continue from this instant; this one keeps running."""
-        if not isinstance(n, int) or not 1 <= n <= MAX_FORK:
+    def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[Sandbox]:
+        """``n`` independent sandboxes that continue from this instant; this one keeps running.
+
+        With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
+        and all an episode needs when its state lives in files.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
             raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
         with self._locked():
             self._require_running()
-            snap = self._snapshot(True, leave_running=True, labels={"agentenv.kind": "fork"})
+            snap = self._snapshot(memory, leave_running=True, labels={"agentenv.kind": "fork"})
         try:
             with ThreadPoolExecutor(max_workers=n) as pool:
                 futures = [pool.submit(Sandbox.restore, snap, labels=self.labels) for _ in range(n)]

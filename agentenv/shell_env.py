@@ -35,7 +35,8 @@ class ShellEnv(gym.Env[str, str]):
     metadata = {"render_modes": ["ansi"]}
 
     def __init__(self, image: str = DEFAULT_IMAGE, max_steps: int = 50, timeout: float = 30.0,
-                 render_mode: str | None = None, **sandbox_kwargs: Any) -> None:
+                 render_mode: str | None = None, api: Any = None, **sandbox_kwargs: Any) -> None:
+        self.api = api  # None: this host's sandboxes; or agentenv.connect(...) / agentenv.Pool(...)
         self.observation_space = spaces.Text(max_length=MAX_OBSERVATION, min_length=0, charset=string.printable)
         self.action_space = spaces.Text(max_length=MAX_ACTION, min_length=1, charset=string.printable)
         self.image, self.max_steps, self.timeout = image, max_steps, timeout
@@ -51,7 +52,8 @@ class ShellEnv(gym.Env[str, str]):
         if self.sandbox is not None:
             self.sandbox.close()
         snap = (options or {}).get("snapshot")
-        self.sandbox = Sandbox.restore(snap) if snap else Sandbox.create(self.image, **self._kwargs)
+        factory = Sandbox if self.api is None else self.api.Sandbox
+        self.sandbox = factory.restore(snap) if snap else factory.create(self.image, **self._kwargs)
         self._steps = 0
         self._last = ""
         return "", {"sandbox_id": self.sandbox.id}

@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import gymnasium as gym
 from gymnasium import spaces
 
+import agentenv
 from agentenv.errors import AgentEnvError
 from agentenv.sandbox import Sandbox
 from agentenv.store import Snapshot
@@ -52,10 +52,13 @@ class SetupError(AgentEnvError):
     """A task's sandbox could not be brought to its base commit."""
 
 
-def start_task_sandbox(task: Task, **sandbox_kwargs: Any) -> Sandbox:
-    """A sandbox of ``task.image`` with /testbed at the task's base commit (the image is never rebuilt)."""
+def start_task_sandbox(task: Task, api: Any = agentenv, **sandbox_kwargs: Any) -> Sandbox:
+    """A sandbox of ``task.image`` with /testbed at the task's base commit (the image is never rebuilt).
+
+    ``api`` is ``agentenv`` itself or a remote one (``agentenv.connect(...)``, ``agentenv.Pool``).
+    """
     kwargs = {"cpus": 1.0, "memory": "2g", **sandbox_kwargs}
-    sb = Sandbox.create(task.image, labels={"agentenv.task": task.instance_id}, **kwargs)
+    sb: Sandbox = api.Sandbox.create(task.image, labels={"agentenv.task": task.instance_id}, **kwargs)
     try:
         commands = list(task.setup_commands) or [
             f"git checkout -q -f {shlex.quote(task.base_commit)} && git clean -fdq"]
@@ -89,7 +92,8 @@ class SWEEnv(gym.Env[str, Any]):
     def __init__(self, task: Task | str | Mapping[str, Any] | None = None,
                  tasks: Sequence[Task | str] | None = None, max_steps: int = 50, max_output: int = 10_000,
                  bash_timeout: float = 60.0, test_timeout: float = 900.0, render_mode: str | None = None,
-                 **sandbox_kwargs: Any) -> None:
+                 api: Any = None, **sandbox_kwargs: Any) -> None:
+        self.api = api if api is not None else agentenv  # or a remote client / Pool: the same calls
         self.observation_space = UnicodeText(MAX_OBSERVATION)
         self.action_space = UnicodeText(MAX_ACTION, min_length=1)
         self.render_mode = render_mode
@@ -128,7 +132,7 @@ class SWEEnv(gym.Env[str, Any]):
             return self.restore(opts["snapshot"]), self._info()
         task = self._pick(opts)
         self._close_sandbox()
-        self._attach(start_task_sandbox(task, **self._sandbox_kwargs), task, steps=0)
+        self._attach(start_task_sandbox(task, self.api, **self._sandbox_kwargs), task, steps=0)
         self._last = first_observation(task, SWETools.tools)
         return self._last, self._info()
 
@@ -178,32 +182,11 @@ class SWEEnv(gym.Env[str, Any]):
         """``n`` independent envs continuing this episode from now (each owns a branched sandbox).
 
         An SWE episode keeps its state in files, so by default the children start from a filesystem
-        snapshot (no CRIU dump); ``memory=True`` forks every process too (``Sandbox.fork``).
+        snapshot (no CRIU dump); ``memory=True`` forks every process too.
         """
         if self.sandbox is None or self.task is None:
             raise RuntimeError("call reset() before fork()")
-        if memory:
-            boxes = self.sandbox.fork(n)
-        else:
-            if not isinstance(n, int) or not 1 <= n <= 64:
-                raise ValueError(f"fork count must be an integer in 1..64, got {n!r}")
-            snap = self.sandbox.snapshot(memory=False, labels={"agentenv.kind": "fork"})
-            try:
-                with ThreadPoolExecutor(max_workers=min(n, 8)) as pool:
-                    futures = [pool.submit(Sandbox.restore, snap, labels={"agentenv.task": self.task.instance_id})
-                               for _ in range(n)]
-                boxes, errors = [], []
-                for f in futures:
-                    try:
-                        boxes.append(f.result())
-                    except Exception as e:  # noqa: BLE001 - re-raised below, after cleanup
-                        errors.append(e)
-                if errors:
-                    for b in boxes:
-                        b.close()
-                    raise errors[0]
-            finally:
-                snap.delete()
+        boxes = self.sandbox.fork(n, memory=memory)
         kids = []
         for sb in boxes:
             env = self._clone()
@@ -214,13 +197,13 @@ class SWEEnv(gym.Env[str, Any]):
 
     def restore(self, snapshot: Snapshot | str) -> str:
         """Continue from a snapshot taken with ``snapshot()`` (this env's sandbox is replaced)."""
-        snap = Snapshot.get(snapshot) if isinstance(snapshot, str) else snapshot
+        snap = self.api.Snapshot.get(snapshot) if isinstance(snapshot, str) else snapshot
         tid = snap.labels.get("agentenv.task")
         task = self.task if self.task and self.task.instance_id == tid else resolve_task(tid) if tid else self.task
         if task is None:
             raise TaskError(f"snapshot {snap.id} names no task; reset() with a task first")
         self._close_sandbox()
-        self._attach(Sandbox.restore(snap, labels={"agentenv.task": task.instance_id}), task,
+        self._attach(self.api.Sandbox.restore(snap, labels={"agentenv.task": task.instance_id}), task,
                      int(snap.labels.get("agentenv.steps", "0")))
         self._last = f"Restored snapshot {snap.id} of task {task.instance_id} at step {self.steps}."
         return self._last
@@ -228,7 +211,7 @@ class SWEEnv(gym.Env[str, Any]):
     def _clone(self) -> SWEEnv:
         env = SWEEnv(task=self._default, tasks=self._pool, max_steps=self.max_steps, max_output=self.max_output,
                      bash_timeout=self.bash_timeout, test_timeout=self.test_timeout, render_mode=self.render_mode,
-                     **self._sandbox_kwargs)
+                     api=self.api, **self._sandbox_kwargs)
         return env
 
     # --- the rest ---------------------------------------------------------------------------------

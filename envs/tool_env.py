@@ -23,6 +23,7 @@ from typing import Any
 
 import gymnasium as gym
 
+import agentenv
 from agentenv.sandbox import DEFAULT_IMAGE, Sandbox
 from envs.swe_env import MAX_ACTION, MAX_OBSERVATION, UnicodeText
 from envs.task import TaskError
@@ -167,7 +168,8 @@ class ToolEnv(gym.Env[str, Any]):
 
     def __init__(self, task: str | Mapping[str, Any] | None = None, tasks: Sequence[ToolTask] | None = None,
                  max_steps: int = 10, max_output: int = 4000, timeout: float = 20.0, image: str = DEFAULT_IMAGE,
-                 render_mode: str | None = None, **sandbox_kwargs: Any) -> None:
+                 render_mode: str | None = None, api: Any = None, **sandbox_kwargs: Any) -> None:
+        self.api = api if api is not None else agentenv  # or a remote client / Pool: the same calls
         self.observation_space = UnicodeText(MAX_OBSERVATION)
         self.action_space = UnicodeText(MAX_ACTION, min_length=1)
         self.render_mode = render_mode
@@ -206,7 +208,7 @@ class ToolEnv(gym.Env[str, Any]):
 
     def _box(self) -> Sandbox:
         if self.sandbox is None:
-            sb = Sandbox.create(self.image, **self._sandbox_kwargs)
+            sb = self.api.Sandbox.create(self.image, **self._sandbox_kwargs)
             try:
                 for doc in sorted(DOCS_DIR.iterdir()):
                     sb.write_file(f"{SANDBOX_DOCS}/{doc.name}", doc.read_bytes())

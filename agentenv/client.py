@@ -1,0 +1,392 @@
+"""The remote sandbox API: ``agentenv.connect(url, token)`` mirrors the local one over HTTP.
+
+``client.Sandbox.create(...)``, ``client.Sandbox.restore(snap)``, ``client.Snapshot.list()`` and the
+methods of the sandboxes they return take the same arguments, return the same types (``ExecResult``,
+``Snapshot``, ``Process``, ``Limits``) and raise the same exceptions as ``agentenv.Sandbox`` and
+``agentenv.Snapshot``, so code written against the local API runs unchanged against a server.
+
+Connections are pooled (httpx, keep-alive) and bodies are msgpack. A call that could not reach the
+server is retried (a connection that was never made cannot have done anything); a call that may have
+reached it is retried only when it is idempotent. Every call has a timeout; a server that does not
+answer raises ``ConnectionLost``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import httpx
+
+from agentenv import errors, wire
+from agentenv.channel import OutputCallback
+from agentenv.errors import AgentEnvError, ConnectionLost, SandboxNotFound
+from agentenv.runtime import Limits
+from agentenv.sandbox import DEFAULT_EXEC_TIMEOUT, DEFAULT_IMAGE, ExecResult, Process
+from agentenv.store import Snapshot
+
+DEFAULT_TIMEOUT = 120.0
+CONNECT_TIMEOUT = 5.0
+_RETRY_ALWAYS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_RETRY_IDEMPOTENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadTimeout)
+_BUILTIN_ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
+    FileNotFoundError, ProcessLookupError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
+    ValueError, TypeError)}
+_AGENTENV_ERRORS: dict[str, type[AgentEnvError]] = {
+    name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, AgentEnvError)}
+_STATUS_FALLBACK: dict[int, type[Exception]] = {401: errors.Unauthorized, 404: LookupError, 409: errors.SandboxStateError,
+                                                 429: errors.QuotaExceeded, 507: errors.StoreFullError}
+
+
+def rebuild_error(body: Any, status: int) -> Exception:
+    """The exception a server's error body stands for: the same class as on the server, same message."""
+    if not isinstance(body, dict):
+        body = {"message": str(body)}
+    name, message, fix = body.get("error"), str(body.get("message", "")), body.get("fix")
+    if name in ("ValidationError", "WireError"):
+        return ValueError(message)
+    if name in _BUILTIN_ERRORS:
+        cls = _BUILTIN_ERRORS[name]
+        if issubclass(cls, OSError) and name != "ProcessLookupError":
+            return cls(2 if cls is FileNotFoundError else None, message)
+        return cls(message)
+    agentenv_cls = _AGENTENV_ERRORS.get(str(name))
+    if agentenv_cls is None:
+        fallback = _STATUS_FALLBACK.get(status)
+        if fallback is None or not issubclass(fallback, AgentEnvError):
+            return (fallback or AgentEnvError)(f"server error {status}: {message}")
+        agentenv_cls = fallback
+    exc = agentenv_cls.__new__(agentenv_cls)
+    Exception.__init__(exc, f"{message} — {fix}" if fix else message)
+    exc.fix = fix
+    if isinstance(exc, errors.QuotaExceeded):
+        exc.retry_after = float(body.get("retry_after") or 5.0)
+    return exc
+
+
+class Client:
+    """One server: an HTTP connection pool with the token, and ``Sandbox`` / ``Snapshot`` like the module's."""
+
+    def __init__(self, url: str, token: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3) -> None:
+        self.url = url.rstrip("/")
+        self.timeout, self.retries = timeout, retries
+        self.down = False
+        self.on_sandbox: Callable[[RemoteSandbox], None] | None = None  # told of every sandbox it hands out
+        self._http = httpx.Client(
+            base_url=self.url, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT),
+            headers={"Authorization": f"Bearer {token}", "Accept": wire.MSGPACK},
+            limits=httpx.Limits(max_connections=128, max_keepalive_connections=64, keepalive_expiry=4.0))
+        self.Sandbox = SandboxAPI(self)
+        self.Snapshot = SnapshotAPI(self)
+
+    def __repr__(self) -> str:
+        return f"Client({self.url!r}{', down' if self.down else ''})"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool (sandboxes on the server are not touched)."""
+        self._http.close()
+
+    def server_info(self) -> dict[str, Any]:
+        """Version, capacity (live and free sandboxes and memory) and what the server recovered at start."""
+        return cast(dict[str, Any], self.request("GET", "/v1/server", idempotent=True))
+
+    def request(self, method: str, path: str, body: Any = None, *, params: dict[str, Any] | None = None,
+                content: bytes | None = None, timeout: float | None = None, idempotent: bool = False) -> Any:
+        """One call, retried on connection errors; the decoded reply, or the server's error re-raised."""
+        headers = {}
+        if body is not None:
+            content = wire.encode(body, True)
+            headers["Content-Type"] = wire.MSGPACK
+        elif content is not None:
+            headers["Content-Type"] = "application/octet-stream"
+        t = httpx.Timeout(self.timeout if timeout is None else timeout, connect=CONNECT_TIMEOUT)
+        r = self._send(lambda: self._http.request(method, path, content=content, params=params, headers=headers,
+                                                  timeout=t), idempotent)
+        return self._decode(r)
+
+    def _send(self, call: Callable[[], httpx.Response], idempotent: bool) -> httpx.Response:
+        delay = 0.05
+        for attempt in range(self.retries + 1):
+            try:
+                r = call()
+                self.down = False
+                return r
+            except _RETRY_ALWAYS + _RETRY_IDEMPOTENT as e:
+                retry = isinstance(e, _RETRY_ALWAYS) or idempotent
+                if not retry or attempt == self.retries:
+                    self.down = isinstance(e, _RETRY_ALWAYS)
+                    raise ConnectionLost(f"the server at {self.url} does not answer ({type(e).__name__}: {e})",
+                                         fix="check that 'agentenv serve' runs there and is reachable") from e
+                time.sleep(delay)
+                delay *= 2
+            except httpx.TimeoutException as e:
+                raise ConnectionLost(f"the server at {self.url} did not answer in time ({e})") from e
+        raise AssertionError("unreachable")
+
+    @staticmethod
+    def _decode(r: httpx.Response) -> Any:
+        ctype = r.headers.get("content-type", "")
+        if ctype.startswith("application/octet-stream"):
+            data: Any = r.content
+        elif r.content:
+            try:
+                data = wire.decode(r.content, ctype)
+            except wire.WireError:
+                data = {"message": r.text[:500]}
+        else:
+            data = None
+        if r.status_code >= 400:
+            raise rebuild_error(data, r.status_code)
+        return data
+
+    def exec_stream(self, sandbox_id: str, body: dict[str, Any], on_output: OutputCallback,
+                    timeout: float | None) -> dict[str, Any]:
+        """Run a command with its output passed to ``on_output`` as it comes; returns the result fields."""
+        t = httpx.Timeout(timeout, connect=CONNECT_TIMEOUT)
+        headers = {"Content-Type": wire.MSGPACK}
+
+        def call() -> httpx.Response:
+            req = self._http.build_request("POST", f"/v1/sandboxes/{sandbox_id}/exec/stream",
+                                           content=wire.encode(body, True), headers=headers, timeout=t)
+            return self._http.send(req, stream=True)
+
+        r = self._send(call, idempotent=False)
+        try:
+            if r.status_code >= 400:
+                r.read()
+                self._decode(r)
+            for item in wire.read_frames(r.iter_bytes(), wire.is_msgpack(r.headers.get("content-type"))):
+                if "stream" in item:
+                    on_output(item["stream"], item["data"])
+                elif "result" in item:
+                    return cast(dict[str, Any], item["result"])
+                elif "error" in item:
+                    raise rebuild_error(item["error"], 500)
+        except (httpx.ReadError, httpx.RemoteProtocolError) as e:
+            raise ConnectionLost(f"the server at {self.url} closed the stream ({e})") from e
+        finally:
+            r.close()
+        raise ConnectionLost(f"the server at {self.url} ended the stream without a result")
+
+    def _sandbox(self, info: dict[str, Any]) -> RemoteSandbox:
+        sb = RemoteSandbox(self, info)
+        if self.on_sandbox is not None:
+            self.on_sandbox(sb)
+        return sb
+
+
+def connect(url: str, token: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3) -> Client:
+    """A client of the environment server at ``url``; it has ``.Sandbox`` and ``.Snapshot`` like the module."""
+    return Client(url, token, timeout=timeout, retries=retries)
+
+
+@dataclass(frozen=True)
+class RemoteSnapshot(Snapshot):
+    """A snapshot in a server's store; ``delete`` removes it there."""
+
+    client: Client | None = field(default=None, repr=False, compare=False)
+
+    def delete(self, background: bool = False) -> None:
+        assert self.client is not None
+        self.client.request("DELETE", f"/v1/snapshots/{self.id}", params={"background": background}, idempotent=True)
+
+
+def _snapshot(client: Client, info: dict[str, Any]) -> RemoteSnapshot:
+    return RemoteSnapshot(id=info["id"], parent_id=info.get("parent_id"), created_at=info["created_at"],
+                          size_bytes=info["size_bytes"], has_memory=info["has_memory"],
+                          sandbox_id=info.get("sandbox_id"), labels=dict(info.get("labels") or {}), client=client)
+
+
+class RemoteProcess(Process):
+    """A background process in a remote sandbox."""
+
+    sandbox: RemoteSandbox  # type: ignore[assignment]
+
+    def __init__(self, sandbox: RemoteSandbox, pid: int, log: str, command: str) -> None:
+        super().__init__(cast(Any, sandbox), pid, log, command)
+
+    @property
+    def exit_code(self) -> int | None:
+        info = self.sandbox._client.request("GET", f"/v1/sandboxes/{self.sandbox.id}/processes/{self.pid}",
+                                            idempotent=True)
+        return cast(int | None, info["exit_code"])
+
+    def kill(self, signal: int = 9) -> None:
+        self.sandbox._client.request("POST", f"/v1/sandboxes/{self.sandbox.id}/processes/{self.pid}/kill",
+                                     {"signal": signal})
+
+
+class RemoteSandbox:
+    """A sandbox on a server, with the methods and properties of ``agentenv.Sandbox``."""
+
+    def __init__(self, client: Client, info: dict[str, Any]) -> None:
+        self._client, self._info = client, info
+        self.id: str = info["id"]
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"RemoteSandbox(id={self.id!r}, server={self._client.url!r})"
+
+    def __enter__(self) -> RemoteSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def client(self) -> Client:
+        return self._client
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/v1/sandboxes/{self.id}{suffix}"
+
+    def _call(self, method: str, suffix: str, body: Any = None, **kw: Any) -> Any:
+        if self._closed:
+            raise errors.SandboxStateError(f"sandbox {self.id} is closed")
+        return self._client.request(method, self._path(suffix), body, **kw)
+
+    # properties
+    @property
+    def state(self) -> str:
+        """'running', 'paused', 'closed', or 'lost' (its processes died, or its server stopped answering)."""
+        if self._closed:
+            return "closed"
+        try:
+            self._info = self._client.request("GET", self._path(), idempotent=True)
+        except SandboxNotFound:
+            return "closed"
+        except ConnectionLost:
+            return "lost"
+        return str(self._info["state"])
+
+    @property
+    def image(self) -> str:
+        return str(self._info["image"])
+
+    @property
+    def created_at(self) -> float:
+        return float(self._info["created_at"])
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self._info["labels"])
+
+    @property
+    def expires_at(self) -> float | None:
+        return cast(float | None, self._info.get("expires_at"))
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(**self._info["limits"])
+
+    def set_ttl(self, ttl: float) -> None:
+        """Extend (or shorten) the time to live, counted from now."""
+        self._info = self._call("POST", "/ttl", {"ttl": ttl})
+
+    # commands and files
+    def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
+             env: dict[str, str] | None = None, on_output: OutputCallback | None = None) -> ExecResult:
+        """Run ``command`` with /bin/sh in the sandbox; ``on_output`` streams output as it comes."""
+        body = {"command": command, "timeout": timeout, "cwd": cwd, "env": env or {}}
+        wait = None if timeout is None else max(timeout, 0) + self._client.timeout
+        if on_output is not None:
+            if self._closed:
+                raise errors.SandboxStateError(f"sandbox {self.id} is closed")
+            r = self._client.exec_stream(self.id, body, on_output, wait)
+        else:
+            r = self._call("POST", "/exec", body, timeout=wait)
+        return ExecResult(exit_code=r["exit_code"], stdout=r["stdout"], stderr=r["stderr"], duration=r["duration"],
+                          timed_out=r["timed_out"])
+
+    def spawn(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None) -> RemoteProcess:
+        p = self._call("POST", "/spawn", {"command": command, "cwd": cwd, "env": env or {}})
+        return RemoteProcess(self, p["pid"], p["log"], p["command"])
+
+    def processes(self) -> builtins.list[RemoteProcess]:
+        return [RemoteProcess(self, p["pid"], p["log"], p["command"])
+                for p in self._call("GET", "/processes", idempotent=True)]
+
+    def read_file(self, path: str) -> bytes:
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise ValueError(f"path must be a non-empty string, got {path!r}")
+        return cast(bytes, self._call("GET", "/files", params={"path": path}, idempotent=True))
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write a whole file atomically, creating parent folders."""
+        if not isinstance(path, str) or not path or "\0" in path:
+            raise ValueError(f"path must be a non-empty string, got {path!r}")
+        payload = data.encode() if isinstance(data, str) else bytes(data)
+        self._call("PUT", "/files", params={"path": path, "mode": mode}, content=payload, idempotent=True)
+
+    # snapshots
+    def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> RemoteSnapshot:
+        return _snapshot(self._client, self._call("POST", "/snapshot", {"memory": memory, "labels": labels or {}}))
+
+    def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
+        """``n`` sandboxes that continue from this instant, on the same server."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise ValueError(f"fork count must be an integer, got {n!r}")
+        return [self._client._sandbox(info)
+                for info in self._call("POST", "/fork", {"count": n, "memory": bool(memory)})]
+
+    def pause(self) -> RemoteSnapshot:
+        return _snapshot(self._client, self._call("POST", "/pause"))
+
+    def resume(self) -> None:
+        self._info = self._call("POST", "/resume")
+
+    def close(self) -> None:
+        """Remove the sandbox on the server; idempotent."""
+        if self._closed:
+            return
+        with contextlib.suppress(SandboxNotFound):
+            self._client.request("DELETE", self._path(), idempotent=True)
+        self._closed = True
+
+
+class SandboxAPI:
+    """``client.Sandbox``: the class methods of ``agentenv.Sandbox``, on one server."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def create(self, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
+               network: bool = False, env: dict[str, str] | None = None, workdir: str | None = None,
+               ttl: float | None = None, labels: dict[str, str] | None = None) -> RemoteSandbox:
+        body = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "network": network, "env": env or {},
+                "workdir": workdir, "ttl": ttl, "labels": labels or {}}
+        return self._client._sandbox(self._client.request("POST", "/v1/sandboxes", body))
+
+    def restore(self, snapshot: Snapshot | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
+        sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        info = self._client.request("POST", f"/v1/snapshots/{sid}/restore", {"labels": labels or {}})
+        return self._client._sandbox(info)
+
+    def get(self, sandbox_id: str) -> RemoteSandbox:
+        return self._client._sandbox(self._client.request("GET", f"/v1/sandboxes/{sandbox_id}", idempotent=True))
+
+    def list(self) -> list[RemoteSandbox]:
+        return [self._client._sandbox(i) for i in self._client.request("GET", "/v1/sandboxes", idempotent=True)]
+
+
+class SnapshotAPI:
+    """``client.Snapshot``: ``get`` and ``list`` of ``agentenv.Snapshot``, on one server."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+
+    def get(self, snapshot_id: str) -> RemoteSnapshot:
+        return _snapshot(self._client, self._client.request("GET", f"/v1/snapshots/{snapshot_id}", idempotent=True))
+
+    def list(self) -> list[RemoteSnapshot]:
+        return [_snapshot(self._client, i) for i in self._client.request("GET", "/v1/snapshots", idempotent=True)]

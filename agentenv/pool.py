@@ -1,0 +1,154 @@
+"""``agentenv.Pool([...urls])``: several environment servers behind one sandbox API.
+
+New sandboxes go to the server with the most free capacity (free sandbox slots, then free memory);
+forks stay on their source's server (``fork`` is a call on the sandbox, which knows its server); a
+restore goes to the server holding the snapshot. A server that stops answering is marked down: new
+sandboxes skip it, its sandboxes are reported lost (``Pool.lost()``, and ``state == 'lost'``), and
+the other servers keep working. A down server is probed again at most every ``reprobe`` seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from agentenv.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
+from agentenv.errors import AgentEnvError, ConnectionLost, QuotaExceeded, SandboxNotFound, SnapshotNotFound
+from agentenv.sandbox import DEFAULT_IMAGE
+from agentenv.store import Snapshot
+
+T = TypeVar("T")
+
+
+class Pool:
+    """Servers at ``urls`` (one token for all, or one per url) used as one; ``.Sandbox`` and ``.Snapshot``."""
+
+    def __init__(self, urls: Sequence[str], token: str | Sequence[str], *, timeout: float = DEFAULT_TIMEOUT,
+                 retries: int = 1, reprobe: float = 10.0) -> None:
+        if not urls:
+            raise ValueError("a pool needs at least one server url")
+        tokens = [token] * len(urls) if isinstance(token, str) else list(token)
+        if len(tokens) != len(urls):
+            raise ValueError(f"{len(urls)} urls but {len(tokens)} tokens")
+        self.clients = [Client(u, t, timeout=timeout, retries=retries) for u, t in zip(urls, tokens, strict=True)]
+        self.reprobe = reprobe
+        self._known: dict[str, RemoteSandbox] = {}
+        self._lock = threading.Lock()
+        self._probed: dict[str, float] = {}
+        for c in self.clients:
+            c.on_sandbox = self._seen
+        self.Sandbox = PoolSandboxAPI(self)
+        self.Snapshot = PoolSnapshotAPI(self)
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+    def _seen(self, sb: RemoteSandbox) -> None:
+        with self._lock:
+            self._known[sb.id] = sb
+
+    def up(self) -> list[Client]:
+        """The servers not marked down (a down one is probed again once ``reprobe`` seconds have passed)."""
+        now = time.monotonic()
+        for c in self.clients:
+            if c.down and now - self._probed.get(c.url, 0.0) >= self.reprobe:
+                self._probed[c.url] = now
+                with contextlib.suppress(ConnectionLost):
+                    c.request("GET", "/health", idempotent=True)
+        return [c for c in self.clients if not c.down]
+
+    def lost(self) -> list[str]:
+        """Ids of the sandboxes this pool has seen on servers that are now down."""
+        with self._lock:
+            return sorted(sid for sid, sb in self._known.items() if sb.client.down and not sb._closed)
+
+    def _each(self, fn: Callable[[Client], T]) -> list[tuple[Client, T]]:
+        """``fn`` on every server that is up; one that fails to answer is marked down and skipped."""
+        out = []
+        for c in self.up():
+            try:
+                out.append((c, fn(c)))
+            except ConnectionLost:
+                continue
+        return out
+
+    def _by_free_capacity(self) -> list[Client]:
+        def key(item: tuple[Client, dict[str, Any]]) -> tuple[int, int]:
+            cap = item[1]["capacity"]
+            return int(cap["free_sandboxes"]), int(cap["free_memory"])
+
+        ranked = sorted(self._each(lambda c: c.server_info()), key=key, reverse=True)
+        return [c for c, info in ranked if info["capacity"]["free_sandboxes"] > 0]
+
+    def place(self, fn: Callable[[Client], T]) -> T:
+        """Run ``fn`` on the server with the most free capacity, falling back to the next when one is full or down."""
+        last: AgentEnvError | None = None
+        for c in self._by_free_capacity():
+            try:
+                return fn(c)
+            except (QuotaExceeded, ConnectionLost) as e:
+                last = e
+        if last is not None:
+            raise last
+        raise QuotaExceeded("no server in the pool has room for a sandbox (or none answers)", retry_after=5.0)
+
+
+class PoolSandboxAPI:
+    """``pool.Sandbox``: create on the freest server; get, list and restore across the pool."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def create(self, image: str = DEFAULT_IMAGE, **kwargs: Any) -> RemoteSandbox:
+        return self._pool.place(lambda c: c.Sandbox.create(image, **kwargs))
+
+    def restore(self, snapshot: Snapshot | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
+        if isinstance(snapshot, RemoteSnapshot) and snapshot.client is not None:
+            return snapshot.client.Sandbox.restore(snapshot, labels=labels)
+        sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        return self._pool.Snapshot.get(sid).client.Sandbox.restore(sid, labels=labels)  # type: ignore[union-attr]
+
+    def get(self, sandbox_id: str) -> RemoteSandbox:
+        for c in self._pool.up():
+            try:
+                return c.Sandbox.get(sandbox_id)
+            except (SandboxNotFound, ConnectionLost):
+                continue
+        raise SandboxNotFound(f"no sandbox {sandbox_id!r} on any server of the pool that answers")
+
+    def list(self) -> list[RemoteSandbox]:
+        """Every sandbox on the servers that answer, and the ones last seen on servers that are down."""
+        found = [sb for _, sbs in self._pool._each(lambda c: c.Sandbox.list()) for sb in sbs]
+        seen = {sb.id for sb in found}
+        with self._pool._lock:
+            gone = [sb for sid, sb in self._pool._known.items() if sb.client.down and sid not in seen and not sb._closed]
+        return sorted(found + gone, key=lambda s: s.created_at)
+
+
+class PoolSnapshotAPI:
+    """``pool.Snapshot``: snapshots across the pool's servers."""
+
+    def __init__(self, pool: Pool) -> None:
+        self._pool = pool
+
+    def get(self, snapshot_id: str) -> RemoteSnapshot:
+        for c in self._pool.up():
+            try:
+                return c.Snapshot.get(snapshot_id)
+            except (SnapshotNotFound, ConnectionLost):
+                continue
+        raise SnapshotNotFound(f"no snapshot {snapshot_id!r} on any server of the pool that answers")
+
+    def list(self) -> list[RemoteSnapshot]:
+        return sorted((s for _, snaps in self._pool._each(lambda c: c.Snapshot.list()) for s in snaps),
+                      key=lambda s: s.created_at)

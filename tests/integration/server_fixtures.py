@@ -1,0 +1,68 @@
+"""A real environment server on a free loopback port, in a thread or in a child process, for the tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from agentenv.server import create_app
+
+TOKEN = "test-token-" + "x" * 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"the server at {url} did not come up")
+
+
+@contextmanager
+def threaded_server(token: str = TOKEN, **app_kwargs: object) -> Iterator[str]:
+    """uvicorn serving ``create_app`` in a thread of this process; yields its url and stops it after."""
+    port = free_port()
+    config = uvicorn.Config(create_app(token, **app_kwargs), host="127.0.0.1", port=port,  # type: ignore[arg-type]
+                            log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="agentenv-test-server", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def start_server_process(port: int, token_file: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """``agentenv serve`` as a child process (same $AGENTENV_HOME), waited for until it answers."""
+    code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"
+    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port), "--token-file", str(token_file),
+                             "--reap-interval", "0.5", *extra], env=dict(os.environ), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    wait_healthy(f"http://127.0.0.1:{port}", proc)
+    return proc

@@ -1,0 +1,186 @@
+"""The environment server on loopback: abuse (tokens, ids, bodies, paths), quotas, TTL, streaming, metrics, schemathesis."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import msgpack
+import pytest
+
+import agentenv
+from agentenv import wire
+from agentenv.errors import QuotaExceeded, SandboxStateError, Unauthorized
+
+from .server_fixtures import TOKEN, threaded_server
+
+pytestmark = pytest.mark.integration
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def url():
+    with threaded_server(max_sandboxes=8, reap_interval=0.2) as u:
+        yield u
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    c = agentenv.connect(url, TOKEN)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def sb(client):
+    with client.Sandbox.create(memory="256m") as s:
+        yield s
+
+
+def test_wrong_token_changes_nothing(url, sb):
+    before = {s.id for s in agentenv.Sandbox.list()}
+    bad = agentenv.connect(url, "not-the-token")
+    try:
+        with pytest.raises(Unauthorized):
+            bad.Sandbox.create()
+        with pytest.raises(Unauthorized):
+            bad.Sandbox.get(sb.id).exec("touch /tmp/pwned")
+        r = httpx.delete(f"{url}/v1/sandboxes/{sb.id}")
+        assert r.status_code == 401
+        r = httpx.post(f"{url}/v1/sandboxes/{sb.id}/exec", json={"command": "touch /tmp/pwned"},
+                       headers={"Authorization": "Bearer " + TOKEN[:-1]})
+        assert r.status_code == 401
+    finally:
+        bad.close()
+    assert {s.id for s in agentenv.Sandbox.list()} == before
+    assert sb.exec("test -e /tmp/pwned").exit_code == 1
+
+
+def test_bodies_in_msgpack_and_json(url, sb):
+    r = httpx.post(f"{url}/v1/sandboxes/{sb.id}/exec", content=msgpack.packb({"command": "echo mp"}),
+                   headers={**AUTH, "Content-Type": wire.MSGPACK, "Accept": wire.MSGPACK})
+    assert r.headers["content-type"] == wire.MSGPACK and msgpack.unpackb(r.content)["stdout"] == "mp\n"
+    r = httpx.post(f"{url}/v1/sandboxes/{sb.id}/exec", json={"command": "echo js"}, headers=AUTH)
+    assert r.headers["content-type"] == wire.JSON and r.json()["stdout"] == "js\n"
+    for body, ctype in [(b"\xc1\x00", wire.MSGPACK), (b"{", wire.JSON), (msgpack.packb({"command": 5}), wire.MSGPACK),
+                        (json.dumps({"command": "x", "env": {"A": 1}}).encode(), wire.JSON)]:
+        r = httpx.post(f"{url}/v1/sandboxes/{sb.id}/exec", content=body, headers={**AUTH, "Content-Type": ctype})
+        assert 400 <= r.status_code < 500 and r.json()["message"], (body, r.text)
+
+
+def test_streaming_exec_in_ndjson(url, sb):
+    with httpx.stream("POST", f"{url}/v1/sandboxes/{sb.id}/exec/stream", json={"command": "echo a; sleep 0.3; echo b"},
+                      headers=AUTH) as r:
+        assert r.headers["content-type"].startswith(wire.NDJSON)
+        frames = [json.loads(line) for line in r.iter_lines() if line]
+    out = b"".join(base64.b64decode(f["data"]) for f in frames if "stream" in f)
+    assert out == b"a\nb\n" and len(frames) >= 3
+    assert frames[-1]["result"]["stdout"] == "a\nb\n"
+
+
+def test_file_routes_stay_inside_the_sandbox(client, sb):
+    marker = f"agentenv-escape-{uuid.uuid4().hex}"
+    for path in (f"../../../../../../tmp/{marker}", f"/../../../tmp/{marker}", f"/proc/1/root/tmp/{marker}"):
+        sb.write_file(path, "x")
+        assert not Path(f"/tmp/{marker}").exists()
+    assert sb.exec(f"cat /tmp/{marker}").stdout == "x"  # it landed in the sandbox's own /tmp
+    host_file = Path(f"/tmp/{marker}-host")
+    host_file.write_text("host secret")
+    try:
+        for path in (f"/../../../../tmp/{marker}-host", f"../../../../../tmp/{marker}-host",
+                     f"/proc/1/root/tmp/{marker}-host"):
+            with pytest.raises(FileNotFoundError):
+                sb.read_file(path)
+    finally:
+        host_file.unlink()
+    sb.exec(f"ln -sf / /tmp/root-link-{marker}")
+    sb.write_file(f"/tmp/root-link-{marker}/tmp/{marker}-2", "y")
+    assert not Path(f"/tmp/{marker}-2").exists()
+    r = httpx.get(f"{client.url}/v1/sandboxes/{sb.id}/files", params={"path": "/etc/\x00passwd"}, headers=AUTH)
+    assert r.status_code == 422
+
+
+def test_quota_is_429_and_retry_after(sb):
+    live = sum(1 for s in agentenv.Sandbox.list() if s.state == "running")  # the quota counts the whole host
+    with threaded_server(max_sandboxes=live + 1, reap_interval=60) as u:
+        c = agentenv.connect(u, TOKEN)
+        try:
+            with c.Sandbox.create(memory="256m") as one:
+                with pytest.raises(QuotaExceeded) as e:
+                    c.Sandbox.create(memory="256m")
+                assert e.value.retry_after > 0
+                with pytest.raises(QuotaExceeded):
+                    one.fork(1)
+                r = httpx.post(f"{u}/v1/sandboxes", json={}, headers=AUTH)
+                assert r.status_code == 429 and int(r.headers["retry-after"]) > 0
+                assert one.exec("echo still fine").stdout == "still fine\n"
+            with pytest.raises(QuotaExceeded):
+                c.Sandbox.create(memory="100g")  # past the memory quota (64g by default)
+        finally:
+            c.close()
+
+
+def test_ttl_pauses_never_destroys_and_can_be_extended(client):
+    s = client.Sandbox.create(memory="256m", ttl=0.5)
+    try:
+        s.write_file("/testbed/state", "kept")
+        deadline = time.monotonic() + 60
+        while s.state != "paused" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert s.state == "paused"
+        with pytest.raises(SandboxStateError):
+            s.exec("true")
+        s.set_ttl(3600)
+        s.resume()
+        assert s.read_file("/testbed/state") == b"kept"
+        assert s.expires_at is not None and s.expires_at > time.time() + 3000
+    finally:
+        s.close()
+
+
+def test_metrics_and_health_are_open(url, sb):
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    text = httpx.get(f"{url}/metrics").text
+    assert 'agentenv_sandboxes{state="running"}' in text
+    assert "agentenv_snapshot_store_bytes" in text
+    assert 'agentenv_operation_seconds_count{op="exec_command"}' in text
+
+
+SCHEMATHESIS_CONFIG = """
+[dictionaries.sandboxes]
+values = ["{sandbox}"]
+
+[parameters]
+"path.sandbox_id" = {{ dictionary = "sandboxes", probability = 0.5 }}
+"""
+
+
+def test_schemathesis_finds_no_server_error_and_no_spec_violation(tmp_path):
+    """Fuzz every route from the served OpenAPI spec: half the sandbox ids are a real sandbox's."""
+    with threaded_server(max_sandboxes=3, max_memory="2g", reap_interval=60) as u:
+        c = agentenv.connect(u, TOKEN)
+        try:
+            real = c.Sandbox.create(memory="256m")
+            config = tmp_path / "schemathesis.toml"
+            config.write_text(SCHEMATHESIS_CONFIG.format(sandbox=real.id))
+            env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.integration.schemathesis_hooks",
+                   "PYTHONPATH": str(Path(__file__).parents[2])}
+            cmd = [str(Path(sys.executable).parent / "schemathesis"), "--config-file", str(config), "run",
+                   f"{u}/openapi.json", "-H", f"Authorization: Bearer {TOKEN}", "--checks", "all",
+                   "--max-examples", "12", "--seed", "7", "--continue-on-failure", "--request-timeout", "120"]
+            p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, check=False,
+                               cwd=Path(__file__).parents[2])
+            assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-2000:]
+        finally:
+            for s in c.Sandbox.list():
+                s.close()
+            for snap in c.Snapshot.list():
+                snap.delete()
+            c.close()

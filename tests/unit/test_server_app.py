@@ -1,0 +1,127 @@
+"""The server app without Docker: token checks, bad bodies, quotas, the OpenAPI contract, refusing to run open."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+from fastapi.testclient import TestClient
+from typer.testing import CliRunner
+
+from agentenv import server, wire
+from agentenv.cli import app as cli_app
+
+TOKEN = "unit-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def client(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    with TestClient(server.create_app(TOKEN, max_sandboxes=0, reap_interval=60)) as c:
+        yield c
+
+
+def test_no_or_wrong_token_is_401_and_nothing_happens(client, tmp_path):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
+        r = client.post("/v1/sandboxes", json={"image": "agentenv/base"}, headers=headers)
+        assert r.status_code == 401, headers
+        assert r.json()["error"] == "Unauthorized"
+        assert r.headers["www-authenticate"] == "Bearer"
+    # malformed bodies are refused for the token first, before they are even parsed
+    r = client.post("/v1/sandboxes", content=b"\xc1", headers={"Content-Type": wire.MSGPACK})
+    assert r.status_code == 401
+    assert list((tmp_path / "sandboxes").iterdir()) == []
+    assert client.get("/health").status_code == 200  # open
+    assert client.get("/metrics").status_code == 200  # open
+    assert client.get("/v1/sandboxes", headers=AUTH).json() == []
+
+
+def test_bad_bodies_are_4xx_with_a_reason(client):
+    cases = [
+        (b"\xc1\xc1", wire.MSGPACK, 400),       # not msgpack
+        (b"{not json", wire.JSON, 422),          # not JSON
+        (msgpack.packb([1, 2]), wire.MSGPACK, 422),
+    ]
+    for body, ctype, code in cases:
+        r = client.post("/v1/sandboxes", content=body, headers={**AUTH, "Content-Type": ctype})
+        assert r.status_code == code, (body, r.text)
+        assert r.json()["message"]
+    bad_json = [{"cpus": "many"}, {"cpus": -1}, {"memory": "-5g"}, {"memory": 0}, {"pids": -5}, {"ttl": -1},
+                {"memory": "lots"}, {"workdir": "relative"}, {"workdir": "/proc/self"}, {"env": {"A=B": "x"}},
+                {"labels": {"k": 1}}, {"surprise": True}]
+    for body in bad_json:
+        r = client.post("/v1/sandboxes", json=body, headers=AUTH)
+        assert r.status_code == 422, (body, r.text)
+        assert r.json()["error"] == "ValidationError" and r.json()["message"]
+    r = client.post("/v1/sandboxes/sb-x/fork", json={"count": 10_000}, headers=AUTH)
+    assert r.status_code == 422 and "count" in r.json()["message"]
+    r = client.post("/v1/sandboxes/sb-x/exec", json={"command": "true", "timeout": -1}, headers=AUTH)
+    assert r.status_code == 422 and "timeout" in r.json()["message"]
+    r = client.get("/v1/sandboxes/sb-x/files", params={"path": "/a\x00b"}, headers=AUTH)
+    assert r.status_code == 422
+
+
+def test_unknown_ids_are_404_with_the_id(client):
+    r = client.get("/v1/sandboxes/sb-nothere", headers=AUTH)
+    assert r.status_code == 404 and r.json()["id"] == "sb-nothere" and r.json()["error"] == "SandboxNotFound"
+    r = client.delete("/v1/snapshots/snap-nothere", headers=AUTH)
+    assert r.status_code == 404 and r.json()["id"] == "snap-nothere" and r.json()["error"] == "SnapshotNotFound"
+    r = client.post("/v1/snapshots/snap-nothere/restore", json={}, headers={**AUTH, "Accept": wire.MSGPACK})
+    assert r.status_code == 404 and r.headers["content-type"] == wire.MSGPACK
+    assert msgpack.unpackb(r.content)["id"] == "snap-nothere"
+
+
+def test_quota_is_429_with_retry_after(client):
+    r = client.post("/v1/sandboxes", json={}, headers=AUTH)  # max_sandboxes=0
+    assert r.status_code == 429
+    assert int(r.headers["retry-after"]) > 0
+    assert r.json()["error"] == "QuotaExceeded"
+    info = client.get("/v1/server", headers=AUTH).json()
+    assert info["capacity"]["free_sandboxes"] == 0
+
+
+def test_msgpack_and_json_are_chosen_by_accept(client):
+    r = client.get("/v1/server", headers={**AUTH, "Accept": wire.MSGPACK})
+    assert r.headers["content-type"] == wire.MSGPACK and "capacity" in msgpack.unpackb(r.content)
+    r = client.get("/v1/server", headers={**AUTH, "Accept": wire.JSON})
+    assert r.headers["content-type"] == wire.JSON and "capacity" in r.json()
+
+
+def test_openapi_describes_every_route_error_and_msgpack(client):
+    spec = client.get("/openapi.json").json()
+    routes = {(m.upper(), p) for p, item in spec["paths"].items() for m in item}
+    for needed in [("POST", "/v1/sandboxes"), ("GET", "/v1/sandboxes"), ("GET", "/v1/sandboxes/{sandbox_id}"),
+                   ("DELETE", "/v1/sandboxes/{sandbox_id}"), ("POST", "/v1/sandboxes/{sandbox_id}/exec"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/exec/stream"), ("POST", "/v1/sandboxes/{sandbox_id}/spawn"),
+                   ("GET", "/v1/sandboxes/{sandbox_id}/files"), ("PUT", "/v1/sandboxes/{sandbox_id}/files"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/snapshot"), ("POST", "/v1/sandboxes/{sandbox_id}/fork"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/pause"), ("POST", "/v1/sandboxes/{sandbox_id}/resume"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/ttl"), ("POST", "/v1/snapshots/{snapshot_id}/restore"),
+                   ("GET", "/v1/snapshots"), ("DELETE", "/v1/snapshots/{snapshot_id}")]:
+        assert needed in routes, needed
+    for path, item in spec["paths"].items():
+        for method, op in item.items():
+            if path not in server.OPEN_PATHS:
+                assert "401" in op["responses"] and "default" in op["responses"], (method, path)
+                assert op.get("security"), (method, path)
+            body = op.get("requestBody", {}).get("content", {})
+            if wire.JSON in body:
+                assert wire.MSGPACK in body, (method, path)
+    assert "bearer" in str(spec["components"]["securitySchemes"]).lower()
+
+
+def test_the_server_refuses_to_run_without_a_token(monkeypatch, tmp_path):
+    monkeypatch.delenv(server.TOKEN_ENV, raising=False)
+    with pytest.raises(ValueError, match="token"):
+        server.create_app("")
+    with pytest.raises(ValueError, match="token"):
+        server.load_token(None)
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    result = CliRunner().invoke(cli_app, ["serve", "--token-file", str(empty)])
+    assert result.exit_code == 2 and "token" in result.output
+    good = tmp_path / "tok"
+    good.write_text("s3cret\n")
+    assert server.load_token(good) == "s3cret"
+    monkeypatch.setenv(server.TOKEN_ENV, "from-env")
+    assert server.load_token(None) == "from-env"
