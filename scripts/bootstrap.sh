@@ -53,7 +53,10 @@ log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
 # --- 2. CRIU >= 4 -------------------------------------------------------------------------
 # Patches to 4.1.1 (scripts/criu-patches): kernels >= 6.16 answer EOPNOTSUPP for SO_PASSCRED on
 # TCP sockets, which makes CRIU 4.1.1 fail to dump any process holding one.
-PATCH_STAMP="$(cat "$ROOT"/scripts/criu-patches/*.patch | sha256sum | cut -c1-16)"
+# RUNDIR: where CRIU caches its kernel probe (criu.kdat, ~30 ms a run); it keeps it only on a tmpfs,
+# and /run is not always one, so our build uses a small tmpfs of its own (mounted by agentenv).
+CRIU_RUNDIR=/run/agentenv-criu
+PATCH_STAMP="$( { cat "$ROOT"/scripts/criu-patches/*.patch; echo "RUNDIR=$CRIU_RUNDIR"; } | sha256sum | cut -c1-16)"
 criu_ok() {  # our patched build, or an upstream release that has the fix (>= 4.2)
     command -v criu >/dev/null 2>&1 || return 1
     local v; v="$(criu --version 2>/dev/null | awk '/^Version/{print $2}')"
@@ -86,7 +89,8 @@ SRC
         echo "$CRIU_SHA256  $tarball" | sha256sum -c --status || die "sha256 mismatch for $tarball"
         rm -rf "$src" && tar -C "$CACHE" -xf "$tarball"
         for p in "$ROOT"/scripts/criu-patches/*.patch; do patch -d "$src" -p1 -s <"$p" || die "patch $p failed"; done
-        make -C "$src" -j"$(nproc)" criu >"$CACHE/criu-build.log" 2>&1 || die "CRIU build failed: $CACHE/criu-build.log"
+        make -C "$src" -j"$(nproc)" criu RUNDIR="$CRIU_RUNDIR" >"$CACHE/criu-build.log" 2>&1 \
+            || die "CRIU build failed: $CACHE/criu-build.log"
         make -C "$src" lib >>"$CACHE/criu-build.log" 2>&1 || die "pycriu build failed: $CACHE/criu-build.log"
         echo "$PATCH_STAMP" >"$src/.patches"
     fi
