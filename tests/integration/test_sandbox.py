@@ -1,4 +1,4 @@
-"""Sandbox basics on a real runc + Docker image: exec, streaming, files, spawn, timeouts, defaults."""
+"""Local-only sandbox behaviour; the rest runs against both the local and the remote API (test_api_contract.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv.errors import ImageNotFound, SandboxStateError
+from agentenv.errors import ImageNotFound
 
 pytestmark = pytest.mark.integration
 
@@ -21,36 +21,8 @@ def sb():
         yield s
 
 
-def test_exec_returns_code_output_and_cwd(sb):
-    r = sb.exec("echo out; echo err >&2; pwd; exit 3")
-    assert r.exit_code == 3 and not r.ok
-    assert r.stdout == "out\n/testbed\n"
-    assert r.stderr == "err\n"
-    assert r.duration >= 0
-    assert sb.exec("pwd", cwd="/tmp").stdout == "/tmp\n"
-    assert sb.exec("echo $FOO", env={"FOO": "bar"}).stdout == "bar\n"
-
-
-def test_exec_streams_output_as_it_comes(sb):
-    seen: list[tuple[str, bytes]] = []
-    r = sb.exec("for i in 1 2 3; do echo $i; sleep 0.2; done; echo e >&2", on_output=lambda s, d: seen.append((s, d)))
-    assert r.stdout == "1\n2\n3\n"
-    out_chunks = [d for s, d in seen if s == "stdout"]
-    assert len(out_chunks) >= 2, "output should arrive in pieces while the command runs"
-    assert b"".join(out_chunks) == b"1\n2\n3\n"
-    assert b"".join(d for s, d in seen if s == "stderr") == b"e\n"
-
-
-def test_large_binary_output_and_files(sb):
-    data = bytes(range(256)) * 4096  # 1 MiB, every byte value
-    sb.write_file("/testbed/blob.bin", data, mode=0o600)
-    assert sb.read_file("/testbed/blob.bin") == data
-    assert sb.exec("stat -c %a /testbed/blob.bin").stdout.strip() == "600"
+def test_large_output(sb):
     assert sb.exec("head -c 3000000 /dev/zero | tr '\\0' x").stdout == "x" * 3_000_000
-    sb.write_file("rel/dir/a.txt", "relative")
-    assert sb.read_file("/testbed/rel/dir/a.txt") == b"relative"
-    with pytest.raises(FileNotFoundError):
-        sb.read_file("/nope/missing")
 
 
 def test_timeout_kills_the_whole_process_group(sb):
@@ -58,17 +30,6 @@ def test_timeout_kills_the_whole_process_group(sb):
     assert r.timed_out and r.exit_code != 0
     left = sb.exec("ps -eo args | grep -c '^sleep 30[012]' || true").stdout.strip()
     assert left == "0", f"processes of the timed-out command survived: {left}"
-
-
-def test_spawn_runs_in_background(sb):
-    p = sb.spawn("for i in 1 2 3; do echo line$i; done; exit 7")
-    assert p.wait(timeout=10) == 7
-    assert p.output() == "line1\nline2\nline3\n"
-    q = sb.spawn("sleep 100")
-    assert q.exit_code is None
-    q.kill()
-    assert q.wait(timeout=10) == 128 + 9
-    assert {x.pid for x in sb.processes()} >= {p.pid, q.pid}
 
 
 def test_concurrent_execs(sb):
@@ -112,27 +73,11 @@ def test_memory_limit_is_enforced():
         assert r.exit_code != 0 and "209715200" not in r.stdout
 
 
-def test_bad_input_is_rejected_with_typed_errors():
+def test_unknown_image_names_the_images_present():
     with pytest.raises(ImageNotFound) as e:
         agentenv.Sandbox.create("no/such-image:latest")
-    assert "agentenv/base:latest" in str(e.value)
-    with pytest.raises(ValueError):
-        agentenv.Sandbox.create(memory="lots")
-    with pytest.raises(ValueError):
-        agentenv.Sandbox.create(cpus=-1)
-    assert agentenv.Sandbox.list() == []
-
-
-def test_list_get_and_closed_state():
-    s = agentenv.Sandbox.create(labels={"who": "test"})
-    assert [x.id for x in agentenv.Sandbox.list()] == [s.id]
-    again = agentenv.Sandbox.get(s.id)
-    assert again.labels == {"who": "test"} and again.exec("echo hi").stdout == "hi\n"
-    s.close()
-    assert s.state == "closed"
-    with pytest.raises(SandboxStateError):
-        s.exec("true")
-    assert agentenv.Sandbox.list() == []
+    assert "agentenv/base:latest" in str(e.value) and e.value.available
+    assert agentenv.Sandbox.list() == []  # nothing half-made is left behind
 
 
 def test_reattach_from_another_process():
