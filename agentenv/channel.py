@@ -7,7 +7,10 @@ resumes its job from the byte offsets it already has.
 
 from __future__ import annotations
 
+import ctypes
+import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -43,23 +46,21 @@ class Gate:
 
 
 class Channel:
-    """Calls into one sandbox's agent; ``socket_path`` is resolved through /proc/<init pid>/root."""
+    """Calls into one sandbox's agent: the socket at ``path`` inside the root ``root()`` returns
+    (``/proc/<init pid>/root`` for a sandbox)."""
 
-    def __init__(self, socket_path: Callable[[], str], gate: Gate) -> None:
-        self._path = socket_path
-        self.gate = gate
+    def __init__(self, root: Callable[[], str], gate: Gate, path: str = agent.SOCKET_PATH) -> None:
+        self.root, self.path, self.gate = root, path, gate
 
-    def connect(self, wait: float = 0.0) -> socket.socket:
+    def connect(self, wait: float = 0.0, *, through_gate: bool = True) -> socket.socket:
         """Open a connection, retrying for up to ``wait`` seconds (the agent may still be starting)."""
-        self.gate.wait_open()
+        if through_gate:
+            self.gate.wait_open()
         deadline = time.monotonic() + wait
         while True:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.connect(self._path())
-                return s
+                return connect_in_root(self.root(), self.path)
             except OSError as e:
-                s.close()
                 if time.monotonic() >= deadline:
                     raise ConnectionLost(f"the sandbox agent does not answer ({e})",
                                          fix="the sandbox may have been closed or paused; check Sandbox.list()") from e
@@ -119,6 +120,45 @@ class Channel:
                 raise
             except ConnectionError:
                 continue  # closed by a snapshot: reconnect once the gate opens, resume from offsets
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+
+_SYS_OPENAT2 = 437  # the same number on x86_64 and aarch64
+_RESOLVE_NO_MAGICLINKS, _RESOLVE_IN_ROOT = 0x02, 0x10
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def connect_in_root(root: str, path: str) -> socket.socket:
+    """Connect to the unix socket at ``path`` as resolved *inside* ``root``.
+
+    The sandbox owns the folders on that path: resolving it with openat2(RESOLVE_IN_ROOT) and
+    refusing anything but a socket at the end means a symlink planted there cannot send the host
+    to a socket of its own (the Docker socket, say).
+    """
+    rootfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        how = _OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
+        fd = _libc.syscall(_SYS_OPENAT2, rootfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), path)
+    finally:
+        os.close(rootfd)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise ConnectionRefusedError(f"{path} in the sandbox is not a socket (replaced by the sandbox?)")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(f"/proc/self/fd/{fd}")
+        except OSError:
+            s.close()
+            raise
+        return s
+    finally:
+        os.close(fd)
 
 
 def raise_for(reply: dict[str, Any]) -> None:

@@ -15,7 +15,6 @@ import json
 import os
 import posixpath
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -97,7 +96,7 @@ class Sandbox:
         self._rec = record
         self.id: str = record["id"]
         self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root)
-        self._channel = Channel(self._socket_path, _gate(self.id))
+        self._channel = Channel(self._root, _gate(self.id))
 
     # --- creation ------------------------------------------------------------------------------
 
@@ -315,9 +314,8 @@ class Sandbox:
                 gate.open()
 
     def _quiesce(self) -> None:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s = self._channel.connect(through_gate=False)  # the gate is shut: this is the one connection
         try:
-            s.connect(self._socket_path())
             agent.send_frame(s, {"op": "quiesce"})
             agent.recv_frame(s)
             with contextlib.suppress(ConnectionError):
@@ -435,8 +433,8 @@ class Sandbox:
     def _spec(self) -> ContainerSpec:
         return ContainerSpec.from_json(self._rec["spec"])
 
-    def _socket_path(self) -> str:
-        return f"/proc/{self._rec['init_pid']}/root{agent.SOCKET_PATH}"
+    def _root(self) -> str:
+        return f"/proc/{self._rec['init_pid']}/root"
 
     def _reload(self) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -89,3 +89,12 @@ def test_reattach_from_another_process():
         assert out.stdout.strip() == "from parent"
     finally:
         s.close()
+
+
+def test_sandbox_cannot_redirect_the_host_to_a_host_socket():
+    """Replacing the agent's socket with a symlink to the Docker socket only breaks the sandbox."""
+    with agentenv.Sandbox.create() as s:
+        s.exec("rm /dev/agentenv/agent.sock && ln -s /run/docker.sock /dev/agentenv/agent.sock")
+        with pytest.raises(agentenv.errors.ConnectionLost) as e:
+            s.exec("true")
+        assert "not a socket" in str(e.value)

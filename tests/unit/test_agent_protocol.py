@@ -19,7 +19,7 @@ from agentenv.channel import Channel, Gate, raise_for
 def channel(tmp_path: Path):
     path = str(tmp_path / "agent.sock")
     proc = subprocess.Popen([sys.executable, agent.__file__, path])
-    ch = Channel(lambda: path, Gate())
+    ch = Channel(lambda: "/", Gate(), path)
     ch.connect(wait=10).close()
     yield ch
     proc.kill()
@@ -55,8 +55,7 @@ def test_exec_resumes_after_the_agent_closes_connections(channel):
     t.start()
     time.sleep(0.15)
     channel.gate.shut()
-    s = socket.socket(socket.AF_UNIX)
-    s.connect(channel._path())
+    s = channel.connect(through_gate=False)
     agent.send_frame(s, {"op": "quiesce"})
     assert agent.recv_frame(s)[0] == {"ok": True}
     with pytest.raises(ConnectionError):
@@ -95,6 +94,26 @@ def test_spawn_and_process_table(channel):
         time.sleep(0.01)
     assert procs[str(pid)]["exit_code"] == 3
     assert Path(reply["log"]).read_text() == "bg\n"
+
+
+def test_a_planted_symlink_cannot_redirect_the_host(tmp_path):
+    """The sandbox owns the socket's folder: a symlink there must not lead the host to another socket."""
+    from agentenv.channel import connect_in_root
+
+    elsewhere = socket.socket(socket.AF_UNIX)
+    elsewhere.bind(str(tmp_path / "host-only.sock"))
+    elsewhere.listen(1)
+    root = tmp_path / "root"
+    (root / "dev" / "agentenv").mkdir(parents=True)
+    (root / "dev" / "agentenv" / "agent.sock").symlink_to(tmp_path / "host-only.sock")
+    with pytest.raises(OSError):
+        connect_in_root(str(root), "/dev/agentenv/agent.sock")
+    (root / "dev" / "agentenv" / "agent.sock").unlink()
+    (root / "dev" / "agentenv").rmdir()
+    (root / "dev" / "agentenv").symlink_to("/" + str(tmp_path).lstrip("/"))  # a folder link: resolved in root
+    with pytest.raises(OSError):
+        connect_in_root(str(root), "/dev/agentenv/host-only.sock")
+    elsewhere.close()
 
 
 def test_raise_for_maps_errors():
