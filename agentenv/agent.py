@@ -31,6 +31,7 @@ SOCKET_PATH = SOCKET_DIR + "/agent.sock"
 LOG_DIR = SOCKET_DIR + "/proc"
 JOB_ENV = "AGENTENV_JOB"
 MAX_OUTPUT = 64 << 20  # bytes kept per stream of one job; the rest is counted, not kept
+ABANDONED = 3600.0  # seconds a finished job's result waits for its caller
 _HEAD = struct.Struct(">II")
 
 
@@ -142,6 +143,7 @@ class Agent:
 
     def start_job(self, header: dict[str, Any]) -> Job:
         with self.lock:
+            self._forget_abandoned()
             job_id = self.next_id
             self.next_id += 1
             proc = self._popen(header, subprocess.PIPE, subprocess.PIPE, job_id)
@@ -152,6 +154,13 @@ class Agent:
             self.by_pid[proc.pid] = job
         threading.Thread(target=self._pump, args=(job,), daemon=True).start()
         return job
+
+    def _forget_abandoned(self) -> None:
+        """Drop results nobody came back for (their caller died) an hour after the job ended."""
+        now = time.monotonic()
+        for job in [j for j in self.jobs.values() if j.done and now - j.started - j.duration > ABANDONED]:
+            self.jobs.pop(job.id, None)
+            self.keys.pop(job.key, None)
 
     def _pump(self, job: Job) -> None:
         """Collect a job's output until it exits (or times out), then mark it done."""

@@ -236,8 +236,8 @@ class Sandbox:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {}}, on_output)
-        return ExecResult(exit_code=h["exit_code"], stdout=h["stdout"].decode(errors="replace"),
-                          stderr=h["stderr"].decode(errors="replace"), duration=h["duration"],
+        out, err = (h[k].decode(errors="replace") + _dropped(n) for k, n in zip(("stdout", "stderr"), h["dropped"], strict=True))
+        return ExecResult(exit_code=h["exit_code"], stdout=out, stderr=err, duration=h["duration"],
                           timed_out=h["timed_out"])
 
     def spawn(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Process:
@@ -470,6 +470,11 @@ class Sandbox:
             yield
         finally:
             os.close(fd)
+
+
+def _dropped(n: int) -> str:
+    """The visible marker for output past the agent's per-stream cap (64 MiB)."""
+    return f"\n[agentenv: {n} more bytes of output were dropped]\n" if n else ""
 
 
 def _abs(path: str, workdir: str) -> str:
