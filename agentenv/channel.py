@@ -21,6 +21,7 @@ from agentenv import agent
 from agentenv.errors import ConnectionLost, SandboxError
 
 OutputCallback = Callable[[str, bytes], None]
+CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
 
 
 class Gate:
@@ -76,10 +77,13 @@ class Channel:
         while True:
             try:
                 with self.connect() as s:
+                    s.settimeout(CALL_TIMEOUT)
                     agent.send_frame(s, header, blob)
                     reply, data = agent.recv_frame(s)
             except ConnectionLost:
                 raise
+            except TimeoutError as e:
+                raise _silent(header["op"], CALL_TIMEOUT) from e
             except ConnectionError:
                 continue
             raise_for(reply)
@@ -94,9 +98,12 @@ class Channel:
         stream = on_output is not None
         out = [bytearray(), bytearray()]
         request = {**header, "op": "exec", "stream": stream, "key": uuid.uuid4().hex}
+        # the agent enforces the command's timeout; this one only catches an agent that went silent
+        limit = None if header.get("timeout") is None else float(header["timeout"]) + CALL_TIMEOUT
         while True:
             try:
                 with self.connect() as s:
+                    s.settimeout(limit)
                     agent.send_frame(s, {**request, "offsets": [len(b) for b in out]})
                     first, _ = agent.recv_frame(s)
                     raise_for(first)
@@ -118,8 +125,15 @@ class Channel:
                         return h
             except ConnectionLost:
                 raise
+            except TimeoutError as e:
+                raise _silent("exec", limit or 0.0) from e
             except ConnectionError:
                 continue  # closed by a snapshot: reconnect once the gate opens, resume from offsets
+
+
+def _silent(op: str, seconds: float) -> ConnectionLost:
+    return ConnectionLost(f"the sandbox agent did not answer {op} within {seconds:g} s",
+                          fix="the sandbox may be frozen or out of memory; check its state, or close it")
 
 
 class _OpenHow(ctypes.Structure):

@@ -30,6 +30,7 @@ _MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/lat
            "/proc/timer_stats", "/proc/sched_debug", "/proc/scsi", "/sys/firmware"]
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 CPU_PERIOD = 100_000
+FREEZE_ATTEMPTS = 20
 
 
 @dataclass(frozen=True)
@@ -216,19 +217,39 @@ class Container:
         return v2 if v2.exists() else None
 
     def freeze(self, frozen: bool) -> None:
-        """Stop or resume every process of the sandbox at once, for a consistent filesystem copy."""
+        """Stop or resume every process of the sandbox at once, for a consistent filesystem copy.
+
+        The v1 freezer can stick in FREEZING (a task in vfork, say): like CRIU, thaw and try again,
+        and never leave the sandbox half-frozen when giving up.
+        """
         f = self.freezer()
         if f is None:
             raise SandboxError("no freezer cgroup for the sandbox")
-        if f.name == "freezer.state":
-            f.write_text("FROZEN" if frozen else "THAWED")
-            want = "FROZEN" if frozen else "THAWED"
-            for _ in range(2000):
-                if f.read_text().strip() == want:
+        if f.name != "freezer.state":  # cgroup v2: cgroup.freeze settles by itself
+            f.write_text("1" if frozen else "0")
+            return
+        if not frozen:
+            f.write_text("THAWED")
+            return
+        for _attempt in range(FREEZE_ATTEMPTS):
+            f.write_text("FROZEN")
+            deadline = time.monotonic() + 0.1
+            while time.monotonic() < deadline:
+                if f.read_text().strip() == "FROZEN":
                     return
                 time.sleep(0.0005)
-            raise SandboxError(f"cgroup freezer did not reach {want}")
-        f.write_text("1" if frozen else "0")
+            f.write_text("THAWED")
+            time.sleep(0.01)
+        raise SandboxError(f"could not freeze the sandbox in {FREEZE_ATTEMPTS} attempts (left running)",
+                           fix="retry the snapshot; a process stuck in uninterruptible sleep blocks the freezer")
+
+    def frozen(self) -> bool:
+        """True while the freezer holds (or is taking) the sandbox."""
+        f = self.freezer()
+        if f is None:
+            return False
+        state = f.read_text().strip()
+        return state != "THAWED" if f.name == "freezer.state" else state == "1"
 
     # --- CRIU --------------------------------------------------------------------------------
 

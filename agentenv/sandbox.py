@@ -303,8 +303,8 @@ class Sandbox:
         try:
             if quiesce:
                 self._quiesce()
-            self._container.freeze(True)
             try:
+                self._container.freeze(True)
                 yield
             finally:
                 if self._container.freezer() is not None:
@@ -467,6 +467,8 @@ class Sandbox:
             self._reload()
             if self._rec["state"] == "closed" and not allow_closed:
                 raise SandboxStateError(f"sandbox {self.id} is closed")
+            if self._rec["state"] == "running" and self._container.frozen():
+                self._container.freeze(False)  # a snapshotter died holding it frozen; the lock is ours now
             yield
         finally:
             os.close(fd)

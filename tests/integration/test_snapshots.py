@@ -251,3 +251,16 @@ def test_store_out_of_space_is_a_clear_error(tmp_path, monkeypatch):
     finally:
         subprocess.run(["umount", str(small)], check=False)
         small.rmdir()
+
+
+def test_a_sandbox_left_frozen_by_a_dead_snapshotter_is_thawed():
+    """kill -9 between freeze and thaw must not leave the sandbox stopped for good."""
+    with agentenv.Sandbox.create() as sb:
+        freezer = sb._container.freezer()
+        assert freezer is not None
+        sb._container.freeze(True)  # what a snapshotting process leaves behind when it dies mid-way
+        assert sb._container.frozen()
+        snap = sb.snapshot()  # takes the lock, finds no one snapshotting, thaws first
+        snap.delete()
+        assert not sb._container.frozen()
+        assert sb.exec("echo alive", timeout=10).stdout == "alive\n"

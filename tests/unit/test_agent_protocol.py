@@ -120,3 +120,20 @@ def test_raise_for_maps_errors():
     raise_for({"ok": True})
     with pytest.raises(PermissionError):
         raise_for({"error": "PermissionError", "errno": 13, "message": "no"})
+
+
+def test_a_silent_agent_is_an_error_not_a_hang(tmp_path, monkeypatch):
+    from agentenv import channel as channel_mod
+    from agentenv.errors import ConnectionLost
+
+    path = str(tmp_path / "mute.sock")
+    mute = socket.socket(socket.AF_UNIX)
+    mute.bind(path)
+    mute.listen(4)  # accepts, never answers (a frozen agent)
+    monkeypatch.setattr(channel_mod, "CALL_TIMEOUT", 0.3)
+    ch = Channel(lambda: "/", Gate(), path)
+    with pytest.raises(ConnectionLost, match="did not answer"):
+        ch.call({"op": "ping"})
+    with pytest.raises(ConnectionLost, match="did not answer"):
+        ch.exec({"cmd": "true", "timeout": 0.2}, None)
+    mute.close()
