@@ -43,7 +43,18 @@ if ! $DOCKER info >/dev/null 2>&1; then
     if command -v systemctl >/dev/null && systemctl is-system-running >/dev/null 2>&1; then
         systemctl restart docker
     else
-        pgrep -x dockerd >/dev/null || nohup dockerd >/var/log/agentenv-dockerd.log 2>&1 &
+        # a dockerd still starting up or shutting down gets ten seconds to settle; one that never
+        # answers is replaced
+        for _ in $(seq 20); do
+            pgrep -x dockerd >/dev/null || break
+            $DOCKER info >/dev/null 2>&1 && break
+            sleep 0.5
+        done
+        if ! $DOCKER info >/dev/null 2>&1; then
+            pkill -x dockerd 2>/dev/null || true
+            for _ in $(seq 40); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
+            nohup dockerd >>/var/log/agentenv-dockerd.log 2>&1 &
+        fi
     fi
     for _ in $(seq 120); do $DOCKER info >/dev/null 2>&1 && break; sleep 0.5; done
     $DOCKER info >/dev/null 2>&1 || die "dockerd did not answer within 60 s; see /var/log/agentenv-dockerd.log"
