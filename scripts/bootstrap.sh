@@ -53,6 +53,7 @@ if ! $DOCKER info >/dev/null 2>&1; then
         if ! $DOCKER info >/dev/null 2>&1; then
             pkill -x dockerd 2>/dev/null || true
             for _ in $(seq 40); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
+            rm -f /var/run/docker.pid  # left by a killed dockerd; its pid may belong to another process now
             nohup dockerd >>/var/log/agentenv-dockerd.log 2>&1 &
         fi
     fi
