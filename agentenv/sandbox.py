@@ -134,7 +134,18 @@ class Sandbox:
         return sb
 
     def _boot(self, snap: Snapshot | None) -> None:
-        """Prepare the bundle and start the agent, fresh or from a snapshot; undo everything on failure."""
+        """Start a new sandbox, fresh or from a snapshot; on failure nothing of it is left."""
+        try:
+            self._start(snap)
+        except BaseException:
+            self._destroy()
+            raise
+
+    def _start(self, snap: Snapshot | None) -> None:
+        """Prepare the bundle, start the agent (or restore every process) and wait until it answers.
+
+        On failure the container is torn down but the record stays: the caller decides its fate.
+        """
         try:
             spec = self._spec()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
@@ -151,7 +162,7 @@ class Sandbox:
                 agent.recv_frame(s)
             self._save()
         except BaseException:
-            self._destroy()
+            self._container.destroy()
             raise
 
     @classmethod
@@ -371,26 +382,14 @@ class Sandbox:
             for d in ("upper", "work"):
                 shutil.rmtree(self._container.bundle / d, ignore_errors=True)
             try:
-                self._boot_in_place(snap)
+                self._start(snap)
             except BaseException:
-                self._rec.update(state="paused")
+                self._rec.update(state="paused", init_pid=None)
                 self._save()
                 raise
             self._rec["paused_snapshot"] = None
             self._save()
         snap.delete(background=True)
-
-    def _boot_in_place(self, snap: Snapshot) -> None:
-        spec = self._spec()
-        if not images.layers_present(spec.layers):
-            spec.layers = images.resolve(spec.image_id).layers
-        self._container.prepare(spec, fs_from=snap.fs_dir)
-        try:
-            pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
-        except CheckpointError:
-            self._container.destroy()
-            raise
-        self._rec.update(init_pid=pid, state="running")
 
     # --- teardown -----------------------------------------------------------------------------
 
