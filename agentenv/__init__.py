@@ -1,15 +1,19 @@
-"""agentenv: containerised environments that snapshot, fork and resume fast (Docker images, runc, CRIU)."""
+"""agentenv: containerised environments that snapshot, fork and resume fast (Docker images, runc, CRIU).
+
+The contract (value types and Protocols) is ``agentenv.api``; this module is its local implementation
+(``agentenv.Sandbox``, ``agentenv.Snapshot``), ``connect`` and ``Pool`` its remote ones. Gymnasium
+environments live in the ``envs`` package, so importing this one stays light.
+"""
 
 from typing import Any
 
-import gymnasium
-
 from agentenv import errors
-from agentenv.sandbox import ExecResult, Process, Sandbox
-from agentenv.shell_env import ShellEnv
+from agentenv.api import Backend, ExecResult, Limits, SandboxInfo, SandboxLike, SnapshotInfo, SnapshotLike
+from agentenv.sandbox import Process, Sandbox
 from agentenv.store import Snapshot
 
-__all__ = ["ExecResult", "Pool", "Process", "Sandbox", "ShellEnv", "Snapshot", "connect", "errors"]
+__all__ = ["Backend", "ExecResult", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
+           "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "errors"]
 __version__ = "0.1.0"
 
 
@@ -24,6 +28,3 @@ def __getattr__(name: str) -> Any:
 
         return Pool
     raise AttributeError(f"module 'agentenv' has no attribute {name!r}")
-
-if "agentenv/Shell-v0" not in gymnasium.registry:
-    gymnasium.register(id="agentenv/Shell-v0", entry_point="agentenv.shell_env:ShellEnv")

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from agentenv import agent
-from agentenv.errors import ConnectionLost, SandboxError
+from agentenv.api import OutputCallback
+from agentenv.errors import ConnectionLost, SandboxError, from_wire
 
-OutputCallback = Callable[[str, bytes], None]
 CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
 
 
@@ -176,18 +176,6 @@ def connect_in_root(root: str, path: str) -> socket.socket:
 
 
 def raise_for(reply: dict[str, Any]) -> None:
-    """Map an agent error reply onto the matching Python exception."""
-    err = reply.get("error")
-    if err is None:
-        return
-    msg = reply.get("message", err)
-    if err == "FileNotFoundError":
-        raise FileNotFoundError(reply.get("errno", 2), msg)
-    if err in ("IsADirectoryError", "NotADirectoryError", "PermissionError", "FileExistsError"):
-        raise {"IsADirectoryError": IsADirectoryError, "NotADirectoryError": NotADirectoryError,
-               "PermissionError": PermissionError, "FileExistsError": FileExistsError}[err](reply.get("errno"), msg)
-    if err == "ProcessLookupError":
-        raise ProcessLookupError(msg)
-    if err == "BadRequest":
-        raise ValueError(msg)
-    raise SandboxError(f"agent error {err}: {msg}")
+    """Raise the exception an agent error reply stands for (an unknown name is a SandboxError)."""
+    if reply.get("error") is not None:
+        raise from_wire(reply, unknown=SandboxError)

@@ -74,7 +74,11 @@ def serve(
     reap_interval: float = typer.Option(5.0, help="seconds between TTL checks (expired sandboxes are paused)"),
 ) -> None:
     """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token."""
-    from agentenv import server
+    try:
+        from agentenv import server
+    except ImportError as e:
+        console.print(f"[red]error:[/] the server needs FastAPI and uvicorn ({e}); pip install 'agentenv[server]'")
+        raise typer.Exit(2) from None
 
     try:
         token = server.load_token(token_file)

@@ -1,9 +1,10 @@
 """The remote sandbox API: ``agentenv.connect(url, token)`` mirrors the local one over HTTP.
 
 ``client.Sandbox.create(...)``, ``client.Sandbox.restore(snap)``, ``client.Snapshot.list()`` and the
-methods of the sandboxes they return take the same arguments, return the same types (``ExecResult``,
-``Snapshot``, ``Process``, ``Limits``) and raise the same exceptions as ``agentenv.Sandbox`` and
-``agentenv.Snapshot``, so code written against the local API runs unchanged against a server.
+methods of the sandboxes they return take the same arguments, return the same types (those of
+``agentenv.api``) and raise the same exceptions as ``agentenv.Sandbox`` and ``agentenv.Snapshot``, so
+code written against the local API (the ``agentenv.api.Backend`` contract) runs unchanged against a
+server.
 
 Connections are pooled (httpx, keep-alive) and bodies are msgpack. A call that could not reach the
 server is retried (a connection that was never made cannot have done anything); a call that may have
@@ -23,49 +24,23 @@ from typing import Any, cast
 import httpx
 
 from agentenv import errors, wire
-from agentenv.channel import OutputCallback
-from agentenv.errors import AgentEnvError, ConnectionLost, SandboxNotFound
-from agentenv.runtime import Limits
-from agentenv.sandbox import DEFAULT_EXEC_TIMEOUT, DEFAULT_IMAGE, ExecResult, Process
-from agentenv.store import Snapshot
+from agentenv.api import (
+    DEFAULT_EXEC_TIMEOUT,
+    DEFAULT_IMAGE,
+    ExecResult,
+    Limits,
+    OutputCallback,
+    SandboxInfo,
+    SnapshotInfo,
+    SnapshotLike,
+)
+from agentenv.errors import ConnectionLost, SandboxNotFound, from_wire
+from agentenv.sandbox import Process
 
 DEFAULT_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 5.0
 _RETRY_ALWAYS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _RETRY_IDEMPOTENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadTimeout)
-_BUILTIN_ERRORS: dict[str, type[Exception]] = {c.__name__: c for c in (
-    FileNotFoundError, ProcessLookupError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
-    ValueError, TypeError)}
-_AGENTENV_ERRORS: dict[str, type[AgentEnvError]] = {
-    name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, AgentEnvError)}
-_STATUS_FALLBACK: dict[int, type[Exception]] = {401: errors.Unauthorized, 404: LookupError, 409: errors.SandboxStateError,
-                                                 429: errors.QuotaExceeded, 507: errors.StoreFullError}
-
-
-def rebuild_error(body: Any, status: int) -> Exception:
-    """The exception a server's error body stands for: the same class as on the server, same message."""
-    if not isinstance(body, dict):
-        body = {"message": str(body)}
-    name, message, fix = body.get("error"), str(body.get("message", "")), body.get("fix")
-    if name in ("ValidationError", "WireError"):
-        return ValueError(message)
-    if name in _BUILTIN_ERRORS:
-        cls = _BUILTIN_ERRORS[name]
-        if issubclass(cls, OSError) and name != "ProcessLookupError":
-            return cls(2 if cls is FileNotFoundError else None, message)
-        return cls(message)
-    agentenv_cls = _AGENTENV_ERRORS.get(str(name))
-    if agentenv_cls is None:
-        fallback = _STATUS_FALLBACK.get(status)
-        if fallback is None or not issubclass(fallback, AgentEnvError):
-            return (fallback or AgentEnvError)(f"server error {status}: {message}")
-        agentenv_cls = fallback
-    exc = agentenv_cls.__new__(agentenv_cls)
-    Exception.__init__(exc, f"{message} — {fix}" if fix else message)
-    exc.fix = fix
-    if isinstance(exc, errors.QuotaExceeded):
-        exc.retry_after = float(body.get("retry_after") or 5.0)
-    return exc
 
 
 class Client:
@@ -146,7 +121,7 @@ class Client:
         else:
             data = None
         if r.status_code >= 400:
-            raise rebuild_error(data, r.status_code)
+            raise from_wire(data, r.status_code)
         return data
 
     def exec_stream(self, sandbox_id: str, body: dict[str, Any], on_output: OutputCallback,
@@ -171,7 +146,7 @@ class Client:
                 elif "result" in item:
                     return cast(dict[str, Any], item["result"])
                 elif "error" in item:
-                    raise rebuild_error(item["error"], 500)
+                    raise from_wire(item["error"], 500)
         except (httpx.ReadError, httpx.RemoteProtocolError) as e:
             raise ConnectionLost(f"the server at {self.url} closed the stream ({e})") from e
         finally:
@@ -179,7 +154,7 @@ class Client:
         raise ConnectionLost(f"the server at {self.url} ended the stream without a result")
 
     def _sandbox(self, info: dict[str, Any]) -> RemoteSandbox:
-        sb = RemoteSandbox(self, info)
+        sb = RemoteSandbox(self, SandboxInfo.from_wire(info))
         if self.on_sandbox is not None:
             self.on_sandbox(sb)
         return sb
@@ -191,7 +166,7 @@ def connect(url: str, token: str, *, timeout: float = DEFAULT_TIMEOUT, retries: 
 
 
 @dataclass(frozen=True)
-class RemoteSnapshot(Snapshot):
+class RemoteSnapshot(SnapshotInfo):
     """A snapshot in a server's store; ``delete`` removes it there."""
 
     client: Client | None = field(default=None, repr=False, compare=False)
@@ -202,9 +177,7 @@ class RemoteSnapshot(Snapshot):
 
 
 def _snapshot(client: Client, info: dict[str, Any]) -> RemoteSnapshot:
-    return RemoteSnapshot(id=info["id"], parent_id=info.get("parent_id"), created_at=info["created_at"],
-                          size_bytes=info["size_bytes"], has_memory=info["has_memory"],
-                          sandbox_id=info.get("sandbox_id"), labels=dict(info.get("labels") or {}), client=client)
+    return RemoteSnapshot(**SnapshotInfo.from_wire(info).to_wire(), client=client)
 
 
 class RemoteProcess(Process):
@@ -229,9 +202,9 @@ class RemoteProcess(Process):
 class RemoteSandbox:
     """A sandbox on a server, with the methods and properties of ``agentenv.Sandbox``."""
 
-    def __init__(self, client: Client, info: dict[str, Any]) -> None:
+    def __init__(self, client: Client, info: SandboxInfo) -> None:
         self._client, self._info = client, info
-        self.id: str = info["id"]
+        self.id: str = info.id
         self._closed = False
 
     def __repr__(self) -> str:
@@ -262,36 +235,41 @@ class RemoteSandbox:
         if self._closed:
             return "closed"
         try:
-            self._info = self._client.request("GET", self._path(), idempotent=True)
+            self._info = SandboxInfo.from_wire(self._client.request("GET", self._path(), idempotent=True))
         except SandboxNotFound:
             return "closed"
         except ConnectionLost:
             return "lost"
-        return str(self._info["state"])
+        return self._info.state
+
+    def info(self) -> SandboxInfo:
+        """What the sandbox is now, as the server sees it."""
+        self._info = SandboxInfo.from_wire(self._call("GET", "", idempotent=True))
+        return self._info
 
     @property
     def image(self) -> str:
-        return str(self._info["image"])
+        return self._info.image
 
     @property
     def created_at(self) -> float:
-        return float(self._info["created_at"])
+        return self._info.created_at
 
     @property
     def labels(self) -> dict[str, str]:
-        return dict(self._info["labels"])
+        return dict(self._info.labels)
 
     @property
     def expires_at(self) -> float | None:
-        return cast(float | None, self._info.get("expires_at"))
+        return self._info.expires_at
 
     @property
     def limits(self) -> Limits:
-        return Limits(**self._info["limits"])
+        return self._info.limits
 
     def set_ttl(self, ttl: float) -> None:
         """Extend (or shorten) the time to live, counted from now."""
-        self._info = self._call("POST", "/ttl", {"ttl": ttl})
+        self._info = SandboxInfo.from_wire(self._call("POST", "/ttl", {"ttl": ttl}))
 
     # commands and files
     def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
@@ -305,8 +283,7 @@ class RemoteSandbox:
             r = self._client.exec_stream(self.id, body, on_output, wait)
         else:
             r = self._call("POST", "/exec", body, timeout=wait)
-        return ExecResult(exit_code=r["exit_code"], stdout=r["stdout"], stderr=r["stderr"], duration=r["duration"],
-                          timed_out=r["timed_out"])
+        return ExecResult.from_wire(r)
 
     def spawn(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None) -> RemoteProcess:
         p = self._call("POST", "/spawn", {"command": command, "cwd": cwd, "env": env or {}})
@@ -343,7 +320,7 @@ class RemoteSandbox:
         return _snapshot(self._client, self._call("POST", "/pause"))
 
     def resume(self) -> None:
-        self._info = self._call("POST", "/resume")
+        self._info = SandboxInfo.from_wire(self._call("POST", "/resume"))
 
     def close(self) -> None:
         """Remove the sandbox on the server; idempotent."""
@@ -367,8 +344,8 @@ class SandboxAPI:
                 "workdir": workdir, "ttl": ttl, "labels": labels or {}}
         return self._client._sandbox(self._client.request("POST", "/v1/sandboxes", body))
 
-    def restore(self, snapshot: Snapshot | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
-        sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
+        sid = snapshot if isinstance(snapshot, str) else snapshot.id
         info = self._client.request("POST", f"/v1/snapshots/{sid}/restore", {"labels": labels or {}})
         return self._client._sandbox(info)
 

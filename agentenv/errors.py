@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AgentEnvError(Exception):
     """Base class of every error agentenv raises on purpose."""
@@ -59,3 +61,87 @@ class QuotaExceeded(AgentEnvError):
 
 class Unauthorized(AgentEnvError, PermissionError):
     """The server refused the bearer token (missing or wrong)."""
+
+
+# --- on the wire ---------------------------------------------------------------------------------
+# One table for every hop: the server answers an exception with its HTTP status and ``to_wire`` body;
+# the client and the host end of the agent channel rebuild the same class with ``from_wire``.
+
+_STATUS: list[tuple[type[BaseException], int]] = [
+    (Unauthorized, 401),
+    (SandboxNotFound, 404), (SnapshotNotFound, 404), (ImageNotFound, 404),
+    (SandboxStateError, 409),
+    (QuotaExceeded, 429),
+    (StoreFullError, 507),
+    (ConnectionLost, 502),
+    (AgentEnvError, 500),
+    (FileNotFoundError, 404), (ProcessLookupError, 404), (PermissionError, 403),
+    (IsADirectoryError, 409), (NotADirectoryError, 409), (FileExistsError, 409),
+    (ValueError, 400), (TypeError, 400),
+]
+_BUILTINS: dict[str, type[Exception]] = {c.__name__: c for c in (
+    FileNotFoundError, ProcessLookupError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
+    ValueError, TypeError)}
+_AS_VALUE_ERROR = frozenset({"ValidationError", "WireError", "BadRequest"})  # bad input, said by any hop
+_BY_STATUS: dict[int, type[Exception]] = {401: Unauthorized, 404: LookupError, 409: SandboxStateError,
+                                          429: QuotaExceeded, 507: StoreFullError}
+
+
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status an exception maps to, or None when it is a bug (then 500)."""
+    for cls, code in _STATUS:
+        if isinstance(exc, cls):
+            return code
+    return None
+
+
+def to_wire(exc: BaseException, subject: str | None = None) -> dict[str, Any]:
+    """The wire form ``{error, message, fix, id[, retry_after, errno]}`` of an exception."""
+    fix = getattr(exc, "fix", None)
+    message = str(exc)
+    if fix and message.endswith(f" — {fix}"):
+        message = message[: -len(fix) - 3]
+    body: dict[str, Any] = {"error": type(exc).__name__, "message": message, "fix": fix, "id": subject}
+    if isinstance(exc, QuotaExceeded):
+        body["retry_after"] = exc.retry_after
+    if isinstance(exc, OSError) and not isinstance(exc, AgentEnvError):
+        body["message"] = exc.strerror or str(exc)
+        if exc.errno is not None:
+            body["errno"] = exc.errno
+    return body
+
+
+def from_wire(body: Any, status: int | None = None, *,
+              unknown: type[AgentEnvError] = AgentEnvError) -> Exception:
+    """The exception a wire body stands for: the same class, message and fix as where it was raised.
+
+    A name this side does not know falls back by HTTP ``status``, else to ``unknown``.
+    """
+    if not isinstance(body, dict):
+        body = {"message": str(body)}
+    name, message, fix = str(body.get("error")), str(body.get("message", "")), body.get("fix")
+    if name in _AS_VALUE_ERROR:
+        return ValueError(message)
+    if name in _BUILTINS:
+        cls = _BUILTINS[name]
+        if issubclass(cls, OSError) and cls is not ProcessLookupError:
+            errno = body.get("errno", 2 if cls is FileNotFoundError else None)
+            return cls(errno, message)
+        return cls(message)
+    agentenv_cls = _AGENTENV.get(name)
+    if agentenv_cls is None:
+        fallback = _BY_STATUS.get(status or 0)
+        if fallback is None or not issubclass(fallback, AgentEnvError):
+            where = f"server error {status}" if status else f"agent error {name}"
+            return (fallback or unknown)(f"{where}: {message}")
+        agentenv_cls = fallback
+    exc = agentenv_cls.__new__(agentenv_cls)
+    Exception.__init__(exc, f"{message} — {fix}" if fix else message)
+    exc.fix = fix
+    if isinstance(exc, QuotaExceeded):
+        exc.retry_after = float(body.get("retry_after") or 5.0)
+    return exc
+
+
+_AGENTENV: dict[str, type[AgentEnvError]] = {
+    name: cls for name, cls in list(globals().items()) if isinstance(cls, type) and issubclass(cls, AgentEnvError)}

@@ -15,10 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from agentenv.api import DEFAULT_IMAGE, SnapshotLike
 from agentenv.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
 from agentenv.errors import AgentEnvError, ConnectionLost, QuotaExceeded, SandboxNotFound, SnapshotNotFound
-from agentenv.sandbox import DEFAULT_IMAGE
-from agentenv.store import Snapshot
 
 T = TypeVar("T")
 
@@ -82,6 +81,15 @@ class Pool:
                 continue
         return out
 
+    def first(self, fetch: Callable[[Client], T], missing: type[AgentEnvError], message: str) -> T:
+        """``fetch`` on each server that answers until one has it; ``missing(message)`` when none does."""
+        for c in self.up():
+            try:
+                return fetch(c)
+            except (missing, ConnectionLost):
+                continue
+        raise missing(message)
+
     def _by_free_capacity(self) -> list[Client]:
         def key(item: tuple[Client, dict[str, Any]]) -> tuple[int, int]:
             cap = item[1]["capacity"]
@@ -112,19 +120,15 @@ class PoolSandboxAPI:
     def create(self, image: str = DEFAULT_IMAGE, **kwargs: Any) -> RemoteSandbox:
         return self._pool.place(lambda c: c.Sandbox.create(image, **kwargs))
 
-    def restore(self, snapshot: Snapshot | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
-        if isinstance(snapshot, RemoteSnapshot) and snapshot.client is not None:
-            return snapshot.client.Sandbox.restore(snapshot, labels=labels)
-        sid = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
-        return self._pool.Snapshot.get(sid).client.Sandbox.restore(sid, labels=labels)  # type: ignore[union-attr]
+    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
+        if not isinstance(snapshot, RemoteSnapshot) or snapshot.client is None:
+            snapshot = self._pool.Snapshot.get(snapshot if isinstance(snapshot, str) else snapshot.id)
+        assert snapshot.client is not None  # a snapshot the pool found names its server
+        return snapshot.client.Sandbox.restore(snapshot, labels=labels)
 
     def get(self, sandbox_id: str) -> RemoteSandbox:
-        for c in self._pool.up():
-            try:
-                return c.Sandbox.get(sandbox_id)
-            except (SandboxNotFound, ConnectionLost):
-                continue
-        raise SandboxNotFound(f"no sandbox {sandbox_id!r} on any server of the pool that answers")
+        return self._pool.first(lambda c: c.Sandbox.get(sandbox_id), SandboxNotFound,
+                                f"no sandbox {sandbox_id!r} on any server of the pool that answers")
 
     def list(self) -> list[RemoteSandbox]:
         """Every sandbox on the servers that answer, and the ones last seen on servers that are down."""
@@ -142,12 +146,8 @@ class PoolSnapshotAPI:
         self._pool = pool
 
     def get(self, snapshot_id: str) -> RemoteSnapshot:
-        for c in self._pool.up():
-            try:
-                return c.Snapshot.get(snapshot_id)
-            except (SnapshotNotFound, ConnectionLost):
-                continue
-        raise SnapshotNotFound(f"no snapshot {snapshot_id!r} on any server of the pool that answers")
+        return self._pool.first(lambda c: c.Snapshot.get(snapshot_id), SnapshotNotFound,
+                                f"no snapshot {snapshot_id!r} on any server of the pool that answers")
 
     def list(self) -> list[RemoteSnapshot]:
         return sorted((s for _, snaps in self._pool._each(lambda c: c.Snapshot.list()) for s in snaps),

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import agent
+from agentenv.api import Limits
 from agentenv.errors import CheckpointError, SandboxError
 
 AGENT_DEST = "/.agentenv/agent.py"
@@ -31,15 +32,6 @@ _MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/lat
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 CPU_PERIOD = 100_000
 FREEZE_ATTEMPTS = 20
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Resource limits of one sandbox, enforced by its cgroup."""
-
-    cpus: float = 1.0
-    memory: int = 1 << 30
-    pids: int = 512
 
 
 @dataclass
@@ -56,12 +48,12 @@ class ContainerSpec:
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
-        d["limits"] = dict(self.limits.__dict__)
+        d["limits"] = self.limits.to_wire()
         return d
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ContainerSpec:
-        return cls(**{**d, "limits": Limits(**d["limits"])})
+        return cls(**{**d, "limits": Limits.from_wire(d["limits"])})
 
 
 def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str | None = None) -> dict[str, Any]:

@@ -19,19 +19,27 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from agentenv import agent, images, store
-from agentenv.channel import Channel, Gate, OutputCallback
+from agentenv.api import (
+    DEFAULT_EXEC_TIMEOUT,
+    DEFAULT_IMAGE,
+    MAX_FORK,
+    ExecResult,
+    Limits,
+    OutputCallback,
+    ProcessInfo,
+    SandboxInfo,
+    SnapshotLike,
+    State,
+)
+from agentenv.channel import Channel, Gate
 from agentenv.config import parse_size, paths
 from agentenv.errors import CheckpointError, SandboxNotFound, SandboxStateError
-from agentenv.runtime import Container, ContainerSpec, Limits, copy_tree, dump_stats
+from agentenv.runtime import Container, ContainerSpec, copy_tree, dump_stats
 from agentenv.store import Snapshot
 
-DEFAULT_IMAGE = "agentenv/base"
-DEFAULT_EXEC_TIMEOUT = 600.0
-MAX_FORK = 64
 _gates: dict[str, Gate] = {}
 _gates_lock = threading.Lock()
 
@@ -40,21 +48,6 @@ def _gate(sandbox_id: str) -> Gate:
     """One gate per sandbox per process, shared by every Sandbox object of that id."""
     with _gates_lock:
         return _gates.setdefault(sandbox_id, Gate())
-
-
-@dataclass(frozen=True)
-class ExecResult:
-    """The outcome of one command."""
-
-    exit_code: int
-    stdout: str
-    stderr: str
-    duration: float
-    timed_out: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out
 
 
 class Process:
@@ -79,6 +72,9 @@ class Process:
 
     def kill(self, signal: int = 9) -> None:
         self.sandbox._channel.call({"op": "kill", "pid": self.pid, "signal": signal})
+
+    def info(self) -> ProcessInfo:
+        return ProcessInfo(pid=self.pid, log=self.log, command=self.command, exit_code=self.exit_code)
 
     def wait(self, timeout: float = 60.0) -> int:
         deadline = time.monotonic() + timeout
@@ -166,9 +162,10 @@ class Sandbox:
             raise
 
     @classmethod
-    def restore(cls, snapshot: Snapshot | str, *, labels: dict[str, str] | None = None) -> Sandbox:
+    def restore(cls, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> Sandbox:
         """A new sandbox from a snapshot, in any process, after dockerd restarts or the source is gone."""
-        snap = Snapshot.get(snapshot) if isinstance(snapshot, str) else snapshot
+        snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.get(
+            snapshot if isinstance(snapshot, str) else snapshot.id)
         spec = ContainerSpec.from_json(snap.spec)
         sb = cls._new(spec, image=snap.labels.get("image", spec.image_id), ttl=None, labels=labels, parent=snap.id)
         sb._boot(snap)
@@ -199,15 +196,34 @@ class Sandbox:
         return f"Sandbox(id={self.id!r}, state={self.state!r}, image={self.image!r})"
 
     @property
-    def state(self) -> str:
+    def state(self) -> State:
         """'running', 'paused', 'closed', or 'lost' when its processes died behind our back."""
         self._reload()
-        st = self._rec["state"]
+        st = self.recorded_state
         if st == "running":
             runc = self._container.state()
             if runc is None or runc.get("status") not in ("running", "paused", "created"):
                 return "lost"
-        return str(st)
+        return st
+
+    @property
+    def recorded_state(self) -> State:
+        """The state in the sandbox's record, without asking runc whether its processes still live."""
+        return self._rec["state"]
+
+    def exists(self) -> bool:
+        """True while the sandbox is on this host (running or paused); False once closed."""
+        return self._container.bundle.exists()
+
+    def ping(self) -> None:
+        """Ask the agent to answer; ConnectionLost (or another AgentEnvError) when it does not."""
+        self._channel.call({"op": "ping"})
+
+    def info(self, state: State | None = None) -> SandboxInfo:
+        """What this sandbox is now (``state`` when the caller knows it, saving a runc call)."""
+        return SandboxInfo(id=self.id, state=state or self.state, image=self.image,
+                           created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
+                           limits=self.limits)
 
     @property
     def image(self) -> str:
@@ -243,7 +259,7 @@ class Sandbox:
 
         ``on_output(stream, data)`` receives output as it comes ('stdout' or 'stderr').
         """
-        self._require_running()
+        self.require_running()
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {}}, on_output)
@@ -253,22 +269,23 @@ class Sandbox:
 
     def spawn(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Process:
         """Start a background process; its output goes to a log file inside the sandbox."""
-        self._require_running()
+        self.require_running()
         reply, _ = self._channel.call({"op": "spawn", "cmd": command, "cwd": cwd, "env": env or {}})
         return Process(self, reply["pid"], reply["log"], command)
 
     def processes(self) -> builtins.list[Process]:
         """Every process started with ``spawn`` (running or finished)."""
+        self.require_running()
         reply, _ = self._channel.call({"op": "procs"})
         return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
 
     def read_file(self, path: str) -> bytes:
-        self._require_running()
+        self.require_running()
         return self._channel.call({"op": "read", "path": _abs(path, self._spec().workdir)})[1]
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write a whole file atomically, creating parent folders."""
-        self._require_running()
+        self.require_running()
         payload = data.encode() if isinstance(data, str) else bytes(data)
         self._channel.call({"op": "write", "path": _abs(path, self._spec().workdir), "mode": mode}, payload)
 
@@ -277,7 +294,7 @@ class Sandbox:
     def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> Snapshot:
         """Save the filesystem (and with ``memory=True`` every process) into the snapshot store."""
         with self._locked():
-            self._require_running()
+            self.require_running()
             return self._snapshot(memory, leave_running=True, labels=labels)
 
     def _snapshot(self, memory: bool, leave_running: bool, labels: dict[str, str] | None) -> Snapshot:
@@ -343,7 +360,7 @@ class Sandbox:
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
             raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
         with self._locked():
-            self._require_running()
+            self.require_running()
             snap = self._snapshot(memory, leave_running=True, labels={"agentenv.kind": "fork"})
         try:
             with ThreadPoolExecutor(max_workers=n) as pool:
@@ -365,7 +382,7 @@ class Sandbox:
     def pause(self) -> Snapshot:
         """Free the sandbox's CPU and memory; its whole state goes to the snapshot store."""
         with self._locked():
-            self._require_running()
+            self.require_running()
             snap = self._snapshot(True, leave_running=False, labels={"agentenv.kind": "pause"})
             self._container.destroy()
             shutil.rmtree(self._container.upper, ignore_errors=True)
@@ -441,7 +458,8 @@ class Sandbox:
             return
         self._rec["state"] = "closed"
 
-    def _require_running(self) -> None:
+    def require_running(self) -> None:
+        """SandboxStateError unless the sandbox is running (e.g. paused or closed)."""
         if self._rec["state"] != "running":
             self._reload()
         if self._rec["state"] != "running":

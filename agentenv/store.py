@@ -20,23 +20,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.api import SnapshotInfo, info_of
 from agentenv.config import paths
 from agentenv.errors import SnapshotNotFound, StoreFullError
 
 
 @dataclass(frozen=True)
-class Snapshot:
-    """A saved sandbox state: its filesystem, and with ``has_memory`` every process too."""
+class Snapshot(SnapshotInfo):
+    """A snapshot in this host's store: the shared fields, plus what restoring it needs (the container
+    spec) and CRIU's dump statistics."""
 
-    id: str
-    parent_id: str | None
-    created_at: float
-    size_bytes: int
-    has_memory: bool
-    sandbox_id: str | None = None
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
-    labels: dict[str, str] = field(default_factory=dict)
     criu_stats: dict[str, int] = field(default_factory=dict, repr=False)  # e.g. frozen_time (µs)
+
+    def info(self) -> SnapshotInfo:
+        """The fields every snapshot has, local or remote (what the server sends)."""
+        return info_of(self, SnapshotInfo)
 
     @property
     def path(self) -> Path:

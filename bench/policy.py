@@ -1,77 +1,86 @@
 """Benchmark the k3-mini policy: decode and prefill throughput, EP=2 against EP=1, chunked against recurrent KDA,
 and decoding memory per sequence (fixed KDA state + growing MLA latents against a full-attention KV cache).
 
-Prints median / p90 figures and writes them to bench/results/policy.json. Run: python bench/policy.py
-(on CUDA the KDA layers use flash-linear-attention's kernels when installed, else the torch code).
+Prints median / p90 figures and writes them to bench/results/policy.json: step and forward times under
+``decode.batch<B>``, ``prefill.<T>``, ``ep1.forward_8x64`` / ``ep2.forward_8x64`` and ``kda.*``, each with
+``tokens_per_s_median`` / ``tokens_per_s_p90`` where a rate applies (the p90 of a rate is the slower tail:
+tokens / p90 time); the memory tables under ``info``. Run: ``python -m bench.policy [--quick]`` (on CUDA the
+KDA layers use flash-linear-attention's kernels when installed, else the torch code).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-# This file is named like the package it measures: import the package, not this script.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE.parent)]
+import torch
+import torch.multiprocessing as mp
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from bench.harness import (
+    ROOT,
+    Report,
+    Result,
+    Row,
+    add_output_arg,
+    console,
+    median,
+    percentile,
+    print_table,
+    time_runs,
+)
+from policy.config import K3Config, from_k3_json, k3_mini
+from policy.ep import init_ep, shard_state_dict
+from policy.kda import kda_chunked, kda_recurrent
+from policy.model import Cache, K3Model
 
-from policy.config import K3Config, from_k3_json, k3_mini  # noqa: E402
-from policy.ep import init_ep, shard_state_dict  # noqa: E402
-from policy.kda import kda_chunked, kda_recurrent  # noqa: E402
-from policy.model import Cache, K3Model  # noqa: E402
-
-RESULTS = Path(__file__).parent / "results" / "policy.json"
-K3_JSON = next((p / "shared" / "k3" / "config.json" for p in Path(__file__).resolve().parents[1:3]
+K3_JSON = next((p / "shared" / "k3" / "config.json" for p in (ROOT, ROOT.parent)
                 if (p / "shared" / "k3" / "config.json").exists()), Path("shared/k3/config.json"))
 
 
-def stats(samples: list[float]) -> dict[str, float]:
-    s = sorted(samples)
-    return {"median": statistics.median(s), "p90": s[min(len(s) - 1, int(0.9 * len(s)))], "n": len(s)}
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def timed(fn: Any, repeats: int, warmup: int = 1) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return out
+    return time_runs(fn, repeats, warmup=warmup, sync=sync)
+
+
+def with_rate(r: Result, tokens: int) -> Result:
+    """Add tokens/s at the median and at the p90 time (the slower tail) of ``r``'s samples."""
+    med, p90 = median(r.samples), percentile(r.samples, 0.9)
+    r.fields["tokens"] = tokens
+    r.fields["tokens_per_s_median"] = round(tokens / med, 1) if med else None
+    r.fields["tokens_per_s_p90"] = round(tokens / p90, 1) if p90 else None
+    return r
 
 
 @torch.no_grad()
-def decode(model: K3Model, batch: int, steps: int, device: str) -> dict[str, float]:
+def decode(model: K3Model, batch: int, steps: int, device: str) -> Result:
     """Per-step decode time for ``batch`` sequences after a 32-token prompt; tokens/s = batch / step time."""
     V = model.cfg.vocab_size
     _, cache = model(torch.randint(0, V, (batch, 32), device=device))
-    times = []
     tok = torch.randint(0, V, (batch, 1), device=device)
+    times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
-        logits, cache = model(tok, cache)
-        tok = logits[:, -1].argmax(-1, keepdim=True)
-        times.append(time.perf_counter() - t0)
-    st = stats(times[1:])
-    return {"batch": batch, "step_s": st, "tokens_per_s_median": batch / st["median"], "tokens_per_s_p90": batch / st["p90"]}
+
+        def step() -> None:
+            nonlocal tok, cache
+            logits, cache = model(tok, cache)
+            tok = logits[:, -1].argmax(-1, keepdim=True)
+
+        times += time_runs(step, 1, sync=sync)
+    r = Result(samples=times[1:], note=f"one decode step, batch {batch}, after a 32-token prompt (first step dropped)")
+    return with_rate(r, batch)
 
 
 @torch.no_grad()
-def prefill(model: K3Model, length: int, repeats: int, device: str) -> dict[str, float]:
+def prefill(model: K3Model, length: int, repeats: int, device: str) -> Result:
     ids = torch.randint(0, model.cfg.vocab_size, (1, length), device=device)
-    st = stats(timed(lambda: model(ids), repeats))
-    return {"tokens": length, "seconds": st, "tokens_per_s_median": length / st["median"], "tokens_per_s_p90": length / st["p90"]}
+    return with_rate(Result(samples=timed(lambda: model(ids), repeats), note=f"forward of {length} tokens"), length)
 
 
 def _ep_worker(rank: int, world: int, port: int, cfg: dict[str, Any], batch: int, seq: int, repeats: int, out: Any) -> None:
@@ -90,7 +99,7 @@ def _ep_worker(rank: int, world: int, port: int, cfg: dict[str, Any], batch: int
     torch.distributed.destroy_process_group()
 
 
-def ep_compare(cfg: K3Config, batch: int, seq: int, repeats: int) -> dict[str, Any]:
+def ep_compare(report: Report, cfg: K3Config, batch: int, seq: int, repeats: int) -> None:
     """The same (batch, seq) forward on one process, and split over two EP ranks (gloo, one thread each)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -98,8 +107,10 @@ def ep_compare(cfg: K3Config, batch: int, seq: int, repeats: int) -> dict[str, A
     model = K3Model(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, seq))
     with torch.no_grad():
-        one = stats(timed(lambda: model(ids), repeats))
+        one = timed(lambda: model(ids), repeats)
     torch.set_num_threads(threads)
+    key = f"forward_{batch}x{seq}"
+    report.results[f"ep1.{key}"] = with_rate(Result(samples=one, note="EP=1 on one thread"), batch * seq)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -107,14 +118,12 @@ def ep_compare(cfg: K3Config, batch: int, seq: int, repeats: int) -> dict[str, A
     q = ctx.SimpleQueue()
     mp.start_processes(_ep_worker, args=(2, port, cfg.to_dict(), batch, seq, repeats, q), nprocs=2, join=True,
                        start_method="spawn")
-    two = stats(q.get())
-    n = batch * seq
-    return {"batch": batch, "seq": seq, "ep1_seconds": one, "ep2_seconds": two,
-            "ep1_tokens_per_s": n / one["median"], "ep2_tokens_per_s": n / two["median"],
-            "note": "EP=1 on one thread vs EP=2 as two single-thread ranks"}
+    report.results[f"ep2.{key}"] = with_rate(Result(samples=q.get(), note="EP=2 as two single-thread ranks (rank 0)"),
+                                             batch * seq)
+    report.add_ratio("ep1/ep2", f"ep1.{key}", f"ep2.{key}")
 
 
-def kda_compare(length: int, repeats: int, device: str, chunk: int) -> dict[str, Any]:
+def kda_compare(report: Report, length: int, repeats: int, device: str, chunk: int) -> None:
     """KDA alone at k3-mini's head shape: forward, and forward+backward (training), both forms."""
     B, H, K = 1, 4, 32
     g = torch.Generator().manual_seed(0)
@@ -122,16 +131,18 @@ def kda_compare(length: int, repeats: int, device: str, chunk: int) -> dict[str,
     v = torch.randn(B, length, H, K, generator=g).to(device)
     gate = (-5 * torch.rand(B, length, H, K, generator=g)).to(device)
     beta = torch.rand(B, length, H, generator=g).to(device)
-    rec = stats(timed(lambda: kda_recurrent(q, k, v, gate, beta, K ** -0.5), repeats))
-    chk = stats(timed(lambda: kda_chunked(q, k, v, gate, beta, K ** -0.5, chunk_size=chunk), repeats))
     qg = q.clone().requires_grad_()
-    rec_bw = stats(timed(lambda: kda_recurrent(qg, k, v, gate, beta, K ** -0.5)[0].sum().backward(), repeats))
-    chk_bw = stats(timed(lambda: kda_chunked(qg, k, v, gate, beta, K ** -0.5, chunk_size=chunk)[0].sum().backward(),
-                         repeats))
-    return {"tokens": length, "heads": H, "head_dim": K, "chunk_size": chunk,
-            "recurrent_seconds": rec, "chunked_seconds": chk, "speedup_median": rec["median"] / chk["median"],
-            "recurrent_fwd_bwd_seconds": rec_bw, "chunked_fwd_bwd_seconds": chk_bw,
-            "fwd_bwd_speedup_median": rec_bw["median"] / chk_bw["median"]}
+    runs = {
+        "recurrent": lambda: kda_recurrent(q, k, v, gate, beta, K ** -0.5),
+        "chunked": lambda: kda_chunked(q, k, v, gate, beta, K ** -0.5, chunk_size=chunk),
+        "recurrent_fwd_bwd": lambda: kda_recurrent(qg, k, v, gate, beta, K ** -0.5)[0].sum().backward(),
+        "chunked_fwd_bwd": lambda: kda_chunked(qg, k, v, gate, beta, K ** -0.5, chunk_size=chunk)[0].sum().backward(),
+    }
+    for name, fn in runs.items():
+        report.results[f"kda.{name}_{length}"] = with_rate(
+            Result(samples=timed(fn, repeats), note=f"KDA alone, {H} heads x {K}, chunk {chunk}"), length)
+    report.add_ratio("kda recurrent/chunked", f"kda.recurrent_{length}", f"kda.chunked_{length}")
+    report.add_ratio("kda recurrent/chunked fwd+bwd", f"kda.recurrent_fwd_bwd_{length}", f"kda.chunked_fwd_bwd_{length}")
 
 
 def memory(cfg: K3Config, bytes_per: int, measured: Cache | None = None, measured_len: int = 0) -> dict[str, Any]:
@@ -156,63 +167,63 @@ def memory(cfg: K3Config, bytes_per: int, measured: Cache | None = None, measure
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="fewer repeats")
-    args = ap.parse_args()
+    add_output_arg(ap, "policy")
+    args = ap.parse_args(argv)
     dev, rep = args.device, (2 if args.quick else 5)
+    report = Report("policy", {"device": dev, "quick": args.quick, "repeats": rep})
+    report.machine.update(torch=torch.__version__, threads=torch.get_num_threads(),
+                          gpu=torch.cuda.get_device_name() if dev.startswith("cuda") else None)
     cfg = k3_mini(vocab_size=4096)
+    report.info.update(preset="k3-mini", config=cfg.to_dict())
     torch.manual_seed(0)
     model = K3Model(cfg).to(dev).eval()
-    res: dict[str, Any] = {"device": dev, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                           "preset": "k3-mini", "config": cfg.to_dict()}
-    res["decode"] = [decode(model, b, 8 if args.quick else 16, dev) for b in (1, 8, 32)]
-    res["prefill"] = [prefill(model, 512, rep, dev), prefill(model, 4096, max(1, rep // 2), dev)]
-    res["ep2_vs_ep1"] = ep_compare(cfg, batch=8, seq=64, repeats=rep)
-    res["kda_chunked_vs_recurrent"] = kda_compare(1024, rep, dev, cfg.kda_chunk_size)
+    for b in (1, 8, 32):
+        console.log(f"decode, batch {b}")
+        report.results[f"decode.batch{b}"] = decode(model, b, 8 if args.quick else 16, dev)
+    for length, n in ((512, rep), (4096, max(1, rep // 2))):
+        console.log(f"prefill, {length} tokens")
+        report.results[f"prefill.{length}"] = prefill(model, length, n, dev)
+    console.log("EP=2 against EP=1")
+    ep_compare(report, cfg, batch=8, seq=64, repeats=rep)
+    console.log("KDA chunked against recurrent")
+    kda_compare(report, 1024, rep, dev, cfg.kda_chunk_size)
     with torch.no_grad():
         _, cache = model(torch.randint(0, cfg.vocab_size, (1, 1024), device=dev))
-    res["memory_k3_mini_fp32"] = memory(cfg, 4, cache, 1024)
+    report.info["memory_k3_mini_fp32"] = memory(cfg, 4, cache, 1024)
     if K3_JSON.exists():
-        res["memory_k3_bf16"] = memory(from_k3_json(K3_JSON), 2)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(res, indent=2))
-    report(res)
+        report.info["memory_k3_bf16"] = memory(from_k3_json(K3_JSON), 2)
+    print_report(report)
+    report.write(args.output)
+    return 0
 
 
-def report(res: dict[str, Any]) -> None:
-    print(f"k3-mini on {res['device']} (torch {res['torch']}, {res['threads']} threads)")
-    print(f"{'figure':44s} {'median':>12s} {'p90':>12s}  (p90 of a rate = the slower tail)")
-    for d in res["decode"]:
-        print(f"{'decode tokens/s, batch ' + str(d['batch']):44s} {d['tokens_per_s_median']:12.1f} {d['tokens_per_s_p90']:12.1f}")
-    for p in res["prefill"]:
-        print(f"{'prefill tokens/s, ' + str(p['tokens']) + ' tokens':44s} {p['tokens_per_s_median']:12.1f} {p['tokens_per_s_p90']:12.1f}")
-    e = res["ep2_vs_ep1"]
-    print(f"{'forward s, batch 8x64, EP=1 (1 thread)':44s} {e['ep1_seconds']['median']:12.4f} {e['ep1_seconds']['p90']:12.4f}")
-    print(f"{'forward s, batch 8x64, EP=2 (2 ranks x 1)':44s} {e['ep2_seconds']['median']:12.4f} {e['ep2_seconds']['p90']:12.4f}")
-    k = res["kda_chunked_vs_recurrent"]
-    print(f"{'KDA recurrent s, 1024 tokens':44s} {k['recurrent_seconds']['median']:12.4f} {k['recurrent_seconds']['p90']:12.4f}")
-    print(f"{'KDA chunked s, 1024 tokens':44s} {k['chunked_seconds']['median']:12.4f} {k['chunked_seconds']['p90']:12.4f}")
-    print(f"{'KDA recurrent fwd+bwd s, 1024 tokens':44s} {k['recurrent_fwd_bwd_seconds']['median']:12.4f} "
-          f"{k['recurrent_fwd_bwd_seconds']['p90']:12.4f}")
-    print(f"{'KDA chunked fwd+bwd s, 1024 tokens':44s} {k['chunked_fwd_bwd_seconds']['median']:12.4f} "
-          f"{k['chunked_fwd_bwd_seconds']['p90']:12.4f}")
-    print(f"KDA chunked (chunk {k['chunk_size']}) speed-up, median: forward {k['speedup_median']:.1f}x, "
-          f"forward+backward {k['fwd_bwd_speedup_median']:.1f}x")
+def print_report(report: Report) -> None:
+    m = report.machine
+    rows = []
+    for key, r in report.results.items():
+        rate = ("" if "tokens_per_s_median" not in r.fields else
+                f"{r.fields['tokens_per_s_median']:.1f} ({r.fields['tokens_per_s_p90']:.1f})")
+        rows.append(Row(key, [r], cells={"tokens/s median (at p90 time)": rate}))
+    print_table(f"k3-mini on {report.args['device']} (torch {m['torch']}, {m['threads']} threads), ms", rows)
+    for name, rt in report.ratios.items():
+        console.print(f"{name} (median time ratio): {rt['text']}", highlight=False)
     for name in ("memory_k3_mini_fp32", "memory_k3_bf16"):
-        if name not in res:
+        if name not in report.info:
             continue
-        print(f"{name}: context -> KDA state + MLA latents (MiB) vs full-attention KV (MiB)")
-        for T, r in res[name]["per_context"].items():
-            print(f"  {T:>6s}: {r['kda_state_bytes'] / 2**20:10.2f} + {r['mla_latent_bytes'] / 2**20:10.2f}"
-                  f" = {r['total_bytes'] / 2**20:10.2f}  vs {r['full_attention_kv_bytes'] / 2**20:12.2f}"
-                  f"  ({r['ratio_full_over_ours']:.1f}x)")
-        if "measured_cache_bytes_at" in res[name]:
-            m = res[name]["measured_cache_bytes_at"]
-            print(f"  measured cache at 1024 tokens: {m['1024']} bytes (formula {m['formula']})")
-    print(f"written to {RESULTS}")
+        console.print(f"{name}: context -> KDA state + MLA latents (MiB) vs full-attention KV (MiB)", highlight=False)
+        for T, r in report.info[name]["per_context"].items():
+            console.print(f"  {T:>6s}: {r['kda_state_bytes'] / 2**20:10.2f} + {r['mla_latent_bytes'] / 2**20:10.2f}"
+                          f" = {r['total_bytes'] / 2**20:10.2f}  vs {r['full_attention_kv_bytes'] / 2**20:12.2f}"
+                          f"  ({r['ratio_full_over_ours']:.1f}x)", highlight=False)
+        if "measured_cache_bytes_at" in report.info[name]:
+            mc = report.info[name]["measured_cache_bytes_at"]
+            console.print(f"  measured cache at 1024 tokens: {mc['1024']} bytes (formula {mc['formula']})",
+                          highlight=False)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,7 +4,7 @@ What: (1) exec round trip through ``agentenv.connect`` (msgpack over loopback HT
 call through the local API on the same sandbox — the overhead goal is under 2 ms at the median;
 (2) ``fork(8)`` over HTTP; (3) a load run: ``--clients`` concurrent clients (32 by default) each
 looping create -> exec -> snapshot -> fork(1) -> delete for ``--seconds`` seconds (and at most
-``--max-ops`` loops each), reporting operations/s, p50/p99 latency per operation and errors; at the
+``--max-ops`` loops each), reporting operations/s, median/p99 latency per operation and errors; at the
 end it counts leaked containers, Docker networks and snapshot files (all must be zero).
 
 Why: rollout workers on other machines reach sandboxes through this server; its cost must stay small
@@ -12,23 +12,20 @@ next to the sandbox operations themselves.
 
 The server runs as a child process (``agentenv serve``) on 127.0.0.1 with a private $AGENTENV_HOME,
 so nothing else on the machine is touched; only 127.0.0.1 is ever contacted. Results go to
-``bench/results/server.json``.
+``bench/results/server.json`` (keys ``exec.local``, ``exec.http``, ``fork8.http``, ``load.<op>``).
 
-    .venv/bin/python bench/server.py [--runs 300] [--clients 32] [--seconds 20] [--max-ops 20]
+    .venv/bin/python -m bench.server [--runs 300] [--clients 32] [--seconds 20] [--max-ops 20]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import platform
 import secrets
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,34 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rich.console import Console
-from rich.table import Table
 
 import agentenv
+from bench.harness import Report, Row, Timer, add_output_arg, console, median, ms, print_table, recording
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results" / "server.json"
 HOST = "127.0.0.1"
-
-
-def pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
-
-
-def ms(x: float | None) -> float | None:
-    return None if x is None else round(x * 1000, 3)
-
-
-def timed(fn: Callable[[], object], runs: int) -> list[float]:
-    out = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-    return out
+GOAL_OVERHEAD_MS = 2.0
+FORK8_RUNS = 3
+LOAD_OPS = ("create", "exec", "snapshot", "fork1", "delete")
 
 
 def start_server(home: Path, token: str, max_sandboxes: int) -> tuple[subprocess.Popen[bytes], str]:
@@ -77,7 +54,7 @@ def start_server(home: Path, token: str, max_sandboxes: int) -> tuple[subprocess
     tok = home / "token"
     tok.write_text(token)
     env = {**os.environ, "AGENTENV_HOME": str(home)}
-    code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"
+    code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"  # the console script
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--host", HOST, "--port", str(port),
                              "--token-file", str(tok), "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g",
                              "--reap-interval", "60"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -88,8 +65,11 @@ def start_server(home: Path, token: str, max_sandboxes: int) -> tuple[subprocess
                 return proc, url
         except httpx.HTTPError:
             time.sleep(0.05)
+        if proc.poll() is not None:
+            break
     proc.kill()
-    raise RuntimeError("the server did not start")
+    _, err = proc.communicate()
+    raise RuntimeError(f"the server did not start: {err.decode(errors='replace').strip()[-800:]}")
 
 
 def docker_networks() -> int:
@@ -106,31 +86,40 @@ def leaks(home: Path) -> dict[str, int]:
     return {"containers": len(runc), "mounts": len(mounts), "snapshot_files": len(snaps), "sandbox_records": len(sbs)}
 
 
-def bench_exec(client: agentenv.client.Client, home: Path, runs: int) -> dict[str, Any]:
-    remote = client.Sandbox.create(memory="256m")
-    try:
-        os.environ["AGENTENV_HOME"] = str(home)
-        local = agentenv.Sandbox.get(remote.id)
-        for _ in range(20):  # warm both paths (connections, caches)
-            local.exec("true")
-            remote.exec("true")
-        loc, rem = [], []
-        for _ in range(runs):  # interleaved, so both see the same machine load
-            loc += timed(lambda: local.exec("true"), 1)
-            rem += timed(lambda: remote.exec("true"), 1)
-        fork8 = []
-        for _ in range(3):
-            t = time.perf_counter()
-            kids = remote.fork(8)
-            fork8.append(time.perf_counter() - t)
-            for k in kids:
-                k.close()
-    finally:
-        remote.close()
-    return {"exec_local": loc, "exec_http": rem, "fork8_http": fork8}
+def bench_exec(report: Report, url: str, token: str, home: Path, runs: int) -> None:
+    """exec `true` through the local API and over HTTP on the same sandbox, interleaved; then fork(8) over HTTP."""
+    loc = report.result("exec.local", note="exec `true` through the local API (agentenv.Sandbox.get of the same sandbox)")
+    rem = report.result("exec.http", note="exec `true` through agentenv.connect (msgpack over loopback HTTP)")
+    f8 = report.result("fork8.http", note="fork(8) through agentenv.connect, until 8 children answer")
+    with recording(rem, "exec over HTTP"):
+        client = agentenv.connect(url, token)
+        remote = client.Sandbox.create(memory="256m")
+        try:
+            os.environ["AGENTENV_HOME"] = str(home)
+            local = agentenv.Sandbox.get(remote.id)
+            for _ in range(20):  # warm both paths (connections, caches)
+                local.exec("true")
+                remote.exec("true")
+            for _ in range(runs):  # interleaved, so both see the same machine load
+                with Timer() as t:
+                    local.exec("true")
+                loc.add(t.s)
+                with Timer() as t:
+                    remote.exec("true")
+                rem.add(t.s)
+            with recording(f8, "fork(8) over HTTP"):
+                for _ in range(FORK8_RUNS):
+                    with Timer() as t:
+                        kids = remote.fork(8)
+                    f8.add(t.s)
+                    for k in kids:
+                        k.close()
+        finally:
+            remote.close()
+            client.close()
 
 
-def load(url: str, token: str, clients: int, seconds: float, max_ops: int) -> dict[str, Any]:
+def load(report: Report, url: str, token: str, clients: int, seconds: float, max_ops: int) -> dict[str, Any]:
     lat: dict[str, list[float]] = defaultdict(list)
     errors: dict[str, int] = defaultdict(int)
     lock = threading.Lock()
@@ -190,67 +179,70 @@ def load(url: str, token: str, clients: int, seconds: float, max_ops: int) -> di
     for t in threads:
         t.join()
     wall = time.monotonic() - started
+    for op in LOAD_OPS:
+        report.result(f"load.{op}").samples.extend(lat.get(op, []))
     total = sum(len(v) for v in lat.values())
-    return {"clients": clients, "seconds": wall, "loops": loops[0], "operations": total,
-            "ops_per_s": total / wall if wall else None, "errors": dict(errors),
-            "latency": {op: {"n": len(v), "p50_ms": ms(pct(v, 0.5)), "p99_ms": ms(pct(v, 0.99))}
-                        for op, v in lat.items()}}
+    return {"clients": clients, "seconds": round(wall, 2), "loops": loops[0], "operations": total,
+            "ops_per_s": round(total / wall, 2) if wall else None, "errors": dict(errors)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--runs", type=int, default=300, help="exec round trips per side")
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=20.0, help="bound on the load run's duration")
     ap.add_argument("--max-ops", type=int, default=20, help="bound on loops per client")
-    args = ap.parse_args()
-    console = Console()
+    add_output_arg(ap, "server")
+    args = ap.parse_args(argv)
+    report = Report("server", {k: v for k, v in vars(args).items() if k != "output"})
     home = Path(tempfile.mkdtemp(prefix="agentenv-bench-server-", dir="/var/tmp"))
     token = secrets.token_urlsafe(24)
     nets_before = docker_networks()
-    proc, url = start_server(home, token, max_sandboxes=4 * args.clients + 16)
-    result: dict[str, Any] = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-                              "args": vars(args)}
+    proc: subprocess.Popen[bytes] | None = None
     try:
-        client = agentenv.connect(url, token)
-        ex = bench_exec(client, home, args.runs)
-        client.close()
-        lo = load(url, token, args.clients, args.seconds, args.max_ops)
+        proc, url = start_server(home, token, max_sandboxes=4 * args.clients + 16)
+        bench_exec(report, url, token, home, args.runs)
+        console.log(f"load: {args.clients} clients, at most {args.seconds} s and {args.max_ops} loops each")
+        lo = report.info["load"] = load(report, url, token, args.clients, args.seconds, args.max_ops)
+    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
+        report.fatal = f"{type(e).__name__}: {e}"
+        lo = None
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
     left = leaks(home)
     left["docker_networks"] = docker_networks() - nets_before
+    report.info["leaks"] = left
     if not any(left.values()):
         shutil.rmtree(home, ignore_errors=True)
-    med_l, med_r = statistics.median(ex["exec_local"]), statistics.median(ex["exec_http"])
-    result["exec"] = {"local": {"p50_ms": ms(med_l), "p90_ms": ms(pct(ex["exec_local"], 0.9))},
-                      "http": {"p50_ms": ms(med_r), "p90_ms": ms(pct(ex["exec_http"], 0.9))},
-                      "overhead_p50_ms": ms(med_r - med_l), "goal_overhead_p50_ms": 2.0,
-                      "meets_goal": med_r - med_l < 0.002}
-    result["fork8_http"] = {"p50_ms": ms(statistics.median(ex["fork8_http"])), "p90_ms": ms(pct(ex["fork8_http"], 0.9)),
-                            "runs": len(ex["fork8_http"])}
-    result["load"] = lo
-    result["leaks"] = left
+    else:
+        report.notes.append(f"leaks after the run (kept {home}): {left}")
 
-    t = Table("measure", "p50 ms", "p90/p99 ms", "note")
-    t.add_row("exec true, local API", f"{ms(med_l)}", f"{ms(pct(ex['exec_local'], 0.9))} (p90)", f"n={args.runs}")
-    t.add_row("exec true, HTTP msgpack", f"{ms(med_r)}", f"{ms(pct(ex['exec_http'], 0.9))} (p90)", f"n={args.runs}")
-    t.add_row("HTTP overhead", f"{ms(med_r - med_l)}", "", "goal < 2 ms: " + ("met" if med_r - med_l < 0.002 else "MISSED"))
-    t.add_row("fork(8) over HTTP", f"{result['fork8_http']['p50_ms']}", f"{result['fork8_http']['p90_ms']} (p90)", "n=3")
-    for op, v in lo["latency"].items():
-        t.add_row(f"load: {op}", f"{v['p50_ms']}", f"{v['p99_ms']} (p99)", f"n={v['n']}")
-    console.print(t)
-    console.print(f"load: {lo['clients']} clients, {lo['seconds']:.1f} s, {lo['operations']} operations, "
-                  f"{lo['ops_per_s']:.1f} ops/s, {lo['loops']} full loops, errors: {lo['errors'] or 'none'}")
-    console.print(f"leaks after the run: {left}")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
-    console.print(f"written to {RESULTS.relative_to(ROOT)}")
+    loc, rem = report.results.get("exec.local"), report.results.get("exec.http")
+    med_l, med_r = median(loc.samples) if loc else None, median(rem.samples) if rem else None
+    overhead = None if med_l is None or med_r is None else med_r - med_l
+    report.info["exec_overhead"] = {"median_ms": ms(overhead), "goal_ms": GOAL_OVERHEAD_MS,
+                                    "meets_goal": None if overhead is None else overhead * 1e3 < GOAL_OVERHEAD_MS}
+    x = report.add_ratio("exec http/local", "exec.http", "exec.local")
+    goal = "-" if overhead is None else f"{overhead * 1e3:.2f} ms over local, goal < {GOAL_OVERHEAD_MS:g} ms: " + (
+        "[green]met[/green]" if overhead * 1e3 < GOAL_OVERHEAD_MS else "[red]MISSED[/red]")
+    rows = [Row("exec true, local API", [loc]), Row("exec true, HTTP msgpack", [rem], x, {"note": goal}),
+            Row("fork(8) over HTTP", [report.results.get("fork8.http")])]
+    rows += [Row(f"load: {op}", [report.results.get(f"load.{op}")]) for op in LOAD_OPS]
+    print_table("environment server on loopback, ms (ratio = HTTP median / local median)", rows, p99=True)
+    if lo is not None:
+        console.print(f"load: {lo['clients']} clients, {lo['seconds']:.1f} s, {lo['operations']} operations, "
+                      f"{lo['ops_per_s']} ops/s, {lo['loops']} full loops, errors: {lo['errors'] or 'none'}",
+                      highlight=False)
+    console.print(f"leaks after the run: {left}", highlight=False)
+    report.print_errors()
+    report.write(args.output)
+    return 1 if report.fatal or report.errors or any(left.values()) or (lo is not None and lo["errors"]) else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,137 +2,138 @@
 
 What: medians (and p90s) of
 - ``reset``: SWEEnv.reset() of a shipped task whose image is present (sandbox start + base commit setup);
-- ``step bash true``: one tool-call step running ``true``;
-- ``grade``: grading an unchanged repository (test files restored, tests run, log parsed), per library;
-- ``fork x8 + grade``: fork one reset episode into 8 children, then grade each, against
-  ``8 resets + grade``: 8 fresh resets, each graded — the two ways to get 8 graded branches of one state.
+- ``step_bash_true``: one tool-call step running ``true``;
+- ``grade``: grading an unchanged repository (test files restored, tests run, log parsed), one sample per
+  library (``per_library_ms``);
+- ``fork8_then_grade``: fork one reset episode into 8 children, then grade each, against
+  ``resets8_then_grade``: 8 fresh resets, each graded — the two ways to get 8 graded branches of one state
+  (``fork8`` and ``resets8`` are the branching part alone).
 
 Why: GRPO groups and tree search branch an episode many times; forking must beat starting over.
 Grading runs one child at a time in both arms (2 cores), so the comparison isolates the branching cost.
 
 Results go to ``bench/results/swe.json``; every sandbox and snapshot made is removed.
 
-    .venv/bin/python bench/swe.py [--runs 10] [--fork-runs 3]
+    .venv/bin/python -m bench.swe [--runs 10] [--fork-runs 3]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
+import functools
 import sys
-import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from envs.images import build_image  # noqa: E402
-from envs.swe_env import SWEEnv  # noqa: E402
-from envs.task import Task, shipped_tasks  # noqa: E402
-from envs.tasks.libraries import load_libraries  # noqa: E402
+from bench.harness import Report, Row, Timer, add_output_arg, console, ms, print_table, recording, time_runs
+from envs.images import build_image
+from envs.swe_env import SWEEnv
+from envs.task import Task, shipped_tasks
+from envs.tasks.libraries import load_libraries
 
 TRUE = {"name": "bash", "arguments": {"command": "true"}}
+TASK_LIBRARY = "toolz"
 
 
-def stats(xs: list[float]) -> dict[str, Any]:
-    xs = sorted(xs)
-    return {"median_s": statistics.median(xs), "p90_s": xs[min(len(xs) - 1, int(0.9 * len(xs)))], "n": len(xs),
-            "all_s": [round(x, 4) for x in xs]}
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--fork-runs", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "swe.json")
-    args = ap.parse_args()
-
-    tasks = shipped_tasks()
-    by_lib: dict[str, Task] = {}
-    for t in tasks:
-        by_lib.setdefault(t.metadata["library"], t)
-    for lib in load_libraries():
-        build_image(lib.recipe, log=print)
-    task = by_lib["toolz"]
-    results: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(), "task": task.instance_id,
-                               "python": platform.python_version()}
-
-    env = SWEEnv(task=task)
-    try:
-        env.reset()  # warm the image's layers and the page cache
-        results["reset"] = stats([timed(env.reset) for _ in range(args.runs)])
-        results["step_bash_true"] = stats([timed(lambda: env.step(TRUE)) for _ in range(args.runs * 3)])
-        grades: dict[str, float] = {}
-        for lib, t in by_lib.items():
-            with SWEEnv(task=t) as e:
-                e.reset()
-                e.grade()  # warm-up: page cache, first imports
-                e.reset()
-                grades[lib] = timed(e.grade)
-        results["grade_per_library_s"] = {k: round(v, 3) for k, v in grades.items()}
-        results["grade"] = stats(list(grades.values()))
-
-        fork_arm, reset_arm, fork_only, reset_only = [], [], [], []
-        for _ in range(args.fork_runs):
+def fork_vs_resets(report: Report, env: SWEEnv, task: Task, runs: int) -> None:
+    """``runs`` times: fork the reset episode 8 ways and grade each; then 8 fresh resets, each graded."""
+    f8, r8 = report.result("fork8", note="env.fork(8) of a reset episode"), report.result("resets8", note="8 x reset")
+    fg = report.result("fork8_then_grade", note="env.fork(8), then grade each child in turn")
+    rg = report.result("resets8_then_grade", note="8 fresh SWEEnv resets, then grade each in turn")
+    for _ in range(runs):
+        with recording(f8, "fork(8) + grade"):
             env.reset()
-            t0 = time.perf_counter()
-            kids = env.fork(8)
-            fork_only.append(time.perf_counter() - t0)
-            try:
-                for k in kids:
-                    k.grade()
-            finally:
-                for k in kids:
-                    k.close()
-            fork_arm.append(time.perf_counter() - t0)
-
+            with Timer() as t_all:
+                with Timer() as t_fork:
+                    kids = env.fork(8)
+                try:
+                    for k in kids:
+                        k.grade()
+                finally:
+                    for k in kids:
+                        k.close()
+            f8.add(t_fork.s)
+            fg.add(t_all.s)
+        with recording(r8, "8 resets + grade"):
             fresh = [SWEEnv(task=task) for _ in range(8)]
             try:
-                t0 = time.perf_counter()
-                for f in fresh:
-                    f.reset()
-                reset_only.append(time.perf_counter() - t0)
-                for f in fresh:
-                    f.grade()
-                reset_arm.append(time.perf_counter() - t0)
+                with Timer() as t_all:
+                    with Timer() as t_reset:
+                        for f in fresh:
+                            f.reset()
+                    for f in fresh:
+                        f.grade()
             finally:
                 for f in fresh:
                     f.close()
-        results["fork8"] = stats(fork_only)
-        results["resets8"] = stats(reset_only)
-        results["fork8_then_grade"] = stats(fork_arm)
-        results["resets8_then_grade"] = stats(reset_arm)
-        results["ratio_resets8_over_fork8"] = results["resets8"]["median_s"] / results["fork8"]["median_s"]
-        results["ratio_resets8_then_grade_over_fork8_then_grade"] = (
-            results["resets8_then_grade"]["median_s"] / results["fork8_then_grade"]["median_s"])
-    finally:
-        env.close()
+            r8.add(t_reset.s)
+            rg.add(t_all.s)
+        if f8.error or r8.error:
+            for a, b in ((f8, fg), (r8, rg)):
+                if a.error:
+                    b.fail(f"not measured: {a.error}")
+            return
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1) + "\n")
-    rows = [("reset (image present)", "reset"), ("step: bash true", "step_bash_true"),
-            ("grade (median over libraries)", "grade"), ("fork(8)", "fork8"), ("8 fresh resets", "resets8"),
-            ("fork(8) + grade each", "fork8_then_grade"), ("8 resets + grade each", "resets8_then_grade")]
-    print(f"\n{'operation':34} {'median':>10} {'p90':>10} {'n':>4}")
-    for label, key in rows:
-        r = results[key]
-        print(f"{label:34} {r['median_s'] * 1000:8.1f}ms {r['p90_s'] * 1000:8.1f}ms {r['n']:4}")
-    print("grade per library: " + ", ".join(f"{k} {v:.2f}s" for k, v in results["grade_per_library_s"].items()))
-    print(f"ratio 8 resets / fork(8): {results['ratio_resets8_over_fork8']:.2f}x;  "
-          f"with grading: {results['ratio_resets8_then_grade_over_fork8_then_grade']:.2f}x")
-    print(f"wrote {args.out}")
-    return 0
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    ap.add_argument("--runs", type=int, default=10, help="resets timed (tool steps: 3x as many)")
+    ap.add_argument("--fork-runs", type=int, default=3, help="rounds of fork(8)+grade against 8 resets+grade")
+    add_output_arg(ap, "swe", "--out")
+    args = ap.parse_args(argv)
+    report = Report("swe", {k: v for k, v in vars(args).items() if k != "output"})
+
+    by_lib: dict[str, Task] = {}
+    for t in shipped_tasks():
+        by_lib.setdefault(t.metadata["library"], t)
+    for library in load_libraries():
+        build_image(library.recipe, log=console.log)
+    task = by_lib[TASK_LIBRARY]
+    report.info.update(task=task.instance_id, libraries=sorted(by_lib))
+
+    env: SWEEnv | None = None
+    try:
+        env = SWEEnv(task=task)
+        env.reset()  # warm the image's layers and the page cache
+        console.log(f"reset x{args.runs}, step x{args.runs * 3}")
+        with recording(r := report.result("reset", note=f"SWEEnv.reset() of {task.instance_id}"), "reset"):
+            r.samples += time_runs(env.reset, args.runs)
+        with recording(r := report.result("step_bash_true", note="env.step(bash `true`)"), "step"):
+            r.samples += time_runs(functools.partial(env.step, TRUE), args.runs * 3)
+        grade = report.result("grade", note="grade of an unchanged repository after a warm-up grade, one per library")
+        per_lib: dict[str, float | None] = {}
+        for lib, t in by_lib.items():
+            console.log(f"grade {lib}")
+            with recording(grade, f"grade {lib}"), SWEEnv(task=t) as e:
+                e.reset()
+                e.grade()  # warm-up: page cache, first imports
+                e.reset()
+                with Timer() as tg:
+                    e.grade()
+                grade.add(tg.s)
+                per_lib[lib] = ms(tg.s)
+        grade.fields["per_library_ms"] = per_lib
+        console.log(f"fork(8) + grade against 8 resets + grade, x{args.fork_runs}")
+        fork_vs_resets(report, env, task, args.fork_runs)
+    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
+        report.fatal = f"{type(e).__name__}: {e}"
+    finally:
+        if env is not None:
+            env.close()
+
+    x = report.add_ratio("resets8/fork8", "resets8", "fork8")
+    xg = report.add_ratio("resets8_then_grade/fork8_then_grade", "resets8_then_grade", "fork8_then_grade")
+    g = report.results
+    rows = [Row("reset (image present)", [g.get("reset")]), Row("step: bash true", [g.get("step_bash_true")]),
+            Row("grade (over libraries)", [g.get("grade")]), Row("fork(8)", [g.get("fork8")]),
+            Row("8 fresh resets", [g.get("resets8")], x),
+            Row("fork(8) + grade each", [g.get("fork8_then_grade")]),
+            Row("8 resets + grade each", [g.get("resets8_then_grade")], xg)]
+    print_table("SWE environment, ms (ratio = 8 resets / fork(8), medians)", rows)
+    if "grade" in g:
+        console.print("grade per library: " + ", ".join(f"{k} {v} ms" for k, v in
+                                                         g["grade"].fields.get("per_library_ms", {}).items()))
+    report.print_errors()
+    report.write(args.output)
+    return 1 if report.fatal or report.errors else 0
 
 
 if __name__ == "__main__":

@@ -1,14 +1,27 @@
-"""Environments built on agentenv: SWE-style coding tasks (``agentenv/SWE-v0``) and tool-use tasks (``agentenv/Tool-v0``)."""
+"""Gymnasium environments on agentenv sandboxes: ``agentenv/Shell-v0`` (a shell), ``agentenv/SWE-v0`` (fix a
+repository, graded like SWE-bench) and ``agentenv/Tool-v0`` (small tool-use tasks with checkable answers).
+
+``import envs`` registers them. Each is registered with Gymnasium's step limit (``max_episode_steps``,
+so ``gymnasium.make`` wraps it in ``TimeLimit``) and the same number as the env's ``max_steps``, on
+which it finishes the episode itself (see ``envs.base``). All of them build on ``envs.base.SandboxEnv``.
+"""
 
 import gymnasium
 
+from envs import shell_env, swe_env, tool_env
+from envs.base import SandboxEnv
+from envs.shell_env import ShellEnv
 from envs.swe_env import SWEEnv
 from envs.task import Task, TaskError, load_tasks
 from envs.tool_env import ToolEnv
 
-__all__ = ["SWEEnv", "Task", "TaskError", "ToolEnv", "load_tasks"]
+__all__ = ["SWEEnv", "SandboxEnv", "ShellEnv", "Task", "TaskError", "ToolEnv", "load_tasks"]
 
-if "agentenv/SWE-v0" not in gymnasium.registry:
-    gymnasium.register(id="agentenv/SWE-v0", entry_point="envs.swe_env:SWEEnv")
-if "agentenv/Tool-v0" not in gymnasium.registry:
-    gymnasium.register(id="agentenv/Tool-v0", entry_point="envs.tool_env:ToolEnv")
+# id -> (entry point, step limit: TimeLimit's max_episode_steps and the env's own max_steps)
+REGISTERED = {"agentenv/Shell-v0": ("envs.shell_env:ShellEnv", shell_env.DEFAULT_MAX_STEPS),
+              "agentenv/SWE-v0": ("envs.swe_env:SWEEnv", swe_env.DEFAULT_MAX_STEPS),
+              "agentenv/Tool-v0": ("envs.tool_env:ToolEnv", tool_env.DEFAULT_MAX_STEPS)}
+
+for _id, (_entry_point, _steps) in REGISTERED.items():
+    if _id not in gymnasium.registry:
+        gymnasium.register(id=_id, entry_point=_entry_point, max_episode_steps=_steps, kwargs={"max_steps": _steps})

@@ -12,8 +12,9 @@ import re
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
+from agentenv.api import SandboxLike
 from envs.task import Task
 
 WORKDIR = "/testbed"
@@ -21,13 +22,6 @@ PASSING = frozenset({"PASSED", "XFAIL"})
 STATUSES = ("PASSED", "FAILED", "ERROR", "SKIPPED", "XFAIL", "XPASS")
 _SUMMARY = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (.+)$")
 _TEST_PATCH_PATH = "/tmp/.agentenv_test.patch"
-
-
-class ExecLike(Protocol):  # what grading needs of a sandbox (a Sandbox, or a fake in unit tests)
-    def exec(self, command: str, *, timeout: float | None = ..., cwd: str | None = ...,
-             env: dict[str, str] | None = ...) -> Any: ...
-
-    def write_file(self, path: str, data: bytes | str, mode: int = ...) -> None: ...
 
 
 def _split_message(rest: str) -> tuple[str, str]:
@@ -121,14 +115,14 @@ class GradeResult:
                 "tests_timed_out": self.timed_out}
 
 
-def model_patch(sandbox: ExecLike, task: Task) -> str:
+def model_patch(sandbox: SandboxLike, task: Task) -> str:
     """Every change in /testbed since the base commit, new files included (binary-safe git diff)."""
     r = sandbox.exec(f"git add -A && git diff --cached --binary {shlex.quote(task.base_commit)}",
                      timeout=120, cwd=WORKDIR)
     return str(r.stdout) if r.exit_code == 0 else ""
 
 
-def grade(sandbox: ExecLike, task: Task, *, timeout: float = 900.0) -> GradeResult:
+def grade(sandbox: SandboxLike, task: Task, *, timeout: float = 900.0) -> GradeResult:
     """Grade the sandbox's /testbed as SWE-bench does; leaves the test files at base + test patch."""
     patch = model_patch(sandbox, task)
     files = list(dict.fromkeys([*task.test_files, *patch_files(task.test_patch)]))

@@ -133,7 +133,7 @@ if [ "$SKIP_VENV" = 0 ]; then
         pip install -q --upgrade pip
         # Pin the CPU build that the package registries here serve; a bare 'torch' pulls CUDA wheels.
         "$VENV/bin/python" -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-        pip install -q -e "$ROOT[test]"
+        pip install -q -e "$ROOT[all,test]"
         echo "$WANT" >"$STAMP"
     fi
     # CRIU's Python bindings: the packaged ones (Debian 13) or the ones built above.

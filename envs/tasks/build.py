@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentenv.sandbox import Sandbox
+import agentenv
+from agentenv.api import SandboxLike
 from envs.grading import PASSING, failure_messages, grade, parse_pytest
 from envs.swe_env import start_task_sandbox
 from envs.task import SHIPPED, Task, load_tasks, write_tasks
@@ -52,7 +53,7 @@ def setup_commands(gold_patch: str) -> list[str]:
     return [f"git apply -R --whitespace=nowarn <<'{PATCH_EOF}'\n{body}{PATCH_EOF}", REINIT]
 
 
-def _run_tests(sb: Sandbox, lib: Library, timeout: float) -> tuple[dict[str, str], str, bool]:
+def _run_tests(sb: SandboxLike, lib: Library, timeout: float) -> tuple[dict[str, str], str, bool]:
     r = sb.exec(TEST_COMMAND.format(tests=" ".join(shlex.quote(t) for t in lib.tests)), timeout=timeout,
                 cwd="/testbed")
     log = r.stdout + r.stderr
@@ -70,7 +71,7 @@ class _Baseline:
         return {t for t, s in self.statuses.items() if s == "PASSED"}
 
 
-def _baseline(sb: Sandbox, lib: Library) -> _Baseline:
+def _baseline(sb: SandboxLike, lib: Library) -> _Baseline:
     t0 = time.monotonic()
     statuses, log, timed_out = _run_tests(sb, lib, 600)
     if timed_out or not any(s == "PASSED" for s in statuses.values()):
@@ -110,7 +111,7 @@ def search(lib: Library, *, keep: int, max_tries: int, seed: int, log: Log) -> l
     kept: list[MutationSpec] = []
     used_functions: set[tuple[str, str]] = set()
     per_kind_cap = max(2, (keep + 2) // 3)
-    with Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
+    with agentenv.Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
         base = _baseline(sb, lib)
         timeout = max(30.0, 10 * base.seconds)
         tries = 0
@@ -175,7 +176,7 @@ def build_library(lib: Library, specs: Iterable[MutationSpec], log: Log) -> list
     src_dir = extract_sdist(fetch_sdist(lib.name, lib.version, lib.sha256),
                             Path(f"/var/tmp/agentenv-src-{lib.name}-{lib.version}"))
     tasks = []
-    with Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
+    with agentenv.Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
         base = _baseline(sb, lib)
         timeout = max(30.0, 10 * base.seconds)
         for spec in specs:

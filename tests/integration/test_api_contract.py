@@ -121,7 +121,7 @@ def test_bad_input_is_typed(api):
 def test_snapshot_restore_and_delete(api, sb):
     sb.write_file("/testbed/keep.txt", "before")
     snap = sb.snapshot(memory=False, labels={"k": "v"})
-    assert isinstance(snap, agentenv.Snapshot) and not snap.has_memory and snap.size_bytes > 0
+    assert isinstance(snap, agentenv.SnapshotInfo) and not snap.has_memory and snap.size_bytes > 0
     assert snap.labels["k"] == "v" and snap.sandbox_id == sb.id
     sb.write_file("/testbed/keep.txt", "after")
     try:
@@ -159,7 +159,7 @@ def test_pause_resume(api):
     with api.Sandbox.create() as s:
         start_counter(s)
         snap = s.pause()
-        assert isinstance(snap, agentenv.Snapshot) and snap.has_memory
+        assert isinstance(snap, agentenv.SnapshotInfo) and snap.has_memory
         assert s.state == "paused"
         with pytest.raises(SandboxStateError):
             s.exec("true")
@@ -174,9 +174,9 @@ def test_gymnasium_envs_run_unchanged_on_either_api(api):
     """The Gymnasium views take ``api=``: the same episode runs on this host or through a server."""
     from gymnasium.utils.env_checker import check_env
 
-    from envs import ToolEnv
+    from envs import ShellEnv, ToolEnv
 
-    env = agentenv.ShellEnv(max_steps=3, api=None if api is agentenv else api)
+    env = ShellEnv(max_steps=3, api=None if api is agentenv else api)
     try:
         check_env(env, skip_render_check=True)
         env.reset()

@@ -9,8 +9,7 @@ import msgpack
 import pytest
 
 from agentenv import errors, wire
-from agentenv.client import rebuild_error
-from agentenv.server import error_body, status_of
+from agentenv.errors import from_wire, status_of, to_wire
 
 
 def test_content_type_and_accept_negotiation():
@@ -68,9 +67,9 @@ def test_frames_survive_any_chunking(mp):
 ])
 def test_agentenv_errors_map_to_a_status_and_back_to_the_same_class(exc, status):
     assert status_of(exc) == status
-    body = error_body(exc, "sb-1")
+    body = to_wire(exc, "sb-1")
     assert body["id"] == "sb-1"
-    back = rebuild_error(json.loads(json.dumps(body)), status)
+    back = from_wire(json.loads(json.dumps(body)), status)
     assert type(back) is type(exc)
     assert str(back) == str(exc)
     assert back.fix == exc.fix
@@ -80,14 +79,14 @@ def test_agentenv_errors_map_to_a_status_and_back_to_the_same_class(exc, status)
 
 def test_builtin_errors_come_back_as_themselves():
     fnf = FileNotFoundError(2, "[Errno 2] No such file or directory: '/x'")
-    back = rebuild_error(error_body(fnf), 404)
+    back = from_wire(to_wire(fnf), 404)
     assert isinstance(back, FileNotFoundError) and str(back) == str(fnf)
-    assert isinstance(rebuild_error(error_body(ValueError("bad size")), 400), ValueError)
-    assert isinstance(rebuild_error({"error": "ValidationError", "message": "count: too big"}, 422), ValueError)
-    assert isinstance(rebuild_error({"error": "ProcessLookupError", "message": "no process 5"}, 404), ProcessLookupError)
+    assert isinstance(from_wire(to_wire(ValueError("bad size")), 400), ValueError)
+    assert isinstance(from_wire({"error": "ValidationError", "message": "count: too big"}, 422), ValueError)
+    assert isinstance(from_wire({"error": "ProcessLookupError", "message": "no process 5"}, 404), ProcessLookupError)
     assert status_of(RuntimeError("bug")) is None  # unknown exceptions are 500s, never a typed status
 
 
 def test_unknown_error_names_fall_back_by_status():
-    assert isinstance(rebuild_error({"error": "Weird", "message": "m"}, 429), errors.QuotaExceeded)
-    assert isinstance(rebuild_error("not a dict", 503), errors.AgentEnvError)
+    assert isinstance(from_wire({"error": "Weird", "message": "m"}, 429), errors.QuotaExceeded)
+    assert isinstance(from_wire("not a dict", 503), errors.AgentEnvError)

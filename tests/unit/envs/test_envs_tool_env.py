@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from envs.task import TaskError
-from envs.tool_env import ToolEnv, ToolTask, calculate, load_tool_tasks
-from envs.tools import ActionError
+from envs.tool_env import ToolEnv, ToolTask, load_tool_tasks
+from envs.tools import ActionError, calculate
 
 
 @pytest.mark.parametrize(("expr", "want"), [("2 + 3 * 4", 14), ("2^10", 1024), ("sqrt(16) + factorial(5)", 124.0),

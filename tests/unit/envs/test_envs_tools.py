@@ -1,24 +1,33 @@
-"""Tool calls: K3 text and dict parsing, argument checks, path confinement, truncation, the tools on a fake sandbox."""
+"""Tool calls: K3 text and dict parsing, argument checks, path confinement, truncation, tool groups, the
+SWE tools on a fake sandbox."""
 
 from __future__ import annotations
 
 import json
-import posixpath
 import re
-from dataclasses import dataclass
 
 import pytest
 
+from envs.spaces import truncate
 from envs.tools import (
-    SWE_TOOLS,
     ActionError,
-    SWETools,
+    BashTool,
+    FileTools,
+    SubmitTool,
+    Toolbox,
     ToolCall,
+    ToolGroup,
+    ToolOutput,
     check_arguments,
     confine,
     parse_action,
-    truncate,
+    tool,
 )
+from envs.tools.core import decode_arguments
+
+from .fakes import FakeSandbox
+
+SWE_TOOLS = [*BashTool.specs(), *FileTools.specs(), *SubmitTool.specs()]
 
 
 def k3(*calls: tuple[str, dict]) -> str:
@@ -27,11 +36,15 @@ def k3(*calls: tuple[str, dict]) -> str:
     return f"Let me look.<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
 
 
-def test_k3_text_parses_to_the_first_call():
-    c = parse_action(k3(("bash", {"command": "ls -la"})))
-    assert c == ToolCall("bash", {"command": "ls -la"})
+def named(calls: list[ToolCall]) -> list[tuple[str, dict]]:
+    return [(c.name, decode_arguments(c)) for c in calls]
+
+
+def test_k3_text_parses_to_every_call_in_order():
+    assert named(parse_action(k3(("bash", {"command": "ls -la"})))) == [("bash", {"command": "ls -la"})]
     two = parse_action(k3(("view", {"path": "a.py"}), ("submit", {})))
-    assert two.name == "view" and "only the first" in two.note
+    assert named(two) == [("view", {"path": "a.py"}), ("submit", {})]
+    assert [c.id for c in two] == ["functions.view:0", "functions.submit:1"]
 
 
 @pytest.mark.parametrize("action", [
@@ -42,7 +55,15 @@ def test_k3_text_parses_to_the_first_call():
     '{"name": "bash", "arguments": {"command": "ls"}}',
 ])
 def test_dict_and_json_forms(action):
-    assert parse_action(action) == ToolCall("bash", {"command": "ls"})
+    assert named(parse_action(action)) == [("bash", {"command": "ls"})]
+
+
+def test_a_list_of_openai_tool_calls_keeps_their_ids():
+    calls = parse_action([{"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": "{}"}},
+                          {"name": "submit"}])
+    assert [(c.id, c.name) for c in calls] == [("call_1", "bash"), ("functions.submit:1", "submit")]
+    with pytest.raises(ActionError, match="holds tool calls"):
+        parse_action([{"name": "bash"}, "ls"])
 
 
 @pytest.mark.parametrize(("action", "words"), [
@@ -51,12 +72,20 @@ def test_dict_and_json_forms(action):
     (k3(("bash", {})).replace("{}", "{oops"), "not valid JSON"),
     (k3(("bash", {})).replace("{}", "[1, 2]"), "JSON object"),
     ({"arguments": {}}, "tool name"),
+    (k3(("bash", {})).replace("{}", '"ls"'), "JSON object"),
     (42, "got int"),
     ("{broken json", "does not parse"),
 ])
 def test_malformed_actions_say_what_is_wrong(action, words):
     with pytest.raises(ActionError, match=re.escape(words)):
         parse_action(action)
+
+
+@pytest.mark.parametrize(("arguments", "words"), [("{oops", "not valid JSON"), ("[1, 2]", "JSON object"),
+                                                  (5, "JSON object")])
+def test_dict_arguments_are_decoded_when_the_call_runs(arguments, words):
+    with pytest.raises(ActionError, match=re.escape(words)):
+        check_arguments(parse_action({"name": "bash", "arguments": arguments})[0], SWE_TOOLS)
 
 
 def test_arguments_are_checked_against_the_schema():
@@ -97,51 +126,15 @@ def test_truncate_cuts_the_middle_with_a_marker():
     assert truncate("short", 1000) == "short"
 
 
-@dataclass
-class R:
-    exit_code: int = 0
-    stdout: str = ""
-    stderr: str = ""
-    timed_out: bool = False
-
-
-class FakeSandbox:
-    """Files in a dict; understands the few commands the tools send besides bash."""
-
-    def __init__(self, files: dict[str, str], links: dict[str, str] | None = None) -> None:
-        self.files, self.links, self.commands = dict(files), dict(links or {}), []
-
-    def _kind(self, p: str) -> str:
-        if p in self.files:
-            return "file"
-        return "dir" if any(f.startswith(p.rstrip("/") + "/") for f in self.files) else "missing"
-
-    def exec(self, command, *, timeout=None, cwd=None, env=None):
-        self.commands.append(command)
-        m = re.match(r"realpath -m -- (\S+);", command)
-        if m:
-            p = m.group(1).strip("'")
-            real = posixpath.normpath(self.links.get(p, p))
-            return R(stdout=f"{real}\n{self._kind(real)}\n")
-        if command.startswith("stat -c %a"):
-            return R(stdout="755\n")
-        if "sleep" in command:
-            return R(exit_code=-9, stdout="partial\n", timed_out=True)
-        return R(stdout="x" * 50_000 if "yes" in command else "ran\n", exit_code=3 if "false" in command else 0)
-
-    def read_file(self, path):
-        return self.files[path].encode()
-
-    def write_file(self, path, data, mode=0o644):
-        self.files[path] = data if isinstance(data, str) else data.decode()
-        self.mode = mode
+@pytest.fixture
+def sb():
+    return FakeSandbox(files={"/testbed/a.py": "x = 1\ny = 1\nz = 2\n", "/testbed/pkg/b.py": "print('b')\n"},
+                       links={"/testbed/evil": "/etc/shadow"})
 
 
 @pytest.fixture
-def tools():
-    sb = FakeSandbox({"/testbed/a.py": "x = 1\ny = 1\nz = 2\n", "/testbed/pkg/b.py": "print('b')\n"},
-                     links={"/testbed/evil": "/etc/shadow"})
-    return SWETools(sb, max_output=2000)
+def tools(sb):
+    return Toolbox(BashTool(lambda: sb), FileTools(lambda: sb), SubmitTool(), max_output=2000)
 
 
 def call(name, **args):
@@ -149,45 +142,90 @@ def call(name, **args):
 
 
 def test_view_shows_numbered_lines_and_ranges(tools):
-    _, out = tools.run(call("view", path="a.py"))
+    out = tools.run(call("view", path="a.py"))
     assert not out.error and out.text.splitlines()[0] == "     1\tx = 1"
-    _, out = tools.run(call("view", path="a.py", view_range=[2, -1]))
+    out = tools.run(call("view", path="a.py", view_range=[2, -1]))
     assert out.text.splitlines() == ["     2\ty = 1", "     3\tz = 2"]
-    _, out = tools.run(call("view", path="a.py", view_range=[9, 10]))
+    out = tools.run(call("view", path="a.py", view_range=[9, 10]))
     assert out.error and "invalid" in out.text
 
 
-def test_str_replace_needs_a_unique_old_string(tools):
-    _, out = tools.run(call("str_replace", path="a.py", old_str="= 1", new_str="= 5"))
+def test_str_replace_needs_a_unique_old_string(tools, sb):
+    out = tools.run(call("str_replace", path="a.py", old_str="= 1", new_str="= 5"))
     assert out.error and "occurs 2 times" in out.text and "lines 1, 2" in out.text
-    assert tools.sandbox.files["/testbed/a.py"] == "x = 1\ny = 1\nz = 2\n"
-    _, out = tools.run(call("str_replace", path="a.py", old_str="nope", new_str=""))
+    assert sb.files["/testbed/a.py"] == "x = 1\ny = 1\nz = 2\n"
+    out = tools.run(call("str_replace", path="a.py", old_str="nope", new_str=""))
     assert out.error and "not found" in out.text
-    _, out = tools.run(call("str_replace", path="a.py", old_str="y = 1", new_str="y = 7"))
-    assert not out.error and tools.sandbox.files["/testbed/a.py"] == "x = 1\ny = 7\nz = 2\n"
-    assert tools.sandbox.mode == 0o755  # the file's mode is kept
+    out = tools.run(call("str_replace", path="a.py", old_str="y = 1", new_str="y = 7"))
+    assert not out.error and sb.files["/testbed/a.py"] == "x = 1\ny = 7\nz = 2\n"
+    assert sb.mode == 0o755  # the file's mode is kept
 
 
-def test_paths_outside_testbed_are_refused_even_through_links(tools):
+def test_paths_outside_testbed_are_refused_even_through_links(tools, sb):
     for path in ("/etc/passwd", "../../etc/passwd", "evil"):
-        _, out = tools.run(call("view", path=path))
+        out = tools.run(call("view", path=path))
         assert out.error and "outside /testbed" in out.text, path
-    _, out = tools.run(call("create", path="/tmp/x.py", file_text="1"))
-    assert out.error and "/tmp/x.py" not in tools.sandbox.files
+    out = tools.run(call("create", path="/tmp/x.py", file_text="1"))
+    assert out.error and "/tmp/x.py" not in sb.files
 
 
-def test_create_bash_submit_and_unknown_tools(tools):
-    _, out = tools.run(call("create", path="new/c.py", file_text="c = 3\n"))
-    assert "Created" in out.text and tools.sandbox.files["/testbed/new/c.py"] == "c = 3\n"
-    _, out = tools.run(call("bash", command="false"))
+def test_create_bash_submit_and_unknown_tools(tools, sb):
+    out = tools.run(call("create", path="new/c.py", file_text="c = 3\n"))
+    assert "Created" in out.text and sb.files["/testbed/new/c.py"] == "c = 3\n"
+    out = tools.run(call("bash", command="false"))
     assert out.text == "ran\n\n[exit code 3]"
-    _, out = tools.run(call("bash", command="sleep 100", timeout=1))
+    out = tools.run(call("bash", command="sleep 100", timeout=1))
     assert "timed out after 1 s" in out.text
-    _, out = tools.run(call("bash", command="yes"))
+    out = tools.run(call("bash", command="yes"))
     assert len(out.text) <= 2000 and "characters truncated" in out.text
-    _, out = tools.run(call("bash", command="ls", timeout=10_000))
+    out = tools.run(call("bash", command="ls", timeout=10_000))
     assert out.error and "timeout must be" in out.text
-    c, out = tools.run(k3(("submit", {})))
-    assert c is not None and c.name == "submit" and out.submitted
-    c, out = tools.run(call("rm_rf", path="/"))
-    assert out.error and "unknown tool" in out.text and not out.submitted
+    out = tools.run(k3(("submit", {})))
+    assert out.ending is not None and out.ending.name == "submit"
+    out = tools.run(call("rm_rf", path="/"))
+    assert out.error and "unknown tool" in out.text and out.ending is None
+
+
+def test_every_call_runs_in_order_and_a_submit_ends_the_action(tools, sb):
+    turn = tools.run(k3(("create", {"path": "n.txt", "file_text": "1"}), ("bash", {"command": "false"}),
+                        ("view", {"path": "/etc/passwd"}), ("submit", {}), ("bash", {"command": "ls"})))
+    assert [c.name for c in turn.calls] == ["create", "bash", "view", "submit"]  # nothing after submit runs
+    assert sb.files["/testbed/n.txt"] == "1" and sb.commands.count("{ ls\n} 2>&1") == 0
+    assert turn.error and turn.ending is not None
+    assert turn.text.split("\n\n")[0] == "[create]\nCreated n.txt (1 bytes, 0 lines)"
+    assert "[view]\nError: path '/etc/passwd' is outside /testbed" in turn.text
+    info = turn.info()
+    assert info["calls"][2] == {"id": "functions.view:2", "name": "view", "error": True,
+                                "output": "Error: path '/etc/passwd' is outside /testbed; only files under /testbed "
+                                          "can be used"}
+    assert [c["error"] for c in info["calls"]] == [False, False, True, False]
+
+
+def test_a_malformed_action_runs_nothing_and_says_the_format(tools, sb):
+    turn = tools.run(k3(("bash", {"command": "touch x"})).replace("<|tool_call_end|>", ""))
+    assert turn.calls == () and turn.error and "malformed" in turn.text and "functions.NAME:IDX" in turn.text
+    assert sb.commands == []
+
+
+class Greeter(ToolGroup):
+    @tool("Greet someone.", {"who": {"type": "string"}, "times": {"type": "integer"}}, ["who"])
+    def greet(self, who: str, times: int = 1) -> ToolOutput:
+        return ToolOutput(" ".join([f"hello {who}"] * times))
+
+    @tool("Say goodbye; the episode ends.", name="bye")
+    def leave(self) -> ToolOutput:
+        return ToolOutput("bye", submitted=True)
+
+
+def test_a_tool_group_declares_its_tools_once():
+    assert [t.name for t in Greeter.tools] == ["greet", "bye"]
+    spec = Greeter.specs()[0]["function"]
+    assert spec["parameters"] == {"type": "object", "properties": {"who": {"type": "string"}, "times": {
+        "type": "integer"}}, "required": ["who"], "additionalProperties": False}
+    box = Toolbox(Greeter(), SubmitTool())
+    assert box.names == ["greet", "bye", "submit"] and "- greet(who: string, times?: integer): Greet" in box.describe()
+    assert box.run({"name": "greet", "arguments": {"who": "K3", "times": 2}}).text == "hello K3 hello K3"
+    assert "must be an integer" in box.run({"name": "greet", "arguments": {"who": "K3", "times": "2"}}).text
+    assert box.run({"name": "bye"}).ending is not None
+    with pytest.raises(ValueError, match="same name"):
+        Toolbox(Greeter(), Greeter())

@@ -7,6 +7,7 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 import agentenv
+import envs
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +22,7 @@ def test_shell_env_passes_gymnasium_check_env():
 
 
 def test_shell_env_episode():
-    env = agentenv.ShellEnv(max_steps=2, timeout=2)
+    env = envs.ShellEnv(max_steps=2, timeout=2)
     try:
         obs, info = env.reset(seed=0)
         assert obs == "" and info["sandbox_id"]

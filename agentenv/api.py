@@ -1,0 +1,250 @@
+"""The sandbox contract, written once: the value types and the Protocols of DESIGN.md §3.
+
+Three things implement it: the local API (the ``agentenv`` module: ``agentenv.Sandbox`` and
+``agentenv.Snapshot``), a server's client (``agentenv.connect(url, token)``) and a ``Pool`` of
+servers. Code that takes a ``Backend`` runs against any of them unchanged; mypy checks that each one
+satisfies it (``tests/unit/test_contract.py``). The value types are plain dataclasses: the server
+sends them (``to_wire``), the client rebuilds them (``from_wire``), so a new field is one edit here.
+Standard library only: a user who wants sandboxes alone needs nothing else to read this contract.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+
+State = Literal["creating", "running", "paused", "closed", "lost"]
+OutputCallback = Callable[[str, bytes], None]  # (stream: 'stdout' | 'stderr', data)
+DEFAULT_IMAGE = "agentenv/base"
+DEFAULT_EXEC_TIMEOUT = 600.0
+MAX_FORK = 64
+
+_V = TypeVar("_V")
+
+
+class _Value:
+    """Wire helpers shared by the value types: a dict of the fields, and back (unknown keys ignored)."""
+
+    _nested: ClassVar[dict[str, type[_Value]]] = {}  # fields that are value types themselves
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_wire(cls: type[_V], data: dict[str, Any]) -> _V:
+        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        kwargs = {k: v for k, v in data.items() if k in names}
+        for name, sub in cls._nested.items():  # type: ignore[attr-defined]
+            if isinstance(kwargs.get(name), dict):
+                kwargs[name] = sub.from_wire(kwargs[name])
+        return cls(**kwargs)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, _Value):
+        return v.to_wire()
+    if isinstance(v, dict):
+        return dict(v)
+    return v
+
+
+@dataclass(frozen=True)
+class Limits(_Value):
+    """Resource limits of one sandbox, enforced by its cgroup."""
+
+    cpus: float = 1.0
+    memory: int = 1 << 30  # bytes
+    pids: int = 512
+
+
+@dataclass(frozen=True)
+class ExecResult(_Value):
+    """The outcome of one command."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    duration: float
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and not self.timed_out
+
+
+@dataclass(frozen=True)
+class SandboxInfo(_Value):
+    """What a sandbox is, at one instant: the body of the server's sandbox routes."""
+
+    id: str
+    state: State
+    image: str
+    created_at: float
+    expires_at: float | None
+    labels: dict[str, str]
+    limits: Limits
+
+    _nested: ClassVar[dict[str, type[_Value]]] = {"limits": Limits}
+
+
+@dataclass(frozen=True)
+class SnapshotInfo(_Value):
+    """A saved sandbox state: its filesystem, and with ``has_memory`` every process too."""
+
+    id: str
+    parent_id: str | None
+    created_at: float
+    size_bytes: int
+    has_memory: bool
+    sandbox_id: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProcessInfo(_Value):
+    """A background process started with ``spawn``; ``exit_code`` is None while it runs."""
+
+    pid: int
+    log: str
+    command: str
+    exit_code: int | None = None
+
+
+def info_of(obj: Any, cls: type[_V]) -> _V:
+    """The ``cls`` value of any object that has its fields as attributes (a Sandbox, a Snapshot, ...)."""
+    return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
+
+
+# --- the Protocols --------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class ProcessLike(Protocol):
+    """A background process in a sandbox; it survives snapshots and forks."""
+
+    pid: int
+    log: str
+    command: str
+
+    @property
+    def exit_code(self) -> int | None: ...
+
+    def output(self) -> str: ...
+
+    def kill(self, signal: int = 9) -> None: ...
+
+    def wait(self, timeout: float = 60.0) -> int: ...
+
+
+@runtime_checkable
+class SnapshotLike(Protocol):
+    """A snapshot in some store (this host's, or a server's)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def parent_id(self) -> str | None: ...
+
+    @property
+    def created_at(self) -> float: ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+    @property
+    def has_memory(self) -> bool: ...
+
+    @property
+    def sandbox_id(self) -> str | None: ...
+
+    @property
+    def labels(self) -> dict[str, str]: ...
+
+    def delete(self, background: bool = False) -> None: ...
+
+
+@runtime_checkable
+class SandboxLike(Protocol):
+    """An isolated Linux environment with exec, files, snapshot, fork, pause and resume."""
+
+    id: str
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def image(self) -> str: ...
+
+    @property
+    def created_at(self) -> float: ...
+
+    @property
+    def labels(self) -> dict[str, str]: ...
+
+    @property
+    def expires_at(self) -> float | None: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    def set_ttl(self, ttl: float) -> None: ...
+
+    def exec(self, command: str, *, timeout: float | None = ..., cwd: str | None = ...,
+             env: dict[str, str] | None = ..., on_output: OutputCallback | None = ...) -> ExecResult: ...
+
+    def spawn(self, command: str, *, cwd: str | None = ..., env: dict[str, str] | None = ...) -> ProcessLike: ...
+
+    def processes(self) -> Sequence[ProcessLike]: ...
+
+    def read_file(self, path: str) -> bytes: ...
+
+    def write_file(self, path: str, data: bytes | str, mode: int = ...) -> None: ...
+
+    def snapshot(self, memory: bool = ..., *, labels: dict[str, str] | None = ...) -> SnapshotLike: ...
+
+    def fork(self, n: int = ..., *, memory: bool = ...) -> Sequence[SandboxLike]: ...
+
+    def pause(self) -> SnapshotLike: ...
+
+    def resume(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+class SandboxFactory(Protocol):
+    """``agentenv.Sandbox``, ``client.Sandbox``, ``pool.Sandbox``: make, find and list sandboxes."""
+
+    def create(self, image: str = ..., *, cpus: float = ..., memory: str | int = ..., pids: int = ...,
+               network: bool = ..., env: dict[str, str] | None = ..., workdir: str | None = ...,
+               ttl: float | None = ..., labels: dict[str, str] | None = ...) -> SandboxLike: ...
+
+    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = ...) -> SandboxLike: ...
+
+    def get(self, sandbox_id: str) -> SandboxLike: ...
+
+    def list(self) -> Sequence[SandboxLike]: ...
+
+
+class SnapshotFactory(Protocol):
+    """``agentenv.Snapshot``, ``client.Snapshot``, ``pool.Snapshot``: find and list snapshots."""
+
+    def get(self, snapshot_id: str) -> SnapshotLike: ...
+
+    def list(self) -> Sequence[SnapshotLike]: ...
+
+
+class Backend(Protocol):
+    """Where sandboxes live: this host (the ``agentenv`` module), one server (a client) or a ``Pool``."""
+
+    @property
+    def Sandbox(self) -> SandboxFactory: ...  # noqa: N802 - the attribute is named like the class it usually is
+
+    @property
+    def Snapshot(self) -> SnapshotFactory: ...  # noqa: N802

@@ -1,0 +1,81 @@
+"""The environment server's app: the service, the routers and the error handlers put together; and running it."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fastapi import FastAPI, Request, Response
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentenv import __version__
+from agentenv.config import parse_size
+from agentenv.server.routes import commands, files, sandboxes, server, snapshots
+from agentenv.server.routing import (
+    WireResponse,
+    complete_openapi,
+    http_error_response,
+    invalid_response,
+    replying_as,
+)
+from agentenv.server.service import Service
+
+DEFAULT_PORT = 8700
+TOKEN_ENV = "AGENTENV_TOKEN"
+
+
+def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "64g",
+               reap_interval: float = 5.0) -> FastAPI:
+    """The environment server's app; ``token`` guards every route but /health and /metrics."""
+    if not token:
+        raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
+    service = Service(max_sandboxes, parse_size(max_memory), reap_interval)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await run_in_threadpool(service.recover)
+        service.start_reaper()
+        yield
+        service.stop()
+
+    app = FastAPI(title="agentenv environment server", version=__version__, lifespan=lifespan,
+                  description="Sandboxes that snapshot, fork and resume, over HTTP. Bodies are JSON or msgpack "
+                              "(Content-Type / Accept: application/msgpack).",
+                  default_response_class=WireResponse)
+    app.state.service = service
+    app.state.expected_auth = f"Bearer {token}".encode()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return http_error_response(exc, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        with replying_as(request):
+            return invalid_response(exc)
+
+    for module in (server, sandboxes, commands, files, snapshots):
+        app.include_router(module.router)
+    complete_openapi(app)
+    return app
+
+
+def load_token(token_file: Path | None) -> str:
+    """The bearer token from ``token_file``, else $AGENTENV_TOKEN; ValueError when there is none."""
+    token = token_file.read_text().strip() if token_file is not None else os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise ValueError(f"no token: pass --token-file or set ${TOKEN_ENV} (the server never runs open)")
+    return token
+
+
+def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_sandboxes: int = 64,
+          max_memory: str | int = "64g", reap_interval: float = 5.0, log_level: str = "info") -> None:
+    """Run the server until interrupted (uvicorn, one process; sandbox calls run in its thread pool)."""
+    import uvicorn
+
+    app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, reap_interval=reap_interval)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)

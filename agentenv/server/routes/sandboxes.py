@@ -1,0 +1,50 @@
+"""Sandboxes: create, list, get, close, and their time to live."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Body, Response
+
+from agentenv.api import SandboxInfo
+from agentenv.config import parse_size
+from agentenv.sandbox import Sandbox
+from agentenv.server.routes import ServiceDep
+from agentenv.server.routing import WireResponse, WireRoute
+from agentenv.server.schemas import CreateRequest, Deleted, SandboxId, TTLRequest, error_responses
+
+router = APIRouter(route_class=WireRoute, tags=["sandboxes"])
+SB_ERRORS = error_responses(400, 401, 404, 409, 422)
+
+
+@router.post("/v1/sandboxes", response_model=SandboxInfo, responses=error_responses(400, 401, 404, 422, 429))
+def create_sandbox(service: ServiceDep, req: Annotated[CreateRequest, Body()]) -> Response:
+    memory = parse_size(req.memory)
+    with service.reserve(1, memory):
+        sb = Sandbox.create(req.image, cpus=req.cpus, memory=memory, pids=req.pids, network=req.network,
+                            env=req.env, workdir=req.workdir, ttl=req.ttl, labels=req.labels)
+    return WireResponse(service.remember(sb).info("running").to_wire())
+
+
+@router.get("/v1/sandboxes", response_model=list[SandboxInfo], responses=error_responses(401))
+def list_sandboxes() -> Response:
+    return WireResponse([sb.info().to_wire() for sb in Sandbox.list()])
+
+
+@router.get("/v1/sandboxes/{sandbox_id}", response_model=SandboxInfo, responses=SB_ERRORS)
+def get_sandbox(service: ServiceDep, sandbox_id: SandboxId) -> Response:
+    return WireResponse(service.sandbox(sandbox_id).info().to_wire())
+
+
+@router.delete("/v1/sandboxes/{sandbox_id}", response_model=Deleted, responses=SB_ERRORS)
+def close_sandbox(service: ServiceDep, sandbox_id: SandboxId) -> Response:
+    service.sandbox(sandbox_id).close()
+    service.forget(sandbox_id)
+    return WireResponse({"id": sandbox_id, "state": "closed"})
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/ttl", response_model=SandboxInfo, responses=SB_ERRORS)
+def set_ttl(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[TTLRequest, Body()]) -> Response:
+    sb = service.sandbox(sandbox_id)
+    sb.set_ttl(req.ttl)
+    return WireResponse(sb.info().to_wire())

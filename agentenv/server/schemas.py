@@ -1,0 +1,183 @@
+"""The environment server's request and response models: with the api value types, the OpenAPI contract.
+
+Requests are validated strictly (no "1" for 1, no NUL bytes, bounded sizes and names), so bad input is
+a 422 with the field and the reason before any sandbox is touched. Responses that are sandbox values
+(``SandboxInfo``, ``SnapshotInfo``, ``ExecResult``, ``ProcessInfo``) are the dataclasses of
+``agentenv.api``; the models here are the server's own (capacity, deletions, errors).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from fastapi import Path as PathParam
+from fastapi import Query
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    WithJsonSchema,
+    field_validator,
+)
+
+from agentenv.api import MAX_FORK
+
+_NO_NUL = r"^[^\x00]*$"
+_MIN_MEMORY = 32 << 20
+_MEMORY = (r"^(?:(?:3[2-9]|[4-9][0-9]|[1-9][0-9]{2,6})[mM]|[1-9][0-9]{0,3}(?:\.[0-9]{1,3})?[gG])(?:[iI]?[bB])?$")
+_WORKDIR = r"^/(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,63}(?:/[A-Za-z0-9_][A-Za-z0-9._-]{0,63}){0,15})?$"
+_SPECIAL = r"^/(?:proc|sys|dev)(?:/|$)"
+def _number(v: Any) -> Any:
+    """Numbers are numbers: no "1" for 1 and no true for 1 (JSON Schema's integer does allow 3.0)."""
+    if isinstance(v, str | bool | bytes):
+        raise ValueError("expected a number")
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_number)]
+Float = Annotated[float, BeforeValidator(_number)]
+Text = Annotated[str, Field(pattern=_NO_NUL, max_length=1 << 20)]
+Name = Annotated[str, Field(pattern=_NO_NUL, max_length=4096)]
+
+
+def _map_schema(key_pattern: str, value_max: int) -> dict[str, Any]:
+    """The OpenAPI schema of a str -> str mapping that constrains every key (pydantic says patternProperties)."""
+    return {"type": "object", "maxProperties": 256,
+            "propertyNames": {"type": "string", "pattern": key_pattern, "maxLength": 256},
+            "additionalProperties": {"type": "string", "pattern": _NO_NUL, "maxLength": value_max}}
+
+
+def _not_special(path: str | None) -> str | None:
+    if path is not None and re.match(_SPECIAL, path):
+        raise ValueError("workdir cannot be under /proc, /sys or /dev")
+    return path
+
+
+_LABEL_KEY = r"^[^\x00]+$"
+_ENV_KEY = r"^[A-Za-z_][A-Za-z0-9_]*$"
+Labels = Annotated[dict[Annotated[str, Field(pattern=_LABEL_KEY, max_length=256)],
+                        Annotated[str, Field(pattern=_NO_NUL, max_length=4096)]],
+                   Field(max_length=256), WithJsonSchema(_map_schema(_LABEL_KEY, 4096))]
+Env = Annotated[dict[Annotated[str, Field(pattern=_ENV_KEY, max_length=256)],
+                     Annotated[str, Field(pattern=_NO_NUL, max_length=1 << 16)]],
+                Field(max_length=256), WithJsonSchema(_map_schema(_ENV_KEY, 1 << 16))]
+Workdir = Annotated[Annotated[str, Field(pattern=_WORKDIR)] | None, AfterValidator(_not_special), WithJsonSchema({
+    "anyOf": [{"type": "string", "pattern": _WORKDIR, "not": {"pattern": _SPECIAL}}, {"type": "null"}],
+    "description": "absolute working directory (not under /proc, /sys or /dev)"})]
+Memory = Annotated[str | Int, WithJsonSchema({
+    "anyOf": [{"type": "string", "pattern": _MEMORY}, {"type": "integer", "minimum": _MIN_MEMORY, "maximum": 1 << 50}],
+    "description": "'<n>m' (n >= 32), '<n>g', or bytes (>= 32 MiB)"})]
+SandboxId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="sandbox id")]
+SnapshotId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="snapshot id")]
+Pid = Annotated[int, PathParam(ge=1, le=1 << 22, description="process id inside the sandbox")]
+FilePath = Annotated[str, Query(min_length=1, max_length=4096, pattern=r"^[^\x00]+$",
+                                description="absolute, or relative to the sandbox's working directory; "
+                                            "resolved inside the sandbox")]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class CreateRequest(_Body):
+    image: str = Field("agentenv/base", pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
+    cpus: Float = Field(1.0, ge=0.01, le=64)
+    memory: Memory = "1g"
+    pids: Int = Field(512, ge=8, le=1 << 22)
+    network: StrictBool = False
+    env: Env = Field(default_factory=dict)
+    workdir: Workdir = None
+    ttl: Annotated[float, Field(ge=1e-3, le=1e7, strict=True)] | None = None
+    labels: Labels = Field(default_factory=dict)
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: str | int) -> str | int:
+        if isinstance(v, bool) or (isinstance(v, int) and not _MIN_MEMORY <= v <= 1 << 50) or \
+                (isinstance(v, str) and not re.match(_MEMORY, v)):
+            raise ValueError("memory must be '<n>m' (n >= 32), '<n>g', or a byte count >= 32 MiB")
+        return v
+
+
+class ExecRequest(_Body):
+    command: Text
+    timeout: Annotated[float, Field(ge=1e-3, le=1e6, strict=True)] | None = 600.0
+    cwd: Name | None = None
+    env: Env = Field(default_factory=dict)
+
+
+class SpawnRequest(_Body):
+    command: Text
+    cwd: Name | None = None
+    env: Env = Field(default_factory=dict)
+
+
+class SnapshotRequest(_Body):
+    memory: StrictBool = False
+    labels: Labels = Field(default_factory=dict)
+
+
+class ForkRequest(_Body):
+    count: Int = Field(1, ge=1, le=MAX_FORK)
+    memory: StrictBool = True  # False: the children get the files only, with fresh processes
+
+
+class TTLRequest(_Body):
+    ttl: Float = Field(ge=1e-3, le=1e7)
+
+
+class RestoreRequest(_Body):
+    labels: Labels = Field(default_factory=dict)
+
+
+class KillRequest(_Body):
+    signal: Int = Field(9, ge=1, le=64)
+
+
+class FileWritten(BaseModel):
+    path: str
+    size: int
+
+
+class Deleted(BaseModel):
+    id: str
+    state: Literal["closed", "deleted"]
+
+
+class Capacity(BaseModel):
+    max_sandboxes: int
+    live_sandboxes: int
+    free_sandboxes: int
+    max_memory: int
+    memory_used: int
+    free_memory: int
+
+
+class ServerInfo(BaseModel):
+    version: str
+    capacity: Capacity
+    recovered: dict[str, list[str]] = Field(description="what the server found on disk when it started: "
+                                                        "running (reattached), paused, lost")
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="the exception class, e.g. SandboxNotFound")
+    message: str
+    fix: str | None = None
+    id: str | None = Field(None, description="the sandbox or snapshot id the error is about")
+    retry_after: float | None = None
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """The OpenAPI ``responses`` of a route that can fail with these statuses (each an ``ErrorBody``)."""
+    text = {401: "missing or wrong bearer token", 404: "no such sandbox, snapshot, file or process",
+            409: "the operation does not fit the sandbox's state", 422: "the request does not match the schema",
+            429: "quota exceeded: see Retry-After", 507: "the snapshot store is full",
+            400: "bad input (e.g. a path with a NUL byte, an invalid size)"}
+    out: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody, "description": text[c]} for c in codes}
+    out["default"] = {"model": ErrorBody, "description": "any other error, with its class, message and fix"}
+    return out

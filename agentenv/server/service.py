@@ -1,0 +1,190 @@
+"""What the server's routes share: a cache of Sandbox objects, the quotas, the TTL reaper and the metrics.
+
+All state lives on disk (sandbox records and the snapshot store), so a server killed with ``kill -9``
+and started again lists every paused sandbox and snapshot, reattaches to the running sandboxes and
+reports the ones whose processes died as ``lost`` (``Service.recover``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentenv import errors, store
+from agentenv.sandbox import Sandbox
+from agentenv.server.schemas import Capacity
+from agentenv.store import Snapshot
+
+log = logging.getLogger("agentenv.server")
+RETRY_AFTER = 5.0  # seconds a client is told to wait when a quota is full
+
+
+@dataclass
+class Metrics:
+    """Operation latencies for Prometheus: a histogram per route."""
+
+    buckets: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+    ops: dict[str, list[float]] = field(default_factory=dict)  # name -> [count, sum, *bucket counts]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def observe(self, op: str, seconds: float) -> None:
+        with self.lock:
+            row = self.ops.setdefault(op, [0.0] * (2 + len(self.buckets)))
+            row[0] += 1
+            row[1] += seconds
+            for i, b in enumerate(self.buckets):
+                if seconds <= b:
+                    row[2 + i] += 1
+
+    def lines(self) -> Iterator[str]:
+        yield "# HELP agentenv_operation_seconds Latency of server operations."
+        yield "# TYPE agentenv_operation_seconds histogram"
+        with self.lock:
+            rows = {k: list(v) for k, v in self.ops.items()}
+        for op, row in sorted(rows.items()):
+            for i, b in enumerate(self.buckets):
+                yield f'agentenv_operation_seconds_bucket{{op="{op}",le="{b}"}} {int(row[2 + i])}'
+            yield f'agentenv_operation_seconds_bucket{{op="{op}",le="+Inf"}} {int(row[0])}'
+            yield f'agentenv_operation_seconds_sum{{op="{op}"}} {row[1]:.6f}'
+            yield f'agentenv_operation_seconds_count{{op="{op}"}} {int(row[0])}'
+
+
+class Service:
+    """What the routes share: a cache of Sandbox objects, the quotas, the TTL reaper and the metrics."""
+
+    def __init__(self, max_sandboxes: int, max_memory: int, reap_interval: float) -> None:
+        self.max_sandboxes, self.max_memory, self.reap_interval = max_sandboxes, max_memory, reap_interval
+        self.metrics = Metrics()
+        self.recovered: dict[str, list[str]] = {"running": [], "paused": [], "lost": []}
+        self._cache: dict[str, Sandbox] = {}
+        self._lock = threading.Lock()
+        self._pending = [0, 0]  # sandboxes and bytes of memory reserved by operations in flight
+        self._stop = threading.Event()
+        self._reaper: threading.Thread | None = None
+
+    # lookup
+    def sandbox(self, sandbox_id: str) -> Sandbox:
+        """The cached Sandbox of an id (its record is read once), SandboxNotFound if there is none."""
+        sb = self._cache.get(sandbox_id)
+        if sb is None:
+            sb = Sandbox.get(sandbox_id)
+            if not sb.exists():
+                raise errors.SandboxNotFound(f"no sandbox {sandbox_id!r}")
+            self._cache[sandbox_id] = sb
+        return sb
+
+    def remember(self, sb: Sandbox) -> Sandbox:
+        self._cache[sb.id] = sb
+        return sb
+
+    def forget(self, sandbox_id: str) -> None:
+        self._cache.pop(sandbox_id, None)
+
+    def call(self, sandbox_id: str, fn: Callable[[Sandbox], Any]) -> Any:
+        """Run ``fn`` on a sandbox; if its agent stopped answering, drop the cached object and say why."""
+        sb = self.sandbox(sandbox_id)
+        try:
+            return fn(sb)
+        except errors.ConnectionLost:
+            self.forget(sandbox_id)
+            fresh = self.sandbox(sandbox_id)
+            state = fresh.state
+            if state != "running":  # paused (e.g. by the TTL reaper) or closed by another process
+                raise errors.SandboxStateError(f"sandbox {sandbox_id} is {state}",
+                                               fix="resume() a paused sandbox; a lost or closed one is gone") from None
+            raise
+
+    # quotas
+    def _usage(self) -> tuple[int, int]:
+        live = mem = 0
+        for sb in Sandbox.list():
+            if sb.recorded_state == "running":
+                live += 1
+                mem += sb.limits.memory
+        return live, mem
+
+    def capacity(self) -> Capacity:
+        live, mem = self._usage()
+        live, mem = live + self._pending[0], mem + self._pending[1]
+        return Capacity(max_sandboxes=self.max_sandboxes, live_sandboxes=live,
+                        free_sandboxes=max(0, self.max_sandboxes - live), max_memory=self.max_memory,
+                        memory_used=mem, free_memory=max(0, self.max_memory - mem))
+
+    @contextlib.contextmanager
+    def reserve(self, count: int, memory: int) -> Iterator[None]:
+        """Hold room for ``count`` new live sandboxes using ``memory`` bytes each, or raise QuotaExceeded."""
+        with self._lock:
+            live, used = self._usage()
+            live, used = live + self._pending[0], used + self._pending[1]
+            if live + count > self.max_sandboxes:
+                raise errors.QuotaExceeded(f"{live} of {self.max_sandboxes} sandboxes are live; {count} more do not fit",
+                                           retry_after=RETRY_AFTER)
+            if used + count * memory > self.max_memory:
+                raise errors.QuotaExceeded(f"{used} of {self.max_memory} bytes of sandbox memory are in use; "
+                                           f"{count} x {memory} more do not fit", retry_after=RETRY_AFTER)
+            self._pending[0] += count
+            self._pending[1] += count * memory
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._pending[0] -= count
+                self._pending[1] -= count * memory
+
+    # lifecycle
+    def recover(self) -> None:
+        """After a (re)start: clear crashed writers' leftovers, reattach running sandboxes, report lost ones."""
+        for name in store.gc():
+            log.warning("removed leftover %s of a crashed writer", name)
+        for sb in Sandbox.list():
+            state = sb.state
+            if state == "running":
+                try:
+                    sb.ping()
+                except errors.AgentEnvError:
+                    state = "lost"
+                else:
+                    self.remember(sb)
+            bucket = {"running": "running", "paused": "paused"}.get(state, "lost")
+            self.recovered[bucket].append(sb.id)
+        if self.recovered["lost"]:
+            log.warning("lost sandboxes (their processes are gone; close them): %s", ", ".join(self.recovered["lost"]))
+        log.info("reattached %d running sandboxes; %d paused; %d snapshots in the store",
+                 len(self.recovered["running"]), len(self.recovered["paused"]), len(Snapshot.list()))
+
+    def start_reaper(self) -> None:
+        def loop() -> None:
+            while not self._stop.wait(self.reap_interval):
+                try:
+                    for sid in Sandbox.reap_expired():
+                        self.forget(sid)
+                        log.info("paused sandbox %s: its TTL expired", sid)
+                except Exception:  # noqa: BLE001 - the reaper must outlive any one failure
+                    log.exception("TTL reaper")
+
+        self._reaper = threading.Thread(target=loop, name="agentenv-ttl-reaper", daemon=True)
+        self._reaper.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+
+    def prometheus(self) -> str:
+        states: dict[str, int] = dict.fromkeys(("running", "paused", "lost", "creating"), 0)
+        for sb in Sandbox.list():
+            states[sb.state] = states.get(sb.state, 0) + 1
+        snaps = Snapshot.list()
+        lines = ["# HELP agentenv_sandboxes Sandboxes on this host by state.", "# TYPE agentenv_sandboxes gauge"]
+        lines += [f'agentenv_sandboxes{{state="{k}"}} {v}' for k, v in sorted(states.items())]
+        lines += ["# HELP agentenv_snapshots Snapshots in the store.", "# TYPE agentenv_snapshots gauge",
+                  f"agentenv_snapshots {len(snaps)}",
+                  "# HELP agentenv_snapshot_store_bytes Bytes used by the snapshot store.",
+                  "# TYPE agentenv_snapshot_store_bytes gauge",
+                  f"agentenv_snapshot_store_bytes {sum(s.size_bytes for s in snaps)}"]
+        lines += list(self.metrics.lines())
+        return "\n".join(lines) + "\n"

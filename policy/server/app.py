@@ -1,0 +1,99 @@
+"""``create_app``: the routes of the policy server, its bearer-token check and its error format."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from policy.chat import render_chat
+from policy.engine import Engine, SamplingParams
+from policy.server.responses import ChatAnswer, CompletionAnswer, Formatter
+from policy.server.schemas import (
+    ChatRequest,
+    CompletionRequest,
+    UpdateWeightsRequest,
+    bad,
+    sampling_params,
+    tool_prompt,
+)
+from policy.server.streaming import Generation, generate, stream
+
+
+def create_app(engine: Engine, token: str, model_name: str = "k3-mini") -> FastAPI:
+    """Build the app around a running ``engine``; ``token`` guards every route but /health and /metrics."""
+    app = FastAPI(title="agentenv policy (K3)")
+    tok = engine.tokenizer
+    fmt = Formatter(tok, model_name)
+
+    def auth(request: Request) -> None:
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise HTTPException(401, detail="missing or wrong bearer token")
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": {"message": exc.detail, "type": "invalid_request_error", "code": exc.status_code}},
+                            status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        reason = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
+        return JSONResponse({"error": {"message": reason, "type": "invalid_request_error", "code": 400}}, status_code=400)
+
+    def start(prompt_ids: list[int], params: list[SamplingParams]) -> Generation:
+        try:
+            return generate(engine, prompt_ids, params)
+        except ValueError as e:
+            raise bad(str(e)) from e
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"status": "ok", "weight_version": engine.weight_version}
+
+    @app.get("/metrics")
+    def metrics() -> dict[str, Any]:
+        return engine.metrics()
+
+    @app.get("/v1/models", dependencies=[Depends(auth)])
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "agentenv",
+                                            "max_model_len": engine.max_context}]}
+
+    @app.post("/update_weights", dependencies=[Depends(auth)])
+    async def update_weights(req: UpdateWeightsRequest) -> dict[str, Any]:
+        try:
+            version = await asyncio.to_thread(engine.update_weights, req.path, req.mode)
+        except (ValueError, FileNotFoundError, OSError, RuntimeError) as e:
+            raise bad(f"could not load weights: {e}") from e
+        return {"ok": True, "weight_version": version}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(auth)], response_model=None)
+    async def chat(req: ChatRequest) -> Any:
+        try:
+            tools, forced = tool_prompt(req)
+            prompt_ids = tok.encode(render_chat(req.messages, tools) + forced)
+        except (ValueError, AttributeError, TypeError, KeyError) as e:
+            raise bad(f"bad request: {e}") from e
+        gen = start(prompt_ids, sampling_params(req, model_name, len(prompt_ids), engine.max_context))
+        answer = ChatAnswer(fmt, req, gen, forced, engine.weight_version)
+        if req.stream:
+            return StreamingResponse(stream(gen, answer), media_type="text/event-stream")
+        await gen.wait()
+        return answer.body()
+
+    @app.post("/v1/completions", dependencies=[Depends(auth)], response_model=None)
+    async def completions(req: CompletionRequest) -> Any:
+        prompt_ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        gen = start(prompt_ids, sampling_params(req, model_name, len(prompt_ids), engine.max_context))
+        answer = CompletionAnswer(fmt, req, gen, engine.weight_version)
+        if req.stream:
+            return StreamingResponse(stream(gen, answer), media_type="text/event-stream")
+        await gen.wait()
+        return answer.body()
+
+    return app
