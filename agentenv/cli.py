@@ -77,7 +77,7 @@ def serve(
     try:
         from agentenv import server
     except ImportError as e:
-        console.print(f"[red]error:[/] the server needs FastAPI and uvicorn ({e}); pip install 'agentenv[server]'")
+        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({e}); pip install 'agentenv\[server]'")
         raise typer.Exit(2) from None
 
     try:

@@ -38,12 +38,17 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per EP rank, NCCL)")] = "cpu",
 ) -> None:
     """Start the policy server (FastAPI + uvicorn)."""
-    import uvicorn
+    try:
+        import uvicorn
 
-    from policy.config import preset as get_preset
-    from policy.engine import Engine
-    from policy.server import create_app
-    from policy.tokenizer import load_tokenizer
+        from policy.config import preset as get_preset
+        from policy.engine import Engine
+        from policy.server import create_app
+        from policy.tokenizer import load_tokenizer
+    except ImportError as e:
+        print(f"error: the policy needs torch, tokenizers and FastAPI ({e}); pip install 'agentenv[policy]'",
+              file=sys.stderr)
+        raise typer.Exit(2) from None
 
     secret = resolve_token(token, token_file)
     if not (token or token_file or os.environ.get("AGENTENV_POLICY_TOKEN")):
