@@ -34,8 +34,8 @@ from typing import Any
 import agentenv
 from agentenv.api import SandboxLike
 from envs.grading import PASSING, failure_messages, grade, parse_pytest
-from envs.swe_env import start_task_sandbox
 from envs.task import SHIPPED, Task, load_tasks, write_tasks
+from envs.task_sandbox import start_task_sandbox
 from envs.tasks.libraries import TEST_COMMAND, Library, load_libraries
 from envs.tasks.mutate import KINDS, MutationError, MutationSpec, apply, candidates
 
