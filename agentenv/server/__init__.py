@@ -11,11 +11,11 @@ reports the ones whose processes died as ``lost``. A background thread pauses sa
 TTL (``Sandbox.reap_expired``); quotas on live sandboxes and memory answer 429 with Retry-After.
 
 Its rooms: ``schemas`` (request and response models), ``service`` (sandbox cache, quotas, TTL reaper,
-metrics), ``routing`` (token, msgpack/JSON, typed errors), ``routes/`` (one router per resource) and
-``app`` (``create_app``, ``serve``).
+metrics), ``routing`` (token, msgpack/JSON, typed errors), ``limits`` (bounded bodies, connection deadlines),
+``routes/`` (one router per resource) and ``app`` (``create_app``, ``serve``).
 """
 
-from agentenv.server.app import DEFAULT_PORT, TOKEN_ENV, create_app, load_token, serve
+from agentenv.server.app import DEFAULT_PORT, TOKEN_ENV, create_app, load_token, serve, uvicorn_config
 from agentenv.server.routing import OPEN_PATHS
 
-__all__ = ["DEFAULT_PORT", "OPEN_PATHS", "TOKEN_ENV", "create_app", "load_token", "serve"]
+__all__ = ["DEFAULT_PORT", "OPEN_PATHS", "TOKEN_ENV", "create_app", "load_token", "serve", "uvicorn_config"]

@@ -7,6 +7,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -14,6 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentenv import __version__
 from agentenv.config import parse_size
+from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, sandboxes, server, snapshots
 from agentenv.server.routing import (
     WireResponse,
@@ -60,6 +62,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
 
     for module in (server, sandboxes, commands, files, snapshots):
         app.include_router(module.router)
+    app.add_middleware(BodyLimit)
     complete_openapi(app)
     return app
 
@@ -72,10 +75,15 @@ def load_token(token_file: Path | None) -> str:
     return token
 
 
+def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
+                   log_level: str = "info") -> uvicorn.Config:
+    """How the server is run: one process, the guarded HTTP protocol, a connection limit, short keep-alive."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                          http=GuardedHttpProtocol, limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=5)
+
+
 def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_sandboxes: int = 64,
           max_memory: str | int = "64g", reap_interval: float = 5.0, log_level: str = "info") -> None:
-    """Run the server until interrupted (uvicorn, one process; sandbox calls run in its thread pool)."""
-    import uvicorn
-
+    """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, reap_interval=reap_interval)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+    uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from agentenv import errors, wire
+from agentenv.server.limits import BodyTooLarge, too_large_body
 from agentenv.server.service import RETRY_AFTER
 
 log = logging.getLogger("agentenv.server")
@@ -73,6 +74,9 @@ def error_response(exc: BaseException, request: Request) -> Response:
 
 def http_error_response(exc: StarletteHTTPException, request: Request) -> Response:
     """Starlette's own errors (unknown route, method not allowed, unparsable body) in the same error format."""
+    if isinstance(exc, BodyTooLarge):
+        return WireResponse(too_large_body(exc.limit), 413, {"Connection": "close"},
+                            msgpack_body=wire.wants_msgpack(request.headers.get("accept")))
     headers = dict(exc.headers or {})
     if exc.status_code == 405:  # Starlette names the first matching route's methods only: name them all
         methods = {m for r in request.app.routes if isinstance(r, APIRoute)

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from agentenv.server import create_app
+from agentenv.server import create_app, uvicorn_config
 
 TOKEN = "test-token-" + "x" * 20
 
@@ -44,9 +44,8 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, limit: f
 def threaded_server(token: str = TOKEN, **app_kwargs: object) -> Iterator[str]:
     """uvicorn serving ``create_app`` in a thread of this process; yields its url and stops it after."""
     port = free_port()
-    config = uvicorn.Config(create_app(token, **app_kwargs), host="127.0.0.1", port=port,  # type: ignore[arg-type]
-                            log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(create_app(token, **app_kwargs), port=port,  # type: ignore[arg-type]
+                                          log_level="warning"))
     thread = threading.Thread(target=server.run, name="agentenv-test-server", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"

@@ -13,7 +13,6 @@ from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import ErrorBody, FilePath, FileWritten, SandboxId
 
 router = APIRouter(route_class=WireRoute, tags=["files"])
-MAX_UPLOAD = 1 << 30
 _BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}
 
 
@@ -25,13 +24,10 @@ def download(service: ServiceDep, sandbox_id: SandboxId, path: FilePath) -> Resp
 
 
 @router.put("/v1/sandboxes/{sandbox_id}/files", response_model=FileWritten,
-            responses={**SB_ERRORS, 413: {"model": ErrorBody, "description": "the upload is too large"}},
+            responses={**SB_ERRORS, 413: {"model": ErrorBody, "description": "the upload is over 1 GiB"}},
             openapi_extra={"requestBody": {"required": True, "content": _BINARY}})
 async def upload(service: ServiceDep, request: Request, sandbox_id: SandboxId, path: FilePath,
                  mode: Annotated[int, Query(ge=0, le=0o7777, description="permission bits")] = 0o644) -> Response:
-    if int(request.headers.get("content-length") or 0) > MAX_UPLOAD:
-        return WireResponse({"error": "PayloadTooLarge", "message": f"uploads are limited to {MAX_UPLOAD} bytes",
-                             "fix": None, "id": sandbox_id}, 413)
-    data = await request.body()
+    data = await request.body()  # at most limits.MAX_UPLOAD bytes: BodyLimit fails the request past that
     await run_in_threadpool(service.call, sandbox_id, lambda sb: sb.write_file(path, data, mode=mode))
     return WireResponse({"path": path, "size": len(data)})
