@@ -6,7 +6,7 @@ cd "$ROOT"
 scripts/bootstrap.sh
 VENV="$ROOT/.venv/bin"
 echo "== ruff";  "$VENV/ruff" check .
-echo "== mypy";  "$VENV/mypy" agentenv envs policy bench tests/typecheck
+echo "== mypy";  "$VENV/mypy" agentenv envs policy rollout trainer bench tests/typecheck
 echo "== pytest"
 # pytest exits 5 when it collected no test: that is a failure here, like any non-zero exit.
 "$VENV/python" -m pytest -p no:cacheprovider tests "$@"
