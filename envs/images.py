@@ -10,6 +10,11 @@ install does, without needing the build backend offline).
 Builds are cached by a hash of their inputs (the recipe, the Dockerfile and the base image id),
 kept as the image label ``agentenv.inputs``: a rebuild with nothing changed is one inspect call.
 Downloads are cached under ``$AGENTENV_CACHE`` (default ``/var/cache/agentenv/swe``).
+
+An image is named ``agentenv/swe-<name>:<version>`` (``envs.task.image_name``), the name a task record
+without an ``image`` field gets. ``image_head(tag)`` is the commit its /testbed is at: what a task's
+``base_commit`` must be (or ``"HEAD"``), printed after each build and by
+``python -m envs.tasks base-commit IMAGE``.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ from pathlib import Path
 
 from agentenv.errors import AgentEnvError
 from agentenv.images import docker_client
+from envs.task import image_name
 
+DOCS = "README.md, 'Bring your own tasks'"
 BASE_IMAGE = "agentenv/base"
 LABEL = "agentenv.inputs"
 GIT_ENV = {
@@ -61,6 +68,27 @@ class ImageBuildError(AgentEnvError):
     """An environment image could not be built (download, checksum or docker build failed)."""
 
 
+class ImageMissing(AgentEnvError, LookupError):
+    """An environment image is not on this host; the message says how to build it."""
+
+    def __init__(self, image: str) -> None:
+        self.image = image
+        super().__init__(f"image {image} is not on this host", fix=build_hint(image))
+
+
+def build_hint(image: str, libraries: str = "LIBRARIES.json") -> str:
+    """What to run (or write) to get ``image``: the images command with a libraries file, or your own build."""
+    m = re.fullmatch(r"agentenv/swe-([a-z0-9._-]+?)(?:__([a-z0-9._-]+))?:(.+)", image)
+    if m:
+        owner, name, version = (m.group(1), m.group(2), m.group(3)) if m.group(2) else (None, m.group(1), m.group(3))
+        entry = (f'{{"name": "<distribution>", "version": "{version}", "sha256": "<sdist sha256>", '
+                 f'"repo": "{owner}/{name}"}}' if owner else
+                 f'{{"name": "{name}", "version": "{version}", "sha256": "<sdist sha256>"}}')
+        return (f"build it with `python -m envs.tasks images --libraries {libraries}`, the file listing {entry}; "
+                f"or build your own image of the repository at /testbed and tag it {image} (see {DOCS})")
+    return f"build or pull {image} on the sandbox host (see {DOCS})"
+
+
 @dataclass(frozen=True)
 class ImageRecipe:
     """What one repository+version image is made of."""
@@ -71,13 +99,15 @@ class ImageRecipe:
     pythonpath: str = "."           # folder of /testbed that goes on sys.path ("src" for src layouts)
     requirements: tuple[str, ...] = field(default_factory=tuple)  # pinned wheels for the wheelhouse
     base: str = BASE_IMAGE
+    image: str = ""                 # the tag; "" -> agentenv/swe-<repo>:<version>
 
     @property
     def tag(self) -> str:
-        return f"agentenv/swe-{re.sub(r'[^a-z0-9._-]+', '-', self.repo.lower())}:{self.version}"
+        return self.image or image_name(f"pypi/{self.repo}", self.version)
 
     def inputs_hash(self, base_id: str) -> str:
-        blob = json.dumps({"recipe": asdict(self), "dockerfile": DOCKERFILE, "base": base_id,
+        recipe = {k: v for k, v in asdict(self).items() if k != "image" or v}  # unnamed: the hash it always had
+        blob = json.dumps({"recipe": recipe, "dockerfile": DOCKERFILE, "base": base_id,
                            "git": GIT_ENV, "excludes": GIT_EXCLUDES}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -160,6 +190,33 @@ def fetch_wheels(requirements: Sequence[str]) -> Path:
     return folder
 
 
+def image_exists(tag: str) -> bool:
+    """The image is on this host's Docker engine."""
+    import docker.errors
+
+    try:
+        docker_client().api.inspect_image(tag)
+    except docker.errors.ImageNotFound:
+        return False
+    return True
+
+
+def image_head(tag: str) -> str:
+    """The commit /testbed is at in a fresh sandbox of image ``tag`` (what ``base_commit: "HEAD"`` means)."""
+    import agentenv
+
+    if not image_exists(tag):
+        raise ImageMissing(tag)
+    with agentenv.Sandbox.create(tag, cpus=1.0, memory="512m", network=False) as sb:
+        r = sb.exec("git rev-parse --verify HEAD", timeout=60, cwd="/testbed")
+    head = r.stdout.strip()
+    if r.exit_code != 0 or not re.fullmatch(r"[0-9a-f]{40}", head):
+        raise AgentEnvError(f"image {tag}: /testbed is not a git repository with a commit "
+                            f"({(r.stdout + r.stderr).strip()[-300:]})",
+                            fix="a task image holds its repository at /testbed, committed (see envs/images.py)")
+    return head
+
+
 def image_inputs(tag: str) -> str | None:
     """The ``agentenv.inputs`` label of a local image, or None when it is absent."""
     import docker.errors
@@ -172,7 +229,10 @@ def image_inputs(tag: str) -> str | None:
 
 
 def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str], None] | None = None) -> str:
-    """Build (or find, when its inputs are unchanged) the image of ``recipe``; returns its tag."""
+    """Build (or find, when its inputs are unchanged) the image of ``recipe``; returns its tag.
+
+    With ``log``, progress goes there, and so does the image's base commit (one sandbox start to read it).
+    """
     import docker.errors
 
     say = log or (lambda _m: None)
@@ -183,7 +243,8 @@ def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str]
         raise ImageBuildError(f"base image {recipe.base!r} is missing", fix="run scripts/bootstrap.sh") from None
     digest = recipe.inputs_hash(base_id)
     if not force and image_inputs(recipe.tag) == digest:
-        say(f"[image] {recipe.tag} is up to date ({digest})")
+        if log is not None:
+            log(f"[image] {recipe.tag} is up to date ({digest}), base commit {image_head(recipe.tag)}")
         return recipe.tag
     say(f"[image] building {recipe.tag} ({digest})")
     sdist = fetch_sdist(recipe.repo, recipe.version, recipe.sha256)
@@ -213,7 +274,8 @@ def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str]
             raise ImageBuildError(f"docker build of {recipe.tag} failed: {e}") from e
     if image_inputs(recipe.tag) != digest:
         raise ImageBuildError(f"docker build of {recipe.tag} finished but the image is not there")
-    say(f"[image] built {recipe.tag}")
+    if log is not None:  # one more sandbox start (~0.3 s): only when someone reads it
+        log(f"[image] built {recipe.tag} base commit {image_head(recipe.tag)}")
     return recipe.tag
 
 

@@ -1,9 +1,19 @@
 """The task record (SWE-bench instance fields plus what running it here needs) and its loaders.
 
 A task file is JSONL (one record a line) or JSON (a list of records, or ``{"tasks": [...]}``) in
-the SWE-bench shape, so SWE-bench, SWE-Gym or SWE-smith style files load as they are; the fields
-they lack (``image``, ``test_command``, ...) can be given as ``defaults``. ``FAIL_TO_PASS`` and
-``PASS_TO_PASS`` may be lists or JSON-encoded lists (as in the Hugging Face datasets).
+the SWE-bench shape, so SWE-bench, SWE-Gym or SWE-smith style files load as they are published:
+``FAIL_TO_PASS`` and ``PASS_TO_PASS`` may be lists or JSON-encoded lists (as in the Hugging Face
+datasets), fields this module does not know (``created_at``, ...) are kept in ``metadata``, and the
+fields such files lack have defaults (or can be given as ``defaults``):
+
+- ``image``: named from the repository and version (``image_name``): ``agentenv/swe-<name>:<version>``,
+  where ``pypi/NAME`` gives ``NAME`` and ``OWNER/NAME`` gives ``OWNER__NAME`` (lowercased), e.g.
+  ``astropy/astropy`` 4.3 -> ``agentenv/swe-astropy__astropy:4.3``; what ``python -m envs.tasks images``
+  builds for a library of that name (or ``"repo"``) and version;
+- ``test_command``: ``PYTEST_COMMAND`` (pytest with the ``-rA`` summary the ``pytest`` log parser reads);
+- ``base_commit``: ``"HEAD"`` (also when omitted) means the commit /testbed is at once the image is
+  started and the setup commands have run; it is resolved at reset (``envs.task_sandbox.start_task``).
+
 Validation errors name the file, the line, the task and the field.
 """
 
@@ -19,6 +29,9 @@ from typing import Any
 SWE_FIELDS = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
               "FAIL_TO_PASS", "PASS_TO_PASS", "version", "environment_setup_commit")
 LOG_PARSERS = ("pytest",)  # kept in sync with grading.PARSERS (a unit test checks)
+HEAD = "HEAD"  # a base_commit that means "the commit the image's /testbed is at" (resolved at reset)
+PYTEST_COMMAND = ("python3 -m pytest -p no:cacheprovider -o addopts= -rA --tb=short --color=no "
+                  "-W ignore::DeprecationWarning {tests}")
 _COMMIT = re.compile(r"[0-9a-f]{7,40}")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:+@/-]*")
 
@@ -39,7 +52,7 @@ class Task:
 
     instance_id: str
     repo: str
-    base_commit: str
+    base_commit: str                # a commit hash, or HEAD: the image's (resolved at reset, see start_task)
     patch: str                      # the gold fix (a unified diff against base_commit)
     test_patch: str                 # applied before grading ("" when the tests are already there)
     problem_statement: str
@@ -53,6 +66,16 @@ class Task:
     setup_commands: tuple[str, ...] = ()  # run in /testbed at reset; must leave HEAD at base_commit
     log_parser: str = "pytest"
     metadata: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def base_is_head(self) -> bool:
+        """The base commit is the image's HEAD, not known until a sandbox of the image runs."""
+        return self.base_commit == HEAD
+
+    @property
+    def gold_files(self) -> list[str]:
+        """The files the gold patch touches, in order."""
+        return diff_paths(self.patch)
 
     @property
     def test_files(self) -> list[str]:
@@ -84,17 +107,25 @@ class Task:
 
         known = {f.name for f in fields(cls)}
         out: dict[str, Any] = {"instance_id": tid}
+        if isinstance(rec.get("version"), int | float) and not isinstance(rec.get("version"), bool):
+            rec["version"] = str(rec["version"])  # some dumps publish 3.0 as a number
+        rec.setdefault("base_commit", HEAD)
+        rec.setdefault("test_command", PYTEST_COMMAND)
+        if "image" not in rec and isinstance(rec.get("repo"), str) and rec["repo"].strip():
+            if not isinstance(rec.get("version"), str) or not rec["version"].strip():
+                raise err("image", "required when the record has no 'version' (the image is named from the "
+                                   "repository and version: agentenv/swe-<name>:<version>)")
+            rec["image"] = image_name(rec["repo"], rec["version"])
         for name in ("repo", "base_commit", "patch", "problem_statement", "image", "test_command"):
             v = rec.get(name)
             if not isinstance(v, str) or not v.strip():
                 raise err(name, f"required, a non-empty string; got {v!r}")
             out[name] = v
-        if not _COMMIT.fullmatch(out["base_commit"]):
-            raise err("base_commit", f"must be a git commit hash (7-40 hex digits), got {out['base_commit']!r}")
+        if out["base_commit"] != HEAD and not _COMMIT.fullmatch(out["base_commit"]):
+            raise err("base_commit", f"must be a git commit hash (7-40 hex digits) or {HEAD!r} (the image's "
+                                     f"commit), got {out['base_commit']!r}")
         for name in ("test_patch", "hints_text", "version", "environment_setup_commit", "log_parser"):
             v = rec.get(name, "" if name != "log_parser" else "pytest")
-            if isinstance(v, int | float) and name == "version":
-                v = str(v)
             if not isinstance(v, str):
                 raise err(name, f"must be a string, got {type(v).__name__}")
             out[name] = v
@@ -119,6 +150,25 @@ class Task:
         if extra:  # SWE-bench files carry more (created_at, ...): keep them, unvalidated
             out["metadata"] = {**extra, **out["metadata"]}
         return cls(**out)
+
+
+def image_name(repo: str, version: str) -> str:
+    """The image a task of ``repo`` at ``version`` runs in when its record names none (see the module doc)."""
+    name = repo.strip()
+    name = name[len("pypi/"):] if name.startswith("pypi/") else name.replace("/", "__")
+    name = re.sub(r"[^a-z0-9._-]+", "-", name.lower())
+    return f"agentenv/swe-{name}:{re.sub(r'[^A-Za-z0-9_.-]+', '-', version.strip())}"
+
+
+def diff_paths(patch: str) -> list[str]:
+    """Paths a unified diff touches (its ``--- a/...`` and ``+++ b/...`` headers), in order."""
+    found: dict[str, None] = {}
+    for line in patch.splitlines():
+        if line.startswith(("+++ ", "--- ")):
+            path = line[4:].split("\t", 1)[0].strip()
+            if path != "/dev/null":
+                found.setdefault(path[2:] if path[:2] in ("a/", "b/") else path, None)
+    return list(found)
 
 
 def _str_list(v: Any, err: Any, name: str) -> tuple[str, ...]:

@@ -1,4 +1,8 @@
-"""python -m envs.tasks images | search | build | validate — build and check the shipped SWE task set."""
+"""python -m envs.tasks images | base-commit | scrub-script | search | build | validate — SWE task sets.
+
+The shipped set by default; any other with ``--libraries FILE`` (the libraries images are built from,
+see envs/tasks/libraries.py) and ``--tasks FILE`` (task records, see envs/task.py).
+"""
 
 from __future__ import annotations
 
@@ -6,62 +10,121 @@ import argparse
 import sys
 from pathlib import Path
 
-from envs.task import SHIPPED, load_tasks
+from envs.task import SHIPPED, TaskError, load_tasks
+from envs.tasks.libraries import LIBRARIES_FILE, LibraryError
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m envs.tasks", description=__doc__)
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m envs.tasks", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    im = sub.add_parser("images", help="build (or find up to date) one image per pinned library")
-    im.add_argument("--library", action="append", help="only these libraries (repeatable)")
+
+    def libraries(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--libraries", type=Path, default=LIBRARIES_FILE, metavar="FILE",
+                        help="libraries file (default: the shipped envs/tasks/libraries.json)")
+        sp.add_argument("--library", action="append", metavar="NAME", help="only these libraries (repeatable)")
+
+    im = sub.add_parser("images", help="build (or find up to date) one image per library; prints its base commit")
+    libraries(im)
+    im.add_argument("--tasks", type=Path, metavar="FILE", help="only the images these tasks need")
     im.add_argument("--force", action="store_true")
-    se = sub.add_parser("search", help="find mutations the libraries' tests catch; pin them in mutations.json")
-    se.add_argument("--library", action="append")
+    bc = sub.add_parser("base-commit", help="the commit an image's /testbed is at (a task's base_commit)")
+    bc.add_argument("image", nargs="+")
+    sub.add_parser("scrub-script", help="the sh script a reset runs in /testbed to drop git history past HEAD; "
+                   "run it in an image built from a real history (RUN cd /testbed && git checkout -f BASE && "
+                   "sh scrub.sh) so resets need not repack or count objects")
+    se = sub.add_parser("search", help="find mutations the libraries' tests catch; pin them in a mutations file")
+    libraries(se)
+    se.add_argument("--mutations", type=Path, metavar="FILE", help="where to pin them (default: the shipped file; "
+                    "required with --libraries)")
     se.add_argument("--keep", type=int, default=9, help="mutations to keep per library")
     se.add_argument("--max-tries", type=int, default=80, help="test runs per library at most")
     se.add_argument("--seed", type=int, default=0)
     bu = sub.add_parser("build", help="write the task records from the pinned mutations")
-    bu.add_argument("--library", action="append")
-    bu.add_argument("--out", type=Path, default=SHIPPED)
+    libraries(bu)
+    bu.add_argument("--mutations", type=Path, metavar="FILE", help="pinned mutations (default: the shipped file; "
+                    "required with --libraries)")
+    bu.add_argument("--out", type=Path, metavar="FILE", help="default: the shipped set (required with --libraries)")
     va = sub.add_parser("validate", help="gold patch resolves; unchanged and wrong patches do not")
-    va.add_argument("--tasks", type=Path, default=SHIPPED)
+    libraries(va)
+    va.add_argument("--tasks", type=Path, default=SHIPPED, metavar="FILE", help="default: the shipped set")
     group = va.add_mutually_exclusive_group()
     group.add_argument("--all", action="store_true", help="every task (the default)")
-    group.add_argument("--sample", type=int, help="this many tasks, spread over the libraries")
+    group.add_argument("--sample", type=int, help="this many tasks, spread over the repositories")
     va.add_argument("--seed", type=int, default=0)
     va.add_argument("--budget", type=float, help="stop starting new tasks after this many seconds")
     va.add_argument("--no-images", action="store_true", help="do not build the images first")
-    args = p.parse_args(argv)
+    return p
 
-    from envs.images import build_image
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from agentenv.errors import AgentEnvError
+
+    try:
+        return _run(args)
+    except (LibraryError, TaskError, AgentEnvError) as e:  # what to fix, not a traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from envs.images import build_image, image_head
     from envs.tasks import build
     from envs.tasks.libraries import load_libraries
 
-    libs = [lib for lib in load_libraries() if not getattr(args, "library", None) or lib.name in args.library]
+    if args.cmd == "scrub-script":
+        from envs.task_sandbox import SCRUB
+
+        print(SCRUB, end="")
+        return 0
+    if args.cmd == "base-commit":
+        for image in args.image:
+            print(f"{image} {image_head(image)}")
+        return 0
+    all_libs = load_libraries(args.libraries)
+    libs = [lib for lib in all_libs if not args.library or lib.name in args.library]
+    if args.library and len(libs) < len(set(args.library)):
+        missing = sorted(set(args.library) - {lib.name for lib in libs})
+        raise LibraryError(f"no library {', '.join(missing)} in it", where=str(args.libraries))
+    shipped = args.libraries == LIBRARIES_FILE
     if args.cmd == "images":
+        rc = 0
+        if args.tasks:
+            tasks = load_tasks(args.tasks)
+            made = {lib.image for lib in all_libs}
+            others = [t for t in tasks if t.image not in made]  # images no library makes: must be here
+            for why in build.prepare_images(others, [], build=False, libraries_file=str(args.libraries)).values():
+                print(f"[image] {why}")
+                rc = 1
+            libs = [lib for lib in libs if lib.image in {t.image for t in tasks}]
         for lib in libs:
             build_image(lib.recipe, force=args.force, log=print)
-        return 0
-    if args.cmd == "search":
-        found = build.read_mutations() if build.MUTATIONS_FILE.exists() else {}
+        return rc
+    if args.cmd in ("search", "build"):
+        if not shipped and (args.mutations is None or (args.cmd == "build" and args.out is None)):
+            need = "--mutations FILE" + (" and --out FILE" if args.cmd == "build" else "")
+            raise LibraryError(f"with --libraries, give {need} (the shipped files are not overwritten)",
+                               where=str(args.libraries))
+        mutations = args.mutations or build.MUTATIONS_FILE
+        if args.cmd == "search":
+            found = build.read_mutations(mutations) if mutations.exists() else {}
+            for lib in libs:
+                lib.need("tests", "mutate", for_what="search")
+                build_image(lib.recipe, log=print)
+                found[lib.name] = build.search(lib, keep=args.keep, max_tries=args.max_tries, seed=args.seed, log=print)
+                build.write_mutations(found, args.seed, mutations)
+            return 0
         for lib in libs:
+            lib.need("tests", "license", for_what="build")
             build_image(lib.recipe, log=print)
-            found[lib.name] = build.search(lib, keep=args.keep, max_tries=args.max_tries, seed=args.seed, log=print)
-            build.write_mutations(found, args.seed)
-        return 0
-    if args.cmd == "build":
-        for lib in libs:
-            build_image(lib.recipe, log=print)
-        build.build(libs, out=args.out)
+        build.build(libs, out=args.out or SHIPPED, mutations=mutations)
         return 0
     tasks = load_tasks(args.tasks)
     chosen = build.sample(tasks, args.sample, args.seed) if args.sample else tasks
-    if not args.no_images:
-        images = {t.image for t in chosen}
-        for lib in load_libraries():
-            if lib.image in images:
-                build_image(lib.recipe, log=print)
-    verdicts = build.validate(chosen, budget=args.budget)
+    unusable = build.prepare_images(chosen, libs, build=not args.no_images, libraries_file=str(args.libraries),
+                                    log=print)
+    verdicts = build.validate(chosen, budget=args.budget, unusable=unusable)
     bad = [v for v in verdicts if not v.ok]
     print(f"[validate] {len(verdicts) - len(bad)}/{len(verdicts)} tasks valid ({len(tasks)} in the set)")
     return 1 if bad or not verdicts else 0

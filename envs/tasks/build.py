@@ -11,9 +11,15 @@ Pipeline (``python -m envs.tasks ...``):
                 pristine code), run the tests with the bug, and write task records with the real
                 FAIL_TO_PASS / PASS_TO_PASS ids (PASS_TO_PASS: the other passing tests of the same test
                 files) and a problem statement made from the failing tests, to ``swe_tasks.jsonl``.
-4. ``validate`` every (or a sample of) task: the unchanged repository, a wrong patch (a no-op edit of
-                the buggy file) and a patch that deletes the failing tests grade as not resolved; the
-                gold patch grades as resolved.
+4. ``validate`` every (or a sample of) task, from this set or any task file: the unchanged repository,
+                a wrong patch (a no-op edit of every file the gold patch touches) and a patch that
+                deletes the failing tests grade as not resolved; the gold patch grades as resolved. A
+                task that cannot be set up (a missing image, a base commit the image lacks) is a FAIL
+                with its reason; the others still run.
+
+``search`` and ``build`` need a library's ``tests``, ``mutate`` and ``license``; ``images`` and
+``validate`` need only what an image needs (see ``envs.tasks.libraries``), so they work for any
+libraries file and task file (``--libraries``, ``--tasks``).
 
 At reset a task's setup commands turn the pristine image into its base commit: reverse-apply the
 gold patch, then start a fresh one-commit history (fixed author and dates, so the commit hash is
@@ -33,9 +39,11 @@ from typing import Any
 
 import agentenv
 from agentenv.api import SandboxLike
-from envs.grading import PASSING, failure_messages, grade, parse_pytest
+from agentenv.errors import AgentEnvError
+from envs.grading import PASSING, grade, parse_pytest
+from envs.images import build_hint
 from envs.task import SHIPPED, Task, load_tasks, write_tasks
-from envs.task_sandbox import start_task_sandbox
+from envs.task_sandbox import start_task
 from envs.tasks.libraries import TEST_COMMAND, Library, load_libraries
 from envs.tasks.mutate import KINDS, MutationError, MutationSpec, apply, candidates
 
@@ -103,6 +111,8 @@ def search(lib: Library, *, keep: int, max_tries: int, seed: int, log: Log) -> l
     """Pinned-to-be mutation specs of ``lib`` that its own tests catch (see the module doc)."""
     from envs.images import extract_sdist, fetch_sdist
 
+    lib.need("tests", "mutate", for_what="search")
+
     src_dir = extract_sdist(fetch_sdist(lib.name, lib.version, lib.sha256),
                             Path(f"/var/tmp/agentenv-src-{lib.name}-{lib.version}"))
     sources = {f: (src_dir / f).read_text() for f in lib.mutate}
@@ -157,6 +167,23 @@ def instance_id(lib: Library, spec: MutationSpec) -> str:
     return f"{lib.name}-{lib.version}__{spec.function}__{spec.kind}_{spec.index}"
 
 
+_SUMMARY_FAIL = ("FAILED ", "ERROR ")
+
+
+def failure_messages(log: str) -> dict[str, str]:
+    """Test id -> the one-line message of each FAILED/ERROR line in pytest's ``-rA`` summary."""
+    out: dict[str, str] = {}
+    for line in log.splitlines():
+        if not line.startswith(_SUMMARY_FAIL):
+            continue
+        rest = line.split(" ", 1)[1].rstrip()
+        start = rest.rfind("]") if "[" in rest.split(" - ", 1)[0] else 0  # an id may hold ' - ' in brackets
+        cut = rest.find(" - ", max(start, 0))
+        tid, msg = (rest, "") if cut < 0 else (rest[:cut], rest[cut + 3:])
+        out.setdefault(tid, msg)
+    return out
+
+
 def problem_statement(lib: Library, failing: list[str], messages: dict[str, str]) -> str:
     files = sorted({t.split("::", 1)[0] for t in failing})
     lines = [f"{lib.name} {lib.version}: {len(failing)} of the library's own tests fail "
@@ -173,6 +200,7 @@ def build_library(lib: Library, specs: Iterable[MutationSpec], log: Log) -> list
     """Task records for ``lib`` from pinned specs (each checked again: it must still fail some test)."""
     from envs.images import extract_sdist, fetch_sdist
 
+    lib.need("tests", "license", for_what="build")
     src_dir = extract_sdist(fetch_sdist(lib.name, lib.version, lib.sha256),
                             Path(f"/var/tmp/agentenv-src-{lib.name}-{lib.version}"))
     tasks = []
@@ -214,8 +242,9 @@ def build_library(lib: Library, specs: Iterable[MutationSpec], log: Log) -> list
     return tasks
 
 
-def build(libraries: list[Library] | None = None, out: Path = SHIPPED, log: Log = print) -> list[Task]:
-    pinned = read_mutations()
+def build(libraries: list[Library] | None = None, out: Path = SHIPPED, log: Log = print,
+          mutations: Path = MUTATIONS_FILE) -> list[Task]:
+    pinned = read_mutations(mutations)
     tasks: list[Task] = []
     for lib in libraries or load_libraries():
         tasks += build_library(lib, pinned.get(lib.name, []), log)
@@ -231,14 +260,33 @@ class Verdict:
     detail: str
 
 
-WRONG_NOOP = "wrong patch (a comment added to the buggy file)"
+WRONG_NOOP = "wrong patch (a no-op edit of the files the gold patch touches)"
 WRONG_TESTS = "wrong patch (the failing tests deleted)"
 
 
+def noop_edit(task: Task) -> str:
+    """A shell command that makes a change fixing nothing to each file the gold patch touches that exists
+    (a comment appended to source files, an empty line to others); it fails when git sees no change
+    although there was a file to edit."""
+    edits = []
+    for f in task.gold_files:
+        q = shlex.quote(f)
+        text = r"\n# agentenv: not a fix\n" if f.endswith((".py", ".pyi", ".sh", ".cfg", ".toml")) else r"\n"
+        edits.append(f"if [ -f {q} ]; then printf '{text}' >> {q}; n=1; fi")
+    return "; ".join(["n=0", *edits, '[ "$n" = 0 ] || git status --porcelain | grep -q .'])
+
+
 def validate_task(task: Task) -> Verdict:
-    """Unchanged and wrong patches must not resolve the task; the gold patch must."""
+    """Unchanged and wrong patches must not resolve the task; the gold patch must.
+
+    A task whose sandbox cannot be set up (a missing image, a base commit the image lacks, ...) is not
+    valid; the verdict carries the reason instead of raising.
+    """
     problems = []
-    sb = start_task_sandbox(task, cpus=1.0, memory="2g")
+    try:
+        sb, task = start_task(task, cpus=1.0, memory="2g")
+    except Exception as e:  # a FAIL of this task, with its reason; the others still run
+        return Verdict(task.instance_id, False, f"setup: {_why(e)}")
     try:
         def check(label: str, prepare: str | None, want: bool) -> None:
             sb.exec("git reset -q --hard && git clean -fdq", cwd="/testbed")
@@ -253,28 +301,62 @@ def validate_task(task: Task) -> Verdict:
                 problems.append(f"{label}: resolved={res.resolved}, expected {want} "
                                 f"(not passing: {dict(list(bad.items())[:3])}; {res.error})")
 
-        buggy = task.metadata.get("mutation", {}).get("file") or task.test_files[0]
         gold_file = "/tmp/.gold.patch"
         check("unchanged repository", None, False)
-        check(WRONG_NOOP, f"echo '# agentenv: not a fix' >> {shlex.quote(buggy)}", False)
+        check(WRONG_NOOP, noop_edit(task), False)
         files = " ".join(shlex.quote(f) for f in {t.split('::', 1)[0] for t in task.FAIL_TO_PASS})
         check(WRONG_TESTS, f"rm -f {files}", False)
         sb.write_file(gold_file, task.patch)
         check("gold patch", f"git apply --whitespace=nowarn {gold_file} && rm -f {gold_file}", True)
+    except Exception as e:
+        problems.append(f"grading: {_why(e)}")
     finally:
         sb.close()
     return Verdict(task.instance_id, not problems, "; ".join(problems) or "ok")
 
 
-def validate(tasks: list[Task], *, budget: float | None = None, log: Log = print) -> list[Verdict]:
-    """Validate tasks in order until the time budget (seconds) is spent."""
+def _why(e: Exception) -> str:
+    return str(e) if isinstance(e, AgentEnvError) else f"{type(e).__name__}: {e}"
+
+
+def prepare_images(tasks: Iterable[Task], libraries: Iterable[Library], *, build: bool = True,
+                   libraries_file: str = "LIBRARIES.json", log: Log = print) -> dict[str, str]:
+    """Build (or find up to date) the images ``tasks`` need; image -> why it is not usable, for those that are not.
+
+    An image a library of ``libraries`` makes is built (unless ``build`` is false); any other image must
+    already be on this host.
+    """
+    from envs.images import build_image, image_exists
+
+    by_image = {lib.image: lib for lib in libraries}
+    problems: dict[str, str] = {}
+    for image in dict.fromkeys(t.image for t in tasks):
+        lib = by_image.get(image)
+        try:
+            if lib is not None and build:
+                build_image(lib.recipe, log=log)
+            elif not image_exists(image):
+                problems[image] = (f"image {image} is missing: "
+                                   + (f"build it with `python -m envs.tasks images --libraries {libraries_file}`"
+                                      if lib is not None else f"no library in {libraries_file} makes it; "
+                                      + build_hint(image, libraries_file)))
+        except AgentEnvError as e:
+            problems[image] = f"image {image} could not be built: {e}"
+    return problems
+
+
+def validate(tasks: list[Task], *, budget: float | None = None, log: Log = print,
+             unusable: dict[str, str] | None = None) -> list[Verdict]:
+    """Validate tasks in order until the time budget (seconds) is spent; a task whose image is in
+    ``unusable`` (image -> reason, see ``prepare_images``) fails with that reason without starting."""
     out: list[Verdict] = []
     t0 = time.monotonic()
     for task in tasks:
         if budget is not None and time.monotonic() - t0 > budget:
             log(f"[validate] time budget of {budget:g} s spent after {len(out)} tasks")
             break
-        v = validate_task(task)
+        why = (unusable or {}).get(task.image)
+        v = Verdict(task.instance_id, False, why) if why else validate_task(task)
         out.append(v)
         log(f"[validate] {'ok  ' if v.ok else 'FAIL'} {v.instance_id}" + ("" if v.ok else f": {v.detail}"))
     return out

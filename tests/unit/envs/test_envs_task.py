@@ -8,7 +8,19 @@ from collections import Counter
 import pytest
 
 from envs import grading
-from envs.task import LOG_PARSERS, Task, TaskError, load_tasks, resolve_task, shipped_tasks, write_tasks
+from envs.task import (
+    HEAD,
+    LOG_PARSERS,
+    PYTEST_COMMAND,
+    Task,
+    TaskError,
+    diff_paths,
+    image_name,
+    load_tasks,
+    resolve_task,
+    shipped_tasks,
+    write_tasks,
+)
 
 PATCH = "diff --git a/m.py b/m.py\n--- a/m.py\n+++ b/m.py\n@@ -1 +1 @@\n-x = 1\n+x = 2\n"
 
@@ -76,10 +88,63 @@ def test_json_files_and_defaults(tmp_path):
     del rec["image"], rec["test_command"]
     p = tmp_path / "set.json"
     p.write_text(json.dumps({"tasks": [rec]}))
-    with pytest.raises(TaskError, match="image"):
+    with pytest.raises(TaskError, match="image") as e:  # no version: no image name to derive
         load_tasks(p)
+    assert e.value.field == "image" and "version" in str(e.value)
     [t] = load_tasks(p, defaults={"image": "img:1", "test_command": "pytest {tests}"})
     assert t.image == "img:1"
+
+
+# A record as SWE-bench publishes it (the Hugging Face dataset's fields and encodings; a made-up instance).
+PUBLISHED = {
+    "repo": "astropy/astropy", "instance_id": "astropy__astropy-99999",
+    "base_commit": "d16bfe05a744909de4b27f5875fe0d4ed41ce607",
+    "patch": "diff --git a/astropy/m.py b/astropy/m.py\n--- a/astropy/m.py\n+++ b/astropy/m.py\n"
+             "@@ -1 +1 @@\n-x = 1\n+x = 2\n",
+    "test_patch": "diff --git a/astropy/tests/test_m.py b/astropy/tests/test_m.py\nnew file mode 100644\n"
+                  "--- /dev/null\n+++ b/astropy/tests/test_m.py\n@@ -0,0 +1,2 @@\n+def test_x():\n+    pass\n",
+    "problem_statement": "x should be 2", "hints_text": "", "created_at": "2022-03-03T15:14:54Z",
+    "version": "4.3", "FAIL_TO_PASS": '["astropy/tests/test_m.py::test_x"]',
+    "PASS_TO_PASS": '["astropy/tests/test_m.py::test_y", "astropy/tests/test_n.py::test_z[a-b]"]',
+    "environment_setup_commit": "298ccb478e6bf092953bca67a3d29dc6c35f6752",
+}
+
+
+def test_a_published_swe_bench_record_loads_as_it_is(tmp_path):
+    p = tmp_path / "swe-bench.jsonl"
+    p.write_text(json.dumps(PUBLISHED) + "\n")
+    [t] = load_tasks(p)
+    assert t.FAIL_TO_PASS == ("astropy/tests/test_m.py::test_x",) and len(t.PASS_TO_PASS) == 2
+    assert (t.version, t.environment_setup_commit) == ("4.3", PUBLISHED["environment_setup_commit"])
+    assert t.metadata["created_at"] == "2022-03-03T15:14:54Z" and t.hints_text == ""
+    assert t.image == "agentenv/swe-astropy__astropy:4.3"  # the naming rule: repository and version
+    assert t.test_command == PYTEST_COMMAND and t.base_commit == PUBLISHED["base_commit"]
+    assert t.gold_files == ["astropy/m.py"] and t.test_files == ["astropy/tests/test_m.py", "astropy/tests/test_n.py"]
+    assert Task.from_json(t.to_json()) == t
+
+
+def test_the_image_naming_rule_matches_what_the_image_builder_names():
+    from envs.images import ImageRecipe
+
+    assert image_name("pypi/toolz", "0.12.1") == "agentenv/swe-toolz:0.12.1"
+    assert image_name("pypi/more-itertools", "10.5.0") == ImageRecipe("more-itertools", "10.5.0", "0" * 64).tag
+    assert image_name("Owner/My_Repo", "1.0+local") == "agentenv/swe-owner__my_repo:1.0-local"
+
+
+def test_base_commit_may_be_the_images_head():
+    t = Task.from_json(record(base_commit="HEAD"))
+    assert t.base_commit == HEAD and t.base_is_head
+    rec = record()
+    del rec["base_commit"]
+    assert Task.from_json(rec).base_is_head  # omitted: the image's HEAD
+    assert not Task.from_json(record()).base_is_head
+    with pytest.raises(TaskError, match="or 'HEAD'"):
+        Task.from_json(record(base_commit="main"))
+
+
+def test_diff_paths_reads_both_headers():
+    diff = PUBLISHED["test_patch"] + "--- a/old.py\n+++ /dev/null\n"
+    assert diff_paths(diff) == ["astropy/tests/test_m.py", "old.py"]
 
 
 def test_duplicates_are_refused_and_write_round_trips(tmp_path):
