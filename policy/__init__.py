@@ -2,7 +2,8 @@
 LatentMoE), an expert-parallel engine on torch.distributed, and an OpenAI-compatible server.
 
 The names below load on first use, so ``from policy import chat`` (K3's chat and tool-call format,
-standard library only) does not import torch.
+standard library only) does not import torch, nor ``from policy import PolicyClient`` (the async client of
+any OpenAI-compatible endpoint, httpx only).
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from policy.client import PolicyClient
     from policy.config import K3Config, from_k3_json, k3_mini, preset
     from policy.model import Cache, K3Model, param_counts
 
-__all__ = ["Cache", "K3Config", "K3Model", "from_k3_json", "k3_mini", "param_counts", "preset"]
+__all__ = ["Cache", "K3Config", "K3Model", "PolicyClient", "from_k3_json", "k3_mini", "param_counts", "preset"]
 _HOME = {"Cache": "policy.model", "K3Model": "policy.model", "param_counts": "policy.model",
          "K3Config": "policy.config", "from_k3_json": "policy.config", "k3_mini": "policy.config",
-         "preset": "policy.config"}
+         "preset": "policy.config", "PolicyClient": "policy.client"}
 
 
 def __getattr__(name: str) -> Any:

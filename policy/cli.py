@@ -36,6 +36,7 @@ def serve(
     max_batch: Annotated[int, typer.Option(help="most sequences in the running batch")] = 32,
     max_context: Annotated[int, typer.Option(help="context length (prompt + completion tokens)")] = 4096,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per EP rank, NCCL)")] = "cpu",
+    prefix_cache_mb: Annotated[int, typer.Option(help="memory for kept prefix states (0: no prefix reuse)")] = 256,
 ) -> None:
     """Start the policy server (FastAPI + uvicorn)."""
     try:
@@ -57,11 +58,48 @@ def serve(
     cfg = get_preset(preset, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                      pad_token_id=tok.pad_id)
     engine = Engine(cfg, tok, ep_size=ep, seed=seed, weights=weights, max_batch=max_batch,
-                    max_context=max_context, device=device)
+                    max_context=max_context, device=device, prefix_cache_bytes=prefix_cache_mb << 20)
     try:
         uvicorn.run(create_app(engine, secret, preset), host=host, port=port, log_level="warning")
     finally:
         engine.close()
+
+
+@app.command()
+def verify(
+    url: Annotated[str, typer.Argument(help="the endpoint's base URL, e.g. http://127.0.0.1:8000")],
+    token: Annotated[str | None, typer.Option(help="bearer token (else --token-file, else $AGENTENV_POLICY_TOKEN)")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token")] = None,
+    model: Annotated[str | None, typer.Option(help="model to check (default: the first the endpoint lists)")] = None,
+    tokenizer: Annotated[Path | None, typer.Option(help="tokenizers JSON of the model (default: k3-mini's)")] = None,
+    tolerance: Annotated[float, typer.Option(help="largest logprob difference allowed, in nats")] = 0.02,
+    timeout: Annotated[float, typer.Option(help="seconds per request")] = 120.0,
+    as_json: Annotated[bool, typer.Option("--json", help="print the report as JSON")] = False,
+) -> None:
+    """Check a policy endpoint before rollouts use it: PASS / FAIL / SKIP per check; exit 1 on any FAIL."""
+    import asyncio
+    import json
+
+    try:
+        from policy.tokenizer import K3Tokenizer
+        from policy.verify import print_report
+        from policy.verify import verify as run_verify
+    except ImportError as e:
+        print(f"error: verify needs tokenizers and httpx ({e}); pip install 'agentenv[policy]'", file=sys.stderr)
+        raise typer.Exit(2) from None
+    secret = token or (token_file.read_text().strip() if token_file else os.environ.get("AGENTENV_POLICY_TOKEN"))
+    tok = None
+    if tokenizer is not None:
+        from tokenizers import Tokenizer
+
+        tok = K3Tokenizer(Tokenizer.from_file(str(tokenizer)))
+    report = asyncio.run(run_verify(url, secret, model, tokenizer=tok, tolerance=tolerance, timeout=timeout))
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print_report(report)
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -29,6 +29,11 @@ class Cache:
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers)
 
+    def copy(self) -> Cache:
+        """An independent cache to continue from. The layers never write into cache tensors (every forward
+        builds new ones), so the copy shares them with the original until either one moves on."""
+        return Cache(list(self.layers))
+
     @staticmethod
     def stack(caches: list[Cache]) -> Cache:
         """Join single-sequence caches into one batch; MLA latents are left-padded and masked (NoPE)."""
@@ -103,6 +108,13 @@ class K3Model(nn.Module):
 
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]
+
+    def last_routing(self, batch: int, tokens: int) -> torch.Tensor:
+        """The experts of the last forward (``batch`` x ``tokens``) as (batch, tokens, MoE layers, k) global ids."""
+        moes = self.moe_layers()
+        if not moes:
+            return torch.zeros(batch, tokens, 0, 0, dtype=torch.long)
+        return torch.stack([m.last_routing for m in moes], dim=1).view(batch, tokens, len(moes), moes[0].router.k)
 
     def idle_step(self) -> None:
         """Join one forward's expert all-to-alls with no tokens (an EP rank with nothing to run this round)."""

@@ -69,11 +69,13 @@ class LatentMoE(nn.Module):
                                       cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         self.latent_up = nn.Linear(L, D, bias=False)
         self.tokens_per_expert = torch.zeros(n_local, dtype=torch.long)  # last step's load, for metrics
+        self.last_routing = torch.zeros(0, cfg.num_experts_per_token, dtype=torch.long)  # (tokens, k) global ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         idx, w = self.router(x)
+        self.last_routing = idx.detach()  # the experts each token of the last forward was routed to
         z = self.latent_norm(self.latent_down(x))
         y, counts = dispatch_combine(z, idx, w, self.experts, self.cfg.num_experts, self.ep)
         self.tokens_per_expert = counts.detach().cpu()

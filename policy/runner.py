@@ -27,11 +27,59 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Job:
-    """Feed ``tokens`` to sequence ``seq_id``: a prefill (``fresh``, its own round) or one decode token."""
+    """Feed ``tokens`` to sequence ``seq_id``: a prefill (``fresh``, its own round) or one decode token.
+
+    A fresh job may ``start`` from a kept prefix state (entry id) instead of an empty cache, and prefill only
+    the tokens after that prefix; with no tokens at all it forks the entry (its last logits included). After a
+    prefill, ``save`` keeps the state as a new entry. ``prompt_logprobs`` asks for the log-probabilities of the
+    fed tokens (with that many top alternatives), ``route`` for the experts each fed position was routed to.
+    """
 
     seq_id: int
     tokens: list[int]
     fresh: bool = False
+    start: int | None = None
+    save: int | None = None
+    prompt_logprobs: int | None = None
+    route: bool = False
+
+
+@dataclass
+class JobResult:
+    """What a step returns for one sequence: the logits at its last position and what the job asked for.
+
+    ``routing``: (positions fed, MoE layers, k) global expert ids; ``prompt_logprobs``: for each fed token after
+    the first, ``(logprob, rank, [(token, logprob), ...top alternatives])``.
+    """
+
+    logits: torch.Tensor
+    routing: torch.Tensor | None = None
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class Entry:
+    """A kept prefix state: the cache after its tokens and, when kept right after a prefill, the logits and the
+    routing of its last position (so that a request for exactly those tokens needs no forward at all)."""
+
+    cache: Cache
+    logits: torch.Tensor | None = None
+    routing: torch.Tensor | None = None
+
+
+def _prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
+    """Log-probabilities of ``tokens[1:]`` under ``logits[:-1]`` (T, vocab), their ranks and ``top`` alternatives."""
+    lp = torch.log_softmax(logits[:-1].float(), -1)
+    nxt = torch.tensor(tokens[1:], dtype=torch.long, device=lp.device)
+    chosen = lp.gather(-1, nxt[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(-1) + 1
+    alts = lp.topk(min(top, lp.shape[-1]), dim=-1) if top > 0 else None
+    out = []
+    for i in range(len(tokens) - 1):
+        others = ([] if alts is None else
+                  list(zip(alts.indices[i].tolist(), alts.values[i].tolist(), strict=True)))
+        out.append((float(chosen[i]), int(ranks[i]), others))
+    return out
 
 
 def save_weights(model: K3Model, path: str) -> None:
@@ -51,6 +99,7 @@ class Runner:
         self.load_state(load_file(weights) if weights else full.state_dict())
         self.model.to(self.device).eval()
         self.caches: dict[int, Cache] = {}
+        self.entries: dict[int, Entry] = {}  # kept prefix states, by the engine's entry id
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load a full checkpoint (expert tensors are sliced to this rank); refuses before touching weights."""
@@ -66,30 +115,49 @@ class Runner:
 
     @staticmethod
     def rounds(jobs: list[Job]) -> int:
-        """Forward rounds for ``jobs``: one per new sequence (prefill) plus one for all decodes."""
-        fresh = sum(1 for j in jobs if j.fresh)
-        return fresh + (1 if len(jobs) > fresh else 0)
+        """Forward rounds for ``jobs``: one per prefill with tokens plus one for all decodes (forks need none)."""
+        prefills = sum(1 for j in jobs if j.fresh and j.tokens)
+        return prefills + (1 if any(not j.fresh for j in jobs) else 0)
 
     @torch.no_grad()
-    def execute(self, jobs: list[Job], n_rounds: int) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Run ``jobs`` padded to ``n_rounds`` rounds; return last-token logits and this rank's expert load."""
-        out: dict[int, torch.Tensor] = {}
+    def execute(self, jobs: list[Job], n_rounds: int) -> tuple[dict[int, JobResult], torch.Tensor]:
+        """Run ``jobs`` padded to ``n_rounds`` rounds; return each sequence's result and this rank's expert load.
+
+        Prefills run first (in order, so a later one may start from an entry an earlier one saved), then forks
+        of kept entries, then one batched round for every decode."""
+        out: dict[int, JobResult] = {}
         moes = self.model.moe_layers()
         load = torch.zeros(len(moes), moes[0].experts.w_gate.shape[0], dtype=torch.long) if moes else torch.zeros(0, 0)
-        prefills = [j for j in jobs if j.fresh]
-        decodes = [j for j in jobs if not j.fresh]
         done = 0
-        for j in prefills:
-            logits, self.caches[j.seq_id] = self.model(torch.tensor([j.tokens], device=self.device))
-            out[j.seq_id] = logits[0, -1].float().cpu()
+        for j in (j for j in jobs if j.fresh and j.tokens):
+            start = self.entries[j.start].cache.copy() if j.start is not None else None
+            logits, cache = self.model(torch.tensor([j.tokens], device=self.device), start)
+            self.caches[j.seq_id] = cache
+            routing = self.model.last_routing(1, len(j.tokens))[0].cpu()
+            last = logits[0, -1].float().cpu()
+            res = JobResult(last, routing if j.route else None)
+            if j.prompt_logprobs is not None:
+                res.prompt_logprobs = _prompt_logprobs(logits[0], j.tokens, j.prompt_logprobs)
+            if j.save is not None:
+                self.entries[j.save] = Entry(cache.copy(), last, routing[-1])
+            out[j.seq_id] = res
             load += torch.stack([m.tokens_per_expert for m in moes]) if moes else 0
             done += 1
+        for j in (j for j in jobs if j.fresh and not j.tokens):
+            assert j.start is not None
+            entry = self.entries[j.start]
+            assert entry.logits is not None and entry.routing is not None, "a fork needs an entry kept after a prefill"
+            self.caches[j.seq_id] = entry.cache.copy()
+            out[j.seq_id] = JobResult(entry.logits, entry.routing[None] if j.route else None)
+        decodes = [j for j in jobs if not j.fresh]
         if decodes:
             batch = Cache.stack([self.caches[j.seq_id] for j in decodes])
             ids = torch.tensor([j.tokens for j in decodes], device=self.device)
             logits, new = self.model(ids, batch)
-            for j, c, row in zip(decodes, new.unstack(), logits[:, -1], strict=True):
-                self.caches[j.seq_id], out[j.seq_id] = c, row.float().cpu()
+            routing = self.model.last_routing(len(decodes), 1).cpu()
+            for i, (j, c, row) in enumerate(zip(decodes, new.unstack(), logits[:, -1], strict=True)):
+                self.caches[j.seq_id] = c
+                out[j.seq_id] = JobResult(row.float().cpu(), routing[i] if j.route else None)
             load += torch.stack([m.tokens_per_expert for m in moes]) if moes else 0
             done += 1
         for _ in range(n_rounds - done):
@@ -100,20 +168,27 @@ class Runner:
         for s in seq_ids:
             self.caches.pop(s, None)
 
-    def handle(self, plan: dict[str, Any]) -> tuple[dict[int, torch.Tensor], torch.Tensor] | None:
-        """Apply one broadcast plan on this rank."""
+    def handle(self, plan: dict[str, Any]) -> tuple[dict[int, JobResult], torch.Tensor] | None:
+        """Apply one broadcast plan on this rank: keep finished sequences' states as entries, free them, run
+        the jobs, then drop the entries the engine evicted (after the jobs, which may still start from them)."""
+        for seq_id, entry_id in plan.get("keep", []):
+            if seq_id in self.caches:  # only the rank that ran the sequence holds it
+                self.entries[entry_id] = Entry(self.caches[seq_id].copy())
         self.free(plan.get("free", []))
+        result = None
         if plan["op"] == "load":  # rank 0 checked the file before sending this plan
+            self.entries.clear()  # states computed with the old weights
             try:
                 self.load_state(load_file(plan["path"]))
             except Exception:
                 log.exception("rank %s could not load %s", self.ep.rank if self.ep else 0, plan["path"])
-            return None
-        if plan["op"] == "step":
-            jobs = [Job(*j) for j in plan["jobs"][self.ep.rank if self.ep else 0]]
-            n = max(self.rounds([Job(*j) for j in js]) for js in plan["jobs"])
-            return self.execute(jobs, n)
-        return None
+        elif plan["op"] == "step":
+            jobs = plan["jobs"][self.ep.rank if self.ep else 0]
+            n = max(self.rounds(js) for js in plan["jobs"])
+            result = self.execute(jobs, n)
+        for entry_id in plan.get("drop", []):
+            self.entries.pop(entry_id, None)
+        return result
 
 
 def _rank_device(device: str, rank: int) -> str:
@@ -174,9 +249,12 @@ class RankGroup:
         if self.world > 1:
             dist.broadcast_object_list([plan], src=0)
 
-    def step(self, jobs: list[list[Job]], free: list[int]) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-        """Run one step; ``jobs[r]`` are rank r's. Returns logits per sequence and the load (layers, experts)."""
-        plan = {"op": "step", "jobs": [[(j.seq_id, j.tokens, j.fresh) for j in js] for js in jobs], "free": free}
+    def step(self, jobs: list[list[Job]], free: list[int], keep: list[tuple[int, int]] | None = None,
+             drop: list[int] | None = None) -> tuple[dict[int, JobResult], torch.Tensor]:
+        """Run one step; ``jobs[r]`` are rank r's. ``keep`` (sequence, entry) pairs become prefix entries before
+        ``free`` is freed; ``drop`` entries go after the jobs. Returns results per sequence and the load
+        (layers, experts)."""
+        plan = {"op": "step", "jobs": jobs, "free": free, "keep": keep or [], "drop": drop or []}
         self._send(plan)
         result = self.runner.handle(plan)
         assert result is not None
@@ -184,12 +262,13 @@ class RankGroup:
             return result
         gathered: list[Any] = [None] * self.world
         dist.gather_object(result, gathered, dst=0)
-        logits = {k: v for r in gathered for k, v in r[0].items()}
-        return logits, torch.cat([r[1] for r in gathered], dim=1)
+        results = {k: v for r in gathered for k, v in r[0].items()}
+        return results, torch.cat([r[1] for r in gathered], dim=1)
 
     def load(self, path: str) -> None:
         """Check the checkpoint on rank 0, then have every rank load its shard of it."""
         self.runner.load_state(load_file(path))  # raises (nothing sent) on a missing or mismatched file
+        self.runner.entries.clear()
         self._send({"op": "load", "path": path})
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
@@ -16,16 +17,22 @@ from policy.server.responses import ChatAnswer, CompletionAnswer, Formatter
 from policy.server.schemas import (
     ChatRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     UpdateWeightsRequest,
     bad,
+    response_grammar,
     sampling_params,
+    tool_grammar,
     tool_prompt,
 )
 from policy.server.streaming import Generation, generate, stream
 
 
-def create_app(engine: Engine, token: str, model_name: str = "k3-mini") -> FastAPI:
-    """Build the app around a running ``engine``; ``token`` guards every route but /health and /metrics."""
+def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
+               template: Callable[..., str] = render_chat) -> FastAPI:
+    """Build the app around a running ``engine``; ``token`` guards every route but /health and /metrics.
+    ``template`` renders chat messages (K3's ``render_chat``; a test swaps in a broken one)."""
     app = FastAPI(title="agentenv policy (K3)")
     tok = engine.tokenizer
     fmt = Formatter(tok, model_name)
@@ -45,8 +52,11 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini") -> FastA
         reason = "; ".join(f"{'.'.join(str(p) for p in e['loc'][1:])}: {e['msg']}" for e in exc.errors())
         return JSONResponse({"error": {"message": reason, "type": "invalid_request_error", "code": 400}}, status_code=400)
 
-    def start(prompt_ids: list[int], params: list[SamplingParams]) -> Generation:
+    def start(prompt_ids: list[int], params: list[SamplingParams], grammar: Callable[[], str | None]) -> Generation:
         try:
+            g = grammar()
+            for p in params:
+                p.grammar = g
             return generate(engine, prompt_ids, params)
         except ValueError as e:
             raise bad(str(e)) from e
@@ -72,14 +82,42 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini") -> FastA
             raise bad(f"could not load weights: {e}") from e
         return {"ok": True, "weight_version": version}
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise bad(f"unknown model {name!r}; this server serves {model_name!r}", 404)
+
+    @app.post("/tokenize", dependencies=[Depends(auth)])
+    def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's route: the token ids the server would use for a text ``prompt`` or chat ``messages``."""
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad("give either 'prompt' or 'messages'")
+        try:
+            text = req.prompt if req.prompt is not None else template(
+                req.messages or [], tool_prompt(ChatRequest(model=model_name, messages=[], tools=req.tools))[0],
+                add_generation_prompt=req.add_generation_prompt)
+        except (ValueError, AttributeError, TypeError, KeyError) as e:
+            raise bad(f"bad request: {e}") from e
+        ids = tok.encode(text)
+        return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=[Depends(auth)])
+    def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        if any(not 0 <= t < tok.vocab_size for t in req.tokens):
+            raise bad(f"token ids must be in [0, {tok.vocab_size})")
+        return {"prompt": tok.decode(req.tokens)}
+
     @app.post("/v1/chat/completions", dependencies=[Depends(auth)], response_model=None)
     async def chat(req: ChatRequest) -> Any:
         try:
             tools, forced = tool_prompt(req)
-            prompt_ids = tok.encode(render_chat(req.messages, tools) + forced)
+            prompt_ids = tok.encode(template(req.messages, tools) + forced)
         except (ValueError, AttributeError, TypeError, KeyError) as e:
             raise bad(f"bad request: {e}") from e
-        gen = start(prompt_ids, sampling_params(req, model_name, len(prompt_ids), engine.max_context))
+        params = sampling_params(req, model_name, len(prompt_ids), engine.max_context)
+        gen = start(prompt_ids, params, lambda: (tool_grammar(tools, req.tool_choice) if forced
+                                                 else response_grammar(req.response_format)))
         answer = ChatAnswer(fmt, req, gen, forced, engine.weight_version)
         if req.stream:
             return StreamingResponse(stream(gen, answer), media_type="text/event-stream")
@@ -89,7 +127,8 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini") -> FastA
     @app.post("/v1/completions", dependencies=[Depends(auth)], response_model=None)
     async def completions(req: CompletionRequest) -> Any:
         prompt_ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-        gen = start(prompt_ids, sampling_params(req, model_name, len(prompt_ids), engine.max_context))
+        params = sampling_params(req, model_name, len(prompt_ids), engine.max_context)
+        gen = start(prompt_ids, params, lambda: response_grammar(req.response_format))
         answer = CompletionAnswer(fmt, req, gen, engine.weight_version)
         if req.stream:
             return StreamingResponse(stream(gen, answer), media_type="text/event-stream")

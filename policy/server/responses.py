@@ -2,6 +2,20 @@
 
 Fields beyond OpenAI's: ``token_ids`` of each choice, ``prompt_token_ids``, the ``weight_version`` that
 generated the tokens, ``abort_reason``, and for chat ``malformed_tool_calls`` (from ``parse_assistant``).
+``usage.prompt_tokens_details.cached_tokens``: prompt tokens whose state came from the prefix cache.
+
+Asked for in the request:
+
+- ``prompt_logprobs`` (vLLM's layout): one item per prompt token, ``None`` for the first, else
+  ``{"<token id>": {"logprob", "rank", "decoded_token"}, ...}`` holding the prompt token and the k most likely
+  alternatives; top-level, and in every choice of a text completion (as vLLM puts it);
+- ``return_routed_experts``: each choice's ``routed_experts`` is a list ``[token][moe_layer][k]`` of global
+  expert ids, one item per generated token: the experts that every MoE layer (the layers after
+  ``first_k_dense_replace``, in order) chose at the position that produced that token (the last prompt token for
+  the first one, then the previous generated token). ``prompt_routed_experts`` (top-level, same layout) covers
+  prompt positions 0 .. len(prompt) - 2, ``null`` where the state came from the prefix cache (the request that
+  computed it returned them). Together they give the routing of every position a trainer scores, so it can
+  replay the serving-time routing. Streamed chunks carry the slice for their tokens.
 """
 
 from __future__ import annotations
@@ -29,6 +43,27 @@ class Formatter:
         return {"id": f"{kind}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": self.model_name,
                 "weight_version": weight_version}
 
+    def prompt_logprobs(self, gen: Generation) -> list[dict[str, Any] | None] | None:
+        s = gen.seqs[0]
+        if s.prompt_logprobs is None:
+            return None
+        out: list[dict[str, Any] | None] = [None]
+        for tok, (lp, rank, alts) in zip(gen.prompt_ids[1:], s.prompt_logprobs, strict=True):
+            item = {str(t): {"logprob": v, "rank": i + 1, "decoded_token": self.tokenizer.decode([t])}
+                    for i, (t, v) in enumerate(alts)}
+            item[str(tok)] = {"logprob": lp, "rank": rank, "decoded_token": self.tokenizer.decode([tok])}
+            out.append(item)
+        return out
+
+    def extras(self, gen: Generation) -> dict[str, Any]:
+        """The request-level fields asked for: ``prompt_logprobs`` and ``prompt_routed_experts``."""
+        out: dict[str, Any] = {}
+        if gen.seqs[0].params.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(gen)
+        if gen.seqs[0].params.return_routed_experts:
+            out["prompt_routed_experts"] = gen.seqs[0].prompt_routed_experts
+        return out
+
     def logprob_items(self, s: Sequence, start: int = 0, end: int | None = None) -> list[dict[str, Any]]:
         items = []
         for t, lp in zip(s.output_ids[start:end], s.logprobs[start:end], strict=True):
@@ -37,9 +72,15 @@ class Formatter:
         return items
 
 
-def usage(gen: Generation) -> dict[str, int]:
+def usage(gen: Generation) -> dict[str, Any]:
     c = sum(len(s.output_ids) for s in gen.seqs)
-    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": c, "total_tokens": len(gen.prompt_ids) + c}
+    return {"prompt_tokens": len(gen.prompt_ids), "completion_tokens": c, "total_tokens": len(gen.prompt_ids) + c,
+            "prompt_tokens_details": {"cached_tokens": gen.seqs[0].cached_tokens}}
+
+
+def routed(s: Sequence, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    """``routed_experts`` of output tokens ``start:end`` when the request asked for them."""
+    return {"routed_experts": s.routed_experts[start:end]} if s.params.return_routed_experts else {}
 
 
 def streamable(text: str) -> str:
@@ -79,13 +120,13 @@ class ChatAnswer:
         finish = "tool_calls" if msg.tool_calls and s.finish_reason == "stop" else s.finish_reason
         return {"index": i, "message": msg.to_openai(), "finish_reason": finish, "token_ids": s.output_ids,
                 "logprobs": {"content": self.fmt.logprob_items(s)} if self.req.logprobs else None,
-                "malformed_tool_calls": msg.malformed, "abort_reason": s.abort_reason}
+                "malformed_tool_calls": msg.malformed, "abort_reason": s.abort_reason, **routed(s)}
 
     def body(self) -> dict[str, Any]:
         seqs = self.gen.seqs
         return {**self.head, "object": "chat.completion", "weight_version": seqs[0].weight_version,
                 "choices": [self.choice(s, i) for i, s in enumerate(seqs)], "prompt_token_ids": self.gen.prompt_ids,
-                "usage": usage(self.gen)}
+                **self.fmt.extras(self.gen), "usage": usage(self.gen)}
 
     # --- StreamFormat: the first chunk of each choice carries the prompt's token ids; content streams while
     # it is surely content; reasoning and tool calls come whole in the last chunk of their choice
@@ -102,7 +143,7 @@ class ChatAnswer:
               finish: str | None) -> dict[str, Any]:
         delta: dict[str, Any] = {} if text is None else {"content": text}
         out: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": None,
-                               "token_ids": seq.output_ids[start:end]}
+                               "token_ids": seq.output_ids[start:end], **routed(seq, start, end)}
         if finish is not None:
             final = self.choice(seq, index)
             if final["message"].get("reasoning_content") is not None:
@@ -113,7 +154,9 @@ class ChatAnswer:
                        abort_reason=seq.abort_reason)
         if self.req.logprobs:
             out["logprobs"] = {"content": self.fmt.logprob_items(seq, start, end)}
-        return {**self.head, "object": "chat.completion.chunk", "weight_version": seq.weight_version, "choices": [out]}
+        first = self.fmt.extras(self.gen) if start == 0 else {}  # known once the prompt is prefilled
+        return {**self.head, "object": "chat.completion.chunk", "weight_version": seq.weight_version, **first,
+                "choices": [out]}
 
     def closing(self) -> list[dict[str, Any]]:
         if not (self.req.stream_options or {}).get("include_usage"):
@@ -143,9 +186,13 @@ class CompletionAnswer:
 
     def body(self) -> dict[str, Any]:
         seqs = self.gen.seqs
+        extras = self.fmt.extras(self.gen)
+        per_choice = {"prompt_logprobs": extras["prompt_logprobs"]} if "prompt_logprobs" in extras else {}
         return {**self.head, "weight_version": seqs[0].weight_version, "prompt_token_ids": self.gen.prompt_ids,
+                **extras,
                 "choices": [{"index": i, "text": s.text, "finish_reason": s.finish_reason, "token_ids": s.output_ids,
-                             "logprobs": self.logprobs(s), "abort_reason": s.abort_reason} for i, s in enumerate(seqs)],
+                             "logprobs": self.logprobs(s), "abort_reason": s.abort_reason, **per_choice, **routed(s)}
+                            for i, s in enumerate(seqs)],
                 "usage": usage(self.gen)}
 
     # --- StreamFormat
@@ -157,10 +204,10 @@ class CompletionAnswer:
 
     def chunk(self, seq: Sequence, index: int, start: int, end: int, text: str | None,
               finish: str | None) -> dict[str, Any]:
-        first = {"prompt_token_ids": self.gen.prompt_ids} if start == 0 else {}
+        first = {"prompt_token_ids": self.gen.prompt_ids, **self.fmt.extras(self.gen)} if start == 0 else {}
         return {**self.head, **first, "choices": [{
             "index": index, "text": text or "", "finish_reason": finish, "token_ids": seq.output_ids[start:end],
-            "logprobs": self.logprobs(seq, start, end)}]}
+            "logprobs": self.logprobs(seq, start, end), **routed(seq, start, end)}]}
 
     def closing(self) -> list[dict[str, Any]]:
         return []

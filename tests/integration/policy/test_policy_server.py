@@ -1,7 +1,10 @@
 """The policy server for real (EP=2 over gloo, on a free loopback port) driven by the official openai client."""
 
+import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +14,7 @@ import openai
 import pytest
 import torch
 
+from policy.client import PolicyClient
 from policy.config import k3_mini
 from policy.engines import EngineSpec, reload_weights, smoke_check, start, wait_healthy
 from policy.model import K3Model
@@ -106,6 +110,61 @@ def test_completions_accept_token_ids(client):
     assert chunks[0].model_extra["prompt_token_ids"] == prompt
     assert sum((c.choices[0].model_extra["token_ids"] for c in chunks), []) == extra["choices"][0]["token_ids"]
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+
+
+def _plain_greedy(ids: list[int], steps: int) -> tuple[list[int], list[list[list[int]]]]:
+    """Greedy tokens of one plain process with the server's (seed 0) weights, and the experts of each position."""
+    torch.manual_seed(0)
+    model = K3Model(k3_mini(vocab_size=load_tokenizer().vocab_size)).eval()
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids]))[0][0, -1].argmax()))
+        model(torch.tensor([ids[:-1]]))
+    return ids, model.last_routing(1, len(ids) - 1)[0].tolist()
+
+
+def test_ep2_reuses_prefix_state_forks_samples_and_returns_routing(spec):
+    """Multi-turn on the EP=2 server: the second turn starts from the state the first left (on whichever rank
+    holds it), decodes exactly what one plain process does, and reports the routing a plain forward has."""
+    tok = load_tokenizer()
+
+    async def go():
+        async with PolicyClient(spec.base_url, TOKEN) as c:
+            before = await c.metrics()
+            p1 = tok.encode("<|im_user|>user<|im_middle|>run ls<|im_end|><|im_assistant|>assistant<|im_middle|>")
+            t1 = await c.complete(p1, max_tokens=6, temperature=0, return_routed_experts=True)
+            p2 = p1 + t1.samples[0].token_ids + tok.encode("<|im_end|><|im_user|>user<|im_middle|>again")
+            t2 = await c.complete(p2, max_tokens=6, temperature=0, return_routed_experts=True)
+            group = await c.complete(p2 + [5], max_tokens=4, temperature=1.0, n=4, seed=3)
+            return before, t1, t2, group, await c.metrics()
+
+    before, t1, t2, group, after = asyncio.run(go())
+    assert t2.cached_tokens == len(t1.prompt_ids) + len(t1.samples[0].token_ids) - 1 > 0
+    full, routing = _plain_greedy(t2.prompt_ids, 6)
+    assert t2.samples[0].token_ids == full[len(t2.prompt_ids):]
+    P = len(t2.prompt_ids)
+    assert t2.samples[0].routed_experts == routing[P - 1:]
+    assert t2.prompt_routed_experts[t2.cached_tokens:] == routing[t2.cached_tokens:P - 1]
+    assert group.cached_tokens == P            # extends the state kept after the second prompt's prefill
+    assert len({tuple(s.token_ids) for s in group.samples}) > 1
+    computed = after["prefill_tokens"] - before["prefill_tokens"]
+    saved = after["prefill_tokens_saved"] - before["prefill_tokens_saved"]
+    assert computed + saved == len(t1.prompt_ids) + len(t2.prompt_ids) + 4 * len(group.prompt_ids)
+    assert saved >= t2.cached_tokens + P + 3 * len(group.prompt_ids)      # the n=4 request prefilled one token
+    assert after["prefix_cache"]["entries"] > 0
+
+
+def test_verify_passes_against_the_ep2_server(spec):
+    pytest.importorskip("llguidance")
+    r = subprocess.run([sys.executable, "-m", "policy.cli", "verify", spec.base_url, "--token", TOKEN, "--json"],
+                       capture_output=True, text=True, timeout=240)
+    report = json.loads(r.stdout)
+    assert r.returncode == 0 and report["ok"], r.stdout + r.stderr
+    assert {c["status"] for c in report["checks"]} == {"PASS"}
+    bad = subprocess.run([sys.executable, "-m", "policy.cli", "verify", spec.base_url, "--token", "wrong"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "models" in bad.stdout and "FAIL" in bad.stdout
 
 
 def test_concurrent_requests_are_batched(client, spec):

@@ -1,0 +1,59 @@
+"""A scripted policy behind the OpenAI-compatible completions route: the same wire as a real endpoint,
+answers that a script decides.
+
+A script maps the conversation so far (the decoded prompt, and the turn number) to the assistant's next
+text, e.g. the tool calls that apply a task's gold patch and submit. It drives the real rollout path
+(agent loop, Ray workers, envs) in tests, and writes demonstrations for a warm start, without a model.
+Its logprobs are a constant (``LOGPROB``): a script has no distribution.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+
+from policy import chat
+from rollout.agent import Tokenizer
+
+Script = Callable[[str, int], str]  # (decoded prompt, turn index from 0) -> the assistant's text
+LOGPROB = -0.01
+
+
+def tool_call(name: str, arguments: dict[str, Any], index: int = 0) -> str:
+    """K3 tool-call text for one call (what a script answers)."""
+    return chat.render_tool_calls([{"id": f"functions.{name}:{index}", "type": "function",
+                                    "function": {"name": name, "arguments": json.dumps(arguments)}}])
+
+
+def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", weight_version: int = 0) -> FastAPI:
+    """An app answering ``GET /v1/models`` and ``POST /v1/completions`` (token-id prompts) from ``script``."""
+    app = FastAPI(title="agentenv scripted policy")
+    app.state.calls = 0
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> dict[str, Any]:
+        body = await request.json()
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise HTTPException(400, "the scripted policy takes token-id prompts")
+        text = tokenizer.decode(prompt)
+        turn = text.count(chat.GENERATION_PROMPT) - 1
+        ids = tokenizer.encode(script(text, turn))[: int(body.get("max_tokens", 512))]
+        finish = "length"
+        if len(ids) < int(body.get("max_tokens", 512)):
+            ids, finish = ids + [tokenizer.eos_id], "stop"
+        app.state.calls += 1
+        choice = {"index": 0, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
+                  "logprobs": {"token_logprobs": [LOGPROB] * len(ids)}}
+        return {"id": f"cmpl-{app.state.calls}", "object": "text_completion", "model": model, "choices": [choice],
+                "weight_version": weight_version, "prompt_token_ids": prompt,
+                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+
+    return app
