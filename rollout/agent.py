@@ -18,6 +18,7 @@ task failure: reward 0.0 unless the env graded the episode itself.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import time
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from policy import chat
-from policy.client import PolicyClient, PolicyError
+from policy.client import Completion, PolicyClient, PolicyError, PolicyProtocolError, Sample
 from rollout.trajectory import Trajectory, Turn
 
 BASH_TOOL = chat.tool_spec("bash", "Run a shell command and see its output.", {"command": {"type": "string"}},
@@ -56,6 +57,9 @@ class AgentConfig:
     system_prompt: str | None = None
     return_routed_experts: bool = False
     policy_timeout: float = 600.0
+
+
+DEFAULT_CONFIG = AgentConfig()
 
 
 def observation_messages(obs: str, info: dict[str, Any], text: str = "") -> list[dict[str, Any]]:
@@ -96,40 +100,144 @@ def env_action(env: Any, text: str) -> Any:
     return text
 
 
+class EnvFailed(Exception):
+    """The env raised while stepping (the episode's finish reason becomes ``env_error``)."""
+
+
+@dataclass
+class Step:
+    """What ``env.step`` answered for one policy turn."""
+
+    text: str
+    observation: str
+    reward: float
+    done: bool
+    terminated: bool
+    info: dict[str, Any]
+
+
 class Episode:
-    """One episode's conversation as token ids plus the messages that render to them."""
+    """One episode's conversation as token ids plus the messages that render to them, and the turn
+    primitives the loop (``run_episode``) and the search (``rollout.search``) are made of."""
 
     def __init__(self, tokenizer: Tokenizer, tools: list[dict[str, Any]], traj: Trajectory) -> None:
         self.tokenizer, self.tools, self.traj = tokenizer, tools, traj
         self.messages: list[dict[str, Any]] = []
 
-    def start(self, first: list[dict[str, Any]]) -> None:
-        self.messages.extend(first)
+    def start(self, first_observation: str, system_prompt: str | None = None) -> None:
+        self.messages.extend(([{"role": "system", "content": system_prompt}] if system_prompt else [])
+                             + [{"role": "user", "content": first_observation}])
         text = chat.render_chat(self.messages, self.tools, add_generation_prompt=True)
         self.traj.append(self.tokenizer.encode(text), generated=False)
         self.traj.prompt_len = len(self.traj.token_ids)
 
-    def add_generation(self, ids: list[int], logprobs: list[float]) -> str:
-        """Append the policy's ids verbatim; close the turn with ``<|im_end|>`` if the server did not."""
+    def copy(self) -> Episode:
+        """An independent copy (a branch of the conversation), sharing nothing mutable."""
+        twin = Episode(self.tokenizer, self.tools, copy.deepcopy(self.traj))
+        twin.messages = copy.deepcopy(self.messages)
+        if "messages" in self.traj.metadata:
+            twin.traj.metadata["messages"] = twin.messages
+        return twin
+
+    def room(self, config: AgentConfig) -> int:
+        """How many tokens the next policy call may generate (0: a limit of the loop is reached)."""
+        t = self.traj
+        return min(config.max_new_tokens, config.max_total_tokens - t.generated_tokens,
+                   config.context_limit - len(t.token_ids))
+
+    def limit_reached(self, config: AgentConfig) -> str:
+        return "max_tokens" if self.traj.generated_tokens >= config.max_total_tokens else "context_limit"
+
+    async def ask(self, policy: PolicyClient, config: AgentConfig, n: int = 1) -> tuple[Completion, float]:
+        """``n`` continuations of the conversation from the policy (raises PolicyError); and the seconds it took."""
+        t0 = time.perf_counter()
+        completion = await policy.complete(self.traj.token_ids, max_tokens=self.room(config), n=n,
+                                           temperature=config.temperature, top_p=config.top_p,
+                                           stop_token_ids=[self.tokenizer.eos_id],
+                                           return_routed_experts=config.return_routed_experts,
+                                           timeout=config.policy_timeout)
+        for sample in completion.samples:
+            if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
+                raise PolicyProtocolError("the policy returned no logprob per generated token")
+        return completion, time.perf_counter() - t0
+
+    def take(self, sample: Sample, weight_version: int | None, policy_s: float) -> tuple[str, Turn]:
+        """Append a generated sample verbatim as this episode's next turn; returns its text and the turn."""
+        start = len(self.traj.token_ids)
+        ids, logprobs = sample.token_ids, sample.logprobs or []
         self.traj.append(ids, generated=True, logprobs=logprobs)
         body_ids = ids[:-1] if ids and ids[-1] == self.tokenizer.eos_id else ids
         text = self.tokenizer.decode(body_ids)
         if not ids or ids[-1] != self.tokenizer.eos_id:
-            self.traj.append([self.tokenizer.eos_id], generated=False)
+            self.traj.append([self.tokenizer.eos_id], generated=False)  # close the turn as the template does
         self.messages.append({"role": "assistant", "content": text})
-        return text
+        if sample.routed_experts is not None:
+            self.traj.routed_experts = (self.traj.routed_experts or []) + list(sample.routed_experts)
+        turn = Turn(start=start, generated=len(ids), weight_version=weight_version or 0, policy_s=policy_s,
+                    finish=sample.finish_reason or "")
+        self.traj.turns.append(turn)
+        return text, turn
+
+    async def act(self, env: Any, text: str, turn: Turn) -> Step:
+        """Step ``env`` with the turn's text (raises EnvFailed); a step that does not end the episode appends
+        the observation as K3 tool messages."""
+        t1 = time.perf_counter()
+        try:
+            obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, env_action(env, text))
+        except Exception as e:  # noqa: BLE001 - the env failed, not the policy's task
+            raise EnvFailed(f"{type(e).__name__}: {e}") from e
+        finally:
+            turn.env_s = time.perf_counter() - t1
+        turn.tool_calls, turn.malformed = len(info.get("calls") or []), chat.parse_assistant(text).malformed
+        self.traj.tool_calls += turn.tool_calls
+        self.traj.malformed_calls += int(turn.malformed)
+        done = bool(terminated or truncated)
+        if done:
+            self.traj.reward = float(reward)
+            self.traj.finish_reason = "submitted" if terminated else "max_turns"
+            self.traj.grade = {k: info[k] for k in GRADE_KEYS if k in info}
+        else:
+            self.add_observation(observation_messages(obs, info, text))
+        return Step(text, obs, float(reward), done, bool(terminated), info)
 
     def add_observation(self, messages: list[dict[str, Any]]) -> None:
         self.messages.extend(messages)
         text = chat.render_chat(messages, None, add_generation_prompt=True)
         self.traj.append(self.tokenizer.encode(text), generated=False)
 
-    def conversation(self) -> str:
-        """The K3 rendering of the conversation so far (what ``decode(token_ids)`` must equal)."""
-        return chat.render_chat(self.messages, self.tools, add_generation_prompt=True)
+    def fail(self, reason: str, error: BaseException) -> Trajectory:
+        """End the episode on an infrastructure failure: no reward (None, not 0)."""
+        self.traj.finish_reason, self.traj.reward = reason, None
+        self.traj.error = f"{type(error).__name__}: {error}"[:2000]
+        return self.traj
+
+    def stop(self, reason: str) -> Trajectory:
+        """End the episode on a limit of the loop: a task failure, reward 0.0."""
+        self.traj.finish_reason, self.traj.reward = reason, 0.0
+        return self.traj
 
 
-async def run_episode(env: Any, policy: PolicyClient, tokenizer: Tokenizer, config: AgentConfig = AgentConfig(), *,
+GRADE_KEYS = ("resolved", "FAIL_TO_PASS", "PASS_TO_PASS", "grading", "correct", "expected", "answer")
+
+
+async def begin(env: Any, tokenizer: Tokenizer, config: AgentConfig, traj: Trajectory,
+                first_observation: str | None, reset_options: dict[str, Any] | None,
+                keep_messages: bool = False) -> Episode:
+    """The episode's start: reset the env unless ``first_observation`` is given (raises EnvFailed)."""
+    if first_observation is None:
+        try:
+            first_observation, info = await asyncio.to_thread(env.reset, seed=traj.seed, options=reset_options)
+        except Exception as e:  # noqa: BLE001 - an env that cannot start is the episode's result
+            raise EnvFailed(f"{type(e).__name__}: {e}") from e
+        traj.task_id = traj.task_id or str(info.get("task") or "")
+    episode = Episode(tokenizer, env_tools(env), traj)
+    if keep_messages:
+        traj.metadata["messages"] = episode.messages
+    episode.start(first_observation, config.system_prompt)
+    return episode
+
+
+async def run_episode(env: Any, policy: PolicyClient, tokenizer: Tokenizer, config: AgentConfig = DEFAULT_CONFIG, *,
                       task_id: str = "", env_id: str = "", first_observation: str | None = None,
                       reset_options: dict[str, Any] | None = None, seed: int | None = None,
                       group_id: str = "", group_index: int = 0, keep_messages: bool = False) -> Trajectory:
@@ -137,78 +245,32 @@ async def run_episode(env: Any, policy: PolicyClient, tokenizer: Tokenizer, conf
     (a forked env continues from its parent's reset). Never raises for env or policy failures: they are
     the trajectory's finish reason. ``keep_messages`` stores the conversation as messages in
     ``metadata["messages"]`` (its K3 rendering is exactly ``decode(token_ids)``)."""
-    traj = await _play(env, policy, tokenizer, config, task_id, env_id, first_observation, reset_options, seed,
-                       group_id, group_index, keep_messages)
-    return traj.check()
-
-
-async def _play(env: Any, policy: PolicyClient, tokenizer: Tokenizer, config: AgentConfig, task_id: str,
-                env_id: str, first_observation: str | None, reset_options: dict[str, Any] | None, seed: int | None,
-                group_id: str, group_index: int, keep_messages: bool) -> Trajectory:
     traj = Trajectory(task_id=task_id, env_id=env_id, seed=seed, group_id=group_id, group_index=group_index)
     try:
-        if first_observation is None:
-            first_observation, info = await asyncio.to_thread(env.reset, seed=seed, options=reset_options)
-            traj.task_id = traj.task_id or str(info.get("task") or "")
-    except Exception as e:  # noqa: BLE001 - an env that cannot start is the episode's result
-        return _failed(traj, "env_error", e)
-    episode = Episode(tokenizer, env_tools(env), traj)
-    if keep_messages:
-        traj.metadata["messages"] = episode.messages
-    first = ([{"role": "system", "content": config.system_prompt}] if config.system_prompt else []) + [
-        {"role": "user", "content": first_observation}]
-    episode.start(first)
-    for _turn in range(config.max_turns):
-        room = min(config.max_new_tokens, config.max_total_tokens - traj.generated_tokens,
-                   config.context_limit - len(traj.token_ids))
-        if room <= 0:
-            traj.finish_reason = "max_tokens" if traj.generated_tokens >= config.max_total_tokens else "context_limit"
-            traj.reward = 0.0
-            return traj
-        start, t0 = len(traj.token_ids), time.perf_counter()
+        episode = await begin(env, tokenizer, config, traj, first_observation, reset_options, keep_messages)
+    except EnvFailed as e:
+        traj.finish_reason, traj.reward, traj.error = "env_error", None, str(e)
+        return traj.check()
+    return (await play(episode, env, policy, config)).check()
+
+
+async def play(episode: Episode, env: Any, policy: PolicyClient, config: AgentConfig) -> Trajectory:
+    """Turns until the env ends the episode, a limit of the loop is reached, or something fails."""
+    for _ in range(config.max_turns):
+        if episode.room(config) <= 0:
+            return episode.stop(episode.limit_reached(config))
         try:
-            completion = await policy.complete(traj.token_ids, max_tokens=room, temperature=config.temperature,
-                                               top_p=config.top_p, stop_token_ids=[tokenizer.eos_id],
-                                               return_routed_experts=config.return_routed_experts,
-                                               timeout=config.policy_timeout)
+            completion, policy_s = await episode.ask(policy, config)
         except PolicyError as e:
-            return _failed(traj, "policy_error", e)
-        policy_s = time.perf_counter() - t0
-        sample = completion.samples[0]
-        if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
-            return _failed(traj, "policy_error", RuntimeError("the policy returned no logprob per generated token"))
-        text = episode.add_generation(sample.token_ids, sample.logprobs)
-        if config.return_routed_experts and sample.routed_experts is not None:
-            traj.routed_experts = (traj.routed_experts or []) + list(sample.routed_experts)
-        turn = Turn(start=start, generated=len(sample.token_ids), weight_version=completion.weight_version or 0,
-                    policy_s=policy_s, finish=sample.finish_reason or "")
-        traj.turns.append(turn)
-        t1 = time.perf_counter()
+            return episode.fail("policy_error", e)
+        text, turn = episode.take(completion.samples[0], completion.weight_version, policy_s)
         try:
-            obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, env_action(env, text))
-        except Exception as e:  # noqa: BLE001 - the env failed, not the policy's task
-            turn.env_s = time.perf_counter() - t1
-            return _failed(traj, "env_error", e)
-        turn.env_s = time.perf_counter() - t1
-        calls = info.get("calls") or []
-        turn.tool_calls, turn.malformed = len(calls), bool(chat.parse_assistant(text).malformed)
-        traj.tool_calls += turn.tool_calls
-        traj.malformed_calls += int(turn.malformed)
-        if terminated or truncated:
-            traj.reward = float(reward)
-            traj.finish_reason = "submitted" if terminated else "max_turns"
-            traj.grade = {k: info[k] for k in ("resolved", "FAIL_TO_PASS", "PASS_TO_PASS", "grading", "correct",
-                                               "expected", "answer") if k in info}
-            return traj
-        episode.add_observation(observation_messages(obs, info, text))
-    traj.finish_reason, traj.reward = "max_turns", 0.0
-    return traj
-
-
-def _failed(traj: Trajectory, reason: str, error: BaseException) -> Trajectory:
-    traj.finish_reason, traj.reward = reason, None
-    traj.error = f"{type(error).__name__}: {error}"[:2000]
-    return traj
+            step = await episode.act(env, text, turn)
+        except EnvFailed as e:
+            return episode.fail("env_error", e)
+        if step.done:
+            return episode.traj
+    return episode.stop("max_turns")
 
 
 class LocalTokenizer:

@@ -18,7 +18,8 @@ from fastapi import FastAPI, HTTPException, Request
 from policy import chat
 from rollout.agent import Tokenizer
 
-Script = Callable[[str, int], str]  # (decoded prompt, turn index from 0) -> the assistant's text
+# (decoded prompt, turn index from 0) -> the assistant's text, or one text per sample when asked for n > 1
+Script = Callable[[str, int], str | list[str]]
 LOGPROB = -0.01
 
 
@@ -45,14 +46,18 @@ def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", we
             raise HTTPException(400, "the scripted policy takes token-id prompts")
         text = tokenizer.decode(prompt)
         turn = text.count(chat.GENERATION_PROMPT) - 1
-        ids = tokenizer.encode(script(text, turn))[: int(body.get("max_tokens", 512))]
-        finish = "length"
-        if len(ids) < int(body.get("max_tokens", 512)):
-            ids, finish = ids + [tokenizer.eos_id], "stop"
+        answers = script(text, turn)
+        n, max_tokens = int(body.get("n", 1)), int(body.get("max_tokens", 512))
+        texts = [answers] * n if isinstance(answers, str) else [answers[i % len(answers)] for i in range(n)]
         app.state.calls += 1
-        choice = {"index": 0, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
-                  "logprobs": {"token_logprobs": [LOGPROB] * len(ids)}}
-        return {"id": f"cmpl-{app.state.calls}", "object": "text_completion", "model": model, "choices": [choice],
+        choices = []
+        for i, answer in enumerate(texts):
+            ids, finish = tokenizer.encode(answer)[:max_tokens], "length"
+            if len(ids) < max_tokens:
+                ids, finish = ids + [tokenizer.eos_id], "stop"
+            choices.append({"index": i, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
+                            "logprobs": {"token_logprobs": [LOGPROB] * len(ids)}})
+        return {"id": f"cmpl-{app.state.calls}", "object": "text_completion", "model": model, "choices": choices,
                 "weight_version": weight_version, "prompt_token_ids": prompt,
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
 
