@@ -8,6 +8,13 @@ snapshot carries every job, its buffered output and the listening socket along.
 Wire format, both ways: ``>II`` (header length, blob length), a JSON header, then raw bytes.
 A job is addressed by id, so a client whose connection was closed (the host closes every connection
 before a memory snapshot) reconnects and resumes from the byte offsets it already has.
+
+Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
+server, or connect to the agent itself. Every frame is capped (``MAX_HEADER``, and a blob limit the
+reader chooses), files are streamed in ``CHUNK``-sized pieces rather than held in memory, and the
+agent survives what its sandbox can throw at it: SIGTERM/SIGINT from inside, running out of pids
+(it answers an error instead of dying), ptrace (it is not dumpable), memory pressure (its children
+get the highest OOM score, so the kernel picks them first).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import selectors
 import signal
 import socket
+import stat
 import struct
 import subprocess
 import sys
@@ -30,35 +38,123 @@ SOCKET_DIR = "/dev/agentenv"  # on the sandbox's private /dev tmpfs: saved with 
 SOCKET_PATH = SOCKET_DIR + "/agent.sock"
 LOG_DIR = SOCKET_DIR + "/proc"
 JOB_ENV = "AGENTENV_JOB"
-MAX_OUTPUT = 64 << 20  # bytes kept per stream of one job; the rest is counted, not kept
+OWN_DIRS = (SOCKET_DIR, "/.agentenv")  # the agent's own files: the file API refuses to write there
+MAX_OUTPUT = 64 << 20  # bytes kept per stream of one job (or the request's max_output); the rest is counted
+MAX_HEADER = 32 << 20  # bytes of one frame's JSON header (an exec's command and env included)
+MAX_FILE = 1 << 30  # bytes of one file read or written through the file API
+MAX_BLOB = MAX_FILE  # default cap of one frame's raw bytes
+MAX_EXEC_BLOB = 2 * MAX_OUTPUT  # an exec output frame carries at most both streams' buffers
+MAX_UNSIZED = 8 << 20  # bytes read from a file whose size stat does not tell (/proc, /sys): held in memory
+CHUNK = 1 << 20  # files and big frames move in pieces of this size
+SMALL_BLOB = 1 << 20  # blobs of requests other than write are read into memory only up to this
+CHILD_OOM_SCORE = 1000  # every process the agent starts is the OOM killer's first choice, never the agent
+_CHILD_PREFIX = f"echo {CHILD_OOM_SCORE} 2>/dev/null >/proc/self/oom_score_adj; "  # before the user's code runs
 ABANDONED = 3600.0  # seconds a finished job's result waits for its caller
 _HEAD = struct.Struct(">II")
+_PR_SET_DUMPABLE = 4
+
+
+def _heartbeat() -> float:
+    """Seconds between an exec's "still running" frames: 5, or $AGENTENV_HEARTBEAT (for tests) within 0.05..30."""
+    try:
+        return min(30.0, max(0.05, float(os.environ.get("AGENTENV_HEARTBEAT", "5"))))
+    except ValueError:
+        return 5.0
+
+
+HEARTBEAT = _heartbeat()
 
 
 # --- framing, shared with the host side ---------------------------------------------------------
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes = b"") -> None:
-    """Send one frame: JSON header plus raw bytes."""
+class FrameError(ConnectionError):
+    """The peer broke the protocol (a frame over its cap, a header that is not a JSON object): not retried."""
+
+
+def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
+               deadline: float | None = None) -> None:
+    """Send one frame: JSON header plus raw bytes (a big blob is sent as is, never copied)."""
+    send_parts(sock, header, [blob], deadline)
+
+
+def send_parts(sock: socket.socket, header: dict[str, Any], parts: list[bytes | bytearray | memoryview],
+               deadline: float | None = None) -> None:
+    """Send one frame whose blob is ``parts`` one after the other."""
     head = json.dumps(header, separators=(",", ":")).encode()
-    sock.sendall(_HEAD.pack(len(head), len(blob)) + head + blob)
+    if len(head) > MAX_HEADER:
+        raise ValueError(f"request header of {len(head)} bytes is over the {MAX_HEADER}-byte limit")
+    size = sum(len(p) for p in parts)
+    _settimeout(sock, deadline)
+    if size <= 1 << 16:
+        sock.sendall(b"".join([_HEAD.pack(len(head), size), head, *parts]))
+        return
+    sock.sendall(_HEAD.pack(len(head), size) + head)
+    for p in parts:
+        if len(p):
+            _settimeout(sock, deadline)
+            sock.sendall(p)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = sock.recv(min(n - len(buf), 1 << 20))
+def _settimeout(sock: socket.socket, deadline: float | None) -> None:
+    """Make the socket's timeout the time left to ``deadline`` (within 50 ms: each change is a syscall)."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed")
+        current = sock.gettimeout()
+        if current is None or not 0 <= current - left < 0.05:
+            sock.settimeout(left)
+
+
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """Exactly ``n`` bytes; memory grows with what arrives, never with what the peer announced."""
+    chunks: list[bytes] = []
+    got = 0
+    while got < n:
+        _settimeout(sock, deadline)
+        chunk = sock.recv(min(n - got, CHUNK))
         if not chunk:
             raise ConnectionError("connection closed")
-        buf += chunk
-    return bytes(buf)
+        chunks.append(chunk)
+        got += len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
-    """Receive one frame; raises ConnectionError when the peer closed."""
-    hlen, blen = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
-    header = json.loads(_recv_exact(sock, hlen))
-    return header, _recv_exact(sock, blen) if blen else b""
+def recv_header(sock: socket.socket, max_blob: int = MAX_BLOB,
+                deadline: float | None = None) -> tuple[dict[str, Any], int]:
+    """Receive a frame's header and the length of the blob that follows (not read yet)."""
+    hlen, blen = _HEAD.unpack(_recv_exact(sock, _HEAD.size, deadline))
+    if hlen > MAX_HEADER or blen > max_blob:
+        raise FrameError(f"frame of {hlen} + {blen} bytes is over the limit ({MAX_HEADER} + {max_blob})")
+    try:
+        header = json.loads(_recv_exact(sock, hlen, deadline))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FrameError(f"frame header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise FrameError("frame header is not a JSON object")
+    return header, blen
+
+
+def recv_frame(sock: socket.socket, max_blob: int = MAX_BLOB,
+               deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+    """Receive one frame; ConnectionError when the peer closed, FrameError past the caps,
+    TimeoutError past ``deadline`` (a ``time.monotonic()`` instant)."""
+    header, blen = recv_header(sock, max_blob, deadline)
+    return header, _recv_exact(sock, blen, deadline) if blen else b""
+
+
+def drain(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` bytes, a chunk at a time."""
+    while n > 0:
+        chunk = sock.recv(min(n, CHUNK))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        n -= len(chunk)
+
+
+class Starved(Exception):
+    """The agent cannot start a thread or a process: the sandbox is out of pids (or memory)."""
 
 
 # --- jobs -------------------------------------------------------------------------------------
@@ -67,8 +163,10 @@ def recv_frame(sock: socket.socket) -> tuple[dict[str, Any], bytes]:
 class Job:
     """One command run by exec: its process group, buffered output and exit status."""
 
-    def __init__(self, job_id: int, proc: subprocess.Popen[bytes], timeout: float | None) -> None:
+    def __init__(self, job_id: int, proc: subprocess.Popen[bytes], timeout: float | None,
+                 max_output: int = MAX_OUTPUT) -> None:
         self.id = job_id
+        self.max_output = max_output
         self.proc = proc
         self.pid = proc.pid
         self.started = time.monotonic()
@@ -90,8 +188,9 @@ class Job:
 class Agent:
     """Process table, reaper and request handlers of the sandbox's init."""
 
-    def __init__(self, log_dir: str = LOG_DIR) -> None:
+    def __init__(self, log_dir: str = LOG_DIR, own_dirs: tuple[str, ...] = OWN_DIRS) -> None:
         self.log_dir = log_dir
+        self.own_dirs = own_dirs
         self.lock = threading.Lock()
         self.jobs: dict[int, Job] = {}
         self.spawned: dict[int, dict[str, Any]] = {}  # pid -> {"cmd", "exit_code", "log"}
@@ -133,10 +232,13 @@ class Agent:
         env.pop("AGENTENV_AGENT", None)
         env.update(header.get("env") or {})
         env[JOB_ENV] = str(job_id)
-        proc = subprocess.Popen(
-            ["/bin/sh", "-c", header["cmd"]], cwd=header.get("cwd") or None, env=env,
-            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
-            close_fds=True)
+        try:
+            proc = subprocess.Popen(
+                ["/bin/sh", "-c", _CHILD_PREFIX + str(header["cmd"])], cwd=header.get("cwd") or None, env=env,
+                stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
+                close_fds=True)
+        except BlockingIOError as e:  # EAGAIN from fork: the pids cgroup is full
+            raise Starved(f"cannot start the command: the sandbox is out of processes ({e})") from None
         self.children[proc.pid] = proc  # callers hold self.lock
         self.child_started.set()
         return proc
@@ -147,12 +249,21 @@ class Agent:
             job_id = self.next_id
             self.next_id += 1
             proc = self._popen(header, subprocess.PIPE, subprocess.PIPE, job_id)
-            job = Job(job_id, proc, header.get("timeout"))
+            cap = header.get("max_output")
+            job = Job(job_id, proc, header.get("timeout"),
+                      min(MAX_OUTPUT, max(0, cap)) if isinstance(cap, int) else MAX_OUTPUT)
             self.jobs[job_id] = job
             job.key = header.get("key", "")
             self.keys[job.key] = job_id
             self.by_pid[proc.pid] = job
-        threading.Thread(target=self._pump, args=(job,), daemon=True).start()
+        try:
+            threading.Thread(target=self._pump, args=(job,), daemon=True).start()
+        except RuntimeError as e:  # no thread to collect its output: undo the job rather than hang its caller
+            kill_job(job.id, job.pid)
+            with self.lock:
+                self.jobs.pop(job_id, None)
+                self.keys.pop(job.key, None)
+            raise Starved(f"cannot start the command: the sandbox is out of threads ({e})") from None
         return job
 
     def _forget_abandoned(self) -> None:
@@ -189,7 +300,7 @@ class Agent:
                     continue
                 with job.cond:
                     buf = job.out[key.data]
-                    room = MAX_OUTPUT - len(buf)
+                    room = job.max_output - len(buf)
                     buf += data[:room]
                     job.dropped[key.data] += max(0, len(data) - room)
                     job.cond.notify_all()
@@ -225,13 +336,32 @@ class Agent:
 
     # --- connection handling ------------------------------------------------------------------
 
-    def serve(self, conn: socket.socket) -> None:
-        """Answer requests on one connection until the host closes it (registered by ``accept``)."""
+    def serve(self, conn: socket.socket, starved: bool = False) -> None:
+        """Answer requests on one connection until the host closes it (registered by ``accept``).
+
+        ``starved``: no thread could be started for it, so it runs on the accept loop: one request
+        that needs no new thread or process, under a short deadline.
+        """
         try:
             while True:
-                header, blob = recv_frame(conn)
-                self.handle(conn, header, blob)
-        except (ConnectionError, OSError):
+                header, blen = recv_header(conn)
+                if header.get("op") == "write":
+                    blob = b""
+                elif blen <= SMALL_BLOB:
+                    blob = _recv_exact(conn, blen) if blen else b""
+                else:
+                    drain(conn, blen)
+                    send_frame(conn, {"error": "BadRequest", "message": f"a {header.get('op')!r} request "
+                                                                         "carries no data"})
+                    continue
+                if starved and header.get("op") in ("exec", "spawn"):
+                    drain(conn, blen)
+                    self._refuse_starved(conn, "cannot start a thread to serve it")
+                    return
+                self.handle(conn, header, blob, blen)
+                if starved:
+                    return
+        except (ConnectionError, OSError, ValueError):
             pass
         finally:
             with self.lock:
@@ -239,17 +369,31 @@ class Agent:
                 self.closing.discard(conn)
             conn.close()
 
-    def handle(self, conn: socket.socket, h: dict[str, Any], blob: bytes) -> None:
+    @staticmethod
+    def _refuse_starved(conn: socket.socket, why: str) -> None:
+        send_frame(conn, {"error": "SandboxError", "message": f"the sandbox is out of processes: {why}",
+                          "fix": "kill processes in the sandbox (or give it a higher pids limit), then retry"})
+
+    def handle(self, conn: socket.socket, h: dict[str, Any], blob: bytes, blen: int = 0) -> None:
         op = h.get("op")
         try:
-            if op == "ping":
+            if op == "write":  # the blob is still on the socket: it streams to the file
+                try:
+                    path = self.check_own(str(h["path"]))
+                except BaseException:
+                    drain(conn, blen)
+                    raise
+                write_stream(path, conn, blen, int(h.get("mode", 0o644)))
+                send_frame(conn, {"ok": True})
+            elif op == "ping":
+                not_dumpable()  # again: a restore from a snapshot may have brought the process back dumpable
                 send_frame(conn, {"ok": True, "pid": os.getpid()})
             elif op == "exec":  # start the job, or attach to the one a closed connection left behind
                 with self.lock:
                     job_id = self.keys.get(h.get("key", ""))
                 if job_id is None:
                     job_id = self.start_job(h).id
-                send_frame(conn, {"job": job_id})
+                send_frame(conn, {"job": job_id, "beat": HEARTBEAT})
                 self.wait(conn, job_id, list(h.get("offsets", [0, 0])), bool(h.get("stream")))
             elif op == "spawn":
                 with self.lock:
@@ -267,12 +411,7 @@ class Agent:
                     os.kill(pid, sig)
                 send_frame(conn, {"ok": True})
             elif op == "read":
-                with open(h["path"], "rb") as f:
-                    data = f.read()
-                send_frame(conn, {"ok": True, "mode": os.stat(h["path"]).st_mode & 0o7777}, data)
-            elif op == "write":
-                write_file(h["path"], blob, int(h.get("mode", 0o644)))
-                send_frame(conn, {"ok": True})
+                send_file(conn, h["path"])
             elif op == "quiesce":
                 self.quiesce(conn)
                 send_frame(conn, {"ok": True})
@@ -281,34 +420,69 @@ class Agent:
                 send_frame(conn, {"error": "BadRequest", "message": f"unknown op {op!r}"})
         except (ConnectionError, BrokenPipeError):
             raise
-        except KeyError as e:
-            send_frame(conn, {"error": "BadRequest", "message": f"missing field {e}"})
+        except Starved as e:
+            send_frame(conn, {"error": "SandboxError", "message": str(e),
+                              "fix": "kill processes in the sandbox (or give it a higher pids limit), then retry"})
+        except (KeyError, TypeError) as e:
+            send_frame(conn, {"error": "BadRequest", "message": f"missing or malformed field {e}"})
+        except ValueError as e:
+            send_frame(conn, {"error": "ValueError", "message": str(e)})
         except OSError as e:
             send_frame(conn, {"error": type(e).__name__, "errno": e.errno, "message": str(e)})
+        except MemoryError:
+            send_frame(conn, {"error": "SandboxError", "message": "the agent ran out of memory serving the request",
+                              "fix": "free memory in the sandbox (kill processes, delete /dev/shm files)"})
+
+    def check_own(self, path: str) -> str:
+        """``path``, unless it (or a folder it goes through, symlinks resolved) is one of the agent's own."""
+        real = os.path.join(os.path.realpath(os.path.dirname(path) or "/"), os.path.basename(path))
+        for d in self.own_dirs:
+            if real == d or real.startswith(d.rstrip("/") + "/"):
+                raise PermissionError(13, f"{path} is in the agent's own folder {d}: refused")
+        return path
 
     def wait(self, conn: socket.socket, job_id: int, offsets: list[int], stream: bool) -> None:
-        """Send a job's output from the given offsets (as it comes when streaming), then its result."""
+        """Send a job's output from the given offsets (as it comes when streaming), then its result.
+
+        Every ``HEARTBEAT`` seconds without anything to send, a ``{"beat": true}`` frame tells the
+        host the agent still runs (so that it can tell a long silent command from a stopped agent).
+        """
         job = self.jobs.get(job_id)
         if job is None:
             send_frame(conn, {"error": "NotFound", "message": f"no job {job_id}"})
             return
+        last_sent = time.monotonic()
         while True:
+            beat = False
             with job.cond:
                 while not job.done and not (stream and any(len(job.out[i]) > offsets[i] for i in (0, 1))):
                     if conn in self.closing:
                         raise ConnectionError("quiesced")
-                    job.cond.wait()
-                chunks = [bytes(job.out[i][offsets[i]:]) if (stream or job.done) else b"" for i in (0, 1)]
-                done = job.done
+                    left = last_sent + HEARTBEAT - time.monotonic()
+                    if left <= 0:
+                        beat = True
+                        break
+                    job.cond.wait(left)
+                done = job.done and not beat
+                chunks: list[bytes | bytearray | memoryview] = [b"", b""]
+                if done:  # finished: nothing appends any more, so send from the buffers themselves
+                    chunks = [memoryview(job.out[i])[offsets[i]:] for i in (0, 1)]
+                elif stream and not beat:  # one copy of what is new: the pump may still append
+                    chunks = [job.out[i][offsets[i]:] for i in (0, 1)]
+            if beat:
+                send_frame(conn, {"beat": True})
+                last_sent = time.monotonic()
+                continue
             for i in (0, 1):
                 if chunks[i] and (stream or not done):
                     send_frame(conn, {"fd": i + 1}, chunks[i])
                     offsets[i] += len(chunks[i])
                     chunks[i] = b""
+                    last_sent = time.monotonic()
             if done:
                 header = job.result()
                 header["stdout_len"] = len(chunks[0])
-                send_frame(conn, header, chunks[0] + chunks[1])
+                send_parts(conn, header, chunks)
                 with self.lock:
                     self.jobs.pop(job_id, None)  # delivered: forget it
                     self.keys.pop(job.key, None)
@@ -350,20 +524,97 @@ def kill_job(job_id: int, pgid: int) -> None:
             continue
 
 
-def write_file(path: str, data: bytes, mode: int) -> None:
-    """Write atomically (temporary file and rename), creating parent folders."""
-    os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+def write_stream(path: str, conn: socket.socket, n: int, mode: int) -> None:
+    """Write the next ``n`` bytes of ``conn`` to ``path`` atomically (temporary file and rename), creating
+    parent folders, a ``CHUNK`` at a time: an upload never sits in the agent's memory.
+
+    On a failure (disk full, say) the rest of the bytes are read and dropped, so the connection stays
+    in step, and the error is raised.
+    """
+    left = n
     tmp = f"{path}.agentenv-tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        try:
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                buf = bytearray(min(n, CHUNK))
+                view = memoryview(buf)
+                while left > 0:
+                    got = conn.recv_into(view[:min(left, CHUNK)])
+                    if not got:
+                        raise ConnectionError("connection closed")
+                    left -= got
+                    done = 0
+                    while done < got:
+                        done += f.write(view[done:got])
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except ConnectionError:
         raise
+    except BaseException:
+        drain(conn, left)
+        raise
+
+
+def send_file(conn: socket.socket, path: str) -> None:
+    """Answer a read: the file's bytes, streamed from the file when big (never two copies in memory).
+
+    Only regular files: a device (/dev/zero), a FIFO or a socket could be endless or block forever.
+    One whose size stat does not tell (/proc, /sys) is read into memory up to MAX_UNSIZED.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block the open
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        header = {"ok": True, "mode": st.st_mode & 0o7777}
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(21, f"Is a directory: {path!r}")
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file (a device, FIFO or socket): read it with exec")
+        if st.st_size > MAX_FILE:
+            raise ValueError(f"{path} is {st.st_size} bytes, over read_file's limit of {MAX_FILE}: "
+                             "read it in parts (e.g. exec 'split' or 'dd')")
+        if st.st_size < CHUNK:  # small, or /proc and /sys (size 0 in stat)
+            send_frame(conn, header, _read_capped(f, st.st_size, path, MAX_FILE if st.st_size else MAX_UNSIZED))
+            return
+        size = st.st_size
+        head = json.dumps(header, separators=(",", ":")).encode()
+        conn.sendall(_HEAD.pack(len(head), size) + head)
+        sent = conn.sendfile(f, 0, size)
+        if sent < size:  # the file shrank under us: the frame cannot be completed
+            raise ConnectionError(f"{path} shrank while being read")
+
+
+def _read_capped(f: Any, hint: int, path: str, cap: int) -> bytes:
+    """The rest of ``f``, at most ``cap`` bytes, reading ``hint`` + 1 bytes first (a small file: one read)."""
+    parts = [f.read(min(hint + 1, cap + 1) if hint else min(CHUNK, cap + 1))]
+    total = len(parts[0])
+    while parts[-1] and total <= cap:
+        parts.append(f.read(min(CHUNK, cap + 1 - total)))
+        total += len(parts[-1])
+    if total > cap:
+        raise ValueError(f"{path} is over read_file's limit of {cap} bytes for a file of this kind")
+    return parts[0] if len(parts) <= 2 else b"".join(parts)
+
+
+_prctl: list[Any] = []
+
+
+def not_dumpable() -> None:
+    """PR_SET_DUMPABLE 0: no process of the sandbox can ptrace the agent, read its memory or its /proc files.
+
+    Best effort: an image's python3 without ctypes still runs the agent.
+    """
+    with contextlib.suppress(Exception):
+        if not _prctl:
+            import ctypes
+
+            _prctl.append(ctypes.CDLL(None, use_errno=True).prctl)
+        _prctl[0](_PR_SET_DUMPABLE, 0, 0, 0, 0)
 
 
 def main(path: str = SOCKET_PATH) -> None:
@@ -374,18 +625,40 @@ def main(path: str = SOCKET_PATH) -> None:
         os.chmod("/dev/shm", 0o1777)
     if os.path.exists(path):
         os.unlink(path)
-    agent = Agent(log_dir=os.path.join(os.path.dirname(path), "proc"))
+    here = os.path.dirname(path)
+    agent = Agent(log_dir=os.path.join(here, "proc"), own_dirs=OWN_DIRS if path == SOCKET_PATH else (here,))
+    not_dumpable()
+    # PID 1 of its namespace gets only the signals it handles from inside: handle these, and do nothing.
+    # (A handler, not SIG_IGN: handlers are reset by exec, an ignored signal would stay ignored in every
+    # command.) The host stops a sandbox with SIGKILL, through runc.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda *_: sys.exit(0))
+        signal.signal(sig, _ignore)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
     server.listen(128)
     threading.Thread(target=agent.reap_forever, daemon=True).start()
-    while True:
-        conn, _ = server.accept()
-        with agent.lock:
-            agent.conns.add(conn)  # before the thread starts: quiesce must never miss a connection
-        threading.Thread(target=agent.serve, args=(conn,), daemon=True).start()
+    while True:  # nothing a request does may end this loop: the sandbox lives as long as it runs
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            time.sleep(0.01)
+            continue
+        try:
+            with agent.lock:
+                agent.conns.add(conn)  # before the thread starts: quiesce must never miss a connection
+            try:
+                threading.Thread(target=agent.serve, args=(conn,), daemon=True).start()
+            except RuntimeError:  # can't start new thread: out of pids or memory
+                conn.settimeout(2.0)
+                agent.serve(conn, starved=True)
+        except Exception:  # noqa: BLE001 - e.g. MemoryError: drop this connection, keep serving
+            with contextlib.suppress(Exception):
+                conn.close()
+            time.sleep(0.01)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """The agent's answer to SIGTERM, SIGINT and SIGHUP from inside the sandbox: none."""
 
 
 if __name__ == "__main__":

@@ -3,6 +3,11 @@
 One short-lived connection per call (a connect costs tens of microseconds), so a memory snapshot
 only has to close the connections of calls in flight; such a call reconnects through ``gate`` and
 resumes its job from the byte offsets it already has.
+
+What answers on the socket is not trusted: a process in the sandbox can replace it with a server of
+its own. So every call has a deadline, every frame a size cap, reconnecting after a closed connection
+is bounded (``RETRIES``, with backoff), and a connection to a sandbox is refused unless the process
+serving it is that sandbox's agent (``SO_PEERCRED`` against the pid the caller pinned, see ``Root``).
 """
 
 from __future__ import annotations
@@ -11,10 +16,12 @@ import ctypes
 import os
 import socket
 import stat
+import struct
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from agentenv import agent
@@ -22,23 +29,39 @@ from agentenv.api import OutputCallback
 from agentenv.errors import ConnectionLost, SandboxError, from_wire
 
 CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
+RETRIES = 10  # connections in a row closed before an answer (no snapshot explaining it): the call fails
+BACKOFF = (0.004, 0.5)  # seconds slept after the first such close, doubling up to the second figure
+
+
+@dataclass(frozen=True)
+class Root:
+    """A sandbox's root as one connect reaches it: an ``O_PATH`` descriptor of ``/proc/<pid>/root``,
+    owned (and closed) by the connect, and the host pid that must be serving the socket found there."""
+
+    fd: int
+    pid: int
 
 
 class Gate:
-    """Lets calls through unless a snapshot is closing connections; calls wait while it is shut."""
+    """Lets calls through unless a snapshot is closing connections; calls wait while it is shut.
+
+    ``epoch`` counts the shuts: a call whose connection closed while it changed knows why.
+    """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._shut = 0
+        self.epoch = 0
 
-    def wait_open(self) -> None:
+    def wait_open(self, timeout: float | None = None) -> bool:
+        """Wait until no snapshot holds the gate; False if ``timeout`` seconds passed first."""
         with self._cond:
-            while self._shut:
-                self._cond.wait()
+            return self._cond.wait_for(lambda: not self._shut, timeout)
 
     def shut(self) -> None:
         with self._cond:
             self._shut += 1
+            self.epoch += 1
 
     def open(self) -> None:
         with self._cond:
@@ -48,43 +71,58 @@ class Gate:
 
 class Channel:
     """Calls into one sandbox's agent: the socket at ``path`` inside the root ``root()`` returns
-    (``/proc/<init pid>/root`` for a sandbox)."""
+    (a ``Root`` pinned to the sandbox's agent, or a plain folder in tests)."""
 
-    def __init__(self, root: Callable[[], str], gate: Gate, path: str = agent.SOCKET_PATH) -> None:
+    def __init__(self, root: Callable[[], str | Root], gate: Gate, path: str = agent.SOCKET_PATH) -> None:
         self.root, self.path, self.gate = root, path, gate
 
-    def connect(self, wait: float = 0.0, *, through_gate: bool = True) -> socket.socket:
-        """Open a connection, retrying for up to ``wait`` seconds (the agent may still be starting)."""
-        if through_gate:
-            self.gate.wait_open()
-        deadline = time.monotonic() + wait
+    def connect(self, wait: float = 0.0, *, through_gate: bool = True, deadline: float | None = None) -> socket.socket:
+        """Open a connection, retrying for up to ``wait`` seconds (the agent may still be starting).
+
+        Through the gate, it waits for a snapshot in progress, until ``deadline`` at most.
+        """
+        if through_gate and not self.gate.wait_open(None if deadline is None else deadline - time.monotonic()):
+            raise ConnectionLost("a snapshot of the sandbox held the call past its deadline",
+                                 fix="retry; a snapshot that takes this long is stuck (check the sandbox's state)")
+        end = time.monotonic() + wait
+        delay = 0.002
         while True:
             try:
                 return connect_in_root(self.root(), self.path)
             except OSError as e:
-                if time.monotonic() >= deadline:
+                left = end - time.monotonic()
+                if left <= 0:
                     raise ConnectionLost(f"the sandbox agent does not answer ({e})",
                                          fix="the sandbox may have been closed or paused; check Sandbox.list()") from e
-                time.sleep(0.002)
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 0.05)
 
-    def call(self, header: dict[str, Any], blob: bytes = b"") -> tuple[dict[str, Any], bytes]:
-        """One request and its reply; agent-side errors become exceptions.
+    def call(self, header: dict[str, Any], blob: bytes = b"", *, timeout: float | None = None,
+             max_blob: int = agent.MAX_BLOB) -> tuple[dict[str, Any], bytes]:
+        """One request and its reply within ``timeout`` seconds (``CALL_TIMEOUT``); agent-side errors
+        become exceptions.
 
         A connection closed under the call (by a snapshot) is retried: every request carries a
         ``key``, and the agent answers a repeated key from memory instead of acting twice.
         """
+        limit = CALL_TIMEOUT if timeout is None else timeout
+        deadline = time.monotonic() + limit
         header = {**header, "key": uuid.uuid4().hex}
+        failures = 0
         while True:
+            epoch = self.gate.epoch
             try:
-                with self.connect() as s:
-                    s.settimeout(CALL_TIMEOUT)
-                    agent.send_frame(s, header, blob)
-                    reply, data = agent.recv_frame(s)
+                with self.connect(deadline=deadline) as s:
+                    agent.send_frame(s, header, blob, deadline)
+                    reply, data = agent.recv_frame(s, max_blob, deadline)
             except ConnectionLost:
                 raise
+            except agent.FrameError as e:
+                raise _broken(e) from e
             except TimeoutError as e:
-                raise _silent(header["op"], CALL_TIMEOUT) from e
-            except ConnectionError:
+                raise _silent(header["op"], limit) from e
+            except ConnectionError as e:
+                failures = self._retry(failures, epoch, deadline, e)
                 continue
             raise_for(reply)
             return reply, data
@@ -100,24 +138,38 @@ class Channel:
         request = {**header, "op": "exec", "stream": stream, "key": uuid.uuid4().hex}
         # the agent enforces the command's timeout; this one only catches an agent that went silent
         limit = None if header.get("timeout") is None else float(header["timeout"]) + CALL_TIMEOUT
+        deadline = None if limit is None else time.monotonic() + limit
+        failures = 0
         while True:
+            epoch = self.gate.epoch
             try:
-                with self.connect() as s:
-                    s.settimeout(limit)
-                    agent.send_frame(s, {**request, "offsets": [len(b) for b in out]})
-                    first, _ = agent.recv_frame(s)
+                with self.connect(deadline=deadline) as s:
+                    agent.send_frame(s, {**request, "offsets": [len(b) for b in out]}, deadline=_soonest(deadline))
+                    first, _ = agent.recv_frame(s, 0, _soonest(deadline))
                     raise_for(first)
+                    # an agent that sends heartbeats is silent for CALL_TIMEOUT at most; one from an older
+                    # snapshot only answers when the command ends
+                    beats = bool(first.get("beat"))
                     while True:
-                        h, data = agent.recv_frame(s)
+                        h, data = agent.recv_frame(s, agent.MAX_EXEC_BLOB, _soonest(deadline) if beats else deadline)
                         raise_for(h)
-                        if "fd" in h:
-                            out[h["fd"] - 1] += data
-                            if on_output:
-                                on_output("stdout" if h["fd"] == 1 else "stderr", data)
+                        if h.get("beat"):
                             continue
-                        n = h["stdout_len"]
+                        if "fd" in h:
+                            fd = h["fd"]
+                            if fd not in (1, 2) or len(out[fd - 1]) + len(data) > agent.MAX_OUTPUT:
+                                raise agent.FrameError("an output frame past the agent's limits")
+                            out[fd - 1] += data
+                            if data:
+                                failures = 0  # progress: a later close is not the same failure again
+                            if on_output:
+                                on_output("stdout" if fd == 1 else "stderr", data)
+                            continue
+                        n = _checked_result(h, len(data))
                         tail = (data[:n], data[n:])
                         for i, name in ((0, "stdout"), (1, "stderr")):
+                            if len(out[i]) + len(tail[i]) > agent.MAX_OUTPUT:
+                                raise agent.FrameError("a result frame past the agent's limits")
                             out[i] += tail[i]
                             if on_output and tail[i]:
                                 on_output(name, tail[i])
@@ -125,10 +177,55 @@ class Channel:
                         return h
             except ConnectionLost:
                 raise
+            except agent.FrameError as e:
+                raise _broken(e) from e
             except TimeoutError as e:
-                raise _silent("exec", limit or 0.0) from e
-            except ConnectionError:
-                continue  # closed by a snapshot: reconnect once the gate opens, resume from offsets
+                raise _silent("exec", CALL_TIMEOUT) from e
+            except ConnectionError as e:  # closed by a snapshot: reconnect once the gate opens, resume from offsets
+                failures = self._retry(failures, epoch, deadline, e)
+
+    def _retry(self, failures: int, epoch: int, deadline: float | None, err: Exception) -> int:
+        """After a connection closed before the answer: go on (with backoff) or give up (ConnectionLost).
+
+        A close while a snapshot in this process shut the gate is expected and costs nothing; any other
+        counts, and ``RETRIES`` in a row (or the deadline) end the call: an agent that accepts and closes
+        at once (a fake one, or one out of memory) cannot keep a caller spinning.
+        """
+        if self.gate.epoch != epoch:
+            return failures
+        failures += 1
+        left = None if deadline is None else deadline - time.monotonic()
+        if failures >= RETRIES or (left is not None and left <= 0):
+            raise ConnectionLost(f"the sandbox agent closed the connection {failures} times without answering ({err})",
+                                 fix="the sandbox may be out of memory or processes, or its agent's socket was "
+                                     "replaced from inside; check its state, or close it") from err
+        pause = min(BACKOFF[0] * 2 ** (failures - 1), BACKOFF[1])
+        time.sleep(pause if left is None else min(pause, left))
+        return failures
+
+
+def _soonest(deadline: float | None) -> float:
+    """The deadline of the next frame: CALL_TIMEOUT from now, or the call's own deadline if sooner."""
+    silence = time.monotonic() + CALL_TIMEOUT
+    return silence if deadline is None else min(deadline, silence)
+
+
+def _checked_result(h: dict[str, Any], blob_len: int) -> int:
+    """Validate an exec's final frame (the sandbox can forge it); returns the stdout length in its blob."""
+    n = h.get("stdout_len")
+    dropped = h.get("dropped")
+    ok = (isinstance(n, int) and 0 <= n <= blob_len and (h.get("exit_code") is None or isinstance(h["exit_code"], int))
+          and isinstance(h.get("duration"), int | float) and isinstance(h.get("timed_out"), bool)
+          and isinstance(dropped, list) and len(dropped) == 2 and all(isinstance(d, int) for d in dropped))
+    if not ok:
+        raise agent.FrameError("a malformed result frame")
+    assert isinstance(n, int)
+    return n
+
+
+def _broken(e: Exception) -> ConnectionLost:
+    return ConnectionLost(f"what answers on the sandbox's agent socket broke the protocol ({e})",
+                          fix="a process in the sandbox may have replaced the agent's socket; close the sandbox")
 
 
 def _silent(op: str, seconds: float) -> ConnectionLost:
@@ -145,14 +242,19 @@ _RESOLVE_NO_MAGICLINKS, _RESOLVE_IN_ROOT = 0x02, 0x10
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-def connect_in_root(root: str, path: str) -> socket.socket:
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def connect_in_root(root: str | Root, path: str) -> socket.socket:
     """Connect to the unix socket at ``path`` as resolved *inside* ``root``.
 
     The sandbox owns the folders on that path: resolving it with openat2(RESOLVE_IN_ROOT) and
     refusing anything but a socket at the end means a symlink planted there cannot send the host
-    to a socket of its own (the Docker socket, say).
+    to a socket of its own (the Docker socket, say). With a ``Root`` (whose descriptor this closes),
+    the socket must also be served by the process ``root.pid``: a server that a process of the
+    sandbox put in the agent's place is refused before a byte is exchanged.
     """
-    rootfd = os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    rootfd = root.fd if isinstance(root, Root) else os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         how = _OpenHow(os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, 0, _RESOLVE_IN_ROOT | _RESOLVE_NO_MAGICLINKS)
         fd = _libc.syscall(_SYS_OPENAT2, rootfd, path.encode(), ctypes.byref(how), ctypes.sizeof(how))
@@ -167,6 +269,11 @@ def connect_in_root(root: str, path: str) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             s.connect(f"/proc/self/fd/{fd}")
+            if isinstance(root, Root):
+                peer = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
+                if peer != root.pid:
+                    raise ConnectionRefusedError(f"{path} in the sandbox is served by pid {peer}, not by its agent "
+                                                 f"(pid {root.pid}): replaced from inside?")
         except OSError:
             s.close()
             raise

@@ -63,6 +63,13 @@ class Unauthorized(AgentEnvError, PermissionError):
     """The server refused the bearer token (missing or wrong)."""
 
 
+class SandboxLost(SandboxStateError):
+    """The sandbox's agent (its PID 1) is gone: its processes died behind our back (state 'lost').
+
+    Nothing reaches it any more, and nothing else is reached in its place; close it.
+    """
+
+
 # --- on the wire ---------------------------------------------------------------------------------
 # One table for every hop: the server answers an exception with its HTTP status and ``to_wire`` body;
 # the client and the host end of the agent channel rebuild the same class with ``from_wire``.

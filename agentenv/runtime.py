@@ -4,7 +4,8 @@ Docker owns the images; runc (the runtime Docker itself uses) runs the sandbox d
 CRIU checkpoints and restores skip Docker's checkpoint plumbing, which copies every checkpoint
 through containerd's content store (seconds instead of a few hundred milliseconds).
 The OCI spec keeps Docker's safe defaults: own pid/ipc/uts/mount/network namespaces, a small
-capability set, no-new-privileges, masked /proc paths and cgroup limits.
+capability set, no-new-privileges, a seccomp allowlist modelled on Docker's default profile, masked
+/proc paths and cgroup limits.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import contextlib
 import functools
 import json
 import os
+import platform
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -22,6 +25,7 @@ from typing import Any
 
 from agentenv import agent
 from agentenv.api import Limits
+from agentenv.channel import Root
 from agentenv.errors import CheckpointError, SandboxError
 
 AGENT_DEST = "/.agentenv/agent.py"
@@ -32,6 +36,100 @@ _MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/lat
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 CPU_PERIOD = 100_000
 FREEZE_ATTEMPTS = 20
+DEV_SIZE = 256 << 20  # the /dev tmpfs (with /dev/shm): at most this, and at most half the memory limit
+
+# --- seccomp ----------------------------------------------------------------------------------------
+# An allowlist modelled on Docker's default profile (moby's profiles/seccomp/default.json): what ordinary
+# programs call is allowed, anything else fails with EPERM. Like Docker, calls that need a capability the
+# sandbox lacks are left out (mount, unshare, setns, bpf, perf_event_open, keyctl, kexec, modules, clock
+# setting ...), clone may not make namespaces, clone3 answers ENOSYS (so libc falls back to clone, whose
+# flags can be checked), socket may not open AF_VSOCK and personality takes Docker's few values. Unlike
+# the Docker profile this was modelled on, io_uring is refused (as Docker itself has done since 25.0),
+# and so are ptrace, process_vm_readv/writev and kcmp unless the sandbox is given CAP_SYS_PTRACE: nothing
+# in a sandbox needs to look into another process, and the agent must not be looked into.
+_SYSCALLS_ALLOWED = """
+accept accept4 access adjtimex alarm bind brk capget capset chdir chmod chown chown32 clock_adjtime
+clock_adjtime64 clock_getres clock_getres_time64 clock_gettime clock_gettime64 clock_nanosleep
+clock_nanosleep_time64 close close_range connect copy_file_range creat dup dup2 dup3 epoll_create
+epoll_create1 epoll_ctl epoll_ctl_old epoll_pwait epoll_pwait2 epoll_wait epoll_wait_old eventfd eventfd2
+execve execveat exit exit_group faccessat faccessat2 fadvise64 fadvise64_64 fallocate fanotify_mark fchdir
+fchmod fchmodat fchown fchown32 fchownat fcntl fcntl64 fdatasync fgetxattr flistxattr flock fork
+fremovexattr fsetxattr fstat fstat64 fstatat64 fstatfs fstatfs64 fsync ftruncate ftruncate64 futex
+futex_time64 futex_waitv futimesat getcpu getcwd getdents getdents64 getegid getegid32 geteuid geteuid32
+getgid getgid32 getgroups getgroups32 getitimer getpeername getpgid getpgrp getpid getppid getpriority
+getrandom getresgid getresgid32 getresuid getresuid32 getrlimit get_robust_list getrusage getsid
+getsockname getsockopt get_thread_area gettid gettimeofday getuid getuid32 getxattr inotify_add_watch
+inotify_init inotify_init1 inotify_rm_watch io_cancel ioctl io_destroy io_getevents io_pgetevents
+io_pgetevents_time64 ioprio_get ioprio_set io_setup io_submit ipc kill landlock_add_rule
+landlock_create_ruleset landlock_restrict_self lchown lchown32 lgetxattr link linkat listen listxattr
+llistxattr _llseek lremovexattr lseek lsetxattr lstat lstat64 madvise membarrier memfd_create memfd_secret
+mincore mkdir mkdirat mknod mknodat mlock mlock2 mlockall mmap mmap2 mprotect mq_getsetattr mq_notify
+mq_open mq_timedreceive mq_timedreceive_time64 mq_timedsend mq_timedsend_time64 mq_unlink mremap msgctl
+msgget msgrcv msgsnd msync munlock munlockall munmap name_to_handle_at nanosleep newfstatat _newselect open
+openat openat2 pause pidfd_open pidfd_send_signal pipe pipe2 pkey_alloc pkey_free pkey_mprotect poll ppoll
+ppoll_time64 prctl pread64 preadv preadv2 prlimit64 process_mrelease pselect6 pselect6_time64 pwrite64
+pwritev pwritev2 read readahead readlink readlinkat readv recv recvfrom recvmmsg recvmmsg_time64 recvmsg
+remap_file_pages removexattr rename renameat renameat2 restart_syscall rmdir rseq rt_sigaction
+rt_sigpending rt_sigprocmask rt_sigqueueinfo rt_sigreturn rt_sigsuspend rt_sigtimedwait
+rt_sigtimedwait_time64 rt_tgsigqueueinfo sched_getaffinity sched_getattr sched_getparam
+sched_get_priority_max sched_get_priority_min sched_getscheduler sched_rr_get_interval
+sched_rr_get_interval_time64 sched_setaffinity sched_setattr sched_setparam sched_setscheduler sched_yield
+seccomp select semctl semget semop semtimedop semtimedop_time64 send sendfile sendfile64 sendmmsg sendmsg
+sendto setfsgid setfsgid32 setfsuid setfsuid32 setgid setgid32 setgroups setgroups32 setitimer setpgid
+setpriority setregid setregid32 setresgid setresgid32 setresuid setresuid32 setreuid setreuid32 setrlimit
+set_robust_list setsid setsockopt set_thread_area set_tid_address setuid setuid32 setxattr shmat shmctl
+shmdt shmget shutdown sigaltstack signalfd signalfd4 sigprocmask sigreturn socketcall socketpair splice
+stat stat64 statfs statfs64 statx symlink symlinkat sync sync_file_range syncfs sysinfo tee tgkill time
+timer_create timer_delete timer_getoverrun timer_gettime timer_gettime64 timer_settime timer_settime64
+timerfd_create timerfd_gettime timerfd_gettime64 timerfd_settime timerfd_settime64 times tkill truncate
+truncate64 ugetrlimit umask uname unlink unlinkat utime utimensat utimensat_time64 utimes vfork vmsplice
+wait4 waitid waitpid write writev
+"""
+_SYSCALLS_BY_CAP = {  # allowed only when the sandbox holds the capability (as in Docker's profile)
+    "CAP_SYS_CHROOT": ["chroot"],
+    "CAP_SYS_PTRACE": ["ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
+                       "process_madvise"],
+    "CAP_SYS_ADMIN": ["mount", "umount", "umount2", "unshare", "setns", "sethostname", "setdomainname",
+                      "clone3", "fsconfig", "fsmount", "fsopen", "fspick", "move_mount", "open_tree",
+                      "mount_setattr", "quotactl", "quotactl_fd", "fanotify_init", "lookup_dcookie",
+                      "syslog", "bpf", "perf_event_open"],
+    "CAP_SYS_NICE": ["get_mempolicy", "mbind", "set_mempolicy", "set_mempolicy_home_node"],
+    "CAP_SYS_BOOT": ["reboot"],
+    "CAP_SYS_TIME": ["settimeofday", "stime", "clock_settime", "clock_settime64"],
+    "CAP_DAC_READ_SEARCH": ["open_by_handle_at"],
+}
+_SECCOMP_ARCHES = {
+    "x86_64": (["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"], ["arch_prctl", "modify_ldt"]),
+    "aarch64": (["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
+                ["arm_fadvise64_64", "arm_sync_file_range", "sync_file_range2", "breakpoint", "cacheflush",
+                 "set_tls"]),
+}
+_CLONE_NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUSER|NEWPID|NEWNET
+_AF_VSOCK = 40
+_PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # PER_LINUX, UNAME26 and the query value
+_ENOSYS = 38
+
+
+def seccomp_profile(caps: list[str], machine: str | None = None) -> dict[str, Any]:
+    """The OCI ``linux.seccomp`` section of a sandbox holding ``caps``, for this machine's architecture."""
+    arches, arch_calls = _SECCOMP_ARCHES.get(machine or platform.machine(), ([], []))
+    allowed = _SYSCALLS_ALLOWED.split() + arch_calls
+    for cap, names in _SYSCALLS_BY_CAP.items():
+        if cap in caps:
+            allowed += names
+    rules: list[dict[str, Any]] = [{"names": sorted(set(allowed)), "action": "SCMP_ACT_ALLOW"}]
+    rules.append({"names": ["socket"], "action": "SCMP_ACT_ALLOW",
+                  "args": [{"index": 0, "value": _AF_VSOCK, "op": "SCMP_CMP_NE"}]})
+    rules += [{"names": ["personality"], "action": "SCMP_ACT_ALLOW",
+               "args": [{"index": 0, "value": v, "op": "SCMP_CMP_EQ"}]} for v in _PERSONALITIES]
+    if "CAP_SYS_ADMIN" in caps:
+        rules.append({"names": ["clone"], "action": "SCMP_ACT_ALLOW"})
+    else:
+        rules.append({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+                      "args": [{"index": 0, "value": _CLONE_NAMESPACE_FLAGS, "valueTwo": 0,
+                                "op": "SCMP_CMP_MASKED_EQ"}]})
+        rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS})
+    return {"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 1, "architectures": arches, "syscalls": rules}
 
 
 @dataclass
@@ -72,8 +170,9 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str | Non
         {"destination": "/proc", "type": "proc", "source": "proc"},
         # one tmpfs for /dev, which also holds /dev/shm and the agent's socket and logs: CRIU saves each
         # tmpfs with tar, so every extra one costs a fork and exec on both dump and restore
+        # at most half the memory limit: tmpfs pages count against it, and a full /dev/shm must leave room
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-         "options": ["nosuid", "strictatime", "mode=755", "size=268435456"]},
+         "options": ["nosuid", "strictatime", "mode=755", f"size={dev_size(spec.limits.memory)}"]},
         {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
          "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
         {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
@@ -108,8 +207,14 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str | Non
             },
             "maskedPaths": _MASKED,
             "readonlyPaths": _READONLY,
+            "seccomp": seccomp_profile(caps),
         },
     }
+
+
+def dev_size(memory: int) -> int:
+    """Bytes of the sandbox's /dev tmpfs: ``DEV_SIZE``, or half the memory limit when that is less."""
+    return max(1 << 20, min(DEV_SIZE, memory // 2))
 
 
 class Container:
@@ -140,9 +245,17 @@ class Container:
         """Run runc; its errors come back in ``stderr``. The container's own stdio is /dev/null."""
         log = self.bundle / "runc.log"
         log.unlink(missing_ok=True)
-        r = subprocess.run(["runc", "--root", str(self.runc_root), "--log", str(log), "--log-format", "json", *args],
-                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if args[0] == "state" else subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, text=True, timeout=timeout, check=False)
+        try:
+            r = subprocess.run(["runc", "--root", str(self.runc_root), "--log", str(log), "--log-format", "json",
+                                *args], stdin=subprocess.DEVNULL,
+                               stdout=subprocess.PIPE if args[0] == "state" else subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            verb = next((a for a in args if a in ("run", "state", "delete", "checkpoint", "restore")), args[0])
+            error = CheckpointError if verb in ("checkpoint", "restore") else SandboxError
+            raise error(f"runc {verb} of {self.cid} did not finish within {timeout:g} s (killed)",
+                        fix="a process of the sandbox may be stuck (stopped, traced, or in uninterruptible "
+                            "sleep); check the sandbox, or close it") from None
         if r.returncode != 0 and log.exists():
             msgs = [json.loads(line).get("msg", "") for line in log.read_text().splitlines() if line.startswith("{")]
             r.stderr = "\n".join(m for m in msgs if m)
@@ -269,6 +382,89 @@ class Container:
             raise CheckpointError(f"CRIU restore failed: {_criu_reason(r.stderr, work / 'restore.log')}",
                                   fix=criu_fix(criu))
         return int(pidfile.read_text())
+
+
+# --- the agent process, as the host knows it -------------------------------------------------------
+
+
+def proc_start_time(pid: int) -> int:
+    """When a process started (clock ticks since boot, field 22 of ``/proc/<pid>/stat``): with the pid,
+    a name no later process gets. ProcessLookupError when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ProcessLookupError(3, f"no process {pid}") from None
+    return int(data[data.rindex(b")") + 2:].split()[19])  # after the command name, which may hold anything
+
+
+def in_cgroup(pid: int, cgroup: str) -> bool:
+    """True if the process is in the cgroup ``cgroup`` (as runc's cgroupsPath names it)."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return False
+    return any(line.split(":", 2)[-1].endswith(cgroup) for line in lines)
+
+
+class AgentProcess:
+    """A sandbox's agent (its PID 1), pinned: a pidfd names that very process, never a later one that
+    happens to get its pid number.
+
+    Pinning checks the pid against what the sandbox's record says of its agent (start time, cgroup)
+    *after* opening the pidfd, so the pidfd cannot belong to another process; each ``root()`` then
+    opens ``/proc/<pid>/root`` and checks that the pinned process is still alive *after* the open, so
+    the root cannot be another process's either. ProcessLookupError when the process is gone or is not
+    the sandbox's agent.
+    """
+
+    def __init__(self, pid: int, start: int | None, cgroup: str) -> None:
+        self.pid = pid
+        self._fd = os.pidfd_open(pid)
+        try:
+            if (start is not None and proc_start_time(pid) != start) or not in_cgroup(pid, cgroup) or not self.alive():
+                raise ProcessLookupError(3, f"pid {pid} is not the sandbox's agent any more")
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    def alive(self) -> bool:
+        try:
+            signal.pidfd_send_signal(self._fd, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def root(self) -> Root:
+        """An O_PATH descriptor of the agent's root folder (the caller closes it)."""
+        fd = os.open(f"/proc/{self.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        if not self.alive():
+            os.close(fd)
+            raise ProcessLookupError(3, f"the agent (pid {self.pid}) is gone")
+        return Root(fd, self.pid)
+
+    def __del__(self) -> None:  # the last user let go of it: no other thread can still use the pidfd
+        with contextlib.suppress(Exception):
+            os.close(self._fd)
+
+
+def protect_agent(pid: int) -> bool:
+    """Take the agent out of the OOM killer's reach where the host may (CAP_SYS_RESOURCE); True if done.
+
+    Written through the legacy ``oom_adj`` (-17 is -1000 in ``oom_score_adj``), which, unlike
+    ``oom_score_adj``, leaves the floor its children inherit at 0: they cannot make themselves
+    unkillable too. (The agent also starts every child at the highest score, so even without this the
+    kernel chooses them first.)
+    """
+    try:
+        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write("0")  # resets the floor a CRIU restore may have lowered
+        with open(f"/proc/{pid}/oom_adj", "w") as f:
+            f.write("-17")
+    except OSError:
+        return False
+    return True
 
 
 def make_netns(path: Path) -> None:

@@ -4,14 +4,21 @@ A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 
 (see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
 list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
 or close the same sandbox at once.
+
+The record names the agent by pid *and* start time; each Sandbox object pins it with a pidfd and
+checks, before every connection, that the process it reaches is still that agent. A pid number that
+the kernel has since given to another sandbox's agent therefore never leads there: the handle follows
+the record (another handle may have paused and resumed the sandbox) or fails with SandboxLost.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import fcntl
 import json
+import logging
 import os
 import posixpath
 import shutil
@@ -34,12 +41,31 @@ from agentenv.api import (
     SnapshotLike,
     State,
 )
-from agentenv.channel import Channel, Gate
+from agentenv.channel import Channel, Gate, Root
 from agentenv.config import parse_size, paths
-from agentenv.errors import CheckpointError, SandboxNotFound, SandboxStateError
-from agentenv.runtime import Container, ContainerSpec, copy_tree, dump_stats
+from agentenv.errors import (
+    AgentEnvError,
+    CheckpointError,
+    ConnectionLost,
+    SandboxError,
+    SandboxLost,
+    SandboxNotFound,
+    SandboxStateError,
+)
+from agentenv.runtime import (
+    AgentProcess,
+    Container,
+    ContainerSpec,
+    copy_tree,
+    dump_stats,
+    proc_start_time,
+    protect_agent,
+)
 from agentenv.store import Snapshot
 
+log = logging.getLogger("agentenv")
+START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
+QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
 _gates: dict[str, Gate] = {}
 _gates_lock = threading.Lock()
 
@@ -93,6 +119,8 @@ class Sandbox:
         self.id: str = record["id"]
         self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root)
         self._channel = Channel(self._root, _gate(self.id))
+        self._agent: AgentProcess | None = None  # the pinned agent, once a call has needed it
+        self._starting = False  # in _start: the record on disk does not name the new agent yet
 
     # --- creation ------------------------------------------------------------------------------
 
@@ -152,10 +180,17 @@ class Sandbox:
                 pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
             else:
                 pid = self._container.start()
-            self._rec.update(init_pid=pid, state="running")
-            with self._channel.connect(wait=30.0) as s:
-                agent.send_frame(s, {"op": "ping"})
-                agent.recv_frame(s)
+            self._agent = None
+            self._rec.update(init_pid=pid, init_start=proc_start_time(pid), state="running")
+            protect_agent(pid)
+            deadline = time.monotonic() + START_TIMEOUT
+            self._starting = True
+            try:
+                with self._channel.connect(wait=START_TIMEOUT, through_gate=False) as s:
+                    agent.send_frame(s, {"op": "ping"}, deadline=deadline)
+                    agent.recv_frame(s, 0, deadline)
+            finally:
+                self._starting = False
             self._save()
         except BaseException:
             self._container.destroy()
@@ -262,7 +297,8 @@ class Sandbox:
         self.require_running()
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {}}, on_output)
+        h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {},
+                                "max_output": max_output(self._spec().limits.memory)}, on_output)
         out, err = (h[k].decode(errors="replace") + _dropped(n) for k, n in zip(("stdout", "stderr"), h["dropped"], strict=True))
         return ExecResult(exit_code=h["exit_code"], stdout=out, stderr=err, duration=h["duration"],
                           timed_out=h["timed_out"])
@@ -280,14 +316,20 @@ class Sandbox:
         return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
 
     def read_file(self, path: str) -> bytes:
+        """A whole file (at most 1 GiB); the agent's own files are refused (PermissionError), its
+        process logs excepted."""
         self.require_running()
-        return self._channel.call({"op": "read", "path": _abs(path, self._spec().workdir)})[1]
+        return self._channel.call({"op": "read", "path": _own_checked(_abs(path, self._spec().workdir), False)})[1]
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        """Write a whole file atomically, creating parent folders."""
+        """Write a whole file (at most 1 GiB) atomically, creating parent folders; the agent's own
+        folders are refused (PermissionError)."""
         self.require_running()
-        payload = data.encode() if isinstance(data, str) else bytes(data)
-        self._channel.call({"op": "write", "path": _abs(path, self._spec().workdir), "mode": mode}, payload)
+        payload = data if isinstance(data, bytes) else data.encode() if isinstance(data, str) else bytes(data)
+        if len(payload) > agent.MAX_FILE:
+            raise ValueError(f"{len(payload)} bytes is over write_file's limit of {agent.MAX_FILE}")
+        target = _own_checked(_abs(path, self._spec().workdir), True)
+        self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
 
     # --- snapshots ----------------------------------------------------------------------------
 
@@ -342,12 +384,19 @@ class Sandbox:
                 gate.open()
 
     def _quiesce(self) -> None:
+        """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
+        deadline = time.monotonic() + QUIESCE_TIMEOUT
         s = self._channel.connect(through_gate=False)  # the gate is shut: this is the one connection
         try:
-            agent.send_frame(s, {"op": "quiesce"})
-            agent.recv_frame(s)
+            agent.send_frame(s, {"op": "quiesce"}, deadline=deadline)
+            agent.recv_frame(s, 0, deadline)
             with contextlib.suppress(ConnectionError):
-                agent.recv_frame(s)  # returns only when the agent closed its end
+                agent.recv_frame(s, 0, deadline)  # returns only when the agent closed its end
+        except TimeoutError:
+            raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s; "
+                                 "nothing was saved and the sandbox was left running",
+                                 fix="the agent may be stopped (traced) or starved of CPU; retry, or close the "
+                                     "sandbox") from None
         finally:
             s.close()
 
@@ -386,7 +435,8 @@ class Sandbox:
             snap = self._snapshot(True, leave_running=False, labels={"agentenv.kind": "pause"})
             self._container.destroy()
             shutil.rmtree(self._container.upper, ignore_errors=True)
-            self._rec.update(state="paused", paused_snapshot=snap.id, init_pid=None)
+            self._rec.update(state="paused", paused_snapshot=snap.id, init_pid=None, init_start=None)
+            self._agent = None
             self._save()
             return snap
 
@@ -401,7 +451,8 @@ class Sandbox:
             try:
                 self._start(snap)
             except BaseException:
-                self._rec.update(state="paused", init_pid=None)
+                self._rec.update(state="paused", init_pid=None, init_start=None)
+                self._agent = None
                 self._save()
                 raise
             self._rec["paused_snapshot"] = None
@@ -424,6 +475,7 @@ class Sandbox:
 
     def _destroy(self) -> None:
         self._container.destroy()
+        self._agent = None
         self._rec["state"] = "closed"
         shutil.rmtree(self._container.bundle, ignore_errors=True)
 
@@ -435,13 +487,20 @@ class Sandbox:
 
     @classmethod
     def reap_expired(cls) -> builtins.list[str]:
-        """Pause every running sandbox past its TTL (its state is kept, not destroyed); returns their ids."""
+        """Pause every running sandbox past its TTL (its state is kept, not destroyed); returns their ids.
+
+        One sandbox that cannot be paused (its agent stopped, say) is logged and skipped: it neither
+        stalls the others (every step has a deadline) nor ends the round.
+        """
         paused = []
         for sb in cls.list():
             exp = sb.expires_at
-            if exp is not None and exp < time.time() and sb.state == "running":
-                sb.pause()
-                paused.append(sb.id)
+            try:
+                if exp is not None and exp < time.time() and sb.state == "running":
+                    sb.pause()
+                    paused.append(sb.id)
+            except AgentEnvError as e:
+                log.warning("could not pause sandbox %s past its TTL: %s", sb.id, e)
         return paused
 
     # --- internals ----------------------------------------------------------------------------
@@ -449,8 +508,36 @@ class Sandbox:
     def _spec(self) -> ContainerSpec:
         return ContainerSpec.from_json(self._rec["spec"])
 
-    def _root(self) -> str:
-        return f"/proc/{self._rec['init_pid']}/root"
+    def _root(self) -> Root:
+        """The agent's root, for one connection, after checking that the process is the sandbox's agent.
+
+        If the agent this object knew is gone, the record is read again: another handle (or process)
+        may have paused, resumed or closed the sandbox. If the record still names the dead agent, the
+        sandbox is lost (SandboxLost); a pid number reused by another process is never followed.
+        """
+        for _attempt in range(3):
+            ref = self._agent
+            pid = self._rec.get("init_pid")
+            if ref is None or ref.pid != pid:
+                ref = None
+                if self._rec["state"] == "running" and pid:
+                    with contextlib.suppress(OSError):
+                        ref = AgentProcess(pid, self._rec.get("init_start"), self._container.cgroup)
+                self._agent = ref
+            if ref is not None:
+                with contextlib.suppress(OSError):
+                    return ref.root()
+                self._agent = None
+            if self._starting:
+                raise SandboxError(f"the agent of sandbox {self.id} (pid {pid}) exited as it started",
+                                   fix=f"check that the image has python3; runc's log: {self._container.bundle}/runc.log")
+            seen = pid, self._rec.get("init_start")
+            self._reload()
+            self.require_running()
+            if (self._rec.get("init_pid"), self._rec.get("init_start")) == seen:
+                break
+        raise SandboxLost(f"sandbox {self.id} is lost: its agent (pid {self._rec.get('init_pid')}) is gone",
+                          fix="close it; restore one of its snapshots to go on from there")
 
     def _reload(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -491,9 +578,28 @@ class Sandbox:
             os.close(fd)
 
 
+def max_output(memory: int) -> int:
+    """Bytes of one command's output the agent keeps per stream: 64 MiB, or a sixteenth of the sandbox's
+    memory when that is less (the agent holds them, in the sandbox's memory)."""
+    return min(agent.MAX_OUTPUT, max(1 << 20, memory // 16))
+
+
 def _dropped(n: int) -> str:
-    """The visible marker for output past the agent's per-stream cap (64 MiB)."""
+    """The visible marker for output past the agent's per-stream cap (``max_output``)."""
     return f"\n[agentenv: {n} more bytes of output were dropped]\n" if n else ""
+
+
+def _own_checked(path: str, write: bool) -> str:
+    """``path`` normalized (the path checked is the path sent), unless it is one of the agent's own files
+    (PermissionError); reads of its process logs pass. The agent checks writes again, symlinks resolved."""
+    norm = "/" + posixpath.normpath(path).lstrip("/")
+    if not write and norm.startswith(agent.LOG_DIR + "/"):
+        return norm
+    for d in agent.OWN_DIRS:
+        if norm == d or norm.startswith(d + "/"):
+            raise PermissionError(errno.EACCES, f"{path} is in the sandbox agent's own folder {d}; "
+                                                "the file API does not touch it")
+    return norm
 
 
 def _abs(path: str, workdir: str) -> str:

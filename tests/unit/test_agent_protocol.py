@@ -17,7 +17,7 @@ from agentenv.channel import Channel, Gate, raise_for
 
 @pytest.fixture
 def channel(tmp_path: Path):
-    path = str(tmp_path / "agent.sock")
+    path = str(tmp_path / "agent" / "agent.sock")  # the folder is the agent's own: the file API refuses it
     proc = subprocess.Popen([sys.executable, agent.__file__, path])
     ch = Channel(lambda: "/", Gate(), path)
     ch.connect(wait=10).close()

@@ -10,7 +10,7 @@ import pytest
 from agentenv import store
 from agentenv.config import parse_size
 from agentenv.errors import SnapshotNotFound, StoreFullError
-from agentenv.runtime import ContainerSpec, Limits, oci_config
+from agentenv.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config, seccomp_profile
 
 
 @pytest.mark.parametrize(("text", "n"), [("1g", 1 << 30), ("512m", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096),
@@ -42,6 +42,29 @@ def test_oci_config_is_locked_down():
     assert res["cpu"]["quota"] == 50_000 and res["cpu"]["period"] == 100_000
     assert not any("docker.sock" in m.get("source", "") for m in c["mounts"])
     assert "/proc/kcore" in c["linux"]["maskedPaths"]
+
+
+def test_seccomp_profile_is_an_allowlist_modelled_on_dockers():
+    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x", netns="/b/netns")
+    prof = c["linux"]["seccomp"]
+    assert prof["defaultAction"] == "SCMP_ACT_ERRNO" and prof["defaultErrnoRet"] == 1
+    allowed = {n for r in prof["syscalls"] if r["action"] == "SCMP_ACT_ALLOW" and "args" not in r for n in r["names"]}
+    assert {"read", "write", "execve", "wait4", "prctl", "chroot"} <= allowed
+    for denied in ("ptrace", "process_vm_readv", "mount", "unshare", "setns", "bpf", "keyctl", "io_uring_setup",
+                   "kexec_load", "init_module", "perf_event_open", "clone3", "userfaultfd"):
+        assert denied not in allowed, denied
+    clone = [r for r in prof["syscalls"] if r["names"] == ["clone"]]
+    assert clone and clone[0]["args"][0]["op"] == "SCMP_CMP_MASKED_EQ"  # no new namespaces
+    assert [r["errnoRet"] for r in prof["syscalls"] if r["names"] == ["clone3"]] == [38]  # ENOSYS: libc falls back
+    assert "ptrace" in seccomp_profile([*DEFAULT_CAPS, "CAP_SYS_PTRACE"])["syscalls"][0]["names"]
+    assert seccomp_profile(DEFAULT_CAPS, machine="x86_64")["architectures"][0] == "SCMP_ARCH_X86_64"
+
+
+def test_dev_tmpfs_is_at_most_half_the_memory():
+    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x", netns="/b/netns")
+    dev = next(m for m in c["mounts"] if m["destination"] == "/dev")
+    assert f"size={128 << 20}" in dev["options"]
+    assert dev_size(4 << 30) == 256 << 20 and dev_size(64 << 20) == 32 << 20
 
 
 def test_network_is_opt_in():
