@@ -89,6 +89,9 @@ class Service:
         sb = self.sandbox(sandbox_id)
         try:
             return fn(sb)
+        except errors.SandboxLost:
+            self.forget(sandbox_id)  # its pinned agent is gone: the next call starts from the record
+            raise
         except errors.ConnectionLost:
             self.forget(sandbox_id)
             fresh = self.sandbox(sandbox_id)
