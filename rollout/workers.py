@@ -1,0 +1,845 @@
+"""Ray rollout workers: many episodes at once per worker, a driver that streams trajectories as they finish.
+
+::
+
+    from rollout.workers import RolloutConfig, Rollout
+
+    config = RolloutConfig("agentenv/SWE-v0", "http://127.0.0.1:8000", group_size=8)
+    with Rollout(config, workers=4, out="runs/swe-1") as rollout:
+        for group in rollout.groups(load_task_refs("envs/tasks/swe_tasks.jsonl")):
+            ...                       # a GroupResult as soon as its G episodes are done; already in the shards
+
+    for traj in run(tasks, "agentenv/Tool-v0", url, group_size=4, workers=2, out="runs/t"):   # the short form
+        ...
+
+**Workers.** ``RolloutWorker`` is a Ray actor with a fractional CPU (``worker_cpus``) that plays many groups at
+once on one asyncio loop (``rollout.groups.run_group``: reset once, ``fork(G)``, G episodes of the token-in /
+token-out loop); env calls run in its threads, policy calls share one ``PolicyClient``. Workers are placed
+round-robin over the cluster's nodes. Each makes its envs in its own process (``gymnasium.make(env_id,
+api=...)``) against its node's sandboxes: the ``agentenv serve`` that ``env_urls`` names for its node (by Ray
+node id, node IP, or ``"*"``), else the one ``$AGENTENV_URL`` names on that node (token: ``env_token`` or
+``$AGENTENV_TOKEN``), else local sandboxes on the node itself.
+
+**The driver** (``Rollout``) starts Ray (embedded: a local ``ray.init()`` sized to the machine; or joins
+``ray_address``), starts the workers, hands out groups with backpressure (at most ``groups_per_worker`` in flight
+per worker; the task iterable is read lazily) and yields each ``GroupResult`` as it finishes, after writing its
+trajectories to the run folder (``rollout.trajectory.ShardWriter``; flushed at least every ``flush_interval``
+seconds, so a ``kill -9`` of the driver loses only the last moments). ``workers=0`` plays in the driver's
+process without Ray (debugging, unit tests).
+
+**Faults.**
+
+- An episode whose env or policy call fails is played again from a new fork of its group's state, at most
+  ``max_retries`` times, then recorded with its finish reason (``env_error`` / ``policy_error``, reward None):
+  never dropped.
+- A worker that dies (killed, OOM, its node lost) is restarted by Ray (``max_restarts``); the driver sends its
+  in-flight groups again (bounded by ``max_retries`` too, then recorded as ``env_error``). Every sandbox and
+  snapshot a worker makes carries the labels ``agentenv.rollout.run`` and ``agentenv.rollout.worker`` (and
+  sandboxes a TTL, ``sandbox_ttl``): the restarted worker first closes what its predecessor left, and at the
+  end of a run the workers and then the driver sweep whatever is labelled with the run. ``sweep_run`` (also
+  ``agentenv rollout cleanup``) does it by hand after the driver itself was killed.
+- The policy server going away: the policy client's calls have timeouts; an episode whose call could not reach
+  the server probes it, and when the driver's own probe fails too the run stops with ``PolicyUnavailable``
+  (which names the URL), recording what finished; in-flight groups are cancelled and their sandboxes closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from policy.client import PolicyClient
+from rollout.agent import AgentConfig, LocalTokenizer, Tokenizer
+from rollout.groups import GroupResult, GroupSpec, failed, policy_alive, run_group
+from rollout.trajectory import ShardWriter, Trajectory
+
+log = logging.getLogger(__name__)
+
+RUN_LABEL, WORKER_LABEL = "agentenv.rollout.run", "agentenv.rollout.worker"
+RUN_FILE, SUMMARY_FILE = "run.json", "summary.json"
+LOCAL = "local"
+
+
+class RolloutError(RuntimeError):
+    """A run that cannot go on (no worker could start, every worker died, ...)."""
+
+
+class PolicyUnavailable(RolloutError):
+    """The policy server stopped answering (or never did)."""
+
+
+@dataclass
+class RolloutConfig:
+    """What to play and how: the env, the policy, groups, retries, and where sandboxes live."""
+
+    env_id: str
+    policy_url: str
+    policy_token: str | None = None
+    policy_model: str | None = None
+    group_size: int = 1
+    memory_fork: bool = False                 # fork processes too (CRIU), not only files
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    env_kwargs: dict[str, Any] = field(default_factory=dict)   # gymnasium.make(env_id, **env_kwargs)
+    env_urls: dict[str, str] | None = None    # node id / node IP / "*" -> agentenv serve URL (or "local")
+    env_token: str | None = None
+    max_retries: int = 2                      # per episode, and per group for a worker that died
+    groups_per_worker: int = 4                # backpressure: groups in flight per worker
+    worker_cpus: float = 0.5
+    max_restarts: int = 4                     # Ray restarts of a dead worker
+    threads: int = 64                         # env calls at once per worker
+    sandbox_ttl: float | None = 4 * 3600.0    # a backstop for sandboxes whose worker vanished
+    seed: int | None = 0                      # group i resets with seed + i
+    keep_messages: bool = False               # store the conversation as messages too (for people)
+    policy_concurrency: int = 256
+    # In-process hooks (workers=0, tests): where sandboxes live, the policy client, the tokenizer.
+    backend_factory: Callable[[], Any] | None = None
+    policy_factory: Callable[[], PolicyClient] | None = None
+    tokenizer_factory: Callable[[], Tokenizer] = LocalTokenizer
+
+    def to_json(self) -> dict[str, Any]:
+        """The settings worth keeping with a run (no tokens, no in-process hooks)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)
+               if not f.name.endswith(("_factory", "_token"))}
+        out["agent"] = asdict(self.agent)
+        return out
+
+
+# --- sandboxes labelled with their run and worker ---------------------------------------------------------
+
+
+class _LabelledBox:
+    """A sandbox whose snapshots and forks carry its owner's labels (forks: its TTL too)."""
+
+    def __init__(self, sb: Any, owner: LabelledBackend) -> None:
+        self._sb, self._owner = sb, owner
+        self.id = sb.id
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sb, name)
+
+    def __repr__(self) -> str:
+        return f"Labelled({self._sb!r})"
+
+    def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> Any:
+        return self._sb.snapshot(memory, labels={**(labels or {}), **self._owner.labels})
+
+    def fork(self, n: int = 1, **kw: Any) -> list[Any]:
+        return [self._owner.adopt(k) for k in self._sb.fork(n, **kw)]
+
+    def __enter__(self) -> _LabelledBox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sb.close()
+
+
+class _LabelledSandboxes:
+    def __init__(self, owner: LabelledBackend) -> None:
+        self._owner = owner
+        self._inner = owner.inner.Sandbox
+
+    def create(self, image: str = "agentenv/base", *, labels: dict[str, str] | None = None,
+               ttl: float | None = None, **kw: Any) -> Any:
+        ttl = ttl if ttl is not None else self._owner.ttl
+        return _LabelledBox(self._inner.create(image, labels={**(labels or {}), **self._owner.labels}, ttl=ttl, **kw),
+                            self._owner)
+
+    def restore(self, snapshot: Any, *, labels: dict[str, str] | None = None) -> Any:
+        return self._owner.adopt(self._inner.restore(snapshot, labels={**(labels or {}), **self._owner.labels}))
+
+    def get(self, sandbox_id: str) -> Any:
+        return _LabelledBox(self._inner.get(sandbox_id), self._owner)
+
+    def list(self) -> list[Any]:
+        return list(self._inner.list())
+
+
+class LabelledBackend:
+    """A ``Backend`` whose every sandbox and snapshot carries ``labels`` and whose sandboxes get ``ttl``, so
+    what a worker made can be found (and closed) after the worker itself is gone."""
+
+    def __init__(self, inner: Any, labels: Mapping[str, str], ttl: float | None = None) -> None:
+        self.inner, self.labels, self.ttl = inner, dict(labels), ttl
+        self.Sandbox = _LabelledSandboxes(self)
+        self.Snapshot = inner.Snapshot
+
+    def adopt(self, sb: Any) -> _LabelledBox:
+        if self.ttl is not None:
+            with contextlib.suppress(Exception):
+                sb.set_ttl(self.ttl)
+        return _LabelledBox(sb, self)
+
+
+def sweep(api: Any, labels: Mapping[str, str]) -> dict[str, list[str]]:
+    """Close every sandbox and delete every snapshot of ``api`` that carries all of ``labels``; returns their ids."""
+    want = dict(labels)
+    out: dict[str, list[str]] = {"sandboxes": [], "snapshots": []}
+
+    def ours(obj: Any) -> bool:
+        with contextlib.suppress(Exception):
+            have = obj.labels
+            return all(have.get(k) == v for k, v in want.items())
+        return False
+
+    for sb in _listed(api.Sandbox):
+        if ours(sb):
+            with contextlib.suppress(Exception):
+                sb.close()
+                out["sandboxes"].append(sb.id)
+    for snap in _listed(api.Snapshot):
+        if ours(snap):
+            with contextlib.suppress(Exception):
+                snap.delete()
+                out["snapshots"].append(snap.id)
+    return out
+
+
+def _listed(factory: Any) -> list[Any]:
+    """``factory.list()``, or nothing when the store cannot be listed (not made yet, a server down)."""
+    try:
+        return list(factory.list())
+    except Exception as e:  # noqa: BLE001 - a sweep must not fail what it protects
+        log.warning("cannot list %s: %s: %s", factory, type(e).__name__, e)
+        return []
+
+
+def _connect(url: str | None, token: str | None) -> Any:
+    import agentenv
+
+    if url is None or url == LOCAL:
+        return agentenv
+    token = token or os.environ.get("AGENTENV_TOKEN")
+    if not token:
+        raise RolloutError(f"the env server {url} needs a token: give env_token (--env-token) or set $AGENTENV_TOKEN")
+    return agentenv.connect(url, token)
+
+
+def node_env_url(env_urls: Mapping[str, str] | None, node_id: str | None, node_ip: str | None) -> str | None:
+    """The env server of a node: ``env_urls`` by node id, node IP or ``"*"``; else ``$AGENTENV_URL``; None: local."""
+    for key in (node_id, node_ip, "*"):
+        if env_urls and key is not None and key in env_urls:
+            return env_urls[key]
+    return os.environ.get("AGENTENV_URL") or None
+
+
+def sweep_run(run: str | os.PathLike[str], env_urls: Iterable[str] = (), env_token: str | None = None
+              ) -> dict[str, list[str]]:
+    """Close what a run left (after its driver was killed): ``run`` is its run id or its out folder (whose
+    ``run.json`` names the id); this host's sandboxes and those on the env servers ``env_urls``."""
+    run_id = str(run)
+    path = Path(run)
+    if (path / RUN_FILE).is_file():
+        run_id = json.loads((path / RUN_FILE).read_text())["run_id"]
+    total: dict[str, list[str]] = {"sandboxes": [], "snapshots": []}
+    for url in [LOCAL, *[u for u in env_urls if u != LOCAL]]:
+        api = _connect(url, env_token)
+        try:
+            for k, v in sweep(api, {RUN_LABEL: run_id}).items():
+                total[k] += v
+        finally:
+            if url != LOCAL:
+                api.close()
+    return total
+
+
+# --- the worker ------------------------------------------------------------------------------------------
+
+
+def _ray_node() -> tuple[str | None, str | None, bool]:
+    """(node id, node IP, whether Ray restarted this actor) — Nones outside Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None, None, False
+        ctx = ray.get_runtime_context()
+        restarted = False
+        with contextlib.suppress(Exception):
+            restarted = bool(ctx.was_current_actor_reconstructed)
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), restarted
+    except ImportError:
+        return None, None, False
+
+
+class RolloutWorker:
+    """Plays groups (``run_group``) many at once; a Ray actor (``ray.remote(RolloutWorker)``) or in-process."""
+
+    def __init__(self, config: RolloutConfig, key: str, run_id: str) -> None:
+        self.config, self.key, self.run_id = config, key, run_id
+        self.node_id, self.node_ip, self.restarted = _ray_node()
+        self.env_url = LOCAL
+        if config.backend_factory is not None:
+            base = config.backend_factory()
+        else:
+            url = node_env_url(config.env_urls, self.node_id, self.node_ip)
+            base = _connect(url, config.env_token)
+            self.env_url = url or LOCAL
+        # A worker Ray restarted first closes what its predecessor (same key) left behind.
+        self.swept = sweep(base, {RUN_LABEL: run_id, WORKER_LABEL: key})
+        self.api = LabelledBackend(base, {RUN_LABEL: run_id, WORKER_LABEL: key}, config.sandbox_ttl)
+        self.tokenizer = config.tokenizer_factory()
+        self._policy: PolicyClient | None = None
+        self._running = 0
+        self.groups_done = 0
+
+    def info(self) -> dict[str, Any]:
+        return {"key": self.key, "pid": os.getpid(), "node_id": self.node_id, "node_ip": self.node_ip,
+                "env_url": self.env_url, "restarted": self.restarted, "swept": self.swept,
+                "groups_done": self.groups_done, "running": self._running}
+
+    def _policy_client(self) -> PolicyClient:
+        if self._policy is None:
+            c = self.config
+            if c.policy_factory is not None:
+                self._policy = c.policy_factory()
+            else:
+                self._policy = PolicyClient(c.policy_url, c.policy_token, c.policy_model, timeout=c.agent.policy_timeout,
+                                            max_retries=2, max_concurrency=c.policy_concurrency)
+            loop = asyncio.get_running_loop()
+            loop.set_default_executor(ThreadPoolExecutor(max_workers=c.threads, thread_name_prefix="rollout-env"))
+        return self._policy
+
+    def make_env(self) -> Any:
+        import gymnasium
+
+        import envs  # noqa: F401  (registers the env ids)
+
+        return gymnasium.make(self.config.env_id, api=self.api, **self.config.env_kwargs)
+
+    async def run_group(self, spec: GroupSpec) -> GroupResult:
+        policy = self._policy_client()
+        self._running += 1
+        try:
+            meta = {"worker": self.key, "node_id": self.node_id, "env_url": self.env_url}
+            c = self.config
+            result = await run_group(self.make_env, spec, policy, self.tokenizer, c.agent, memory=c.memory_fork,
+                                     env_id=c.env_id, max_retries=c.max_retries, keep_messages=c.keep_messages,
+                                     metadata=meta)
+            result.info.update(worker=self.key)
+            return result
+        finally:
+            self._running -= 1
+            self.groups_done += 1
+
+    async def shutdown(self, wait: float = 60.0) -> dict[str, Any]:
+        """Wait (up to ``wait`` seconds) for groups still closing (cancelled ones), close the policy client and
+        anything still labelled with this worker; returns ``info()``."""
+        deadline = time.monotonic() + wait
+        while self._running and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._policy is not None:
+            with contextlib.suppress(Exception):
+                await self._policy.aclose()
+            self._policy = None
+        left = await asyncio.to_thread(sweep, self.api.inner, {RUN_LABEL: self.run_id, WORKER_LABEL: self.key})
+        info = self.info()
+        info["left_at_shutdown"] = left
+        return info
+
+
+# --- what a run did ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunStats:
+    """Running totals of a run (the progress bar and the summary)."""
+
+    started: float = field(default_factory=time.monotonic)
+    groups: int = 0
+    episodes: int = 0
+    rewards: list[float] = field(default_factory=list)
+    finish: Counter[str] = field(default_factory=Counter)
+    generated_tokens: int = 0
+    turns: int = 0
+    policy_s: float = 0.0
+    env_s: float = 0.0
+    reset_s: float = 0.0
+    fork_s: float = 0.0
+    retried: int = 0             # episodes played more than once
+    worker_failures: int = 0     # group attempts lost to a dead worker
+    groups_total: int | None = None
+    ended: float | None = None
+
+    def add(self, result: GroupResult) -> None:
+        self.groups += 1
+        self.reset_s += result.reset_s
+        self.fork_s += result.fork_s
+        for t in result.trajectories:
+            self.episodes += 1
+            self.finish[t.finish_reason] += 1
+            if t.reward is not None:
+                self.rewards.append(t.reward)
+            self.generated_tokens += t.generated_tokens
+            self.turns += len(t.turns)
+            self.policy_s += sum(x.policy_s for x in t.turns)
+            self.env_s += sum(x.env_s for x in t.turns)
+            if int(t.metadata.get("attempt", 1)) > 1:
+                self.retried += 1
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    @property
+    def reward_mean(self) -> float | None:
+        return sum(self.rewards) / len(self.rewards) if self.rewards else None
+
+    @property
+    def reward_std(self) -> float | None:
+        m = self.reward_mean
+        return None if m is None else math.sqrt(sum((r - m) ** 2 for r in self.rewards) / len(self.rewards))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def episodes_per_min(self) -> float:
+        return 60.0 * self.episodes / self.elapsed if self.elapsed > 0 else 0.0
+
+    @property
+    def env_total_s(self) -> float:
+        return self.env_s + self.reset_s + self.fork_s
+
+    @property
+    def env_share(self) -> float | None:
+        """Environment time (reset, fork, steps) over environment + policy time, summed over episodes."""
+        total = self.env_total_s + self.policy_s
+        return self.env_total_s / total if total > 0 else None
+
+    def to_json(self) -> dict[str, Any]:
+        share = self.env_share
+        return {"groups": self.groups, "episodes": self.episodes, "reward_mean": self.reward_mean,
+                "reward_std": self.reward_std, "rewarded_episodes": len(self.rewards),
+                "finish_reasons": dict(self.finish), "generated_tokens": self.generated_tokens, "turns": self.turns,
+                "elapsed_s": round(self.elapsed, 3), "tokens_per_s": round(self.tokens_per_s, 2),
+                "episodes_per_min": round(self.episodes_per_min, 2), "policy_s": round(self.policy_s, 3),
+                "env_step_s": round(self.env_s, 3), "reset_s": round(self.reset_s, 3), "fork_s": round(self.fork_s, 3),
+                "env_share": None if share is None else round(share, 4),
+                "policy_share": None if share is None else round(1 - share, 4),
+                "retried_episodes": self.retried, "worker_failures": self.worker_failures}
+
+
+# --- tasks ------------------------------------------------------------------------------------------------
+
+
+def load_task_refs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Task records from a JSONL file (one a line) or a JSON list, passed to ``reset(options={"task": ...})``."""
+    text = Path(path).read_text()
+    if text.lstrip().startswith("["):
+        records = json.loads(text)
+    else:
+        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not all(isinstance(r, dict) for r in records):
+        raise RolloutError(f"{path}: every task must be a JSON object")
+    return records
+
+
+def task_id_of(task: Any) -> str:
+    if isinstance(task, Mapping):
+        return str(task.get("instance_id") or task.get("id") or "")
+    return "" if task is None else str(getattr(task, "instance_id", None) or getattr(task, "id", None) or task)
+
+
+def group_specs(tasks: Iterable[Any], run_id: str, group_size: int, seed: int | None) -> Iterator[GroupSpec]:
+    """One ``GroupSpec`` per task (a record, an id, a GroupSpec, or None for the env's own draw)."""
+    for i, task in enumerate(tasks):
+        if isinstance(task, GroupSpec):
+            yield task
+            continue
+        yield GroupSpec(group_id=f"{run_id}-g{i:05d}", task=task, task_id=task_id_of(task), group_size=group_size,
+                        seed=None if seed is None else seed + i, index=i)
+
+
+# --- the driver -------------------------------------------------------------------------------------------
+
+
+def _ray_errors() -> tuple[type[BaseException], ...]:
+    try:
+        from ray import exceptions as rex
+    except ImportError:
+        return ()
+    errs: list[type[BaseException]] = [rex.RayActorError]
+    for name in ("ActorUnavailableError", "ActorDiedError", "WorkerCrashedError", "NodeDiedError",
+                 "OwnerDiedError", "ObjectLostError"):
+        if hasattr(rex, name):
+            errs.append(getattr(rex, name))
+    return tuple(errs)
+
+
+@dataclass
+class _Slot:
+    """One worker as the driver sees it."""
+
+    key: str
+    handle: Any                        # a Ray actor handle, or an in-process RolloutWorker
+    inflight: int = 0
+    dead: bool = False                 # Ray gave up restarting it
+
+
+class Rollout:
+    """The driver (see the module docstring): ``groups(tasks)`` yields ``GroupResult``; ``trajectories(tasks)``
+    yields trajectories; both write the run folder ``out`` as they go. Use as a context manager, or ``close()``."""
+
+    def __init__(self, config: RolloutConfig, *, workers: int = 1, out: str | os.PathLike[str] | None = None,
+                 ray_address: str | None = None, run_id: str | None = None, records_per_shard: int = 64,
+                 flush_interval: float = 1.0, ray_init_kwargs: dict[str, Any] | None = None,
+                 probe_timeout: float = 15.0) -> None:
+        if workers < 0:
+            raise ValueError("workers must be >= 0 (0: play in this process, without Ray)")
+        if config.group_size < 1:
+            raise ValueError("group_size must be at least 1")
+        self.config, self.n_workers, self.ray_address = config, workers, ray_address
+        self.run_id = run_id or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        self.out = Path(out) if out is not None else None
+        self.writer = ShardWriter(self.out, records_per_shard) if self.out is not None else None
+        self.flush_interval, self.probe_timeout = flush_interval, probe_timeout
+        self.ray_init_kwargs = dict(ray_init_kwargs or {})
+        self.stats = RunStats()
+        self.slots: list[_Slot] = []
+        self.worker_infos: list[dict[str, Any]] = []
+        self.swept: dict[str, list[str]] = {"sandboxes": [], "snapshots": []}
+        self.not_run = 0
+        self._started_ray = False
+        self._ready = False
+        self._closed = False
+        self._last_flush = time.monotonic()
+
+    # ---- setup and teardown ------------------------------------------------------------------------------
+
+    def __enter__(self) -> Rollout:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def _preflight(self) -> None:
+        c = self.config
+        if c.policy_factory is not None:
+            client = c.policy_factory()
+        else:
+            client = PolicyClient(c.policy_url, c.policy_token, c.policy_model, max_retries=2)
+        try:
+            if not await policy_alive(client, self.probe_timeout):
+                raise PolicyUnavailable(f"the policy server at {c.policy_url} does not answer GET /v1/models; "
+                                        "start it (agentenv policy serve ...) or fix --policy-url")
+        finally:
+            await client.aclose()
+
+    def _write_run_file(self) -> None:
+        if self.out is None:
+            return
+        doc = {"run_id": self.run_id, "started_at": time.time(), "workers": self.n_workers,
+               "ray_address": self.ray_address, "config": self.config.to_json()}
+        tmp = self.out / f".{RUN_FILE}.tmp"
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        os.replace(tmp, self.out / RUN_FILE)
+
+    async def start(self) -> None:
+        """Check the policy answers, start Ray (unless joining a running one) and the workers."""
+        if self._ready:
+            return
+        await self._preflight()
+        if self.out is not None:
+            previous = self.out / RUN_FILE
+            if previous.is_file() and self.config.backend_factory is None:
+                # a run that was killed here may have left sandboxes behind
+                with contextlib.suppress(Exception):
+                    urls = [u for u in (self.config.env_urls or {}).values()]
+                    await asyncio.to_thread(sweep_run, self.out, urls, self.config.env_token)
+            self._write_run_file()
+        if self.n_workers == 0:
+            w = RolloutWorker(self.config, f"{self.run_id}-w0", self.run_id)
+            self.slots = [_Slot(w.key, w)]
+        else:
+            await asyncio.to_thread(self._start_ray_workers)
+        self.stats = RunStats()
+        self._ready = True
+
+    def _start_ray_workers(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if not ray.is_initialized():
+            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                  "logging_level": logging.WARNING, "configure_logging": False}
+            if self.ray_address is None:
+                kw["num_cpus"] = os.cpu_count() or 1
+                kw["object_store_memory"] = 256 << 20
+            ray.init(address=self.ray_address, **{**kw, **self.ray_init_kwargs})
+            self._started_ray = True
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+        if not nodes:
+            raise RolloutError("the Ray cluster has no live node with CPUs")
+        per_node = Counter(i % len(nodes) for i in range(self.n_workers))
+        remote = ray.remote(RolloutWorker)
+        for i in range(self.n_workers):
+            node = nodes[i % len(nodes)]
+            cpus = min(self.config.worker_cpus, node["Resources"]["CPU"] / per_node[i % len(nodes)])
+            key = f"{self.run_id}-w{i}"
+            handle = remote.options(
+                name=f"rollout-{key}", num_cpus=cpus, max_restarts=self.config.max_restarts, max_task_retries=0,
+                max_concurrency=1000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=True),
+            ).remote(self.config, key, self.run_id)
+            self.slots.append(_Slot(key, handle))
+        try:
+            infos = ray.get([s.handle.info.remote() for s in self.slots], timeout=300)
+        except Exception as e:  # noqa: BLE001 - reported as one clear error
+            raise RolloutError(f"the rollout workers did not start: {type(e).__name__}: {e}") from e
+        self.worker_infos = list(infos)
+
+    async def _shutdown_workers(self) -> None:
+        infos = []
+        for s in self.slots:
+            try:
+                if isinstance(s.handle, RolloutWorker):
+                    infos.append(await s.handle.shutdown())
+                else:
+                    infos.append(await asyncio.wait_for(_await(s.handle.shutdown.remote()), 90))
+            except Exception as e:  # noqa: BLE001 - a dead worker: its leftovers are swept below
+                infos.append({"key": s.key, "error": f"{type(e).__name__}: {e}"})
+        if infos:
+            self.worker_infos = infos
+        if self.n_workers > 0:
+            import ray
+
+            for s in self.slots:
+                with contextlib.suppress(Exception):
+                    ray.kill(s.handle, no_restart=True)
+        # What a dead worker left on this host or on the env servers.
+        if self.config.backend_factory is None:
+            urls = [u for u in (self.config.env_urls or {}).values()]
+            with contextlib.suppress(Exception):
+                swept = await asyncio.to_thread(sweep_run, self.run_id, urls, self.config.env_token)
+                for k, v in swept.items():
+                    self.swept[k] += v
+        else:
+            for s in self.slots:
+                if isinstance(s.handle, RolloutWorker):
+                    for k, v in sweep(s.handle.api.inner, {RUN_LABEL: self.run_id}).items():
+                        self.swept[k] += v
+        self.slots = []
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._shutdown_workers()
+        finally:
+            self.stats.ended = self.stats.ended or time.monotonic()
+            if self.writer is not None:
+                self.writer.close()
+                self._write_summary()
+            if self._started_ray:
+                import ray
+
+                ray.shutdown()
+
+    def close(self) -> None:
+        if not self._closed:
+            asyncio.run(self.aclose())
+
+    def summary(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, **self.stats.to_json(), "not_run_groups": self.not_run,
+                "workers": self.worker_infos, "swept_at_end": self.swept}
+
+    def _write_summary(self) -> None:
+        if self.out is None:
+            return
+        tmp = self.out / f".{SUMMARY_FILE}.tmp"
+        tmp.write_text(json.dumps(self.summary(), indent=1, default=str))
+        os.replace(tmp, self.out / SUMMARY_FILE)
+
+    # ---- the run ------------------------------------------------------------------------------------------
+
+    def _submit(self, slot: _Slot, spec: GroupSpec) -> asyncio.Future[GroupResult]:
+        slot.inflight += 1
+        if isinstance(slot.handle, RolloutWorker):
+            return asyncio.ensure_future(slot.handle.run_group(spec))
+        return asyncio.ensure_future(_await(slot.handle.run_group.remote(spec)))
+
+    def _record(self, result: GroupResult) -> None:
+        if self.writer is not None:
+            for t in result.trajectories:
+                self.writer.write(t)
+        self.stats.add(result)
+
+    def _maybe_flush(self, force: bool = False) -> None:
+        if self.writer is not None and (force or time.monotonic() - self._last_flush >= self.flush_interval):
+            self.writer.flush()
+            self._last_flush = time.monotonic()
+
+    async def stream(self, tasks: Iterable[Any]) -> AsyncGenerator[GroupResult, None]:
+        """Yield each group's result as it finishes (already written to the run folder)."""
+        await self.start()
+        c = self.config
+        errors = _ray_errors()
+        specs = group_specs(tasks, self.run_id, c.group_size, c.seed)
+        with contextlib.suppress(TypeError):
+            self.stats.groups_total = len(tasks)  # type: ignore[arg-type]
+        retry: deque[tuple[GroupSpec, int]] = deque()
+        inflight: dict[asyncio.Future[GroupResult], tuple[_Slot, GroupSpec, int]] = {}
+        exhausted = False
+        try:
+            while True:
+                # hand out work: retries first, then new tasks, to the least-loaded live worker with room
+                while True:
+                    live = [s for s in self.slots if not s.dead and s.inflight < c.groups_per_worker]
+                    if not live:
+                        break
+                    if retry:
+                        spec, attempt = retry.popleft()
+                    elif not exhausted:
+                        nxt = next(specs, None)
+                        if nxt is None:
+                            exhausted = True
+                            break
+                        spec, attempt = nxt, 1
+                    else:
+                        break
+                    slot = min(live, key=lambda s: s.inflight)
+                    inflight[self._submit(slot, spec)] = (slot, spec, attempt)
+                if not inflight:
+                    if all(s.dead for s in self.slots) and (retry or not exhausted):
+                        left = len(retry) + (0 if exhausted else _count(specs))
+                        if left:
+                            self.not_run = left
+                            raise RolloutError(f"every rollout worker died ({left} groups not played)")
+                    break
+                done, _ = await asyncio.wait(inflight, timeout=self.flush_interval if self.flush_interval > 0 else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                self._maybe_flush()
+                finished: list[GroupResult] = []
+                for fut in done:  # record every finished group before yielding any (a consumer may stop early)
+                    slot, spec, attempt = inflight.pop(fut)
+                    slot.inflight -= 1
+                    try:
+                        result = fut.result()
+                    except errors as e:  # the worker died (Ray restarts it): play the group again
+                        self.stats.worker_failures += 1
+                        if not await self._worker_alive(slot):
+                            slot.dead = True
+                        if attempt <= c.max_retries:
+                            retry.append((dataclasses.replace(spec, attempt=attempt + 1), attempt + 1))
+                            continue
+                        result = _failed_group(spec, c.env_id, f"worker {slot.key} died: {type(e).__name__}: {e}",
+                                               attempt)
+                    except Exception as e:  # noqa: BLE001 - a bug in the worker: recorded, never dropped
+                        if attempt <= c.max_retries:
+                            retry.append((dataclasses.replace(spec, attempt=attempt + 1), attempt + 1))
+                            continue
+                        result = _failed_group(spec, c.env_id, f"worker {slot.key} failed: {type(e).__name__}: {e}",
+                                               attempt)
+                    self._record(result)
+                    finished.append(result)
+                self._maybe_flush(force=self.flush_interval <= 0)
+                for result in finished:
+                    if result.policy_down and not await self._policy_back():
+                        self.not_run = len(inflight) + len(retry) + (0 if exhausted else _count(specs))
+                        raise PolicyUnavailable(
+                            f"the policy server at {c.policy_url} stopped answering ({result.error}); "
+                            f"{self.stats.groups} groups recorded"
+                            + (f" in {self.out}" if self.out else "")
+                            + f", {self.not_run} not played")
+                for result in finished:
+                    yield result
+        finally:
+            if inflight:
+                await self._cancel(inflight)
+            self._maybe_flush(force=True)
+            self.stats.ended = time.monotonic()
+
+    async def _worker_alive(self, slot: _Slot) -> bool:
+        """Whether a worker whose call failed answers again (Ray restarted it), or is gone for good."""
+        if isinstance(slot.handle, RolloutWorker):
+            return True
+        try:
+            await asyncio.wait_for(_await(slot.handle.info.remote()), 180)
+        except Exception:  # noqa: BLE001 - dead for good, or not back in time: no more groups for it
+            return False
+        return True
+
+    async def _policy_back(self) -> bool:
+        """Whether the policy answers again within a few probes."""
+        c = self.config
+        client = c.policy_factory() if c.policy_factory is not None else PolicyClient(
+            c.policy_url, c.policy_token, c.policy_model, max_retries=3)
+        try:
+            return await policy_alive(client, self.probe_timeout)
+        finally:
+            await client.aclose()
+
+    async def _cancel(self, inflight: Mapping[asyncio.Future[GroupResult], Any]) -> None:
+        """Cancel groups in flight; their workers close what those groups opened."""
+        for fut in inflight:
+            fut.cancel()
+        await asyncio.wait(list(inflight), timeout=120)
+
+    def groups(self, tasks: Iterable[Any]) -> Iterator[GroupResult]:
+        """``stream`` for synchronous code (its own event loop); the run is closed when the iterator ends."""
+        loop = asyncio.new_event_loop()
+        agen = self.stream(tasks)
+        try:
+            while True:
+                try:
+                    result = loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    break
+                yield result
+        finally:
+            try:
+                loop.run_until_complete(agen.aclose())
+                loop.run_until_complete(self.aclose())
+            finally:
+                loop.close()
+
+    def trajectories(self, tasks: Iterable[Any]) -> Iterator[Trajectory]:
+        for result in self.groups(tasks):
+            yield from result.trajectories
+
+
+async def _await(ref: Any) -> Any:
+    """Await a Ray ObjectRef; cancelling this cancels the remote call."""
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            import ray
+
+            ray.cancel(ref)
+        raise
+
+
+def _count(it: Iterator[Any]) -> int:
+    return sum(1 for _ in it)
+
+
+def _failed_group(spec: GroupSpec, env_id: str, error: str, attempts: int) -> GroupResult:
+    trajs = [failed(spec, "env_error", error, env_id, i) for i in range(spec.group_size)]
+    for t in trajs:
+        t.metadata["attempt"] = attempts
+    return GroupResult(spec, trajs, attempts=attempts, error=error)
+
+
+def run(tasks: Iterable[Any], env_id: str, policy_url: str, group_size: int = 1, workers: int = 1,
+        out: str | os.PathLike[str] | None = None, *, ray_address: str | None = None, **config: Any
+        ) -> Iterator[Trajectory]:
+    """Play ``tasks`` (records, ids, or None for the env's own draw) and yield trajectories as groups finish;
+    ``config`` holds further ``RolloutConfig`` fields."""
+    cfg = RolloutConfig(env_id, policy_url, group_size=group_size, **config)
+    yield from Rollout(cfg, workers=workers, out=out, ray_address=ray_address).trajectories(tasks)

@@ -1,0 +1,87 @@
+"""Fixtures of the rollout integration tests: one two-node Ray cluster (ray.cluster_utils.Cluster on this machine)
+shared by every test, scripted OpenAI-compatible policies served over HTTP, task files."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+
+from rollout import scripted
+from rollout.agent import LocalTokenizer
+
+TOK = LocalTokenizer()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(agentenv_home: Path) -> Iterator[Any]:
+    """A head node and a second node (2 CPUs each) on this machine; the test process is a Ray driver of it.
+    Started after ``agentenv_home`` so every Ray process shares the test session's sandbox home."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 128 << 20,
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=2, object_store_memory=128 << 20)
+    ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    """A scripted policy on a loopback port; ``delay`` seconds before each completion; ``stop()`` takes it away."""
+
+    def __init__(self, script: scripted.Script) -> None:
+        self.delay = 0.0
+        inner = scripted.create_app(script, TOK)
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            if scope.get("type") == "http" and scope.get("path", "").endswith("/completions") and self.delay:
+                await asyncio.sleep(self.delay)
+            await inner(scope, receive, send)
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                                                    timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        for _ in range(400):
+            if self.server.started:
+                break
+            time.sleep(0.025)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture()
+def serve_policy() -> Iterator[Callable[[scripted.Script], Served]]:
+    made: list[Served] = []
+
+    def start(script: scripted.Script) -> Served:
+        made.append(Served(script))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.stop()
