@@ -24,9 +24,13 @@ class Router(nn.Module):
         # aux-loss-free balancing bias (noaux_tc): moved by the trainer, never by gradients
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Experts (N, k) and their weights; ``forced`` (N, k) replays given experts for the rows that have them
+        (a row of -1 keeps the router's choice); their weights still come from the router's scores."""
         scores = torch.sigmoid(x @ self.weight.t())
         idx = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1).indices
+        if forced is not None:
+            idx = torch.where((forced >= 0).all(-1, keepdim=True), forced.to(idx), idx)
         w = scores.gather(-1, idx)
         if self.renormalize:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
@@ -49,7 +53,10 @@ class GroupedExperts(nn.Module):
             if chunk.shape[0]:
                 h = situ(chunk @ self.w_gate[e], chunk @ self.w_up[e], self.beta, self.linear_beta)
                 outs.append(h @ self.w_down[e])
-        return torch.cat(outs) if outs else tokens.new_zeros(0, self.w_down.shape[-1])
+        if not outs:  # no token here: an empty result still tied to the weights, so that a backward pass runs
+            # the same expert all-to-alls on this rank as on the ranks that did get tokens
+            return situ(tokens @ self.w_gate[0], tokens @ self.w_up[0], self.beta, self.linear_beta) @ self.w_down[0]
+        return torch.cat(outs)
 
 
 class LatentMoE(nn.Module):
@@ -70,11 +77,15 @@ class LatentMoE(nn.Module):
         self.latent_up = nn.Linear(L, D, bias=False)
         self.tokens_per_expert = torch.zeros(n_local, dtype=torch.long)  # last step's load, for metrics
         self.last_routing = torch.zeros(0, cfg.num_experts_per_token, dtype=torch.long)  # (tokens, k) global ids
+        self.replay: torch.Tensor | None = None  # routing replay: (tokens, k) experts the next forward must use
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        idx, w = self.router(x)
+        if self.replay is not None and self.replay.shape != (x.shape[0], self.router.k):
+            raise ValueError(f"replayed routing has shape {tuple(self.replay.shape)}, the forward needs "
+                             f"({x.shape[0]}, {self.router.k})")
+        idx, w = self.router(x, self.replay)
         self.last_routing = idx.detach()  # the experts each token of the last forward was routed to
         z = self.latent_norm(self.latent_down(x))
         y, counts = dispatch_combine(z, idx, w, self.experts, self.cfg.num_experts, self.ep)

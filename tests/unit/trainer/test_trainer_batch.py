@@ -1,0 +1,96 @@
+"""Trajectories to tensors: the shift by one (position t predicts token t + 1, with its mask, rollout log-prob,
+advantage and replayed routing), padding, micro-batches by token budget, the split over ranks."""
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.batch import Sample, chunks, collate, pack, split_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from trainer_helpers import make_traj  # noqa: E402
+
+
+def test_collate_aligns_every_tensor_to_the_predicted_token():
+    a = Sample([10, 11, 12, 13, 14], [0, 0, 1, 1, 0], [0.0, 0.0, -0.5, -1.5, 0.0], advantage=0.7,
+               routed_experts=[[[1, 2], [3, 4]], [[5, 6], [7, 0]]])
+    b = Sample([20, 21, 22], [0, 1, 1], [0.0, -0.1, -0.2], advantage=-1.0, routed_experts=None)
+    mb = collate([a, b], pad_id=9, routing_shape=(2, 2))
+    assert mb.input_ids.tolist() == [[10, 11, 12, 13], [20, 21, 22, 9]]
+    assert mb.targets.tolist() == [[11, 12, 13, 14], [21, 22, 9, 9]]
+    assert mb.mask.tolist() == [[0, 1, 1, 0], [1, 1, 0, 0]]
+    assert torch.allclose(mb.rollout_logprobs, torch.tensor([[0, -0.5, -1.5, 0], [-0.1, -0.2, 0, 0]]))
+    assert mb.advantages[0, :4].tolist() == pytest.approx([0.7] * 4) and mb.advantages[1, 2:].tolist() == [0, 0]
+    assert mb.tokens == 4
+    # generated token 12 (index 2) was produced at position 1, token 13 at position 2; nothing recorded elsewhere
+    assert mb.routing is not None and mb.routing.shape == (2, 4, 2, 2)
+    assert mb.routing[0, 1].tolist() == [[1, 2], [3, 4]] and mb.routing[0, 2].tolist() == [[5, 6], [7, 0]]
+    assert (mb.routing[0, [0, 3]] == -1).all() and (mb.routing[1] == -1).all()
+    assert collate([a]).routing is None
+
+
+def test_collate_refuses_routing_that_does_not_fit():
+    s = Sample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], routed_experts=[[[1, 2]]])
+    with pytest.raises(ValueError, match="routing entries"):
+        collate([s], routing_shape=(1, 2))
+    s.routed_experts = [[[1, 2, 3]], [[1, 2, 3]]]
+    with pytest.raises(ValueError, match="MoE layers"):
+        collate([s], routing_shape=(1, 2))
+
+
+def test_sample_from_trajectory_keeps_the_record():
+    rng = random.Random(0)
+    t = make_traj(rng, "g", 0, 1.0, routing=(3, 2))
+    t.turns[1].weight_version = 2
+    s = Sample.from_trajectory(t, advantage=0.25)
+    assert s.token_ids == t.token_ids and s.loss_mask == t.loss_mask and s.logprobs == t.logprobs
+    assert s.routed_experts == t.routed_experts and s.weight_version == 0 and s.advantage == 0.25
+    assert s.loss_tokens == t.generated_tokens
+    mb = collate([s], routing_shape=(3, 2))
+    assert int((mb.routing[0, :, 0, 0] >= 0).sum()) == t.generated_tokens
+
+
+def test_pack_keeps_each_micro_batch_within_the_budget():
+    lengths = [5, 30, 12, 12, 7, 64, 3, 20]
+    mbs = pack(lengths, 40)
+    assert sorted(i for mb in mbs for i in mb) == list(range(len(lengths)))
+    for mb in mbs:
+        longest = max(lengths[i] for i in mb)
+        assert len(mb) * longest <= 40 or len(mb) == 1
+    assert [5] in mbs   # longer than the budget: alone
+    assert len(pack(lengths, 10_000)) == 1
+
+
+def test_split_ranks_balances_tokens_deterministically():
+    lengths = [50, 10, 40, 30, 20, 25]
+    parts = split_ranks(lengths, 2)
+    assert sorted(i for p in parts for i in p) == list(range(6))
+    loads = [sum(lengths[i] for i in p) for p in parts]
+    assert abs(loads[0] - loads[1]) <= 15
+    assert split_ranks(lengths, 2) == parts
+    assert split_ranks([5], 2) == [[0], []]
+
+
+def test_chunks_split_contiguously():
+    assert chunks(range(7), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert chunks(range(2), 4) == [[0], [1]]
+    assert chunks([], 2) == [[]]
+
+
+def test_padding_does_not_change_a_causal_models_logprobs():
+    from trainer_helpers import tiny_cfg
+
+    from policy.model import K3Model
+    from trainer.losses import token_logprobs
+    torch.manual_seed(0)
+    model = K3Model(tiny_cfg()).double()
+    a = Sample(list(range(1, 12)), [0] * 3 + [1] * 8, [0.0] * 11)
+    b = Sample(list(range(20, 25)), [0, 0, 1, 1, 1], [0.0] * 5)
+    both = collate([a, b])
+    alone = collate([b])
+    lp_both, _ = token_logprobs(model(both.input_ids)[0], both.targets)
+    lp_alone, _ = token_logprobs(model(alone.input_ids)[0], alone.targets)
+    assert torch.allclose(lp_both[1, :4], lp_alone[0], atol=1e-10)

@@ -1,0 +1,520 @@
+"""The Trainer: the served model (``policy.model.K3Model``) trained with expert + data parallelism.
+
+One ``Trainer`` object is the whole training job. Rank 0 runs in the caller's process; with ``world > 1`` ranks
+1..world-1 are worker processes (spawned, like the policy engine's), and every call is broadcast to all ranks, which
+run it together (gloo on CPU, NCCL on GPU). A loop calls, in order::
+
+    trainer = Trainer(model_cfg, TrainConfig(...), world=2, ep_size=2)
+    batch = rl_batch(trajectories, AdvantageConfig(...), current_version=v)     # trainer/batch.py
+    metrics = trainer.step(batch)                 # one optimizer update (or ``mini_batches`` of them)
+    result = sync.push(trainer)                   # trainer/sync.py: safetensors, then every server loads them
+    trainer.checkpoint(ckpt_dir, data_state={...})  # model, optimizer, step, RNG, data position
+    ...
+    data_state = trainer.resume(ckpt_dir)         # after a crash: continue from the last checkpoint
+
+A step: the batch's samples are split over the mini-batches (one optimizer update each), each mini-batch's samples
+over the data-parallel ranks (longest first to the least loaded rank), and each rank's share into micro-batches of at
+most ``micro_batch_tokens`` padded tokens; gradients accumulate over micro-batches with the token-mean denominator of
+the whole mini-batch, are summed over ranks, clipped by their global norm, and AdamW steps. Ranks of one EP group
+run the same number of micro-batches (a rank short of data runs a one-token micro-batch with zero loss) so that their
+expert all-to-alls pair up, forward and backward.
+
+Log-probs are computed as the serving engine computes them (``trainer.losses.token_logprobs``); with
+``routing_replay`` the MoE layers use the experts the engine recorded for each generated token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import traceback
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+from policy.config import K3Config
+from policy.ep import shard_state_dict
+from policy.model import K3Model
+from trainer import checkpoint as ckpt
+from trainer.batch import Batch, MicroBatch, Sample, chunks, collate, pack, split_ranks
+from trainer.losses import LossConfig, policy_loss, token_logprobs
+from trainer.parallel import Layout, all_reduce_grads, free_port, grad_norm, init_layout
+from trainer.sft import sft_loss
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, batching and loss settings of a training run."""
+
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.01
+    adam_eps: float = 1e-8
+    warmup_steps: int = 0           # linear warm-up of the learning rate over the first steps
+    grad_clip: float = 1.0          # max global grad norm (<= 0: no clipping)
+    micro_batch_tokens: int = 4096  # padded tokens (samples x longest) per forward/backward
+    mini_batches: int = 1           # optimizer updates per batch; > 1 computes the old log-probs first
+    routing_replay: bool = False    # replay the rollout's recorded expert routing in the forward pass
+    dtype: str = "float32"          # parameter dtype ("float64" for exact comparisons in tests)
+    loss: LossConfig = field(default_factory=LossConfig)
+    seed: int = 0                   # initial weights (the same seed gives the policy server's initial weights)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        d = dict(d)
+        if "loss" in d:
+            d["loss"] = LossConfig(**d["loss"])
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return cls(**d)
+
+
+@dataclass
+class Scored:
+    """A sample scored by the training forward: per-position log-probs and entropy (index t scores token t;
+    index 0 is 0.0) and, per position that produced a token, the experts the training forward routed it to."""
+
+    logprobs: list[float]
+    entropy: list[float]
+    routing: torch.Tensor | None      # (len - 1, MoE layers, k): position t - 1 produced token t
+
+
+# --- one rank ------------------------------------------------------------------------------------------------------
+
+class _Rank:
+    """A training rank: its model shard, optimizer, and the work of every call."""
+
+    def __init__(self, layout: Layout, model_cfg: K3Config, cfg: TrainConfig, weights: str | None, device: str) -> None:
+        self.layout, self.cfg, self.model_cfg = layout, cfg, model_cfg
+        self.device = torch.device(device)
+        torch.manual_seed(cfg.seed)
+        full = K3Model(model_cfg)                 # identical on every rank, and to a policy server's of this seed
+        state = load_file(weights) if weights else full.state_dict()
+        self.model = K3Model(model_cfg, layout.ep) if layout.ep.world > 1 else full
+        self.model.load_state_dict(shard_state_dict(state, layout.ep) if layout.ep.world > 1 else state)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.model.to(self.device, self.dtype).train()
+        self.ref: K3Model | None = None
+        if cfg.loss.kl_coef > 0:
+            self.ref = K3Model(model_cfg, layout.ep if layout.ep.world > 1 else None)
+            self.ref.load_state_dict(self.model.state_dict())
+            self.ref.to(self.device, self.dtype).eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
+                                     weight_decay=cfg.weight_decay)
+        self.n_steps = 0
+        moes = self.model.moe_layers()
+        self.routing_shape = (len(moes), moes[0].router.k) if moes else None
+
+    # -- forward helpers --
+    @contextlib.contextmanager
+    def _replay(self, model: K3Model, mb: MicroBatch | None) -> Iterator[None]:
+        moes = model.moe_layers()
+        if mb is not None and mb.routing is not None and self.cfg.routing_replay:
+            for i, m in enumerate(moes):
+                m.replay = mb.routing[:, :, i].reshape(-1, mb.routing.shape[-1])
+        try:
+            yield
+        finally:
+            for m in moes:
+                m.replay = None
+
+    def _collate(self, samples: Sequence[Sample]) -> MicroBatch:
+        shape = self.routing_shape if self.cfg.routing_replay else None
+        return collate(samples, self.model_cfg.pad_token_id, shape).to(self.device)
+
+    def _logits(self, model: K3Model, mb: MicroBatch) -> torch.Tensor:
+        with self._replay(model, mb):
+            logits, _ = model(mb.input_ids)
+        return logits
+
+    def _dummy(self, model: K3Model) -> torch.Tensor:
+        """Logits of a one-token forward (a rank with no data this round keeps its EP group's all-to-alls paired)."""
+        ids = torch.full((1, 1), self.model_cfg.pad_token_id, dtype=torch.long, device=self.device)
+        logits, _ = model(ids)
+        return logits
+
+    # -- calls --
+    def step(self, kind: str, plan: list[list[list[Sample]]], denoms: list[float], lr: float) -> dict[str, float]:
+        """One step: for each mini-batch, accumulate its micro-batches' gradients, reduce, clip, update."""
+        t0 = time.perf_counter()
+        temperature = self.cfg.loss.temperature if kind == "rl" else 1.0
+        old: list[list[torch.Tensor | None]] | None = None
+        if kind == "rl" and len(plan) > 1:   # log-probs before any update of this step: the PPO ratio's denominator
+            with torch.no_grad():
+                old = [[self._old_logprobs(samples, temperature) for samples in mini] for mini in plan]
+        sums: dict[str, float] = defaultdict(float)
+        norms = []
+        for j, mini in enumerate(plan):
+            self.opt.zero_grad(set_to_none=False)
+            for i, samples in enumerate(mini):
+                if not samples:
+                    if self.ref is not None and kind == "rl":
+                        with torch.no_grad():
+                            self._dummy(self.ref)
+                    (self._dummy(self.model).sum() * 0.0).backward()
+                    continue
+                mb = self._collate(samples)
+                ref_lp = None
+                if self.ref is not None and kind == "rl":
+                    with torch.no_grad():
+                        ref_lp, _ = token_logprobs(self._logits(self.ref, mb), mb.targets, temperature)
+                logp, entropy = token_logprobs(self._logits(self.model, mb), mb.targets, temperature)
+                if kind == "sft":
+                    loss = sft_loss(logp, mb.mask, denoms[j])
+                    with torch.no_grad():
+                        s = {"tokens": float(mb.mask.sum()), "nll": float(-(logp * mb.mask).sum()),
+                             "entropy": float((entropy * mb.mask).sum())}
+                else:
+                    old_lp = old[j][i] if old is not None else logp.detach()
+                    assert old_lp is not None
+                    loss, s = policy_loss(logp, old_lp, mb.rollout_logprobs, mb.advantages, mb.mask, self.cfg.loss,
+                                          denoms[j], ref_lp, entropy)
+                loss.backward()
+                for k, v in s.items():
+                    sums[k] += v
+                sums["loss"] += float(loss.detach())
+            for p in self.model.parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            all_reduce_grads(self.model, self.layout)
+            norm = grad_norm(self.model, self.layout)
+            norms.append(float(norm))
+            if self.cfg.grad_clip > 0:
+                coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
+                if coef < 1.0:
+                    for p in self.model.parameters():
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+            self.opt.step()
+        self.n_steps += 1
+        sums["grad_norm_sum"] = sum(norms)
+        sums["updates"] = float(len(norms))
+        sums["rank_train_s"] = time.perf_counter() - t0
+        return dict(sums)
+
+    def _old_logprobs(self, samples: Sequence[Sample], temperature: float) -> torch.Tensor | None:
+        if not samples:
+            self._dummy(self.model)
+            return None
+        return self._score(samples, temperature)[0]
+
+    def _score(self, samples: Sequence[Sample], temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mb = self._collate(samples)
+        logp, entropy = token_logprobs(self._logits(self.model, mb), mb.targets, temperature)
+        routing = self.model.last_routing(*mb.input_ids.shape)
+        return logp, entropy, routing
+
+    @torch.no_grad()
+    def score(self, plan: list[list[Sample]], temperature: float) -> list[list[Scored]]:
+        """Log-probs, entropies and routing of each micro-batch's samples (an empty micro-batch: a dummy)."""
+        out: list[list[Scored]] = []
+        for samples in plan:
+            if not samples:
+                self._dummy(self.model)
+                out.append([])
+                continue
+            logp, entropy, routing = self._score(samples, temperature)
+            res = []
+            for b, s in enumerate(samples):
+                n = len(s) - 1
+                res.append(Scored([0.0, *logp[b, :n].cpu().tolist()], [0.0, *entropy[b, :n].cpu().tolist()],
+                                  routing[b, :n].cpu() if routing.numel() else None))
+            out.append(res)
+        return out
+
+    def full_state(self) -> dict[str, torch.Tensor] | None:
+        """The unsharded model state on global rank 0 (expert shards gathered over the EP group); None elsewhere."""
+        state = {k: v.detach() for k, v in self.model.state_dict().items()}
+        if self.layout.ep.world > 1:
+            for name, t in list(state.items()):
+                if ".experts." in name:
+                    parts = [torch.empty_like(t) for _ in range(self.layout.ep.world)]
+                    dist.all_gather(parts, t.contiguous(), group=self.layout.ep.group)
+                    state[name] = torch.cat(parts)
+        return {k: v.cpu().contiguous() for k, v in state.items()} if self.layout.rank == 0 else None
+
+    def save_weights(self, path: str) -> None:
+        state = self.full_state()
+        if state is not None:
+            write_safetensors_atomic(state, Path(path), {"step": str(self.n_steps)})
+
+    def save_checkpoint(self, tmp: str) -> None:
+        ckpt.save_rank(Path(tmp), self.layout.rank, {
+            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.n_steps,
+            "rng": ckpt.rng_state(), "ref": self.ref.state_dict() if self.ref is not None else None})
+
+    def load_checkpoint(self, folder: str) -> int:
+        state = torch.load(ckpt.rank_file(folder, self.layout.rank), map_location=self.device, weights_only=False)
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        if self.ref is not None and state.get("ref") is not None:
+            self.ref.load_state_dict(state["ref"])
+        self.n_steps = int(state["step"])
+        ckpt.set_rng_state(state["rng"])
+        return self.n_steps
+
+    def handle(self, msg: dict[str, Any]) -> Any:
+        op = msg["op"]
+        per_rank = msg.get("per_rank")
+        mine: Any = per_rank[self.layout.rank] if per_rank is not None else None
+        if op == "step":
+            return self.step(msg["kind"], mine, msg["denoms"], msg["lr"])
+        if op == "score":
+            return self.score(mine, msg["temperature"])
+        if op == "save_weights":
+            return self.save_weights(msg["path"])
+        if op == "full_state":
+            return self.full_state()
+        if op == "save_checkpoint":
+            return self.save_checkpoint(msg["tmp"])
+        if op == "load_checkpoint":
+            return self.load_checkpoint(msg["folder"])
+        raise ValueError(f"unknown op {op!r}")
+
+
+def write_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``state`` as safetensors through a temporary file in the same folder, fsync, rename: a server never
+    reads a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(state, str(tmp), metadata=metadata)
+    ckpt.fsync_path(tmp)
+    os.replace(tmp, path)
+    ckpt.fsync_path(path.parent)
+    return path
+
+
+def _rank_device(device: str, rank: int) -> str:
+    if device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        return f"cuda:{rank}"
+    return "cpu"
+
+
+def _threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _worker(rank: int, world: int, ep_size: int, port: int, model_cfg: dict[str, Any], cfg: dict[str, Any],
+            weights: str | None, device: str, backend: str) -> None:
+    torch.set_num_threads(_threads(world))
+    dev = _rank_device(device, rank)
+    layout = init_layout(rank, world, ep_size, port, backend)
+    r = _Rank(layout, K3Config.from_dict(model_cfg), TrainConfig.from_dict(cfg), weights, dev)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        msg = box[0]
+        if msg["op"] == "stop":
+            break
+        try:
+            result: Any = ("ok", r.handle(msg))
+        except Exception:  # reported to rank 0, which raises it
+            result = ("error", f"rank {rank}: {traceback.format_exc()}")
+        dist.gather_object(result, None, dst=0)
+    dist.destroy_process_group()
+
+
+# --- the controller ------------------------------------------------------------------------------------------------
+
+class TrainerError(RuntimeError):
+    """A training rank failed a call."""
+
+
+class Trainer:
+    """The training job (see the module docstring); methods are called on rank 0 and run on every rank."""
+
+    def __init__(self, model_cfg: K3Config, cfg: TrainConfig = TrainConfig(), *, world: int = 1, ep_size: int = 1,
+                 weights: str | None = None, device: str = "cpu", backend: str | None = None) -> None:
+        """``weights``: a full safetensors file to start from (e.g. the SFT warm start); otherwise the weights of
+        ``K3Model(model_cfg)`` after ``torch.manual_seed(cfg.seed)``, the same as a policy server with that seed."""
+        if world % ep_size:
+            raise ValueError(f"ep_size {ep_size} does not divide world {world}")
+        self.model_cfg, self.cfg, self.world, self.ep_size = model_cfg.validate(), cfg, world, ep_size
+        self.procs: list[Any] = []
+        backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
+        port = free_port()
+        if world > 1:
+            ctx = mp.get_context("spawn")
+            for r in range(1, world):
+                p = ctx.Process(target=_worker, args=(r, world, ep_size, port, model_cfg.to_dict(), cfg.to_dict(),
+                                                      weights, device, backend), daemon=True)
+                p.start()
+                self.procs.append(p)
+            torch.set_num_threads(_threads(world))
+        dev = _rank_device(device, 0)         # before the process group: NCCL binds the current device
+        layout = init_layout(0, world, ep_size, port, backend)
+        self._rank = _Rank(layout, model_cfg, cfg, weights, dev)
+        self._closed = False
+
+    # -- plumbing --
+    def _call(self, op: str, per_rank: list[Any] | None = None, **kw: Any) -> list[Any]:
+        """Run ``op`` on every rank (``per_rank[r]`` is rank r's part); returns every rank's result."""
+        if self._closed:
+            raise TrainerError("the trainer is closed")
+        msg = {"op": op, "per_rank": per_rank, **kw}
+        if self.world == 1:
+            return [self._rank.handle(msg)]
+        dist.broadcast_object_list([msg], src=0)
+        try:
+            mine: Any = ("ok", self._rank.handle(msg))
+        except Exception:
+            mine = ("error", f"rank 0: {traceback.format_exc()}")
+        gathered: list[Any] = [None] * self.world
+        dist.gather_object(mine, gathered, dst=0)
+        errors = [g[1] for g in gathered if g[0] == "error"]
+        if errors:
+            raise TrainerError("\n".join(errors))
+        return [g[1] for g in gathered]
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (``step`` calls), restored by ``resume``."""
+        return self._rank.n_steps
+
+    @property
+    def model(self) -> K3Model:
+        """Rank 0's model (its expert shard only when ``ep_size > 1``)."""
+        return self._rank.model
+
+    def lr_at(self, step: int) -> float:
+        w = self.cfg.warmup_steps
+        return self.cfg.lr * min(1.0, (step + 1) / w) if w > 0 else self.cfg.lr
+
+    def _plan(self, samples: Sequence[Sample], groups: Sequence[Sequence[int]]) -> tuple[list[list[Any]], list[float]]:
+        """Per rank, per group (mini-batch), the micro-batches (lists of samples); and each group's loss tokens."""
+        plans: list[list[Any]] = [[] for _ in range(self.world)]
+        denoms = []
+        for idx in groups:
+            part = [samples[i] for i in idx]
+            denoms.append(float(max(1, sum(s.loss_tokens for s in part))))
+            per_rank = []
+            for ranks_idx in split_ranks([len(s) for s in part], self.world):
+                mine = [part[i] for i in ranks_idx]
+                per_rank.append([[mine[i] for i in mb] for mb in pack([len(s) for s in mine],
+                                                                       self.cfg.micro_batch_tokens)])
+            if self.ep_size > 1:   # every rank of an EP group runs as many micro-batches (empty ones: a dummy)
+                n = max(len(x) for x in per_rank)
+                per_rank = [x + [[] for _ in range(n - len(x))] for x in per_rank]
+            for r in range(self.world):
+                plans[r].append(per_rank[r])
+        return plans, denoms
+
+    # -- the API --
+    def step(self, batch: Batch) -> dict[str, float]:
+        """One training step on ``batch`` (``kind`` "rl": PPO-clip with TIS; "sft": masked NLL); returns metrics:
+        the loss and its parts as token means, entropy, clip fraction, TIS weight, rollout/train mismatch, the
+        mean pre-clip grad norm, learning rate, token counts, time, and the batch's own statistics."""
+        if not batch.samples:
+            raise ValueError("the batch has no sample with loss tokens")
+        t0 = time.perf_counter()
+        lr = self.lr_at(self.step_count)
+        groups = chunks(range(len(batch.samples)), self.cfg.mini_batches if batch.kind == "rl" else 1)
+        plans, denoms = self._plan(batch.samples, groups)
+        results = self._call("step", plans, kind=batch.kind, denoms=denoms, lr=lr)
+        tot: dict[str, float] = defaultdict(float)
+        for r in results:
+            for k, v in r.items():
+                tot[k] += v
+        tokens = max(tot["tokens"], 1.0)
+        updates = max(results[0]["updates"], 1.0)
+        elapsed = time.perf_counter() - t0
+        out = {"step": float(self.step_count), "loss": tot["loss"] / updates, "lr": lr,
+               "grad_norm": results[0]["grad_norm_sum"] / updates, "loss_tokens": tot["tokens"],
+               "samples": float(len(batch.samples)), "tokens": float(batch.tokens), "time/train": elapsed,
+               "train_tokens_per_s": batch.tokens / elapsed if elapsed > 0 else 0.0}
+        skip = {"tokens", "loss", "grad_norm_sum", "updates", "rank_train_s"}
+        for k, v in tot.items():   # token means of the per-token metrics
+            if k not in skip:
+                out["kl" if k == "kl_ref" else k] = v / tokens
+        return {**batch.stats, **out}
+
+    def score(self, samples: Sequence[Sample], temperature: float | None = None) -> list[Scored]:
+        """Per-token log-probs (as the server computes them, at ``temperature``, the loss's by default), entropies
+        and the training forward's routing, for each sample, without training."""
+        if not samples:
+            return []
+        temperature = self.cfg.loss.temperature if temperature is None else temperature
+        plans, _ = self._plan(samples, [list(range(len(samples)))])
+        results = self._call("score", [p[0] for p in plans], temperature=temperature)
+        by_id: dict[int, Scored] = {}
+        for r, plan in enumerate(p[0] for p in plans):
+            for mb, res in zip(plan, results[r], strict=True):
+                for s, sc in zip(mb, res, strict=True):
+                    by_id[id(s)] = sc
+        return [by_id[id(s)] for s in samples]
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full (unsharded) model state, as the policy server loads it."""
+        state = self._call("full_state")[0]
+        assert state is not None
+        return state
+
+    def save_weights(self, path: str | os.PathLike[str]) -> Path:
+        """Write the full model as safetensors atomically (temporary file, fsync, rename); returns the path."""
+        self._call("save_weights", path=str(path))
+        return Path(path)
+
+    def checkpoint(self, root: str | os.PathLike[str], data_state: dict[str, Any] | None = None, keep: int = 2,
+                   extra: dict[str, Any] | None = None) -> Path:
+        """Checkpoint the run after ``step_count`` steps: every rank's model shard, optimizer, RNG; the step and the
+        caller's ``data_state`` (its data position) in ``meta.json``. Atomic (trainer/checkpoint.py)."""
+        step = self.step_count
+        tmp = ckpt.begin(root, step)
+        self._call("save_checkpoint", tmp=str(tmp))
+        meta = {"data": data_state or {}, "world": self.world, "ep_size": self.ep_size,
+                "model_config": self.model_cfg.to_dict(), "train_config": self.cfg.to_dict(), "time": time.time(),
+                **(extra or {})}
+        return ckpt.commit(root, step, tmp, meta, keep)
+
+    def resume(self, root: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """Load the newest complete checkpoint under ``root``; returns its ``meta.json`` (``step``, ``data``, ...),
+        or None when there is none (a fresh start)."""
+        folder = ckpt.latest(root)
+        if folder is None:
+            return None
+        meta = ckpt.read_meta(folder)
+        if (meta.get("world"), meta.get("ep_size")) != (self.world, self.ep_size):
+            raise ValueError(f"{folder} was written by world={meta.get('world')} ep_size={meta.get('ep_size')}; "
+                             f"this trainer has world={self.world} ep_size={self.ep_size}")
+        if K3Config.from_dict(meta.get("model_config", {})) != self.model_cfg:
+            raise ValueError(f"{folder} holds a different model configuration")
+        self._call("load_checkpoint", folder=str(folder))
+        return meta
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.world > 1:
+            dist.broadcast_object_list([{"op": "stop"}], src=0)
+            for p in self.procs:
+                p.join(timeout=30)
+            dist.destroy_process_group()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def with_loss(cfg: TrainConfig, **loss_overrides: Any) -> TrainConfig:
+    """``cfg`` with some loss settings changed."""
+    return replace(cfg, loss=replace(cfg.loss, **loss_overrides))
