@@ -3,8 +3,12 @@
 What: medians (and p90s) of
 - ``reset``: SWEEnv.reset() of a shipped task whose image is present (sandbox start + base commit setup);
 - ``step_bash_true``: one tool-call step running ``true``;
-- ``grade``: grading an unchanged repository (test files restored, tests run, log parsed), one sample per
-  library (``per_library_ms``);
+- ``grade``: grading an unchanged repository, one sample per library (``per_library_ms``): the patch taken
+  out of the episode's sandbox, a fresh sandbox restored from the task's pristine snapshot (overlapped with
+  the extraction), the patch applied, the tests run, the JUnit result read (phases in ``extra``: extract,
+  filter, sandbox = waiting for the restore, apply, tests, results); the grading sandbox is closed in the
+  background, so ``grade_then_close`` adds the wait for that close (the cost of grading in a fork: restore
+  + close);
 - ``fork8_then_grade``: fork one reset episode into 8 children, then grade each, against
   ``resets8_then_grade``: 8 fresh resets, each graded — the two ways to get 8 graded branches of one state
   (``fork8`` and ``resets8`` are the branching part alone).
@@ -22,8 +26,20 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
+from concurrent.futures import wait
 
-from bench.harness import Report, Row, Timer, add_output_arg, console, ms, print_table, recording, time_runs
+from bench.harness import (
+    Report,
+    Row,
+    Timer,
+    add_output_arg,
+    console,
+    ms,
+    percentile,
+    print_table,
+    recording,
+    time_runs,
+)
 from envs.images import build_image
 from envs.swe_env import SWEEnv
 from envs.task import Task, shipped_tasks
@@ -98,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             r.samples += time_runs(env.reset, args.runs)
         with recording(r := report.result("step_bash_true", note="env.step(bash `true`)"), "step"):
             r.samples += time_runs(functools.partial(env.step, TRUE), args.runs * 3)
-        grade = report.result("grade", note="grade of an unchanged repository after a warm-up grade, one per library")
+        grade = report.result("grade", note="grade of an unchanged repository after a warm-up grade, one per "
+                                            "library; in a fresh sandbox restored from the pristine snapshot, "
+                                            "closed in the background")
+        closed = report.result("grade_then_close", note="the same grade, then waiting for its sandbox's close")
         per_lib: dict[str, float | None] = {}
         for lib, t in by_lib.items():
             console.log(f"grade {lib}")
@@ -107,8 +126,14 @@ def main(argv: list[str] | None = None) -> int:
                 e.grade()  # warm-up: page cache, first imports
                 e.reset()
                 with Timer() as tg:
-                    e.grade()
+                    result = e.grade()
+                with Timer() as tc:
+                    wait(e._closing)  # noqa: SLF001 - the background close of the grading sandbox
                 grade.add(tg.s)
+                closed.add(tg.s + tc.s)
+                for phase, seconds in result.timings.items():
+                    grade.add_extra(phase, seconds)
+                grade.add_extra("close (background)", tc.s)
                 per_lib[lib] = ms(tg.s)
         grade.fields["per_library_ms"] = per_lib
         console.log(f"fork(8) + grade against 8 resets + grade, x{args.fork_runs}")
@@ -123,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     xg = report.add_ratio("resets8_then_grade/fork8_then_grade", "resets8_then_grade", "fork8_then_grade")
     g = report.results
     rows = [Row("reset (image present)", [g.get("reset")]), Row("step: bash true", [g.get("step_bash_true")]),
-            Row("grade (over libraries)", [g.get("grade")]), Row("fork(8)", [g.get("fork8")]),
+            Row("grade (over libraries)", [g.get("grade")]), Row("grade + its sandbox's close", [g.get("grade_then_close")]),
+            Row("fork(8)", [g.get("fork8")]),
             Row("8 fresh resets", [g.get("resets8")], x),
             Row("fork(8) + grade each", [g.get("fork8_then_grade")]),
             Row("8 resets + grade each", [g.get("resets8_then_grade")], xg)]
@@ -131,6 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     if "grade" in g:
         console.print("grade per library: " + ", ".join(f"{k} {v} ms" for k, v in
                                                          g["grade"].fields.get("per_library_ms", {}).items()))
+        phases = g["grade"].extra
+        if phases:
+            console.print("grade phases (median ms): " + ", ".join(
+                f"{k} {ms(percentile(v, 0.5))}" for k, v in phases.items() if v))
     report.print_errors()
     report.write(args.output)
     return 1 if report.fatal or report.errors else 0

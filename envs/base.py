@@ -19,6 +19,14 @@ A subclass supplies the rest, top to bottom: its spaces and ``__init__``, then t
                                snapshot's label; None: the env's default task, or a draw with ``np_random``
     _task_id(task)             the id a snapshot label keeps
     _start_sandbox(task)       a fresh sandbox for the task
+    _start_episode(task)       (optional) the sandbox of a new episode and the task as it runs (default:
+                               ``_start_sandbox``, or no sandbox yet when ``lazy_sandbox``)
+    _task_labels(task)         (optional) more snapshot labels, e.g. where the task came from
+    _snapshot_task(labels)     (optional) the task of a snapshot from its labels (default: ``_resolve_task``
+                               of its task label)
+    _forked(kid)               (optional) what a fork shares with its parent besides the settings
+    _settle()                  (optional) finish background work on a new sandbox; every read of ``sandbox``
+                               (so every tool, ``box()``, fork, snapshot and close) waits for it first
     _first_observation(task)   what the agent sees at reset
     _act(action)               one step: (observation, reward, terminated, info); ``self.steps`` already counts it
     _info()                    what the info of reset (and of a step after the end) holds
@@ -67,7 +75,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
         self.max_steps, self.render_mode = max_steps, render_mode
         self.sandbox_kwargs = dict(sandbox_kwargs or {})
         self.task: TaskT | None = None
-        self.sandbox: SandboxLike | None = None
+        self._sandbox: SandboxLike | None = None
         self.steps, self.done, self.last_observation = 0, False, ""
         self._started = False
         self._toolbox: Toolbox | None = None
@@ -89,6 +97,33 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
     def _act(self, action: Any) -> tuple[str, float, bool, dict[str, Any]]:
         raise NotImplementedError
 
+    def _start_episode(self, task: TaskT) -> tuple[SandboxLike | None, TaskT]:
+        return (None if self.lazy_sandbox else self._start_sandbox(task)), task
+
+    def _task_labels(self, task: TaskT) -> dict[str, str]:
+        return {}
+
+    def _snapshot_task(self, labels: dict[str, str]) -> TaskT:
+        return self._resolve_task(labels.get(TASK_LABEL))
+
+    def _forked(self, kid: Self) -> None:
+        return None
+
+    def _settle(self) -> None:
+        """Finish what the env still does with a new sandbox in the background (nothing, by default)."""
+        return None
+
+    @property
+    def sandbox(self) -> SandboxLike | None:
+        """The episode's sandbox (None before reset, or before a lazy env's first tool needs it); reading it
+        first lets the env finish any background work on it (``_settle``), so nothing reaches it before."""
+        self._settle()
+        return self._sandbox
+
+    @sandbox.setter
+    def sandbox(self, value: SandboxLike | None) -> None:
+        self._sandbox = value
+
     def _info(self) -> dict[str, Any]:
         return {}
 
@@ -106,7 +141,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
             return self.last_observation, self._info()
         task = self._resolve_task(opts.get("task"))
         self._end()
-        sandbox = None if self.lazy_sandbox else self._start_sandbox(task)
+        sandbox, task = self._start_episode(task)
         self._begin(task, sandbox, steps=0)
         return self._observe(self._first_observation(task)), self._info()
 
@@ -153,7 +188,8 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
         """The sandbox's files (and with ``memory=True`` its processes), labelled with the task and the step."""
         sandbox = self.box()
         assert self.task is not None  # box() checked
-        return sandbox.snapshot(memory=memory, labels={TASK_LABEL: self._task_id(self.task),
+        return sandbox.snapshot(memory=memory, labels={**self._task_labels(self.task),
+                                                       TASK_LABEL: self._task_id(self.task),
                                                        STEPS_LABEL: str(self.steps)})
 
     def fork(self, n: int, memory: bool = False) -> list[Self]:
@@ -170,6 +206,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
             assert self.task is not None
             kid._begin(self.task, sandbox, self.steps)
             kid.done = self.done
+            self._forked(kid)
             kids.append(kid)
         return kids
 
@@ -178,7 +215,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
         snap = self.api.Snapshot.get(snapshot) if isinstance(snapshot, str) else snapshot
         ref = snap.labels.get(TASK_LABEL)
         same = ref is None or (self.task is not None and self._task_id(self.task) == ref)
-        task = self.task if same else self._resolve_task(ref)
+        task = self.task if same else self._snapshot_task(dict(snap.labels))
         if task is None:
             raise TaskError(f"snapshot {snap.id} names no task; reset() with a task first")
         self._end()

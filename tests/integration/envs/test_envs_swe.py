@@ -85,6 +85,8 @@ def test_gold_fix_through_tools_resolves_and_no_fix_does_not(task):
         assert (reward, terminated, truncated, info["resolved"]) == (1.0, True, False, True)
         assert set(info["FAIL_TO_PASS"].values()) == {"PASSED"} and set(info["PASS_TO_PASS"].values()) <= {"PASSED"}
         assert info["patch"].startswith("diff --git") and "Graded: resolved" in obs
+        assert info["grading"]["dropped"] == [] and info["grading"]["tampering"] is False
+        assert info["grading"]["canary"] == "FAILED"  # the grader's own test that must fail did
         assert env.step(k3("bash", command="true"))[2] is True  # the episode is over
         env.reset()
         obs, reward, terminated, _, info = env.step({"name": "submit", "arguments": {}})
@@ -151,6 +153,40 @@ def test_snapshot_fork_and_restore_branch_an_episode(task):
         for k in kids:
             k.close()
         env.close()
+
+
+def test_a_snapshot_of_a_task_from_a_file_restores_and_grades_in_a_fresh_env(task, tmp_path):
+    """Issue 9 §2: the env's own task source, not only the shipped tasks; the restored env, which never saw the
+    task's pristine state, takes it at its first grade."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({**task.to_json(), "instance_id": "mine__toolz-1"}) + "\n")
+    with SWEEnv() as env:
+        env.reset(options={"task": f"{path}::mine__toolz-1"})
+        env.step(k3("create", path="notes.txt", file_text="branch point\n"))
+        snap = env.snapshot()
+    try:
+        with SWEEnv() as fresh:
+            fresh.reset(options={"snapshot": snap.id})
+            assert fresh.task is not None and fresh.task.instance_id == "mine__toolz-1" and fresh.steps == 1
+            assert fresh.step(k3("bash", command="cat notes.txt"))[0] == "branch point\n"
+            apply_gold(fresh)
+            assert fresh.step(k3("submit"))[1] == 1.0
+    finally:
+        snap.delete()
+
+
+def test_tool_env_scores_the_answer_on_the_host_whatever_the_sandbox_does():
+    chaos = ("import os, signal\nopen('/docs/answer.txt', 'w').write('7311')\nprint('correct! Answer recorded: 7311')\n"
+             "for pid in os.listdir('/proc'):\n    if pid.isdigit() and int(pid) != os.getpid():\n"
+             "        try:\n            os.kill(int(pid), signal.SIGKILL)\n        except OSError:\n            pass\n")
+    with ToolEnv(timeout=5.0) as env:
+        env.reset(options={"task": "doc-001"})
+        obs, *_ = env.step(k3("python", code=chaos))
+        _, reward, terminated, _, info = env.step(k3("answer", answer="7312"))
+        assert (reward, terminated, info["correct"]) == (0.0, True, False)
+        env.reset(options={"task": "doc-001"})
+        env.step(k3("python", code=chaos))
+        assert env.step(k3("answer", answer="7311"))[1] == 1.0
 
 
 def test_tool_env_rewards_right_answers_and_survives_bad_calls():
