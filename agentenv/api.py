@@ -19,6 +19,7 @@ State = Literal["creating", "running", "paused", "closed", "lost"]
 OutputCallback = Callable[[str, bytes], None]  # (stream: 'stdout' | 'stderr', data)
 DEFAULT_IMAGE = "agentenv/base"
 DEFAULT_EXEC_TIMEOUT = 600.0
+DEFAULT_DISK = "10g"
 MAX_FORK = 64
 
 _V = TypeVar("_V")
@@ -52,11 +53,13 @@ def _plain(v: Any) -> Any:
 
 @dataclass(frozen=True)
 class Limits(_Value):
-    """Resource limits of one sandbox, enforced by its cgroup."""
+    """Resource limits of one sandbox: CPU, memory and pids enforced by its cgroup, ``disk`` (bytes its files
+    may take; None: no limit) by a quota on its writable layer."""
 
     cpus: float = 1.0
     memory: int = 1 << 30  # bytes
     pids: int = 512
+    disk: int | None = None  # bytes; None in records made before disk limits existed, or asked for
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,9 @@ class SandboxFactory(Protocol):
     """``agentenv.Sandbox``, ``client.Sandbox``, ``pool.Sandbox``: make, find and list sandboxes."""
 
     def create(self, image: str = ..., *, cpus: float = ..., memory: str | int = ..., pids: int = ...,
-               network: bool = ..., env: dict[str, str] | None = ..., workdir: str | None = ...,
-               ttl: float | None = ..., labels: dict[str, str] | None = ...) -> SandboxLike: ...
+               disk: str | int | None = ..., network: bool = ..., env: dict[str, str] | None = ...,
+               workdir: str | None = ..., ttl: float | None = ...,
+               labels: dict[str, str] | None = ...) -> SandboxLike: ...
 
     def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = ...) -> SandboxLike: ...
 

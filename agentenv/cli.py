@@ -55,13 +55,35 @@ def remove_sandbox(ids: list[str]) -> None:
 def collect(
     max_age: float | None = typer.Option(None, help="also delete snapshots older than this many seconds"),
 ) -> None:
-    """Pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
-    from agentenv import Sandbox, store
+    """Mend what a killed process left (frozen sandboxes, half-made ones, interrupted pauses, fork snapshots),
+    pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
+    from agentenv import Sandbox, sandbox, store
 
+    for where, ids in sandbox.recover_all().items():
+        if where in ("discarded", "lost") and ids:
+            console.print(f"{where}: {', '.join(ids)}")
     for sid in Sandbox.reap_expired():
         console.print(f"paused expired sandbox {sid}")
     for name in store.gc(max_age):
         console.print(f"removed {name}")
+
+
+@app.command("volume")
+def show_volume() -> None:
+    """Mount (and on first use make) this home's sandbox volume, where disk limits hold; show it."""
+    import os
+
+    from agentenv import store, volume
+
+    v = volume.ensure()
+    if not v.quotas:
+        console.print(f"[red]no disk limits at {v.path}:[/] {v.reason}")
+        raise typer.Exit(1)
+    st = os.statvfs(v.path)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    cap = store.limit()
+    console.print(f"{v.path}: btrfs with quotas, {size / 2**30:.1f} GiB ({free / 2**30:.1f} free); sandboxes' disk "
+                  f"limits hold; snapshot store limit: {'none' if cap is None else f'{cap / 2**30:.1f} GiB'}")
 
 
 @app.command()
@@ -71,6 +93,9 @@ def serve(
     token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $AGENTENV_TOKEN)")] = None,
     max_sandboxes: int = typer.Option(64, help="quota: live sandboxes on this server"),
     max_memory: str = typer.Option("64g", help="quota: memory of the live sandboxes together"),
+    max_disk: str = typer.Option("640g", help="quota: disk limits of the live sandboxes together"),
+    max_store: str | None = typer.Option(None, help="limit of the snapshot store (e.g. 200g); default: left as set"),
+    unlimited_disk: bool = typer.Option(False, help="let clients make sandboxes without a disk limit (disk: null)"),
     reap_interval: float = typer.Option(5.0, help="seconds between TTL checks (expired sandboxes are paused)"),
 ) -> None:
     """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token."""
@@ -85,7 +110,8 @@ def serve(
     except (ValueError, OSError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
-    server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, reap_interval=reap_interval)
+    server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
+                 max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval)
 
 
 @snapshots_app.command("ls")

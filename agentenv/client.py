@@ -25,6 +25,7 @@ import httpx
 
 from agentenv import errors, wire
 from agentenv.api import (
+    DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
     ExecResult,
@@ -338,10 +339,11 @@ class SandboxAPI:
         self._client = client
 
     def create(self, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
-               network: bool = False, env: dict[str, str] | None = None, workdir: str | None = None,
-               ttl: float | None = None, labels: dict[str, str] | None = None) -> RemoteSandbox:
-        body = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "network": network, "env": env or {},
-                "workdir": workdir, "ttl": ttl, "labels": labels or {}}
+               disk: str | int | None = DEFAULT_DISK, network: bool = False, env: dict[str, str] | None = None,
+               workdir: str | None = None, ttl: float | None = None,
+               labels: dict[str, str] | None = None) -> RemoteSandbox:
+        body = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "disk": disk, "network": network,
+                "env": env or {}, "workdir": workdir, "ttl": ttl, "labels": labels or {}}
         return self._client._sandbox(self._client.request("POST", "/v1/sandboxes", body))
 
     def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:

@@ -44,7 +44,16 @@ class CheckpointError(AgentEnvError):
 
 
 class StoreFullError(AgentEnvError, OSError):
-    """The snapshot store ran out of space; nothing partial was kept."""
+    """The snapshot store ran out of space (or reached its configured limit); nothing partial was kept."""
+
+
+class DiskLimitUnsupported(AgentEnvError):
+    """A disk limit (``disk=``) was asked for where this host cannot enforce one; the message says why."""
+
+
+class DiskLimitRequired(AgentEnvError, PermissionError):
+    """A server refused a sandbox without a disk limit (``disk=None``): it was not started with
+    ``--unlimited-disk``."""
 
 
 class ConnectionLost(AgentEnvError, ConnectionError):
@@ -75,11 +84,12 @@ class SandboxLost(SandboxStateError):
 # the client and the host end of the agent channel rebuild the same class with ``from_wire``.
 
 _STATUS: list[tuple[type[BaseException], int]] = [
-    (Unauthorized, 401),
+    (Unauthorized, 401), (DiskLimitRequired, 403),
     (SandboxNotFound, 404), (SnapshotNotFound, 404), (ImageNotFound, 404),
     (SandboxStateError, 409),
     (QuotaExceeded, 429),
     (StoreFullError, 507),
+    (DiskLimitUnsupported, 501),
     (ConnectionLost, 502),
     (AgentEnvError, 500),
     (FileNotFoundError, 404), (ProcessLookupError, 404), (PermissionError, 403),
@@ -91,7 +101,7 @@ _BUILTINS: dict[str, type[Exception]] = {c.__name__: c for c in (
     ValueError, TypeError)}
 _AS_VALUE_ERROR = frozenset({"ValidationError", "WireError", "BadRequest"})  # bad input, said by any hop
 _BY_STATUS: dict[int, type[Exception]] = {401: Unauthorized, 404: LookupError, 409: SandboxStateError,
-                                          429: QuotaExceeded, 507: StoreFullError}
+                                          429: QuotaExceeded, 501: DiskLimitUnsupported, 507: StoreFullError}
 
 
 def status_of(exc: BaseException) -> int | None:

@@ -11,6 +11,7 @@ capability set, no-new-privileges, a seccomp allowlist modelled on Docker's defa
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import os
@@ -218,14 +219,20 @@ def dev_size(memory: int) -> int:
 
 
 class Container:
-    """One runc container in a bundle folder: ``upper/`` and ``work/`` (overlay), ``rootfs/``, ``config.json``."""
+    """One runc container in a bundle folder (``rootfs/``, ``config.json``, logs) whose overlay's ``upper/`` and
+    ``work/`` folders are in ``layer`` (on the volume; the bundle itself in older sandboxes)."""
 
-    def __init__(self, cid: str, bundle: Path, runc_root: Path) -> None:
+    def __init__(self, cid: str, bundle: Path, runc_root: Path, layer: Path | None = None) -> None:
         self.cid, self.bundle, self.runc_root = cid, bundle, runc_root
+        self.layer = layer or bundle
 
     @property
     def upper(self) -> Path:
-        return self.bundle / "upper"
+        return self.layer / "upper"
+
+    @property
+    def work(self) -> Path:
+        return self.layer / "work"
 
     @property
     def rootfs(self) -> Path:
@@ -265,8 +272,8 @@ class Container:
 
     def prepare(self, spec: ContainerSpec, fs_from: Path | None = None) -> None:
         """Create the bundle: an empty (or copied) upper dir, the overlay mount and config.json."""
-        for d in ("upper", "work", "rootfs"):
-            (self.bundle / d).mkdir(parents=True, exist_ok=True)
+        for d in (self.upper, self.work, self.rootfs):
+            d.mkdir(parents=True, exist_ok=True)
         if fs_from is not None:
             copy_tree(fs_from, self.upper)
         self.mount(spec)
@@ -277,11 +284,17 @@ class Container:
         (self.bundle / "config.json").write_text(json.dumps(config))
 
     def mount(self, spec: ContainerSpec) -> None:
+        """The sandbox's root: an overlay of the image's layers under its own upper folder. ``volatile``: a sync
+        in the sandbox (or the unmount) does not flush the volume, which every sandbox shares (a sandbox's
+        files live as long as it does, and snapshots are copies)."""
         if os.path.ismount(self.rootfs):
             return
-        opts = f"lowerdir={':'.join(spec.layers)},upperdir={self.upper},workdir={self.bundle / 'work'}"
-        r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(self.rootfs)],
+        opts = f"lowerdir={':'.join(spec.layers)},upperdir={self.upper},workdir={self.work}"
+        r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts + ",volatile", str(self.rootfs)],
                            capture_output=True, text=True, check=False)
+        if r.returncode != 0:  # a kernel older than 5.10
+            r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(self.rootfs)],
+                               capture_output=True, text=True, check=False)
         if r.returncode != 0:
             raise SandboxError(f"overlay mount failed: {r.stderr.strip()}",
                                fix="check that the image's layers still exist (docker image inspect)")
@@ -547,5 +560,7 @@ def copy_tree(src: Path, dst: Path) -> None:
     if r.returncode != 0:
         msg = r.stderr.strip()
         if "No space left" in msg:
-            raise OSError(28, f"no space left copying to {dst}: {msg}")
+            raise OSError(errno.ENOSPC, f"no space left copying to {dst}: {msg}")
+        if "quota exceeded" in msg.lower():
+            raise OSError(errno.EDQUOT, f"disk quota exceeded copying to {dst}: {msg}")
         raise SandboxError(f"copying {src} failed: {msg}")

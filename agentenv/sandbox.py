@@ -9,6 +9,11 @@ The record names the agent by pid *and* start time; each Sandbox object pins it 
 checks, before every connection, that the process it reaches is still that agent. A pid number that
 the kernel has since given to another sandbox's agent therefore never leads there: the handle follows
 the record (another handle may have paused and resumed the sandbox) or fails with SandboxLost.
+
+What a sandbox writes goes to its layer on the volume (``agentenv.volume``): a subvolume limited to its
+``disk=`` bytes. Operations that a ``kill -9`` could cut in half say so in the record first (the
+``owner`` of a sandbox being made, the snapshot a ``pausing`` sandbox is writing), so that ``recover``
+can finish or undo them: thaw a sandbox left frozen, remove half-made ones, finish or roll back a pause.
 """
 
 from __future__ import annotations
@@ -24,12 +29,16 @@ import posixpath
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from agentenv import agent, images, store
+from agentenv import agent, images, store, volume
 from agentenv.api import (
+    DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
     MAX_FORK,
@@ -42,7 +51,7 @@ from agentenv.api import (
     State,
 )
 from agentenv.channel import Channel, Gate, Root
-from agentenv.config import parse_size, paths
+from agentenv.config import crash_point, parse_disk, parse_size, paths
 from agentenv.errors import (
     AgentEnvError,
     CheckpointError,
@@ -66,6 +75,9 @@ from agentenv.store import Snapshot
 log = logging.getLogger("agentenv")
 START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
 QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
+RECOVER_PING_TIMEOUT = 2.0  # seconds a recovered sandbox's agent has to answer
+ORPHAN_WAIT = 310.0  # seconds recovery waits for a dead process's runc, CRIU or cp to end (runc's own limit: 300)
+LOCK_WAIT = 60.0  # seconds recovery waits for a live process to let go of a sandbox
 _gates: dict[str, Gate] = {}
 _gates_lock = threading.Lock()
 
@@ -117,7 +129,10 @@ class Sandbox:
     def __init__(self, record: dict[str, Any]) -> None:
         self._rec = record
         self.id: str = record["id"]
-        self._container = Container(f"ae-{self.id}", paths().sandboxes / self.id, paths().runc_root)
+        p = paths()
+        layer = record.get("layer")  # absent in records made before the volume: their layer is the bundle
+        self._container = Container(f"ae-{self.id}", p.sandboxes / self.id, p.runc_root,
+                                    p.layers / self.id if layer else None)
         self._channel = Channel(self._root, _gate(self.id))
         self._agent: AgentProcess | None = None  # the pinned agent, once a call has needed it
         self._starting = False  # in _start: the record on disk does not name the new agent yet
@@ -126,47 +141,56 @@ class Sandbox:
 
     @classmethod
     def create(cls, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
-               network: bool = False, env: dict[str, str] | None = None, workdir: str | None = None,
-               ttl: float | None = None, labels: dict[str, str] | None = None) -> Sandbox:
-        """Start a sandbox from a Docker image: no network, CPU/memory/pids limits, few capabilities."""
+               disk: str | int | None = DEFAULT_DISK, network: bool = False, env: dict[str, str] | None = None,
+               workdir: str | None = None, ttl: float | None = None,
+               labels: dict[str, str] | None = None) -> Sandbox:
+        """Start a sandbox from a Docker image: no network, CPU/memory/pids limits, a disk limit (``disk``
+        bytes, e.g. '10g'; None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce
+        ``disk`` (the error says why)."""
         if not isinstance(cpus, int | float) or cpus <= 0:
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
         if not isinstance(pids, int) or pids < 8:
             raise ValueError(f"pids must be an integer >= 8, got {pids!r}")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
-        limits = Limits(cpus=float(cpus), memory=parse_size(memory), pids=pids)
+        disk_bytes = parse_disk(disk)
+        limits = Limits(cpus=float(cpus), memory=parse_size(memory), pids=pids, disk=disk_bytes)
+        volume.ensure().require(disk_bytes)
         info = images.resolve(image)
         merged = dict(e.split("=", 1) for e in info.env if "=" in e)
         merged.update(env or {})
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
                              workdir=workdir or info.workdir, limits=limits, network=network)
         sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
-        sb._boot(None)
+        sb._boot(None, "create")
         return sb
 
     @classmethod
     def _new(cls, spec: ContainerSpec, image: str, ttl: float | None, labels: dict[str, str] | None,
              parent: str | None) -> Sandbox:
+        """The record of a sandbox being made: state 'creating', owned by this process until it runs (if
+        the process dies first, ``recover`` removes what there is of it)."""
         now = time.time()
-        rec = {"id": store.new_id("sb"), "image": image, "spec": spec.to_json(), "state": "creating",
+        sid = store.new_id("sb")
+        rec = {"id": sid, "image": image, "spec": spec.to_json(), "state": "creating",
                "created_at": now, "expires_at": now + ttl if ttl else None, "labels": dict(labels or {}),
-               "init_pid": None, "paused_snapshot": None, "parent_snapshot": parent}
+               "init_pid": None, "paused_snapshot": None, "parent_snapshot": parent,
+               "layer": sid, "owner": store.owner(), "pausing": None}
         sb = cls(rec)
         sb._container.bundle.mkdir(parents=True)
         sb._save()
         return sb
 
-    def _boot(self, snap: Snapshot | None) -> None:
+    def _boot(self, snap: Snapshot | None, op: str) -> None:
         """Start a new sandbox, fresh or from a snapshot; on failure nothing of it is left."""
         try:
-            self._start(snap)
+            self._start(snap, op)
         except BaseException:
             self._destroy()
             raise
 
-    def _start(self, snap: Snapshot | None) -> None:
-        """Prepare the bundle, start the agent (or restore every process) and wait until it answers.
+    def _start(self, snap: Snapshot | None, op: str) -> None:
+        """Make the layer and the bundle, start the agent (or restore every process) and wait until it answers.
 
         On failure the container is torn down but the record stays: the caller decides its fate.
         """
@@ -175,13 +199,19 @@ class Sandbox:
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
                 self._rec["spec"] = spec.to_json()
+            if self._has_own_layer() and not os.path.lexists(self._container.layer):
+                volume.make_layer(self._container.layer, spec.limits.disk)
             self._container.prepare(spec, fs_from=snap.fs_dir if snap else None)
+            # the files just cloned count against the disk limit once a commit accounted them: start one now,
+            # and have it done before this returns (it usually is, by the time the processes are up)
+            txn = volume.account_soon(self._container.layer) if snap and spec.limits.disk is not None else None
             if snap is not None and snap.has_memory:
                 pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
             else:
                 pid = self._container.start()
+            crash_point(f"{op}:started")
             self._agent = None
-            self._rec.update(init_pid=pid, init_start=proc_start_time(pid), state="running")
+            self._rec.update(init_pid=pid, init_start=proc_start_time(pid), state="running", owner=None)
             protect_agent(pid)
             deadline = time.monotonic() + START_TIMEOUT
             self._starting = True
@@ -191,6 +221,7 @@ class Sandbox:
                     agent.recv_frame(s, 0, deadline)
             finally:
                 self._starting = False
+            volume.wait_accounted(self._container.layer, txn)
             self._save()
         except BaseException:
             self._container.destroy()
@@ -201,9 +232,14 @@ class Sandbox:
         """A new sandbox from a snapshot, in any process, after dockerd restarts or the source is gone."""
         snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.get(
             snapshot if isinstance(snapshot, str) else snapshot.id)
+        return cls._restore(snap, labels, "restore")
+
+    @classmethod
+    def _restore(cls, snap: Snapshot, labels: dict[str, str] | None, op: str) -> Sandbox:
         spec = ContainerSpec.from_json(snap.spec)
+        volume.ensure().require(spec.limits.disk)
         sb = cls._new(spec, image=snap.labels.get("image", spec.image_id), ttl=None, labels=labels, parent=snap.id)
-        sb._boot(snap)
+        sb._boot(snap, op)
         return sb
 
     # --- lookup -------------------------------------------------------------------------------
@@ -241,6 +277,11 @@ class Sandbox:
                 return "lost"
         return st
 
+    def made_here(self) -> bool:
+        """True if this process is making the sandbox (its record is in state 'creating' on its behalf)."""
+        who = self._rec.get("owner")
+        return isinstance(who, list) and bool(who) and who[0] == os.getpid()
+
     @property
     def recorded_state(self) -> State:
         """The state in the sandbox's record, without asking runc whether its processes still live."""
@@ -250,9 +291,10 @@ class Sandbox:
         """True while the sandbox is on this host (running or paused); False once closed."""
         return self._container.bundle.exists()
 
-    def ping(self) -> None:
-        """Ask the agent to answer; ConnectionLost (or another AgentEnvError) when it does not."""
-        self._channel.call({"op": "ping"})
+    def ping(self, timeout: float | None = None) -> None:
+        """Ask the agent to answer (within ``timeout`` s, else the call's usual deadline); ConnectionLost (or
+        another AgentEnvError) when it does not."""
+        self._channel.call({"op": "ping"}, timeout=timeout)
 
     def info(self, state: State | None = None) -> SandboxInfo:
         """What this sandbox is now (``state`` when the caller knows it, saving a runc call)."""
@@ -337,18 +379,22 @@ class Sandbox:
         """Save the filesystem (and with ``memory=True`` every process) into the snapshot store."""
         with self._locked():
             self.require_running()
-            return self._snapshot(memory, leave_running=True, labels=labels)
+            return self._snapshot(memory, leave_running=True, labels=labels, op="snapshot")
 
-    def _snapshot(self, memory: bool, leave_running: bool, labels: dict[str, str] | None) -> Snapshot:
-        snap_id = store.new_id("snap")
+    def _snapshot(self, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
+                  snap_id: str | None = None, owner: builtins.list[int] | None = None) -> Snapshot:
+        snap_id = snap_id or store.new_id("snap")
         with store.writing(snap_id) as folder:
             for attempt in range(3):
                 with self._frozen(quiesce=memory):
-                    shutil.rmtree(folder / "fs", ignore_errors=True)
-                    copy_tree(self._container.upper, folder / "fs")
+                    files = store.files_of(folder)
+                    shutil.rmtree(files, ignore_errors=True)
+                    copy_tree(self._container.upper, files)
+                    crash_point(f"{op}:frozen")
                     if not memory:
                         break
                     try:
+                        crash_point(f"{op}:dumping")
                         self._container.checkpoint(folder / "criu", folder / "criu", leave_running=leave_running,
                                                    criu=os.environ.get("AGENTENV_CRIU"))
                         break
@@ -357,12 +403,17 @@ class Sandbox:
                         if "unix" not in str(e).lower() or attempt == 2:
                             raise
                 shutil.rmtree(folder / "criu", ignore_errors=True)
-            snap = Snapshot(id=snap_id, parent_id=self._rec.get("parent_snapshot"), created_at=time.time(),
-                            size_bytes=store.disk_usage(folder), has_memory=memory, sandbox_id=self.id,
-                            spec=self._rec["spec"], labels={"image": self.image, **(labels or {})},
-                            criu_stats=dump_stats(folder / "criu") if memory else {})
+            crash_point(f"{op}:dumped")
+            snap = self._snapshot_meta(snap_id, folder, memory, labels, owner)
             store.write_meta(folder, snap)
         return snap
+
+    def _snapshot_meta(self, snap_id: str, folder: Path, memory: bool, labels: dict[str, str] | None,
+                       owner: builtins.list[int] | None = None) -> Snapshot:
+        return Snapshot(id=snap_id, parent_id=self._rec.get("parent_snapshot"), created_at=time.time(),
+                        size_bytes=store.size_of(folder), has_memory=memory, sandbox_id=self.id,
+                        spec=self._rec["spec"], labels={"image": self.image, **(labels or {})},
+                        criu_stats=dump_stats(folder / "criu") if memory else {}, owner=owner)
 
     @contextlib.contextmanager
     def _frozen(self, quiesce: bool) -> Iterator[None]:
@@ -410,10 +461,11 @@ class Sandbox:
             raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
         with self._locked():
             self.require_running()
-            snap = self._snapshot(memory, leave_running=True, labels={"agentenv.kind": "fork"})
+            snap = self._snapshot(memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND}, op="fork",
+                                  owner=store.owner())  # a fork's snapshot: gc() removes it if this process dies
         try:
             with ThreadPoolExecutor(max_workers=n) as pool:
-                futures = [pool.submit(Sandbox.restore, snap, labels=self.labels) for _ in range(n)]
+                futures = [pool.submit(Sandbox._restore, snap, self.labels, "fork") for _ in range(n)]
             kids, errors = [], []
             for f in futures:
                 try:
@@ -424,21 +476,42 @@ class Sandbox:
                 for k in kids:
                     k.close()
                 raise errors[0]
+            crash_point("fork:children")
             return kids
         finally:
             snap.delete(background=True)
 
     def pause(self) -> Snapshot:
-        """Free the sandbox's CPU and memory; its whole state goes to the snapshot store."""
+        """Free the sandbox's CPU and memory; its whole state goes to the snapshot store.
+
+        The record names the snapshot being written (``pausing``) until the pause is done, so that if this
+        process dies midway, ``recover`` finishes the pause (CRIU had dumped the processes) or rolls it
+        back (they still run): the sandbox ends up paused or running, never lost.
+        """
         with self._locked():
             self.require_running()
-            snap = self._snapshot(True, leave_running=False, labels={"agentenv.kind": "pause"})
-            self._container.destroy()
-            shutil.rmtree(self._container.upper, ignore_errors=True)
-            self._rec.update(state="paused", paused_snapshot=snap.id, init_pid=None, init_start=None)
-            self._agent = None
+            snap_id = store.new_id("snap")
+            self._rec.update(pausing=snap_id, owner=store.owner())
             self._save()
+            try:
+                snap = self._snapshot(True, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause",
+                                      snap_id=snap_id)
+            except BaseException:
+                self._rec.update(pausing=None, owner=None)
+                self._save()
+                raise
+            crash_point("pause:published")
+            self._paused(snap_id)
             return snap
+
+    def _paused(self, snap_id: str) -> None:
+        """The end of a pause whose snapshot is in the store: the container and its layer go."""
+        self._container.destroy()
+        self._drop_layer()
+        self._rec.update(state="paused", paused_snapshot=snap_id, pausing=None, owner=None, init_pid=None,
+                         init_start=None)
+        self._agent = None
+        self._save()
 
     def resume(self) -> None:
         """Bring a paused sandbox back where it was."""
@@ -446,10 +519,9 @@ class Sandbox:
             if self._rec["state"] != "paused":
                 raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}, not paused")
             snap = Snapshot.get(self._rec["paused_snapshot"])
-            for d in ("upper", "work"):
-                shutil.rmtree(self._container.bundle / d, ignore_errors=True)
+            self._drop_layer()
             try:
-                self._start(snap)
+                self._start(snap, "resume")
             except BaseException:
                 self._rec.update(state="paused", init_pid=None, init_start=None)
                 self._agent = None
@@ -477,7 +549,19 @@ class Sandbox:
         self._container.destroy()
         self._agent = None
         self._rec["state"] = "closed"
+        self._drop_layer()  # before the record goes: a close cut short is closed again
         shutil.rmtree(self._container.bundle, ignore_errors=True)
+
+    def _has_own_layer(self) -> bool:
+        """True if the sandbox's layer is its own folder on the volume (not its bundle, as in older sandboxes)."""
+        return self._container.layer != self._container.bundle
+
+    def _drop_layer(self) -> None:
+        if self._has_own_layer():
+            volume.drop_layer(self._container.layer)
+        else:
+            for d in (self._container.upper, self._container.work):
+                shutil.rmtree(d, ignore_errors=True)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -502,6 +586,135 @@ class Sandbox:
             except AgentEnvError as e:
                 log.warning("could not pause sandbox %s past its TTL: %s", sb.id, e)
         return paused
+
+    # --- recovery -----------------------------------------------------------------------------
+
+    def recover(self, procs: builtins.list[HostProcess] | None = None,
+                ping_timeout: float = RECOVER_PING_TIMEOUT) -> str:
+        """Bring a sandbox that a dead process left mid-operation back to a whole state, and say where it is.
+
+        Returns 'running' (it answers), 'paused', 'lost' (its processes are gone), 'discarded' (it was
+        half-made: removed) or 'busy' (a live process is working on it: left alone). A sandbox left frozen
+        is thawed, a pause cut short is finished (CRIU had dumped its processes: the snapshot is published)
+        or rolled back (they still run). Before touching it, recovery waits for what a dead process started
+        on it (runc, CRIU, cp) to end. Idempotent, and safe while other processes use the sandbox.
+        ``procs``: the host's processes (``host_processes()``), when the caller already listed them.
+        """
+        self._reload()
+        if self._rec["state"] == "closed":
+            return "closed"
+        if store.owner_alive(self._rec.get("owner")):
+            return "busy"
+        self._wait_for_orphans(host_processes() if procs is None else procs)
+        try:
+            with self._locked(allow_closed=True, wait=LOCK_WAIT):
+                if self._rec["state"] == "closed":
+                    return "closed"
+                if store.owner_alive(self._rec.get("owner")):
+                    return "busy"
+                where = self._recover_locked()
+        except TimeoutError:
+            return "busy"
+        except SandboxNotFound:
+            return "closed"
+        if where != "running":
+            return where
+        try:
+            if self.state != "running":
+                return "lost"
+            self.ping(timeout=ping_timeout)
+        except AgentEnvError:
+            return "lost"
+        return "running"
+
+    def _recover_locked(self) -> str:
+        state = self._rec["state"]
+        if state == "creating":  # its maker died: a half-made sandbox (a fork's child, say)
+            log.warning("removing sandbox %s: the process making it died", self.id)
+            self._destroy()
+            return "discarded"
+        if self._rec.get("pausing"):
+            return self._recover_pause(self._rec["pausing"])
+        if state == "paused":
+            if self._container.state() is not None:  # a resume cut short left a container: the snapshot stays
+                self._container.destroy()
+            if self._has_own_layer() and os.path.lexists(self._container.layer):
+                self._drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
+            paused = self._rec.get("paused_snapshot")
+            return "paused" if paused and (paths().snapshots / paused / "meta.json").exists() else "lost"
+        return "running"  # _locked thawed it if a dead snapshotter left it frozen
+
+    def _recover_pause(self, snap_id: str) -> str:
+        """Finish a pause cut short, or roll it back; 'paused' or 'running' ('lost' only if its processes died
+        without CRIU having dumped them)."""
+        tmps = sorted(paths().snapshots.glob(f".tmp-{snap_id}-*"))
+        published = (paths().snapshots / snap_id / "meta.json").exists()
+        if not published and self._container_alive():  # CRIU did not finish: the processes still run
+            for t in tmps:
+                store.discard(t)
+            shutil.rmtree(paths().snapshot_files / snap_id, ignore_errors=True)
+            self._rec.update(pausing=None, owner=None)
+            self._save()
+            log.warning("rolled back the interrupted pause of sandbox %s: it runs on", self.id)
+            return "running"
+        if not published:
+            files = paths().snapshot_files / snap_id  # where they are if the kill came between two renames
+            dumped = [t for t in tmps if (t / "criu" / "stats-dump").exists()
+                      and (store.files_of(t).is_dir() or files.is_dir())]
+            if not dumped:
+                for t in tmps:
+                    store.discard(t)
+                shutil.rmtree(files, ignore_errors=True)
+                self._rec.update(pausing=None, owner=None)
+                self._save()
+                return "lost"
+            # CRIU dumped every process (and ended them): publish what it wrote, as the pause would have
+            snap = self._snapshot_meta(snap_id, dumped[0], True, {"agentenv.kind": "pause"})
+            store.write_meta(dumped[0], snap)
+            store.publish(dumped[0], snap_id)
+            for t in tmps[1:]:
+                store.discard(t)
+        self._paused(snap_id)
+        log.warning("finished the interrupted pause of sandbox %s (snapshot %s)", self.id, snap_id)
+        return "paused"
+
+    def _container_alive(self) -> bool:
+        st = self._container.state()
+        return st is not None and st.get("status") in ("running", "paused", "created")
+
+    def thaw_abandoned(self, procs: builtins.list[HostProcess] | None = None) -> bool:
+        """Thaw the sandbox if a dead process left it frozen (its snapshot was cut short); True if it did.
+
+        Cheap (no agent call); it leaves alone a sandbox that a live process holds, or that a runc, CRIU or
+        cp of a dead one is still working on (``recover`` waits for those).
+        """
+        try:
+            if self._rec["state"] != "running" or not self._container.frozen():
+                return False
+            if self._orphans(host_processes() if procs is None else procs):
+                return False
+            with self._locked(wait=0):
+                pass  # taking the lock thaws a sandbox that no live holder froze
+        except (OSError, TimeoutError, AgentEnvError):
+            return False
+        log.warning("thawed sandbox %s: a process died while it was frozen for a snapshot", self.id)
+        return True
+
+    def _orphans(self, procs: builtins.list[HostProcess]) -> builtins.list[int]:
+        """The host processes still working on this sandbox for someone else (runc, CRIU, cp)."""
+        needles = (self._container.cid.encode(), str(self._container.layer).encode() + b"/")
+        return [p.pid for p in procs if any(n in p.cmdline for n in needles)]
+
+    def _wait_for_orphans(self, procs: builtins.list[HostProcess]) -> None:
+        pids = self._orphans(procs)
+        deadline = time.monotonic() + ORPHAN_WAIT
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _running(p)]
+            if pids:
+                time.sleep(0.05)
+        if pids:
+            log.warning("sandbox %s: processes %s still work on it after %g s; recovering anyway", self.id, pids,
+                        ORPHAN_WAIT)
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -560,14 +773,15 @@ class Sandbox:
         os.replace(tmp, path)
 
     @contextlib.contextmanager
-    def _locked(self, allow_closed: bool = False) -> Iterator[None]:
-        """An exclusive lock across processes for state changes; raises if the sandbox is gone."""
+    def _locked(self, allow_closed: bool = False, wait: float | None = None) -> Iterator[None]:
+        """An exclusive lock across processes for state changes; raises if the sandbox is gone, and
+        TimeoutError if another holder keeps it past ``wait`` seconds (None: wait as long as it takes)."""
         try:
             fd = os.open(self._container.bundle / "lock", os.O_CREAT | os.O_RDWR, 0o600)
         except FileNotFoundError:
             raise SandboxNotFound(f"no sandbox {self.id!r} (closed?)") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _flock(fd, wait)
             self._reload()
             if self._rec["state"] == "closed" and not allow_closed:
                 raise SandboxStateError(f"sandbox {self.id} is closed")
@@ -576,6 +790,128 @@ class Sandbox:
             yield
         finally:
             os.close(fd)
+
+
+def _flock(fd: int, wait: float | None) -> None:
+    if wait is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError("the sandbox is held by another process") from None
+            time.sleep(0.02)
+
+
+@dataclass(frozen=True)
+class HostProcess:
+    pid: int
+    cmdline: bytes
+
+
+def host_processes() -> builtins.list[HostProcess]:
+    """The host's processes that may be working on sandboxes for a process that died: every process but this
+    one's children and those inside sandboxes (whose command lines a sandbox controls)."""
+    me = os.getpid()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == me:
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+            if int(stat[stat.rindex(b")") + 2:].split()[1]) == me:
+                continue
+            with open(f"/proc/{name}/cgroup", "rb") as f:
+                if b"/agentenv/" in f.read():
+                    continue
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, ValueError):
+            continue
+        if cmdline:
+            found.append(HostProcess(int(name), cmdline))
+    return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        data = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return False
+    return data[data.rindex(b")") + 2:].split()[0] != b"Z"
+
+
+def recover_all(wait: float | None = None, result: dict[str, builtins.list[str]] | None = None,
+                lock: threading.Lock | None = None,
+                on_result: Callable[[Sandbox, str], None] | None = None) -> dict[str, builtins.list[str]]:
+    """``recover`` every sandbox on this host (in parallel, so that one stuck sandbox holds up none of the
+    others), then collect the store's leftovers (``store.gc``). Returns where each sandbox ended, by
+    bucket ('running', 'paused', 'lost', 'discarded', 'busy'), in ``result`` if given (updated under
+    ``lock``). Waits ``wait`` seconds at most (None: until done): the sandboxes not done by then are under
+    'recovering', and move to their bucket as they finish in the background (``on_result`` is called
+    with each sandbox and its bucket as it finishes)."""
+    result = {} if result is None else result
+    lock = lock or threading.Lock()
+    procs = host_processes()
+    sandboxes = Sandbox.list()
+    for sb in sandboxes:  # first the cheap part, so that no call waits on a frozen sandbox
+        sb.thaw_abandoned(procs)
+    with lock:
+        for bucket in ("running", "paused", "lost"):
+            result.setdefault(bucket, [])
+        result.setdefault("recovering", []).extend(sb.id for sb in sandboxes)
+
+    left = [len(sandboxes)]
+
+    def one(sb: Sandbox) -> None:
+        try:
+            where = sb.recover(procs)
+        except Exception as e:  # noqa: BLE001 - one sandbox's failure is reported, not raised
+            log.warning("could not recover sandbox %s: %s", sb.id, e)
+            where = "lost"
+        with lock:
+            result["recovering"].remove(sb.id)
+            result.setdefault(where, []).append(sb.id)
+            left[0] -= 1
+            last = left[0] == 0
+        if on_result is not None:
+            on_result(sb, where)
+        if last:  # what the recovered sandboxes' dead processes were still writing is free to go now
+            _collect()
+
+    _collect()
+    if sandboxes:
+        pool = ThreadPoolExecutor(max_workers=min(16, len(sandboxes)), thread_name_prefix="agentenv-recover")
+        futures_wait([pool.submit(one, sb) for sb in sandboxes], timeout=wait)
+        pool.shutdown(wait=False)
+    return result
+
+
+LEFTOVER_AGE = 60.0  # seconds after which a sandbox folder without a record is a leftover, not one being made
+
+
+def _collect() -> None:
+    """Remove what dead processes left outside any record: layers without a sandbox, sandbox folders without
+    a record (a kill between the two first steps of making one), and the store's leftovers (``store.gc``)."""
+    p = paths()
+    with contextlib.suppress(FileNotFoundError):
+        for layer in p.layers.iterdir():
+            if not (p.sandboxes / layer.name).exists():
+                log.warning("removing the layer %s: its sandbox is gone", layer.name)
+                volume.drop_layer(layer)
+    now = time.time()
+    for bundle in p.sandboxes.iterdir():
+        with contextlib.suppress(OSError):
+            if not (bundle / "sandbox.json").exists() and now - bundle.stat().st_mtime > LEFTOVER_AGE:
+                log.warning("removing the sandbox folder %s: it has no record", bundle.name)
+                Sandbox({"id": bundle.name, "state": "closed", "layer": bundle.name})._destroy()
+    for name in store.gc():
+        log.warning("removed %s from the snapshot store (left by a process that died)", name)
 
 
 def max_output(memory: int) -> int:

@@ -1,14 +1,23 @@
 """The snapshot store: one folder per snapshot, written atomically, with parent links.
 
-Layout: ``<home>/snapshots/<id>/{meta.json, fs/, criu/}``. A snapshot is built in a hidden
-``.tmp-<id>-<pid>`` folder and renamed into place only when complete, so a crash or ``kill -9``
-mid-snapshot leaves nothing listed; ``gc()`` removes such leftovers once their writer is gone.
+Layout: ``<home>/snapshots/<id>/{meta.json, criu/}`` and the snapshot's files in ``<home>/volume/snapshots/<id>/``
+(on the volume, where they are reflinks of the sandbox's: see ``agentenv.volume``; older snapshots have
+them in ``fs/`` beside meta.json). A snapshot is built in hidden ``.tmp-<id>-<pid>`` folders (one in each
+place) and renamed into place only when complete, its files first and meta.json's folder last, so a crash
+or ``kill -9`` mid-snapshot leaves nothing listed; ``gc()`` removes such leftovers once their writer is gone
+(except the folders of a pause that recovery can still finish), files without a snapshot, and the
+snapshots of forks whose process died.
+
+The store may have a limit (``set_limit``): a snapshot that would take the store past it raises
+StoreFullError and leaves nothing behind. It counts the snapshots' sizes (``size_bytes``, what their files
+take, shared data included); on a volume with quotas the kernel also bounds what is written there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -21,8 +30,11 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.api import SnapshotInfo, info_of
-from agentenv.config import paths
-from agentenv.errors import SnapshotNotFound, StoreFullError
+from agentenv.config import parse_size, paths
+from agentenv.errors import CheckpointError, SnapshotNotFound, StoreFullError
+from agentenv.runtime import proc_start_time
+
+FORK_KIND = "fork"  # the ``agentenv.kind`` label of a fork's snapshot (deleted when the fork is done)
 
 
 @dataclass(frozen=True)
@@ -32,6 +44,7 @@ class Snapshot(SnapshotInfo):
 
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
     criu_stats: dict[str, int] = field(default_factory=dict, repr=False)  # e.g. frozen_time (µs)
+    owner: list[int] | None = field(default=None, repr=False)  # [pid, start] of the process a fork's snapshot serves
 
     def info(self) -> SnapshotInfo:
         """The fields every snapshot has, local or remote (what the server sends)."""
@@ -43,7 +56,9 @@ class Snapshot(SnapshotInfo):
 
     @property
     def fs_dir(self) -> Path:
-        return self.path / "fs"
+        """The snapshot's files: on the volume, or in ``fs/`` for a snapshot made before the volume."""
+        old = self.path / "fs"
+        return old if old.is_dir() else paths().snapshot_files / self.id
 
     @property
     def criu_dir(self) -> Path:
@@ -62,7 +77,11 @@ class Snapshot(SnapshotInfo):
     def list(cls) -> list[Snapshot]:
         """Every complete snapshot, oldest first."""
         found = []
-        for d in paths().snapshots.iterdir():
+        try:
+            entries = list(paths().snapshots.iterdir())
+        except FileNotFoundError:
+            return []
+        for d in entries:
             if d.name.startswith("."):
                 continue
             with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
@@ -75,43 +94,155 @@ class Snapshot(SnapshotInfo):
         It leaves the list at once (an atomic rename); with ``background`` the files are removed by a
         thread, off the caller's critical path (``gc`` finishes the job if the process dies first).
         """
-        root = paths().snapshots
-        trash = root / f".del-{self.id}-{os.getpid()}"
+        p = paths()
+        trash = [p.snapshots / f".del-{self.id}-{os.getpid()}", p.snapshot_files / f".del-{self.id}-{os.getpid()}"]
         try:
-            os.rename(self.path, trash)
+            os.rename(self.path, trash[0])
         except FileNotFoundError:
             raise SnapshotNotFound(f"no snapshot {self.id!r} in the store") from None
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(p.snapshot_files / self.id, trash[1])
         if background:
-            threading.Thread(target=shutil.rmtree, args=(trash, True), name="agentenv-discard").start()
+            threading.Thread(target=_remove, args=(trash,), name="agentenv-discard").start()
         else:
-            shutil.rmtree(trash, ignore_errors=True)
+            _remove(trash)
+
+
+def _remove(folders: list[Path]) -> None:
+    for f in folders:
+        shutil.rmtree(f, ignore_errors=True)
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
 
 
+def owner() -> list[int]:
+    """This process as an owner of work in progress: [pid, start time], a name no later process gets."""
+    pid = os.getpid()
+    return [pid, proc_start_time(pid)]
+
+
+def owner_alive(who: Any) -> bool:
+    """True while the process ``owner()`` named then still runs."""
+    if not isinstance(who, list | tuple) or len(who) != 2:
+        return False
+    try:
+        return proc_start_time(int(who[0])) == int(who[1])
+    except (ProcessLookupError, ValueError):
+        return False
+
+
+def tmp_folder(snapshot_id: str, pid: int | None = None) -> Path:
+    return paths().snapshots / f".tmp-{snapshot_id}-{os.getpid() if pid is None else pid}"
+
+
+def files_of(folder: Path) -> Path:
+    """Where the files of the snapshot being written in ``folder`` (a ``.tmp-`` folder of the store) go."""
+    return paths().snapshot_files / folder.name
+
+
+_FULL_FIX = "delete snapshots (agentenv snapshots rm / gc), or raise the store's limit (agentenv serve --max-store)"
+
+
 @contextlib.contextmanager
 def writing(snapshot_id: str) -> Iterator[Path]:
-    """Yield a private folder to build a snapshot in; publish it atomically on success.
+    """Yield a private folder to build a snapshot in (meta.json, criu/; its files go in ``files_of(folder)``);
+    publish it atomically on success.
 
-    On any error (ENOSPC included) the folder is removed and nothing is listed.
+    On any error (ENOSPC, EDQUOT and the store's limit included) the folders are removed and nothing is listed.
     """
-    root = paths().snapshots
-    tmp = root / f".tmp-{snapshot_id}-{os.getpid()}"
+    p = paths()
+    p.snapshots.mkdir(parents=True, exist_ok=True)
+    p.snapshot_files.mkdir(parents=True, exist_ok=True)
+    cap = limit()
+    if cap is not None and (used := usage()) >= cap:
+        raise StoreFullError(f"the snapshot store is full: {used} of its {cap} bytes are used; nothing was kept",
+                             fix=_FULL_FIX)
+    tmp = tmp_folder(snapshot_id)
     tmp.mkdir()
+    files_of(tmp).mkdir()
     try:
         yield tmp
-        os.rename(tmp, root / snapshot_id)
+        publish(tmp, snapshot_id, check=True)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise StoreFullError(f"the snapshot store at {root} is out of space; nothing was kept",
-                                 fix="delete snapshots (agentenv snapshots rm / gc) or free disk space") from e
+        discard(tmp)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT) and not isinstance(e, StoreFullError):
+            raise StoreFullError(f"the snapshot store is out of space ({e}); nothing was kept", fix=_FULL_FIX) from e
+        raise
+    except CheckpointError as e:
+        discard(tmp)
+        if "No space left" in str(e) or "quota exceeded" in str(e).lower():
+            raise StoreFullError(f"the snapshot store is out of space: {e}; nothing was kept", fix=_FULL_FIX) from e
         raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
         raise
+
+
+def discard(tmp: Path) -> None:
+    """Remove a ``.tmp-`` folder of the store and its files."""
+    _remove([files_of(tmp), tmp])
+
+
+def size_of(tmp: Path) -> int:
+    """Bytes a snapshot being written in ``tmp`` takes (its files included)."""
+    return disk_usage(tmp) + disk_usage(files_of(tmp))
+
+
+def publish(tmp: Path, snapshot_id: str, check: bool = False) -> None:
+    """Rename a finished ``.tmp-`` folder (and its files) into place, the files first; with ``check``,
+    StoreFullError if that would take the store past its limit (checked and renamed under the store's
+    lock, so two writers cannot both pass)."""
+    p = paths()
+    cap = limit() if check else None
+    fd = os.open(p.snapshots / ".lock", os.O_CREAT | os.O_RDWR, 0o600) if cap is not None else None
+    try:
+        if fd is not None and cap is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            size, used = size_of(tmp), usage()
+            if used + size > cap:
+                raise StoreFullError(f"a snapshot of {size} bytes does not fit in the snapshot store ({used} of "
+                                     f"its {cap} bytes are used); nothing was kept", fix=_FULL_FIX)
+        with contextlib.suppress(FileNotFoundError):  # none for a snapshot written before the volume
+            os.rename(files_of(tmp), p.snapshot_files / snapshot_id)
+        os.rename(tmp, p.snapshots / snapshot_id)
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _limit_file() -> Path:
+    return paths().home / "store-limit"
+
+
+def limit() -> int | None:
+    """The store's limit in bytes (``set_limit``), or None."""
+    try:
+        return int(_limit_file().read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def set_limit(size: str | int | None) -> None:
+    """Limit the bytes the store's snapshots may take together (None: no limit but the volume's size)."""
+    from agentenv import volume  # the volume module imports nothing of the store: no cycle, but load it late
+
+    nbytes = None if size is None else parse_size(size)
+    v = volume.ensure()
+    if v.quotas:
+        volume.limit_store(nbytes)
+    if nbytes is None:
+        _limit_file().unlink(missing_ok=True)
+    else:
+        tmp = _limit_file().with_suffix(".tmp")
+        tmp.write_text(str(nbytes))
+        os.replace(tmp, _limit_file())
+
+
+def usage() -> int:
+    """Bytes the store's snapshots take together (their ``size_bytes``)."""
+    return sum(s.size_bytes for s in Snapshot.list())
 
 
 def write_meta(folder: Path, snap: Snapshot) -> None:
@@ -141,22 +272,58 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def gc(max_age: float | None = None) -> list[str]:
-    """Remove leftovers of crashed writers, and (with ``max_age`` seconds) snapshots older than that.
+def pausing() -> set[str]:
+    """The snapshots that pauses in progress (or interrupted, for recovery to finish) are writing."""
+    found = set()
+    for rec in paths().sandboxes.glob("*/sandbox.json"):
+        with contextlib.suppress(OSError, ValueError):
+            snap_id = json.loads(rec.read_text()).get("pausing")
+            if isinstance(snap_id, str):
+                found.add(snap_id)
+    return found
 
-    Returns the names removed.
+
+def orphaned_forks() -> list[Snapshot]:
+    """The snapshots of forks whose process died before it deleted them."""
+    return [s for s in Snapshot.list() if s.labels.get("agentenv.kind") == FORK_KIND and not owner_alive(s.owner)]
+
+
+def gc(max_age: float | None = None) -> list[str]:
+    """Remove leftovers of crashed writers (but not an interrupted pause's folders: recovery finishes or rolls
+    back that pause), files whose snapshot is gone, the snapshots of forks whose process died, and (with
+    ``max_age`` seconds) snapshots older than that. Returns the names removed.
     """
-    removed = []
+    p = paths()
+    removed: list[str] = []
     now = time.time()
-    for d in paths().snapshots.iterdir():
-        if d.name.startswith((".tmp-", ".del-")):
-            pid = int(d.name.rsplit("-", 1)[-1]) if d.name.rsplit("-", 1)[-1].isdigit() else 0
-            if not _pid_alive(pid):
-                shutil.rmtree(d, ignore_errors=True)
-                removed.append(d.name)
+    keep = pausing()
+    for root in (p.snapshots, p.snapshot_files):  # the folders with meta.json first: their files may follow
+        try:
+            entries = list(root.iterdir())
+        except FileNotFoundError:
+            continue
+        for d in entries:
+            if d.name.startswith((".tmp-", ".del-")):
+                head, _, tail = d.name.rpartition("-")
+                pid = int(tail) if tail.isdigit() else 0
+                if (d.name.startswith(".tmp-") and head[len(".tmp-"):] in keep) or _pid_alive(pid):
+                    continue
+            elif root == p.snapshot_files and not d.name.startswith("."):
+                # files without their snapshot: a crash between the two renames of a publish, or of a delete
+                if d.name in keep or (p.snapshots / d.name).exists() or any(p.snapshots.glob(f".tmp-{d.name}-*")):
+                    continue
+            else:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d.name)
+    for snap in orphaned_forks():
+        with contextlib.suppress(SnapshotNotFound):
+            snap.delete()
+            removed.append(snap.id)
     if max_age is not None:
         for snap in Snapshot.list():
             if now - snap.created_at > max_age:
-                snap.delete()
-                removed.append(snap.id)
+                with contextlib.suppress(SnapshotNotFound):
+                    snap.delete()
+                    removed.append(snap.id)
     return removed

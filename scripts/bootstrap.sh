@@ -2,7 +2,8 @@
 # Host bootstrap for agentenv, idempotent: a second run finishes in seconds.
 #   Docker engine (Debian's docker.io, experimental on), CRIU >= 4 (built from Debian's
 #   source tarball where the packaged one fails `criu check`), the offline base image
-#   agentenv/base, and the project's virtual environment (.venv) with its test extras.
+#   agentenv/base, btrfs-progs for the sandbox volume (disk limits), and the project's virtual
+#   environment (.venv) with its test extras.
 # Usage: scripts/bootstrap.sh [--skip-venv]      (as root, on Debian 12 or 13)
 set -euo pipefail
 
@@ -33,6 +34,11 @@ version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ];
 
 # --- 1. Docker engine -------------------------------------------------------------------
 apt_install docker.io runc containerd iptables iproute2 util-linux debootstrap tar xz-utils ca-certificates
+# The sandbox volume (agentenv/volume.py): a sparse btrfs image on a loop device, with quotas, that agentenv
+# makes under each AGENTENV_HOME on first use. This kernel has no XFS quotas and no ext4 quota format.
+apt_install btrfs-progs
+modprobe -q loop 2>/dev/null || true
+modprobe -q btrfs 2>/dev/null || true
 mkdir -p /etc/docker
 if ! grep -q '"experimental": *true' /etc/docker/daemon.json 2>/dev/null; then
     echo '{"experimental": true, "storage-driver": "overlay2"}' >/etc/docker/daemon.json
@@ -141,5 +147,7 @@ if [ "$SKIP_VENV" = 0 ]; then
     [ -d "$CACHE/pycriu" ] && echo "$CACHE" >"$SITE/agentenv-pycriu.pth"
     "$VENV/bin/python" -c "import pycriu" || die "pycriu does not import in .venv"
     log "python environment ready: $VENV"
+    # --- 5. The sandbox volume of the default home (/var/lib/agentenv): made once, mounted again after a reboot
+    "$VENV/bin/agentenv" volume || die "the sandbox volume has no quotas: sandboxes cannot get disk limits"
 fi
 log "bootstrap done"

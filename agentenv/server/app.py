@@ -13,7 +13,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentenv import __version__
+from agentenv import __version__, store
 from agentenv.config import parse_size
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, sandboxes, server, snapshots
@@ -30,15 +30,25 @@ DEFAULT_PORT = 8700
 TOKEN_ENV = "AGENTENV_TOKEN"
 
 
-def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "64g",
+def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "64g", max_disk: str | int = "640g",
+               max_store: str | int | None = None, unlimited_disk: bool = False,
                reap_interval: float = 5.0) -> FastAPI:
-    """The environment server's app; ``token`` guards every route but /health and /metrics."""
+    """The environment server's app; ``token`` guards every route but /health and /metrics.
+
+    Quotas: ``max_sandboxes`` live sandboxes, ``max_memory`` and ``max_disk`` bytes of their limits added up;
+    ``max_store`` (if given) becomes the snapshot store's limit; ``unlimited_disk`` lets clients ask for
+    sandboxes without a disk limit (``disk: null``).
+    """
     if not token:
         raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
-    service = Service(max_sandboxes, parse_size(max_memory), reap_interval)
+    service = Service(max_sandboxes, parse_size(max_memory), reap_interval, max_disk=parse_size(max_disk),
+                      unlimited_disk=unlimited_disk)
+    store_limit = None if max_store is None else parse_size(max_store)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if store_limit is not None:
+            await run_in_threadpool(store.set_limit, store_limit)
         await run_in_threadpool(service.recover)
         service.start_reaper()
         yield
@@ -83,7 +93,9 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PO
 
 
 def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_sandboxes: int = 64,
-          max_memory: str | int = "64g", reap_interval: float = 5.0, log_level: str = "info") -> None:
+          max_memory: str | int = "64g", max_disk: str | int = "640g", max_store: str | int | None = None,
+          unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info") -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
-    app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, reap_interval=reap_interval)
+    app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
+                     max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

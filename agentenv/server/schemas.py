@@ -29,6 +29,9 @@ from agentenv.api import MAX_FORK
 _NO_NUL = r"^[^\x00]*$"
 _MIN_MEMORY = 32 << 20
 _MEMORY = (r"^(?:(?:3[2-9]|[4-9][0-9]|[1-9][0-9]{2,6})[mM]|[1-9][0-9]{0,3}(?:\.[0-9]{1,3})?[gG])(?:[iI]?[bB])?$")
+_MIN_DISK = 16 << 20
+_DISK = (r"^(?:(?:1[6-9]|[2-9][0-9]|[1-9][0-9]{2,7})[mM]|[1-9][0-9]{0,5}(?:\.[0-9]{1,3})?[gG]|"
+         r"[1-9][0-9]{0,2}(?:\.[0-9]{1,3})?[tT])(?:[iI]?[bB])?$")
 _WORKDIR = r"^/(?:[A-Za-z0-9_][A-Za-z0-9._-]{0,63}(?:/[A-Za-z0-9_][A-Za-z0-9._-]{0,63}){0,15})?$"
 _SPECIAL = r"^/(?:proc|sys|dev)(?:/|$)"
 def _number(v: Any) -> Any:
@@ -71,6 +74,11 @@ Workdir = Annotated[Annotated[str, Field(pattern=_WORKDIR)] | None, AfterValidat
 Memory = Annotated[str | Int, WithJsonSchema({
     "anyOf": [{"type": "string", "pattern": _MEMORY}, {"type": "integer", "minimum": _MIN_MEMORY, "maximum": 1 << 50}],
     "description": "'<n>m' (n >= 32), '<n>g', or bytes (>= 32 MiB)"})]
+Disk = Annotated[str | Int | None, WithJsonSchema({
+    "anyOf": [{"type": "string", "pattern": _DISK}, {"type": "integer", "minimum": _MIN_DISK, "maximum": 1 << 50},
+              {"type": "null"}],
+    "description": "what the sandbox's files may take: '<n>m' (n >= 16), '<n>g', '<n>t', or bytes (>= 16 MiB); "
+                   "null for no limit, where the server allows it (--unlimited-disk)"})]
 SandboxId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="sandbox id")]
 SnapshotId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="snapshot id")]
 Pid = Annotated[int, PathParam(ge=1, le=1 << 22, description="process id inside the sandbox")]
@@ -88,6 +96,7 @@ class CreateRequest(_Body):
     cpus: Float = Field(1.0, ge=0.01, le=64)
     memory: Memory = "1g"
     pids: Int = Field(512, ge=8, le=1 << 22)
+    disk: Disk = "10g"
     network: StrictBool = False
     env: Env = Field(default_factory=dict)
     workdir: Workdir = None
@@ -100,6 +109,16 @@ class CreateRequest(_Body):
         if isinstance(v, bool) or (isinstance(v, int) and not _MIN_MEMORY <= v <= 1 << 50) or \
                 (isinstance(v, str) and not re.match(_MEMORY, v)):
             raise ValueError("memory must be '<n>m' (n >= 32), '<n>g', or a byte count >= 32 MiB")
+        return v
+
+    @field_validator("disk")
+    @classmethod
+    def _disk(cls, v: str | int | None) -> str | int | None:
+        if v is None:
+            return v
+        if isinstance(v, bool) or (isinstance(v, int) and not _MIN_DISK <= v <= 1 << 50) or \
+                (isinstance(v, str) and not re.match(_DISK, v)):
+            raise ValueError("disk must be '<n>m' (n >= 16), '<n>g', '<n>t', a byte count >= 16 MiB, or null")
         return v
 
 
@@ -155,6 +174,9 @@ class Capacity(BaseModel):
     max_memory: int
     memory_used: int
     free_memory: int
+    max_disk: int = Field(description="bytes of disk the live sandboxes may use together (their disk limits)")
+    disk_used: int = Field(description="the disk limits of the live sandboxes, added up")
+    free_disk: int
 
 
 class ServerInfo(BaseModel):
@@ -177,6 +199,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {401: "missing or wrong bearer token", 404: "no such sandbox, snapshot, file or process",
             409: "the operation does not fit the sandbox's state", 422: "the request does not match the schema",
             429: "quota exceeded: see Retry-After", 507: "the snapshot store is full",
+            403: "refused by the server's policy (a sandbox without a disk limit: DiskLimitRequired)",
+            501: "this host cannot enforce the disk limit asked for (DiskLimitUnsupported)",
             400: "bad input (e.g. a path with a NUL byte, an invalid size)"}
     out: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody, "description": text[c]} for c in codes}
     out["default"] = {"model": ErrorBody, "description": "any other error, with its class, message and fix"}

@@ -2,7 +2,10 @@
 
 All state lives on disk (sandbox records and the snapshot store), so a server killed with ``kill -9``
 and started again lists every paused sandbox and snapshot, reattaches to the running sandboxes and
-reports the ones whose processes died as ``lost`` (``Service.recover``).
+reports the ones whose processes died as ``lost`` (``Service.recover``). What the kill cut short is
+mended first (``agentenv.sandbox.recover_all``): a sandbox left frozen is thawed, half-made fork children
+are removed, a pause is finished or rolled back, the fork's snapshot is collected; one sandbox that does
+not answer holds up neither the start nor the others.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentenv import errors, store
-from agentenv.sandbox import Sandbox
+from agentenv import errors
+from agentenv.sandbox import Sandbox, recover_all
 from agentenv.server.schemas import Capacity
 from agentenv.store import Snapshot
 
 log = logging.getLogger("agentenv.server")
 RETRY_AFTER = 5.0  # seconds a client is told to wait when a quota is full
+RECOVER_WAIT = 5.0  # seconds the start waits for recovery; what is not done by then goes on in the background
 
 
 @dataclass
@@ -56,13 +60,15 @@ class Metrics:
 class Service:
     """What the routes share: a cache of Sandbox objects, the quotas, the TTL reaper and the metrics."""
 
-    def __init__(self, max_sandboxes: int, max_memory: int, reap_interval: float) -> None:
+    def __init__(self, max_sandboxes: int, max_memory: int, reap_interval: float, max_disk: int = 640 << 30,
+                 unlimited_disk: bool = False) -> None:
         self.max_sandboxes, self.max_memory, self.reap_interval = max_sandboxes, max_memory, reap_interval
+        self.max_disk, self.unlimited_disk = max_disk, unlimited_disk
         self.metrics = Metrics()
         self.recovered: dict[str, list[str]] = {"running": [], "paused": [], "lost": []}
         self._cache: dict[str, Sandbox] = {}
         self._lock = threading.Lock()
-        self._pending = [0, 0]  # sandboxes and bytes of memory reserved by operations in flight
+        self._pending = [0, 0, 0]  # sandboxes, bytes of memory and of disk reserved by operations in flight
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
 
@@ -102,62 +108,80 @@ class Service:
             raise
 
     # quotas
-    def _usage(self) -> tuple[int, int]:
-        live = mem = 0
+    def _usage(self) -> tuple[int, int, int]:
+        """Live sandboxes, and the memory and disk they may use: the running ones, and those that other
+        processes are making (this one's are reserved while it makes them); a disk without a limit counts 0."""
+        live = mem = disk = 0
         for sb in Sandbox.list():
-            if sb.recorded_state == "running":
+            if sb.recorded_state == "running" or (sb.recorded_state == "creating" and not sb.made_here()):
+                limits = sb.limits
                 live += 1
-                mem += sb.limits.memory
-        return live, mem
+                mem += limits.memory
+                disk += limits.disk or 0
+        return live, mem, disk
 
     def capacity(self) -> Capacity:
-        live, mem = self._usage()
-        live, mem = live + self._pending[0], mem + self._pending[1]
+        live, mem, disk = (a + b for a, b in zip(self._usage(), self._pending, strict=True))
         return Capacity(max_sandboxes=self.max_sandboxes, live_sandboxes=live,
                         free_sandboxes=max(0, self.max_sandboxes - live), max_memory=self.max_memory,
-                        memory_used=mem, free_memory=max(0, self.max_memory - mem))
+                        memory_used=mem, free_memory=max(0, self.max_memory - mem), max_disk=self.max_disk,
+                        disk_used=disk, free_disk=max(0, self.max_disk - disk))
+
+    def check_disk(self, disk: int | None) -> None:
+        """DiskLimitRequired for a sandbox without a disk limit, unless the server allows them (--unlimited-disk)."""
+        if disk is None and not self.unlimited_disk:
+            raise errors.DiskLimitRequired("this server gives every sandbox a disk limit",
+                                           fix="send disk as a size (e.g. '10g'); sandboxes without one need a "
+                                               "server started with --unlimited-disk")
 
     @contextlib.contextmanager
-    def reserve(self, count: int, memory: int) -> Iterator[None]:
-        """Hold room for ``count`` new live sandboxes using ``memory`` bytes each, or raise QuotaExceeded."""
+    def reserve(self, count: int, memory: int, disk: int | None = None) -> Iterator[None]:
+        """Hold room for ``count`` new live sandboxes using ``memory`` and ``disk`` bytes each, or raise
+        QuotaExceeded."""
+        want = (count, count * memory, count * (disk or 0))
         with self._lock:
-            live, used = self._usage()
-            live, used = live + self._pending[0], used + self._pending[1]
+            live, used, disk_used = (a + b for a, b in zip(self._usage(), self._pending, strict=True))
             if live + count > self.max_sandboxes:
                 raise errors.QuotaExceeded(f"{live} of {self.max_sandboxes} sandboxes are live; {count} more do not fit",
                                            retry_after=RETRY_AFTER)
-            if used + count * memory > self.max_memory:
+            if used + want[1] > self.max_memory:
                 raise errors.QuotaExceeded(f"{used} of {self.max_memory} bytes of sandbox memory are in use; "
                                            f"{count} x {memory} more do not fit", retry_after=RETRY_AFTER)
-            self._pending[0] += count
-            self._pending[1] += count * memory
+            if disk_used + want[2] > self.max_disk:
+                raise errors.QuotaExceeded(f"{disk_used} of {self.max_disk} bytes of sandbox disk are promised; "
+                                           f"{count} x {disk} more do not fit", retry_after=RETRY_AFTER)
+            for i, n in enumerate(want):
+                self._pending[i] += n
         try:
             yield
         finally:
             with self._lock:
-                self._pending[0] -= count
-                self._pending[1] -= count * memory
+                for i, n in enumerate(want):
+                    self._pending[i] -= n
 
     # lifecycle
-    def recover(self) -> None:
-        """After a (re)start: clear crashed writers' leftovers, reattach running sandboxes, report lost ones."""
-        for name in store.gc():
-            log.warning("removed leftover %s of a crashed writer", name)
-        for sb in Sandbox.list():
-            state = sb.state
-            if state == "running":
-                try:
-                    sb.ping()
-                except errors.AgentEnvError:
-                    state = "lost"
-                else:
-                    self.remember(sb)
-            bucket = {"running": "running", "paused": "paused"}.get(state, "lost")
-            self.recovered[bucket].append(sb.id)
-        if self.recovered["lost"]:
-            log.warning("lost sandboxes (their processes are gone; close them): %s", ", ".join(self.recovered["lost"]))
-        log.info("reattached %d running sandboxes; %d paused; %d snapshots in the store",
-                 len(self.recovered["running"]), len(self.recovered["paused"]), len(Snapshot.list()))
+    def recover(self, wait: float = RECOVER_WAIT) -> None:
+        """After a (re)start: mend what a kill cut short, reattach running sandboxes, report lost ones.
+
+        Waits ``wait`` seconds at most: sandboxes still being recovered then are listed under 'recovering'
+        and move to their bucket when done (their calls wait on their lock meanwhile).
+        """
+        def done(sb: Sandbox, where: str) -> None:
+            if where == "running":
+                self.remember(sb)
+
+        recover_all(wait, self.recovered, self._lock, on_result=done)
+        found = self.recovered_now()
+        if found["lost"]:
+            log.warning("lost sandboxes (their processes are gone; close them): %s", ", ".join(found["lost"]))
+        log.info("reattached %d running sandboxes; %d paused; %d half-made removed; %d still recovering; "
+                 "%d snapshots in the store", len(found["running"]), len(found["paused"]),
+                 len(found.get("discarded", [])), len(found.get("recovering", [])), len(Snapshot.list()))
+
+    def recovered_now(self) -> dict[str, list[str]]:
+        """What recovery found so far, by bucket (a copy)."""
+        with self._lock:
+            return {k: list(v) for k, v in self.recovered.items()}
 
     def start_reaper(self) -> None:
         def loop() -> None:

@@ -42,16 +42,22 @@ def agentenv_home() -> Iterator[Path]:
 
 
 def leaked(home: Path) -> dict[str, list[str]]:
-    """Containers, mounts, sandbox records and snapshot files left under ``home``."""
+    """Containers, mounts, sandbox records, layers and snapshot files left under ``home`` (the volume's own
+    mount, ``home/volume``, is the home's and stays until ``cleanup``)."""
     runc = subprocess.run(["runc", "--root", str(home / "runc"), "list", "-q"], capture_output=True, text=True,
                           check=False).stdout.split()
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
-              if line.split()[1].startswith(str(home))]
+              if line.split()[1].startswith(str(home)) and line.split()[1] != str(home / "volume")]
+
+    def names(d: Path) -> list[str]:
+        return sorted(p.name for p in d.iterdir() if p.name != ".lock") if d.exists() else []
+
     out = {
         "containers": runc,
         "mounts": mounts,
-        "sandboxes": sorted(p.name for p in (home / "sandboxes").iterdir()) if (home / "sandboxes").exists() else [],
-        "snapshots": sorted(p.name for p in (home / "snapshots").iterdir()) if (home / "snapshots").exists() else [],
+        "sandboxes": names(home / "sandboxes"),
+        "layers": names(home / "volume" / "layers"),
+        "snapshots": names(home / "snapshots") + names(home / "volume" / "snapshots"),
     }
     return {k: v for k, v in out.items() if v}
 

@@ -57,11 +57,12 @@ def threaded_server(token: str = TOKEN, **app_kwargs: object) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def start_server_process(port: int, token_file: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """``agentenv serve`` as a child process (same $AGENTENV_HOME), waited for until it answers."""
+def start_server_process(port: int, token_file: Path, *extra: str,
+                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``agentenv serve`` as a child process (same $AGENTENV_HOME, plus ``env``), waited for until it answers."""
     code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port), "--token-file", str(token_file),
-                             "--reap-interval", "0.5", *extra], env=dict(os.environ), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+                             "--reap-interval", "0.5", *extra], env={**os.environ, **(env or {})},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_healthy(f"http://127.0.0.1:{port}", proc)
     return proc

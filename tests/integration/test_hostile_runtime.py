@@ -1,6 +1,7 @@
 """The hostile-agent suite (issue 10): what a process inside a sandbox, or a sandbox's death, may do to
 the host and to other sandboxes. Each attack that once worked has a test here that failed before its
-fix; the attacks that already failed are here too, so that they keep failing.
+fix; the attacks that already failed are here too, so that they keep failing. A ``kill -9`` of the server
+in the middle of an operation (item 6) is in ``test_hostile_restart.py``.
 
 Pid reuse is simulated deterministically (a dead sandbox's record made to name another sandbox's
 agent), a stopped agent with SIGSTOP from the host; deadlines are shortened so that the suite stays
@@ -18,8 +19,16 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import agent, channel, sandbox
-from agentenv.errors import ConnectionLost, SandboxError, SandboxLost, SandboxStateError
+from agentenv import agent, channel, sandbox, store, volume
+from agentenv.config import paths
+from agentenv.errors import (
+    ConnectionLost,
+    DiskLimitUnsupported,
+    SandboxError,
+    SandboxLost,
+    SandboxStateError,
+    StoreFullError,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -143,6 +152,84 @@ def test_a_fake_agent_on_the_socket_is_refused(sb, behaviour):
 def peak_rss() -> int:
     return next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
                 if line.startswith("VmHWM:"))
+
+
+# --- 3. the disk: a sandbox fills its own limit, never the host's disk -----------------------------
+
+
+def volume_used() -> int:
+    st = os.statvfs(paths().volume)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def test_writing_past_the_disk_limit_fails_for_the_writer_only():
+    """`dd` of 4 GiB once went to the host's disk at 2.4 GB/s; now the kernel stops it at the sandbox's limit."""
+    with agentenv.Sandbox.create(memory="256m", disk="64m") as s:
+        assert s.limits.disk == 64 << 20
+        before = volume_used()
+        r = s.exec("dd if=/dev/zero of=/big bs=1M count=512; echo rc=$?", timeout=120)
+        assert "rc=0" not in r.stdout
+        assert "Disk quota exceeded" in r.stderr or "No space left" in r.stderr, r.stderr
+        assert int(s.exec("stat -c %s /big").stdout) <= 64 << 20
+        assert volume_used() - before < 128 << 20  # nothing past the limit reached the disk (metadata aside)
+        assert s.exec("echo alive").stdout == "alive\n"  # the agent answers: its socket and logs are not there
+        with pytest.raises(SandboxError, match="quota|space"):
+            s.write_file("/more", b"x" * (32 << 20))
+        s.exec("rm /big")
+        assert s.exec("head -c 32M /dev/zero > /again && echo ok", timeout=120).stdout == "ok\n"  # room again
+
+
+def test_a_fork_keeps_the_disk_limit_and_counts_what_it_inherited():
+    with agentenv.Sandbox.create(memory="256m", disk="64m") as s:
+        s.exec("head -c 48M /dev/urandom > /testbed/f")
+        for memory in (False, True):
+            [kid] = s.fork(1, memory=memory)
+            try:
+                assert kid.limits.disk == 64 << 20
+                kid.exec("dd if=/dev/zero of=/x bs=1M count=64", timeout=120)
+                assert int(kid.exec("stat -c %s /x").stdout) <= 20 << 20  # 64 MiB less the 48 it started with
+                assert kid.exec("echo alive").stdout == "alive\n"
+            finally:
+                kid.close()
+
+
+def test_a_snapshot_past_the_stores_limit_is_refused_and_leaves_nothing():
+    """A filesystem snapshot of 4 GiB froze the sandbox 15 s and took 4.3 GB more; now its files are reflinks,
+    and the store has a limit of its own."""
+    with agentenv.Sandbox.create(memory="256m", disk="512m") as s:
+        s.exec("head -c 300M /dev/urandom > /testbed/big", timeout=120)
+        store.set_limit("256m")
+        try:
+            with pytest.raises(StoreFullError):
+                s.snapshot()
+            with pytest.raises(StoreFullError):
+                s.fork(1)
+            assert agentenv.Snapshot.list() == []
+            assert [p.name for p in paths().snapshots.iterdir() if p.name != ".lock"] == []
+            assert list(paths().snapshot_files.iterdir()) == []
+            assert [sb.id for sb in agentenv.Sandbox.list()] == [s.id]
+            assert s.exec("echo alive").stdout == "alive\n"
+            store.set_limit("1g")
+            before = volume_used()
+            snap = s.snapshot()  # the files are shared with the sandbox: the disk barely notices
+            assert snap.size_bytes >= 300 << 20 and volume_used() - before < 64 << 20
+            snap.delete()
+        finally:
+            store.set_limit(None)
+
+
+def test_without_a_volume_disk_limits_are_a_typed_error_and_disk_none_runs_unlimited(tmp_path, monkeypatch):
+    with agentenv.Sandbox.create(memory="256m", disk=None) as s:
+        assert s.limits.disk is None and s.exec("echo ok").stdout == "ok\n"
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv(volume.VOLUME_ENV, "off")  # as on a host without btrfs-progs or loop devices
+    with pytest.raises(DiskLimitUnsupported, match="AGENTENV_VOLUME") as e:
+        agentenv.Sandbox.create(memory="256m")
+    assert "disk=None" in str(e.value) and "bootstrap.sh" in str(e.value)
+    assert agentenv.Sandbox.list() == []
+    with agentenv.Sandbox.create(memory="256m", disk=None) as s:
+        assert s.exec("echo unlimited").stdout == "unlimited\n"
+    assert agentenv.Sandbox.list() == []
 
 
 # --- 4. the agent cannot be stopped from inside; a stopped agent is a deadline, not a hang ---------

@@ -17,7 +17,7 @@ import pytest
 
 import agentenv
 from agentenv import wire
-from agentenv.errors import QuotaExceeded, SandboxStateError, Unauthorized
+from agentenv.errors import DiskLimitRequired, QuotaExceeded, SandboxStateError, Unauthorized
 
 from .server_fixtures import TOKEN, threaded_server
 
@@ -123,6 +123,10 @@ def test_quota_is_429_and_retry_after(sb):
                 assert one.exec("echo still fine").stdout == "still fine\n"
             with pytest.raises(QuotaExceeded):
                 c.Sandbox.create(memory="100g")  # past the memory quota (64g by default)
+            with pytest.raises(QuotaExceeded, match="disk"):
+                c.Sandbox.create(memory="256m", disk="1t")  # past the disk quota (640g by default)
+            with pytest.raises(DiskLimitRequired, match="unlimited-disk"):
+                c.Sandbox.create(memory="256m", disk=None)  # this server gives every sandbox a disk limit
         finally:
             c.close()
 

@@ -241,11 +241,12 @@ def test_store_out_of_space_is_a_clear_error(tmp_path, monkeypatch):
     try:
         with agentenv.Sandbox.create() as sb:
             sb.exec("head -c 8000000 /dev/urandom > /testbed/big")
-            monkeypatch.setattr("agentenv.config.Paths.snapshots", property(lambda self: small))
+            monkeypatch.setattr("agentenv.config.Paths.snapshots", property(lambda self: small / "meta"))
+            monkeypatch.setattr("agentenv.config.Paths.snapshot_files", property(lambda self: small / "files"))
             with pytest.raises(agentenv.errors.StoreFullError):
                 sb.snapshot()
             assert agentenv.Snapshot.list() == []
-            assert os.listdir(small) == []  # no partial folder left behind
+            assert os.listdir(small / "meta") == os.listdir(small / "files") == []  # no partial folder left behind
             monkeypatch.undo()
             assert sb.exec("echo ok").stdout == "ok\n"
     finally:

@@ -1,15 +1,18 @@
-"""Sizes, the OCI spec of a sandbox, and the snapshot store's atomic writes."""
+"""Sizes, the OCI spec of a sandbox, the snapshot store's atomic writes, its limit and its garbage collection."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from agentenv import store
-from agentenv.config import parse_size
-from agentenv.errors import SnapshotNotFound, StoreFullError
+from agentenv import store, volume
+from agentenv.config import parse_disk, parse_size, paths
+from agentenv.errors import DiskLimitUnsupported, SnapshotNotFound, StoreFullError
 from agentenv.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config, seccomp_profile
 
 
@@ -79,10 +82,29 @@ def test_spec_round_trips_through_json():
     assert ContainerSpec.from_json(s.to_json()) == s
 
 
+@pytest.mark.parametrize(("text", "n"), [(None, None), ("10g", 10 << 30), ("16m", 16 << 20), (1 << 30, 1 << 30)])
+def test_parse_disk(text, n):
+    assert parse_disk(text) == n
+
+
+@pytest.mark.parametrize("bad", ["1m", 4096, "lots", 0])
+def test_parse_disk_rejects(bad):
+    with pytest.raises(ValueError):
+        parse_disk(bad)
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    monkeypatch.setenv(volume.VOLUME_ENV, "off")  # unit tests never mount a volume
     return tmp_path
+
+
+@pytest.fixture
+def snapshots(home):
+    d = paths().snapshots
+    d.mkdir(parents=True, exist_ok=True)
+    return d
 
 
 def test_store_publishes_only_complete_snapshots(home):
@@ -91,7 +113,7 @@ def test_store_publishes_only_complete_snapshots(home):
         (d / "fs").mkdir()
         raise RuntimeError("crash mid-snapshot")
     assert store.Snapshot.list() == []
-    assert os.listdir(home / "snapshots") == []
+    assert os.listdir(paths().snapshots) == []
     with store.writing(sid) as d:
         snap = store.Snapshot(id=sid, parent_id=None, created_at=1.0, size_bytes=0, has_memory=False)
         store.write_meta(d, snap)
@@ -105,13 +127,88 @@ def test_store_full_is_typed_and_leaves_nothing(home):
     with pytest.raises(StoreFullError), store.writing("snap-full") as d:
         (d / "x").write_text("partial")
         raise OSError(errno.ENOSPC, "No space left on device")
-    assert os.listdir(home / "snapshots") == []
+    assert os.listdir(paths().snapshots) == []
+    with pytest.raises(StoreFullError), store.writing("snap-quota") as d:
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+    assert os.listdir(paths().snapshots) == []
 
 
-def test_gc_removes_leftovers_of_dead_writers_only(home):
-    dead = home / "snapshots" / ".tmp-snap-a-999999999"
-    alive = home / "snapshots" / f".tmp-snap-b-{os.getpid()}"
+def test_gc_removes_leftovers_of_dead_writers_only(snapshots):
+    dead = snapshots / ".tmp-snap-a-999999999"
+    alive = snapshots / f".tmp-snap-b-{os.getpid()}"
     dead.mkdir(parents=True)
     alive.mkdir()
-    assert store.gc() == [dead.name]
-    assert alive.exists() and not dead.exists()
+    for d in (dead, alive):
+        store.files_of(d).mkdir(parents=True)
+    orphan = paths().snapshot_files / "snap-gone"  # files whose snapshot is gone (a kill between two renames)
+    orphan.mkdir()
+    assert sorted(store.gc()) == [dead.name, dead.name, "snap-gone"]
+    assert alive.exists() and store.files_of(alive).exists()
+    assert not dead.exists() and not store.files_of(dead).exists() and not orphan.exists()
+
+
+def _publish(sid: str, size: int, **fields: object) -> store.Snapshot:
+    with store.writing(sid) as d:
+        (store.files_of(d) / "data").write_bytes(os.urandom(size))
+        snap = store.Snapshot(id=sid, parent_id=None, created_at=1.0, size_bytes=store.size_of(d),
+                              has_memory=False, **fields)  # type: ignore[arg-type]
+        store.write_meta(d, snap)
+    return snap
+
+
+def test_a_snapshot_past_the_stores_limit_is_refused_and_leaves_nothing(snapshots):
+    store.set_limit("1m")
+    assert store.limit() == 1 << 20
+    _publish("snap-1", 600 << 10)
+    with pytest.raises(StoreFullError, match="does not fit"):
+        _publish("snap-2", 600 << 10)
+    assert [s.id for s in store.Snapshot.list()] == ["snap-1"]
+    assert sorted(os.listdir(snapshots)) == [".lock", "snap-1"]  # the store's lock file, and the one that fit
+    store.set_limit(None)
+    _publish("snap-2", 600 << 10)
+    assert store.limit() is None and len(store.Snapshot.list()) == 2
+
+
+def test_gc_keeps_an_interrupted_pauses_folder_for_recovery(home, snapshots):
+    tmp = snapshots / ".tmp-snap-p-999999999"
+    tmp.mkdir()
+    store.files_of(tmp).mkdir(parents=True)
+    rec = paths().sandboxes / "sb-x" / "sandbox.json"
+    rec.parent.mkdir(parents=True)
+    rec.write_text(json.dumps({"id": "sb-x", "pausing": "snap-p"}))
+    assert store.gc() == [] and tmp.exists() and store.files_of(tmp).exists()
+    rec.write_text(json.dumps({"id": "sb-x", "pausing": None}))  # recovery is done with it
+    assert store.gc() == [tmp.name, tmp.name] and not tmp.exists() and not store.files_of(tmp).exists()
+
+
+def test_gc_collects_the_snapshots_of_forks_whose_process_died(snapshots):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fork = {"agentenv.kind": store.FORK_KIND}
+    _publish("snap-dead", 10, labels=fork, owner=[int(dead.stdout), 1])
+    _publish("snap-live", 10, labels=fork, owner=store.owner())
+    _publish("snap-kept", 10, labels={"agentenv.kind": "pause"})
+    assert store.gc() == ["snap-dead"]
+    assert {s.id for s in store.Snapshot.list()} == {"snap-live", "snap-kept"}
+
+
+def test_without_a_volume_a_disk_limit_is_a_typed_error_naming_the_fix(home):
+    volume.forget()
+    try:
+        v = volume.ensure()
+        assert not v.quotas and "AGENTENV_VOLUME" in (v.reason or "")
+        v.require(None)  # no limit asked: fine
+        with pytest.raises(DiskLimitUnsupported) as e:
+            v.require(10 << 30)
+        assert "bootstrap.sh" in str(e.value) and "disk=None" in str(e.value)
+        assert paths().snapshots.is_dir() and paths().layers.is_dir()
+    finally:
+        volume.forget()
+
+
+def test_the_volume_is_made_only_over_an_unused_folder(home):
+    assert volume._unused(paths().volume)  # not there yet
+    paths().snapshot_files.mkdir(parents=True)
+    paths().layers.mkdir(parents=True)
+    assert volume._unused(paths().volume)  # empty folders only
+    (paths().snapshot_files / "snap-1").mkdir()
+    assert not volume._unused(paths().volume)

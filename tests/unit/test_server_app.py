@@ -7,8 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from agentenv import server, wire
+from agentenv import errors, server, volume, wire
 from agentenv.cli import app as cli_app
+from agentenv.server.service import Service
 
 TOKEN = "unit-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,7 +49,8 @@ def test_bad_bodies_are_4xx_with_a_reason(client):
         assert r.json()["message"]
     bad_json = [{"cpus": "many"}, {"cpus": -1}, {"memory": "-5g"}, {"memory": 0}, {"pids": -5}, {"ttl": -1},
                 {"memory": "lots"}, {"workdir": "relative"}, {"workdir": "/proc/self"}, {"env": {"A=B": "x"}},
-                {"labels": {"k": 1}}, {"surprise": True}]
+                {"labels": {"k": 1}}, {"surprise": True}, {"disk": "1m"}, {"disk": 4096}, {"disk": "lots"},
+                {"disk": True}]
     for body in bad_json:
         r = client.post("/v1/sandboxes", json=body, headers=AUTH)
         assert r.status_code == 422, (body, r.text)
@@ -78,6 +80,31 @@ def test_quota_is_429_with_retry_after(client):
     assert r.json()["error"] == "QuotaExceeded"
     info = client.get("/v1/server", headers=AUTH).json()
     assert info["capacity"]["free_sandboxes"] == 0
+
+
+def test_disk_is_counted_in_the_quota_and_a_sandbox_without_a_limit_needs_the_servers_consent(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    monkeypatch.setenv(volume.VOLUME_ENV, "off")  # no volume can be made: a disk limit is a typed error
+    volume.forget()
+    with TestClient(server.create_app(TOKEN, max_disk="20g", reap_interval=60)) as c:
+        cap = c.get("/v1/server", headers=AUTH).json()["capacity"]
+        assert cap["max_disk"] == 20 << 30 and cap["free_disk"] == 20 << 30 and cap["disk_used"] == 0
+        r = c.post("/v1/sandboxes", json={"disk": "30g"}, headers=AUTH)
+        assert r.status_code == 429 and "disk" in r.json()["message"]
+        r = c.post("/v1/sandboxes", json={"disk": None}, headers=AUTH)
+        assert r.status_code == 403 and r.json()["error"] == "DiskLimitRequired" and "--unlimited-disk" in r.json()["fix"]
+        r = c.post("/v1/sandboxes", json={}, headers=AUTH)  # the default, 10g: this host cannot enforce it
+        assert r.status_code == 501 and r.json()["error"] == "DiskLimitUnsupported"
+        assert "disk=None" in r.json()["fix"]
+    volume.forget()
+    service = Service(4, 4 << 30, 60, max_disk=10 << 30)
+    with service.reserve(2, 1 << 30, 4 << 30):
+        assert service.capacity().disk_used == 8 << 30
+        with pytest.raises(errors.QuotaExceeded, match="disk"), service.reserve(1, 1 << 30, 4 << 30):
+            pass
+        with service.reserve(1, 1 << 30, None):  # no limit (a server with --unlimited-disk): counts nothing
+            assert service.capacity().disk_used == 8 << 30
+    assert service.capacity().disk_used == 0
 
 
 def test_msgpack_and_json_are_chosen_by_accept(client):

@@ -64,6 +64,8 @@ def test_frames_survive_any_chunking(mp):
     (errors.Unauthorized("wrong token"), 401),
     (errors.CheckpointError("CRIU dump failed", fix="run criu check"), 500),
     (errors.ConnectionLost("agent gone"), 502),
+    (errors.DiskLimitUnsupported("no quotas here", fix="run bootstrap, or pass disk=None"), 501),
+    (errors.DiskLimitRequired("a disk limit is required", fix="send disk"), 403),
 ])
 def test_agentenv_errors_map_to_a_status_and_back_to_the_same_class(exc, status):
     assert status_of(exc) == status

@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Response
 
 from agentenv.api import SandboxInfo
-from agentenv.config import parse_size
+from agentenv.config import parse_disk, parse_size
 from agentenv.sandbox import Sandbox
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
@@ -17,11 +17,12 @@ router = APIRouter(route_class=WireRoute, tags=["sandboxes"])
 SB_ERRORS = error_responses(400, 401, 404, 409, 422)
 
 
-@router.post("/v1/sandboxes", response_model=SandboxInfo, responses=error_responses(400, 401, 404, 422, 429))
+@router.post("/v1/sandboxes", response_model=SandboxInfo, responses=error_responses(400, 401, 403, 404, 422, 429, 501))
 def create_sandbox(service: ServiceDep, req: Annotated[CreateRequest, Body()]) -> Response:
-    memory = parse_size(req.memory)
-    with service.reserve(1, memory):
-        sb = Sandbox.create(req.image, cpus=req.cpus, memory=memory, pids=req.pids, network=req.network,
+    memory, disk = parse_size(req.memory), parse_disk(req.disk)
+    service.check_disk(disk)
+    with service.reserve(1, memory, disk):
+        sb = Sandbox.create(req.image, cpus=req.cpus, memory=memory, pids=req.pids, disk=disk, network=req.network,
                             env=req.env, workdir=req.workdir, ttl=req.ttl, labels=req.labels)
     return WireResponse(service.remember(sb).info("running").to_wire())
 

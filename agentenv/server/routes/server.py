@@ -26,4 +26,4 @@ def metrics(service: ServiceDep) -> Response:
 @router.get("/v1/server", response_model=ServerInfo, responses=error_responses(401))
 def server_info(service: ServiceDep) -> Response:
     return WireResponse({"version": __version__, "capacity": service.capacity().model_dump(),
-                         "recovered": service.recovered})
+                         "recovered": service.recovered_now()})

@@ -32,10 +32,11 @@ def snapshot(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[Snapshot
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/fork", response_model=list[SandboxInfo],
-             responses=error_responses(400, 401, 404, 409, 422, 429, 507))
+             responses=error_responses(400, 401, 404, 409, 422, 429, 501, 507))
 def fork(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[ForkRequest, Body()]) -> Response:
     sb = service.sandbox(sandbox_id)
-    with service.reserve(req.count, sb.limits.memory):
+    limits = sb.limits
+    with service.reserve(req.count, limits.memory, limits.disk):
         kids = service.call(sandbox_id, lambda s: s.fork(req.count, memory=req.memory))
     return WireResponse([service.remember(k).info("running").to_wire() for k in kids])
 
@@ -47,10 +48,11 @@ def pause(service: ServiceDep, sandbox_id: SandboxId) -> Response:
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo,
-             responses=error_responses(400, 401, 404, 409, 422, 429))
+             responses=error_responses(400, 401, 404, 409, 422, 429, 501))
 def resume(service: ServiceDep, sandbox_id: SandboxId) -> Response:
     sb = service.sandbox(sandbox_id)
-    with service.reserve(1, sb.limits.memory):
+    limits = sb.limits
+    with service.reserve(1, limits.memory, limits.disk):
         sb.resume()
     return WireResponse(sb.info("running").to_wire())
 
@@ -74,10 +76,10 @@ def delete_snapshot(snapshot_id: SnapshotId,
 
 
 @router.post("/v1/snapshots/{snapshot_id}/restore", response_model=SandboxInfo,
-             responses=error_responses(400, 401, 404, 422, 429))
+             responses=error_responses(400, 401, 404, 422, 429, 501))
 def restore(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[RestoreRequest, Body()]) -> Response:
     snap = Snapshot.get(snapshot_id)
-    memory = int(snap.spec.get("limits", {}).get("memory", 1 << 30))
-    with service.reserve(1, memory):
+    limits = snap.spec.get("limits", {})
+    with service.reserve(1, int(limits.get("memory", 1 << 30)), limits.get("disk")):
         sb = Sandbox.restore(snap, labels=req.labels)
     return WireResponse(service.remember(sb).info("running").to_wire())

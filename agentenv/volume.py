@@ -1,0 +1,320 @@
+"""The volume: what sandboxes write, and the snapshot store, on one btrfs filesystem with quotas.
+
+A sandbox's writable layer (its overlay's upper and work folders) is a btrfs subvolume,
+``<home>/volume/layers/<id>``, whose quota group is limited to the sandbox's ``disk=``: past it the kernel
+fails the writer's writes with EDQUOT ("Disk quota exceeded") and nothing else notices. The snapshot store
+keeps the files of snapshots in a subvolume too (``<home>/volume/snapshots``), limited by ``store.set_limit``.
+Both are on one filesystem, so a snapshot copies files by reflink (``cp --reflink``): the copy shares the
+data and costs the metadata only, whatever the size of the files. (CRIU's images of the processes stay on
+the host's filesystem, in ``<home>/snapshots``: btrfs writes them several times slower, and they share
+nothing.)
+
+The volume is what is mounted on ``<home>/volume`` when that is btrfs. Otherwise agentenv makes it on first
+use: a sparse image ``<home>/volume.img`` (``$AGENTENV_VOLUME_SIZE``, by default half the free space of the
+home's filesystem), formatted btrfs and mounted there through a loop device (mounted again after a reboot).
+Where that cannot be done (no btrfs-progs, no loop devices, not root, or ``$AGENTENV_VOLUME=off``) the
+volume is a plain folder: sandboxes run with ``disk=None`` (no limit), and asking for a limit raises
+DiskLimitUnsupported, which says why and what to do.
+
+Why btrfs: the kernels this runs on (6.18 here) are built without XFS quotas (CONFIG_XFS_QUOTA) and without
+the quota format ext4's project quotas need (CONFIG_QFMT_V2); btrfs quota groups are what is left that
+limits what a folder holds, and reflinks come with them. Reflinked data does not count against a quota
+group when it is cloned (only when it is written), so the store's limit is also checked by the store
+itself, from the snapshots' sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import struct
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.config import Paths, parse_size, paths
+from agentenv.errors import DiskLimitUnsupported, SandboxError
+
+log = logging.getLogger("agentenv")
+
+VOLUME_ENV = "AGENTENV_VOLUME"  # "off": never make a volume (sandboxes then need disk=None)
+SIZE_ENV = "AGENTENV_VOLUME_SIZE"  # the size of a volume agentenv makes, e.g. "200g"
+MIN_SIZE = 1 << 30
+# btrfs ioctls (linux/btrfs.h): _IOW(0x94, 14/15, btrfs_ioctl_vol_args), _IOR(0x94, 43, qgroup_limit_args),
+# _IOWR(0x94, 40, quota_ctl_args)
+_SUBVOL_CREATE = 0x5000940E
+_SNAP_DESTROY = 0x5000940F
+_QGROUP_LIMIT = 0x8030942B
+_QUOTA_CTL = 0xC0109428
+_START_SYNC = 0x80089418  # _IOR(0x94, 24, __u64)
+_WAIT_SYNC = 0x40089416  # _IOW(0x94, 22, __u64)
+_QUOTA_ENABLE = 1
+_LIMIT_MAX_RFER = 1
+_CLEAR = (1 << 64) - 1
+_VOL_ARGS = 4096  # struct btrfs_ioctl_vol_args: __s64 fd; char name[4088]
+_SUBVOL_INO = 256  # every subvolume's root folder has this inode number
+
+
+@dataclass(frozen=True)
+class Volume:
+    """Where sandboxes' layers and the store live, and whether disk limits hold there (``reason``: why not)."""
+
+    path: Path
+    quotas: bool
+    reason: str | None = None
+
+    def require(self, disk: int | None) -> None:
+        """DiskLimitUnsupported if ``disk`` is a limit and this volume cannot enforce it."""
+        if disk is not None and not self.quotas:
+            raise DiskLimitUnsupported(
+                f"this host cannot enforce a disk limit (disk={disk} bytes): {self.reason}",
+                fix="run scripts/bootstrap.sh (it installs btrfs-progs; agentenv then makes a btrfs volume with "
+                    f"quotas at {self.path} on first use), or pass disk=None to run without a disk limit")
+
+
+_cache: dict[str, Volume] = {}
+_cache_lock = threading.Lock()
+
+
+def ensure() -> Volume:
+    """The volume of this home, mounted (and made) on first use; cached for the life of the process."""
+    p = paths()
+    key = str(p.home)
+    v = _cache.get(key)
+    if v is None:
+        with _cache_lock:
+            v = _cache.get(key)
+            if v is None:
+                v = _cache[key] = _ensure(p)
+    return v
+
+
+def forget() -> None:
+    """Drop what this process knows of volumes (the next ``ensure`` looks again)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _ensure(p: Paths) -> Volume:
+    vol = p.volume
+    with _flock(p.home / "volume.lock"):
+        reason = None if os.path.ismount(vol) else _provision(p)
+        if reason is None:
+            fstype = _fstype(vol)
+            if fstype != "btrfs":
+                reason = f"{vol} is a mounted {fstype} filesystem, not btrfs"
+            else:
+                try:
+                    _enable_quotas(vol)
+                    _make_dirs(p, subvolumes=True)
+                except OSError as e:
+                    reason = f"could not turn btrfs quotas on at {vol}: {e}"
+                else:
+                    return Volume(vol, True)
+        _make_dirs(p, subvolumes=False)
+    log.warning("sandboxes here run without disk limits: %s", reason)
+    return Volume(vol, False, reason)
+
+
+def _provision(p: Paths) -> str | None:
+    """Mount the volume on ``p.volume``, making its image first if there is none; None when done, else why not."""
+    if os.environ.get(VOLUME_ENV, "").strip().lower() in ("off", "0", "no", "none", "false"):
+        return f"${VOLUME_ENV} is off"
+    if not _unused(p.volume):
+        return (f"{p.volume} already holds files written without a volume (delete them, or use a fresh "
+                "AGENTENV_HOME, to get one)")
+    if os.geteuid() != 0:
+        return "making the volume needs root"
+    image = p.volume_image
+    if not image.exists():
+        mkfs = shutil.which("mkfs.btrfs")
+        if mkfs is None:
+            return "mkfs.btrfs is not installed (Debian package btrfs-progs)"
+        size = volume_size(p.home)
+        tmp = image.with_name(f"{image.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.truncate(size)  # sparse: the host's disk is used as the volume fills
+            r = subprocess.run([mkfs, "-q", "-f", "-L", "agentenv", str(tmp)], capture_output=True, text=True,
+                               check=False)
+            if r.returncode != 0:
+                return f"mkfs.btrfs failed: {r.stderr.strip()[:300]}"
+            os.rename(tmp, image)
+        finally:
+            tmp.unlink(missing_ok=True)
+    p.volume.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-o", "loop,noatime", str(image), str(p.volume)], capture_output=True, text=True,
+                       check=False)
+    if r.returncode != 0:
+        return f"could not mount {image} on {p.volume} (needs loop devices and btrfs): {r.stderr.strip()[:300]}"
+    log.info("mounted the sandbox volume %s on %s", image, p.volume)
+    return None
+
+
+def volume_size(home: Path) -> int:
+    """The size of a new volume: ``$AGENTENV_VOLUME_SIZE``, else half the free space where the home is."""
+    if os.environ.get(SIZE_ENV):
+        return max(MIN_SIZE, parse_size(os.environ[SIZE_ENV]))
+    st = os.statvfs(home)
+    return max(MIN_SIZE, (st.f_bavail * st.f_frsize // 2) >> 20 << 20)
+
+
+def _unused(folder: Path) -> bool:
+    """True if nothing but empty ``layers`` and ``snapshots`` folders is in ``folder`` (or it does not exist)."""
+    try:
+        entries = list(folder.iterdir())
+    except FileNotFoundError:
+        return True
+    return all(e.name in ("layers", "snapshots") and e.is_dir() and not any(e.iterdir()) for e in entries)
+
+
+def _make_dirs(p: Paths, subvolumes: bool) -> None:
+    p.layers.mkdir(parents=True, exist_ok=True)
+    files = p.snapshot_files
+    if not subvolumes:
+        files.mkdir(parents=True, exist_ok=True)
+        return
+    if files.exists() and not is_subvolume(files):
+        with contextlib.suppress(OSError):
+            files.rmdir()  # an empty plain folder left from before the volume was there
+    if not files.exists():
+        _subvolume_create(files)
+
+
+def _fstype(mountpoint: Path) -> str | None:
+    """The filesystem type mounted on ``mountpoint`` (the top one), from /proc/self/mountinfo."""
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) > 4 and _unescape(fields[4]) == str(mountpoint):
+                found = right.split()[0]
+    return found
+
+
+def _unescape(s: str) -> str:
+    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def _dir_fd(path: Path) -> Iterator[int]:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _vol_args(name: str) -> bytearray:
+    raw = name.encode()
+    if not raw or len(raw) >= _VOL_ARGS - 8 or b"/" in raw:
+        raise ValueError(f"bad subvolume name {name!r}")
+    args = bytearray(_VOL_ARGS)
+    args[8:8 + len(raw)] = raw
+    return args
+
+
+def _enable_quotas(vol: Path) -> None:
+    with _dir_fd(vol) as fd:
+        fcntl.ioctl(fd, _QUOTA_CTL, bytearray(struct.pack("=QQ", _QUOTA_ENABLE, 0)))  # a no-op when on
+
+
+def _subvolume_create(path: Path) -> None:
+    with _dir_fd(path.parent) as fd:
+        fcntl.ioctl(fd, _SUBVOL_CREATE, _vol_args(path.name))
+
+
+def _set_limit(path: Path, nbytes: int | None) -> None:
+    """Limit what the subvolume at ``path`` refers to (its quota group's max_rfer); None lifts the limit."""
+    with _dir_fd(path) as fd:
+        args = struct.pack("=QQQQQQ", 0, _LIMIT_MAX_RFER, _CLEAR if nbytes is None else nbytes, 0, 0, 0)
+        fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(args))
+
+
+def is_subvolume(path: Path) -> bool:
+    """True if ``path`` is the root folder of a btrfs subvolume."""
+    try:
+        st, parent = os.lstat(path), os.lstat(path.parent)
+    except FileNotFoundError:
+        return False
+    return st.st_ino == _SUBVOL_INO and st.st_dev != parent.st_dev
+
+
+def make_layer(path: Path, disk: int | None) -> None:
+    """Make a sandbox's layer folder: a subvolume limited to ``disk`` bytes where the volume has quotas, else
+    a plain folder (DiskLimitUnsupported if ``disk`` is a limit then)."""
+    v = ensure()
+    v.require(disk)
+    if not v.quotas:
+        path.mkdir(parents=True)
+        return
+    try:
+        _subvolume_create(path)
+    except OSError as e:
+        raise SandboxError(f"could not create the sandbox's subvolume {path}: {e}") from e
+    if disk is not None:
+        try:
+            _set_limit(path, disk)
+        except OSError as e:
+            drop_layer(path)
+            raise SandboxError(f"could not set the disk limit of {path}: {e}",
+                               fix="check that btrfs quotas are on: btrfs qgroup show " + str(v.path)) from e
+
+
+def account_soon(path: Path) -> int | None:
+    """Start a commit of the volume now, without waiting for it, and return its transaction id (None where
+    there is no subvolume). What was cloned into ``path`` (a restore's reflinks) counts against its limit
+    once a commit has accounted it, so the sooner the better (btrfs commits every 30 s by itself)."""
+    if not is_subvolume(path):
+        return None
+    try:
+        with _dir_fd(path) as fd:
+            buf = bytearray(8)
+            fcntl.ioctl(fd, _START_SYNC, buf)
+            return int(struct.unpack("=Q", buf)[0])
+    except OSError:
+        return None
+
+
+def wait_accounted(path: Path, transid: int | None) -> None:
+    """Wait for the commit ``account_soon`` started (usually long done by then). Best effort."""
+    if transid is None:
+        return
+    with contextlib.suppress(OSError), _dir_fd(path) as fd:
+        fcntl.ioctl(fd, _WAIT_SYNC, bytearray(struct.pack("=Q", transid)))
+
+
+def drop_layer(path: Path) -> None:
+    """Remove a layer folder and everything in it (a subvolume goes at once; the kernel frees it behind)."""
+    if is_subvolume(path):
+        try:
+            with _dir_fd(path.parent) as fd:
+                fcntl.ioctl(fd, _SNAP_DESTROY, _vol_args(path.name))
+            return
+        except OSError as e:
+            log.warning("could not delete the subvolume %s (%s); removing its files", path, e)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def limit_store(nbytes: int | None) -> None:
+    """Set (None: lift) the kernel's limit on what the snapshot store holds."""
+    v = ensure()
+    v.require(nbytes)
+    if v.quotas and is_subvolume(paths().snapshot_files):
+        _set_limit(paths().snapshot_files, nbytes)
