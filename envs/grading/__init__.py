@@ -52,7 +52,7 @@ from envs.grading.results import (
     parse_pytest,
     split_message,
 )
-from envs.task import Task
+from envs.task import Task, diff_paths
 
 
 def decide(task: Task, statuses: dict[str, str]) -> tuple[bool, dict[str, str], dict[str, str]]:
@@ -65,13 +65,7 @@ def decide(task: Task, statuses: dict[str, str]) -> tuple[bool, dict[str, str], 
 
 def patch_files(patch: str) -> list[str]:
     """Paths a unified diff touches (its ``+++ b/...`` and ``--- a/...`` headers)."""
-    found: dict[str, None] = {}
-    for line in patch.splitlines():
-        if line.startswith(("+++ ", "--- ")):
-            path = line[4:].split("\t", 1)[0].strip()
-            if path != "/dev/null":
-                found.setdefault(path[2:] if path[:2] in ("a/", "b/") else path, None)
-    return list(found)
+    return diff_paths(patch)
 
 
 __all__ = ["MAX_PATCH_BYTES", "PARSERS", "PASSING", "REASONS", "STATUSES", "Dropped", "FilteredPatch", "GradeResult",
