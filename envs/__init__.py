@@ -8,19 +8,21 @@ which it finishes the episode itself (see ``envs.base``). All of them build on `
 
 import gymnasium
 
-from envs import shell_env, swe_env, tool_env
+from envs import lookup_env, shell_env, swe_env, tool_env
 from envs.base import SandboxEnv
+from envs.lookup_env import LookupEnv
 from envs.shell_env import ShellEnv
 from envs.swe_env import SWEEnv
 from envs.task import Task, TaskError, load_tasks
 from envs.tool_env import ToolEnv
 
-__all__ = ["SWEEnv", "SandboxEnv", "ShellEnv", "Task", "TaskError", "ToolEnv", "load_tasks"]
+__all__ = ["LookupEnv", "SWEEnv", "SandboxEnv", "ShellEnv", "Task", "TaskError", "ToolEnv", "load_tasks"]
 
 # id -> (entry point, step limit: TimeLimit's max_episode_steps and the env's own max_steps)
 REGISTERED = {"agentenv/Shell-v0": ("envs.shell_env:ShellEnv", shell_env.DEFAULT_MAX_STEPS),
               "agentenv/SWE-v0": ("envs.swe_env:SWEEnv", swe_env.DEFAULT_MAX_STEPS),
-              "agentenv/Tool-v0": ("envs.tool_env:ToolEnv", tool_env.DEFAULT_MAX_STEPS)}
+              "agentenv/Tool-v0": ("envs.tool_env:ToolEnv", tool_env.DEFAULT_MAX_STEPS),
+              "agentenv/Lookup-v0": ("envs.lookup_env:LookupEnv", lookup_env.DEFAULT_MAX_STEPS)}
 
 for _id, (_entry_point, _steps) in REGISTERED.items():
     if _id not in gymnasium.registry:
