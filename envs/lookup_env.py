@@ -80,6 +80,11 @@ VALUES = ("python", "project", "process", "count", "decay", "dense", "cores", "c
 HELDOUT_EVERY = 5  # one (name, code) pair in five belongs to the held-out split
 WORDS, MIN_WORDS = len(NAMES), 9  # level 2 needs 9 distinct names (3 files, 6 keys)
 
+# What a small policy trained from scratch on a CPU (k3-mini) learns on: gymnasium.make(ID, **SMALL_MODEL_KWARGS).
+# After ~200 SFT steps (batch 8) on 300 expert demonstrations of these: level 0 solved (20/20 held out), level 1
+# at ~35% (it reads every file with ``cat *`` and answers one of the codes): room for RL to improve.
+SMALL_MODEL_KWARGS: dict[str, Any] = {"levels": (0, 1), "words": 12, "answer_tool": False}
+
 QUESTION = {0: "What code is in the file?", 1: "What code is in file {name}?", 2: "What is the code of {name} in the files?",
             3: "What code is in file {name}?"}
 _TASK_ID = re.compile(r"lookup-(\d)-(\d+)(?:-w(\d+))?")

@@ -190,6 +190,10 @@ def test_fewer_words_make_a_smaller_task_family_with_its_own_ids():
     assert make_task(2, 5) == resolve("lookup-2-5") and make_task(2, 5).id == "lookup-2-5"
     assert task_ids("heldout", 2, (1,), words=9) == [f"lookup-1-{HELDOUT_SEED}-w9", f"lookup-1-{HELDOUT_SEED + 1}-w9"]
     assert {x.answer for x in lk.tasks("train", 200, words=9)} <= set(lk.VALUES[:9])
+    env = gymnasium.make("agentenv/Lookup-v0", api=ShellBackend(), **lk.SMALL_MODEL_KWARGS)
+    _, info = env.reset(seed=0)
+    assert info["level"] in (0, 1) and info["task"].endswith("-w12") and env.unwrapped.toolbox.names == ["bash"]
+    env.close()
     with LookupEnv(api=ShellBackend(), words=10) as env:
         assert env.reset(seed=1)[1]["task"].endswith("-w10")
     for bad in (8, 41):
