@@ -211,7 +211,10 @@ def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], seed: int, we
     runner = Runner(K3Config.from_dict(cfg), ep, seed, weights, dev)
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
+        try:
+            dist.broadcast_object_list(box, src=0)
+        except RuntimeError:   # rank 0 is gone (its process ended without "stop"): nothing left to serve
+            return
         plan = box[0]
         if plan["op"] == "stop":
             break

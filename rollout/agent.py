@@ -21,7 +21,7 @@ import asyncio
 import copy
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -251,12 +251,18 @@ async def run_episode(env: Any, policy: PolicyClient, tokenizer: Tokenizer, conf
     except EnvFailed as e:
         traj.finish_reason, traj.reward, traj.error = "env_error", None, str(e)
         return traj.check()
-    return (await play(episode, env, policy, config)).check()
+    await play(episode, env, policy, config)   # no should_pause: it plays to the end
+    return episode.traj.check()
 
 
-async def play(episode: Episode, env: Any, policy: PolicyClient, config: AgentConfig) -> Trajectory:
-    """Turns until the env ends the episode, a limit of the loop is reached, or something fails."""
-    for _ in range(config.max_turns):
+async def play(episode: Episode, env: Any, policy: PolicyClient, config: AgentConfig,
+               should_pause: Callable[[], bool] | None = None) -> Trajectory | None:
+    """Turns until the env ends the episode, a limit of the loop is reached, or something fails (the trajectory);
+    or until ``should_pause()`` says so between two turns (None: a partial rollout, continued later with the same
+    ``episode``). Turns taken before a pause count toward ``max_turns``."""
+    while len(episode.traj.turns) < config.max_turns:
+        if should_pause is not None and should_pause():
+            return None
         if episode.room(config) <= 0:
             return episode.stop(episode.limit_reached(config))
         try:

@@ -101,7 +101,7 @@ async def _settled(fut: Awaitable[T], cleanup: Callable[[T], object] | None = No
         raise
 
 
-def _close_all(envs: list[Any]) -> None:
+def close_all(envs: list[Any]) -> None:
     for env in envs:
         with contextlib.suppress(Exception):
             env.close()
@@ -127,7 +127,7 @@ def branch(parent: Any, n: int, memory: bool, make_env: Callable[[], Any], seed:
                 kids.append(kid)
                 kid.reset(seed=seed, options={"task": base.task})
         except BaseException:
-            _close_all(kids)
+            close_all(kids)
             raise
         return kids
     return list(base.fork(n, memory=memory))
@@ -163,12 +163,12 @@ async def run_group(make_env: Callable[[], Any], spec: GroupSpec, policy: Policy
             if parent is None:
                 t0 = time.perf_counter()
                 try:
-                    parent = await _settled(asyncio.to_thread(make_env), lambda env: _close_all([env]))
+                    parent = await _settled(asyncio.to_thread(make_env), lambda env: close_all([env]))
                     obs, info = await _settled(asyncio.to_thread(parent.reset, seed=spec.seed, options=opts))
                 except Exception as e:  # noqa: BLE001 - the group's result, retried below
                     result.error = f"reset: {type(e).__name__}: {e}"
                     if parent is not None:
-                        await asyncio.to_thread(_close_all, [parent])
+                        await asyncio.to_thread(close_all, [parent])
                         parent = None
                     for i in pending:
                         tries[i] += 1
@@ -184,7 +184,7 @@ async def run_group(make_env: Callable[[], Any], spec: GroupSpec, policy: Policy
             else:
                 try:
                     kids = await _settled(asyncio.to_thread(branch, parent, len(pending), memory, make_env, spec.seed),
-                                          _close_all)
+                                          close_all)
                 except Exception as e:  # noqa: BLE001 - every pending episode failed to start: retried below
                     result.error = f"fork: {type(e).__name__}: {e}"
                     for i in pending:
@@ -204,7 +204,7 @@ async def run_group(make_env: Callable[[], Any], spec: GroupSpec, policy: Policy
                                 keep_messages=keep_messages)
                     for i, env in zip(pending, timed, strict=True)))
             finally:
-                await asyncio.to_thread(_close_all, kids)
+                await asyncio.to_thread(close_all, kids)
                 if not own:
                     parent = None
             down = False
@@ -223,7 +223,7 @@ async def run_group(make_env: Callable[[], Any], spec: GroupSpec, policy: Policy
                     done[i] = t
     finally:
         if parent is not None:
-            await asyncio.to_thread(_close_all, [parent])
+            await asyncio.to_thread(close_all, [parent])
     result.trajectories = [done[i] for i in range(g)]
     result.attempts = max(tries.values())
     return result

@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import shlex
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from policy.client import PolicyClient, PolicyError
@@ -209,7 +209,8 @@ async def best_of_n(env: Any, policy: PolicyClient, tokenizer: Tokenizer, n: int
                 return ep.traj
         except EnvFailed as e:
             return ep.fail("env_error", e)
-        return await play(ep, forks[i], policy, replace(config, max_turns=config.max_turns - 1))
+        await play(ep, forks[i], policy, config)   # the turn taken counts toward max_turns
+        return ep.traj
 
     try:
         leaves = [t.check() for t in await asyncio.gather(*(episode(i) for i in range(n)))]

@@ -494,6 +494,8 @@ class Rollout:
     """The driver (see the module docstring): ``groups(tasks)`` yields ``GroupResult``; ``trajectories(tasks)``
     yields trajectories; both write the run folder ``out`` as they go. Use as a context manager, or ``close()``."""
 
+    worker_class: type[RolloutWorker] = RolloutWorker   # what plays the groups (the training loop's plays Jobs)
+
     def __init__(self, config: RolloutConfig, *, workers: int = 1, out: str | os.PathLike[str] | None = None,
                  ray_address: str | None = None, run_id: str | None = None, records_per_shard: int = 64,
                  flush_interval: float = 1.0, ray_init_kwargs: dict[str, Any] | None = None,
@@ -562,10 +564,10 @@ class Rollout:
                     await asyncio.to_thread(sweep_run, self.out, urls, self.config.env_token)
             self._write_run_file()
         if self.n_workers == 0:
-            w = RolloutWorker(self.config, f"{self.run_id}-w0", self.run_id)
+            w = self.worker_class(self.config, f"{self.run_id}-w0", self.run_id)
             self.slots = [_Slot(w.key, w)]
         else:
-            await asyncio.to_thread(self._start_ray_workers)
+            self._start_ray_workers()   # in this thread: Ray installs its signal handlers in the main thread
         self.stats = RunStats()
         self._ready = True
 
@@ -579,13 +581,14 @@ class Rollout:
             if self.ray_address is None:
                 kw["num_cpus"] = os.cpu_count() or 1
                 kw["object_store_memory"] = 256 << 20
-            ray.init(address=self.ray_address, **{**kw, **self.ray_init_kwargs})
+            # "local": a new Ray of our own, even when another one runs on this machine (None would join it)
+            ray.init(address=self.ray_address or "local", **{**kw, **self.ray_init_kwargs})
             self._started_ray = True
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if not nodes:
             raise RolloutError("the Ray cluster has no live node with CPUs")
         per_node = Counter(i % len(nodes) for i in range(self.n_workers))
-        remote = ray.remote(RolloutWorker)
+        remote = ray.remote(self.worker_class)
         for i in range(self.n_workers):
             node = nodes[i % len(nodes)]
             cpus = min(self.config.worker_cpus, node["Resources"]["CPU"] / per_node[i % len(nodes)])
@@ -609,7 +612,7 @@ class Rollout:
                 if isinstance(s.handle, RolloutWorker):
                     infos.append(await s.handle.shutdown())
                 else:
-                    infos.append(await asyncio.wait_for(_await(s.handle.shutdown.remote()), 90))
+                    infos.append(await asyncio.wait_for(await_ref(s.handle.shutdown.remote()), 90))
             except Exception as e:  # noqa: BLE001 - a dead worker: its leftovers are swept below
                 infos.append({"key": s.key, "error": f"{type(e).__name__}: {e}"})
         if infos:
@@ -671,7 +674,7 @@ class Rollout:
         slot.inflight += 1
         if isinstance(slot.handle, RolloutWorker):
             return asyncio.ensure_future(slot.handle.run_group(spec))
-        return asyncio.ensure_future(_await(slot.handle.run_group.remote(spec)))
+        return asyncio.ensure_future(await_ref(slot.handle.run_group.remote(spec)))
 
     def _record(self, result: GroupResult) -> None:
         if self.writer is not None:
@@ -769,7 +772,7 @@ class Rollout:
         if isinstance(slot.handle, RolloutWorker):
             return True
         try:
-            await asyncio.wait_for(_await(slot.handle.info.remote()), 180)
+            await asyncio.wait_for(await_ref(slot.handle.info.remote()), 180)
         except Exception:  # noqa: BLE001 - dead for good, or not back in time: no more groups for it
             return False
         return True
@@ -813,7 +816,7 @@ class Rollout:
             yield from result.trajectories
 
 
-async def _await(ref: Any) -> Any:
+async def await_ref(ref: Any) -> Any:
     """Await a Ray ObjectRef; cancelling this cancels the remote call."""
     try:
         return await ref
