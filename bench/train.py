@@ -187,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller batch, fewer repeats")
     ap.add_argument("--no-http", action="store_true", help="skip the sync to an EP=2 server process")
-    ap.add_argument("--loop-metrics", type=Path, help="an RL loop's metrics JSONL: iteration split, staleness ratio")
+    ap.add_argument("--loop-metrics", type=Path, action="append", default=[],
+                    help="an RL loop's metrics JSONL (repeatable: e.g. a run at staleness 0 and one at 1): "
+                         "iteration split, rollout-to-train ratio")
     add_output_arg(ap, "train")
     args = ap.parse_args(argv)
     repeats = 2 if args.quick else 3
@@ -212,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
         console.log("routing: serving vs training, with and without replay")
         routing_bench(report, cfg, tok, 4 if args.quick else 8, 24 if args.quick else 48, tmp)
     if args.loop_metrics:
-        rows = read_jsonl(args.loop_metrics)
-        report.info["iteration_split"] = iteration_split(rows)
-        report.info["rollout_to_train"] = rollout_to_train(rows)
+        runs = {str(p): [r for r in read_jsonl(p) if r.get("eval") is None] for p in args.loop_metrics}
+        report.info["iteration_split"] = {p: iteration_split(rows) for p, rows in runs.items()}
+        report.info["rollout_to_train"] = rollout_to_train([r for rows in runs.values() for r in rows])
     else:
         report.info["iteration_split"] = report.info["rollout_to_train"] = None
         report.notes.append("iteration split and rollout-to-train ratio need an RL loop's metrics (--loop-metrics)")
@@ -241,6 +243,13 @@ def print_report(report: Report) -> None:
                           f"pairs, {100 * g['route_mismatch_tokens']:.1f}% of tokens routed differently; "
                           f"|dlogp| mean {g['logprob_abs_diff_mean']:.2e} max {g['logprob_abs_diff_max']:.2e}",
                           highlight=False)
+    for path, split in (report.info.get("iteration_split") or {}).items():
+        if split:
+            parts = ", ".join(f"{k} {v:.1f}s ({100 * split['share'][k]:.0f}%)" for k, v in split["median_s"].items())
+            console.print(f"iteration split (median), {path}: {parts}; wall {split.get('wall_s') or 0:.1f}s per "
+                          f"iteration", highlight=False)
+    for bound, ratio in (report.info.get("rollout_to_train") or {}).items():
+        console.print(f"rollout-to-train time ratio at staleness bound {bound}: {ratio:.2f}", highlight=False)
     report.print_errors()
 
 

@@ -80,11 +80,46 @@ def episode_stats(trajectories: Sequence[Any], current_version: int | None = Non
         "infra_errors": float(len(trajectories) - len(rewards)),
     }
     if current_version is not None:
-        stale = [current_version - min((tu.weight_version for tu in t.turns), default=current_version)
-                 for t in trajectories]
+        stale = [staleness(t, current_version) for t in trajectories]
         out["staleness/mean"] = math.fsum(stale) / len(stale) if stale else 0.0
         out["staleness/max"] = float(max(stale, default=0))
     return out
+
+
+def pass_rate(trajectories: Sequence[Any], threshold: float) -> tuple[float, float, int]:
+    """(pass rate, reward mean, rewarded episodes); infrastructure failures count as failures here."""
+    rewards = [t.reward for t in trajectories]
+    n = len(rewards)
+    if n == 0:
+        return float("nan"), float("nan"), 0
+    ok = sum(1 for r in rewards if r is not None and r >= threshold)
+    scored = [r for r in rewards if r is not None]
+    return ok / n, (math.fsum(scored) / len(scored) if scored else float("nan")), len(scored)
+
+
+# --- staleness ------------------------------------------------------------------------------------------------
+
+
+def staleness(traj: Any, current_version: int) -> int:
+    """Versions between the current weights and the oldest that generated a token of ``traj`` (0: none)."""
+    versions = [t.weight_version for t in traj.turns]
+    return max(0, current_version - min(versions)) if versions else 0
+
+
+def allowed_staleness(traj: Any, max_staleness: int) -> int:
+    """The bound for ``traj``: ``max_staleness``, plus one per time it was paused (a partial rollout spans the
+    versions of the iterations it ran in)."""
+    return max_staleness + int(traj.metadata.get("resumes", 0) or 0)
+
+
+def filter_stale(trajectories: Sequence[Any], current_version: int, max_staleness: int
+                 ) -> tuple[list[Any], list[Any]]:
+    """(kept, dropped): a trajectory is dropped when it is more versions old than its bound allows."""
+    kept: list[Any] = []
+    dropped: list[Any] = []
+    for t in trajectories:
+        (dropped if staleness(t, current_version) > allowed_staleness(t, max_staleness) else kept).append(t)
+    return kept, dropped
 
 
 def rl_batch(trajectories: Sequence[Any], cfg: AdvantageConfig | None = None, *,

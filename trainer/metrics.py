@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -123,6 +124,13 @@ def plot(rows: Sequence[dict[str, Any]] | str | os.PathLike[str], out: str | os.
     for ax in flat[n:]:
         ax.axis("off")
     fig.suptitle(title)
+    return save_figure(fig, out)
+
+
+def save_figure(fig: Any, out: str | os.PathLike[str]) -> Path:
+    """Write a matplotlib figure as PNG atomically (by rename) and close it."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -224,17 +232,21 @@ class Progress:
 # --- summaries of a loop's run (bench/train.py reads them) ---------------------------------------------------------
 
 def iteration_split(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Median seconds per iteration in each phase (environment, policy, training, weight sync) and its share of
-    their sum; None when the rows carry no phase times."""
+    """Median seconds per iteration in each phase (environment, policy, training, weight sync), its share of their
+    sum, and the median wall time between two iterations (less than the sum when rollouts overlap training);
+    None when the rows carry no phase times."""
     med = {}
     for k in TIME_KEYS:
-        xs = sorted(float(r[k]) for r in rows if isinstance(r.get(k), int | float))
+        xs = [float(r[k]) for r in rows if isinstance(r.get(k), int | float)]
         if xs:
-            med[k.split("/")[1]] = xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2
+            med[k.split("/")[1]] = statistics.median(xs)
     total = sum(med.values())
     if not med or total <= 0:
         return None
-    return {"median_s": med, "share": {k: v / total for k, v in med.items()}, "iterations": len(rows)}
+    stamps = [float(r["time"]) for r in rows if isinstance(r.get("time"), int | float)]
+    walls = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {"median_s": med, "share": {k: v / total for k, v in med.items()}, "iterations": len(rows),
+            "wall_s": statistics.median(walls) if walls else None}
 
 
 def rollout_to_train(rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:

@@ -12,8 +12,10 @@ run killed at any point and resumed takes exactly the steps, on exactly the batc
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +27,7 @@ from trainer.losses import token_mean
 from trainer.metrics import MetricsLog, Progress, TensorBoard, plot
 
 if TYPE_CHECKING:
+    from trainer.config import RunConfig
     from trainer.train import Trainer
 
 
@@ -116,3 +119,56 @@ def run_sft(trainer: Trainer, samples: Sequence[Sample], *, steps: int, batch_si
             bar.update(step, m)
     tb.close()
     return rows
+
+
+def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: bool = False,
+               progress: bool | None = None, say: Callable[[str], None] = print,
+               add_time: Callable[[str, float], None] | None = None) -> tuple[str, dict[str, Any]]:
+    """The loop's warm start: the config's scripted expert plays ``tasks`` through the real env path into
+    ``run_dir/demos``, then ``run_sft`` trains on them; returns the weights (``run_dir/sft/weights.safetensors``)
+    and a summary. Weights already there are kept (a resumed run)."""
+    from rollout.trajectory import read
+    from trainer.cli import model_config
+    from trainer.services import resolve_function, write_json_atomic
+    from trainer.train import TrainConfig, Trainer
+
+    final = run_dir / "sft" / "weights.safetensors"
+    summary_file = run_dir / "sft" / "summary.json"
+    if final.is_file():
+        say(f"warm start: {final} exists, kept")
+        return str(final), json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+
+    def timed(key: str, t0: float) -> None:
+        if add_time is not None:
+            add_time(key, time.perf_counter() - t0)
+
+    demos, n = run_dir / "demos", cfg.sft.demonstrations
+    if not (demos / "index.json").is_file():
+        say(f"warm start: {n} demonstrations of a scripted expert on {cfg.env.id} ({cfg.sft.expert})")
+        t0 = time.perf_counter()
+        extra = {"env_kwargs": dict(cfg.env.kwargs)} if cfg.env.kwargs else {}
+        resolve_function(cfg.sft.expert)(cfg.env.id, list(tasks), str(demos), n, **extra, **cfg.sft.expert_kwargs)
+        timed("sft_demos", t0)
+    trajs = sorted(read(demos), key=lambda t: (t.task_id, t.seed or 0))   # shards fill in finishing order
+    samples = sft_samples(trajs)
+    solved = sum(1 for t in trajs if t.reward is not None and t.reward >= cfg.rl.pass_threshold)
+    if not samples:
+        raise RuntimeError(f"the expert wrote no usable demonstration in {demos}")
+    say(f"warm start: SFT on {len(samples)} demonstrations ({solved}/{len(trajs)} solved), "
+        f"{cfg.sft.steps} steps of {cfg.sft.batch_size}")
+    tcfg = TrainConfig(lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps, seed=cfg.seed, dtype=cfg.trainer.dtype,
+                       micro_batch_tokens=cfg.rl.micro_batch_tokens)
+    t0 = time.perf_counter()
+    with Trainer(model_config(cfg.policy.preset), tcfg, world=cfg.trainer.world, ep_size=cfg.trainer.ep,
+                 weights=cfg.sft.init_weights or None, device=cfg.trainer.device) as t:
+        rows = run_sft(t, samples, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, out=run_dir / "sft",
+                       ckpt_every=0, resume=resume, seed=cfg.seed, progress=progress,
+                       plot_every=max(1, cfg.sft.steps))
+        t.save_weights(final)
+    timed("sft_train", t0)
+    nll = [r["nll"] for r in rows if isinstance(r.get("nll"), int | float)]
+    summary = {"demonstrations": len(trajs), "demonstrations_solved": solved, "samples": len(samples),
+               "steps": cfg.sft.steps, "loss_first": rows[0].get("loss") if rows else None,
+               "loss_last": rows[-1].get("loss") if rows else None, "nll_last": nll[-1] if nll else None}
+    write_json_atomic(summary_file, summary)
+    return str(final), summary

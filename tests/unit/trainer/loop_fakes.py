@@ -1,0 +1,112 @@
+"""Shared pieces of the loop's unit tests: a scripted policy whose weight version is a shared counter, a trainer and
+a weight sync that only count, and a Loop wired to them with an in-process LoopRollout on fake sandboxes."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+from rollout_fakes import FORKY, TOK, FakeBackend  # noqa: E402
+
+from policy.client import PolicyClient  # noqa: E402
+from rollout import scripted  # noqa: E402
+from rollout.workers import RolloutConfig  # noqa: E402
+from trainer.config import load  # noqa: E402
+from trainer.loop import Loop  # noqa: E402
+from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.rollouts import LoopRollout  # noqa: E402
+
+__all__ = ["FORKY", "TOK", "FakeBackend", "FakeSync", "FakeTrainer", "Versions", "loop_with_fakes", "policy_factory"]
+
+
+class Versions:
+    """The policy's weight version (what a push bumps)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+
+
+class VersionedTransport(httpx.AsyncBaseTransport):
+    """The scripted app, its answers stamped with the current weight version."""
+
+    def __init__(self, app: Any, versions: Versions) -> None:
+        self.inner, self.versions = httpx.ASGITransport(app=app), versions
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        version = self.versions.now               # the version when the generation started
+        r = await self.inner.handle_async_request(request)
+        if not request.url.path.endswith("/completions"):
+            return r
+        body = json.loads(await r.aread())
+        body["weight_version"] = version
+        return httpx.Response(r.status_code, json=body)
+
+
+def policy_factory(script: scripted.Script, versions: Versions):
+    tr = VersionedTransport(scripted.create_app(script, TOK), versions)
+
+    def make() -> PolicyClient:
+        return PolicyClient("http://scripted", transport=tr, max_retries=0, backoff=0.01)
+
+    return make
+
+
+class FakeTrainer:
+    """Counts steps; ``delay`` seconds per step (in the loop's training thread)."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.step_count, self.delay, self.batches = 0, delay, []
+
+    def step(self, batch: Any) -> dict[str, float]:
+        time.sleep(self.delay)
+        self.batches.append(batch)
+        self.step_count += 1
+        return {"loss": 0.0, "time/train": self.delay}
+
+    def checkpoint(self, *a: Any, **kw: Any) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class FakeSync:
+    def __init__(self, versions: Versions) -> None:
+        self.versions = versions
+
+    def push(self, trainer: Any) -> Any:
+        self.versions.now += 1
+        v = self.versions.now
+
+        class Result:
+            version = v
+
+            @staticmethod
+            def metrics() -> dict[str, float]:
+                return {"time/sync": 0.0}
+
+        return Result()
+
+
+def loop_with_fakes(tmp_path: Path, script: scripted.Script, overrides: list[str], delay: float = 0.0,
+                    backend: FakeBackend | None = None) -> tuple[Loop, Versions, FakeBackend]:
+    """A Loop on ``test/Forky-v0`` (fake sandboxes), a scripted policy, a counting trainer and sync; no eval, no
+    SWE, no warm start. Call ``await loop.rollout.start()`` before collecting."""
+    cfg = load(overrides=[f'out_dir="{tmp_path}"', 'name="t"', f'env.id="{FORKY}"', 'env.train_tasks="ids:a,b,c,d"',
+                          'env.heldout_tasks="ids:h1,h2"', "sft.enabled=false", "swe.enabled=false",
+                          "eval.enabled=false", 'progress="off"', "ray.workers=0", *overrides])
+    versions = Versions()
+    backend = backend or FakeBackend()
+    loop = Loop(cfg)
+    rc = RolloutConfig(cfg.env.id, "http://scripted", backend_factory=lambda: backend,
+                       policy_factory=policy_factory(script, versions), tokenizer_factory=lambda: TOK)
+    loop.rollout = LoopRollout(rc, workers=0, out=tmp_path / "trajectories", run_id="unit")
+    loop.trainer, loop.sync = FakeTrainer(delay), FakeSync(versions)
+    loop.metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    return loop, versions, backend

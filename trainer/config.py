@@ -1,0 +1,455 @@
+"""The configuration of ``agentenv train``: TOML, every key with a documented default.
+
+A run's settings are layered: the defaults below ← ``--config FILE`` ← ``--quick`` (``trainer/configs/quick.toml``
+laid over it) ← ``--set section.key=value``. Unknown sections and keys are refused with their name (a typo never
+silently falls back to a default), and so are values of the wrong type. ``describe(cfg)`` renders the effective
+configuration as TOML with each key's documentation as a comment (``agentenv train --dry-run`` prints it);
+``defaults_toml()`` is the same for the defaults.
+
+Sections: ``[policy]`` (the policy server: started here, or an existing one), ``[ray]`` (rollout workers),
+``[env]`` (the task family, its train / held-out tasks, the agent loop's limits), ``[sft]`` (the warm start),
+``[rl]`` (GRPO: groups, staleness, partial rollouts, the loss), ``[trainer]`` (training processes), ``[eval]``
+(held-out evaluation), ``[swe]`` (one iteration over SWE-v0 tasks through the same path).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+CONFIGS = Path(__file__).with_name("configs")
+MAIN_TOML, QUICK_TOML = CONFIGS / "main.toml", CONFIGS / "quick.toml"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used: an unknown key, a wrong type, a value out of range."""
+
+
+def doc(default: Any, text: str) -> Any:
+    """A dataclass field with its default and its documentation (kept in ``metadata["doc"]``)."""
+    if isinstance(default, dict | list):
+        return field(default_factory=lambda: json.loads(json.dumps(default)), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class PolicyConfig:
+    """The policy server the rollouts ask and the trainer's weights go to."""
+
+    url: str = doc("", "an existing OpenAI-compatible endpoint (ours, vLLM, SGLang); empty: start "
+                       "`agentenv policy serve` here (also --policy-url)")
+    token_file: str = doc("", "file holding that endpoint's bearer token (else $AGENTENV_POLICY_TOKEN; a server "
+                              "started here gets a fresh token in the run folder)")
+    kind: str = doc("agentenv", "how the endpoint reloads weights: agentenv (/update_weights), sglang "
+                                "(/update_weights_from_disk), vllm (/collective_rpc reload_weights)")
+    model: str = doc("", "model name to ask for (empty: the first the endpoint lists)")
+    preset: str = doc("k3-mini", "model preset of a server started here (and of the trainer)")
+    ep: int = doc(2, "expert-parallel ranks (processes) of a server started here")
+    port: int = doc(0, "port of a server started here (0: a free one)")
+    max_context: int = doc(4096, "context length of a server started here (prompt + completion tokens)")
+    max_batch: int = doc(32, "most sequences in the running batch of a server started here")
+    verify: str = doc("quick", "pre-flight of the endpoint: quick (models, token ids + logprobs, weight version), "
+                               "full (agentenv policy verify), off")
+    startup_timeout_s: float = doc(300.0, "seconds to wait for a server started here to answer /health")
+    sync_mode: str = doc("drain", "weight update: drain (running generations finish on the old weights) or abort")
+
+
+@dataclass
+class RayConfig:
+    """Rollout workers: a local Ray started here, or an existing cluster."""
+
+    address: str = doc("", "an existing Ray cluster (host:port; also --ray-address); empty: a local Ray")
+    workers: int = doc(1, "Ray rollout workers (0: play in this process, without Ray)")
+    worker_cpus: float = doc(0.5, "CPUs Ray reserves per worker")
+    groups_per_worker: int = doc(32, "groups in flight per worker (backpressure)")
+    env_url: str = doc("", "agentenv serve URL the workers make sandboxes on (empty: $AGENTENV_URL, else local)")
+    memory_fork: bool = doc(False, "fork processes too (CRIU) when a group forks, not only files")
+
+
+@dataclass
+class EnvConfig:
+    """The task family: the env, its training and held-out tasks, the agent loop's limits."""
+
+    id: str = doc("agentenv/Tool-v0", "Gymnasium env id (registered by `import envs`)")
+    kwargs: dict[str, Any] = doc({}, "keyword arguments of gymnasium.make(id, ...)")
+    train_tasks: str = doc("seeds:0-999999", "training tasks: seeds:A-B (the env draws a task from each seed), "
+                                             "ids:ID,ID,... , py:MODULE:FUNCTION key=value ... (a function that "
+                                             "lists task ids or records; values in TOML without spaces, e.g. "
+                                             "levels=[1,2]), or a JSONL / JSON file of task records")
+    heldout_tasks: str = doc("seeds:1000000-1000063", "held-out tasks, never trained on (same forms)")
+    max_turns: int = doc(4, "policy calls per episode")
+    max_new_tokens: int = doc(64, "tokens per policy call")
+    max_total_tokens: int = doc(256, "generated tokens per episode")
+    context_limit: int = doc(4096, "prompt + generated tokens per episode")
+    temperature: float = doc(1.0, "sampling temperature of training rollouts")
+    top_p: float = doc(1.0, "nucleus sampling of training rollouts")
+    system_prompt: str = doc("", "a system message before each task (empty: none)")
+
+
+@dataclass
+class SFTConfig:
+    """The warm start: supervised fine-tuning on scripted demonstrations played through the real env path."""
+
+    enabled: bool = doc(True, "run the warm start (off: RL starts from --init-weights or the seed's weights)")
+    expert: str = doc("rollout.experts:write_demonstrations", "module:function(env_id, tasks, out, n[, env_kwargs=]) "
+                                                                "that plays a scripted expert and writes trajectory "
+                                                                "shards (env_kwargs: env.kwargs, when set)")
+    expert_kwargs: dict[str, Any] = doc({}, "more keyword arguments of the expert function (e.g. guess = 0.5 for "
+                                            "trainer.demos:write_demonstrations)")
+    demonstrations: int = doc(64, "demonstration episodes")
+    steps: int = doc(40, "optimizer steps")
+    batch_size: int = doc(16, "episodes per step")
+    lr: float = doc(1e-3, "AdamW learning rate")
+    warmup_steps: int = doc(4, "linear learning-rate warm-up")
+    init_weights: str = doc("", "safetensors to start from (empty: the seed's initial weights)")
+
+
+@dataclass
+class RLConfig:
+    """GRPO: groups forked from one state, bounded staleness, partial rollouts, the loss."""
+
+    iterations: int = doc(8, "training iterations (one optimizer step and one weight push each)")
+    groups_per_iteration: int = doc(8, "GRPO groups per training batch")
+    group_size: int = doc(4, "episodes per group, forked from one reset")
+    max_staleness: int = doc(0, "0: synchronous, on-policy (rollouts, then training, strictly alternating); k >= 1: "
+                                "rollouts for steps t+1..t+k run while step t trains, and trajectories more than k "
+                                "weight versions old are dropped and counted")
+    partial_rollouts: bool = doc(False, "an iteration's rollouts end once groups_per_iteration groups are complete; "
+                                        "episodes still running are paused to the snapshot store and resumed in the "
+                                        "next iteration under the new weights (each turn keeps its own version)")
+    extra_groups: int = doc(0, "groups played beyond groups_per_iteration with partial rollouts (the long tail "
+                               "they leave is paused, not waited for)")
+    max_resumes: int = doc(2, "times a partial episode may be paused and resumed before it is dropped (counted)")
+    lr: float = doc(2e-5, "AdamW learning rate")
+    warmup_steps: int = doc(0, "linear learning-rate warm-up")
+    grad_clip: float = doc(1.0, "max global grad norm (<= 0: none)")
+    mini_batches: int = doc(1, "optimizer updates per iteration's batch")
+    micro_batch_tokens: int = doc(4096, "padded tokens per forward / backward")
+    eps_low: float = doc(0.2, "PPO clip range below 1")
+    eps_high: float = doc(0.28, "PPO clip range above 1 (DAPO's clip-higher)")
+    tis_cap: float = doc(2.0, "truncated importance-sampling cap (<= 0: no TIS)")
+    kl_coef: float = doc(0.0, "k3 KL penalty to the starting weights (> 0 keeps a frozen reference model)")
+    baseline: str = doc("mean", "advantage baseline: mean (GRPO) or loo (leave-one-out)")
+    std_normalize: bool = doc(True, "divide advantages by the group's std (GRPO); false: Dr. GRPO")
+    drop_all_equal: bool = doc(False, "leave out groups whose rewards are all equal (no signal)")
+    pass_threshold: float = doc(1.0, "a reward at least this counts as a pass")
+    ckpt_every: int = doc(1, "checkpoint every N iterations (the last one always)")
+    keep_checkpoints: int = doc(2, "checkpoints kept")
+    routing_replay: bool = doc(False, "replay the rollout's recorded expert routing in the training forward")
+
+
+@dataclass
+class TrainerConfig:
+    """The training processes (EP + DP on torch.distributed)."""
+
+    world: int = doc(1, "training ranks (processes)")
+    ep: int = doc(1, "expert-parallel ranks per group (divides world)")
+    device: str = doc("cpu", "cpu, or cuda (one GPU per rank)")
+    dtype: str = doc("float32", "parameter dtype")
+    threads: int = doc(0, "torch threads of this process (0: leave torch's default)")
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation: after the warm start (before RL), every few iterations, and after RL."""
+
+    enabled: bool = doc(True, "evaluate on the held-out tasks")
+    episodes: int = doc(64, "held-out tasks evaluated (the first N of env.heldout_tasks)")
+    every: int = doc(0, "also evaluate every N iterations (0: only before and after RL)")
+    temperature: float = doc(0.0, "sampling temperature (0: greedy)")
+
+
+@dataclass
+class SWEConfig:
+    """One iteration over SWE-v0 tasks through the same path: a group forked from one state, SWE grading, a step."""
+
+    enabled: bool = doc(True, "run it after the RL iterations (needs Docker and the task's image)")
+    env_id: str = doc("agentenv/SWE-v0", "the env")
+    tasks: str = doc("envs/tasks/swe_tasks.jsonl", "task records")
+    task_ids: list[str] = doc([], "which tasks (empty: the first `groups`)")
+    groups: int = doc(1, "groups (tasks) played")
+    group_size: int = doc(2, "episodes per group, forked from one reset")
+    max_turns: int = doc(3, "policy calls per episode")
+    max_new_tokens: int = doc(48, "tokens per policy call")
+    max_total_tokens: int = doc(144, "generated tokens per episode")
+    context_limit: int = doc(4096, "prompt + generated tokens per episode")
+    env_kwargs: dict[str, Any] = doc({"max_output": 1500}, "keyword arguments of the env (a command's output is "
+                                     "cut to max_output characters, so that episodes end graded, not at the "
+                                     "context limit)")
+    train: bool = doc(True, "take the training step on its trajectories too")
+
+
+@dataclass
+class RunConfig:
+    """A whole `agentenv train` run."""
+
+    name: str = doc("main", "the run's name: its folder is out_dir/name")
+    out_dir: str = doc("runs", "where run folders go")
+    seed: int = doc(0, "initial weights, task order, sampling seeds (also --seed)")
+    progress: str = doc("auto", "live display: auto (on a terminal), on, off")
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    swe: SWEConfig = field(default_factory=SWEConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.name
+
+    def validate(self) -> RunConfig:
+        """Raise ConfigError naming the first setting out of range."""
+        checks: list[tuple[bool, str]] = [
+            (self.policy.kind in ("agentenv", "sglang", "vllm"), "policy.kind must be agentenv, sglang or vllm"),
+            (self.policy.verify in ("quick", "full", "off"), "policy.verify must be quick, full or off"),
+            (self.policy.sync_mode in ("drain", "abort"), "policy.sync_mode must be drain or abort"),
+            (self.policy.ep >= 1, "policy.ep must be at least 1"),
+            (self.ray.workers >= 0, "ray.workers must be >= 0"),
+            (self.rl.iterations >= 0, "rl.iterations must be >= 0"),
+            (self.rl.groups_per_iteration >= 1, "rl.groups_per_iteration must be at least 1"),
+            (self.rl.group_size >= 1, "rl.group_size must be at least 1"),
+            (self.rl.max_staleness >= 0, "rl.max_staleness must be >= 0"),
+            (self.rl.extra_groups >= 0, "rl.extra_groups must be >= 0"),
+            (self.rl.max_resumes >= 0, "rl.max_resumes must be >= 0"),
+            (self.rl.baseline in ("mean", "loo"), "rl.baseline must be mean or loo"),
+            (self.trainer.world >= 1 and self.trainer.world % self.trainer.ep == 0,
+             "trainer.ep must divide trainer.world"),
+            (self.progress in ("auto", "on", "off"), "progress must be auto, on or off"),
+            (self.env.max_turns >= 1, "env.max_turns must be at least 1"),
+            (self.sft.steps >= 0 and self.sft.batch_size >= 1, "sft.steps >= 0 and sft.batch_size >= 1"),
+            (self.eval.episodes >= 0, "eval.episodes must be >= 0"),
+            (self.swe.groups >= 1 and self.swe.group_size >= 1, "swe.groups and swe.group_size must be at least 1"),
+            (bool(self.name) and "/" not in self.name, "name must be a plain folder name"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ConfigError(message)
+        for spec in (self.env.train_tasks, self.env.heldout_tasks):
+            parse_task_spec(spec)
+        return self
+
+
+# --- tasks ------------------------------------------------------------------------------------------------
+
+
+def parse_task_spec(spec: str) -> tuple[str, Any]:
+    """``seeds:A-B`` -> ("seeds", range), ``ids:a,b`` -> ("ids", [...]), ``py:MODULE:FUNCTION k=v ...`` ->
+    ("py", (function ref, kwargs)), else ("file", path)."""
+    spec = spec.strip()
+    if spec.startswith("py:"):
+        ref, *args = spec[3:].split()
+        if ":" not in ref:
+            raise ConfigError(f"task spec {spec!r}: py:MODULE:FUNCTION [key=value ...]")
+        kwargs: dict[str, Any] = {}
+        for arg in args:
+            key, sep, raw = arg.partition("=")
+            if not sep or not key:
+                raise ConfigError(f"task spec {spec!r}: arguments are key=value, got {arg!r}")
+            kwargs[key] = _spec_value(raw)
+        return "py", (ref, kwargs)
+    if spec.startswith("seeds:"):
+        lo, sep, hi = spec[6:].partition("-")
+        try:
+            a, b = int(lo), int(hi if sep else lo)
+        except ValueError:
+            raise ConfigError(f"task spec {spec!r}: seeds:A-B takes two integers") from None
+        if b < a:
+            raise ConfigError(f"task spec {spec!r}: the range is empty")
+        return "seeds", range(a, b + 1)
+    if spec.startswith("ids:"):
+        ids = [s.strip() for s in spec[4:].split(",") if s.strip()]
+        if not ids:
+            raise ConfigError(f"task spec {spec!r} names no task")
+        return "ids", ids
+    if not spec:
+        raise ConfigError("an empty task spec")
+    return "file", spec.removeprefix("file:")
+
+
+def _spec_value(raw: str) -> Any:
+    """An argument of a ``py:`` task spec: a TOML value without spaces (``8``, ``[1,2]``, ``"x"``), else the bare
+    string."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+# --- loading ----------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """``value`` as type ``tp`` (int -> float allowed; nothing else is converted)."""
+    origin = typing.get_origin(tp)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float or tp is str:
+        if isinstance(value, tp):
+            return value
+    elif origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, list):
+            return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:
+        return value
+    raise ConfigError(f"{where}: expected {_type_name(origin or tp)}, got {type(value).__name__} {value!r}")
+
+
+def _merge(obj: Any, data: dict[str, Any], where: str) -> Any:
+    """``obj`` (a config dataclass) with ``data``'s keys set; unknown keys raise ConfigError naming them."""
+    hints = typing.get_type_hints(type(obj))
+    known = {f.name: f for f in fields(obj)}
+    changes: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in known:
+            section = f"[{where}]" if where else "the top level"
+            raise ConfigError(f"unknown key {path!r} in {section}; known: {', '.join(sorted(known))}")
+        current = getattr(obj, key)
+        if is_dataclass(current):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{path} is a section ([{path}]), not a value")
+            changes[key] = _merge(current, value, path)
+        else:
+            changes[key] = _coerce(value, hints[key], path)
+    return replace(obj, **changes)
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """``section.key=value`` (value in TOML syntax; a bare word is a string) -> a nested dict."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set takes section.key=value, got {item!r}")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config file at {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def load(path: str | Path | None = None, *, quick: bool = False, overrides: list[str] | tuple[str, ...] = (),
+         base: RunConfig | None = None) -> RunConfig:
+    """The defaults, then ``path``, then quick.toml (``quick``), then ``overrides``; validated."""
+    cfg = base or RunConfig()
+    layers: list[tuple[str, dict[str, Any]]] = []
+    if path is not None:
+        layers.append((str(path), read_toml(path)))
+    if quick:
+        layers.append((str(QUICK_TOML), read_toml(QUICK_TOML)))
+    for item in overrides:
+        layers.append((f"--set {item}", parse_override(item)))
+    for name, data in layers:
+        try:
+            cfg = _merge(cfg, data, "")
+        except ConfigError as e:
+            raise ConfigError(f"{name}: {e}") from None
+    return cfg.validate()
+
+
+# --- rendering --------------------------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def describe(cfg: RunConfig, comments: bool = True) -> str:
+    """``cfg`` as TOML, each key with its documentation (and its default, where it differs) as a comment."""
+    default = RunConfig()
+    lines: list[str] = []
+
+    def emit(obj: Any, dflt: Any) -> None:
+        for f in fields(obj):
+            v = getattr(obj, f.name)
+            if is_dataclass(v):
+                continue
+            text = f"{f.name} = {_toml_value(v)}"
+            if comments:
+                note = f.metadata.get("doc", "")
+                d = getattr(dflt, f.name)
+                if d != v:
+                    note += f" [default: {_toml_value(d)}]"
+                text = f"{text:<44} # {note}"
+            lines.append(text)
+
+    emit(cfg, default)
+    for f in fields(cfg):
+        sub = getattr(cfg, f.name)
+        if is_dataclass(sub):
+            lines.append("")
+            lines.append(f"[{f.name}]" + (f"  # {type(sub).__doc__}" if comments and type(sub).__doc__ else ""))
+            emit(sub, getattr(default, f.name))
+    return "\n".join(lines) + "\n"
+
+
+def defaults_toml() -> str:
+    return describe(RunConfig())
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for f in fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = to_dict(v) if is_dataclass(v) else v
+    return out
+
+
+def undocumented() -> list[str]:
+    """Keys without documentation (a test keeps this empty)."""
+    missing = []
+
+    def walk(cls: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in fields(cls):
+            if isinstance(hints[f.name], type) and is_dataclass(hints[f.name]):
+                walk(hints[f.name], f"{prefix}{f.name}.")
+            elif not f.metadata.get("doc") or (f.default is MISSING and f.default_factory is MISSING):
+                missing.append(prefix + f.name)
+
+    walk(RunConfig, "")
+    return missing
