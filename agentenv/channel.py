@@ -31,6 +31,7 @@ from agentenv.errors import ConnectionLost, SandboxError, from_wire
 CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
 RETRIES = 10  # connections in a row closed before an answer (no snapshot explaining it): the call fails
 BACKOFF = (0.004, 0.5)  # seconds slept after the first such close, doubling up to the second figure
+START_POLL = 0.005  # seconds at most between attempts to reach an agent still starting (it answers in tens of ms)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class Channel:
                     raise ConnectionLost(f"the sandbox agent does not answer ({e})",
                                          fix="the sandbox may have been closed or paused; check Sandbox.list()") from e
                 time.sleep(min(delay, left))
-                delay = min(delay * 2, 0.05)
+                delay = min(delay * 2, START_POLL)
 
     def call(self, header: dict[str, Any], blob: bytes = b"", *, timeout: float | None = None,
              max_blob: int = agent.MAX_BLOB) -> tuple[dict[str, Any], bytes]:

@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import agent
+from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
 from agentenv.errors import CheckpointError, SandboxError
+from agentenv.hostcalls import drop_netns, make_netns, mount_overlay, umount
+from agentenv.phases import phase
 
-AGENT_DEST = "/.agentenv/agent.py"
 DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
                 "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT"]
 _MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/latency_stats", "/proc/timer_list",
@@ -99,9 +101,12 @@ _SYSCALLS_BY_CAP = {  # allowed only when the sandbox holds the capability (as i
     "CAP_SYS_TIME": ["settimeofday", "stime", "clock_settime", "clock_settime64"],
     "CAP_DAC_READ_SEARCH": ["open_by_handle_at"],
 }
+# The native ABI only: unlike Docker's profile, the 32-bit (x86, arm) and x32 entry points are refused outright.
+# Sandboxes run 64-bit programs, the compat syscall paths are a known source of kernel bugs, and runc has
+# libseccomp compile the filter once per ABI on every start and restore: two more ABIs cost ~10 ms of each.
 _SECCOMP_ARCHES = {
-    "x86_64": (["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"], ["arch_prctl", "modify_ldt"]),
-    "aarch64": (["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"],
+    "x86_64": (["SCMP_ARCH_X86_64"], ["arch_prctl", "modify_ldt"]),
+    "aarch64": (["SCMP_ARCH_AARCH64"],
                 ["arm_fadvise64_64", "arm_sync_file_range", "sync_file_range2", "breakpoint", "cacheflush",
                  "set_tls"]),
 }
@@ -188,8 +193,8 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str | Non
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": ["python3", "-I", "-S", AGENT_DEST],
-            "env": spec.env + ["AGENTENV_AGENT=1"],
+            "args": agent_command(),
+            "env": spec.env + ["AGENTENV_AGENT=1", agent_env()],
             "cwd": spec.workdir or "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
@@ -275,35 +280,36 @@ class Container:
         for d in (self.upper, self.work, self.rootfs):
             d.mkdir(parents=True, exist_ok=True)
         if fs_from is not None:
-            copy_tree(fs_from, self.upper)
-        self.mount(spec)
+            with phase("fs copy"):
+                copy_tree(fs_from, self.upper)
+        with phase("mount"):
+            self.mount(spec)
         if not spec.network:
-            make_netns(self.netns)
+            with phase("netns"):
+                make_netns(self.netns)
         config = oci_config(spec, hostname=self.cid[-12:], cgroup=self.cgroup,
                             netns=None if spec.network else str(self.netns))
         (self.bundle / "config.json").write_text(json.dumps(config))
 
     def mount(self, spec: ContainerSpec) -> None:
-        """The sandbox's root: an overlay of the image's layers under its own upper folder. ``volatile``: a sync
-        in the sandbox (or the unmount) does not flush the volume, which every sandbox shares (a sandbox's
-        files live as long as it does, and snapshots are copies)."""
+        """The sandbox's root: an overlay of the image's layers under its own upper folder (``volatile``: a sync
+        in the sandbox does not flush the volume every sandbox shares; its files live as long as it does, and
+        snapshots are copies)."""
         if os.path.ismount(self.rootfs):
             return
-        opts = f"lowerdir={':'.join(spec.layers)},upperdir={self.upper},workdir={self.work}"
-        r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts + ",volatile", str(self.rootfs)],
-                           capture_output=True, text=True, check=False)
-        if r.returncode != 0:  # a kernel older than 5.10
-            r = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", opts, str(self.rootfs)],
-                               capture_output=True, text=True, check=False)
-        if r.returncode != 0:
-            raise SandboxError(f"overlay mount failed: {r.stderr.strip()}",
-                               fix="check that the image's layers still exist (docker image inspect)")
+        try:
+            mount_overlay(spec.layers, self.upper, self.work, self.rootfs)
+        except OSError as e:
+            raise SandboxError(f"overlay mount failed: {e}",
+                               fix="check that the image's layers still exist (docker image inspect)") from e
 
     def unmount(self) -> None:
         if os.path.ismount(self.rootfs):
-            r = subprocess.run(["umount", str(self.rootfs)], capture_output=True, text=True, check=False)
-            if r.returncode != 0:
-                subprocess.run(["umount", "-l", str(self.rootfs)], capture_output=True, check=False)
+            try:
+                umount(self.rootfs)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    umount(self.rootfs, lazy=True)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -478,28 +484,6 @@ def protect_agent(pid: int) -> bool:
     except OSError:
         return False
     return True
-
-
-def make_netns(path: Path) -> None:
-    """A persistent network namespace bound on ``path``, holding only loopback (up).
-
-    Made by us rather than by runc so that CRIU treats it as external: it neither dumps it nor locks
-    it with iptables during a dump (tens of milliseconds each), and a restored sandbox joins a fresh one.
-    """
-    if os.path.ismount(path):
-        return
-    path.touch()
-    r = subprocess.run(["unshare", f"--net={path}", "ip", "link", "set", "lo", "up"], capture_output=True,
-                       text=True, check=False)
-    if r.returncode != 0:
-        raise SandboxError(f"could not create the sandbox's network namespace: {r.stderr.strip()}",
-                           fix="install iproute2 and util-linux (scripts/bootstrap.sh does)")
-
-
-def drop_netns(path: Path) -> None:
-    if os.path.ismount(path):
-        subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
-    path.unlink(missing_ok=True)
 
 
 CRIU_RUNDIR = "/run/agentenv-criu"

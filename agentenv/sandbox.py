@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentenv import agent, images, store, volume
+from agentenv import agent, forking, images, store, volume
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
@@ -61,11 +61,11 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
+from agentenv.phases import phase
 from agentenv.runtime import (
     AgentProcess,
     Container,
     ContainerSpec,
-    copy_tree,
     dump_stats,
     proc_start_time,
     protect_agent,
@@ -199,16 +199,25 @@ class Sandbox:
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
                 self._rec["spec"] = spec.to_json()
+            fs_from = snap.fs_dir if snap else None
             if self._has_own_layer() and not os.path.lexists(self._container.layer):
-                volume.make_layer(self._container.layer, spec.limits.disk)
-            self._container.prepare(spec, fs_from=snap.fs_dir if snap else None)
-            # the files just cloned count against the disk limit once a commit accounted them: start one now,
-            # and have it done before this returns (it usually is, by the time the processes are up)
-            txn = volume.account_soon(self._container.layer) if snap and spec.limits.disk is not None else None
+                if snap is not None and snap.layer and volume.can_clone(snap.files, self._container.layer):
+                    with phase("fs clone"):  # the snapshot's layer, cloned whole: nothing to copy
+                        volume.clone_layer(snap.files, self._container.layer, spec.limits.disk)
+                    fs_from = None
+                else:
+                    with phase("layer"):
+                        volume.make_layer(self._container.layer, spec.limits.disk)
+            self._container.prepare(spec, fs_from=fs_from)
+            # the files just copied (reflinks) count against the disk limit once a commit accounted them: start
+            # one now, and have it done before this returns (it usually is, by the time the processes are up)
+            txn = volume.account_soon(self._container.layer) if fs_from and spec.limits.disk is not None else None
             if snap is not None and snap.has_memory:
-                pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
+                with phase("criu restore"):
+                    pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
             else:
-                pid = self._container.start()
+                with phase("runc run"):
+                    pid = self._container.start()
             crash_point(f"{op}:started")
             self._agent = None
             self._rec.update(init_pid=pid, init_start=proc_start_time(pid), state="running", owner=None)
@@ -216,7 +225,7 @@ class Sandbox:
             deadline = time.monotonic() + START_TIMEOUT
             self._starting = True
             try:
-                with self._channel.connect(wait=START_TIMEOUT, through_gate=False) as s:
+                with phase("agent answers"), self._channel.connect(wait=START_TIMEOUT, through_gate=False) as s:
                     agent.send_frame(s, {"op": "ping"}, deadline=deadline)
                     agent.recv_frame(s, 0, deadline)
             finally:
@@ -387,16 +396,16 @@ class Sandbox:
         with store.writing(snap_id) as folder:
             for attempt in range(3):
                 with self._frozen(quiesce=memory):
-                    files = store.files_of(folder)
-                    shutil.rmtree(files, ignore_errors=True)
-                    copy_tree(self._container.upper, files)
+                    with phase("fs"):
+                        store.save_files(self._container.layer, self._container.upper, store.files_of(folder))
                     crash_point(f"{op}:frozen")
                     if not memory:
                         break
                     try:
                         crash_point(f"{op}:dumping")
-                        self._container.checkpoint(folder / "criu", folder / "criu", leave_running=leave_running,
-                                                   criu=os.environ.get("AGENTENV_CRIU"))
+                        with phase("criu dump"):
+                            self._container.checkpoint(folder / "criu", folder / "criu",
+                                                       leave_running=leave_running, criu=os.environ.get("AGENTENV_CRIU"))
                         break
                     except CheckpointError as e:
                         # a host connection that another process opened in the meantime: quiesce again
@@ -410,10 +419,11 @@ class Sandbox:
 
     def _snapshot_meta(self, snap_id: str, folder: Path, memory: bool, labels: dict[str, str] | None,
                        owner: builtins.list[int] | None = None) -> Snapshot:
+        layer = any(volume.is_subvolume(f) for f in (store.files_of(folder), paths().snapshot_files / snap_id))
         return Snapshot(id=snap_id, parent_id=self._rec.get("parent_snapshot"), created_at=time.time(),
                         size_bytes=store.size_of(folder), has_memory=memory, sandbox_id=self.id,
                         spec=self._rec["spec"], labels={"image": self.image, **(labels or {})},
-                        criu_stats=dump_stats(folder / "criu") if memory else {}, owner=owner)
+                        criu_stats=dump_stats(folder / "criu") if memory else {}, owner=owner, layer=layer)
 
     @contextlib.contextmanager
     def _frozen(self, quiesce: bool) -> Iterator[None]:
@@ -423,9 +433,11 @@ class Sandbox:
             gate.shut()
         try:
             if quiesce:
-                self._quiesce()
+                with phase("quiesce"):
+                    self._quiesce()
             try:
-                self._container.freeze(True)
+                with phase("freeze"):
+                    self._container.freeze(True)
                 yield
             finally:
                 if self._container.freezer() is not None:
@@ -455,31 +467,11 @@ class Sandbox:
         """``n`` independent sandboxes that continue from this instant; this one keeps running.
 
         With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
-        and all an episode needs when its state lives in files.
+        and all an episode needs when its state lives in files. How: ``agentenv.forking``.
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
             raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
-        with self._locked():
-            self.require_running()
-            snap = self._snapshot(memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND}, op="fork",
-                                  owner=store.owner())  # a fork's snapshot: gc() removes it if this process dies
-        try:
-            with ThreadPoolExecutor(max_workers=n) as pool:
-                futures = [pool.submit(Sandbox._restore, snap, self.labels, "fork") for _ in range(n)]
-            kids, errors = [], []
-            for f in futures:
-                try:
-                    kids.append(f.result())
-                except Exception as e:  # noqa: BLE001 - collected, re-raised below
-                    errors.append(e)
-            if errors:
-                for k in kids:
-                    k.close()
-                raise errors[0]
-            crash_point("fork:children")
-            return kids
-        finally:
-            snap.delete(background=True)
+        return forking.fork(self, n, memory)
 
     def pause(self) -> Snapshot:
         """Free the sandbox's CPU and memory; its whole state goes to the snapshot store.
@@ -652,7 +644,7 @@ class Sandbox:
         if not published and self._container_alive():  # CRIU did not finish: the processes still run
             for t in tmps:
                 store.discard(t)
-            shutil.rmtree(paths().snapshot_files / snap_id, ignore_errors=True)
+            store.remove([paths().snapshot_files / snap_id])
             self._rec.update(pausing=None, owner=None)
             self._save()
             log.warning("rolled back the interrupted pause of sandbox %s: it runs on", self.id)
@@ -664,7 +656,7 @@ class Sandbox:
             if not dumped:
                 for t in tmps:
                     store.discard(t)
-                shutil.rmtree(files, ignore_errors=True)
+                store.remove([files])
                 self._rec.update(pausing=None, owner=None)
                 self._save()
                 return "lost"

@@ -1,8 +1,11 @@
 """The snapshot store: one folder per snapshot, written atomically, with parent links.
 
 Layout: ``<home>/snapshots/<id>/{meta.json, criu/}`` and the snapshot's files in ``<home>/volume/snapshots/<id>/``
-(on the volume, where they are reflinks of the sandbox's: see ``agentenv.volume``; older snapshots have
-them in ``fs/`` beside meta.json). A snapshot is built in hidden ``.tmp-<id>-<pid>`` folders (one in each
+on the volume (see ``agentenv.volume``). There they are a btrfs snapshot of the sandbox's whole layer (a
+subvolume holding its overlay's ``upper/``: ``layer`` in meta.json), taken in a few milliseconds whatever the
+files, and a restore clones it whole in turn, so a snapshot's files are never copied, not even once; where
+the layer is no subvolume they are a reflink copy of the upper folder (older snapshots: ``fs/`` beside
+meta.json). A snapshot is built in hidden ``.tmp-<id>-<pid>`` folders (one in each
 place) and renamed into place only when complete, its files first and meta.json's folder last, so a crash
 or ``kill -9`` mid-snapshot leaves nothing listed; ``gc()`` removes such leftovers once their writer is gone
 (except the folders of a pause that recovery can still finish), files without a snapshot, and the
@@ -10,7 +13,8 @@ snapshots of forks whose process died.
 
 The store may have a limit (``set_limit``): a snapshot that would take the store past it raises
 StoreFullError and leaves nothing behind. It counts the snapshots' sizes (``size_bytes``, what their files
-take, shared data included); on a volume with quotas the kernel also bounds what is written there.
+take, shared data included); on a volume with quotas the kernel also bounds what is written into copies
+(a cloned layer is a subvolume of its own, outside the store's quota group: the store's own count bounds it).
 """
 
 from __future__ import annotations
@@ -29,10 +33,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv import volume
 from agentenv.api import SnapshotInfo, info_of
 from agentenv.config import parse_size, paths
 from agentenv.errors import CheckpointError, SnapshotNotFound, StoreFullError
-from agentenv.runtime import proc_start_time
+from agentenv.runtime import copy_tree, proc_start_time
 
 FORK_KIND = "fork"  # the ``agentenv.kind`` label of a fork's snapshot (deleted when the fork is done)
 
@@ -45,6 +50,7 @@ class Snapshot(SnapshotInfo):
     spec: dict[str, Any] = field(default_factory=dict, repr=False)
     criu_stats: dict[str, int] = field(default_factory=dict, repr=False)  # e.g. frozen_time (µs)
     owner: list[int] | None = field(default=None, repr=False)  # [pid, start] of the process a fork's snapshot serves
+    layer: bool = field(default=False, repr=False)  # its files are a clone of the sandbox's whole layer (see save_files)
 
     def info(self) -> SnapshotInfo:
         """The fields every snapshot has, local or remote (what the server sends)."""
@@ -55,10 +61,19 @@ class Snapshot(SnapshotInfo):
         return paths().snapshots / self.id
 
     @property
+    def files(self) -> Path:
+        """The snapshot's folder on the volume: a clone of the sandbox's layer (``layer``: a subvolume holding
+        ``upper/`` and ``work/``, which a restore clones in turn), else a copy of the sandbox's upper folder."""
+        return paths().snapshot_files / self.id
+
+    @property
     def fs_dir(self) -> Path:
-        """The snapshot's files: on the volume, or in ``fs/`` for a snapshot made before the volume."""
+        """The sandbox's files (what its overlay's upper folder held); in ``fs/`` for a snapshot made before the
+        volume."""
         old = self.path / "fs"
-        return old if old.is_dir() else paths().snapshot_files / self.id
+        if old.is_dir():
+            return old
+        return self.files / "upper" if self.layer else self.files
 
     @property
     def criu_dir(self) -> Path:
@@ -103,14 +118,29 @@ class Snapshot(SnapshotInfo):
         with contextlib.suppress(FileNotFoundError):
             os.rename(p.snapshot_files / self.id, trash[1])
         if background:
-            threading.Thread(target=_remove, args=(trash,), name="agentenv-discard").start()
+            threading.Thread(target=remove, args=(trash,), name="agentenv-discard").start()
         else:
-            _remove(trash)
+            remove(trash)
 
 
-def _remove(folders: list[Path]) -> None:
+def remove(folders: list[Path]) -> None:
+    """Remove folders of the store: a subvolume (a snapshot's cloned layer) at once, anything else file by file."""
     for f in folders:
-        shutil.rmtree(f, ignore_errors=True)
+        if volume.is_subvolume(f):
+            volume.drop_layer(f)
+        else:
+            shutil.rmtree(f, ignore_errors=True)
+
+
+def save_files(layer: Path, upper: Path, dest: Path) -> None:
+    """Put a (frozen) sandbox's files in the new folder ``dest`` of the store: a clone of its whole ``layer``
+    where that is a subvolume (``volume.clone_layer``: a few ms whatever the files, no data or metadata
+    copied), else a reflink copy of its overlay's ``upper`` folder (``cp -a --reflink=auto``)."""
+    remove([dest])
+    if volume.can_clone(layer, dest):
+        volume.clone_layer(layer, dest, None)
+    else:
+        copy_tree(upper, dest)
 
 
 def new_id(prefix: str) -> str:
@@ -182,7 +212,7 @@ def writing(snapshot_id: str) -> Iterator[Path]:
 
 def discard(tmp: Path) -> None:
     """Remove a ``.tmp-`` folder of the store and its files."""
-    _remove([files_of(tmp), tmp])
+    remove([files_of(tmp), tmp])
 
 
 def size_of(tmp: Path) -> int:
@@ -226,8 +256,6 @@ def limit() -> int | None:
 
 def set_limit(size: str | int | None) -> None:
     """Limit the bytes the store's snapshots may take together (None: no limit but the volume's size)."""
-    from agentenv import volume  # the volume module imports nothing of the store: no cycle, but load it late
-
     nbytes = None if size is None else parse_size(size)
     v = volume.ensure()
     if v.quotas:
@@ -314,7 +342,7 @@ def gc(max_age: float | None = None) -> list[str]:
                     continue
             else:
                 continue
-            shutil.rmtree(d, ignore_errors=True)
+            remove([d])
             removed.append(d.name)
     for snap in orphaned_forks():
         with contextlib.suppress(SnapshotNotFound):

@@ -6,10 +6,12 @@ import contextlib
 import json
 import subprocess
 import sys
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
 
 import agentenv
-from bench.harness import ROOT, Timer, recording
+from agentenv import phases
+from bench.harness import ROOT, Result, Timer, recording
 from bench.sandbox_common import (
     CPUS,
     IMAGE,
@@ -29,14 +31,20 @@ RESTORE_CHILD = (
     "import json, sys, time\n"
     "t0 = time.perf_counter()\n"
     "import agentenv\n"
+    "from agentenv import phases\n"
     "t1 = time.perf_counter()\n"
-    f"sb = agentenv.Sandbox.restore(sys.argv[1], labels={{{LABEL!r}: sys.argv[2]}})\n"
+    "with phases.recording() as found:\n"
+    f"    sb = agentenv.Sandbox.restore(sys.argv[1], labels={{{LABEL!r}: sys.argv[2]}})\n"
     "t2 = time.perf_counter()\n"
-    "print(json.dumps({'import_s': t1 - t0, 'restore_s': t2 - t1, 'sandbox': sb.id}), flush=True)\n"
+    "print(json.dumps({'import_s': t1 - t0, 'restore_s': t2 - t1, 'sandbox': sb.id,\n"
+    "                  'phases': phases.totals(found)}), flush=True)\n"
     "ok = sb.exec('true').ok\n"
     "sb.close()\n"
     "sys.exit(0 if ok else 3)\n"
 )
+
+
+T = TypeVar("T")
 
 
 class AgentenvSide(Side):
@@ -110,64 +118,76 @@ class AgentenvSide(Side):
                 r = repo.exec(REPO_EDIT.format(n=i))
                 if not r.ok:
                     raise RuntimeError(f"edit failed: {r.stderr}")
-                with Timer() as t:
-                    snap = repo.snapshot(memory=False, labels=self.cleanup.labels)
+                snap = self.timed(m, lambda: repo.snapshot(memory=False, labels=self.cleanup.labels))
                 self.cleanup.snapshots.append(snap)
-                m.add(t.s)
                 if i == 0:
                     self.info["fs_snapshot_bytes"] = snap.size_bytes
                 self.cleanup.delete_snapshot(snap)
 
-    def fork1(self, runs: int) -> None:
-        """fork(1), and the first exec in the child (``fork1_exec``)."""
-        m1, me = self.result("fork1"), self.result("fork1_exec")
-        m1.note = f"source: the {self.fork_source} sandbox; fork() returns children whose agent answered"
-        with recording(m1, "agentenv fork(1)"):
+    def timed(self, m: Result, fn: Callable[[], T]) -> T:
+        """``fn()`` as one sample of ``m``, with where its time went (``agentenv.phases``) as extras ``phase:<name>``
+        (each summed over its occurrences: a fork of 8 counts its 8 children's)."""
+        with phases.recording() as found, Timer() as t:
+            out = fn()
+        m.add(t.s)
+        for name, secs in phases.totals(found).items():
+            m.add_extra(f"phase:{name}", secs)
+        return out
+
+    def forks(self, op: str, n: int, memory: bool, runs: int) -> None:
+        """fork(n) of the fork fixture, ``runs`` times; for n = 1 also the first exec in the child (``<op>_exec``)."""
+        m = self.result(op)
+        what = "files and processes" if memory else "files only, fresh processes"
+        m.note = (f"source: the {self.fork_source} sandbox; fork({n}, memory={memory}) ({what}) returns children "
+                  "whose agent answered; extra: where the time went, summed over the children")
+        with recording(m, f"agentenv {op}"):
             fx = self.fixture("fork")
             for i in range(runs):
-                with Timer() as t:
-                    kids = cast("list[agentenv.Sandbox]", fx.handle.fork(1))
+                kids = self.timed(m, lambda: cast("list[agentenv.Sandbox]", fx.handle.fork(n, memory=memory)))
                 self.cleanup.sandboxes.extend(kids)
-                m1.add(t.s)
                 try:
-                    with Timer() as t2:
-                        r = kids[0].exec("true")
-                    if not r.ok:
-                        raise RuntimeError(f"exec in child failed: {r}")
-                    me.add(t2.s)
-                    if i == 0:
-                        r = kids[0].exec(fx.check)
+                    if n == 1:
+                        me = self.result(f"{op}_exec")
+                        with Timer() as t2:
+                            r = kids[0].exec("true")
                         if not r.ok:
-                            raise RuntimeError(f"forked child lacks the parent's state ({fx.check!r}): {r}")
-                except Exception as e:
-                    me.fail(e)
-                    raise
+                            raise RuntimeError(f"exec in child failed: {r}")
+                        me.add(t2.s)
+                    if i == 0:
+                        check = fx.check if memory or self.fork_source == "repo" else "true"  # no process in an fs fork
+                        r = kids[-1].exec(check)
+                        if not r.ok:
+                            raise RuntimeError(f"forked child lacks the parent's state ({check!r}): {r}")
                 finally:
                     for k in kids:
                         self.cleanup.close_sandbox(k)
+        if m.error and n == 1:
+            self.result(f"{op}_exec").fail(m.error)
+
+    def fork1(self, runs: int) -> None:
+        """fork(1) with memory, and the first exec in the child (``fork1_exec``)."""
+        self.forks("fork1", 1, True, runs)
 
     def fork8(self, runs: int) -> None:
-        m8 = self.result("fork8")
-        m8.note = f"source: the {self.fork_source} sandbox; fork() returns children whose agent answered"
-        with recording(m8, "agentenv fork(8)"):
-            src = self.fixture("fork").handle
-            for _ in range(runs):
-                with Timer() as t:
-                    kids = cast("list[agentenv.Sandbox]", src.fork(8))
-                self.cleanup.sandboxes.extend(kids)
-                m8.add(t.s)
-                for k in kids:
-                    self.cleanup.close_sandbox(k)
+        self.forks("fork8", 8, True, runs)
+
+    def fork1_fs(self, runs: int) -> None:
+        """fork(1, memory=False): the files only, and the first exec in the child (``fork1_fs_exec``)."""
+        self.forks("fork1_fs", 1, False, runs)
+
+    def fork8_fs(self, runs: int) -> None:
+        self.forks("fork8_fs", 8, False, runs)
+
+    def fork32_fs(self, runs: int) -> None:
+        self.forks("fork32_fs", 32, False, runs)
 
     def mem_snapshot(self, runs: int) -> None:
         m = self.result("mem_snapshot")
         with recording(m, "agentenv memory snapshot"):
             mem = self.fixture("mem").handle
             for i in range(runs):
-                with Timer() as t:
-                    snap = mem.snapshot(memory=True, labels=self.cleanup.labels)
+                snap = self.timed(m, lambda: mem.snapshot(memory=True, labels=self.cleanup.labels))
                 self.cleanup.snapshots.append(snap)
-                m.add(t.s)
                 if i == 0:
                     self.info["mem_snapshot_bytes"] = snap.size_bytes
                 self.cleanup.delete_snapshot(snap)
@@ -179,16 +199,12 @@ class AgentenvSide(Side):
             fx = self.fixture("mem")
             sb, proc = fx.handle, fx.proc
             for _ in range(runs):
-                with Timer() as t:
-                    sb.pause()
-                mp.add(t.s)
+                self.timed(mp, sb.pause)
                 try:
-                    with Timer() as t2:
-                        sb.resume()
+                    self.timed(mr, sb.resume)
                 except Exception as e:
                     mr.fail(e)
                     raise
-                mr.add(t2.s)
             if proc.exit_code is not None:
                 raise RuntimeError(f"the 100 MB process died across pause/resume (exit {proc.exit_code})")
             status = sb.read_file(f"/proc/{proc.pid}/status").decode()
@@ -226,6 +242,8 @@ class AgentenvSide(Side):
                     raise RuntimeError(f"restore child exited {p.returncode}: {(err or line).strip()[-800:]}")
                 m.add(report["restore_s"])
                 m.add_extra("import_agentenv", report["import_s"])
+                for name, secs in report["phases"].items():
+                    m.add_extra(f"phase:{name}", secs)
                 mw.add(tw.s)
             self.cleanup.delete_snapshot(snap)
         if m.error:

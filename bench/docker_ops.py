@@ -255,6 +255,47 @@ class DockerSide(Side):
                         self.cleanup.remove_image(self.client, iid)
                     self.delete_checkpoint(src, name)
 
+    def start_child(self, image: str, command: list[str]) -> str:
+        cid = self.new_container(image, command)
+        self.api.start(cid)
+        wait_until(lambda: self.running(cid), 60, "container started", every=0.002)
+        return cid
+
+    def fs_forks(self, op: str, n: int, runs: int) -> None:
+        """The Docker way to fork the files only: commit, then ``n`` x (create from the image + start) in threads,
+        until every child runs; the first exec in the one child of fork(1) is ``<op>_exec``."""
+        m = self.result(op)
+        m.note = f"docker commit of the {self.fork_source} container, then {n} x (create + start) until running"
+        with recording(m, f"docker {op}"):
+            fx = self.fixture("fork")
+            for _ in range(runs):
+                kids: list[str] = []
+                iid = ""
+                try:
+                    t0 = time.perf_counter()
+                    iid = self.commit(fx.handle)
+
+                    with ThreadPoolExecutor(max_workers=n) as pool:
+                        futures = [pool.submit(self.start_child, iid, fx.command) for _ in range(n)]
+                    kids = [f.result() for f in futures]
+                    m.add(time.perf_counter() - t0)
+                    if n == 1:
+                        with Timer() as t:
+                            self.exec_ok(self.client.containers.get(kids[0]), "true")
+                        self.result(f"{op}_exec").add(t.s)
+                finally:
+                    for cid in kids:
+                        self.cleanup.remove_container(self.client, cid)
+                    if iid:  # children whose start failed are swept by label at the end
+                        with contextlib.suppress(Exception):
+                            self.cleanup.remove_image(self.client, iid)
+
+    def fork1_fs(self, runs: int) -> None:
+        self.fs_forks("fork1_fs", 1, runs)
+
+    def fork8_fs(self, runs: int) -> None:
+        self.fs_forks("fork8_fs", 8, runs)
+
     def mem_snapshot(self, runs: int) -> None:
         m = self.result("mem_snapshot")
         m.note = f"POST /containers/{{id}}/checkpoints Exit=false, the {MEM_MB} MB python process is PID 1"

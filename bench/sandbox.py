@@ -1,10 +1,13 @@
 """Benchmark agentenv sandboxes against the plain Docker path for the same operations.
 
 What: median and p90 latency of each sandbox operation agentenv promises to make fast (create,
-exec, filesystem and memory snapshots, fork(1), fork(8), pause, resume, restore in a fresh
-process), next to the closest thing plain Docker offers through the Docker SDK (``docker run``,
-``docker exec``, ``docker commit``, ``docker checkpoint create``, and fork the Docker way:
-checkpoint + commit + create from the committed image + copy the checkpoint + start from it).
+exec, filesystem and memory snapshots, fork(1) and fork(8) with memory and of the files only, pause,
+resume, restore in a fresh process), next to the closest thing plain Docker offers through the Docker
+SDK (``docker run``, ``docker exec``, ``docker commit``, ``docker checkpoint create``, and fork the
+Docker way: checkpoint + commit + create from the committed image + copy the checkpoint + start from
+it; for the files only, commit + create + start). A second table says where agentenv's milliseconds
+went, phase by phase (freeze, fs, CRIU dump, CRIU restore or runc run, the agent's first answer ...),
+as ``agentenv.phases`` timed them inside the operation.
 
 Why: agentenv bypasses Docker's container plumbing (runc directly, CRIU through ``runc
 checkpoint``, an in-sandbox agent instead of ``docker exec``) to make RL rollouts cheap to fork and
@@ -38,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import docker
+from rich.table import Table
 
 import agentenv
 from bench.agentenv_ops import AgentenvSide
@@ -69,18 +73,25 @@ class Op:
 OPERATIONS: list[Op] = [
     Op("create", "create -> exec-ready", "docker run -> running", 150.0, A.create, D.create),
     Op("exec", "exec `true` round trip", "docker exec `true`", 5.0, A.exec, D.exec),
-    Op("fs_snapshot", "fs snapshot (git repo+edits)", "docker commit", 50.0, A.fs_snapshot, D.fs_snapshot,
+    Op("fs_snapshot", "fs snapshot (git repo+edits)", "docker commit", 20.0, A.fs_snapshot, D.fs_snapshot,
        fixture="repo"),
-    Op("fork1", "fork(1) -> child running", "ckpt+commit+create+cp+start", 250.0, A.fork1, D.fork1,
+    Op("fork1", "fork(1) with memory -> running", "ckpt+commit+create+cp+start", 150.0, A.fork1, D.fork1,
        fixture="fork", slow=True),
     Op("fork1_exec", "first exec in forked child", "docker exec in child", None, None, None, measured_by="fork1"),
-    Op("fork8", "fork(8) -> all running", "ckpt+commit+8x(create+cp+start)", 1500.0, A.fork8, D.fork8,
+    Op("fork8", "fork(8) with memory -> all running", "ckpt+commit+8x(create+cp+start)", 600.0, A.fork8, D.fork8,
        fixture="fork", slow=True),
-    Op("mem_snapshot", f"memory snapshot ({MEM_MB} MB proc)", "checkpoint create", 150.0, A.mem_snapshot,
+    Op("fork1_fs", "fork(1), files only -> running", "commit+create+start", 60.0, A.fork1_fs, D.fork1_fs,
+       fixture="fork"),
+    Op("fork1_fs_exec", "first exec in fs-forked child", "docker exec in child", None, None, None,
+       measured_by="fork1_fs"),
+    Op("fork8_fs", "fork(8), files only -> all running", "commit+8x(create+start)", 250.0, A.fork8_fs, D.fork8_fs,
+       fixture="fork"),
+    Op("fork32_fs", "fork(32), files only -> all running", "-", None, A.fork32_fs, None, fixture="fork"),
+    Op("mem_snapshot", f"memory snapshot ({MEM_MB} MB proc)", "checkpoint create", 100.0, A.mem_snapshot,
        D.mem_snapshot, fixture="mem", slow=True),
     Op("pause", f"pause ({MEM_MB} MB sandbox)", "checkpoint create --exit", None, A.pause, D.pause,
        fixture="mem", slow=True),
-    Op("resume", f"resume ({MEM_MB} MB sandbox)", "start --checkpoint", 250.0, None, None, measured_by="pause"),
+    Op("resume", f"resume ({MEM_MB} MB sandbox)", "start --checkpoint", 80.0, None, None, measured_by="pause"),
     Op("restore", "restore, fresh proc (in-proc)", "create+cp+start --checkpoint", None, A.restore, D.restore,
        fixture="mem", slow=True),
     Op("restore_wall", "restore, fresh proc (wall)", "-", None, None, None, measured_by="restore"),
@@ -146,6 +157,29 @@ def build_report(report: Report, sides: list[Side], no_docker: bool) -> list[Row
     return rows
 
 
+PHASE = "phase:"
+
+
+def print_breakdown(report: Report) -> None:
+    """Where each agentenv operation's milliseconds went: the median of each phase (``agentenv.phases``) next to
+    the median total. A phase of several children is their sum, so a fork of 8 can show more than its total."""
+    ops = [(k, r) for k, r in report.results.items() if k.startswith("agentenv.") and
+           any(e.startswith(PHASE) for e in r.extra)]
+    if not ops:
+        return
+    names: list[str] = []
+    for _, r in ops:
+        names += [e[len(PHASE):] for e in r.extra if e.startswith(PHASE) and e[len(PHASE):] not in names]
+    table = Table(title="where the time went (agentenv, median ms per phase; children summed)")
+    for col in ("operation", "total", *names):
+        table.add_column(col, justify="left" if col == "operation" else "right")
+    for key, r in ops:
+        total = median(r.samples)
+        cells = [f"{m * 1e3:.1f}" if (m := median(r.extra.get(PHASE + n, []))) is not None else "-" for n in names]
+        table.add_row(key.removeprefix("agentenv."), "-" if total is None else f"{total * 1e3:.1f}", *cells)
+    console.print(table)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--runs", type=int, default=10, help="runs per agentenv operation (and cheap Docker ones)")
@@ -200,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"agentenv vs plain Docker, ms (--runs {runs}, Docker checkpoint ops --docker-runs {docker_runs}; "
                 "speed-up = Docker median / agentenv median)", rows, sides=("agentenv", "Docker"),
                 ratio_title="speed-up")
+    print_breakdown(report)
     report.print_errors()
     for key, r in report.results.items():
         if r.fields.get("retries"):

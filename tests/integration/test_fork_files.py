@@ -1,0 +1,142 @@
+"""Forks of the files alone (``fork(n, memory=False)``): each child's layer is a btrfs snapshot of the parent's
+(``agentenv.forking``), or, where layers cannot be cloned, a copy through the store. Either way the children get
+every file, mode, link and deletion of the parent, then diverge; a ``kill -9`` mid-fork leaves no child."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import agentenv
+from agentenv import sandbox as sandbox_mod
+from agentenv import volume
+from agentenv.config import CRASH_ENV, paths
+
+pytestmark = pytest.mark.integration
+
+# what the parent changes: a big file, many small ones, a mode, a symlink, a file of the image deleted
+# (an overlay whiteout) and a folder of the image replaced (an opaque folder)
+CHANGES = """set -e
+mkdir -p /testbed/many && cd /testbed
+head -c 150M /dev/urandom > big
+for i in $(seq 1 1500); do echo $i > many/f$i; done
+echo secret > mode && chmod 640 mode
+ln -s big link
+rm /etc/debian_version
+rm -rf /usr/share/doc && mkdir /usr/share/doc && echo mine > /usr/share/doc/only
+"""
+STATE = ("cd /testbed && sha256sum big | cut -c1-16 && ls many | wc -l && stat -c %a mode && readlink link "
+         "&& (test -e /etc/debian_version && echo present || echo deleted) && ls /usr/share/doc")
+
+
+def store_is_empty() -> bool:
+    return agentenv.Snapshot.list() == [] and not [p for p in paths().snapshot_files.iterdir()]
+
+
+def settled(cond, what: str) -> None:
+    for _ in range(200):  # the store's background deletes: a bound, not a timing check
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(what)
+
+
+@pytest.fixture
+def parent():
+    with agentenv.Sandbox.create(memory="256m", disk="1g") as sb:
+        r = sb.exec(CHANGES, timeout=300)
+        assert r.exit_code == 0, r.stderr
+        sb.spawn("sleep 1000")  # a process: the children of a files-only fork start without it
+        yield sb
+
+
+def check_children(parent: agentenv.Sandbox, kids: list[agentenv.Sandbox]) -> None:
+    want = parent.exec(STATE).stdout
+    assert "deleted" in want and want.endswith("only\n") and "1500" in want
+    for k in kids:
+        assert k.exec(STATE).stdout == want
+        assert k.processes() == []
+        assert k.limits == parent.limits
+    for i, k in enumerate(kids):  # then each goes its own way
+        k.write_file("/testbed/mine", str(i))
+    kids[0].exec("rm /testbed/big && echo changed > /testbed/many/f1")
+    parent.exec("echo parent > /testbed/many/f2")
+    assert [k.exec("cat /testbed/mine").stdout for k in kids] == [str(i) for i in range(len(kids))]
+    assert kids[0].exec("test -e /testbed/big || echo gone").stdout == "gone\n"
+    assert all(k.exec("sha256sum /testbed/big | cut -c1-16").stdout == want.split()[0] + "\n" for k in kids[1:])
+    assert [k.exec("cat /testbed/many/f1 /testbed/many/f2").stdout for k in kids] == \
+        ["changed\n2\n"] + ["1\n2\n"] * (len(kids) - 1)
+    assert parent.exec("cat /testbed/many/f1 /testbed/many/f2; test -e /testbed/mine || echo none").stdout == \
+        "1\nparent\nnone\n"
+
+
+def test_a_files_fork_clones_the_layer_and_the_children_diverge(parent):
+    assert volume.can_clone(parent._container.layer, paths().layers)
+    kids = parent.fork(3, memory=False)
+    try:
+        assert all(volume.is_subvolume(k._container.layer) for k in kids)  # clones, not copies
+        assert store_is_empty()  # nothing went through the snapshot store
+        check_children(parent, kids)
+    finally:
+        for k in kids:
+            k.close()
+
+
+def test_where_layers_cannot_be_cloned_a_files_fork_copies_them(parent, monkeypatch):
+    monkeypatch.setattr(volume, "can_clone", lambda src, dst: False)  # as on a volume without subvolumes
+    kids = parent.fork(2, memory=False)
+    try:
+        check_children(parent, kids)
+        settled(store_is_empty, "the fork's snapshot was not deleted")
+    finally:
+        for k in kids:
+            k.close()
+
+
+def test_snapshots_clone_the_layer_and_restores_clone_the_snapshot(parent):
+    snap = parent.snapshot()
+    try:
+        assert snap.layer and volume.is_subvolume(snap.files)
+        parent.exec("echo later > /testbed/many/f3")
+        with agentenv.Sandbox.restore(snap) as r:
+            assert volume.is_subvolume(r._container.layer)
+            assert r.exec(STATE).stdout == parent.exec(STATE).stdout
+            assert r.exec("cat /testbed/many/f3").stdout == "3\n"  # as it was at the snapshot
+            r.exec("echo restored > /testbed/many/f4")
+        with agentenv.Sandbox.restore(snap) as r2:  # the snapshot itself never changed
+            assert r2.exec("cat /testbed/many/f4").stdout == "4\n"
+    finally:
+        snap.delete()
+    assert not snap.files.exists()
+
+
+@pytest.mark.parametrize("point", ["fork:frozen", "fork:cloned", "fork:started"])
+def test_kill_9_mid_files_fork_leaves_no_child_and_the_parent_running(point):
+    script = f"""
+import sys
+sys.path.insert(0, {os.getcwd()!r})
+import agentenv
+sb = agentenv.Sandbox.create(memory="256m")
+sb.write_file("/testbed/kept", "kept")
+print(sb.id, flush=True)
+sb.fork(2, memory=False)
+"""
+    env = {**os.environ, CRASH_ENV: point}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    parent = agentenv.Sandbox.get(p.stdout.split()[0])
+    try:
+        found = sandbox_mod.recover_all()
+        assert parent.id in found["running"]
+        assert not parent._container.frozen()
+        assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"
+        assert [s.id for s in agentenv.Sandbox.list()] == [parent.id]  # the half-made children are gone
+        settled(lambda: sorted(p.name for p in paths().layers.iterdir()) == [parent.id], "a child's layer stayed")
+        assert store_is_empty()
+    finally:
+        parent.close()
