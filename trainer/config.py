@@ -191,6 +191,8 @@ class RunConfig:
     out_dir: str = doc("runs", "where run folders go")
     seed: int = doc(0, "initial weights, task order, sampling seeds (also --seed)")
     progress: str = doc("auto", "live display: auto (on a terminal), on, off")
+    tensorboard: bool = doc(False, "also write TensorBoard event files to out_dir/name/tensorboard (needs the "
+                                   "tensorboard package)")
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     env: EnvConfig = field(default_factory=EnvConfig)

@@ -367,7 +367,8 @@ class Loop:
 
         cfg = self.cfg
         self.rollout = self._rollout()
-        self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume_step=self.iteration if self.resume else None)
+        self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume_step=self.iteration if self.resume else None,
+                                  tensorboard=self.dir / "tensorboard" if cfg.tensorboard else None)
         try:
             with self.timed("workers_start"):
                 await self.rollout.start()
@@ -394,6 +395,7 @@ class Loop:
             with contextlib.suppress(Exception):
                 await self.rollout.aclose()
             self.summary["rollout"] = self.rollout.summary()
+            self.metrics.close()
 
     async def iterations(self) -> None:
         """The RL iterations: synchronous (max_staleness 0) or with a producer ahead of the trainer."""

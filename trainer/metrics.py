@@ -44,11 +44,15 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsLog:
-    """Per-iteration JSONL; ``resume_step`` drops lines of steps after it (rewritten atomically)."""
+    """Per-iteration JSONL; ``resume_step`` drops lines of steps after it (rewritten atomically). With
+    ``tensorboard`` (a folder), every row also goes to TensorBoard event files there (when tensorboard is
+    installed)."""
 
-    def __init__(self, path: str | os.PathLike[str], resume_step: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], resume_step: int | None = None,
+                 tensorboard: str | os.PathLike[str] | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tb = TensorBoard(tensorboard)
         if self.path.exists():
             keep = [r for r in read_jsonl(self.path) if resume_step is not None and r.get("step", 0) <= resume_step]
             tmp = self.path.with_name(f".{self.path.name}.tmp")
@@ -65,7 +69,11 @@ class MetricsLog:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self.tb.write(step, metrics)
         return row
+
+    def close(self) -> None:
+        self.tb.close()
 
     def rows(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path)

@@ -24,7 +24,7 @@ import torch
 
 from trainer.batch import Batch, Sample
 from trainer.losses import token_mean
-from trainer.metrics import MetricsLog, Progress, TensorBoard, plot
+from trainer.metrics import MetricsLog, Progress, plot
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
@@ -99,8 +99,8 @@ def run_sft(trainer: Trainer, samples: Sequence[Sample], *, steps: int, batch_si
     meta = trainer.resume(ckpt_dir) if resume else None
     if meta is not None:
         cursor.load(meta["data"])
-    log = MetricsLog(out / "metrics.jsonl", resume_step=trainer.step_count if meta is not None else None)
-    tb = TensorBoard(out / "tensorboard" if tensorboard else None)
+    log = MetricsLog(out / "metrics.jsonl", resume_step=trainer.step_count if meta is not None else None,
+                     tensorboard=out / "tensorboard" if tensorboard else None)
     rows = []
     with Progress(steps, "SFT", enabled=progress) as bar:
         bar.update(trainer.step_count, {})
@@ -111,13 +111,12 @@ def run_sft(trainer: Trainer, samples: Sequence[Sample], *, steps: int, batch_si
             step = trainer.step_count
             m.update({"data/epoch": float(position["epoch"]), "data/index": float(position["index"])})
             rows.append(log.write(step, m))
-            tb.write(step, m)
             if ckpt_every > 0 and (step % ckpt_every == 0 or step == steps):
                 trainer.checkpoint(ckpt_dir, cursor.state(), keep=keep)
             if plot_every > 0 and (step % plot_every == 0 or step == steps):
                 plot(log.rows(), out / "metrics.png", title="SFT")
             bar.update(step, m)
-    tb.close()
+    log.close()
     return rows
 
 
