@@ -1,4 +1,5 @@
-"""A real environment server on a free loopback port, in a thread or in a child process, for the tests."""
+"""Real servers on free loopback ports for the tests: the environment server (in a thread or a child process) and
+the k3-mini policy server (``k3_mini_server``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import uvicorn
@@ -66,3 +68,21 @@ def start_server_process(port: int, token_file: Path, *extra: str,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_healthy(f"http://127.0.0.1:{port}", proc)
     return proc
+
+
+@contextmanager
+def k3_mini_server(token: str, ep: int = 1, max_model_len: int = 256, timeout: float = 180.0) -> Iterator[Any]:
+    """``agentenv policy serve --preset k3-mini`` (random weights, ``ep`` ranks) as a child process, healthy;
+    yields its ``EngineSpec`` and stops it on exit."""
+    from policy.engines import EngineSpec, start
+    from policy.engines import wait_healthy as policy_healthy
+
+    spec = EngineSpec("agentenv", "k3-mini", port=free_port(), data_parallel_size=ep, api_key=token,
+                      max_model_len=max_model_len)
+    proc = start(spec)
+    try:
+        policy_healthy(spec.base_url, timeout=timeout, interval=0.5)
+        yield spec
+    finally:
+        proc.terminate()
+        proc.wait(60)

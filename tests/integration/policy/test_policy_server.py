@@ -2,7 +2,6 @@
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import threading
@@ -16,10 +15,12 @@ import torch
 
 from policy.client import PolicyClient
 from policy.config import k3_mini
-from policy.engines import EngineSpec, reload_weights, smoke_check, start, wait_healthy
+from policy.engines import reload_weights, smoke_check
 from policy.model import K3Model
 from policy.runner import save_weights
 from policy.tokenizer import load_tokenizer
+
+from ..server_fixtures import k3_mini_server
 
 pytestmark = pytest.mark.integration
 TOKEN = "test-token-123"
@@ -27,22 +28,10 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def spec():
-    spec = EngineSpec("agentenv", "k3-mini", port=_free_port(), data_parallel_size=2, api_key=TOKEN, max_model_len=256)
-    proc = start(spec)
-    try:
-        wait_healthy(spec.base_url, timeout=180, interval=0.5)
+    with k3_mini_server(TOKEN, ep=2) as spec:
         yield spec
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 @pytest.fixture()

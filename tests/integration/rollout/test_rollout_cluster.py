@@ -5,19 +5,17 @@ on every trajectory."""
 from __future__ import annotations
 
 import re
-import socket
 
 import httpx
 import pytest
 import ray
 
 from policy import chat
-from policy.engines import EngineSpec, start, wait_healthy
 from rollout import trajectory
 from rollout.agent import AgentConfig, LocalTokenizer, env_tools
 from rollout.workers import Rollout, RolloutConfig, load_task_refs
 
-from ..server_fixtures import TOKEN, threaded_server
+from ..server_fixtures import TOKEN, k3_mini_server, threaded_server
 from .helpers import labelled, python_script, tool_tasks
 
 pytestmark = pytest.mark.integration
@@ -52,17 +50,8 @@ def test_workers_on_two_nodes_each_use_their_own_nodes_env_server(ray_cluster, s
 
 @pytest.fixture(scope="module")
 def k3_mini():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spec = EngineSpec("agentenv", "k3-mini", port=port, data_parallel_size=1, api_key="k3-token", max_model_len=2048)
-    proc = start(spec)
-    try:
-        wait_healthy(spec.base_url, timeout=300, interval=0.5)
+    with k3_mini_server("k3-token", ep=1, max_model_len=2048, timeout=300) as spec:
         yield spec
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def test_the_random_weight_k3_mini_server_drives_episodes_through_the_whole_path(ray_cluster, k3_mini, tmp_path):

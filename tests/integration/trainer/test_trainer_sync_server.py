@@ -3,38 +3,25 @@ process, HTTP). The trainer scores the server's samples as the server did; after
 weights and the server loads them through ``/update_weights``; the next samples carry the new weight version and
 the trained weights' log-probs."""
 
-import socket
 
 import pytest
 
 from policy.client import SyncPolicyClient
-from policy.engines import EngineSpec, start, wait_healthy
 from trainer.batch import Batch, Sample
 from trainer.cli import model_config
 from trainer.sync import Endpoint, WeightSync
 from trainer.train import TrainConfig, Trainer
 
+from ..server_fixtures import k3_mini_server
+
 pytestmark = pytest.mark.integration
 TOKEN = "trainer-sync-token"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    spec = EngineSpec("agentenv", "k3-mini", port=_free_port(), data_parallel_size=2, api_key=TOKEN,
-                      max_model_len=256)
-    proc = start(spec)
-    try:
-        wait_healthy(spec.base_url, timeout=180, interval=0.5)
+    with k3_mini_server(TOKEN, ep=2) as spec:
         yield spec
-    finally:
-        proc.terminate()
-        proc.wait(60)
 
 
 def _samples(client, version=None):
