@@ -94,3 +94,11 @@ def restart_dockerd() -> None:
             return
         time.sleep(0.2)
     raise RuntimeError("dockerd did not come back within 60 s")
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    """A file holding the test servers' bearer token (``server_fixtures.TOKEN``)."""
+    from .server_fixtures import write_token_file
+
+    return write_token_file(tmp_path)

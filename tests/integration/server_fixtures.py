@@ -22,6 +22,13 @@ from agentenv.server import create_app, uvicorn_config
 TOKEN = "test-token-" + "x" * 20
 
 
+def write_token_file(folder: Path) -> Path:
+    """A file holding ``TOKEN`` (what ``agentenv serve --token-file`` reads)."""
+    f = folder / "token"
+    f.write_text(TOKEN + "\n")
+    return f
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -29,13 +29,6 @@ from .server_fixtures import TOKEN, free_port, start_server_process
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def token_file(tmp_path):
-    f = tmp_path / "token"
-    f.write_text(TOKEN + "\n")
-    return f
-
-
 class Server:
     """One ``agentenv serve`` process at a time on a fixed port, restarted at will."""
 

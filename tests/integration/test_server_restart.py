@@ -20,13 +20,6 @@ from .server_fixtures import TOKEN, free_port, start_server_process
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def token_file(tmp_path):
-    f = tmp_path / "token"
-    f.write_text(TOKEN + "\n")
-    return f
-
-
 def test_kill_9_then_restart_lists_reattaches_and_reports_lost(token_file):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

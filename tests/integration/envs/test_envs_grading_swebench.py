@@ -11,12 +11,7 @@ the test is skipped without it.
 
 from __future__ import annotations
 
-import importlib.util
 import shlex
-import sys
-import types
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 
@@ -26,41 +21,9 @@ from envs.images import build_image
 from envs.task import Task, shipped_tasks
 from envs.tasks.libraries import load_libraries
 
+from ...unit.envs.swebench_official import SWEBENCH_PASSING, load_swebench_parser
+
 pytestmark = pytest.mark.integration
-SWEBENCH_PASSING = {"PASSED", "XFAIL"}
-
-
-def load_swebench_parser() -> tuple[Callable[[str, object], dict[str, str]], str]:
-    """swebench's ``parse_log_pytest`` and version, without ``swebench.harness``'s heavy ``__init__``."""
-    spec = importlib.util.find_spec("swebench")
-    if spec is None or spec.origin is None:
-        pytest.skip("the swebench package is not installed (pip install --no-deps swebench)")
-    root = Path(spec.origin).parent
-    names = ("swebench.harness", "swebench.harness.constants", "swebench.types", "swebench.harness.log_parsers.python")
-    saved = {k: sys.modules.get(k) for k in names}
-    try:
-        import swebench
-
-        harness = types.ModuleType("swebench.harness")
-        harness.__path__ = [str(root / "harness")]
-        sys.modules["swebench.harness"] = harness
-        module = harness
-        for name, path in zip(names[1:], (root / "harness" / "constants" / "__init__.py", root / "types.py",
-                                          root / "harness" / "log_parsers" / "python.py"), strict=True):
-            mod_spec = importlib.util.spec_from_file_location(name, path)
-            assert mod_spec is not None and mod_spec.loader is not None
-            module = importlib.util.module_from_spec(mod_spec)
-            sys.modules[name] = module
-            mod_spec.loader.exec_module(module)
-        return module.parse_log_pytest, swebench.__version__
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
-
-
 def run_tests(sb: agentenv.Sandbox, task: Task) -> tuple[str, bytes]:
     tests = " ".join(shlex.quote(f) for f in task.test_files)
     cmd = (task.test_command.replace("{tests}", tests) + " --junitxml=/tmp/junit.xml -o junit_family=xunit1 "
