@@ -1,9 +1,16 @@
-"""Docker images as sandbox roots: resolve a name to its overlay2 layers through the Docker SDK."""
+"""Docker images as sandbox roots: resolve a name to its overlay2 layers through the Docker SDK.
+
+A lookup is a round trip to dockerd (milliseconds, more under load); a burst of creates of one image asks
+once: a name resolved less than ``FRESH`` seconds ago is not asked again, and concurrent lookups of one
+name wait for the first (as if they had all asked at that instant).
+"""
 
 from __future__ import annotations
 
 import functools
 import os
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +55,27 @@ def _inspect(name: str) -> dict[str, Any]:
         return dict(docker_client().api.inspect_image(name))
 
 
+FRESH = 1.0  # seconds a resolved name is reused without asking dockerd again
+_recent: dict[str, tuple[float, ImageInfo]] = {}
+_lookups: dict[str, threading.Lock] = {}
+_lookups_lock = threading.Lock()
+
+
 def resolve(name: str) -> ImageInfo:
-    """Look an image up by name or id; ImageNotFound lists the images that exist."""
+    """Look an image up by name or id (at most once every ``FRESH`` seconds per name); ImageNotFound lists
+    the images that exist."""
+    with _lookups_lock:
+        lookup = _lookups.setdefault(name, threading.Lock())
+    with lookup:
+        hit = _recent.get(name)
+        if hit is not None and time.monotonic() - hit[0] < FRESH:
+            return hit[1]
+        info = _resolve(name)
+        _recent[name] = (time.monotonic(), info)
+        return info
+
+
+def _resolve(name: str) -> ImageInfo:
     import docker.errors
 
     try:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentenv import agent, forking, images, store, volume
+from agentenv import admission, agent, forking, images, store, volume, warm
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
@@ -144,9 +144,8 @@ class Sandbox:
                disk: str | int | None = DEFAULT_DISK, network: bool = False, env: dict[str, str] | None = None,
                workdir: str | None = None, ttl: float | None = None,
                labels: dict[str, str] | None = None) -> Sandbox:
-        """Start a sandbox from a Docker image: no network, CPU/memory/pids limits, a disk limit (``disk``
-        bytes, e.g. '10g'; None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce
-        ``disk`` (the error says why)."""
+        """Start a sandbox from a Docker image: no network, CPU/memory/pids limits, a disk limit (``disk`` bytes,
+        e.g. '10g'; None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it."""
         if not isinstance(cpus, int | float) or cpus <= 0:
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
         if not isinstance(pids, int) or pids < 8:
@@ -161,8 +160,9 @@ class Sandbox:
         merged.update(env or {})
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
                              workdir=workdir or info.workdir, limits=limits, network=network)
-        sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
-        sb._boot(None, "create")
+        if (sb := warm.take(image, spec, ttl, labels)) is None:  # a started one, where a warm pool has it
+            sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
+            sb._boot(None, "create")
         return sb
 
     @classmethod
@@ -189,11 +189,10 @@ class Sandbox:
             self._destroy()
             raise
 
+    @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.admission)
     def _start(self, snap: Snapshot | None, op: str) -> None:
         """Make the layer and the bundle, start the agent (or restore every process) and wait until it answers.
-
-        On failure the container is torn down but the record stays: the caller decides its fate.
-        """
+        On failure the container is torn down but the record stays: the caller decides its fate."""
         try:
             spec = self._spec()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage

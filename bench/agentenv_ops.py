@@ -10,9 +10,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import agentenv
-from agentenv import phases
+from agentenv import admission, phases, warm
 from bench.harness import ROOT, Result, Timer, recording
 from bench.sandbox_common import (
+    BURST,
     CPUS,
     IMAGE,
     LABEL,
@@ -24,6 +25,7 @@ from bench.sandbox_common import (
     REPO_SETUP,
     Fixture,
     Side,
+    run_burst,
     wait_until,
 )
 
@@ -123,6 +125,52 @@ class AgentenvSide(Side):
                 if i == 0:
                     self.info["fs_snapshot_bytes"] = snap.size_bytes
                 self.cleanup.delete_snapshot(snap)
+
+    def burst(self, runs: int) -> None:
+        self._burst("burst", None)
+
+    def burst_unbounded(self, runs: int) -> None:
+        self._burst("burst_unbounded", BURST)
+
+    def burst_warm(self, runs: int) -> None:
+        def fill() -> None:
+            warm.configure(IMAGE, BURST, cpus=CPUS, memory=MEMORY)
+            if not warm.wait_full(600):
+                raise RuntimeError(f"the warm pool did not fill: {warm.ready()} of {BURST} started")
+
+        try:
+            self._burst("burst_warm", None, fill)
+        finally:
+            warm.drain()
+
+    def _burst(self, op: str, bound: int | None, prepare: Callable[[], None] | None = None) -> None:
+        """BURST creates at once, each then exec('true'), with the admission bound ``bound`` (None: default),
+        after ``prepare()`` (e.g. filling a warm pool)."""
+        m = self.result(op)
+        admission.set_limit(bound)
+        m.note = (f"{BURST} threads at once: Sandbox.create() + exec('true'); sample = release -> answer; "
+                  f"at most {admission.limit()} starting at once" + ("; from a warm pool" if prepare else ""))
+
+        def one() -> None:
+            sb = agentenv.Sandbox.create(IMAGE, cpus=CPUS, memory=MEMORY, labels=self.cleanup.labels)
+            self.cleanup.sandboxes.append(sb)
+            if not sb.exec("true").ok:
+                raise RuntimeError(f"first exec in {sb.id} failed")
+
+        try:
+            with recording(m, f"agentenv {op}"):
+                self.cleanup.close_sandbox(self.new_sandbox())  # warm-up
+                if prepare is not None:
+                    prepare()
+                with phases.recording() as found:
+                    run_burst(m, BURST, one)
+                for name, secs in phases.totals(found).items():
+                    m.fields[f"phase_total_ms:{name}"] = round(secs * 1e3, 1)
+                m.fields["peak_starting"] = admission.peak()
+        finally:
+            admission.set_limit(None)
+            for sb in list(self.cleanup.sandboxes):
+                self.cleanup.close_sandbox(sb)
 
     def timed(self, m: Result, fn: Callable[[], T]) -> T:
         """``fn()`` as one sample of ``m``, with where its time went (``agentenv.phases``) as extras ``phase:<name>``

@@ -21,6 +21,7 @@ from docker.models.containers import Container as DockerContainer
 
 from bench.harness import Result, Timer, recording
 from bench.sandbox_common import (
+    BURST,
     CPUS,
     IMAGE,
     MEM_CODE,
@@ -32,6 +33,7 @@ from bench.sandbox_common import (
     Cleanup,
     Fixture,
     Side,
+    run_burst,
     wait_until,
 )
 
@@ -45,6 +47,7 @@ class DockerSide(Side):
         super().__init__(cleanup, fork_source)
         self.client, self.api = client, client.api
         self.root = Path(client.info()["DockerRootDir"])
+        self.burst_size = BURST  # --docker-burst: a smaller burst where 64 docker runs take too long
 
     # low-level helpers: the SDK has no checkpoint calls
     def checkpoint(self, cid: str, name: str, exit_: bool) -> None:
@@ -159,6 +162,18 @@ class DockerSide(Side):
                     wait_until(functools.partial(self.running, c.id), 30, "docker run", every=0.001)
                 m.add(t.s)
                 self.cleanup.remove_container(self.client, c.id)
+
+    def burst(self, runs: int) -> None:
+        m = self.result("burst")
+        m.note = f"{self.burst_size} threads at once: docker run 'sleep infinity' + docker exec 'true'"
+
+        def one() -> None:
+            self.exec_ok(self.run(["sleep", "infinity"]), "true")
+
+        with recording(m, "docker burst"):
+            run_burst(m, self.burst_size, one)
+        for cid in list(self.cleanup.containers):
+            self.cleanup.remove_container(self.client, cid)
 
     def exec(self, runs: int) -> None:
         m = self.result("exec")

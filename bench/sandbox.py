@@ -25,7 +25,11 @@ many runs the Docker side takes; ``drive`` runs it for each side. Results go to
 ``bench/results/sandbox.json`` (keys ``agentenv.<op>`` and ``docker.<op>``, ratios = Docker median /
 agentenv median); everything created is removed at the end, on error too.
 
-    .venv/bin/python -m bench.sandbox [--runs 10] [--docker-runs 3] [--quick] [--no-docker]
+The burst rows ask for BURST (64) sandboxes at once and time each from the release to its first command
+answered (p50 and p99): with agentenv's admission bound (``agentenv.admission``), without it, and from a
+warm pool of BURST started sandboxes (``agentenv.warm``, filled before the burst).
+
+    .venv/bin/python -m bench.sandbox [--runs 10] [--docker-runs 3] [--quick] [--no-docker] [--only burst]
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ import agentenv
 from bench.agentenv_ops import AgentenvSide
 from bench.docker_ops import DockerSide
 from bench.harness import Report, Row, add_output_arg, console, median, print_table
-from bench.sandbox_common import CPUS, IMAGE, MEM_MB, MEMORY, Cleanup, Side
+from bench.sandbox_common import BURST, CPUS, IMAGE, MEM_MB, MEMORY, Cleanup, Side
 
 A, D = AgentenvSide, DockerSide
 
@@ -72,6 +76,9 @@ class Op:
 
 OPERATIONS: list[Op] = [
     Op("create", "create -> exec-ready", "docker run -> running", 150.0, A.create, D.create),
+    Op("burst", f"{BURST} creates at once -> 1st exec", "docker run + exec, all at once", 150.0, A.burst, D.burst),
+    Op("burst_unbounded", "... without admission bound", "-", None, A.burst_unbounded, None),
+    Op("burst_warm", f"... from a warm pool of {BURST}", "-", 150.0, A.burst_warm, None),
     Op("exec", "exec `true` round trip", "docker exec `true`", 5.0, A.exec, D.exec),
     Op("fs_snapshot", "fs snapshot (git repo+edits)", "docker commit", 20.0, A.fs_snapshot, D.fs_snapshot,
        fixture="repo"),
@@ -98,12 +105,13 @@ OPERATIONS: list[Op] = [
 ]
 
 
-def drive(side: Side, runs: int, docker_runs: int) -> None:
-    """Run every operation of the table that ``side`` implements, in order; fixtures go once unused."""
+def drive(side: Side, runs: int, docker_runs: int, only: set[str] | None = None) -> None:
+    """Run every operation of the table that ``side`` implements (of ``only``, when given), in order; fixtures
+    go once unused."""
     def impl(op: Op) -> Callable[[Any, int], None] | None:
         return op.agentenv if side.name == "agentenv" else op.docker
 
-    todo = [op for op in OPERATIONS if impl(op) is not None]
+    todo = [op for op in OPERATIONS if impl(op) is not None and (only is None or op.name in only)]
     for i, op in enumerate(todo):
         fn = impl(op)
         assert fn is not None
@@ -137,6 +145,8 @@ def build_report(report: Report, sides: list[Side], no_docker: bool) -> list[Row
     for op in OPERATIONS:
         ar = a.results.get(op.name) if a else None
         dr = d.results.get(op.name) if d else None
+        if ar is None and dr is None:  # not run (--only)
+            continue
         if ar is not None:
             report.results[f"agentenv.{op.name}"] = ar
             med = median(ar.samples)
@@ -188,12 +198,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-docker", action="store_true", help="skip the plain Docker side")
     ap.add_argument("--fork-source", choices=("repo", "mem"), default="repo",
                     help="fork the git-repo sandbox (default) or the 100 MB one")
+    ap.add_argument("--only", help="comma-separated operations to run (e.g. burst,burst_unbounded)")
+    ap.add_argument("--docker-burst", type=int, default=BURST,
+                    help=f"sandboxes of the Docker side's burst row (default {BURST}; smaller where that is slow)")
     add_output_arg(ap, "sandbox")
     args = ap.parse_args(argv)
     runs = 3 if args.quick else args.runs
     docker_runs = 1 if args.quick else args.docker_runs
     if runs < 1 or docker_runs < 1:
         ap.error("--runs and --docker-runs must be >= 1")
+    only = set(args.only.split(",")) if args.only else None
+    if only is not None and (unknown := only - {op.name for op in OPERATIONS}):
+        ap.error(f"unknown operations {sorted(unknown)}")
 
     # SIGTERM must run the finally blocks too
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -212,10 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         console.log(f"run {run_id}: {runs} agentenv runs, {docker_runs} Docker checkpoint runs, "
                     f"{report.machine['cpus']} CPUs, kernel {report.machine['kernel']}")
         sides.append(AgentenvSide(cleanup, args.fork_source))
-        drive(sides[-1], runs, docker_runs)
+        drive(sides[-1], runs, docker_runs, only)
         if not args.no_docker:
-            sides.append(DockerSide(client, cleanup, args.fork_source))
-            drive(sides[-1], runs, docker_runs)
+            docker_side = DockerSide(client, cleanup, args.fork_source)
+            docker_side.burst_size = args.docker_burst
+            sides.append(docker_side)
+            drive(sides[-1], runs, docker_runs, only)
     except BaseException as e:
         report.fatal = f"{type(e).__name__}: {e}"
         console.print(f"[red]benchmark aborted:[/red] {report.fatal}", highlight=False)

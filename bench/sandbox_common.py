@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import docker
 import docker.errors
 
 import agentenv
-from bench.harness import Result, console
+from bench.harness import Result, console, percentile
 
 IMAGE = "agentenv/base"
 CPUS = 1.0
@@ -173,3 +174,37 @@ class Cleanup:
         with contextlib.suppress(Exception):
             for img in client.api.images(filters={"label": f"{LABEL}={self.run_id}"}):
                 self.remove_image(client, img["Id"])
+
+
+BURST = 64  # sandboxes asked for at once by the burst rows
+BURST_P99_TARGET_MS = 1000.0
+
+
+def run_burst(m: Result, n: int, start_one: Callable[[], object]) -> None:
+    """Call ``start_one`` (make a sandbox and have its first command answered) from ``n`` threads released at
+    once; each success is a sample of ``m`` from the release to its answer, each failure is recorded."""
+    gate = threading.Barrier(n + 1)
+    t0 = [0.0]
+    errors: list[str] = []
+
+    def one() -> None:
+        gate.wait()
+        try:
+            start_one()
+        except Exception as e:  # noqa: BLE001 - counted and reported, the burst goes on
+            errors.append(f"{type(e).__name__}: {e}")
+            return
+        m.add(time.perf_counter() - t0[0])
+
+    threads = [threading.Thread(target=one, name=f"burst-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    t0[0] = time.perf_counter()
+    gate.wait()
+    for t in threads:
+        t.join()
+    p99 = percentile(m.samples, 0.99)
+    m.fields.update(burst=n, failed=len(errors), p99_target_ms=BURST_P99_TARGET_MS,
+                    p99_met=None if p99 is None else p99 * 1e3 <= BURST_P99_TARGET_MS)
+    if errors:
+        m.fail(f"{len(errors)} of {n} failed, e.g. {errors[0]}")

@@ -1,0 +1,148 @@
+"""A warm pool: sandboxes started ahead of time, handed out by ``Sandbox.create`` when one matches.
+
+A start costs tens of milliseconds of CPU (runc, the kernel's namespaces, the agent coming up). A burst of
+creates bigger than the machine's cores queues behind that work (``agentenv.admission``) however fast one
+start is; a pool moves the work before the burst: a create whose image and limits match a pooled sandbox
+gets it at once (its labels and ttl set to the caller's), and the pool refills behind, one start at a time
+so that the refill takes little from the sandboxes just handed out.
+
+Off by default: ``configure(image, size, **limits)`` turns it on for this process (the arguments are those
+of ``Sandbox.create``), ``drain()`` closes what it holds. A pooled sandbox is a sandbox like any other,
+listed, labelled ``agentenv.kind=warm`` and with a ttl of ``IDLE_TTL`` while it waits, so that the pool of
+a process that died (``kill -9``) goes with the next ``Sandbox.reap_expired`` (one that exits normally drains
+its pool).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from agentenv.runtime import ContainerSpec
+
+if TYPE_CHECKING:
+    from agentenv.sandbox import Sandbox
+
+log = logging.getLogger("agentenv")
+
+KIND = "warm"  # the ``agentenv.kind`` label of a sandbox waiting in the pool
+IDLE_TTL = 3600.0  # seconds a pooled sandbox lives unused (the pool of a dead process is reaped after it)
+
+_lock = threading.Condition()
+_ready: list[tuple[str, Sandbox]] = []  # (key, sandbox): the key says what it was started as (``_key``)
+_want: dict[str, Any] = {}  # the create arguments of the pool ("image" included); empty: no pool
+_size = 0
+_filler: threading.Thread | None = None
+_registered = False
+
+
+def configure(image: str, size: int, **create: Any) -> None:
+    """Keep ``size`` sandboxes of ``image`` started (``create``: the other arguments of ``Sandbox.create``,
+    labels and ttl excepted); a pool of another image or limits is drained first."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"the warm pool's size must be a non-negative integer, got {size!r}")
+    global _size, _filler, _registered
+    want = {"image": image, **create}
+    if want != _want:
+        drain()
+    with _lock:
+        _want.clear()
+        _want.update(want if size else {})
+        _size = size
+        if size and not _registered:
+            atexit.register(drain)  # a pool outlives no process that ends normally
+            _registered = True
+        if size and (_filler is None or not _filler.is_alive()):
+            _filler = threading.Thread(target=_fill, name="agentenv-warm-pool", daemon=True)
+            _filler.start()
+        _lock.notify_all()
+
+
+def ready() -> int:
+    """How many sandboxes wait in the pool now."""
+    with _lock:
+        return len(_ready)
+
+
+def wait_full(timeout: float) -> bool:
+    """Wait until the pool holds its size; False if it did not within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    with _lock:
+        while len(_ready) < _size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            _lock.wait(left)
+    return True
+
+
+def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, str] | None) -> Sandbox | None:
+    """A pooled sandbox of ``image`` started with ``spec``, now the caller's (its labels and ttl set), or
+    None when there is none (no pool, another image or limits, or the pool is empty: create one then)."""
+    if threading.current_thread() is _filler:  # the pool's own creates
+        return None
+    with _lock:
+        key = _key(image, spec)
+        at = next((i for i, (k, _) in enumerate(_ready) if k == key), None)
+        if at is None:
+            return None
+        found = _ready.pop(at)[1]
+        _lock.notify_all()  # the filler starts a replacement
+    with found._locked():
+        found._rec.update(labels=dict(labels or {}), expires_at=time.time() + ttl if ttl else None)
+        found._save()
+    return found
+
+
+def _key(image: str, spec: ContainerSpec) -> str:
+    return json.dumps([image, spec.to_json()], sort_keys=True)
+
+
+def drain() -> None:
+    """Stop refilling and close every sandbox waiting in the pool."""
+    global _size, _filler
+    with _lock:
+        _size = 0
+        _want.clear()
+        gone, _ready[:] = [sb for _, sb in _ready], []
+        filler, _filler = _filler, None
+        _lock.notify_all()
+    if filler is not None:
+        filler.join()
+    for sb in gone:
+        try:
+            sb.close()
+        except Exception as e:  # noqa: BLE001 - the rest are closed all the same
+            log.warning("could not close the pooled sandbox %s: %s", sb.id, e)
+
+
+def _fill() -> None:
+    """Start sandboxes one at a time while the pool is short of its size (the pool's thread)."""
+    from agentenv.sandbox import Sandbox
+
+    while True:
+        with _lock:
+            while _size and len(_ready) >= _size:
+                _lock.wait()
+            if not _size or threading.current_thread() is not _filler:
+                return
+            want = dict(_want)
+        image = want.pop("image")
+        try:
+            sb = Sandbox.create(image, **want, ttl=IDLE_TTL, labels={"agentenv.kind": KIND})
+        except Exception as e:  # noqa: BLE001 - the pool retries; creates without it go on regardless
+            log.warning("the warm pool could not start a sandbox of %s: %s", image, e)
+            time.sleep(1.0)
+            continue
+        with _lock:
+            keep = bool(_size) and threading.current_thread() is _filler and want == {
+                k: v for k, v in _want.items() if k != "image"} and _want.get("image") == image
+            if keep:
+                _ready.append((_key(image, sb._spec()), sb))
+                _lock.notify_all()
+        if not keep:
+            sb.close()
