@@ -57,9 +57,9 @@ def collect(
 ) -> None:
     """Mend what a killed process left (frozen sandboxes, half-made ones, interrupted pauses, fork snapshots),
     pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
-    from agentenv import Sandbox, sandbox, store
+    from agentenv import Sandbox, recovery, store
 
-    for where, ids in sandbox.recover_all().items():
+    for where, ids in recovery.recover_all().items():
         if where in ("discarded", "lost") and ids:
             console.print(f"{where}: {', '.join(ids)}")
     for sid in Sandbox.reap_expired():

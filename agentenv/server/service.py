@@ -3,7 +3,7 @@
 All state lives on disk (sandbox records and the snapshot store), so a server killed with ``kill -9``
 and started again lists every paused sandbox and snapshot, reattaches to the running sandboxes and
 reports the ones whose processes died as ``lost`` (``Service.recover``). What the kill cut short is
-mended first (``agentenv.sandbox.recover_all``): a sandbox left frozen is thawed, half-made fork children
+mended first (``agentenv.recovery.recover_all``): a sandbox left frozen is thawed, half-made fork children
 are removed, a pause is finished or rolled back, the fork's snapshot is collected; one sandbox that does
 not answer holds up neither the start nor the others.
 """
@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentenv import errors
-from agentenv.sandbox import Sandbox, recover_all
+from agentenv.recovery import recover_all
+from agentenv.sandbox import Sandbox
 from agentenv.server.schemas import Capacity
 from agentenv.store import Snapshot
 

@@ -13,8 +13,7 @@ import time
 import pytest
 
 import agentenv
-from agentenv import sandbox as sandbox_mod
-from agentenv import volume
+from agentenv import recovery, volume
 from agentenv.config import CRASH_ENV, paths
 
 pytestmark = pytest.mark.integration
@@ -131,7 +130,7 @@ sb.fork(2, memory=False)
     assert p.returncode == -signal.SIGKILL, p.stderr
     parent = agentenv.Sandbox.get(p.stdout.split()[0])
     try:
-        found = sandbox_mod.recover_all()
+        found = recovery.recover_all()
         assert parent.id in found["running"]
         assert not parent._container.frozen()
         assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import sandbox as sandbox_mod
-from agentenv import store
+from agentenv import recovery, store
 from agentenv.client import Client
 from agentenv.config import CRASH_ENV, paths
 from agentenv.errors import ConnectionLost
@@ -205,8 +204,8 @@ def test_recovery_in_process_is_idempotent_and_leaves_live_work_alone():
     with agentenv.Sandbox.create(memory="256m") as sb:
         making = agentenv.Sandbox._new(sb._spec(), image="agentenv/base", ttl=None, labels=None, parent=None)
         try:
-            first = sandbox_mod.recover_all()
+            first = recovery.recover_all()
             assert sb.id in first["running"] and making.id in first["busy"]
-            assert sandbox_mod.recover_all() == first
+            assert recovery.recover_all() == first
         finally:
             making._destroy()
