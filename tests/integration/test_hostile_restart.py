@@ -93,17 +93,22 @@ def local(sandbox_id: str) -> agentenv.Sandbox:
     return agentenv.Sandbox.get(sandbox_id)
 
 
-@pytest.mark.parametrize("point", ["fork:frozen", "fork:dumping@0.05", "fork:dumped", "fork:started"])
-def test_kill_9_mid_fork_thaws_the_source_and_leaves_no_child_or_snapshot(server, point):
+def fork_killed_at(server, point: str, n: int):
+    """A server killed at ``point`` of a fork of ``n`` (a working source sandbox), then started again: its client,
+    the source's id and what recovery reported."""
     c = server.start(crash_at=point)
     src = c.Sandbox.create(memory="256m")
-    src_id = src.id
     start_work(src)
     with pytest.raises(ConnectionLost):
-        src.fork(3)
+        src.fork(n)
     assert server.died()
     c = server.start()
-    found = recovered(c)
+    return c, src.id, recovered(c)
+
+
+@pytest.mark.parametrize("point", ["fork:frozen", "fork:dumping@0.05", "fork:dumped", "fork:started"])
+def test_kill_9_mid_fork_thaws_the_source_and_leaves_no_child_or_snapshot(server, point):
+    c, src_id, found = fork_killed_at(server, point, 3)
     assert src_id in found["running"]
     assert not local(src_id)._container.frozen()
     src = c.Sandbox.get(src_id)
@@ -118,15 +123,7 @@ def test_kill_9_mid_fork_thaws_the_source_and_leaves_no_child_or_snapshot(server
 
 
 def test_kill_9_after_the_children_ran_keeps_them_and_collects_the_fork_snapshot(server):
-    c = server.start(crash_at="fork:children")
-    src = c.Sandbox.create(memory="256m")
-    src_id = src.id
-    start_work(src)
-    with pytest.raises(ConnectionLost):
-        src.fork(2)
-    assert server.died()
-    c = server.start()
-    found = recovered(c)
+    c, src_id, found = fork_killed_at(server, "fork:children", 2)
     kids = [s for s in c.Sandbox.list() if s.id != src_id]
     assert len(kids) == 2 and all(k.id in found["running"] for k in kids)  # whole: they run on
     assert all(k.exec("cat /testbed/kept").stdout == "kept" for k in kids)
