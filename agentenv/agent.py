@@ -7,7 +7,9 @@ snapshot carries every job, its buffered output and the listening socket along.
 
 Wire format, both ways: ``>II`` (header length, blob length), a JSON header, then raw bytes.
 A job is addressed by id, so a client whose connection was closed (the host closes every connection
-before a memory snapshot) reconnects and resumes from the byte offsets it already has.
+before a memory snapshot) reconnects and resumes from the byte offsets it already has. A job made by
+``start`` is addressed by pid instead (``attach``, ``input``, ``discard``, ``kill``) and stays until its
+end is delivered; its output waits in the agent, from absolute offsets, until read (or discarded).
 
 Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
 server, or connect to the agent itself. Every frame is capped (``MAX_HEADER``, and a blob limit the
@@ -20,6 +22,7 @@ get the highest OOM score, so the kernel picks them first).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import selectors
@@ -50,6 +53,8 @@ SMALL_BLOB = 1 << 20  # blobs of requests other than write are read into memory 
 CHILD_OOM_SCORE = 1000  # every process the agent starts is the OOM killer's first choice, never the agent
 _CHILD_PREFIX = f"echo {CHILD_OOM_SCORE} 2>/dev/null >/proc/self/oom_score_adj; "  # before the user's code runs
 ABANDONED = 3600.0  # seconds a finished job's result waits for its caller
+INPUT_TIMEOUT = 30.0  # seconds at most one write to a job's stdin may wait for the job to read
+MAX_ENTRIES = 100_000  # entries of one directory listing
 _HEAD = struct.Struct(">II")
 _PR_SET_DUMPABLE = 4
 
@@ -161,7 +166,10 @@ class Starved(Exception):
 
 
 class Job:
-    """One command run by exec: its process group, buffered output and exit status."""
+    """One command run by exec or start: its process group, buffered output and exit status.
+
+    ``out[i]`` holds stream i from the absolute offset ``base[i]`` on (discard drops a prefix).
+    """
 
     def __init__(self, job_id: int, proc: subprocess.Popen[bytes], timeout: float | None,
                  max_output: int = MAX_OUTPUT) -> None:
@@ -172,17 +180,25 @@ class Job:
         self.started = time.monotonic()
         self.deadline = self.started + timeout if timeout else None
         self.out = [bytearray(), bytearray()]
+        self.base = [0, 0]
         self.dropped = [0, 0]
+        self.info: dict[str, Any] = {}  # a started job's request, for listing
+        self.stdin_lock = threading.Lock()
+        self.stdin_done: OrderedDict[str, int] = OrderedDict()  # input request key -> bytes written
         self.exit_code: int | None = None
         self.timed_out = False
         self.duration = 0.0
         self.done = False
+        self.handing = 0  # connections delivering its end
         self.key = ""
         self.cond = threading.Condition()
 
     def result(self) -> dict[str, Any]:
         return {"exit_code": self.exit_code, "timed_out": self.timed_out, "duration": self.duration,
                 "dropped": self.dropped}
+
+    def listing(self) -> dict[str, Any]:
+        return {**self.info, "pid": self.pid, "exit_code": self.exit_code if self.done else None}
 
 
 class Agent:
@@ -195,6 +211,7 @@ class Agent:
         self.jobs: dict[int, Job] = {}
         self.spawned: dict[int, dict[str, Any]] = {}  # pid -> {"cmd", "exit_code", "log"}
         self.by_pid: dict[int, Job] = {}
+        self.started: dict[int, Job] = {}  # pid -> job made by start, until its end is delivered
         self.children: dict[int, subprocess.Popen[bytes]] = {}  # every child we started, until reaped
         self.next_id = 1
         self.child_started = threading.Event()
@@ -235,17 +252,21 @@ class Agent:
         try:
             proc = subprocess.Popen(
                 ["/bin/sh", "-c", _CHILD_PREFIX + str(header["cmd"])], cwd=header.get("cwd") or None, env=env,
-                stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True,
-                close_fds=True)
+                stdin=subprocess.PIPE if header.get("stdin") else subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                start_new_session=True, close_fds=True)
         except BlockingIOError as e:  # EAGAIN from fork: the pids cgroup is full
             raise Starved(f"cannot start the command: the sandbox is out of processes ({e})") from None
         self.children[proc.pid] = proc  # callers hold self.lock
         self.child_started.set()
         return proc
 
-    def start_job(self, header: dict[str, Any]) -> Job:
+    def start_job(self, header: dict[str, Any], listed: bool = False) -> Job:
         with self.lock:
             self._forget_abandoned()
+            key = header.get("key")
+            known = self.jobs.get(self.keys.get(key, 0)) if key else None
+            if known is not None:  # a retried request: the job it started
+                return known
             job_id = self.next_id
             self.next_id += 1
             proc = self._popen(header, subprocess.PIPE, subprocess.PIPE, job_id)
@@ -256,13 +277,19 @@ class Agent:
             job.key = header.get("key", "")
             self.keys[job.key] = job_id
             self.by_pid[proc.pid] = job
+            if listed:
+                env = header.get("env") or {}
+                job.info = {"command": str(header["cmd"]), "cwd": header.get("cwd"), "env": dict(env),
+                            "tag": header.get("tag"), "stdin": bool(header.get("stdin"))}
+                self.started[proc.pid] = job
+            if proc.stdin is not None:
+                os.set_blocking(proc.stdin.fileno(), False)
         try:
             threading.Thread(target=self._pump, args=(job,), daemon=True).start()
         except RuntimeError as e:  # no thread to collect its output: undo the job rather than hang its caller
             kill_job(job.id, job.pid)
             with self.lock:
-                self.jobs.pop(job_id, None)
-                self.keys.pop(job.key, None)
+                self._forget(job)
             raise Starved(f"cannot start the command: the sandbox is out of threads ({e})") from None
         return job
 
@@ -270,8 +297,17 @@ class Agent:
         """Drop results nobody came back for (their caller died) an hour after the job ended."""
         now = time.monotonic()
         for job in [j for j in self.jobs.values() if j.done and now - j.started - j.duration > ABANDONED]:
-            self.jobs.pop(job.id, None)
-            self.keys.pop(job.key, None)
+            self._forget(job)
+
+    def _forget(self, job: Job) -> None:
+        """Drop a job whose end was delivered (callers hold self.lock)."""
+        self.jobs.pop(job.id, None)
+        self.keys.pop(job.key, None)
+        if self.started.get(job.pid) is job:
+            del self.started[job.pid]
+        if job.stdin_lock.acquire(blocking=False):  # else the writer holding it closes stdin when done
+            close_stdin(job)
+            job.stdin_lock.release()
 
     def _pump(self, job: Job) -> None:
         """Collect a job's output until it exits (or times out), then mark it done."""
@@ -354,7 +390,7 @@ class Agent:
                     send_frame(conn, {"error": "BadRequest", "message": f"a {header.get('op')!r} request "
                                                                          "carries no data"})
                     continue
-                if starved and header.get("op") in ("exec", "spawn"):
+                if starved and header.get("op") in ("exec", "spawn", "start"):
                     drain(conn, blen)
                     self._refuse_starved(conn, "cannot start a thread to serve it")
                     return
@@ -405,11 +441,47 @@ class Agent:
                 send_frame(conn, {"procs": table})
             elif op == "kill":
                 pid, sig = int(h["pid"]), int(h.get("signal", signal.SIGTERM))
-                if pid in self.spawned:
-                    os.killpg(pid, sig)  # spawn made it a group leader: the shell and what it started
+                if pid in self.spawned or pid in self.started:
+                    os.killpg(pid, sig)  # spawn and start make it a group leader: the shell and what it started
                 else:
                     os.kill(pid, sig)
                 send_frame(conn, {"ok": True})
+            elif op == "start":  # a job that runs on its own; attach reads its output
+                send_frame(conn, self.start_job(h, listed=True).listing())
+            elif op == "attach":
+                job = self.started_job(h)
+                offsets = h.get("offsets")
+                with job.cond:
+                    at = list(job.base) if offsets is None else [max(int(offsets[i]), job.base[i]) for i in (0, 1)]
+                send_frame(conn, {"job": job.id, "beat": HEARTBEAT, "offsets": at})
+                self.wait(conn, job.id, at, True, bool(h.get("follow", True)))
+            elif op == "jobs":
+                with self.lock:
+                    listed = [j.listing() for j in self.started.values() if not j.handing]
+                send_frame(conn, {"jobs": listed})
+            elif op == "discard":
+                self.discard(self.started_job(h), list(h["offsets"]))
+                send_frame(conn, {"ok": True})
+            elif op == "input":
+                job = self.started_job(h)
+                try:
+                    self.write_input(conn, job, str(h.get("key", "")), blob,
+                                     min(INPUT_TIMEOUT, max(0.0, float(h.get("timeout", INPUT_TIMEOUT)))))
+                except (BrokenPipeError, TimeoutError) as e:  # the job's pipe, not this connection
+                    send_frame(conn, {"error": type(e).__name__, "errno": e.errno, "message": str(e)})
+                else:
+                    send_frame(conn, {"ok": True})
+            elif op == "close_stdin":
+                job = self.started_job(h)
+                if not job.stdin_lock.acquire(timeout=INPUT_TIMEOUT):
+                    raise TimeoutError(f"a write to the stdin of job {job.pid} is still blocked")
+                try:
+                    close_stdin(job)
+                finally:
+                    job.stdin_lock.release()
+                send_frame(conn, {"ok": True})
+            elif op == "fs":
+                send_frame(conn, self.fs(h))
             elif op == "read":
                 send_file(conn, h["path"])
             elif op == "quiesce":
@@ -433,29 +505,72 @@ class Agent:
             send_frame(conn, {"error": "SandboxError", "message": "the agent ran out of memory serving the request",
                               "fix": "free memory in the sandbox (kill processes, delete /dev/shm files)"})
 
-    def check_own(self, path: str) -> str:
-        """``path``, unless it (or a folder it goes through, symlinks resolved) is one of the agent's own."""
+    def check_own(self, path: str, tree: bool = False) -> str:
+        """``path``, unless it (or a folder it goes through, symlinks resolved) is one of the agent's own;
+        with ``tree``, also unless one of them is inside it (a folder removed or moved whole)."""
         real = os.path.join(os.path.realpath(os.path.dirname(path) or "/"), os.path.basename(path))
+        real = os.path.normpath(real)
         for d in self.own_dirs:
-            if real == d or real.startswith(d.rstrip("/") + "/"):
-                raise PermissionError(13, f"{path} is in the agent's own folder {d}: refused")
+            if real == d or real.startswith(d.rstrip("/") + "/") or (tree and (d + "/").startswith(
+                    real.rstrip("/") + "/")):
+                raise PermissionError(13, f"{path} is or holds the agent's own folder {d}: refused")
         return path
 
-    def wait(self, conn: socket.socket, job_id: int, offsets: list[int], stream: bool) -> None:
-        """Send a job's output from the given offsets (as it comes when streaming), then its result.
+    def fs(self, h: dict[str, Any]) -> dict[str, Any]:
+        """The file system ops: stat, list (down to ``depth`` levels), mkdir, move, remove."""
+        do, path = h["do"], str(h["path"])
+        if do == "stat":
+            return {"info": file_info(path)}
+        if do == "list":
+            depth = int(h.get("depth", 1))
+            if depth < 1:
+                raise ValueError(f"depth must be at least 1, got {depth}")
+            if not stat.S_ISDIR(os.stat(path).st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, f"Not a directory: {path!r}")
+            return {"entries": _walk(path, depth)}
+        if do == "mkdir":
+            self.check_own(path)
+            if os.path.isdir(path):
+                return {"made": False}
+            if os.path.lexists(path):
+                raise FileExistsError(errno.EEXIST, f"File exists: {path!r}")
+            os.makedirs(path)
+            return {"made": True}
+        if do == "move":
+            dst = self.check_own(str(h["dst"]), tree=True)
+            move(self.check_own(path, tree=True), dst)
+            return {"info": file_info(dst)}
+        if do == "remove":
+            self.check_own(path, tree=True)
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                import shutil
+
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            return {"ok": True}
+        raise ValueError(f"unknown fs op {do!r}")
+
+    def wait(self, conn: socket.socket, job_id: int, offsets: list[int], stream: bool, follow: bool = True) -> None:
+        """Send a job's output from the given absolute offsets (as it comes when streaming), then its result.
 
         Every ``HEARTBEAT`` seconds without anything to send, a ``{"beat": true}`` frame tells the
         host the agent still runs (so that it can tell a long silent command from a stopped agent).
+        Output frames say where their bytes start (``at``): past bytes a discard dropped, it goes on from
+        the oldest kept. ``follow=False``: what is buffered now, then the result or ``{"running": true}``.
         """
         job = self.jobs.get(job_id)
         if job is None:
             send_frame(conn, {"error": "NotFound", "message": f"no job {job_id}"})
             return
+        offsets = [int(offsets[0]), int(offsets[1])]
         last_sent = time.monotonic()
         while True:
             beat = False
             with job.cond:
-                while not job.done and not (stream and any(len(job.out[i]) > offsets[i] for i in (0, 1))):
+                offsets = [max(offsets[i], job.base[i]) for i in (0, 1)]
+                while follow and not job.done and not (
+                        stream and any(job.base[i] + len(job.out[i]) > offsets[i] for i in (0, 1))):
                     if conn in self.closing:
                         raise ConnectionError("quiesced")
                     left = last_sent + HEARTBEAT - time.monotonic()
@@ -463,30 +578,93 @@ class Agent:
                         beat = True
                         break
                     job.cond.wait(left)
+                    offsets = [max(offsets[i], job.base[i]) for i in (0, 1)]
                 done = job.done and not beat
+                start = [offsets[i] - job.base[i] for i in (0, 1)]
                 chunks: list[bytes | bytearray | memoryview] = [b"", b""]
                 if done:  # finished: nothing appends any more, so send from the buffers themselves
-                    chunks = [memoryview(job.out[i])[offsets[i]:] for i in (0, 1)]
+                    chunks = [memoryview(job.out[i])[start[i]:] for i in (0, 1)]
                 elif stream and not beat:  # one copy of what is new: the pump may still append
-                    chunks = [job.out[i][offsets[i]:] for i in (0, 1)]
+                    chunks = [job.out[i][start[i]:] for i in (0, 1)]
             if beat:
                 send_frame(conn, {"beat": True})
                 last_sent = time.monotonic()
                 continue
             for i in (0, 1):
                 if chunks[i] and (stream or not done):
-                    send_frame(conn, {"fd": i + 1}, chunks[i])
+                    send_frame(conn, {"fd": i + 1, "at": offsets[i]}, chunks[i])
                     offsets[i] += len(chunks[i])
                     chunks[i] = b""
                     last_sent = time.monotonic()
             if done:
                 header = job.result()
                 header["stdout_len"] = len(chunks[0])
-                send_parts(conn, header, chunks)
+                header["at"] = offsets
                 with self.lock:
-                    self.jobs.pop(job_id, None)  # delivered: forget it
-                    self.keys.pop(job.key, None)
+                    job.handing += 1  # not listed while its end may have reached a caller; back if that fails
+                try:
+                    send_parts(conn, header, chunks)
+                except BaseException:
+                    with self.lock:
+                        job.handing -= 1
+                    raise
+                with self.lock:
+                    self._forget(job)  # delivered: forget it
                 return
+            if not follow:
+                send_frame(conn, {"running": True, "at": offsets})
+                return
+
+    def started_job(self, h: dict[str, Any]) -> Job:
+        """The job that start made with pid ``h["pid"]`` (ProcessLookupError if none, or delivered)."""
+        with self.lock:
+            job = self.started.get(int(h["pid"]))
+        if job is None:
+            raise ProcessLookupError(errno.ESRCH, f"no job with pid {h['pid']}")
+        return job
+
+    def discard(self, job: Job, offsets: list[int]) -> None:
+        """Drop a job's buffered bytes below the absolute ``offsets`` (kept while a finished job's are sent)."""
+        with job.cond:
+            for i in (0, 1):
+                n = min(max(0, int(offsets[i]) - job.base[i]), len(job.out[i]))
+                with contextlib.suppress(BufferError):
+                    del job.out[i][:n]
+                    job.base[i] += n
+
+    def write_input(self, conn: socket.socket, job: Job, key: str, data: bytes, timeout: float) -> None:
+        """Write ``data`` to a job's stdin within ``timeout`` seconds (TimeoutError if it does not read);
+        a retried request (same ``key``) goes on from the bytes already written."""
+        deadline = time.monotonic() + timeout
+        if not job.stdin_lock.acquire(timeout=timeout):
+            raise TimeoutError(f"another write to the stdin of job {job.pid} is still blocked")
+        try:
+            done = job.stdin_done.get(key, 0) if key else 0
+            pipe = job.proc.stdin
+            while done < len(data):
+                if pipe is None or pipe.closed:
+                    raise BrokenPipeError(errno.EPIPE, f"the stdin of job {job.pid} is closed")
+                if conn in self.closing:
+                    raise ConnectionError("quiesced")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"job {job.pid} did not read its stdin within {timeout:g} s "
+                                       f"({done} of {len(data)} bytes written)")
+                try:
+                    done += os.write(pipe.fileno(), data[done:done + (1 << 16)])
+                except BlockingIOError:
+                    with selectors.DefaultSelector() as sel:
+                        sel.register(pipe.fileno(), selectors.EVENT_WRITE)
+                        sel.select(min(left, 0.1))
+                if key:
+                    job.stdin_done[key] = done
+                while len(job.stdin_done) > 64:
+                    job.stdin_done.popitem(last=False)
+        finally:
+            job.stdin_lock.release()
+            if job.id not in self.jobs and job.stdin_lock.acquire(blocking=False):  # forgotten meanwhile
+                close_stdin(job)
+                job.stdin_lock.release()
 
     def quiesce(self, keep: socket.socket) -> None:
         """Close every other host connection, so that CRIU finds no socket with a peer outside."""
@@ -522,6 +700,96 @@ def kill_job(job_id: int, pgid: int) -> None:
                     os.kill(int(name), signal.SIGKILL)
         except OSError:
             continue
+
+
+def close_stdin(job: Job) -> None:
+    """Close a job's stdin (EOF for the job); callers hold its stdin_lock."""
+    if job.proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            job.proc.stdin.close()
+
+
+def file_info(path: str, names: dict[str, dict[int, str]] | None = None) -> dict[str, Any]:
+    """What a file is: its own stat (a symlink's target decides only its type); owner and group by name
+    when the sandbox's /etc/passwd and /etc/group have them."""
+    st = os.lstat(path)
+    kind, target = st.st_mode, None
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(path)
+        with contextlib.suppress(OSError):
+            kind = os.stat(path).st_mode
+    names = {} if names is None else names
+    for db in ("passwd", "group"):
+        if db not in names:
+            names[db] = _id_names(f"/etc/{db}")
+    return {"name": os.path.basename(path.rstrip("/")) or "/", "path": path,
+            "type": "dir" if stat.S_ISDIR(kind) else "file", "size": st.st_size, "mode": st.st_mode & 0o7777,
+            "permissions": stat.filemode(st.st_mode), "owner": names["passwd"].get(st.st_uid, str(st.st_uid)),
+            "group": names["group"].get(st.st_gid, str(st.st_gid)), "modified": st.st_mtime,
+            "symlink_target": target}
+
+
+def _id_names(path: str) -> dict[int, str]:
+    """uid (or gid) -> name from a passwd (group) file: read as a file, never through NSS (whose modules the
+    sandbox chooses), and at most 1 MiB of it."""
+    found: dict[int, str] = {}
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(1 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return found
+    for line in data.decode(errors="replace").splitlines():
+        parts = line.split(":")
+        if len(parts) > 2 and parts[2].isdigit():
+            found.setdefault(int(parts[2]), parts[0])
+    return found
+
+
+def _walk(top: str, depth: int) -> list[dict[str, Any]]:
+    """The entries under ``top`` down to ``depth`` levels, by name, each folder before what is in it
+    (symlinks not followed); at most MAX_ENTRIES of them (ValueError past that)."""
+    names: dict[str, dict[int, str]] = {}
+    found: list[dict[str, Any]] = []
+    stack: list[tuple[str, bool, int]] = []
+
+    def scan(folder: str, level: int) -> None:
+        room = MAX_ENTRIES - len(found) - len(stack)
+        with os.scandir(folder) as it:
+            got: list[tuple[str, bool]] = []
+            for e in it:
+                if len(got) >= room:
+                    raise ValueError(f"over {MAX_ENTRIES} entries under {top}: list with a smaller depth")
+                got.append((e.name, e.is_dir(follow_symlinks=False)))
+        stack.extend((os.path.join(folder, n), d, level) for n, d in sorted(got, reverse=True))
+
+    scan(top, 1)
+    while stack:
+        path, is_dir, level = stack.pop()
+        with contextlib.suppress(FileNotFoundError):  # gone since the scan
+            found.append(file_info(path, names))
+            if is_dir and level < depth:
+                with contextlib.suppress(PermissionError, NotADirectoryError):
+                    scan(path, level + 1)
+    return found
+
+
+def move(src: str, dst: str) -> None:
+    """Rename ``src`` to ``dst`` (creating its parent folders), copying across file systems."""
+    os.makedirs(os.path.dirname(dst) or "/", exist_ok=True)
+    try:
+        os.rename(src, dst)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        import shutil
+
+        if stat.S_ISDIR(os.lstat(src).st_mode):
+            shutil.copytree(src, dst, symlinks=True)
+            shutil.rmtree(src)
+        else:
+            shutil.copy2(src, dst, follow_symlinks=False)
+            os.unlink(src)
 
 
 def write_stream(path: str, conn: socket.socket, n: int, mode: int) -> None:

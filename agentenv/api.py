@@ -115,6 +115,53 @@ class ProcessInfo(_Value):
     exit_code: int | None = None
 
 
+@dataclass(frozen=True)
+class JobInfo(_Value):
+    """A job made by ``start``: its request, and ``exit_code`` once it ended (None while it runs)."""
+
+    pid: int
+    command: str
+    cwd: str | None
+    env: dict[str, str]
+    tag: str | None
+    stdin: bool  # started with stdin=True (a pipe fed by send_input)
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class JobOutput(_Value):
+    """A piece of a job's output: ``data`` starts at the absolute byte ``offset`` of its ``stream``."""
+
+    stream: str  # "stdout" | "stderr"
+    data: bytes
+    offset: int
+
+
+@dataclass(frozen=True)
+class JobEnd(_Value):
+    """How a job ended: the last item of ``output``."""
+
+    exit_code: int
+    timed_out: bool
+    duration: float
+
+
+@dataclass(frozen=True)
+class FileInfo(_Value):
+    """A file in a sandbox; ``type`` is that of what a symlink points to ('file' if nothing), the rest its own."""
+
+    name: str
+    path: str  # absolute
+    type: str  # "file" | "dir"
+    size: int
+    mode: int  # permission bits (st_mode & 0o7777)
+    permissions: str  # e.g. "-rw-r--r--"
+    owner: str  # a name where the sandbox's /etc/passwd has it, else the uid
+    group: str
+    modified: float  # epoch seconds
+    symlink_target: str | None = None  # set when the path itself is a symlink
+
+
 def info_of(obj: Any, cls: type[_V]) -> _V:
     """The ``cls`` value of any object that has its fields as attributes (a Sandbox, a Snapshot, ...)."""
     return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]

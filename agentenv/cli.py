@@ -97,8 +97,14 @@ def serve(
     max_store: str | None = typer.Option(None, help="limit of the snapshot store (e.g. 200g); default: left as set"),
     unlimited_disk: bool = typer.Option(False, help="let clients make sandboxes without a disk limit (disk: null)"),
     reap_interval: float = typer.Option(5.0, help="seconds between TTL checks (expired sandboxes are paused)"),
+    e2b: Annotated[bool | None, typer.Option("--e2b/--no-e2b", help="serve E2B's API too (default: when the e2b "
+                                                                     "package is installed)")] = None,
+    warm_pool: int = typer.Option(0, min=0, help="sandboxes of the default image and limits kept started, so "
+                                                 "that a burst of creates gets them at once (0: none)"),
 ) -> None:
-    """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token."""
+    """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token.
+
+    E2B's SDKs run against it unchanged: E2B_API_URL=E2B_SANDBOX_URL=http://127.0.0.1:8700, E2B_API_KEY=<token>."""
     try:
         from agentenv import server
     except ImportError as e:
@@ -111,7 +117,7 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
-                 max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval)
+                 max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b, warm_pool=warm_pool)
 
 
 @snapshots_app.command("ls")

@@ -93,12 +93,12 @@ _STATUS: list[tuple[type[BaseException], int]] = [
     (ConnectionLost, 502),
     (AgentEnvError, 500),
     (FileNotFoundError, 404), (ProcessLookupError, 404), (PermissionError, 403),
-    (IsADirectoryError, 409), (NotADirectoryError, 409), (FileExistsError, 409),
+    (IsADirectoryError, 409), (NotADirectoryError, 409), (FileExistsError, 409), (BrokenPipeError, 409),
     (ValueError, 400), (TypeError, 400),
 ]
 _BUILTINS: dict[str, type[Exception]] = {c.__name__: c for c in (
     FileNotFoundError, ProcessLookupError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
-    ValueError, TypeError)}
+    BrokenPipeError, TimeoutError, ValueError, TypeError)}
 _AS_VALUE_ERROR = frozenset({"ValidationError", "WireError", "BadRequest"})  # bad input, said by any hop
 _BY_STATUS: dict[int, type[Exception]] = {401: Unauthorized, 404: LookupError, 409: SandboxStateError,
                                           429: QuotaExceeded, 501: DiskLimitUnsupported, 507: StoreFullError}

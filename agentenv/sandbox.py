@@ -33,13 +33,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agentenv import admission, agent, forking, images, store, volume, warm
+from agentenv import admission, agent, forking, images, jobs, store, volume, warm
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
     MAX_FORK,
     ExecResult,
+    FileInfo,
+    JobEnd,
+    JobInfo,
+    JobOutput,
     Limits,
     OutputCallback,
     ProcessInfo,
@@ -378,6 +382,60 @@ class Sandbox:
             raise ValueError(f"{len(payload)} bytes is over write_file's limit of {agent.MAX_FILE}")
         target = _own_checked(_abs(path, self._spec().workdir), True)
         self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
+
+    # --- jobs and the file system (the host side: agentenv.jobs) --------------------------------
+
+    def start(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
+              timeout: float | None = None, stdin: bool = False, tag: str | None = None) -> JobInfo:
+        """Start ``command`` with /bin/sh and return at once; its output waits in the sandbox for ``output``."""
+        self.require_running()
+        return jobs.start(self._channel, command, cwd=cwd, env=env, timeout=timeout, stdin=stdin, tag=tag,
+                          max_output=max_output(self._spec().limits.memory))
+
+    def jobs(self) -> builtins.list[JobInfo]:
+        """The jobs ``start`` made that run, or ended but whose end ``output`` has not delivered yet."""
+        return jobs.listing(self._channel)
+
+    def output(self, pid: int, offsets: tuple[int, int] | None = None, *, follow: bool = True
+               ) -> Iterator[JobOutput | JobEnd | None]:
+        """A job's output from absolute ``offsets`` (None: the oldest kept); None items are heartbeats, JobEnd last."""
+        return jobs.output(self._channel, pid, offsets, follow)
+
+    def discard(self, pid: int, offsets: tuple[int, int]) -> None:
+        """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
+        jobs.discard(self._channel, pid, offsets)
+
+    def send_input(self, pid: int, data: bytes) -> None:
+        """Write to a job's stdin (BrokenPipeError if it is closed or the job was started without one)."""
+        jobs.send_input(self._channel, pid, data)
+
+    def close_input(self, pid: int) -> None:
+        """Close a job's stdin (EOF); idempotent."""
+        jobs.close_input(self._channel, pid)
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Send ``sig`` to the process group of a job (or of a spawned process)."""
+        jobs.signal(self._channel, pid, sig)
+
+    def stat(self, path: str) -> FileInfo:
+        """What is at ``path`` (FileNotFoundError if nothing)."""
+        return jobs.stat(self._channel, _own_checked(_abs(path, self._spec().workdir), False))
+
+    def list_dir(self, path: str, depth: int = 1) -> builtins.list[FileInfo]:
+        """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed."""
+        return jobs.list_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), False), depth)
+
+    def make_dir(self, path: str) -> bool:
+        """Make a folder and its parents; False if it already was one (FileExistsError if a file is there)."""
+        return jobs.make_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
+
+    def move(self, src: str, dst: str) -> FileInfo:
+        """Rename ``src`` to ``dst`` (across file systems too); the info of ``dst``."""
+        return jobs.move(self._channel, *(_own_checked(_abs(p, self._spec().workdir), True) for p in (src, dst)))
+
+    def remove(self, path: str) -> None:
+        """Remove a file, a symlink or a whole folder (FileNotFoundError if nothing is there)."""
+        jobs.remove(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
 
     # --- snapshots ----------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,7 +14,8 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentenv import __version__, store
+from agentenv import __version__, store, warm
+from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, sandboxes, server, snapshots
@@ -27,17 +29,20 @@ from agentenv.server.routing import (
 from agentenv.server.service import Service
 
 DEFAULT_PORT = 8700
+DEFAULT_MEMORY = 1 << 30  # what a create that names no memory gets (Sandbox.create's default)
 TOKEN_ENV = "AGENTENV_TOKEN"
 
 
 def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "64g", max_disk: str | int = "640g",
                max_store: str | int | None = None, unlimited_disk: bool = False,
-               reap_interval: float = 5.0) -> FastAPI:
+               reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0) -> FastAPI:
     """The environment server's app; ``token`` guards every route but /health and /metrics.
 
     Quotas: ``max_sandboxes`` live sandboxes, ``max_memory`` and ``max_disk`` bytes of their limits added up;
     ``max_store`` (if given) becomes the snapshot store's limit; ``unlimited_disk`` lets clients ask for
-    sandboxes without a disk limit (``disk: null``).
+    sandboxes without a disk limit (``disk: null``); ``e2b`` serves E2B's API too (``agentenv.server.e2b``):
+    None = when the ``e2b`` package is installed. ``warm_pool`` sandboxes of the default image and limits (what
+    E2B's creates and plain creates ask for) are kept started, so that a burst of creates gets them at once.
     """
     if not token:
         raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
@@ -51,8 +56,12 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
             await run_in_threadpool(store.set_limit, store_limit)
         await run_in_threadpool(service.recover)
         service.start_reaper()
+        if warm_pool:
+            warm.configure(DEFAULT_IMAGE, warm_pool, memory=DEFAULT_MEMORY, disk=DEFAULT_DISK)
         yield
         service.stop()
+        if warm_pool:
+            await run_in_threadpool(warm.drain)
 
     app = FastAPI(title="agentenv environment server", version=__version__, lifespan=lifespan,
                   description="Sandboxes that snapshot, fork and resume, over HTTP. Bodies are JSON or msgpack "
@@ -60,6 +69,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
                   default_response_class=WireResponse)
     app.state.service = service
     app.state.expected_auth = f"Bearer {token}".encode()
+    app.state.token = token
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -72,6 +82,14 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
 
     for module in (server, sandboxes, commands, files, snapshots):
         app.include_router(module.router)
+    if e2b is None:
+        e2b = importlib.util.find_spec("e2b") is not None
+    if e2b:
+        try:
+            from agentenv.server import e2b as e2b_api
+        except ImportError as e:
+            raise ValueError(f"the E2B API needs the e2b package ({e}): pip install 'agentenv[e2b]'") from e
+        e2b_api.install(app, service, token)
     app.add_middleware(BodyLimit)
     complete_openapi(app)
     return app
@@ -94,8 +112,10 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PO
 
 def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_sandboxes: int = 64,
           max_memory: str | int = "64g", max_disk: str | int = "640g", max_store: str | int | None = None,
-          unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info") -> None:
+          unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info",
+          e2b: bool | None = None, warm_pool: int = 0) -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
-                     max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval)
+                     max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
+                     warm_pool=warm_pool)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

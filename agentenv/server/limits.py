@@ -3,7 +3,7 @@
 Bodies. ``BodyLimit`` (ASGI middleware) refuses a body whose ``Content-Length`` is over the route's
 limit before reading a byte, and counts the bytes of a body that has none (chunked), failing the
 request with 413 at the limit; nothing reads more than the limit into memory. Uploads
-(``PUT .../files``) may carry ``MAX_UPLOAD``, every other body ``MAX_BODY``.
+(``PUT .../files``, and E2B's ``POST /files``) may carry ``MAX_UPLOAD``, every other body ``MAX_BODY``.
 
 Connections. ``GuardedHttpProtocol`` is uvicorn's httptools protocol with the deadlines it lacks: a
 request's headers must arrive within ``HEADER_TIMEOUT`` seconds of its first byte (or of the
@@ -42,8 +42,13 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body is over the limit of {limit} bytes")
 
 
-def body_limit(method: str, path: str) -> int:
-    return MAX_UPLOAD if method == "PUT" and _UPLOAD.match(path) else MAX_BODY
+def body_limit(method: str, path: str, headers: dict[bytes, bytes] | None = None) -> int:
+    """MAX_UPLOAD for file uploads (ours, and E2B's ``POST /files`` into a sandbox), else MAX_BODY."""
+    if method == "PUT" and _UPLOAD.match(path):
+        return MAX_UPLOAD
+    if method == "POST" and path == "/files" and headers and b"e2b-sandbox-id" in headers:
+        return MAX_UPLOAD
+    return MAX_BODY
 
 
 def too_large_body(limit: int, subject: str | None = None) -> dict[str, Any]:
@@ -61,8 +66,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit = body_limit(scope["method"], scope["path"])
-        length = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        limit = body_limit(scope["method"], scope["path"], headers)
+        length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             await _reply_413(scope, send, limit)
             return

@@ -1,0 +1,169 @@
+"""The host end of jobs and file system calls: what ``Sandbox.start``, ``output``, ``stat`` and the rest send.
+
+A job made by ``start`` runs on its own; the agent buffers its output (both streams, up to its
+``max_output``) until ``output`` reads it, from absolute byte offsets, so a reader may stop and come back
+later, from another process or after a snapshot, and a reader that will never look back lets the agent
+drop what it read (``discard``). The agent forgets the job once ``output`` delivered its end.
+
+What the agent answers is checked like every reply (``agentenv.channel``): frames capped, offsets and
+results validated, reconnecting bounded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from agentenv import agent
+from agentenv.api import FileInfo, JobEnd, JobInfo, JobOutput
+from agentenv.channel import CALL_TIMEOUT, Channel, _broken, _checked_result, _silent, _soonest, raise_for
+from agentenv.errors import ConnectionLost
+
+STREAMS = ("stdout", "stderr")
+
+
+def start(ch: Channel, command: str, *, cwd: str | None, env: dict[str, str] | None, timeout: float | None,
+          stdin: bool, tag: str | None, max_output: int) -> JobInfo:
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    reply, _ = ch.call({"op": "start", "cmd": command, "cwd": cwd, "env": env or {}, "timeout": timeout,
+                        "stdin": bool(stdin), "tag": tag, "max_output": max_output})
+    return _job(reply)
+
+
+def listing(ch: Channel) -> list[JobInfo]:
+    reply, _ = ch.call({"op": "jobs"})
+    if not isinstance(reply.get("jobs"), list):
+        raise _broken(agent.FrameError("a malformed job list"))
+    return [_job(j) for j in reply["jobs"]]
+
+
+def _job(reply: Any) -> JobInfo:
+    try:
+        info = JobInfo.from_wire(reply)
+    except (TypeError, AttributeError) as e:
+        raise _broken(agent.FrameError(f"a malformed job ({e})")) from e
+    if type(info.pid) is not int:
+        raise _broken(agent.FrameError("a malformed job"))
+    return info
+
+
+def output(ch: Channel, pid: int, offsets: tuple[int, int] | None, follow: bool
+           ) -> Iterator[JobOutput | JobEnd | None]:
+    """The job's output from ``offsets`` (None: the oldest byte kept), None for a heartbeat, JobEnd last.
+
+    A connection closed under it (a memory snapshot) is reopened through the gate, from the offsets reached.
+    """
+    pos = None if offsets is None else [int(offsets[0]), int(offsets[1])]
+    failures = 0
+    while True:
+        epoch = ch.gate.epoch
+        try:
+            with ch.connect() as s:
+                agent.send_frame(s, {"op": "attach", "pid": pid, "offsets": pos, "follow": follow},
+                                 deadline=_soonest(None))
+                first, _ = agent.recv_frame(s, 0, _soonest(None))
+                raise_for(first)
+                pos = _offsets(first.get("offsets"), pos)
+                while True:
+                    h, data = agent.recv_frame(s, agent.MAX_EXEC_BLOB, _soonest(None))
+                    raise_for(h)
+                    if h.get("beat"):
+                        yield None
+                        continue
+                    if "fd" in h:
+                        if h["fd"] not in (1, 2):
+                            raise agent.FrameError("an output frame for no stream")
+                        i = h["fd"] - 1
+                        at = h.get("at")
+                        if type(at) is not int or at < pos[i]:
+                            raise agent.FrameError("an output frame from a wrong offset")
+                        pos[i] = at + len(data)
+                        if data:
+                            failures = 0  # progress: a later close is not the same failure again
+                            yield JobOutput(stream=STREAMS[i], data=data, offset=at)
+                        continue
+                    at = _offsets(h.get("at"), pos)
+                    if h.get("running"):
+                        return
+                    n = _checked_result(h, len(data))
+                    if not isinstance(h.get("exit_code"), int):
+                        raise agent.FrameError("a result without an exit code")
+                    for i, tail in ((0, data[:n]), (1, data[n:])):
+                        if tail:
+                            yield JobOutput(stream=STREAMS[i], data=tail, offset=at[i])
+                    yield JobEnd(exit_code=h["exit_code"], timed_out=h["timed_out"], duration=float(h["duration"]))
+                    return
+        except ConnectionLost:
+            raise
+        except agent.FrameError as e:
+            raise _broken(e) from e
+        except TimeoutError as e:
+            raise _silent("attach", CALL_TIMEOUT) from e
+        except ConnectionError as e:  # closed by a snapshot: reconnect once the gate opens, go on from pos
+            failures = ch._retry(failures, epoch, None, e)
+
+
+def _offsets(value: Any, floor: list[int] | None) -> list[int]:
+    """Two absolute offsets from the agent, none below what this reader already has (it never goes back)."""
+    if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)):
+        raise agent.FrameError("malformed offsets")
+    if floor is not None and any(v < f for v, f in zip(value, floor, strict=True)):
+        raise agent.FrameError("offsets going back")
+    return list(value)
+
+
+def discard(ch: Channel, pid: int, offsets: tuple[int, int]) -> None:
+    ch.call({"op": "discard", "pid": pid, "offsets": [int(offsets[0]), int(offsets[1])]})
+
+
+def send_input(ch: Channel, pid: int, data: bytes) -> None:
+    """Write ``data`` to the job's stdin, a piece at a time (each one a request the agent takes once)."""
+    view = memoryview(bytes(data))
+    for at in range(0, max(len(view), 1), agent.SMALL_BLOB):  # nothing: still one request (is there such a job?)
+        ch.call({"op": "input", "pid": pid}, bytes(view[at:at + agent.SMALL_BLOB]),
+                timeout=agent.INPUT_TIMEOUT + CALL_TIMEOUT)
+
+
+def close_input(ch: Channel, pid: int) -> None:
+    ch.call({"op": "close_stdin", "pid": pid}, timeout=agent.INPUT_TIMEOUT + CALL_TIMEOUT)
+
+
+def signal(ch: Channel, pid: int, sig: int) -> None:
+    ch.call({"op": "kill", "pid": pid, "signal": int(sig)})
+
+
+def fs(ch: Channel, do: str, path: str, **extra: Any) -> dict[str, Any]:
+    return ch.call({"op": "fs", "do": do, "path": path, **extra})[0]
+
+
+def file_info(reply: Any) -> FileInfo:
+    try:
+        return FileInfo.from_wire(reply)
+    except (TypeError, AttributeError) as e:
+        raise _broken(agent.FrameError(f"a malformed file info ({e})")) from e
+
+
+def stat(ch: Channel, path: str) -> FileInfo:
+    return file_info(fs(ch, "stat", path).get("info"))
+
+
+def list_dir(ch: Channel, path: str, depth: int) -> list[FileInfo]:
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+        raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+    entries = fs(ch, "list", path, depth=depth).get("entries")
+    if not isinstance(entries, list):
+        raise _broken(agent.FrameError("a malformed listing"))
+    return [file_info(e) for e in entries]
+
+
+def make_dir(ch: Channel, path: str) -> bool:
+    return bool(fs(ch, "mkdir", path).get("made"))
+
+
+def move(ch: Channel, src: str, dst: str) -> FileInfo:
+    return file_info(fs(ch, "move", src, dst=dst).get("info"))
+
+
+def remove(ch: Channel, path: str) -> None:
+    fs(ch, "remove", path)

@@ -1,0 +1,123 @@
+"""What the in-sandbox services share: the sandbox a request is for, errors as Connect codes, and a blocking
+iterator turned into an async one.
+
+A stream (a command's output, a directory watch) can last as long as the command does, so it gets a thread
+of its own rather than one of the event loop's few pool threads, and hands items over through a bounded
+queue: a client that stops reading (a background command's handle never reads) stops the thread, the output
+stays buffered in the sandbox's agent, and nothing grows without bound on the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, TypeVar
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from connectrpc.request import RequestContext
+from fastapi.concurrency import run_in_threadpool
+from protobuf import Oneof
+
+from agentenv import errors
+from agentenv.sandbox import Sandbox
+from agentenv.server.service import Service
+
+T = TypeVar("T")
+QUEUE = 64  # items a stream may run ahead of its client
+_DONE = object()
+
+_CODES: list[tuple[type[BaseException], Code]] = [
+    (FileNotFoundError, Code.NOT_FOUND), (ProcessLookupError, Code.NOT_FOUND), (FileExistsError, Code.ALREADY_EXISTS),
+    (PermissionError, Code.PERMISSION_DENIED), (NotADirectoryError, Code.INVALID_ARGUMENT),
+    (IsADirectoryError, Code.INVALID_ARGUMENT), (BrokenPipeError, Code.FAILED_PRECONDITION),
+    (errors.SandboxNotFound, Code.UNAVAILABLE), (errors.SandboxStateError, Code.UNAVAILABLE),
+    (errors.ConnectionLost, Code.UNAVAILABLE), (errors.QuotaExceeded, Code.RESOURCE_EXHAUSTED),
+    (ValueError, Code.INVALID_ARGUMENT), (TimeoutError, Code.DEADLINE_EXCEEDED),
+]
+
+
+def one_of(field: str, value: Any) -> Any:
+    """A oneof field's value (the generated stubs type each case with a Literal that a call cannot infer)."""
+    return Oneof(field, value)
+
+
+def connect_error(exc: BaseException) -> ConnectError:
+    """The Connect error the SDK expects for an exception (the SDK branches on NOT_FOUND and ALREADY_EXISTS)."""
+    if isinstance(exc, ConnectError):
+        return exc
+    for cls, code in _CODES:
+        if isinstance(exc, cls):
+            return ConnectError(code, str(exc))
+    return ConnectError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+def sandbox_of(service: Service, ctx: RequestContext[Any, Any]) -> Sandbox:
+    """The sandbox a call is for: the ``E2b-Sandbox-Id`` header (checked, with its token, by the dispatcher)."""
+    sandbox_id = ctx.request_headers.get("e2b-sandbox-id", "")
+    return service.sandbox(sandbox_id)
+
+
+async def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """A blocking sandbox call off the event loop, its errors as Connect errors."""
+    try:
+        return await run_in_threadpool(fn, *args, **kwargs)
+    except ConnectError:
+        raise
+    except Exception as e:  # noqa: BLE001 - every failure reaches the client as a typed Connect error
+        raise connect_error(e) from e
+
+
+async def iterate(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Run the iterator ``make()`` returns in a thread of its own; stop it when the consumer stops.
+
+    The thread notices a stopped consumer at its next item (the sandbox's agent sends a heartbeat every
+    few seconds, so that is soon) and closes the iterator, which closes its agent connection.
+    """
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE)
+    stop = threading.Event()
+
+    def put(item: Any) -> bool:
+        while not stop.is_set():
+            fut = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
+            try:
+                fut.result(timeout=1.0)
+                return True
+            except TimeoutError:
+                fut.cancel()
+            except RuntimeError:  # the loop is gone: the server is stopping
+                return False
+        return False
+
+    def run() -> None:
+        it: Iterator[T] | None = None
+        try:
+            it = make()
+            for item in it:
+                if not put(item) or stop.is_set():
+                    break
+            put(_DONE)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put(e)
+        finally:
+            if it is not None and hasattr(it, "close"):
+                with contextlib.suppress(Exception):
+                    it.close()
+
+    threading.Thread(target=run, name="agentenv-e2b-stream", daemon=True).start()
+    try:
+        while True:
+            item = await queue.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise connect_error(item) from item
+            yield item
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.QueueEmpty):
+            while True:
+                queue.get_nowait()  # unblock a put in flight

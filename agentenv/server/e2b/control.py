@@ -1,0 +1,308 @@
+"""E2B's control plane over the same ``Service`` as the native routes: create, connect, pause, kill, list,
+fork and snapshot sandboxes with the JSON bodies and status codes the ``e2b`` SDK (2.x) expects.
+
+What maps to what: a template is an image (``base`` and ``code-interpreter-v1`` are ours, ``agentenv/base``),
+or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snapshots); ``timeout`` is the
+sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox whose TTL runs out is paused,
+never deleted (E2B kills it unless ``autoPause``): nothing is lost, and ``Sandbox.connect`` brings it back.
+Errors are ``{code, message}``; a full quota is a 429 with ``Retry-After``, which the SDK retries.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hmac
+from collections.abc import Callable, Coroutine
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentenv import errors, warm
+from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, MAX_FORK
+from agentenv.config import parse_size
+from agentenv.sandbox import Sandbox
+from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
+from agentenv.server.service import Service
+from agentenv.store import Snapshot
+
+TEMPLATES = {"base": DEFAULT_IMAGE, "code-interpreter-v1": DEFAULT_IMAGE, "code-interpreter": DEFAULT_IMAGE}
+DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
+MEMORY, DISK, CPUS = 1 << 30, parse_size(DEFAULT_DISK), 1.0  # what every E2B sandbox gets: Sandbox.create's
+# defaults (E2B takes them from the template), so that `agentenv serve --warm-pool N` has them started
+TEMPLATE_LABEL = "e2b.template"
+META_PREFIX = "e2b.meta."
+
+
+class E2BError(Exception):
+    """An error answered as E2B's ``{code, message}`` with that HTTP status."""
+
+    def __init__(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.code, self.message, self.headers = code, message, headers or {}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    """The ``{code, message}`` reply of any exception a route raised (500 for bugs, without a retry)."""
+    if not isinstance(exc, E2BError):
+        exc = as_e2b_error(exc)
+    return JSONResponse({"code": exc.code, "message": exc.message}, exc.code, headers=exc.headers)
+
+
+def as_e2b_error(exc: BaseException) -> E2BError:
+    status = errors.status_of(exc) or 500
+    headers = {"Should-Retry": "false"} if status >= 500 else {}
+    if isinstance(exc, errors.QuotaExceeded):
+        headers = {"Retry-After": str(int(exc.retry_after + 0.999))}
+    return E2BError(status, str(exc), headers)
+
+
+def _api_key(request: Request) -> None:
+    """The SDK sends the API key as ``X-API-KEY``; it is the server's token (a bearer token works too)."""
+    token: str = request.app.state.token
+    given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+    if not hmac.compare_digest(given.encode(), token.encode()):
+        raise E2BError(401, "Invalid API key: set E2B_API_KEY to the agentenv server's token")
+
+
+class E2BRoute(APIRoute):
+    """A route that answers every failure as E2B's ``{code, message}`` (bad input: 400, as E2B's API does)."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def e2b_handler(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                return error_response(E2BError(400, "; ".join(f"{'.'.join(map(str, err.get('loc', ())))}: "
+                                                              f"{err.get('msg')}" for err in e.errors())))
+            except Exception as e:  # noqa: BLE001 - mapped to E2B's error body
+                return error_response(e)
+
+        return e2b_handler
+
+
+router = APIRouter(tags=["e2b"], dependencies=[Depends(_api_key)], include_in_schema=False, route_class=E2BRoute)
+
+
+def _service(request: Request) -> Service:
+    service: Service = request.app.state.service
+    return service
+
+
+ServiceDep = Annotated[Service, Depends(_service)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class NewSandbox(_Body):
+    template_id: str = Field(alias="templateID", min_length=1, max_length=256)
+    timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=30 * 86400)
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    allow_internet_access: bool | None = None
+
+
+class Timeout(_Body):
+    timeout: int | None = Field(None, ge=0, le=30 * 86400)
+
+
+class ForkBody(_Body):
+    timeout: int | None = Field(None, ge=0, le=30 * 86400)
+    count: int = Field(1, ge=1, le=MAX_FORK)
+
+
+class SnapshotBody(_Body):
+    name: str | None = Field(None, max_length=256)
+    memory: bool | None = None
+
+
+class PauseBody(_Body):
+    memory: bool | None = None
+
+
+def _time(t: float | None) -> str:
+    stamp = dt.datetime.fromtimestamp(t or 0, dt.UTC)
+    return stamp.isoformat().replace("+00:00", "Z")
+
+
+def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, detail: bool = False) -> dict[str, Any]:
+    """A sandbox as E2B describes it: ``Sandbox`` (``detail=False``, the reply of create/connect/fork) or
+    ``SandboxDetail``/``ListedSandbox``."""
+    labels = sb.labels
+    token = access_token(request.app.state.token, sb.id)
+    body: dict[str, Any] = {"templateID": labels.get(TEMPLATE_LABEL, sb.image), "sandboxID": sb.id,
+                            "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "envdAccessToken": token,
+                            "trafficAccessToken": token}
+    if detail:
+        limits = sb.limits
+        body.update(startedAt=_time(sb.created_at), endAt=_time(sb.expires_at), cpuCount=max(1, round(limits.cpus)),
+                    memoryMB=limits.memory >> 20, diskSizeMB=(limits.disk or 0) >> 20, state=state or sb.state,
+                    metadata={k[len(META_PREFIX):]: v for k, v in labels.items() if k.startswith(META_PREFIX)})
+    return body
+
+
+def _labels(template: str, metadata: dict[str, str] | None) -> dict[str, str]:
+    return {TEMPLATE_LABEL: template, **{META_PREFIX + k: v for k, v in (metadata or {}).items()}}
+
+
+def _create(request: Request, service: Service, body: NewSandbox) -> JSONResponse:
+    template = body.template_id
+    ttl = float(body.timeout or DEFAULT_TIMEOUT)
+    labels = _labels(template, body.metadata)
+    image = TEMPLATES.get(template, template)
+    snap = _snapshot_or_none(template)
+    if snap is not None:
+        limits = snap.spec.get("limits", {})
+        with service.reserve(1, int(limits.get("memory", MEMORY)), limits.get("disk")):
+            sb = Sandbox.restore(snap, labels=labels)
+        sb.set_ttl(ttl)
+    else:
+        with service.reserve(1, MEMORY, DISK):
+            sb = Sandbox.create(image, cpus=CPUS, memory=MEMORY, disk=DISK, env=body.env_vars or {},
+                                network=bool(body.allow_internet_access), ttl=ttl, labels=labels)
+    service.remember(sb)
+    return JSONResponse(sandbox_json(request, sb, "running"), 201)
+
+
+def _snapshot_or_none(template: str) -> Snapshot | None:
+    if not template.startswith("snap-"):
+        return None
+    try:
+        return Snapshot.get(template)
+    except (errors.SnapshotNotFound, ValueError):
+        return None
+
+
+@router.post("/v2/sandboxes")
+@router.post("/sandboxes")
+def create(request: Request, service: ServiceDep, body: Annotated[NewSandbox, Body()]) -> Response:
+    return _create(request, service, body)
+
+
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+@router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/sandboxes/{sandbox_id}/resume")
+def connect(request: Request, service: ServiceDep, sandbox_id: str,
+            body: Annotated[Timeout | None, Body()] = None) -> Response:
+    """A running sandbox as it is (200); a paused one resumed (201). Either way its TTL restarts."""
+    sb = service.sandbox(sandbox_id)
+    status = 200
+    if sb.state == "paused":
+        limits = sb.limits
+        with service.reserve(1, limits.memory, limits.disk):
+            sb.resume()
+        status = 201
+    sb.set_ttl(float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT))
+    return JSONResponse(sandbox_json(request, sb, "running"), status)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause")
+def pause(service: ServiceDep, sandbox_id: str, body: Annotated[PauseBody | None, Body()] = None) -> Response:
+    sb = service.sandbox(sandbox_id)
+    if sb.state == "paused":
+        raise E2BError(409, f"sandbox {sandbox_id} is already paused")
+    service.call(sandbox_id, lambda s: s.pause())
+    return Response(status_code=204)
+
+
+@router.delete("/sandboxes/{sandbox_id}")
+def kill(service: ServiceDep, sandbox_id: str) -> Response:
+    service.sandbox(sandbox_id).close()
+    service.forget(sandbox_id)
+    return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sandbox_id}")
+def get(request: Request, service: ServiceDep, sandbox_id: str) -> Response:
+    return JSONResponse(sandbox_json(request, service.sandbox(sandbox_id), detail=True))
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout")
+def set_timeout(service: ServiceDep, sandbox_id: str, body: Annotated[Timeout, Body()]) -> Response:
+    service.sandbox(sandbox_id).set_ttl(float(body.timeout or 0))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes")
+def refresh(service: ServiceDep, sandbox_id: str, body: Annotated[Timeout | None, Body()] = None) -> Response:
+    service.sandbox(sandbox_id).set_ttl(float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT))
+    return Response(status_code=204)
+
+
+@router.get("/v2/sandboxes")
+@router.get("/sandboxes")
+def list_sandboxes(request: Request, state: str | None = None, metadata: str | None = None,
+                   limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                   next_token: Annotated[str | None, Query(alias="nextToken")] = None) -> Response:
+    """Running and paused sandboxes (or the states asked for), oldest first, ``limit`` a page; the next page
+    starts after the sandbox named in the ``x-next-token`` header."""
+    states = set(state.split(",")) if state else {"running", "paused"}
+    want = dict(p.split("=", 1) for p in (metadata or "").split("&") if "=" in p)
+    rows = [sb for sb in sorted(Sandbox.list(), key=lambda s: (s.created_at, s.id))
+            if sb.state in states and sb.labels.get("agentenv.kind") != warm.KIND]
+    rows = [sb for sb in rows if all(sb.labels.get(META_PREFIX + k) == v for k, v in want.items())]
+    if next_token:
+        ids = [sb.id for sb in rows]
+        rows = rows[ids.index(next_token) + 1:] if next_token in ids else []
+    page, more = rows[:limit], len(rows) > limit
+    headers = {"x-next-token": page[-1].id} if more else {}
+    return JSONResponse([sandbox_json(request, sb, detail=True) for sb in page], headers=headers)
+
+
+@router.post("/sandboxes/{sandbox_id}/fork")
+def fork(request: Request, service: ServiceDep, sandbox_id: str, body: Annotated[ForkBody, Body()]) -> Response:
+    """``count`` children of a live sandbox, memory and all (processes, the interpreter's variables)."""
+    sb = service.sandbox(sandbox_id)
+    limits = sb.limits
+    with service.reserve(body.count, limits.memory, limits.disk):
+        kids = service.call(sandbox_id, lambda s: s.fork(body.count, memory=True))
+    ttl = float(body.timeout or DEFAULT_TIMEOUT)
+    out = []
+    for kid in kids:
+        kid.set_ttl(ttl)
+        out.append({"sandbox": sandbox_json(request, service.remember(kid), "running")})
+    return JSONResponse(out, 201)
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots")
+def snapshot(service: ServiceDep, sandbox_id: str, body: Annotated[SnapshotBody | None, Body()] = None) -> Response:
+    """A snapshot (memory too, unless ``memory: false``) that ``Sandbox.create(template=<its id>)`` starts from."""
+    memory = True if body is None or body.memory is None else body.memory
+    labels = {"e2b.name": body.name} if body and body.name else {}
+    snap = service.call(sandbox_id, lambda s: s.snapshot(memory=memory, labels=labels))
+    return JSONResponse(_snapshot_json(snap), 201)
+
+
+def _snapshot_json(snap: Snapshot) -> dict[str, Any]:
+    name = snap.labels.get("e2b.name")
+    return {"snapshotID": snap.id, "names": [name] if name else []}
+
+
+@router.get("/snapshots")
+def list_snapshots(sandbox_id: Annotated[str | None, Query(alias="sandboxID")] = None, name: str | None = None,
+                   limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+                   next_token: Annotated[str | None, Query(alias="nextToken")] = None) -> Response:
+    snaps = [s for s in sorted(Snapshot.list(), key=lambda s: (s.created_at, s.id))
+             if s.labels.get("agentenv.kind") != "pause"
+             and (sandbox_id is None or s.sandbox_id == sandbox_id)
+             and (name is None or s.labels.get("e2b.name") == name)]
+    if next_token:
+        ids = [s.id for s in snaps]
+        snaps = snaps[ids.index(next_token) + 1:] if next_token in ids else []
+    page = snaps[:limit]
+    headers = {"x-next-token": page[-1].id} if len(snaps) > limit else {}
+    return JSONResponse([_snapshot_json(s) for s in page], headers=headers)
+
+
+@router.delete("/templates/{template_id}")
+def delete_snapshot(template_id: str) -> Response:
+    """Snapshots are deleted as templates, as E2B does."""
+    Snapshot.get(template_id).delete(background=True)
+    return Response(status_code=204)

@@ -1,0 +1,218 @@
+"""The code interpreter's port (49999): ``/execute`` streaming NDJSON, and ``/contexts``, over kernels that
+live inside the sandbox.
+
+A context is a persistent Python process (``agentenv.kernel``) run as a job of the sandbox's agent, with its
+stdin fed requests and its stdout read for events; it is found again by its job tag, so the server keeps no
+state of its own. Because the kernel is an ordinary process of the sandbox, a memory snapshot, a pause or a
+fork carries its variables: every child of a fork starts with the interpreter state of the moment it forked.
+Executions in one context run one at a time; a client that leaves mid-execution (the SDK's timeout)
+interrupts the kernel (SIGINT), and what the interrupted execution still prints is skipped by the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, Router
+
+from agentenv import kernel
+from agentenv.api import JobEnd, JobOutput
+from agentenv.sandbox import Sandbox
+from agentenv.server.e2b.bridge import iterate
+from agentenv.server.e2b.files import http_error
+from agentenv.server.service import Service
+
+TAG = "e2b-context:"
+DEFAULT = "default"
+LANGUAGES = ("python", "py", "")
+
+
+def _find(sb: Sandbox, context_id: str) -> int | None:
+    for job in sb.jobs():
+        if job.tag == TAG + context_id and job.exit_code is None:
+            return job.pid
+    return None
+
+
+def _contexts(sb: Sandbox) -> list[dict[str, Any]]:
+    return [{"id": j.tag.removeprefix(TAG), "language": "python", "cwd": j.cwd or "/"}
+            for j in sb.jobs() if j.tag and j.tag.startswith(TAG) and j.exit_code is None]
+
+
+def _start(sb: Sandbox, context_id: str, cwd: str | None = None) -> int:
+    command, env = kernel.launch()
+    return sb.start(command, cwd=cwd, env=env, stdin=True, tag=TAG + context_id).pid
+
+
+def _kernel(sb: Sandbox, context_id: str | None) -> int:
+    """The pid of a context's kernel; the default context is started on first use."""
+    cid = context_id or DEFAULT
+    pid = _find(sb, cid)
+    if pid is None:
+        if cid != DEFAULT:
+            raise FileNotFoundError(2, f"no context {cid!r}: create it with create_code_context()")
+        pid = _start(sb, cid)
+    return pid
+
+
+class Interpreter:
+    """The routes of port 49999 for every sandbox (the sandbox comes from the request's headers)."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def _sandbox(self, request: Request) -> Sandbox:
+        return self.service.sandbox(request.headers.get("e2b-sandbox-id", ""))
+
+    async def execute(self, request: Request) -> Response:
+        try:
+            body = await request.json()
+            code, language = body.get("code"), body.get("language") or ""
+            if not isinstance(code, str):
+                raise ValueError("code must be a string")
+            if language not in LANGUAGES:
+                raise ValueError(f"language {language!r} is not supported here: only python")
+            env = {str(k): str(v) for k, v in (body.get("env_vars") or {}).items()}
+            sb = await run_in_threadpool(self._sandbox, request)
+            context_id = body.get("context_id") or DEFAULT
+            lock = self.locks.setdefault((sb.id, context_id), asyncio.Lock())
+        except Exception as e:  # noqa: BLE001 - an error body the SDK maps
+            return http_error(e)
+        return StreamingResponse(self._run(sb, context_id, code, env, lock), media_type="application/x-ndjson")
+
+    async def _run(self, sb: Sandbox, context_id: str, code: str, env: dict[str, str],
+                   lock: asyncio.Lock) -> AsyncIterator[bytes]:
+        """The execution's events as NDJSON lines; a failure of the sandbox is the last line, as an error."""
+        try:
+            async for line in self._execute(sb, context_id, code, env, lock):
+                yield line
+        except Exception as e:  # noqa: BLE001 - the stream has started: the failure is told in it
+            yield _line({"type": "error", "name": type(e).__name__, "value": str(e), "traceback": ""})
+
+    async def _execute(self, sb: Sandbox, context_id: str, code: str, env: dict[str, str],
+                       lock: asyncio.Lock) -> AsyncIterator[bytes]:
+        async with lock:
+            pid = await run_in_threadpool(_kernel, sb, context_id)
+            rid = uuid.uuid4().hex
+            await run_in_threadpool(sb.send_input, pid, kernel.request(rid, code, env))
+            done = False
+            buf, base, err_end = bytearray(), None, 0
+            try:
+                async for item in iterate(lambda: sb.output(pid)):
+                    if isinstance(item, JobEnd):
+                        yield _line({"type": "error", "name": "KernelDied", "value": f"the interpreter exited with "
+                                     f"{item.exit_code}; the next execution starts a new one", "traceback": ""})
+                        done = True
+                        return
+                    if not isinstance(item, JobOutput):
+                        continue
+                    if item.stream == "stderr":
+                        err_end = item.offset + len(item.data)
+                        continue
+                    if base is None:
+                        base = item.offset
+                    buf += item.data
+                    if len(buf) > kernel.MAX_LINE:
+                        raise ValueError(f"the interpreter wrote a line over {kernel.MAX_LINE} bytes")
+                    events, used = kernel.split_events(bytes(buf))
+                    del buf[:used]
+                    base += used
+                    for event in events:
+                        if event.pop("id", None) != rid:
+                            continue  # left over from an execution whose client went away
+                        if event.get("type") == "end":
+                            done = True
+                            await run_in_threadpool(sb.discard, pid, (base, err_end))
+                            return
+                        yield _line(event)
+            finally:
+                if not done:  # the client left (its timeout): interrupt what still runs
+                    await asyncio.shield(run_in_threadpool(_interrupt, sb, pid))
+
+    async def create(self, request: Request) -> Response:
+        try:
+            body = await request.json() if await request.body() else {}
+            if (body.get("language") or "python") not in LANGUAGES[:2]:
+                raise ValueError(f"language {body.get('language')!r} is not supported here: only python")
+            sb = await run_in_threadpool(self._sandbox, request)
+            context_id = uuid.uuid4().hex[:16]
+            cwd = body.get("cwd") or None
+            await run_in_threadpool(_start, sb, context_id, cwd)
+        except Exception as e:  # noqa: BLE001 - an error body the SDK maps
+            return http_error(e)
+        return JSONResponse({"id": context_id, "language": "python", "cwd": cwd or "/"})
+
+    async def list(self, request: Request) -> Response:
+        try:
+            sb = await run_in_threadpool(self._sandbox, request)
+            return JSONResponse(await run_in_threadpool(_contexts, sb))
+        except Exception as e:  # noqa: BLE001 - an error body the SDK maps
+            return http_error(e)
+
+    async def remove(self, request: Request) -> Response:
+        try:
+            sb = await run_in_threadpool(self._sandbox, request)
+            pid = await run_in_threadpool(_kernel_or_404, sb, request.path_params["context_id"])
+            await run_in_threadpool(sb.signal, pid, signal.SIGKILL)
+        except Exception as e:  # noqa: BLE001 - an error body the SDK maps
+            return http_error(e)
+        return Response(status_code=204)
+
+    async def restart(self, request: Request) -> Response:
+        try:
+            sb = await run_in_threadpool(self._sandbox, request)
+            cid = request.path_params["context_id"]
+            pid = await run_in_threadpool(_kernel_or_404, sb, cid)
+            cwd = next((c["cwd"] for c in await run_in_threadpool(_contexts, sb) if c["id"] == cid), None)
+            await run_in_threadpool(sb.signal, pid, signal.SIGKILL)
+            await run_in_threadpool(_drain, sb, pid)
+            await run_in_threadpool(_start, sb, cid, cwd)
+        except Exception as e:  # noqa: BLE001 - an error body the SDK maps
+            return http_error(e)
+        return Response(status_code=204)
+
+
+def _kernel_or_404(sb: Sandbox, context_id: str) -> int:
+    pid = _find(sb, context_id)
+    if pid is None:
+        raise FileNotFoundError(2, f"no context {context_id!r}")
+    return pid
+
+
+def _interrupt(sb: Sandbox, pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, OSError):
+        sb.signal(pid, signal.SIGINT)
+
+
+def _drain(sb: Sandbox, pid: int) -> None:
+    """Read a killed kernel's job to its end, so that the agent forgets it."""
+    for item in sb.output(pid):
+        if isinstance(item, JobEnd):
+            return
+
+
+def _line(event: dict[str, Any]) -> bytes:
+    return json.dumps(event).encode() + b"\n"
+
+
+def routes(service: Service) -> Router:
+    api = Interpreter(service)
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=204)
+
+    return Router(routes=[
+        Route("/health", health, methods=["GET"]), Route("/execute", api.execute, methods=["POST"]),
+        Route("/contexts", api.create, methods=["POST"]), Route("/contexts", api.list, methods=["GET"]),
+        Route("/contexts/{context_id}", api.remove, methods=["DELETE"]),
+        Route("/contexts/{context_id}/restart", api.restart, methods=["POST"])])

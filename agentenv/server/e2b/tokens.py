@@ -1,0 +1,25 @@
+"""What the E2B SDK is told about a sandbox and how its in-sandbox calls prove who they are.
+
+The SDK sends the API key only to the control plane; calls into a sandbox carry the ``envdAccessToken``
+(``X-Access-Token``) or ``trafficAccessToken`` (``E2B-Traffic-Access-Token``) that create/connect returned.
+Both are an HMAC of the sandbox id under the server's token: nothing to store, valid across restarts,
+and useless for any other sandbox.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+CLIENT_ID = "agentenv"
+ENVD_VERSION = "0.5.7"  # what the SDK keys features on: 0.5.7 = stdin control, octet-stream uploads, recursive watch
+ENVD_PORT, INTERPRETER_PORT = 49983, 49999
+
+
+def access_token(token: str, sandbox_id: str) -> str:
+    """The per-sandbox token for in-sandbox calls."""
+    return hmac.new(token.encode(), f"e2b-envd:{sandbox_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def valid(token: str, sandbox_id: str, given: str) -> bool:
+    return hmac.compare_digest(access_token(token, sandbox_id).encode(), given.encode())

@@ -1,0 +1,169 @@
+"""Jobs made by ``start`` and the file system ops on real sandboxes: output buffered until read, stdin, signals,
+and jobs that go on across pause/resume, a memory snapshot and a fork."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import agentenv
+from agentenv.api import JobEnd, JobOutput
+
+pytestmark = pytest.mark.integration
+
+COUNT = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.02; done"
+
+
+@pytest.fixture
+def sb() -> Iterator[agentenv.Sandbox]:
+    with agentenv.Sandbox.create(memory="512m") as s:
+        yield s
+
+
+def drain(sb: agentenv.Sandbox, pid: int, offsets=None) -> tuple[bytes, bytes, JobEnd]:
+    out = {"stdout": b"", "stderr": b""}
+    for item in sb.output(pid, offsets):
+        if isinstance(item, JobOutput):
+            out[item.stream] += item.data
+        elif isinstance(item, JobEnd):
+            return out["stdout"], out["stderr"], item
+    raise AssertionError("no JobEnd")
+
+
+def read_until(sb: agentenv.Sandbox, pid: int, offsets: tuple[int, int], want: int) -> tuple[bytes, tuple[int, int]]:
+    """At least ``want`` more stdout bytes from ``offsets`` (the generator is closed: the job goes on)."""
+    got = b""
+    pos = list(offsets)
+    gen = sb.output(pid, offsets)
+    for item in gen:
+        if isinstance(item, JobOutput):
+            assert item.offset == pos[0 if item.stream == "stdout" else 1]
+            pos[0 if item.stream == "stdout" else 1] += len(item.data)
+            if item.stream == "stdout":
+                got += item.data
+            if len(got) >= want:
+                break
+    gen.close()
+    return got, (pos[0], pos[1])
+
+
+def counted(data: bytes) -> list[int]:
+    return [int(x) for x in data.split(b"\n")[:-1]]  # whole lines only
+
+
+def test_background_jobs_stdin_signals_and_listing(sb):
+    pid = sb.start("echo hi; echo err >&2; sleep 0.3; echo later", tag="bg").pid
+    slow = sb.start("sleep 300 & sleep 301", tag="slow").pid
+    cat = sb.start("cat", stdin=True, env={"X": "1"}).pid
+    listed = {j.pid: j for j in sb.jobs()}
+    assert listed[pid].tag == "bg" and listed[cat].env == {"X": "1"} and listed[cat].stdin
+    assert listed[slow].exit_code is None
+    time.sleep(0.6)  # ended meanwhile: its output waited in the sandbox
+    assert drain(sb, pid)[:2] == (b"hi\nlater\n", b"err\n")
+    sb.send_input(cat, b"ping\n")
+    assert read_until(sb, cat, (0, 0), 5)[0] == b"ping\n"
+    sb.close_input(cat)
+    assert drain(sb, cat, (5, 0))[2].exit_code == 0
+    sb.signal(slow, signal.SIGKILL)
+    assert drain(sb, slow)[2].exit_code == 137
+    assert sb.exec("ps -eo args | grep -c '^sleep 30[01]' || true").stdout.strip() == "0"
+    assert sb.jobs() == []
+    with pytest.raises(ProcessLookupError):
+        sb.signal(pid, signal.SIGTERM)
+    with pytest.raises(ProcessLookupError):
+        next(sb.output(pid))
+    timed = sb.start("sleep 30", timeout=0.5).pid
+    end = drain(sb, timed)[2]
+    assert end.timed_out and end.exit_code == 137
+
+
+def test_jobs_go_on_across_pause_snapshot_and_fork(sb):
+    counter = sb.start(COUNT).pid
+    cat = sb.start("cat", stdin=True).pid
+    first, pos = read_until(sb, counter, (0, 0), 20)
+    sb.discard(counter, pos)  # read: never needed again
+
+    sb.pause()
+    sb.resume()
+    assert {j.pid for j in sb.jobs()} == {counter, cat}
+    more, pos = read_until(sb, counter, pos, 20)
+    assert counted(first + more) == list(range(1, len(counted(first + more)) + 1))  # no gap, no repeat
+    sb.send_input(cat, b"after resume\n")
+    assert read_until(sb, cat, (0, 0), 13)[0] == b"after resume\n"
+
+    seen: list[bytes] = []  # a reader in flight while a memory snapshot closes its connection
+
+    def follow() -> None:
+        for item in sb.output(counter, pos):
+            if isinstance(item, JobOutput):
+                seen.append(item.data)
+            if len(b"".join(seen)) > 400:
+                return
+
+    t = threading.Thread(target=follow)
+    t.start()
+    time.sleep(0.2)
+    snap = sb.snapshot(memory=True)
+    t.join(30)
+    snap.delete()
+    assert not t.is_alive()
+    last = counted(first + more)[-1]
+    after = counted(b"".join(seen))
+    assert after[: 5] == list(range(last + 1, last + 6)) and after == list(range(last + 1, last + 1 + len(after)))
+
+    kids = sb.fork(2, memory=True)
+    try:
+        for n, kid in enumerate(kids):
+            assert {j.pid for j in kid.jobs()} == {counter, cat}  # the same pids in every child
+            kid.send_input(cat, f"kid {n}\n".encode())
+        for n, kid in enumerate(kids):
+            kid.close_input(cat)
+            out = drain(kid, cat, (13, 0))
+            assert out[0] == f"kid {n}\n".encode() and out[2].exit_code == 0  # each its own pipe
+            got, _ = read_until(kid, counter, pos, 100)
+            values = counted(got)
+            assert values[0] == last + 1 and values == list(range(last + 1, last + 1 + len(values)))
+            kid.signal(counter, signal.SIGTERM)
+            assert drain(kid, counter, pos)[2].exit_code == 128 + signal.SIGTERM
+            assert kid.jobs() == []
+        assert {j.pid for j in sb.jobs()} == {counter, cat}  # the parent's jobs are its own
+        sb.signal(counter, signal.SIGKILL)
+    finally:
+        for kid in kids:
+            kid.close()
+
+
+def test_file_system_ops(sb):
+    workdir = sb.exec("pwd").stdout.strip()
+    assert sb.make_dir("made/deep") is True and sb.make_dir("made/deep") is False
+    sb.write_file("made/deep/f.txt", "hello", mode=0o600)
+    sb.exec("ln -s deep made/link && chown 65534:65534 made/deep/f.txt")
+    info = sb.stat("made/deep/f.txt")
+    assert (info.path, info.name, info.type, info.size, info.mode, info.permissions) == (
+        f"{workdir}/made/deep/f.txt", "f.txt", "file", 5, 0o600, "-rw-------")
+    assert info.owner == "nobody" and sb.stat("/").owner == "root"
+    link = sb.stat("made/link")
+    assert (link.type, link.symlink_target) == ("dir", "deep")
+    listed = sb.list_dir("made", depth=2)
+    assert [e.path[len(workdir) + 1:] for e in listed] == ["made/deep", "made/deep/f.txt", "made/link"]
+    assert [e.name for e in sb.list_dir("made")] == ["deep", "link"]
+    with pytest.raises(FileExistsError):
+        sb.make_dir("made/deep/f.txt")
+    with pytest.raises(NotADirectoryError):
+        sb.list_dir("made/deep/f.txt")
+    moved = sb.move("made/deep/f.txt", "/dev/shm/moved.txt")  # onto another file system
+    assert moved.path == "/dev/shm/moved.txt" and sb.read_file("/dev/shm/moved.txt") == b"hello"
+    with pytest.raises(FileNotFoundError):
+        sb.stat("made/deep/f.txt")
+    sb.remove("made")
+    with pytest.raises(FileNotFoundError):
+        sb.remove("made")
+    for refused in (lambda: sb.remove("/dev/agentenv"), lambda: sb.remove("/dev"),
+                    lambda: sb.make_dir("/.agentenv/x"), lambda: sb.move("/dev", "/elsewhere")):
+        with pytest.raises(PermissionError):
+            refused()
+    assert sb.exec("true").ok  # the agent's socket is still there

@@ -1,0 +1,61 @@
+"""The E2B adapter's pure parts: access tokens, watch diffs, error codes, command lines (no Docker, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("e2b", reason="the E2B SDK is an extra; bootstrap installs it")
+
+from connectrpc.code import Code  # noqa: E402
+from e2b.envd.filesystem import filesystem_pb as fpb  # noqa: E402
+
+from agentenv import errors  # noqa: E402
+from agentenv.api import JobInfo  # noqa: E402
+from agentenv.server.e2b.bridge import connect_error  # noqa: E402
+from agentenv.server.e2b.files import changes, http_error  # noqa: E402
+from agentenv.server.e2b.process import _config  # noqa: E402
+from agentenv.server.e2b.tokens import access_token, valid  # noqa: E402
+
+
+def test_access_tokens_are_per_sandbox_and_per_server() -> None:
+    t = access_token("server-token", "sb-1")
+    assert valid("server-token", "sb-1", t)
+    assert not valid("server-token", "sb-2", t)
+    assert not valid("other-token", "sb-1", t)
+    assert not valid("server-token", "sb-1", "")
+
+
+def test_watch_diffs() -> None:
+    old = {"a": ("file", 1, 1.0, 0o644), "gone": ("file", 1, 1.0, 0o644), "mode": ("file", 1, 1.0, 0o644),
+           "d": ("dir", 0, 1.0, 0o755)}
+    new = {"a": ("file", 2, 2.0, 0o644), "mode": ("file", 1, 1.0, 0o600), "d": ("dir", 0, 3.0, 0o755),
+           "fresh": ("file", 5, 4.0, 0o644), "empty": ("file", 0, 4.0, 0o644)}
+    got = {(e.name, e.type) for e in changes(old, new)}
+    E = fpb.EventType
+    assert got == {("a", E.WRITE), ("mode", E.CHMOD), ("fresh", E.CREATE), ("fresh", E.WRITE),
+                   ("empty", E.CREATE), ("gone", E.REMOVE)}
+    assert changes(new, new) == []
+
+
+@pytest.mark.parametrize(("exc", "code", "status"), [
+    (FileNotFoundError(2, "no"), Code.NOT_FOUND, 404),
+    (ProcessLookupError("no"), Code.NOT_FOUND, 404),
+    (FileExistsError(17, "there"), Code.ALREADY_EXISTS, 409),
+    (PermissionError(13, "no"), Code.PERMISSION_DENIED, 403),
+    (ValueError("bad"), Code.INVALID_ARGUMENT, 400),
+    (errors.SandboxNotFound("gone"), Code.UNAVAILABLE, 502),
+    (OSError(28, "No space left on device"), Code.INTERNAL, 507),
+    (RuntimeError("bug"), Code.INTERNAL, 500),
+])
+def test_errors_become_the_codes_the_sdk_branches_on(exc: Exception, code: Code, status: int) -> None:
+    assert connect_error(exc).code == code
+    assert http_error(exc).status_code == status
+
+
+def test_listed_commands_show_the_line_they_were_started_with() -> None:
+    job = JobInfo(pid=7, command="/bin/bash -l -c 'echo hi; sleep 1'", cwd=None, env={}, tag=None, stdin=False,
+                  exit_code=None)
+    cfg = _config(job)
+    assert (cfg.cmd, list(cfg.args)) == ("/bin/bash", ["-l", "-c", "echo hi; sleep 1"])
+    odd = _config(JobInfo(pid=8, command="echo 'unbalanced", cwd=None, env={}, tag=None, stdin=False, exit_code=None))
+    assert (odd.cmd, list(odd.args)) == ("/bin/sh", ["-c", "echo 'unbalanced"])
