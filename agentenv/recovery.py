@@ -1,11 +1,12 @@
-"""Recovery after ``kill -9``: which host processes may still work on sandboxes, and ``recover_all``, which mends
-every sandbox on this host and collects what dead processes left.
+"""Recovery after ``kill -9``: mending one sandbox, which host processes may still work on sandboxes, and
+``recover_all``, which mends every sandbox on this host and collects what dead processes left.
 
 A process that died mid-operation leaves sandboxes frozen, half-made fork children, interrupted pauses and
-folders without records. ``Sandbox.recover`` mends one sandbox (it waits for the dead owner's helpers, found
-among ``host_processes()``, to go first); ``recover_all`` runs it on every sandbox in parallel, so that one
-stuck sandbox holds up none of the others, then removes layers, folders and store entries that no record owns.
-``agentenv serve`` and ``agentenv gc`` call it at start.
+folders without records. ``recover`` (``Sandbox.recover``) mends one sandbox: it waits for the dead owner's
+helpers, found among ``host_processes()``, to go first, then removes a half-made sandbox, finishes or rolls back
+a pause cut short, and thaws one left frozen (``thaw_abandoned``, the cheap part). ``recover_all`` runs it on
+every sandbox in parallel, so that one stuck sandbox holds up none of the others, then removes layers, folders
+and store entries that no record owns. ``agentenv serve`` and ``agentenv gc`` call it at start.
 """
 
 from __future__ import annotations
@@ -25,11 +26,15 @@ from typing import TYPE_CHECKING
 
 from agentenv import store, volume
 from agentenv.config import paths
+from agentenv.errors import AgentEnvError, SandboxNotFound
 
 if TYPE_CHECKING:
     from agentenv.sandbox import Sandbox
 
 log = logging.getLogger("agentenv")
+RECOVER_PING_TIMEOUT = 2.0  # seconds a recovered sandbox's agent has to answer
+ORPHAN_WAIT = 310.0  # seconds recovery waits for a dead process's runc, CRIU or cp to end (runc's own limit: 300)
+LOCK_WAIT = 60.0  # seconds recovery waits for a live process to let go of a sandbox
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,128 @@ def process_running(pid: int) -> bool:
     except OSError:
         return False
     return data[data.rindex(b")") + 2:].split()[0] != b"Z"
+
+
+def recover(sb: Sandbox, procs: builtins.list[HostProcess] | None = None,
+            ping_timeout: float = RECOVER_PING_TIMEOUT) -> str:
+    """``Sandbox.recover`` (what it returns and mends: its docstring)."""
+    sb._reload()
+    if sb._rec["state"] == "closed":
+        return "closed"
+    if store.owner_alive(sb._rec.get("owner")):
+        return "busy"
+    _wait_for_orphans(sb, host_processes() if procs is None else procs)
+    try:
+        with sb._locked(allow_closed=True, wait=LOCK_WAIT):
+            if sb._rec["state"] == "closed":
+                return "closed"
+            if store.owner_alive(sb._rec.get("owner")):
+                return "busy"
+            where = _recover_locked(sb)
+    except TimeoutError:
+        return "busy"
+    except SandboxNotFound:
+        return "closed"
+    if where != "running":
+        return where
+    try:
+        if sb.state != "running":
+            return "lost"
+        sb.ping(timeout=ping_timeout)
+    except AgentEnvError:
+        return "lost"
+    return "running"
+
+
+def _recover_locked(sb: Sandbox) -> str:
+    state = sb._rec["state"]
+    if state == "creating":  # its maker died: a half-made sandbox (a fork's child, say)
+        log.warning("removing sandbox %s: the process making it died", sb.id)
+        sb._destroy()
+        return "discarded"
+    if sb._rec.get("pausing"):
+        return _recover_pause(sb, sb._rec["pausing"])
+    if state == "paused":
+        if sb._container.state() is not None:  # a resume cut short left a container: the snapshot stays
+            sb._container.destroy()
+        if sb._has_own_layer() and os.path.lexists(sb._container.layer):
+            sb._drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
+        paused = sb._rec.get("paused_snapshot")
+        return "paused" if paused and (paths().snapshots / paused / "meta.json").exists() else "lost"
+    return "running"  # _locked thawed it if a dead snapshotter left it frozen
+
+
+def _recover_pause(sb: Sandbox, snap_id: str) -> str:
+    """Finish a pause cut short, or roll it back; 'paused' or 'running' ('lost' only if its processes died
+    without CRIU having dumped them)."""
+    tmps = sorted(paths().snapshots.glob(f".tmp-{snap_id}-*"))
+    published = (paths().snapshots / snap_id / "meta.json").exists()
+    if not published and _container_alive(sb):  # CRIU did not finish: the processes still run
+        for t in tmps:
+            store.discard(t)
+        store.remove([paths().snapshot_files / snap_id])
+        sb._rec.update(pausing=None, owner=None)
+        sb._save()
+        log.warning("rolled back the interrupted pause of sandbox %s: it runs on", sb.id)
+        return "running"
+    if not published:
+        files = paths().snapshot_files / snap_id  # where they are if the kill came between two renames
+        dumped = [t for t in tmps if (t / "criu" / "stats-dump").exists()
+                  and (store.files_of(t).is_dir() or files.is_dir())]
+        if not dumped:
+            for t in tmps:
+                store.discard(t)
+            store.remove([files])
+            sb._rec.update(pausing=None, owner=None)
+            sb._save()
+            return "lost"
+        # CRIU dumped every process (and ended them): publish what it wrote, as the pause would have
+        snap = sb._snapshot_meta(snap_id, dumped[0], True, {"agentenv.kind": "pause"})
+        store.write_meta(dumped[0], snap)
+        store.publish(dumped[0], snap_id)
+        for t in tmps[1:]:
+            store.discard(t)
+    sb._paused(snap_id)
+    log.warning("finished the interrupted pause of sandbox %s (snapshot %s)", sb.id, snap_id)
+    return "paused"
+
+
+def _container_alive(sb: Sandbox) -> bool:
+    st = sb._container.state()
+    return st is not None and st.get("status") in ("running", "paused", "created")
+
+
+def thaw_abandoned(sb: Sandbox, procs: builtins.list[HostProcess] | None = None) -> bool:
+    """``Sandbox.thaw_abandoned``: thaw ``sb`` if a dead process left it frozen; True if it did."""
+    try:
+        if sb._rec["state"] != "running" or not sb._container.frozen():
+            return False
+        if _orphans(sb, host_processes() if procs is None else procs):
+            return False
+        with sb._locked(wait=0):
+            pass  # taking the lock thaws a sandbox that no live holder froze
+    except (OSError, TimeoutError, AgentEnvError):
+        return False
+    log.warning("thawed sandbox %s: a process died while it was frozen for a snapshot", sb.id)
+    return True
+
+
+def _orphans(sb: Sandbox, procs: builtins.list[HostProcess]) -> builtins.list[int]:
+    """The host processes still working on this sandbox for someone else (runc, CRIU, cp)."""
+    needles = (sb._container.cid.encode(), str(sb._container.layer).encode() + b"/")
+    return [p.pid for p in procs if any(n in p.cmdline for n in needles)]
+
+
+def _wait_for_orphans(sb: Sandbox, procs: builtins.list[HostProcess]) -> None:
+    pids = _orphans(sb, procs)
+    deadline = time.monotonic() + ORPHAN_WAIT
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if process_running(p)]
+        if pids:
+            time.sleep(0.05)
+    if pids:
+        log.warning("sandbox %s: processes %s still work on it after %g s; recovering anyway", sb.id, pids,
+                    ORPHAN_WAIT)
 
 
 def recover_all(wait: float | None = None, result: dict[str, builtins.list[str]] | None = None,

@@ -3,7 +3,9 @@
 A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 is the agent
 (see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
 list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
-or close the same sandbox at once.
+or close the same sandbox at once. This module is its lifecycle: create, restore, get and list, state,
+snapshot, fork, pause, resume and close, the record and the lock. The calls into a running sandbox
+(exec, jobs, files) are ``agentenv.calls``, which ``Sandbox`` inherits; how a fork is made, ``agentenv.forking``.
 
 The record names the agent by pid *and* start time; each Sandbox object pins it with a pidfd and
 checks, before every connection, that the process it reaches is still that agent. A pid number that
@@ -13,19 +15,18 @@ the record (another handle may have paused and resumed the sandbox) or fails wit
 What a sandbox writes goes to its layer on the volume (``agentenv.volume``): a subvolume limited to its
 ``disk=`` bytes. Operations that a ``kill -9`` could cut in half say so in the record first (the
 ``owner`` of a sandbox being made, the snapshot a ``pausing`` sandbox is writing), so that ``recover``
-can finish or undo them: thaw a sandbox left frozen, remove half-made ones, finish or roll back a pause.
+can finish or undo them: thaw a sandbox left frozen, remove half-made ones, finish or roll back a pause
+(the work is in ``agentenv.recovery``).
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import errno
 import fcntl
 import json
 import logging
 import os
-import posixpath
 import shutil
 import threading
 import time
@@ -33,24 +34,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agentenv import admission, agent, forking, images, jobs, store, volume, warm
+from agentenv import admission, agent, forking, images, recovery, store, volume, warm
 from agentenv.api import (
     DEFAULT_DISK,
-    DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
     MAX_FORK,
-    ExecResult,
-    FileInfo,
-    JobEnd,
-    JobInfo,
-    JobOutput,
     Limits,
-    OutputCallback,
-    ProcessInfo,
     SandboxInfo,
     SnapshotLike,
     State,
 )
+from agentenv.calls import Calls, Process, max_output
 from agentenv.channel import Channel, Gate, Root
 from agentenv.config import crash_point, parse_disk, parse_size, paths
 from agentenv.errors import (
@@ -63,7 +57,7 @@ from agentenv.errors import (
     SandboxStateError,
 )
 from agentenv.phases import phase
-from agentenv.recovery import HostProcess, host_processes, process_running
+from agentenv.recovery import RECOVER_PING_TIMEOUT, HostProcess
 from agentenv.runtime import (
     AgentProcess,
     Container,
@@ -74,12 +68,11 @@ from agentenv.runtime import (
 )
 from agentenv.store import Snapshot
 
+__all__ = ["Process", "Sandbox", "max_output"]  # Process and max_output live in agentenv.calls
+
 log = logging.getLogger("agentenv")
 START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
 QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
-RECOVER_PING_TIMEOUT = 2.0  # seconds a recovered sandbox's agent has to answer
-ORPHAN_WAIT = 310.0  # seconds recovery waits for a dead process's runc, CRIU or cp to end (runc's own limit: 300)
-LOCK_WAIT = 60.0  # seconds recovery waits for a live process to let go of a sandbox
 _gates: dict[str, Gate] = {}
 _gates_lock = threading.Lock()
 
@@ -90,42 +83,7 @@ def _gate(sandbox_id: str) -> Gate:
         return _gates.setdefault(sandbox_id, Gate())
 
 
-class Process:
-    """A background process started with ``Sandbox.spawn``; it survives snapshots and forks."""
-
-    def __init__(self, sandbox: Sandbox, pid: int, log: str, command: str) -> None:
-        self.sandbox, self.pid, self.log, self.command = sandbox, pid, log, command
-
-    def __repr__(self) -> str:
-        return f"Process(pid={self.pid}, command={self.command!r})"
-
-    @property
-    def exit_code(self) -> int | None:
-        """None while it runs, else its exit code (128 + signal when killed)."""
-        reply, _ = self.sandbox._channel.call({"op": "procs"})
-        entry = reply["procs"].get(str(self.pid))
-        return None if entry is None else entry["exit_code"]
-
-    def output(self) -> str:
-        """Everything it wrote so far (stdout and stderr interleaved)."""
-        return self.sandbox.read_file(self.log).decode(errors="replace")
-
-    def kill(self, signal: int = 9) -> None:
-        self.sandbox._channel.call({"op": "kill", "pid": self.pid, "signal": signal})
-
-    def info(self) -> ProcessInfo:
-        return ProcessInfo(pid=self.pid, log=self.log, command=self.command, exit_code=self.exit_code)
-
-    def wait(self, timeout: float = 60.0) -> int:
-        deadline = time.monotonic() + timeout
-        while (code := self.exit_code) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self!r} still running after {timeout} s")
-            time.sleep(0.02)
-        return code
-
-
-class Sandbox:
+class Sandbox(Calls):
     """An isolated Linux environment with fast snapshot, fork, pause and restore."""
 
     def __init__(self, record: dict[str, Any]) -> None:
@@ -338,105 +296,6 @@ class Sandbox:
             self._rec["expires_at"] = time.time() + ttl
             self._save()
 
-    # --- commands and files -------------------------------------------------------------------
-
-    def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
-             env: dict[str, str] | None = None, on_output: OutputCallback | None = None) -> ExecResult:
-        """Run ``command`` with /bin/sh; past ``timeout`` its whole process group is killed.
-
-        ``on_output(stream, data)`` receives output as it comes ('stdout' or 'stderr').
-        """
-        self.require_running()
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {},
-                                "max_output": max_output(self._spec().limits.memory)}, on_output)
-        out, err = (h[k].decode(errors="replace") + _dropped(n) for k, n in zip(("stdout", "stderr"), h["dropped"], strict=True))
-        return ExecResult(exit_code=h["exit_code"], stdout=out, stderr=err, duration=h["duration"],
-                          timed_out=h["timed_out"])
-
-    def spawn(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Process:
-        """Start a background process; its output goes to a log file inside the sandbox."""
-        self.require_running()
-        reply, _ = self._channel.call({"op": "spawn", "cmd": command, "cwd": cwd, "env": env or {}})
-        return Process(self, reply["pid"], reply["log"], command)
-
-    def processes(self) -> builtins.list[Process]:
-        """Every process started with ``spawn`` (running or finished)."""
-        self.require_running()
-        reply, _ = self._channel.call({"op": "procs"})
-        return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
-
-    def read_file(self, path: str) -> bytes:
-        """A whole file (at most 1 GiB); the agent's own files are refused (PermissionError), its
-        process logs excepted."""
-        self.require_running()
-        return self._channel.call({"op": "read", "path": _own_checked(_abs(path, self._spec().workdir), False)})[1]
-
-    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        """Write a whole file (at most 1 GiB) atomically, creating parent folders; the agent's own
-        folders are refused (PermissionError)."""
-        self.require_running()
-        payload = data if isinstance(data, bytes) else data.encode() if isinstance(data, str) else bytes(data)
-        if len(payload) > agent.MAX_FILE:
-            raise ValueError(f"{len(payload)} bytes is over write_file's limit of {agent.MAX_FILE}")
-        target = _own_checked(_abs(path, self._spec().workdir), True)
-        self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
-
-    # --- jobs and the file system (the host side: agentenv.jobs) --------------------------------
-
-    def start(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
-              timeout: float | None = None, stdin: bool = False, tag: str | None = None) -> JobInfo:
-        """Start ``command`` with /bin/sh and return at once; its output waits in the sandbox for ``output``."""
-        self.require_running()
-        return jobs.start(self._channel, command, cwd=cwd, env=env, timeout=timeout, stdin=stdin, tag=tag,
-                          max_output=max_output(self._spec().limits.memory))
-
-    def jobs(self) -> builtins.list[JobInfo]:
-        """The jobs ``start`` made that run, or ended but whose end ``output`` has not delivered yet."""
-        return jobs.listing(self._channel)
-
-    def output(self, pid: int, offsets: tuple[int, int] | None = None, *, follow: bool = True
-               ) -> Iterator[JobOutput | JobEnd | None]:
-        """A job's output from absolute ``offsets`` (None: the oldest kept); None items are heartbeats, JobEnd last."""
-        return jobs.output(self._channel, pid, offsets, follow)
-
-    def discard(self, pid: int, offsets: tuple[int, int]) -> None:
-        """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
-        jobs.discard(self._channel, pid, offsets)
-
-    def send_input(self, pid: int, data: bytes) -> None:
-        """Write to a job's stdin (BrokenPipeError if it is closed or the job was started without one)."""
-        jobs.send_input(self._channel, pid, data)
-
-    def close_input(self, pid: int) -> None:
-        """Close a job's stdin (EOF); idempotent."""
-        jobs.close_input(self._channel, pid)
-
-    def signal(self, pid: int, sig: int) -> None:
-        """Send ``sig`` to the process group of a job (or of a spawned process)."""
-        jobs.signal(self._channel, pid, sig)
-
-    def stat(self, path: str) -> FileInfo:
-        """What is at ``path`` (FileNotFoundError if nothing)."""
-        return jobs.stat(self._channel, _own_checked(_abs(path, self._spec().workdir), False))
-
-    def list_dir(self, path: str, depth: int = 1) -> builtins.list[FileInfo]:
-        """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed."""
-        return jobs.list_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), False), depth)
-
-    def make_dir(self, path: str) -> bool:
-        """Make a folder and its parents; False if it already was one (FileExistsError if a file is there)."""
-        return jobs.make_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
-
-    def move(self, src: str, dst: str) -> FileInfo:
-        """Rename ``src`` to ``dst`` (across file systems too); the info of ``dst``."""
-        return jobs.move(self._channel, *(_own_checked(_abs(p, self._spec().workdir), True) for p in (src, dst)))
-
-    def remove(self, path: str) -> None:
-        """Remove a file, a symlink or a whole folder (FileNotFoundError if nothing is there)."""
-        jobs.remove(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
-
     # --- snapshots ----------------------------------------------------------------------------
 
     def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> Snapshot:
@@ -634,7 +493,7 @@ class Sandbox:
                 log.warning("could not pause sandbox %s past its TTL: %s", sb.id, e)
         return paused
 
-    # --- recovery -----------------------------------------------------------------------------
+    # --- recovery (the work: agentenv.recovery) -----------------------------------------------
 
     def recover(self, procs: builtins.list[HostProcess] | None = None,
                 ping_timeout: float = RECOVER_PING_TIMEOUT) -> str:
@@ -647,87 +506,7 @@ class Sandbox:
         on it (runc, CRIU, cp) to end. Idempotent, and safe while other processes use the sandbox.
         ``procs``: the host's processes (``host_processes()``), when the caller already listed them.
         """
-        self._reload()
-        if self._rec["state"] == "closed":
-            return "closed"
-        if store.owner_alive(self._rec.get("owner")):
-            return "busy"
-        self._wait_for_orphans(host_processes() if procs is None else procs)
-        try:
-            with self._locked(allow_closed=True, wait=LOCK_WAIT):
-                if self._rec["state"] == "closed":
-                    return "closed"
-                if store.owner_alive(self._rec.get("owner")):
-                    return "busy"
-                where = self._recover_locked()
-        except TimeoutError:
-            return "busy"
-        except SandboxNotFound:
-            return "closed"
-        if where != "running":
-            return where
-        try:
-            if self.state != "running":
-                return "lost"
-            self.ping(timeout=ping_timeout)
-        except AgentEnvError:
-            return "lost"
-        return "running"
-
-    def _recover_locked(self) -> str:
-        state = self._rec["state"]
-        if state == "creating":  # its maker died: a half-made sandbox (a fork's child, say)
-            log.warning("removing sandbox %s: the process making it died", self.id)
-            self._destroy()
-            return "discarded"
-        if self._rec.get("pausing"):
-            return self._recover_pause(self._rec["pausing"])
-        if state == "paused":
-            if self._container.state() is not None:  # a resume cut short left a container: the snapshot stays
-                self._container.destroy()
-            if self._has_own_layer() and os.path.lexists(self._container.layer):
-                self._drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
-            paused = self._rec.get("paused_snapshot")
-            return "paused" if paused and (paths().snapshots / paused / "meta.json").exists() else "lost"
-        return "running"  # _locked thawed it if a dead snapshotter left it frozen
-
-    def _recover_pause(self, snap_id: str) -> str:
-        """Finish a pause cut short, or roll it back; 'paused' or 'running' ('lost' only if its processes died
-        without CRIU having dumped them)."""
-        tmps = sorted(paths().snapshots.glob(f".tmp-{snap_id}-*"))
-        published = (paths().snapshots / snap_id / "meta.json").exists()
-        if not published and self._container_alive():  # CRIU did not finish: the processes still run
-            for t in tmps:
-                store.discard(t)
-            store.remove([paths().snapshot_files / snap_id])
-            self._rec.update(pausing=None, owner=None)
-            self._save()
-            log.warning("rolled back the interrupted pause of sandbox %s: it runs on", self.id)
-            return "running"
-        if not published:
-            files = paths().snapshot_files / snap_id  # where they are if the kill came between two renames
-            dumped = [t for t in tmps if (t / "criu" / "stats-dump").exists()
-                      and (store.files_of(t).is_dir() or files.is_dir())]
-            if not dumped:
-                for t in tmps:
-                    store.discard(t)
-                store.remove([files])
-                self._rec.update(pausing=None, owner=None)
-                self._save()
-                return "lost"
-            # CRIU dumped every process (and ended them): publish what it wrote, as the pause would have
-            snap = self._snapshot_meta(snap_id, dumped[0], True, {"agentenv.kind": "pause"})
-            store.write_meta(dumped[0], snap)
-            store.publish(dumped[0], snap_id)
-            for t in tmps[1:]:
-                store.discard(t)
-        self._paused(snap_id)
-        log.warning("finished the interrupted pause of sandbox %s (snapshot %s)", self.id, snap_id)
-        return "paused"
-
-    def _container_alive(self) -> bool:
-        st = self._container.state()
-        return st is not None and st.get("status") in ("running", "paused", "created")
+        return recovery.recover(self, procs, ping_timeout)
 
     def thaw_abandoned(self, procs: builtins.list[HostProcess] | None = None) -> bool:
         """Thaw the sandbox if a dead process left it frozen (its snapshot was cut short); True if it did.
@@ -735,33 +514,7 @@ class Sandbox:
         Cheap (no agent call); it leaves alone a sandbox that a live process holds, or that a runc, CRIU or
         cp of a dead one is still working on (``recover`` waits for those).
         """
-        try:
-            if self._rec["state"] != "running" or not self._container.frozen():
-                return False
-            if self._orphans(host_processes() if procs is None else procs):
-                return False
-            with self._locked(wait=0):
-                pass  # taking the lock thaws a sandbox that no live holder froze
-        except (OSError, TimeoutError, AgentEnvError):
-            return False
-        log.warning("thawed sandbox %s: a process died while it was frozen for a snapshot", self.id)
-        return True
-
-    def _orphans(self, procs: builtins.list[HostProcess]) -> builtins.list[int]:
-        """The host processes still working on this sandbox for someone else (runc, CRIU, cp)."""
-        needles = (self._container.cid.encode(), str(self._container.layer).encode() + b"/")
-        return [p.pid for p in procs if any(n in p.cmdline for n in needles)]
-
-    def _wait_for_orphans(self, procs: builtins.list[HostProcess]) -> None:
-        pids = self._orphans(procs)
-        deadline = time.monotonic() + ORPHAN_WAIT
-        while pids and time.monotonic() < deadline:
-            pids = [p for p in pids if process_running(p)]
-            if pids:
-                time.sleep(0.05)
-        if pids:
-            log.warning("sandbox %s: processes %s still work on it after %g s; recovering anyway", self.id, pids,
-                        ORPHAN_WAIT)
+        return recovery.thaw_abandoned(self, procs)
 
     # --- internals ----------------------------------------------------------------------------
 
@@ -852,34 +605,3 @@ def _flock(fd: int, wait: float | None) -> None:
             if time.monotonic() >= deadline:
                 raise TimeoutError("the sandbox is held by another process") from None
             time.sleep(0.02)
-
-
-def max_output(memory: int) -> int:
-    """Bytes of one command's output the agent keeps per stream: 64 MiB, or a sixteenth of the sandbox's
-    memory when that is less (the agent holds them, in the sandbox's memory)."""
-    return min(agent.MAX_OUTPUT, max(1 << 20, memory // 16))
-
-
-def _dropped(n: int) -> str:
-    """The visible marker for output past the agent's per-stream cap (``max_output``)."""
-    return f"\n[agentenv: {n} more bytes of output were dropped]\n" if n else ""
-
-
-def _own_checked(path: str, write: bool) -> str:
-    """``path`` normalized (the path checked is the path sent), unless it is one of the agent's own files
-    (PermissionError); reads of its process logs pass. The agent checks writes again, symlinks resolved."""
-    norm = "/" + posixpath.normpath(path).lstrip("/")
-    if not write and norm.startswith(agent.LOG_DIR + "/"):
-        return norm
-    for d in agent.OWN_DIRS:
-        if norm == d or norm.startswith(d + "/"):
-            raise PermissionError(errno.EACCES, f"{path} is in the sandbox agent's own folder {d}; "
-                                                "the file API does not touch it")
-    return norm
-
-
-def _abs(path: str, workdir: str) -> str:
-    """Absolute path inside the sandbox; relative ones are taken from the working directory."""
-    if not isinstance(path, str) or not path or "\0" in path:
-        raise ValueError(f"path must be a non-empty string, got {path!r}")
-    return path if path.startswith("/") else posixpath.join(workdir, path)

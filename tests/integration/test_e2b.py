@@ -207,6 +207,13 @@ def test_the_code_interpreter_keeps_state_across_pause_and_fork(server: str) -> 
             assert kid.run_code("x").text == "41"  # the variable set before the fork is in every child
             kid.run_code(f"x = {i}")
         assert [k.run_code("x").text for k in kids] == ["0", "1"] and ci.run_code("x").text == "41"
+        with pytest.raises(TimeoutException):  # the client gives up; the server interrupts the kernel
+            ci.run_code("import time\nfor i in range(300):\n    time.sleep(0.1)", timeout=1.5)
+        after = ci.run_code("x * 2")  # the interrupted execution's leftovers are not this one's
+        assert after.text == "82" and after.error is None
+        streamed: list[str] = []
+        ci.run_code("print('a'); print('b')", on_stdout=lambda m: streamed.append(m.line))
+        assert "".join(streamed) == "a\nb\n"
         ctx = ci.create_code_context()
         assert ci.run_code("'x' in globals()", context=ctx).text == "False"
         assert ctx.id in [c.id for c in ci.list_code_contexts()]
@@ -256,6 +263,47 @@ def test_the_async_sdk(server: str) -> None:
             await ci.run_code("y = 'kept'")
             assert (await ci.run_code("y")).text == "kept"  # a str result without quotes, as E2B gives it
         finally:
+            await ci.kill()
+
+    asyncio.run(flow())
+
+
+def test_the_async_sdk_commands_files_and_interpreter_fork(server: str) -> None:
+    async def flow() -> None:
+        sb = await AsyncSandbox.create()
+        try:
+            with pytest.raises(CommandExitException):
+                await sb.commands.run("exit 4")
+            sleeper = await sb.commands.run("sleep 60", background=True)
+            assert sleeper.pid in {p.pid for p in await sb.commands.list()}
+            assert await sb.commands.kill(sleeper.pid) is True
+            cat = await sb.commands.run("cat", background=True, stdin=True)
+            await sb.commands.send_stdin(cat.pid, "piped\n")
+            await sb.commands.close_stdin(cat.pid)
+            assert (await cat.wait()).stdout == "piped\n"
+            with pytest.raises(TimeoutException):
+                await sb.commands.run("sleep 60", timeout=1.5)
+            assert await sb.files.make_dir("/tmp/x") is True
+            await sb.files.write("/tmp/x/f", b"bytes")
+            assert [e.name for e in await sb.files.list("/tmp/x")] == ["f"]
+            await sb.files.rename("/tmp/x/f", "/tmp/x/g")
+            assert await sb.files.exists("/tmp/x/g") and not await sb.files.exists("/tmp/x/f")
+            await sb.files.remove("/tmp/x")
+            with pytest.raises(FileNotFoundException):
+                await sb.files.read("/tmp/x/g")
+        finally:
+            await sb.kill()
+        ci = await code_interpreter.AsyncSandbox.create()
+        kids: list[code_interpreter.AsyncSandbox] = []
+        try:
+            await ci.run_code("n = 7")
+            kids = await ci.fork(count=2)
+            await kids[0].run_code("n += 1")
+            assert [(await k.run_code("n")).text for k in kids] == ["8", "7"]
+            assert (await ci.run_code("n")).text == "7"
+        finally:
+            for kid in kids:
+                await kid.kill()
             await ci.kill()
 
     asyncio.run(flow())

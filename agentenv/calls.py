@@ -1,0 +1,214 @@
+"""Calls into a running sandbox: commands, background processes, jobs and files (what the agent does for us).
+
+``Calls`` is the half of ``Sandbox`` that works inside a running sandbox through its agent, apart from its
+lifecycle (create, snapshot, pause, close: ``agentenv.sandbox``): ``exec``, ``spawn``, ``read_file`` and
+``write_file``, the job calls (``start``, ``output``, ``send_input``...) and the file system calls (``stat``,
+``list_dir``, ``move``...), whose host side is ``agentenv.jobs``. Every call goes through the sandbox's
+channel (``agentenv.channel``); paths are checked here first: relative ones are taken from the working
+directory, and the agent's own folders are refused. (``hostcalls`` is another thing: the kernel calls that
+set a sandbox up.)
+"""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import posixpath
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, cast
+
+from agentenv import agent, jobs
+from agentenv.api import (
+    DEFAULT_EXEC_TIMEOUT,
+    ExecResult,
+    FileInfo,
+    JobEnd,
+    JobInfo,
+    JobOutput,
+    OutputCallback,
+    ProcessInfo,
+)
+from agentenv.channel import Channel
+
+if TYPE_CHECKING:
+    from agentenv.runtime import ContainerSpec
+    from agentenv.sandbox import Sandbox
+
+
+class Process:
+    """A background process started with ``Sandbox.spawn``; it survives snapshots and forks."""
+
+    def __init__(self, sandbox: Sandbox, pid: int, log: str, command: str) -> None:
+        self.sandbox, self.pid, self.log, self.command = sandbox, pid, log, command
+
+    def __repr__(self) -> str:
+        return f"Process(pid={self.pid}, command={self.command!r})"
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs, else its exit code (128 + signal when killed)."""
+        reply, _ = self.sandbox._channel.call({"op": "procs"})
+        entry = reply["procs"].get(str(self.pid))
+        return None if entry is None else entry["exit_code"]
+
+    def output(self) -> str:
+        """Everything it wrote so far (stdout and stderr interleaved)."""
+        return self.sandbox.read_file(self.log).decode(errors="replace")
+
+    def kill(self, signal: int = 9) -> None:
+        self.sandbox._channel.call({"op": "kill", "pid": self.pid, "signal": signal})
+
+    def info(self) -> ProcessInfo:
+        return ProcessInfo(pid=self.pid, log=self.log, command=self.command, exit_code=self.exit_code)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.exit_code) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self!r} still running after {timeout} s")
+            time.sleep(0.02)
+        return code
+
+
+class Calls:
+    """The calls into a running sandbox; ``Sandbox`` inherits them (it provides what is declared here, and is
+    the only class that does: ``spawn`` and ``processes`` hand ``self`` to ``Process`` as a Sandbox)."""
+
+    id: str
+    _channel: Channel
+
+    if TYPE_CHECKING:
+        def _spec(self) -> ContainerSpec: ...
+
+        def require_running(self) -> None: ...
+
+    # --- commands and files -------------------------------------------------------------------
+
+    def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
+             env: dict[str, str] | None = None, on_output: OutputCallback | None = None) -> ExecResult:
+        """Run ``command`` with /bin/sh; past ``timeout`` its whole process group is killed.
+
+        ``on_output(stream, data)`` receives output as it comes ('stdout' or 'stderr').
+        """
+        self.require_running()
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {},
+                                "max_output": max_output(self._spec().limits.memory)}, on_output)
+        out, err = (h[k].decode(errors="replace") + _dropped(n) for k, n in zip(("stdout", "stderr"), h["dropped"], strict=True))
+        return ExecResult(exit_code=h["exit_code"], stdout=out, stderr=err, duration=h["duration"],
+                          timed_out=h["timed_out"])
+
+    def spawn(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None) -> Process:
+        """Start a background process; its output goes to a log file inside the sandbox."""
+        self.require_running()
+        reply, _ = self._channel.call({"op": "spawn", "cmd": command, "cwd": cwd, "env": env or {}})
+        return Process(cast("Sandbox", self), reply["pid"], reply["log"], command)
+
+    def processes(self) -> builtins.list[Process]:
+        """Every process started with ``spawn`` (running or finished)."""
+        self.require_running()
+        reply, _ = self._channel.call({"op": "procs"})
+        return [Process(cast("Sandbox", self), int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
+
+    def read_file(self, path: str) -> bytes:
+        """A whole file (at most 1 GiB); the agent's own files are refused (PermissionError), its
+        process logs excepted."""
+        self.require_running()
+        return self._channel.call({"op": "read", "path": _own_checked(_abs(path, self._spec().workdir), False)})[1]
+
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Write a whole file (at most 1 GiB) atomically, creating parent folders; the agent's own
+        folders are refused (PermissionError)."""
+        self.require_running()
+        payload = data if isinstance(data, bytes) else data.encode() if isinstance(data, str) else bytes(data)
+        if len(payload) > agent.MAX_FILE:
+            raise ValueError(f"{len(payload)} bytes is over write_file's limit of {agent.MAX_FILE}")
+        target = _own_checked(_abs(path, self._spec().workdir), True)
+        self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
+
+    # --- jobs and the file system (the host side: agentenv.jobs) --------------------------------
+
+    def start(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
+              timeout: float | None = None, stdin: bool = False, tag: str | None = None) -> JobInfo:
+        """Start ``command`` with /bin/sh and return at once; its output waits in the sandbox for ``output``."""
+        self.require_running()
+        return jobs.start(self._channel, command, cwd=cwd, env=env, timeout=timeout, stdin=stdin, tag=tag,
+                          max_output=max_output(self._spec().limits.memory))
+
+    def jobs(self) -> builtins.list[JobInfo]:
+        """The jobs ``start`` made that run, or ended but whose end ``output`` has not delivered yet."""
+        return jobs.listing(self._channel)
+
+    def output(self, pid: int, offsets: tuple[int, int] | None = None, *, follow: bool = True
+               ) -> Iterator[JobOutput | JobEnd | None]:
+        """A job's output from absolute ``offsets`` (None: the oldest kept); None items are heartbeats, JobEnd last."""
+        return jobs.output(self._channel, pid, offsets, follow)
+
+    def discard(self, pid: int, offsets: tuple[int, int]) -> None:
+        """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
+        jobs.discard(self._channel, pid, offsets)
+
+    def send_input(self, pid: int, data: bytes) -> None:
+        """Write to a job's stdin (BrokenPipeError if it is closed or the job was started without one)."""
+        jobs.send_input(self._channel, pid, data)
+
+    def close_input(self, pid: int) -> None:
+        """Close a job's stdin (EOF); idempotent."""
+        jobs.close_input(self._channel, pid)
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Send ``sig`` to the process group of a job (or of a spawned process)."""
+        jobs.signal(self._channel, pid, sig)
+
+    def stat(self, path: str) -> FileInfo:
+        """What is at ``path`` (FileNotFoundError if nothing)."""
+        return jobs.stat(self._channel, _own_checked(_abs(path, self._spec().workdir), False))
+
+    def list_dir(self, path: str, depth: int = 1) -> builtins.list[FileInfo]:
+        """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed."""
+        return jobs.list_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), False), depth)
+
+    def make_dir(self, path: str) -> bool:
+        """Make a folder and its parents; False if it already was one (FileExistsError if a file is there)."""
+        return jobs.make_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
+
+    def move(self, src: str, dst: str) -> FileInfo:
+        """Rename ``src`` to ``dst`` (across file systems too); the info of ``dst``."""
+        return jobs.move(self._channel, *(_own_checked(_abs(p, self._spec().workdir), True) for p in (src, dst)))
+
+    def remove(self, path: str) -> None:
+        """Remove a file, a symlink or a whole folder (FileNotFoundError if nothing is there)."""
+        jobs.remove(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
+
+
+def max_output(memory: int) -> int:
+    """Bytes of one command's output the agent keeps per stream: 64 MiB, or a sixteenth of the sandbox's
+    memory when that is less (the agent holds them, in the sandbox's memory)."""
+    return min(agent.MAX_OUTPUT, max(1 << 20, memory // 16))
+
+
+def _dropped(n: int) -> str:
+    """The visible marker for output past the agent's per-stream cap (``max_output``)."""
+    return f"\n[agentenv: {n} more bytes of output were dropped]\n" if n else ""
+
+
+def _own_checked(path: str, write: bool) -> str:
+    """``path`` normalized (the path checked is the path sent), unless it is one of the agent's own files
+    (PermissionError); reads of its process logs pass. The agent checks writes again, symlinks resolved."""
+    norm = "/" + posixpath.normpath(path).lstrip("/")
+    if not write and norm.startswith(agent.LOG_DIR + "/"):
+        return norm
+    for d in agent.OWN_DIRS:
+        if norm == d or norm.startswith(d + "/"):
+            raise PermissionError(errno.EACCES, f"{path} is in the sandbox agent's own folder {d}; "
+                                                "the file API does not touch it")
+    return norm
+
+
+def _abs(path: str, workdir: str) -> str:
+    """Absolute path inside the sandbox; relative ones are taken from the working directory."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ValueError(f"path must be a non-empty string, got {path!r}")
+    return path if path.startswith("/") else posixpath.join(workdir, path)
