@@ -43,6 +43,8 @@ LOG_DIR = SOCKET_DIR + "/proc"
 JOB_ENV = "AGENTENV_JOB"
 OWN_DIRS = (SOCKET_DIR, "/.agentenv")  # the agent's own files: the file API refuses to write there
 MAX_OUTPUT = 64 << 20  # bytes kept per stream of one job (or the request's max_output); the rest is counted
+OUTPUT_BUDGET = 4  # all jobs' unread output together: this many times a job's max_output (the sandbox's memory)
+OUTPUT_FLOOR = 64 << 10  # bytes per stream a job keeps whatever the others hold: small commands always answer
 MAX_HEADER = 32 << 20  # bytes of one frame's JSON header (an exec's command and env included)
 MAX_FILE = 1 << 30  # bytes of one file read or written through the file API
 MAX_BLOB = MAX_FILE  # default cap of one frame's raw bytes
@@ -182,6 +184,7 @@ class Job:
         self.out = [bytearray(), bytearray()]
         self.base = [0, 0]
         self.dropped = [0, 0]
+        self.held = 0  # bytes of out counted in the agent's output budget
         self.info: dict[str, Any] = {}  # a started job's request, for listing
         self.stdin_lock = threading.Lock()
         self.stdin_done: OrderedDict[str, int] = OrderedDict()  # input request key -> bytes written
@@ -212,6 +215,8 @@ class Agent:
         self.spawned: dict[int, dict[str, Any]] = {}  # pid -> {"cmd", "exit_code", "log"}
         self.by_pid: dict[int, Job] = {}
         self.started: dict[int, Job] = {}  # pid -> job made by start, until its end is delivered
+        self.buffered = 0  # bytes of output all jobs hold (OUTPUT_BUDGET), under ``budget``: a leaf lock
+        self.budget = threading.Lock()
         self.children: dict[int, subprocess.Popen[bytes]] = {}  # every child we started, until reaped
         self.next_id = 1
         self.child_started = threading.Event()
@@ -301,6 +306,9 @@ class Agent:
 
     def _forget(self, job: Job) -> None:
         """Drop a job whose end was delivered (callers hold self.lock)."""
+        with self.budget:  # its buffers go with the last reader: the budget has them back now
+            self.buffered -= job.held
+            job.held = 0
         self.jobs.pop(job.id, None)
         self.keys.pop(job.key, None)
         if self.started.get(job.pid) is job:
@@ -337,8 +345,15 @@ class Agent:
                 with job.cond:
                     buf = job.out[key.data]
                     room = job.max_output - len(buf)
-                    buf += data[:room]
-                    job.dropped[key.data] += max(0, len(data) - room)
+                    with self.budget:  # past its floor a job draws on a budget shared by all jobs: the unread
+                        if len(buf) + len(data) > OUTPUT_FLOOR:  # output of many must not fill the sandbox's memory
+                            room = min(room, max(OUTPUT_FLOOR - len(buf),
+                                                 OUTPUT_BUDGET * job.max_output - self.buffered))
+                        took = max(0, min(room, len(data)))
+                        self.buffered += took
+                        job.held += took
+                    buf += data[:took]
+                    job.dropped[key.data] += len(data) - took
                     job.cond.notify_all()
         sel.close()
         job.proc.stdout.close()
@@ -631,6 +646,9 @@ class Agent:
                 with contextlib.suppress(BufferError):
                     del job.out[i][:n]
                     job.base[i] += n
+                    with self.budget:
+                        self.buffered -= min(n, job.held)
+                        job.held -= min(n, job.held)
 
     def write_input(self, conn: socket.socket, job: Job, key: str, data: bytes, timeout: float) -> None:
         """Write ``data`` to a job's stdin within ``timeout`` seconds (TimeoutError if it does not read);

@@ -19,6 +19,7 @@ import platform
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -252,25 +253,35 @@ class Container:
         return f"/agentenv/{self.cid}"
 
     def _runc(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+        """Run runc; its errors come back in ``stderr``. The container's own stdio is /dev/null.
+
+        runc's log goes to a file of this call's own outside the bundle, read and removed at once: a call racing
+        ``close()`` must not bring the removed sandbox folder back (runc creates its log's folder).
+        """
         if "checkpoint" in args or "restore" in args:
             criu_rundir()
-        """Run runc; its errors come back in ``stderr``. The container's own stdio is /dev/null."""
-        log = self.bundle / "runc.log"
-        log.unlink(missing_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f"agentenv-runc-{self.cid}.", suffix=".log")
+        os.close(fd)
+        log = Path(name)
         try:
             r = subprocess.run(["runc", "--root", str(self.runc_root), "--log", str(log), "--log-format", "json",
                                 *args], stdin=subprocess.DEVNULL,
                                stdout=subprocess.PIPE if args[0] == "state" else subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
+            log.unlink(missing_ok=True)
             verb = next((a for a in args if a in ("run", "state", "delete", "checkpoint", "restore")), args[0])
             error = CheckpointError if verb in ("checkpoint", "restore") else SandboxError
             raise error(f"runc {verb} of {self.cid} did not finish within {timeout:g} s (killed)",
                         fix="a process of the sandbox may be stuck (stopped, traced, or in uninterruptible "
                             "sleep); check the sandbox, or close it") from None
-        if r.returncode != 0 and log.exists():
-            msgs = [json.loads(line).get("msg", "") for line in log.read_text().splitlines() if line.startswith("{")]
-            r.stderr = "\n".join(m for m in msgs if m)
+        try:
+            if r.returncode != 0:
+                text = log.read_text(errors="replace")
+                msgs = [json.loads(line).get("msg", "") for line in text.splitlines() if line.startswith("{")]
+                r.stderr = "\n".join(m for m in msgs if m)
+        finally:
+            log.unlink(missing_ok=True)
         return r
 
     # --- filesystem ------------------------------------------------------------------------

@@ -543,7 +543,7 @@ class Sandbox(Calls):
                 self._agent = None
             if self._starting:
                 raise SandboxError(f"the agent of sandbox {self.id} (pid {pid}) exited as it started",
-                                   fix=f"check that the image has python3; runc's log: {self._container.bundle}/runc.log")
+                                   fix=f"check that the image has python3 (docker run --rm {self.image} python3 -V)")
             seen = pid, self._rec.get("init_start")
             self._reload()
             self.require_running()

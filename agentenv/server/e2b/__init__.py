@@ -16,16 +16,18 @@ protocol (envelopes, JSON codec, error codes, deadlines) is the one the SDK spea
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 
+from anyio import CapacityLimiter
+from connectrpc.codec import proto_binary_codec, proto_json_codec
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
 from fastapi import FastAPI
-from fastapi.concurrency import run_in_threadpool
 from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv import errors
-from agentenv.server.e2b import control, interpreter
+from agentenv.server.e2b import bridge, control, interpreter
 from agentenv.server.e2b.files import FilesystemService, files_routes
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
@@ -33,12 +35,18 @@ from agentenv.server.service import Service
 
 __all__ = ["install"]
 
+# the headers that say which sandbox, port and token a request is for: each may come once (the checks here read
+# one value, the services behind another, so a second copy could name a sandbox whose token was never checked)
+ROUTING = (b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-access-token", b"e2b-traffic-access-token")
+MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recently used goes first
+
 
 def install(app: FastAPI, service: Service, token: str) -> None:
     """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware)."""
     app.include_router(control.router)
-    process = ProcessASGIApplication(ProcessService(service), compressions=())
-    filesystem = FilesystemASGIApplication(FilesystemService(service), compressions=())
+    codecs = [bridge.CheckedCodec(proto_binary_codec()), bridge.CheckedCodec(proto_json_codec())]
+    process = ProcessASGIApplication(ProcessService(service), compressions=(), codecs=codecs)
+    filesystem = FilesystemASGIApplication(FilesystemService(service), compressions=(), codecs=codecs)
     envd = Router(routes=[Mount(process.path, app=process), Mount(filesystem.path, app=filesystem),
                           Mount("", app=files_routes(service))])
     app.add_middleware(SandboxPorts, service=service, token=token,
@@ -50,6 +58,7 @@ class SandboxPorts:
 
     def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp]) -> None:
         self.app, self.service, self.token, self.ports = app, service, token, ports
+        self.limiters: OrderedDict[str, CapacityLimiter] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,22 +69,39 @@ class SandboxPorts:
         if sandbox_id is None:
             await self.app(scope, receive, send)
             return
+        names = [k.lower() for k, _ in scope["headers"]]
+        repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
+        if repeated:
+            await _reply(send, 400, f"the header {repeated[0]} is given more than once")
+            return
         sid = sandbox_id.decode("latin-1")
         port = headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode()).decode("latin-1")
         given = (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
         if not valid(self.token, sid, given):
             await _reply(send, 401, f"missing or wrong access token for sandbox {sid} (X-Access-Token)")
             return
-        target = self.ports.get(int(port)) if port.isdigit() else None
+        target = self.ports.get(int(port)) if port.isascii() and port.isdigit() and len(port) <= 5 else None
         if target is None:
-            await _reply(send, 502, f"The sandbox {sid} is running but port {port} is not open (port is not open)")
+            await _reply(send, 502, f"The sandbox {sid} is running but port {port[:16]} is not open (port is not open)")
             return
-        state = await run_in_threadpool(self._state, sid)
-        if state != "running":
-            await _reply(send, 502, f"The sandbox {sid} was not found" if state is None else
-                         f"The sandbox {sid} is {state}, so it was not found running: connect to it to resume it")
-            return
-        await target(scope, receive, send)
+        reset = bridge.threads.set(self._limiter(sid))
+        try:
+            state = await bridge.run(self._state, sid)
+            if state != "running":
+                await _reply(send, 502, f"The sandbox {sid} was not found" if state is None else
+                             f"The sandbox {sid} is {state}, so it was not found running: connect to it to resume it")
+                return
+            await target(scope, receive, send)
+        finally:
+            bridge.threads.reset(reset)
+
+    def _limiter(self, sandbox_id: str) -> CapacityLimiter:
+        """The threads this sandbox's requests may hold (``bridge.run``), made on its first request."""
+        limiter = self.limiters.pop(sandbox_id, None) or CapacityLimiter(bridge.THREADS)
+        self.limiters[sandbox_id] = limiter
+        while len(self.limiters) > MAX_LIMITERS:
+            self.limiters.popitem(last=False)
+        return limiter
 
     def _state(self, sandbox_id: str) -> str | None:
         try:

@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from connectrpc.code import Code
+from connectrpc.codec import Codec
 from connectrpc.errors import ConnectError
 from connectrpc.request import RequestContext
-from fastapi.concurrency import run_in_threadpool
 from protobuf import Oneof
 
 from agentenv import errors
@@ -27,6 +31,8 @@ from agentenv.server.service import Service
 
 T = TypeVar("T")
 QUEUE = 64  # items a stream may run ahead of its client
+THREADS = 16  # blocking calls the requests of one sandbox may have running at once
+threads: ContextVar[CapacityLimiter | None] = ContextVar("agentenv_e2b_threads", default=None)  # set per request
 _DONE = object()
 
 _CODES: list[tuple[type[BaseException], Code]] = [
@@ -54,16 +60,43 @@ def connect_error(exc: BaseException) -> ConnectError:
     return ConnectError(Code.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
+class CheckedCodec:
+    """A Connect codec whose undecodable messages are the client's error (``invalid_argument``, HTTP 400)
+    rather than the server's (connectrpc answers any other exception with 500 ``unknown``)."""
+
+    def __init__(self, codec: Codec[Any, Any]) -> None:
+        self.codec = codec
+
+    def name(self) -> str:
+        return self.codec.name()
+
+    def encode(self, message: Any) -> bytes:
+        return self.codec.encode(message)
+
+    def decode(self, data: bytes | bytearray, message_class: type[Any]) -> Any:
+        try:
+            return self.codec.decode(data, message_class)
+        except Exception as e:  # noqa: BLE001 - whatever the client sent
+            raise ConnectError(Code.INVALID_ARGUMENT, f"a malformed {message_class.__name__}: {e}") from e
+
+
 def sandbox_of(service: Service, ctx: RequestContext[Any, Any]) -> Sandbox:
     """The sandbox a call is for: the ``E2b-Sandbox-Id`` header (checked, with its token, by the dispatcher)."""
     sandbox_id = ctx.request_headers.get("e2b-sandbox-id", "")
     return service.sandbox(sandbox_id)
 
 
+async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """A blocking call off the event loop, in a thread of the request's sandbox: ``SandboxPorts`` gives each
+    sandbox a limiter of its own (``threads``), so calls that block in one sandbox (a write to a stdin nobody
+    reads waits 30 s) take neither the threads of another sandbox nor those of the control plane."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs), limiter=threads.get())
+
+
 async def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """A blocking sandbox call off the event loop, its errors as Connect errors."""
+    """A blocking sandbox call off the event loop (``run``), its errors as Connect errors."""
     try:
-        return await run_in_threadpool(fn, *args, **kwargs)
+        return await run(fn, *args, **kwargs)
     except ConnectError:
         raise
     except Exception as e:  # noqa: BLE001 - every failure reaches the client as a typed Connect error

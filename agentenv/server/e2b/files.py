@@ -10,6 +10,7 @@ looks that cancel out (a file made and removed in between) are not seen.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import time
 import uuid
@@ -167,6 +168,7 @@ class FilesystemService(filesystem_connect.Filesystem):
 
 # --- /files and /health -------------------------------------------------------------------------
 
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 _HTTP = {Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED: 403, Code.ALREADY_EXISTS: 409,
          Code.UNAVAILABLE: 502, Code.RESOURCE_EXHAUSTED: 429, Code.FAILED_PRECONDITION: 400}
 
@@ -174,7 +176,9 @@ _HTTP = {Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED
 def http_error(exc: BaseException) -> JSONResponse:
     """envd's HTTP error body ``{code, message}``; the SDK maps 404 to FileNotFoundException, and so on."""
     err = connect_error(exc)
-    status = 507 if isinstance(exc, OSError) and exc.errno == 28 else _HTTP.get(err.code, 500)
+    # a full disk (ENOSPC) or disk limit (EDQUOT): the agent's OSError reaches here as a SandboxError's message
+    full = isinstance(exc, OSError) and exc.errno in _FULL or any(f"[Errno {n}]" in err.message for n in _FULL)
+    status = 507 if full else _HTTP.get(err.code, 500)
     return JSONResponse({"code": status, "message": err.message}, status)
 
 

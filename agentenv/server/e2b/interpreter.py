@@ -16,10 +16,10 @@ import contextlib
 import json
 import signal
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, Router
@@ -27,7 +27,7 @@ from starlette.routing import Route, Router
 from agentenv import kernel
 from agentenv.api import JobEnd, JobOutput
 from agentenv.sandbox import Sandbox
-from agentenv.server.e2b.bridge import iterate
+from agentenv.server.e2b.bridge import iterate, run
 from agentenv.server.e2b.files import http_error
 from agentenv.server.service import Service
 
@@ -69,22 +69,25 @@ class Interpreter:
 
     def __init__(self, service: Service) -> None:
         self.service = service
-        self.locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # a context's lock lives while an execution holds it: ids a client made up leave nothing behind
+        self.locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
 
     def _sandbox(self, request: Request) -> Sandbox:
         return self.service.sandbox(request.headers.get("e2b-sandbox-id", ""))
 
     async def execute(self, request: Request) -> Response:
         try:
-            body = await request.json()
+            body = _object(await request.json())
             code, language = body.get("code"), body.get("language") or ""
             if not isinstance(code, str):
                 raise ValueError("code must be a string")
             if language not in LANGUAGES:
                 raise ValueError(f"language {language!r} is not supported here: only python")
-            env = {str(k): str(v) for k, v in (body.get("env_vars") or {}).items()}
-            sb = await run_in_threadpool(self._sandbox, request)
-            context_id = body.get("context_id") or DEFAULT
+            env_vars, context_id = body.get("env_vars") or {}, body.get("context_id") or DEFAULT
+            if not isinstance(env_vars, dict) or not isinstance(context_id, str):
+                raise ValueError("env_vars must be an object and context_id a string")
+            env = {str(k): str(v) for k, v in env_vars.items()}
+            sb = await run(self._sandbox, request)
             lock = self.locks.setdefault((sb.id, context_id), asyncio.Lock())
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
@@ -102,9 +105,9 @@ class Interpreter:
     async def _execute(self, sb: Sandbox, context_id: str, code: str, env: dict[str, str],
                        lock: asyncio.Lock) -> AsyncIterator[bytes]:
         async with lock:
-            pid = await run_in_threadpool(_kernel, sb, context_id)
+            pid = await run(_kernel, sb, context_id)
             rid = uuid.uuid4().hex
-            await run_in_threadpool(sb.send_input, pid, kernel.request(rid, code, env))
+            await run(sb.send_input, pid, kernel.request(rid, code, env))
             done = False
             buf, base, err_end = bytearray(), None, 0
             try:
@@ -132,54 +135,63 @@ class Interpreter:
                             continue  # left over from an execution whose client went away
                         if event.get("type") == "end":
                             done = True
-                            await run_in_threadpool(sb.discard, pid, (base, err_end))
+                            with contextlib.suppress(ProcessLookupError):  # its end was read ahead: forgotten
+                                await run(sb.discard, pid, (base, err_end))
                             return
                         yield _line(event)
             finally:
                 if not done:  # the client left (its timeout): interrupt what still runs
-                    await asyncio.shield(run_in_threadpool(_interrupt, sb, pid))
+                    await asyncio.shield(run(_interrupt, sb, pid))
 
     async def create(self, request: Request) -> Response:
         try:
-            body = await request.json() if await request.body() else {}
+            body = _object(await request.json() if await request.body() else {})
             if (body.get("language") or "python") not in LANGUAGES[:2]:
                 raise ValueError(f"language {body.get('language')!r} is not supported here: only python")
-            sb = await run_in_threadpool(self._sandbox, request)
-            context_id = uuid.uuid4().hex[:16]
             cwd = body.get("cwd") or None
-            await run_in_threadpool(_start, sb, context_id, cwd)
+            if not isinstance(cwd, str | None):
+                raise ValueError("cwd must be a string")
+            sb = await run(self._sandbox, request)
+            context_id = uuid.uuid4().hex[:16]
+            await run(_start, sb, context_id, cwd)
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
         return JSONResponse({"id": context_id, "language": "python", "cwd": cwd or "/"})
 
     async def list(self, request: Request) -> Response:
         try:
-            sb = await run_in_threadpool(self._sandbox, request)
-            return JSONResponse(await run_in_threadpool(_contexts, sb))
+            sb = await run(self._sandbox, request)
+            return JSONResponse(await run(_contexts, sb))
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
 
     async def remove(self, request: Request) -> Response:
         try:
-            sb = await run_in_threadpool(self._sandbox, request)
-            pid = await run_in_threadpool(_kernel_or_404, sb, request.path_params["context_id"])
-            await run_in_threadpool(sb.signal, pid, signal.SIGKILL)
+            sb = await run(self._sandbox, request)
+            pid = await run(_kernel_or_404, sb, request.path_params["context_id"])
+            await run(sb.signal, pid, signal.SIGKILL)
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
         return Response(status_code=204)
 
     async def restart(self, request: Request) -> Response:
         try:
-            sb = await run_in_threadpool(self._sandbox, request)
+            sb = await run(self._sandbox, request)
             cid = request.path_params["context_id"]
-            pid = await run_in_threadpool(_kernel_or_404, sb, cid)
-            cwd = next((c["cwd"] for c in await run_in_threadpool(_contexts, sb) if c["id"] == cid), None)
-            await run_in_threadpool(sb.signal, pid, signal.SIGKILL)
-            await run_in_threadpool(_drain, sb, pid)
-            await run_in_threadpool(_start, sb, cid, cwd)
+            pid = await run(_kernel_or_404, sb, cid)
+            cwd = next((c["cwd"] for c in await run(_contexts, sb) if c["id"] == cid), None)
+            await run(sb.signal, pid, signal.SIGKILL)
+            await run(_drain, sb, pid)
+            await run(_start, sb, cid, cwd)
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
         return Response(status_code=204)
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    return body
 
 
 def _kernel_or_404(sb: Sandbox, context_id: str) -> int:
@@ -195,10 +207,12 @@ def _interrupt(sb: Sandbox, pid: int) -> None:
 
 
 def _drain(sb: Sandbox, pid: int) -> None:
-    """Read a killed kernel's job to its end, so that the agent forgets it."""
-    for item in sb.output(pid):
-        if isinstance(item, JobEnd):
-            return
+    """Read a killed kernel's job to its end, so that the agent forgets it (a stream that followed the job
+    may have read its end first: then it is forgotten already)."""
+    with contextlib.suppress(ProcessLookupError):
+        for item in sb.output(pid):
+            if isinstance(item, JobEnd):
+                return
 
 
 def _line(event: dict[str, Any]) -> bytes:
