@@ -104,8 +104,10 @@ class SandboxPorts:
         return limiter
 
     def _state(self, sandbox_id: str) -> str | None:
+        """The sandbox's recorded state (no ``runc state`` per request: a sandbox whose processes died behind
+        the record fails its call with a typed error instead)."""
         try:
-            return self.service.sandbox(sandbox_id).state
+            return self.service.sandbox(sandbox_id).recorded_state
         except (errors.SandboxNotFound, ValueError):
             return None
 
