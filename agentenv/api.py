@@ -11,7 +11,7 @@ Standard library only: a user who wants sandboxes alone needs nothing else to re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -21,6 +21,7 @@ DEFAULT_IMAGE = "agentenv/base"
 DEFAULT_EXEC_TIMEOUT = 600.0
 DEFAULT_DISK = "10g"
 MAX_FORK = 64
+MAX_DEPTH = 4096  # levels a listing goes down at most (a path of 4096 bytes has at most 2048)
 
 _V = TypeVar("_V")
 
@@ -218,7 +219,7 @@ class SnapshotLike(Protocol):
 
 @runtime_checkable
 class SandboxLike(Protocol):
-    """An isolated Linux environment with exec, files, snapshot, fork, pause and resume."""
+    """An isolated Linux environment with exec, jobs, files, snapshot, fork, pause and resume."""
 
     id: str
 
@@ -252,6 +253,34 @@ class SandboxLike(Protocol):
     def read_file(self, path: str) -> bytes: ...
 
     def write_file(self, path: str, data: bytes | str, mode: int = ...) -> None: ...
+
+    # jobs: commands whose output waits in the sandbox until read, from byte offsets
+    def start(self, command: str, *, cwd: str | None = ..., env: dict[str, str] | None = ...,
+              timeout: float | None = ..., stdin: bool = ..., tag: str | None = ...) -> JobInfo: ...
+
+    def jobs(self) -> Sequence[JobInfo]: ...
+
+    def output(self, pid: int, offsets: tuple[int, int] | None = ..., *, follow: bool = ...
+               ) -> Iterator[JobOutput | JobEnd | None]: ...
+
+    def discard(self, pid: int, offsets: tuple[int, int]) -> None: ...
+
+    def send_input(self, pid: int, data: bytes) -> None: ...
+
+    def close_input(self, pid: int) -> None: ...
+
+    def signal(self, pid: int, sig: int) -> None: ...
+
+    # the file system
+    def stat(self, path: str) -> FileInfo: ...
+
+    def list_dir(self, path: str, depth: int = ...) -> Sequence[FileInfo]: ...
+
+    def make_dir(self, path: str) -> bool: ...
+
+    def move(self, src: str, dst: str) -> FileInfo: ...
+
+    def remove(self, path: str) -> None: ...
 
     def snapshot(self, memory: bool = ..., *, labels: dict[str, str] | None = ...) -> SnapshotLike: ...
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -28,7 +28,12 @@ from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
+    MAX_DEPTH,
     ExecResult,
+    FileInfo,
+    JobEnd,
+    JobInfo,
+    JobOutput,
     Limits,
     OutputCallback,
     SandboxInfo,
@@ -40,6 +45,7 @@ from agentenv.sandbox import Process
 
 DEFAULT_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 5.0
+INPUT_PIECE = 16 << 20  # bytes of stdin sent per request (the server takes bodies up to 32 MiB)
 _RETRY_ALWAYS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _RETRY_IDEMPOTENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadTimeout)
 
@@ -128,12 +134,22 @@ class Client:
     def exec_stream(self, sandbox_id: str, body: dict[str, Any], on_output: OutputCallback,
                     timeout: float | None) -> dict[str, Any]:
         """Run a command with its output passed to ``on_output`` as it comes; returns the result fields."""
+        with contextlib.closing(self.stream(f"/v1/sandboxes/{sandbox_id}/exec/stream", body, timeout)) as frames:
+            for item in frames:
+                if "stream" in item:
+                    on_output(item["stream"], item["data"])
+                elif "result" in item:
+                    return cast(dict[str, Any], item["result"])
+        raise ConnectionLost(f"the server at {self.url} ended the stream without a result")
+
+    def stream(self, path: str, body: dict[str, Any], timeout: float | None) -> Generator[dict[str, Any], None, None]:
+        """POST ``body`` to a streaming route: its frames as they come, an error frame raised (not retried once
+        the request may have reached the server). Close it to drop the connection."""
         t = httpx.Timeout(timeout, connect=CONNECT_TIMEOUT)
         headers = {"Content-Type": wire.MSGPACK}
 
         def call() -> httpx.Response:
-            req = self._http.build_request("POST", f"/v1/sandboxes/{sandbox_id}/exec/stream",
-                                           content=wire.encode(body, True), headers=headers, timeout=t)
+            req = self._http.build_request("POST", path, content=wire.encode(body, True), headers=headers, timeout=t)
             return self._http.send(req, stream=True)
 
         r = self._send(call, idempotent=False)
@@ -142,17 +158,13 @@ class Client:
                 r.read()
                 self._decode(r)
             for item in wire.read_frames(r.iter_bytes(), wire.is_msgpack(r.headers.get("content-type"))):
-                if "stream" in item:
-                    on_output(item["stream"], item["data"])
-                elif "result" in item:
-                    return cast(dict[str, Any], item["result"])
-                elif "error" in item:
+                if "error" in item:
                     raise from_wire(item["error"], 500)
-        except (httpx.ReadError, httpx.RemoteProtocolError) as e:
-            raise ConnectionLost(f"the server at {self.url} closed the stream ({e})") from e
+                yield item
+        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as e:
+            raise ConnectionLost(f"the server at {self.url} broke off the stream ({type(e).__name__}: {e})") from e
         finally:
             r.close()
-        raise ConnectionLost(f"the server at {self.url} ended the stream without a result")
 
     def _sandbox(self, info: dict[str, Any]) -> RemoteSandbox:
         sb = RemoteSandbox(self, SandboxInfo.from_wire(info))
@@ -295,16 +307,89 @@ class RemoteSandbox:
                 for p in self._call("GET", "/processes", idempotent=True)]
 
     def read_file(self, path: str) -> bytes:
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise ValueError(f"path must be a non-empty string, got {path!r}")
-        return cast(bytes, self._call("GET", "/files", params={"path": path}, idempotent=True))
+        return cast(bytes, self._call("GET", "/files", params={"path": _checked(path)}, idempotent=True))
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write a whole file atomically, creating parent folders."""
-        if not isinstance(path, str) or not path or "\0" in path:
-            raise ValueError(f"path must be a non-empty string, got {path!r}")
         payload = data.encode() if isinstance(data, str) else bytes(data)
-        self._call("PUT", "/files", params={"path": path, "mode": mode}, content=payload, idempotent=True)
+        self._call("PUT", "/files", params={"path": _checked(path), "mode": mode}, content=payload, idempotent=True)
+
+    # jobs
+    def start(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
+              timeout: float | None = None, stdin: bool = False, tag: str | None = None) -> JobInfo:
+        """Start ``command`` with /bin/sh and return at once; its output waits in the sandbox for ``output``."""
+        body = {"command": command, "cwd": cwd, "env": env or {}, "timeout": timeout, "stdin": bool(stdin), "tag": tag}
+        return JobInfo.from_wire(self._call("POST", "/jobs", body))
+
+    def jobs(self) -> builtins.list[JobInfo]:
+        """The jobs ``start`` made that run, or ended but whose end ``output`` has not delivered yet."""
+        return [JobInfo.from_wire(j) for j in self._call("GET", "/jobs", idempotent=True)]
+
+    def output(self, pid: int, offsets: tuple[int, int] | None = None, *, follow: bool = True
+               ) -> Iterator[JobOutput | JobEnd | None]:
+        """A job's output from absolute ``offsets`` (None: the oldest kept); None items are heartbeats, JobEnd last.
+
+        Like the local one it asks for nothing until iterated; closing it early leaves the job running.
+        """
+        if self._closed:
+            raise errors.SandboxStateError(f"sandbox {self.id} is closed")
+        body = {"offsets": None if offsets is None else [int(offsets[0]), int(offsets[1])], "follow": bool(follow)}
+        with contextlib.closing(self._client.stream(self._path(f"/jobs/{pid}/output"), body,
+                                                    self._client.timeout)) as frames:
+            for item in frames:
+                if "stream" in item:
+                    yield JobOutput.from_wire(item)
+                elif item.get("heartbeat"):
+                    yield None
+                elif "end" in item:
+                    yield JobEnd.from_wire(item["end"])
+                    return
+                elif item.get("running"):
+                    return
+        raise ConnectionLost(f"the server at {self._client.url} ended the output of job {pid} without its end")
+
+    def discard(self, pid: int, offsets: tuple[int, int]) -> None:
+        """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
+        self._call("POST", f"/jobs/{pid}/discard", {"offsets": [int(offsets[0]), int(offsets[1])]}, idempotent=True)
+
+    def send_input(self, pid: int, data: bytes) -> None:
+        """Write to a job's stdin (BrokenPipeError if it is closed or the job was started without one)."""
+        view = memoryview(bytes(data))
+        for at in range(0, max(len(view), 1), INPUT_PIECE):  # nothing: still one request (is there such a job?)
+            self._call("POST", f"/jobs/{pid}/input", content=bytes(view[at:at + INPUT_PIECE]))
+
+    def close_input(self, pid: int) -> None:
+        """Close a job's stdin (EOF); idempotent."""
+        self._call("POST", f"/jobs/{pid}/close-input", idempotent=True)
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Send ``sig`` to the process group of a job (or of a spawned process)."""
+        self._call("POST", f"/jobs/{pid}/signal", {"signal": int(sig)})
+
+    # the file system
+    def stat(self, path: str) -> FileInfo:
+        """What is at ``path`` (FileNotFoundError if nothing)."""
+        return FileInfo.from_wire(self._call("GET", "/stat", params={"path": _checked(path)}, idempotent=True))
+
+    def list_dir(self, path: str, depth: int = 1) -> builtins.list[FileInfo]:
+        """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed."""
+        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
+            raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
+        found = self._call("GET", "/list", params={"path": _checked(path), "depth": min(depth, MAX_DEPTH)},
+                           idempotent=True)
+        return [FileInfo.from_wire(f) for f in found]
+
+    def make_dir(self, path: str) -> bool:
+        """Make a folder and its parents; False if it already was one (FileExistsError if a file is there)."""
+        return bool(self._call("POST", "/mkdir", {"path": _checked(path)})["made"])
+
+    def move(self, src: str, dst: str) -> FileInfo:
+        """Rename ``src`` to ``dst`` (across file systems too); the info of ``dst``."""
+        return FileInfo.from_wire(self._call("POST", "/move", {"src": _checked(src), "dst": _checked(dst)}))
+
+    def remove(self, path: str) -> None:
+        """Remove a file, a symlink or a whole folder (FileNotFoundError if nothing is there)."""
+        self._call("DELETE", "/files", params={"path": _checked(path)})
 
     # snapshots
     def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> RemoteSnapshot:
@@ -330,6 +415,13 @@ class RemoteSandbox:
         with contextlib.suppress(SandboxNotFound):
             self._client.request("DELETE", self._path(), idempotent=True)
         self._closed = True
+
+
+def _checked(path: str) -> str:
+    """A path as the local API takes one (the server resolves it inside the sandbox), else ValueError."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise ValueError(f"path must be a non-empty string, got {path!r}")
+    return path
 
 
 class SandboxAPI:

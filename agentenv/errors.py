@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno as _errno
 from typing import Any
 
 
@@ -98,7 +99,11 @@ _STATUS: list[tuple[type[BaseException], int]] = [
 ]
 _BUILTINS: dict[str, type[Exception]] = {c.__name__: c for c in (
     FileNotFoundError, ProcessLookupError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError,
-    BrokenPipeError, TimeoutError, ValueError, TypeError)}
+    BrokenPipeError, TimeoutError, ValueError, TypeError, OSError)}
+# a plain OSError with one of these is a file op the sandbox refused for what it was asked (a name too long, a
+# folder moved into itself, one not empty...): bad input, like the OSError subclasses above
+_REFUSED_ERRNOS = frozenset({_errno.ENAMETOOLONG, _errno.EINVAL, _errno.ELOOP, _errno.ENOTEMPTY, _errno.EBUSY,
+                             _errno.EROFS, _errno.EXDEV, _errno.ETXTBSY, _errno.EMLINK})
 _AS_VALUE_ERROR = frozenset({"ValidationError", "WireError", "BadRequest"})  # bad input, said by any hop
 _BY_STATUS: dict[int, type[Exception]] = {401: Unauthorized, 404: LookupError, 409: SandboxStateError,
                                           429: QuotaExceeded, 501: DiskLimitUnsupported, 507: StoreFullError}
@@ -109,6 +114,8 @@ def status_of(exc: BaseException) -> int | None:
     for cls, code in _STATUS:
         if isinstance(exc, cls):
             return code
+    if type(exc) is OSError and exc.errno in _REFUSED_ERRNOS:
+        return 400
     return None
 
 

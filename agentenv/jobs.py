@@ -11,7 +11,10 @@ results validated, reconnecting bounded.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import socket
+import threading
+from collections.abc import Generator, Iterator
 from typing import Any
 
 from agentenv import agent
@@ -48,18 +51,62 @@ def _job(reply: Any) -> JobInfo:
     return info
 
 
-def output(ch: Channel, pid: int, offsets: tuple[int, int] | None, follow: bool
-           ) -> Iterator[JobOutput | JobEnd | None]:
+def output(ch: Channel, pid: int, offsets: tuple[int, int] | None, follow: bool) -> Reading:
     """The job's output from ``offsets`` (None: the oldest byte kept), None for a heartbeat, JobEnd last.
 
     A connection closed under it (a memory snapshot) is reopened through the gate, from the offsets reached.
     """
-    pos = None if offsets is None else [int(offsets[0]), int(offsets[1])]
+    return Reading(ch, pid, offsets, follow)
+
+
+class Reading(Iterator[JobOutput | JobEnd | None]):
+    """What ``output`` returns (it connects when first iterated). ``interrupt`` (from any thread) ends it at once
+    by shutting its connection, so an end the agent has not sent yet stays with the agent for the next reader
+    (a server whose client went away must not swallow it)."""
+
+    def __init__(self, ch: Channel, pid: int, offsets: tuple[int, int] | None, follow: bool) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.interrupted = False
+        self._items = _read(ch, pid, None if offsets is None else [int(offsets[0]), int(offsets[1])], follow, self)
+
+    def __next__(self) -> JobOutput | JobEnd | None:
+        return next(self._items)
+
+    def close(self) -> None:
+        self._items.close()
+
+    def interrupt(self) -> None:
+        with self._lock:
+            self.interrupted = True
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
+
+    @contextlib.contextmanager
+    def connected(self, ch: Channel) -> Iterator[socket.socket | None]:
+        """A connection to the agent that ``interrupt`` can shut (never once closed); None once interrupted."""
+        s = ch.connect()
+        with self._lock:
+            self._sock = None if self.interrupted else s
+            given = self._sock
+        try:
+            yield given
+        finally:
+            with self._lock:
+                self._sock = None
+                s.close()
+
+
+def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: Reading
+          ) -> Generator[JobOutput | JobEnd | None, None, None]:
     failures = 0
     while True:
         epoch = ch.gate.epoch
         try:
-            with ch.connect() as s:
+            with reading.connected(ch) as s:
+                if s is None:
+                    return
                 agent.send_frame(s, {"op": "attach", "pid": pid, "offsets": pos, "follow": follow},
                                  deadline=_soonest(None))
                 first, _ = agent.recv_frame(s, 0, _soonest(None))
@@ -101,6 +148,8 @@ def output(ch: Channel, pid: int, offsets: tuple[int, int] | None, follow: bool
         except TimeoutError as e:
             raise _silent("attach", CALL_TIMEOUT) from e
         except ConnectionError as e:  # closed by a snapshot: reconnect once the gate opens, go on from pos
+            if reading.interrupted:  # or shut by interrupt: the reader is gone
+                return
             failures = ch._retry(failures, epoch, None, e)
 
 

@@ -13,8 +13,9 @@ the background past a few seconds. A background thread pauses sandboxes past the
 (``Sandbox.reap_expired``); quotas on live sandboxes, memory and disk answer 429 with Retry-After.
 
 Its rooms: ``schemas`` (request and response models), ``service`` (sandbox cache, quotas, TTL reaper,
-metrics), ``routing`` (token, msgpack/JSON, typed errors), ``limits`` (bounded bodies, connection deadlines),
-``routes/`` (one router per resource) and ``app`` (``create_app``, ``serve``).
+metrics), ``routing`` (token, msgpack/JSON, typed errors), ``streaming`` (a job's output in a thread of its
+own), ``limits`` (bounded bodies, connection deadlines), ``routes/`` (one router per resource) and ``app``
+(``create_app``, ``serve``).
 """
 
 from agentenv.server.app import DEFAULT_PORT, TOKEN_ENV, create_app, load_token, serve, uvicorn_config

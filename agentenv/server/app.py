@@ -18,7 +18,7 @@ from agentenv import __version__, store, warm
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
-from agentenv.server.routes import commands, files, sandboxes, server, snapshots
+from agentenv.server.routes import commands, files, jobs, sandboxes, server, snapshots
 from agentenv.server.routing import (
     WireResponse,
     complete_openapi,
@@ -80,7 +80,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
         with replying_as(request):
             return invalid_response(exc)
 
-    for module in (server, sandboxes, commands, files, snapshots):
+    for module in (server, sandboxes, commands, jobs, files, snapshots):
         app.include_router(module.router)
     if e2b is None:
         e2b = importlib.util.find_spec("e2b") is not None

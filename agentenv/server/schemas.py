@@ -2,8 +2,8 @@
 
 Requests are validated strictly (no "1" for 1, no NUL bytes, bounded sizes and names), so bad input is
 a 422 with the field and the reason before any sandbox is touched. Responses that are sandbox values
-(``SandboxInfo``, ``SnapshotInfo``, ``ExecResult``, ``ProcessInfo``) are the dataclasses of
-``agentenv.api``; the models here are the server's own (capacity, deletions, errors).
+(``SandboxInfo``, ``SnapshotInfo``, ``ExecResult``, ``ProcessInfo``, ``JobInfo``, ``FileInfo``) are the
+dataclasses of ``agentenv.api``; the models here are the server's own (capacity, deletions, errors).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pydantic import (
     field_validator,
 )
 
-from agentenv.api import MAX_FORK
+from agentenv.api import MAX_DEPTH, MAX_FORK
 
 _NO_NUL = r"^[^\x00]*$"
 _MIN_MEMORY = 32 << 20
@@ -82,9 +82,13 @@ Disk = Annotated[str | Int | None, WithJsonSchema({
 SandboxId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="sandbox id")]
 SnapshotId = Annotated[str, PathParam(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="snapshot id")]
 Pid = Annotated[int, PathParam(ge=1, le=1 << 22, description="process id inside the sandbox")]
-FilePath = Annotated[str, Query(min_length=1, max_length=4096, pattern=r"^[^\x00]+$",
-                                description="absolute, or relative to the sandbox's working directory; "
-                                            "resolved inside the sandbox")]
+_PATH_TEXT = "absolute, or relative to the sandbox's working directory; resolved inside the sandbox"
+FilePath = Annotated[str, Query(min_length=1, max_length=4096, pattern=r"^[^\x00]+$", description=_PATH_TEXT)]
+BodyPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$", description=_PATH_TEXT)]
+Depth = Annotated[int, Query(ge=1, le=MAX_DEPTH, description="levels listed (1: the folder's children)")]
+_MAX_OFFSET = (1 << 53) - 1  # bytes: beyond any job's output, and every integer up to it is exact as a JSON float
+Offsets = Annotated[list[Annotated[int, Field(ge=0, le=_MAX_OFFSET), BeforeValidator(_number)]], Field(
+    min_length=2, max_length=2, description="absolute byte offsets [stdout, stderr] of the job's output")]
 
 
 class _Body(BaseModel):
@@ -135,6 +139,30 @@ class SpawnRequest(_Body):
     env: Env = Field(default_factory=dict)
 
 
+class StartRequest(SpawnRequest):
+    timeout: Annotated[float, Field(ge=1e-3, le=1e6, strict=True)] | None = None
+    stdin: StrictBool = False
+    tag: Name | None = None
+
+
+class OutputRequest(_Body):
+    offsets: Offsets | None = Field(None, description="where to start; null: the oldest byte the sandbox kept")
+    follow: StrictBool = Field(True, description="wait for more output, and the end; false: what is there now")
+
+
+class DiscardRequest(_Body):
+    offsets: Offsets
+
+
+class PathRequest(_Body):
+    path: BodyPath
+
+
+class MoveRequest(_Body):
+    src: BodyPath
+    dst: BodyPath
+
+
 class SnapshotRequest(_Body):
     memory: StrictBool = False
     labels: Labels = Field(default_factory=dict)
@@ -160,6 +188,20 @@ class KillRequest(_Body):
 class FileWritten(BaseModel):
     path: str
     size: int
+
+
+class JobDone(BaseModel):
+    pid: int
+    size: int | None = Field(None, description="bytes written to its stdin (input)")
+
+
+class DirMade(BaseModel):
+    path: str
+    made: bool = Field(description="false: it already was a folder")
+
+
+class Removed(BaseModel):
+    path: str
 
 
 class Deleted(BaseModel):
@@ -199,7 +241,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     text = {401: "missing or wrong bearer token", 404: "no such sandbox, snapshot, file or process",
             409: "the operation does not fit the sandbox's state", 422: "the request does not match the schema",
             429: "quota exceeded: see Retry-After", 507: "the snapshot store is full",
-            403: "refused by the server's policy (a sandbox without a disk limit: DiskLimitRequired)",
+            403: "refused: by the server's policy (a sandbox without a disk limit: DiskLimitRequired), or a path "
+                 "the file API does not touch (PermissionError)",
             501: "this host cannot enforce the disk limit asked for (DiskLimitUnsupported)",
             400: "bad input (e.g. a path with a NUL byte, an invalid size)"}
     out: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody, "description": text[c]} for c in codes}

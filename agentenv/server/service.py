@@ -96,17 +96,27 @@ class Service:
         sb = self.sandbox(sandbox_id)
         try:
             return fn(sb)
-        except errors.SandboxLost:
+        except (errors.SandboxLost, errors.ConnectionLost) as e:
+            failure = self.failed(sandbox_id, e)
+            if failure is e:
+                raise
+            raise failure from None
+
+    def failed(self, sandbox_id: str, exc: BaseException) -> BaseException:
+        """What a call on a sandbox that raised ``exc`` should raise (``call``'s handling, for a stream): if its
+        agent stopped answering, the cached object is dropped, and a sandbox no longer running says so."""
+        if isinstance(exc, errors.SandboxLost):
             self.forget(sandbox_id)  # its pinned agent is gone: the next call starts from the record
-            raise
-        except errors.ConnectionLost:
+        elif isinstance(exc, errors.ConnectionLost):
             self.forget(sandbox_id)
-            fresh = self.sandbox(sandbox_id)
-            state = fresh.state
+            try:
+                state = self.sandbox(sandbox_id).state
+            except errors.SandboxNotFound as gone:
+                return gone
             if state != "running":  # paused (e.g. by the TTL reaper) or closed by another process
-                raise errors.SandboxStateError(f"sandbox {sandbox_id} is {state}",
-                                               fix="resume() a paused sandbox; a lost or closed one is gone") from None
-            raise
+                return errors.SandboxStateError(f"sandbox {sandbox_id} is {state}",
+                                                fix="resume() a paused sandbox; a lost or closed one is gone")
+        return exc
 
     # quotas
     def _usage(self) -> tuple[int, int, int]:

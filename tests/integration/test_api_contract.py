@@ -7,13 +7,17 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 
 import agentenv
+from agentenv.api import FileInfo, JobEnd, JobInfo, JobOutput
 from agentenv.errors import ImageNotFound, SandboxStateError, SnapshotNotFound
 
 from .server_fixtures import TOKEN, threaded_server
+from .test_jobs import COUNT, counted, drain, read_until
 from .test_snapshots import ask, start_counter
 
 pytestmark = pytest.mark.integration
@@ -85,6 +89,99 @@ def test_spawn_wait_output_kill(sb):
     q.kill()
     assert q.wait(timeout=10) == 128 + 9
     assert {x.pid for x in sb.processes()} >= {p.pid, q.pid}
+
+
+def test_jobs_output_stdin_and_signals(sb):
+    pid = sb.start("echo hi; echo err >&2; sleep 0.3; echo later", tag="bg", env={"X": "1"}).pid
+    cat = sb.start("cat", stdin=True)
+    assert isinstance(cat, JobInfo) and cat.stdin and cat.exit_code is None
+    listed = {j.pid: j for j in sb.jobs()}
+    assert all(isinstance(j, JobInfo) for j in listed.values())
+    assert listed[pid].tag == "bg" and listed[pid].env == {"X": "1"} and listed[cat.pid].stdin
+    time.sleep(0.6)  # ended meanwhile: its output waited in the sandbox
+    out, err, end = drain(sb, pid)
+    assert (out, err, end.exit_code, end.timed_out) == (b"hi\nlater\n", b"err\n", 0, False)
+    with pytest.raises(ProcessLookupError):  # its end was read: the job is gone
+        next(sb.output(pid))
+    sb.send_input(cat.pid, b"ping\n")
+    got, pos = read_until(sb, cat.pid, (0, 0), 5)
+    assert got == b"ping\n" and pos == (5, 0)
+    sb.close_input(cat.pid)
+    sb.close_input(cat.pid)  # idempotent
+    with pytest.raises(BrokenPipeError):
+        sb.send_input(cat.pid, b"too late\n")
+    assert drain(sb, cat.pid, pos)[2].exit_code == 0
+    slow = sb.start("echo now; sleep 300").pid
+    read_until(sb, slow, (0, 0), 4)
+    now = list(sb.output(slow, follow=False))  # what is there now, and no end: it still runs
+    assert all(isinstance(i, JobOutput | None) for i in now)
+    assert b"".join(i.data for i in now if i is not None) == b"now\n"
+    with pytest.raises(BrokenPipeError):  # started without stdin
+        sb.send_input(slow, b"x")
+    sb.signal(slow, signal.SIGKILL)
+    assert drain(sb, slow)[2].exit_code == 128 + signal.SIGKILL
+    assert sb.jobs() == []
+    with pytest.raises(ProcessLookupError):
+        sb.signal(pid, signal.SIGTERM)
+    with pytest.raises(ProcessLookupError):
+        sb.send_input(pid, b"x")
+    end = drain(sb, sb.start("sleep 30", timeout=0.5).pid)[2]
+    assert isinstance(end, JobEnd) and end.timed_out and end.exit_code == 137
+    with pytest.raises(ValueError):
+        sb.start("true", timeout=-1)
+
+
+def test_job_output_is_read_later_from_offsets_across_pause_resume(api):
+    """A reader stops, the sandbox is paused and resumed, a new reader goes on from the offsets reached."""
+    with api.Sandbox.create(memory="512m") as s:
+        counter = s.start(COUNT).pid
+        first, pos = read_until(s, counter, (0, 0), 20)
+        s.discard(counter, pos)  # read: never needed again
+        s.pause()
+        with pytest.raises(SandboxStateError):
+            s.start("true")
+        s.resume()
+        assert [j.pid for j in s.jobs()] == [counter]
+        more, pos = read_until(api.Sandbox.get(s.id), counter, pos, 40)  # another handle, as another client
+        values = counted(first + more)
+        assert values == list(range(1, len(values) + 1))  # no gap, no repeat
+        s.signal(counter, signal.SIGTERM)
+        assert drain(s, counter, pos)[2].exit_code == 128 + signal.SIGTERM
+
+
+def test_file_system_calls(sb):
+    workdir = sb.exec("pwd").stdout.strip()
+    assert sb.make_dir("made/deep") is True and sb.make_dir("made/deep") is False
+    sb.write_file("made/deep/f.txt", "hello", mode=0o600)
+    sb.exec("ln -s deep made/link && chown 65534:65534 made/deep/f.txt")
+    info = sb.stat("made/deep/f.txt")
+    assert isinstance(info, FileInfo)
+    assert (info.path, info.name, info.type, info.size, info.mode, info.permissions, info.owner) == (
+        f"{workdir}/made/deep/f.txt", "f.txt", "file", 5, 0o600, "-rw-------", "nobody")
+    assert sb.stat("/").owner == "root"
+    assert (sb.stat("made/link").type, sb.stat("made/link").symlink_target) == ("dir", "deep")
+    listed = sb.list_dir("made", depth=2)
+    assert all(isinstance(e, FileInfo) for e in listed)
+    assert [e.path[len(workdir) + 1:] for e in listed] == ["made/deep", "made/deep/f.txt", "made/link"]
+    assert [e.name for e in sb.list_dir(f"{workdir}/made")] == ["deep", "link"]
+    assert [e.name for e in sb.list_dir("made", depth=10**6)] == ["deep", "f.txt", "link"]  # as deep as they go
+    moved = sb.move("made/deep/f.txt", "/dev/shm/moved.txt")  # onto another file system
+    assert moved.path == "/dev/shm/moved.txt" and sb.read_file("/dev/shm/moved.txt") == b"hello"
+    with pytest.raises(FileNotFoundError):
+        sb.stat("made/deep/f.txt")
+    sb.remove("made")
+    for call, exc in [(lambda: sb.stat("made"), FileNotFoundError), (lambda: sb.remove("made"), FileNotFoundError),
+                      (lambda: sb.move("made", "x"), FileNotFoundError),
+                      (lambda: sb.make_dir("/dev/shm/moved.txt"), FileExistsError),
+                      (lambda: sb.list_dir("/dev/shm/moved.txt"), NotADirectoryError),
+                      (lambda: sb.remove("/dev/agentenv"), PermissionError), (lambda: sb.remove("/dev"), PermissionError),
+                      (lambda: sb.make_dir("/.agentenv/x"), PermissionError),
+                      (lambda: sb.move("/dev", "/elsewhere"), PermissionError),
+                      (lambda: sb.stat(""), ValueError), (lambda: sb.list_dir("/", depth=0), ValueError),
+                      (lambda: sb.stat("/" + "a" * 300), OSError), (lambda: sb.move("/tmp", "/tmp/in"), OSError)]:
+        with pytest.raises(exc):
+            call()
+    assert sb.exec("true").ok  # the agent's socket is still there
 
 
 def test_properties_list_get_and_close(api):

@@ -1,5 +1,6 @@
-"""Jobs made by ``start`` and the file system ops on real sandboxes: output buffered until read, stdin, signals,
-and jobs that go on across pause/resume, a memory snapshot and a fork."""
+"""Jobs made by ``start`` on real sandboxes: output buffered until read, stdin, signals, and jobs that go on across
+pause/resume, a memory snapshot and a fork. (The file system ops, and the job calls through a server too, are in
+``test_api_contract``.)"""
 
 from __future__ import annotations
 
@@ -136,34 +137,3 @@ def test_jobs_go_on_across_pause_snapshot_and_fork(sb):
         for kid in kids:
             kid.close()
 
-
-def test_file_system_ops(sb):
-    workdir = sb.exec("pwd").stdout.strip()
-    assert sb.make_dir("made/deep") is True and sb.make_dir("made/deep") is False
-    sb.write_file("made/deep/f.txt", "hello", mode=0o600)
-    sb.exec("ln -s deep made/link && chown 65534:65534 made/deep/f.txt")
-    info = sb.stat("made/deep/f.txt")
-    assert (info.path, info.name, info.type, info.size, info.mode, info.permissions) == (
-        f"{workdir}/made/deep/f.txt", "f.txt", "file", 5, 0o600, "-rw-------")
-    assert info.owner == "nobody" and sb.stat("/").owner == "root"
-    link = sb.stat("made/link")
-    assert (link.type, link.symlink_target) == ("dir", "deep")
-    listed = sb.list_dir("made", depth=2)
-    assert [e.path[len(workdir) + 1:] for e in listed] == ["made/deep", "made/deep/f.txt", "made/link"]
-    assert [e.name for e in sb.list_dir("made")] == ["deep", "link"]
-    with pytest.raises(FileExistsError):
-        sb.make_dir("made/deep/f.txt")
-    with pytest.raises(NotADirectoryError):
-        sb.list_dir("made/deep/f.txt")
-    moved = sb.move("made/deep/f.txt", "/dev/shm/moved.txt")  # onto another file system
-    assert moved.path == "/dev/shm/moved.txt" and sb.read_file("/dev/shm/moved.txt") == b"hello"
-    with pytest.raises(FileNotFoundError):
-        sb.stat("made/deep/f.txt")
-    sb.remove("made")
-    with pytest.raises(FileNotFoundError):
-        sb.remove("made")
-    for refused in (lambda: sb.remove("/dev/agentenv"), lambda: sb.remove("/dev"),
-                    lambda: sb.make_dir("/.agentenv/x"), lambda: sb.move("/dev", "/elsewhere")):
-        with pytest.raises(PermissionError):
-            refused()
-    assert sb.exec("true").ok  # the agent's socket is still there

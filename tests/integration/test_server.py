@@ -85,6 +85,22 @@ def test_streaming_exec_in_ndjson(url, sb):
     assert frames[-1]["result"]["stdout"] == "a\nb\n"
 
 
+def test_job_output_streams_in_ndjson_from_offsets(url, sb):
+    job = httpx.post(f"{url}/v1/sandboxes/{sb.id}/jobs", json={"command": "printf abc; sleep 0.3; printf def"},
+                     headers=AUTH).json()
+    out = f"{url}/v1/sandboxes/{sb.id}/jobs/{job['pid']}/output"
+    with httpx.stream("POST", out, json={"offsets": [1, 0]}, headers=AUTH) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith(wire.NDJSON)
+        frames = [json.loads(line) for line in r.iter_lines() if line]
+    data = [(f["offset"], base64.b64decode(f["data"])) for f in frames if f.get("stream") == "stdout"]
+    assert data[0][0] == 1 and b"".join(d for _, d in data) == b"bcdef"
+    assert frames[-1]["end"]["exit_code"] == 0 and not frames[-1]["end"]["timed_out"]
+    r = httpx.post(out, json={}, headers=AUTH)  # its end was read: the job is gone, a 404 before any stream
+    assert r.status_code == 404 and r.json()["error"] == "ProcessLookupError"
+    r = httpx.post(f"{url}/v1/sandboxes/{sb.id}/jobs/{job['pid']}/input", content=b"x", headers=AUTH)
+    assert r.status_code == 404 and r.json()["error"] == "ProcessLookupError"
+
+
 def test_file_routes_stay_inside_the_sandbox(client, sb):
     marker = f"agentenv-escape-{uuid.uuid4().hex}"
     for path in (f"../../../../../../tmp/{marker}", f"/../../../tmp/{marker}", f"/proc/1/root/tmp/{marker}"):

@@ -307,3 +307,22 @@ def test_writing_ops_refuse_the_agents_own_folder(ch, tmp_path):
         jobs.remove(ch, str(tmp_path / "via" / "agent.sock"))
     assert (own / "agent.sock").exists()
     ch.call({"op": "ping"})
+
+
+def test_an_interrupted_reader_stops_at_once_and_leaves_the_end_to_the_next(ch):
+    """``interrupt`` from another thread (a server whose client left) shuts the reader's connection while it
+    waits: it ends without reconnecting, and the job's end, come later, is still there to read."""
+    pid = start(ch, "cat", stdin=True)
+    reader = jobs.output(ch, pid, None, True)
+    items: list = []
+    t = threading.Thread(target=lambda: items.extend(reader))
+    t.start()
+    time.sleep(0.3)  # attached, and waiting (heartbeats)
+    reader.interrupt()
+    t.join(5)
+    assert not t.is_alive() and not any(isinstance(i, JobEnd) for i in items)
+    jobs.close_input(ch, pid)
+    assert read_all(ch, pid)[2].exit_code == 0
+    again = jobs.output(ch, 999_999, None, True)
+    again.interrupt()  # before it ever connected: it asks nothing
+    assert list(again) == []

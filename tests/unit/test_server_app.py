@@ -61,6 +61,23 @@ def test_bad_bodies_are_4xx_with_a_reason(client):
     assert r.status_code == 422 and "timeout" in r.json()["message"]
     r = client.get("/v1/sandboxes/sb-x/files", params={"path": "/a\x00b"}, headers=AUTH)
     assert r.status_code == 422
+    job = "/v1/sandboxes/sb-x/jobs"
+    for method, path, kwargs, field in [
+            ("POST", job, {"json": {"command": "true", "timeout": 0}}, "timeout"),
+            ("POST", job, {"json": {"command": "true", "stdin": "yes"}}, "stdin"),
+            ("POST", f"{job}/7/output", {"json": {"offsets": [0]}}, "offsets"),
+            ("POST", f"{job}/7/output", {"json": {"offsets": [0, -1]}}, "offsets"),
+            ("POST", f"{job}/7/output", {"json": {"offsets": ["0", 0]}}, "offsets"),
+            ("POST", f"{job}/7/discard", {"json": {}}, "offsets"),
+            ("POST", f"{job}/0/signal", {"json": {"signal": 9}}, "pid"),
+            ("POST", f"{job}/7/signal", {"json": {"signal": 0}}, "signal"),
+            ("GET", "/v1/sandboxes/sb-x/list", {"params": {"path": "/", "depth": 0}}, "depth"),
+            ("GET", "/v1/sandboxes/sb-x/stat", {"params": {"path": ""}}, "path"),
+            ("POST", "/v1/sandboxes/sb-x/mkdir", {"json": {"path": "/a\x00b"}}, "path"),
+            ("POST", "/v1/sandboxes/sb-x/move", {"json": {"src": "/a"}}, "dst"),
+            ("DELETE", "/v1/sandboxes/sb-x/files", {"params": {}}, "path")]:
+        r = client.request(method, path, headers=AUTH, **kwargs)
+        assert r.status_code == 422 and field in r.json()["message"], (method, path, kwargs, r.text)
 
 
 def test_unknown_ids_are_404_with_the_id(client):
@@ -124,7 +141,16 @@ def test_openapi_describes_every_route_error_and_msgpack(client):
                    ("POST", "/v1/sandboxes/{sandbox_id}/snapshot"), ("POST", "/v1/sandboxes/{sandbox_id}/fork"),
                    ("POST", "/v1/sandboxes/{sandbox_id}/pause"), ("POST", "/v1/sandboxes/{sandbox_id}/resume"),
                    ("POST", "/v1/sandboxes/{sandbox_id}/ttl"), ("POST", "/v1/snapshots/{snapshot_id}/restore"),
-                   ("GET", "/v1/snapshots"), ("DELETE", "/v1/snapshots/{snapshot_id}")]:
+                   ("GET", "/v1/snapshots"), ("DELETE", "/v1/snapshots/{snapshot_id}"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/jobs"), ("GET", "/v1/sandboxes/{sandbox_id}/jobs"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/jobs/{pid}/output"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/jobs/{pid}/discard"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/jobs/{pid}/input"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/jobs/{pid}/close-input"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/jobs/{pid}/signal"),
+                   ("GET", "/v1/sandboxes/{sandbox_id}/stat"), ("GET", "/v1/sandboxes/{sandbox_id}/list"),
+                   ("POST", "/v1/sandboxes/{sandbox_id}/mkdir"), ("POST", "/v1/sandboxes/{sandbox_id}/move"),
+                   ("DELETE", "/v1/sandboxes/{sandbox_id}/files")]:
         assert needed in routes, needed
     for path, item in spec["paths"].items():
         for method, op in item.items():

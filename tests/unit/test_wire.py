@@ -87,6 +87,10 @@ def test_builtin_errors_come_back_as_themselves():
     assert isinstance(from_wire({"error": "ValidationError", "message": "count: too big"}, 422), ValueError)
     assert isinstance(from_wire({"error": "ProcessLookupError", "message": "no process 5"}, 404), ProcessLookupError)
     assert status_of(RuntimeError("bug")) is None  # unknown exceptions are 500s, never a typed status
+    too_long = from_wire({"error": "OSError", "errno": 36, "message": "File name too long: '/aaa'"})  # from an agent
+    assert type(too_long) is OSError and too_long.errno == 36 and status_of(too_long) == 400
+    assert type(from_wire(to_wire(too_long), 400)) is OSError
+    assert status_of(OSError(5, "I/O error")) is None  # any other: the server's failure
 
 
 def test_unknown_error_names_fall_back_by_status():

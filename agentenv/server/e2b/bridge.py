@@ -1,18 +1,10 @@
 """What the in-sandbox services share: the sandbox a request is for, errors as Connect codes, and a blocking
-iterator turned into an async one.
-
-A stream (a command's output, a directory watch) can last as long as the command does, so it gets a thread
-of its own rather than one of the event loop's few pool threads, and hands items over through a bounded
-queue: a client that stops reading (a background command's handle never reads) stops the thread, the output
-stays buffered in the sandbox's agent, and nothing grows without bound on the server.
+iterator turned into an async one (``agentenv.server.streaming``, shared with the native routes).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -27,13 +19,12 @@ from protobuf import Oneof
 
 from agentenv import errors
 from agentenv.sandbox import Sandbox
+from agentenv.server import streaming
 from agentenv.server.service import Service
 
 T = TypeVar("T")
-QUEUE = 64  # items a stream may run ahead of its client
 THREADS = 16  # blocking calls the requests of one sandbox may have running at once
 threads: ContextVar[CapacityLimiter | None] = ContextVar("agentenv_e2b_threads", default=None)  # set per request
-_DONE = object()
 
 _CODES: list[tuple[type[BaseException], Code]] = [
     (FileNotFoundError, Code.NOT_FOUND), (ProcessLookupError, Code.NOT_FOUND), (FileExistsError, Code.ALREADY_EXISTS),
@@ -103,54 +94,7 @@ async def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         raise connect_error(e) from e
 
 
-async def iterate(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Run the iterator ``make()`` returns in a thread of its own; stop it when the consumer stops.
-
-    The thread notices a stopped consumer at its next item (the sandbox's agent sends a heartbeat every
-    few seconds, so that is soon) and closes the iterator, which closes its agent connection.
-    """
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE)
-    stop = threading.Event()
-
-    def put(item: Any) -> bool:
-        while not stop.is_set():
-            fut = asyncio.run_coroutine_threadsafe(queue.put(item), loop)
-            try:
-                fut.result(timeout=1.0)
-                return True
-            except TimeoutError:
-                fut.cancel()
-            except RuntimeError:  # the loop is gone: the server is stopping
-                return False
-        return False
-
-    def run() -> None:
-        it: Iterator[T] | None = None
-        try:
-            it = make()
-            for item in it:
-                if not put(item) or stop.is_set():
-                    break
-            put(_DONE)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put(e)
-        finally:
-            if it is not None and hasattr(it, "close"):
-                with contextlib.suppress(Exception):
-                    it.close()
-
-    threading.Thread(target=run, name="agentenv-e2b-stream", daemon=True).start()
-    try:
-        while True:
-            item = await queue.get()
-            if item is _DONE:
-                return
-            if isinstance(item, BaseException):
-                raise connect_error(item) from item
-            yield item
-    finally:
-        stop.set()
-        with contextlib.suppress(asyncio.QueueEmpty):
-            while True:
-                queue.get_nowait()  # unblock a put in flight
+def iterate(make: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """``agentenv.server.streaming.iterate`` (a blocking iterator in a thread of its own), its errors as Connect
+    errors."""
+    return streaming.iterate(make, connect_error)

@@ -82,10 +82,10 @@ class ProcessService(process_connect.Process):
                 yield Event(event=one_of("keepalive", Event.KeepAlive()))
             elif isinstance(item, JobOutput):
                 yield _data(item)
-            else:
-                yield _end(item)
+            else:  # past the Start call's deadline the command was killed: that is a timeout, not an exit code
                 if item.timed_out and deadline_kills:
                     raise ConnectError(Code.DEADLINE_EXCEEDED, "the command ran past its timeout and was killed")
+                yield _end(item)
                 return
 
     async def start(self, request: pb.StartRequest, ctx: RequestContext[Any, Any]) -> AsyncIterator[pb.StartResponse]:

@@ -15,3 +15,4 @@ def _service(request: Request) -> Service:
 
 
 ServiceDep = Annotated[Service, Depends(_service)]
+BINARY = {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}  # raw bytes, in or out
