@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
-import signal
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -29,7 +27,7 @@ from typing import Any
 
 import agentenv
 from bench.harness import Report, Row, Timer, add_output_arg, print_table, recording
-from bench.server import leaks, start_server
+from bench.server import record_leaks, start_server, stop_server
 
 PAIRS = (("create_first_command", "create -> first command"), ("command", "command round trip"),
          ("file_write_read", "write + read 1 KiB"), ("fork1", "fork(1), memory"), ("fork4", "fork(4), memory"),
@@ -138,18 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - recorded, the report is still written
         report.fatal = f"{type(e).__name__}: {e}"
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    left = leaks(home)
-    report.info["leaks"] = left
-    if not any(left.values()):
-        shutil.rmtree(home, ignore_errors=True)
-    else:
-        report.notes.append(f"leaks after the run (kept {home}): {left}")
+        stop_server(proc)
+    record_leaks(report, home)
     rows = []
     for key, label in PAIRS:
         x = report.add_ratio(f"{key} e2b/native", f"e2b.{key}", f"native.{key}")

@@ -72,6 +72,28 @@ def start_server(home: Path, token: str, max_sandboxes: int) -> tuple[subprocess
     raise RuntimeError(f"the server did not start: {err.decode(errors='replace').strip()[-800:]}")
 
 
+def stop_server(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM (the server closes what it holds), then SIGKILL after a minute."""
+    if proc is not None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def record_leaks(report: Report, home: Path, **more: int) -> dict[str, int]:
+    """What a run left under its home (plus ``more`` counts), also into the report; the home goes when nothing
+    was left."""
+    left = {**leaks(home), **more}
+    report.info["leaks"] = left
+    if not any(left.values()):
+        shutil.rmtree(home, ignore_errors=True)
+    else:
+        report.notes.append(f"leaks after the run (kept {home}): {left}")
+    return left
+
+
 def docker_networks() -> int:
     r = subprocess.run(["docker", "network", "ls", "-q"], capture_output=True, text=True, check=False)
     return len(r.stdout.split())
@@ -208,19 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         report.fatal = f"{type(e).__name__}: {e}"
         lo = None
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    left = leaks(home)
-    left["docker_networks"] = docker_networks() - nets_before
-    report.info["leaks"] = left
-    if not any(left.values()):
-        shutil.rmtree(home, ignore_errors=True)
-    else:
-        report.notes.append(f"leaks after the run (kept {home}): {left}")
+        stop_server(proc)
+    left = record_leaks(report, home, docker_networks=docker_networks() - nets_before)
 
     loc, rem = report.results.get("exec.local"), report.results.get("exec.http")
     med_l, med_r = median(loc.samples) if loc else None, median(rem.samples) if rem else None

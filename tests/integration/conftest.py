@@ -102,3 +102,12 @@ def token_file(tmp_path: Path) -> Path:
     from .server_fixtures import write_token_file
 
     return write_token_file(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def e2b_url() -> Iterator[str]:
+    """A server for the E2B SDKs, with their environment variables pointing at it (``server_fixtures.e2b_server``)."""
+    from .server_fixtures import e2b_server
+
+    with e2b_server() as url:
+        yield url

@@ -66,6 +66,24 @@ def threaded_server(token: str = TOKEN, **app_kwargs: object) -> Iterator[str]:
         thread.join(timeout=30)
 
 
+@contextmanager
+def e2b_server() -> Iterator[str]:
+    """A threaded server with the E2B SDK's environment variables pointing at it (restored after)."""
+    keys = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG")
+    saved = {k: os.environ.get(k) for k in keys}
+    with threaded_server() as url:
+        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=TOKEN)
+        os.environ.pop("E2B_DEBUG", None)
+        try:
+            yield url
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def start_server_process(port: int, token_file: Path, *extra: str,
                          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``agentenv serve`` as a child process (same $AGENTENV_HOME, plus ``env``), waited for until it answers."""

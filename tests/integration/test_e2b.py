@@ -4,14 +4,11 @@ on loopback: pointed at it by E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY, as a 
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-
-from .server_fixtures import TOKEN, threaded_server
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 code_interpreter = pytest.importorskip("e2b_code_interpreter")
@@ -21,26 +18,8 @@ from e2b.exceptions import AuthenticationException, FileNotFoundException  # noq
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """An agentenv server, with the SDK's three environment variables pointing at it."""
-    keys = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG")
-    saved = {k: os.environ.get(k) for k in keys}
-    with threaded_server() as url:
-        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=TOKEN)
-        os.environ.pop("E2B_DEBUG", None)
-        try:
-            yield url
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
 @pytest.fixture
-def sandbox(server: str) -> Iterator[Sandbox]:
+def sandbox(e2b_url: str) -> Iterator[Sandbox]:
     sb = Sandbox.create(timeout=600)
     try:
         yield sb
@@ -151,7 +130,7 @@ def test_pause_then_connect_resumes_a_running_background_command(sandbox: Sandbo
     assert again.files.read("/tmp/kept") == "state"
 
 
-def test_timeout_list_info_and_kill(server: str) -> None:
+def test_timeout_list_info_and_kill(e2b_url: str) -> None:
     sb = Sandbox.create(metadata={"suite": "e2b-list"})
     try:
         before = Sandbox.get_info(sb.sandbox_id).end_at
@@ -191,7 +170,7 @@ def test_fork_and_snapshot_through_the_sdk(sandbox: Sandbox) -> None:
         assert Sandbox.delete_snapshot(snap.snapshot_id) is True
 
 
-def test_the_code_interpreter_keeps_state_across_pause_and_fork(server: str) -> None:
+def test_the_code_interpreter_keeps_state_across_pause_and_fork(e2b_url: str) -> None:
     ci = code_interpreter.Sandbox.create()
     kids: list[code_interpreter.Sandbox] = []
     try:
@@ -224,16 +203,16 @@ def test_the_code_interpreter_keeps_state_across_pause_and_fork(server: str) -> 
         ci.kill()
 
 
-def test_wrong_credentials_are_refused(server: str, sandbox: Sandbox) -> None:
+def test_wrong_credentials_are_refused(e2b_url: str, sandbox: Sandbox) -> None:
     with pytest.raises(AuthenticationException):
         Sandbox.create(api_key="not-the-token")
-    r = httpx.get(f"{server}/health", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": "forged"})
+    r = httpx.get(f"{e2b_url}/health", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": "forged"})
     assert r.status_code == 401
-    other = httpx.get(f"{server}/health", headers={"E2b-Sandbox-Id": "sb-000000000000", "X-Access-Token": "x"})
+    other = httpx.get(f"{e2b_url}/health", headers={"E2b-Sandbox-Id": "sb-000000000000", "X-Access-Token": "x"})
     assert other.status_code == 401  # a token is for one sandbox only
 
 
-def test_the_async_sdk(server: str) -> None:
+def test_the_async_sdk(e2b_url: str) -> None:
     async def flow() -> None:
         sb = await AsyncSandbox.create()
         try:
@@ -268,7 +247,7 @@ def test_the_async_sdk(server: str) -> None:
     asyncio.run(flow())
 
 
-def test_the_async_sdk_commands_files_and_interpreter_fork(server: str) -> None:
+def test_the_async_sdk_commands_files_and_interpreter_fork(e2b_url: str) -> None:
     async def flow() -> None:
         sb = await AsyncSandbox.create()
         try:

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .server_fixtures import TOKEN, threaded_server
+from .server_fixtures import TOKEN
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 code_interpreter = pytest.importorskip("e2b_code_interpreter")
@@ -31,24 +31,7 @@ from e2b_code_interpreter import Sandbox  # noqa: E402
 ENVD, INTERPRETER = "49983", "49999"
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    keys = ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DOMAIN", "E2B_DEBUG")
-    saved = {k: os.environ.get(k) for k in keys}
-    with threaded_server() as url:
-        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=TOKEN)
-        os.environ.pop("E2B_DEBUG", None)
-        try:
-            yield url
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-
-def _made(server: str) -> Iterator[Sandbox]:
+def _made(e2b_url: str) -> Iterator[Sandbox]:
     sb = Sandbox.create(timeout=600)
     try:
         yield sb
@@ -57,23 +40,23 @@ def _made(server: str) -> Iterator[Sandbox]:
 
 
 @pytest.fixture(scope="module")
-def victim(server: str) -> Iterator[Sandbox]:
+def victim(e2b_url: str) -> Iterator[Sandbox]:
     """Sandbox B: holds a secret, and is the one that must stay served while A is attacked."""
-    for sb in _made(server):
+    for sb in _made(e2b_url):
         sb.files.write("/tmp/secret", "B-SECRET")
         yield sb
 
 
 @pytest.fixture(scope="module")
-def attacker(server: str) -> Iterator[Sandbox]:
+def attacker(e2b_url: str) -> Iterator[Sandbox]:
     """Sandbox A for attacks that leave it usable."""
-    yield from _made(server)
+    yield from _made(e2b_url)
 
 
 @pytest.fixture
-def spent(server: str) -> Iterator[Sandbox]:
+def spent(e2b_url: str) -> Iterator[Sandbox]:
     """Sandbox A for attacks that may leave it broken: a fresh one, killed after."""
-    yield from _made(server)
+    yield from _made(e2b_url)
 
 
 def headers(sb: Sandbox, port: str = ENVD, **extra: str) -> dict[str, str]:
@@ -150,108 +133,108 @@ def wait_for(check: Callable[[], bool], what: str, limit: float = 20.0) -> None:
 # --- (1) clients with the wrong token, or odd headers -------------------------------------------------------
 
 
-def test_a_token_for_sandbox_a_never_reaches_sandbox_b(server: str, attacker: Sandbox, victim: Sandbox) -> None:
+def test_a_token_for_sandbox_a_never_reaches_sandbox_b(e2b_url: str, attacker: Sandbox, victim: Sandbox) -> None:
     read = {"path": "/tmp/secret"}
     own = headers(attacker)
-    r = httpx.get(f"{server}/files", params=read, headers={**own, "E2b-Sandbox-Id": victim.sandbox_id})
+    r = httpx.get(f"{e2b_url}/files", params=read, headers={**own, "E2b-Sandbox-Id": victim.sandbox_id})
     assert r.status_code == 401 and "access token" in r.json()["message"]
-    r = httpx.get(f"{server}/files", params=read, headers={"E2b-Sandbox-Id": victim.sandbox_id})
+    r = httpx.get(f"{e2b_url}/files", params=read, headers={"E2b-Sandbox-Id": victim.sandbox_id})
     assert r.status_code == 401
     # two sandbox ids: the token is checked against one, so the services must not read the other
     for order in ([victim.sandbox_id, attacker.sandbox_id], [attacker.sandbox_id, victim.sandbox_id]):
-        r = httpx.get(f"{server}/files", params=read, headers=[
+        r = httpx.get(f"{e2b_url}/files", params=read, headers=[
             ("E2b-Sandbox-Id", order[0]), ("E2b-Sandbox-Id", order[1]), ("X-Access-Token", own["X-Access-Token"])])
         assert r.status_code == 400 and "more than once" in r.json()["message"], r.text
         assert "B-SECRET" not in r.text
-    r = httpx.post(f"{server}/filesystem.Filesystem/Stat", content=b'{"path": "/tmp/secret"}', headers=[
+    r = httpx.post(f"{e2b_url}/filesystem.Filesystem/Stat", content=b'{"path": "/tmp/secret"}', headers=[
         ("E2b-Sandbox-Id", victim.sandbox_id), ("E2b-Sandbox-Id", attacker.sandbox_id),
         ("X-Access-Token", own["X-Access-Token"]), ("Content-Type", "application/json")])
     assert r.status_code == 400
-    r = httpx.get(f"{server}/files", params=read, headers=[
+    r = httpx.get(f"{e2b_url}/files", params=read, headers=[
         ("E2b-Sandbox-Id", attacker.sandbox_id), ("X-Access-Token", "wrong"), ("X-Access-Token", own["X-Access-Token"])])
     assert r.status_code == 400
     for sid in ("../x", "../" + victim.sandbox_id, victim.sandbox_id + "/..", ""):
-        r = httpx.get(f"{server}/health", headers={"E2b-Sandbox-Id": sid, "X-Access-Token": own["X-Access-Token"]})
+        r = httpx.get(f"{e2b_url}/health", headers={"E2b-Sandbox-Id": sid, "X-Access-Token": own["X-Access-Token"]})
         assert r.status_code == 401, (sid, r.text)
     # the control plane takes only the server's token
     for bad in ({}, {"X-API-KEY": own["X-Access-Token"]}, {"X-API-KEY": TOKEN + "x"}, {"Authorization": "Bearer"}):
-        r = httpx.get(f"{server}/sandboxes/{victim.sandbox_id}", headers=bad)
+        r = httpx.get(f"{e2b_url}/sandboxes/{victim.sandbox_id}", headers=bad)
         assert r.status_code == 401, (bad, r.text)
-        r = httpx.delete(f"{server}/sandboxes/{victim.sandbox_id}", headers=bad)
+        r = httpx.delete(f"{e2b_url}/sandboxes/{victim.sandbox_id}", headers=bad)
         assert r.status_code == 401
     assert victim.files.read("/tmp/secret") == "B-SECRET"
 
 
-def test_a_port_that_is_not_a_port_is_a_clear_error(server: str, attacker: Sandbox) -> None:
+def test_a_port_that_is_not_a_port_is_a_clear_error(e2b_url: str, attacker: Sandbox) -> None:
     for port in ("\u00b2", "9" * 5000, "abc", "-1", "0x49983", "1e5", ""):
         h = {**headers(attacker), "E2b-Sandbox-Port": port.encode("latin-1")}
-        r = httpx.get(f"{server}/health", headers=h)  # type: ignore[arg-type]
+        r = httpx.get(f"{e2b_url}/health", headers=h)  # type: ignore[arg-type]
         assert r.status_code == 502 and "not open" in r.json()["message"], (port[:10], r.status_code, r.text)
-    assert httpx.get(f"{server}/health", headers=headers(attacker)).status_code == 204
+    assert httpx.get(f"{e2b_url}/health", headers=headers(attacker)).status_code == 204
 
 
-def test_malformed_bodies_are_4xx_with_a_reason(server: str, attacker: Sandbox) -> None:
+def test_malformed_bodies_are_4xx_with_a_reason(e2b_url: str, attacker: Sandbox) -> None:
     rpc = {**headers(attacker), "Content-Type": "application/json"}
     for body in (b"{", b"[]", b'{"path": 5}', b'{"path": "/", "depth": "deep"}', b"\xff\xfe"):
-        r = httpx.post(f"{server}/filesystem.Filesystem/ListDir", headers=rpc, content=body)
+        r = httpx.post(f"{e2b_url}/filesystem.Filesystem/ListDir", headers=rpc, content=body)
         assert r.status_code == 400 and r.json()["code"] == "invalid_argument", (body, r.text)
-    r = httpx.post(f"{server}/filesystem.Filesystem/Stat", headers={**rpc, "Content-Type": "application/proto"},
+    r = httpx.post(f"{e2b_url}/filesystem.Filesystem/Stat", headers={**rpc, "Content-Type": "application/proto"},
                    content=b"\xff" * 64)
     assert r.status_code == 400 and r.json()["code"] == "invalid_argument", r.text
     # a huge body: refused from its length, or once the limit is read
-    r = httpx.post(f"{server}/filesystem.Filesystem/Stat", headers=rpc, content=b"x" * (33 << 20))
+    r = httpx.post(f"{e2b_url}/filesystem.Filesystem/Stat", headers=rpc, content=b"x" * (33 << 20))
     assert r.status_code == 413
-    r = httpx.post(f"{server}/filesystem.Filesystem/Stat", headers=rpc,
+    r = httpx.post(f"{e2b_url}/filesystem.Filesystem/Stat", headers=rpc,
                    content=(b"x" * (1 << 20) for _ in range(40)))
     assert r.status_code in (413, 429) and r.json()["code"] in ("resource_exhausted", 413)
     # a streaming call's envelope that lies about its length, or carries a malformed message
     stream = {**headers(attacker), "Content-Type": "application/connect+json"}
     for body in (b"\x00\xff\xff\xff\xff{}", b"\x00\x00\x00\x00\x05{}", b"\x00\x00\x00\x00\x02[]", b"\x07"):
-        r = httpx.post(f"{server}/process.Process/Start", headers=stream, content=body, timeout=30)
+        r = httpx.post(f"{e2b_url}/process.Process/Start", headers=stream, content=body, timeout=30)
         assert r.status_code in (200, 400)
         assert b'"error"' in r.content or r.status_code == 400, (body, r.content[:200])
     # the interpreter's bodies
     run = headers(attacker, INTERPRETER)
     for body in ("[1]", '{"code": 1}', '{"code": "1", "env_vars": [1]}', '{"code": "1", "context_id": [1]}',
                  '{"code": "1", "context_id": 5}', '{"code": "1", "language": "r"}', "not json"):
-        r = httpx.post(f"{server}/execute", headers=run, content=body)
+        r = httpx.post(f"{e2b_url}/execute", headers=run, content=body)
         assert r.status_code == 400 and r.json()["message"], (body, r.status_code, r.text)
     for body in ("[1]", '{"cwd": 5}', '{"language": "r"}', "{"):
-        r = httpx.post(f"{server}/contexts", headers=run, content=body)
+        r = httpx.post(f"{e2b_url}/contexts", headers=run, content=body)
         assert r.status_code == 400 and r.json()["message"], (body, r.status_code, r.text)
     assert attacker.run_code("6 * 7").text == "42"
 
 
-def test_made_up_context_ids_leave_nothing_behind(server: str, attacker: Sandbox) -> None:
+def test_made_up_context_ids_leave_nothing_behind(e2b_url: str, attacker: Sandbox) -> None:
     from agentenv.server.e2b.interpreter import Interpreter
 
     run = headers(attacker, INTERPRETER)
     for _ in range(30):
-        r = httpx.post(f"{server}/execute", headers=run, json={"code": "1", "context_id": uuid.uuid4().hex})
+        r = httpx.post(f"{e2b_url}/execute", headers=run, json={"code": "1", "context_id": uuid.uuid4().hex})
         assert r.status_code == 200 and "no context" in r.text
     gc.collect()
     kept = [len(o.locks) for o in gc.get_objects() if isinstance(o, Interpreter)]
     assert kept and max(kept) < 5, kept
 
 
-def test_paused_and_deleted_sandboxes_answer_with_a_reason(server: str, spent: Sandbox) -> None:
+def test_paused_and_deleted_sandboxes_answer_with_a_reason(e2b_url: str, spent: Sandbox) -> None:
     api = {"X-API-KEY": TOKEN}
-    assert httpx.post(f"{server}/sandboxes/{spent.sandbox_id}/pause", headers=api, timeout=120).status_code == 204
-    r = httpx.get(f"{server}/files", params={"path": "/etc/hostname"}, headers=headers(spent))
+    assert httpx.post(f"{e2b_url}/sandboxes/{spent.sandbox_id}/pause", headers=api, timeout=120).status_code == 204
+    r = httpx.get(f"{e2b_url}/files", params={"path": "/etc/hostname"}, headers=headers(spent))
     assert r.status_code == 502 and "paused" in r.json()["message"]
-    r = httpx.post(f"{server}/sandboxes/{spent.sandbox_id}/pause", headers=api, timeout=120)
+    r = httpx.post(f"{e2b_url}/sandboxes/{spent.sandbox_id}/pause", headers=api, timeout=120)
     assert r.status_code == 409
     Sandbox.kill(spent.sandbox_id)
-    r = httpx.get(f"{server}/files", params={"path": "/etc/hostname"}, headers=headers(spent))
+    r = httpx.get(f"{e2b_url}/files", params={"path": "/etc/hostname"}, headers=headers(spent))
     assert r.status_code == 502 and "not found" in r.json()["message"]
-    r = httpx.post(f"{server}/sandboxes/{spent.sandbox_id}/connect", headers=api, json={"timeout": 10})
+    r = httpx.post(f"{e2b_url}/sandboxes/{spent.sandbox_id}/connect", headers=api, json={"timeout": 10})
     assert r.status_code == 404
 
 
 # --- (3) clients that misbehave -----------------------------------------------------------------------------
 
 
-def test_calls_that_block_in_one_sandbox_take_no_threads_of_another(server: str, spent: Sandbox,
+def test_calls_that_block_in_one_sandbox_take_no_threads_of_another(e2b_url: str, spent: Sandbox,
                                                                     victim: Sandbox) -> None:
     """Writes to a stdin nobody reads wait up to 30 s each in the agent: 48 of them at once held every thread of
     the server's shared pool, and every request of every other sandbox waited behind them."""
@@ -270,7 +253,7 @@ def test_calls_that_block_in_one_sandbox_take_no_threads_of_another(server: str,
     time.sleep(2)
     with Watch(victim, limit=10):
         time.sleep(1)
-        r = in_time(lambda: httpx.get(f"{server}/sandboxes", headers={"X-API-KEY": TOKEN}, timeout=10), 15,
+        r = in_time(lambda: httpx.get(f"{e2b_url}/sandboxes", headers={"X-API-KEY": TOKEN}, timeout=10), 15,
                     "the control plane")
         assert r.status_code == 200
     try:
@@ -285,7 +268,7 @@ def test_calls_that_block_in_one_sandbox_take_no_threads_of_another(server: str,
     assert not came_back(spent.sandbox_id)
 
 
-def test_closing_a_sandbox_with_calls_in_flight_leaves_nothing(server: str) -> None:
+def test_closing_a_sandbox_with_calls_in_flight_leaves_nothing(e2b_url: str) -> None:
     leftovers = []
     for _ in range(6):  # a race: it shows in most rounds
         sb = Sandbox.create(timeout=600)
@@ -309,7 +292,7 @@ def _write(sb: Sandbox, pid: int) -> None:
         sb.commands.send_stdin(pid, "x" * (1 << 20), request_timeout=120)
 
 
-def test_start_streams_never_read_and_dropped(server: str, spent: Sandbox, victim: Sandbox) -> None:
+def test_start_streams_never_read_and_dropped(e2b_url: str, spent: Sandbox, victim: Sandbox) -> None:
     before = stream_threads()
     handles = [spent.commands.run("yes | head -c 2000000", background=True) for _ in range(30)]
     with Watch(victim):
@@ -320,7 +303,7 @@ def test_start_streams_never_read_and_dropped(server: str, spent: Sandbox, victi
     msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "yes"]}}).encode()
     envelope = b"\x00" + struct.pack(">I", len(msg)) + msg
     for _ in range(3):
-        with httpx.Client(timeout=10) as c, c.stream("POST", f"{server}/process.Process/Start", content=envelope,
+        with httpx.Client(timeout=10) as c, c.stream("POST", f"{e2b_url}/process.Process/Start", content=envelope,
                                                       headers={**headers(spent), "Content-Type":
                                                                "application/connect+json"}) as r:
             assert r.status_code == 200

@@ -145,13 +145,17 @@ class FilesystemService(filesystem_connect.Filesystem):
             self.watchers.popitem(last=False)
         return pb.CreateWatcherResponse(watcher_id=watcher_id)
 
+    def _watcher(self, sb: Sandbox, watcher_id: str) -> tuple[str, str, bool, Listing]:
+        """A watcher of this sandbox (another sandbox's watchers are not found from here)."""
+        found = self.watchers.get(watcher_id)
+        if found is None or found[0] != sb.id:
+            raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id} not found")
+        return found
+
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest,
                                  ctx: RequestContext[Any, Any]) -> pb.GetWatcherEventsResponse:
         sb = await self._sandbox(ctx)
-        found = self.watchers.get(request.watcher_id)
-        if found is None or found[0] != sb.id:
-            raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id} not found")
-        _, path, recursive, seen = found
+        _, path, recursive, seen = self._watcher(sb, request.watcher_id)
         now = await call(listing, sb, path, recursive)
         self.watchers[request.watcher_id] = (sb.id, path, recursive, now)
         return pb.GetWatcherEventsResponse(events=changes(seen, now))
@@ -159,9 +163,7 @@ class FilesystemService(filesystem_connect.Filesystem):
     async def remove_watcher(self, request: pb.RemoveWatcherRequest,
                              ctx: RequestContext[Any, Any]) -> pb.RemoveWatcherResponse:
         sb = await self._sandbox(ctx)
-        found = self.watchers.get(request.watcher_id)
-        if found is None or found[0] != sb.id:
-            raise ConnectError(Code.NOT_FOUND, f"watcher {request.watcher_id} not found")
+        self._watcher(sb, request.watcher_id)
         del self.watchers[request.watcher_id]
         return pb.RemoveWatcherResponse()
 
