@@ -116,6 +116,8 @@ def status_of(exc: BaseException) -> int | None:
             return code
     if type(exc) is OSError and exc.errno in _REFUSED_ERRNOS:
         return 400
+    if type(exc) is OSError and exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        return 507  # the sandbox's disk (or its limit) is full: Insufficient Storage
     return None
 
 
@@ -150,7 +152,7 @@ def from_wire(body: Any, status: int | None = None, *,
         cls = _BUILTINS[name]
         if issubclass(cls, OSError) and cls is not ProcessLookupError:
             errno = body.get("errno", 2 if cls is FileNotFoundError else None)
-            return cls(errno, message)
+            return cls(errno, message.removeprefix(f"[Errno {errno}] "))  # OSError's str() puts it back
         return cls(message)
     agentenv_cls = _AGENTENV.get(name)
     if agentenv_cls is None:

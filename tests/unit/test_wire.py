@@ -80,9 +80,10 @@ def test_agentenv_errors_map_to_a_status_and_back_to_the_same_class(exc, status)
 
 
 def test_builtin_errors_come_back_as_themselves():
-    fnf = FileNotFoundError(2, "[Errno 2] No such file or directory: '/x'")
+    fnf = FileNotFoundError(2, "[Errno 2] No such file or directory: '/x'")  # an agent's message has the errno in it
     back = from_wire(to_wire(fnf), 404)
-    assert isinstance(back, FileNotFoundError) and str(back) == str(fnf)
+    assert isinstance(back, FileNotFoundError) and str(back) == "[Errno 2] No such file or directory: '/x'"  # once
+    assert str(from_wire(to_wire(back), 404)) == str(back)
     assert isinstance(from_wire(to_wire(ValueError("bad size")), 400), ValueError)
     assert isinstance(from_wire({"error": "ValidationError", "message": "count: too big"}, 422), ValueError)
     assert isinstance(from_wire({"error": "ProcessLookupError", "message": "no process 5"}, 404), ProcessLookupError)
@@ -91,6 +92,7 @@ def test_builtin_errors_come_back_as_themselves():
     assert type(too_long) is OSError and too_long.errno == 36 and status_of(too_long) == 400
     assert type(from_wire(to_wire(too_long), 400)) is OSError
     assert status_of(OSError(5, "I/O error")) is None  # any other: the server's failure
+    assert status_of(OSError(122, "Disk quota exceeded")) == 507  # the sandbox's disk limit: Insufficient Storage
 
 
 def test_unknown_error_names_fall_back_by_status():

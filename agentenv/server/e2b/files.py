@@ -178,7 +178,8 @@ _HTTP = {Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED
 def http_error(exc: BaseException) -> JSONResponse:
     """envd's HTTP error body ``{code, message}``; the SDK maps 404 to FileNotFoundException, and so on."""
     err = connect_error(exc)
-    # a full disk (ENOSPC) or disk limit (EDQUOT): the agent's OSError reaches here as a SandboxError's message
+    # a full disk (ENOSPC) or disk limit (EDQUOT): an OSError, or (from an agent of a snapshot made before) a
+    # SandboxError whose message carries the errno
     full = isinstance(exc, OSError) and exc.errno in _FULL or any(f"[Errno {n}]" in err.message for n in _FULL)
     status = 507 if full else _HTTP.get(err.code, 500)
     return JSONResponse({"code": status, "message": err.message}, status)
