@@ -457,6 +457,7 @@ class AgentProcess:
                 raise ProcessLookupError(3, f"pid {pid} is not the sandbox's agent any more")
         except BaseException:
             os.close(self._fd)
+            self._fd = -1  # closed: __del__ must not close the number again (by then another file's, in a thread)
             raise
 
     def alive(self) -> bool:
@@ -475,8 +476,10 @@ class AgentProcess:
         return Root(fd, self.pid)
 
     def __del__(self) -> None:  # the last user let go of it: no other thread can still use the pidfd
-        with contextlib.suppress(Exception):
-            os.close(self._fd)
+        if getattr(self, "_fd", -1) >= 0:  # (pidfd_open itself may have failed)
+            with contextlib.suppress(Exception):
+                os.close(self._fd)
+            self._fd = -1
 
 
 def protect_agent(pid: int) -> bool:

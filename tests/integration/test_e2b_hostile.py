@@ -256,11 +256,8 @@ def test_calls_that_block_in_one_sandbox_take_no_threads_of_another(e2b_url: str
         r = in_time(lambda: httpx.get(f"{e2b_url}/sandboxes", headers={"X-API-KEY": TOKEN}, timeout=10), 15,
                     "the control plane")
         assert r.status_code == 200
-    try:
-        in_time(lambda: Sandbox.kill(spent.sandbox_id), 30, "killing the sandbox whose calls block")
-    except e2b.SandboxException as e:  # seen once: close() racing the calls in flight, EBADF
-        assert "Errno 9" in str(e), e
-        in_time(lambda: Sandbox.kill(spent.sandbox_id), 30, "killing it again")
+    # (closing with calls in flight once failed with EBADF: a refused AgentProcess pin closed its pidfd twice)
+    in_time(lambda: Sandbox.kill(spent.sandbox_id), 30, "killing the sandbox whose calls block")
     for t in writers:
         t.join(60)
     assert not any(t.is_alive() for t in writers), "a write to a killed sandbox never ended"

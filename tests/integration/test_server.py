@@ -16,7 +16,7 @@ import msgpack
 import pytest
 
 import agentenv
-from agentenv import wire
+from agentenv import warm, wire
 from agentenv.errors import DiskLimitRequired, QuotaExceeded, SandboxStateError, Unauthorized
 
 from .server_fixtures import TOKEN, threaded_server
@@ -204,3 +204,21 @@ def test_schemathesis_finds_no_server_error_and_no_spec_violation(tmp_path):
             for snap in c.Snapshot.list():
                 snap.delete()
             c.close()
+
+
+def test_a_warm_pool_on_the_server_serves_creates_and_is_drained_at_exit():
+    def pooled() -> list[str]:
+        return [sb.id for sb in agentenv.Sandbox.list() if sb.labels.get("agentenv.kind") == "warm"]
+
+    with threaded_server(warm_pool=1) as url:
+        assert warm.wait_full(60), "the warm pool never filled"  # the server runs in this process: its pool
+        [ready] = pooled()
+        client = agentenv.connect(url, TOKEN)
+        sb = client.Sandbox.create(labels={"who": "me"})  # the default image and limits: the pool's shape
+        try:
+            assert sb.id == ready and sb.labels == {"who": "me"}
+            assert sb.exec("echo served").stdout == "served\n"
+        finally:
+            sb.close()
+            client.close()
+    assert pooled() == []  # the server's exit closed what the pool still held
