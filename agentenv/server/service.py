@@ -170,6 +170,28 @@ class Service:
                 for i, n in enumerate(want):
                     self._pending[i] -= n
 
+    # sandboxes made within the quotas: the operations that start sandboxes, for every route that does
+    def restore(self, snap: Snapshot, labels: dict[str, str] | None = None) -> Sandbox:
+        """A sandbox restored from ``snap``, its room reserved first (QuotaExceeded when there is none)."""
+        limits = snap.spec.get("limits", {})
+        with self.reserve(1, int(limits.get("memory", 1 << 30)), limits.get("disk")):
+            return self.remember(Sandbox.restore(snap, labels=labels))
+
+    def fork(self, sandbox_id: str, n: int, memory: bool) -> list[Sandbox]:
+        """``n`` children of a sandbox, their room reserved first."""
+        limits = self.sandbox(sandbox_id).limits
+        with self.reserve(n, limits.memory, limits.disk):
+            kids = self.call(sandbox_id, lambda s: s.fork(n, memory=memory))
+        return [self.remember(k) for k in kids]
+
+    def resume(self, sandbox_id: str) -> Sandbox:
+        """A paused sandbox running again, its room reserved first."""
+        sb = self.sandbox(sandbox_id)
+        limits = sb.limits
+        with self.reserve(1, limits.memory, limits.disk):
+            sb.resume()
+        return sb
+
     # lifecycle
     def recover(self, wait: float = RECOVER_WAIT) -> None:
         """After a (re)start: mend what a kill cut short, reattach running sandboxes, report lost ones.

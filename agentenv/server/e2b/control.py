@@ -159,15 +159,12 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     image = TEMPLATES.get(template, template)
     snap = _snapshot_or_none(template)
     if snap is not None:
-        limits = snap.spec.get("limits", {})
-        with service.reserve(1, int(limits.get("memory", MEMORY)), limits.get("disk")):
-            sb = Sandbox.restore(snap, labels=labels)
+        sb = service.restore(snap, labels=labels)
         sb.set_ttl(ttl)
     else:
         with service.reserve(1, MEMORY, DISK):
-            sb = Sandbox.create(image, cpus=CPUS, memory=MEMORY, disk=DISK, env=body.env_vars or {},
-                                network=bool(body.allow_internet_access), ttl=ttl, labels=labels)
-    service.remember(sb)
+            sb = service.remember(Sandbox.create(image, cpus=CPUS, memory=MEMORY, disk=DISK, env=body.env_vars or {},
+                                                 network=bool(body.allow_internet_access), ttl=ttl, labels=labels))
     return JSONResponse(sandbox_json(request, sb, "running"), 201)
 
 
@@ -195,9 +192,7 @@ def connect(request: Request, service: ServiceDep, sandbox_id: str,
     sb = service.sandbox(sandbox_id)
     status = 200
     if sb.state == "paused":
-        limits = sb.limits
-        with service.reserve(1, limits.memory, limits.disk):
-            sb.resume()
+        sb = service.resume(sandbox_id)
         status = 201
     sb.set_ttl(float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT))
     return JSONResponse(sandbox_json(request, sb, "running"), status)
@@ -259,15 +254,11 @@ def list_sandboxes(request: Request, state: str | None = None, metadata: str | N
 @router.post("/sandboxes/{sandbox_id}/fork")
 def fork(request: Request, service: ServiceDep, sandbox_id: str, body: Annotated[ForkBody, Body()]) -> Response:
     """``count`` children of a live sandbox, memory and all (processes, the interpreter's variables)."""
-    sb = service.sandbox(sandbox_id)
-    limits = sb.limits
-    with service.reserve(body.count, limits.memory, limits.disk):
-        kids = service.call(sandbox_id, lambda s: s.fork(body.count, memory=True))
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
     out = []
-    for kid in kids:
+    for kid in service.fork(sandbox_id, body.count, memory=True):
         kid.set_ttl(ttl)
-        out.append({"sandbox": sandbox_json(request, service.remember(kid), "running")})
+        out.append({"sandbox": sandbox_json(request, kid, "running")})
     return JSONResponse(out, 201)
 
 

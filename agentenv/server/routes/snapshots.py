@@ -7,7 +7,6 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Response
 
 from agentenv.api import SandboxInfo, SnapshotInfo
-from agentenv.sandbox import Sandbox
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import (
@@ -34,11 +33,7 @@ def snapshot(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[Snapshot
 @router.post("/v1/sandboxes/{sandbox_id}/fork", response_model=list[SandboxInfo],
              responses=error_responses(400, 401, 404, 409, 422, 429, 501, 507))
 def fork(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[ForkRequest, Body()]) -> Response:
-    sb = service.sandbox(sandbox_id)
-    limits = sb.limits
-    with service.reserve(req.count, limits.memory, limits.disk):
-        kids = service.call(sandbox_id, lambda s: s.fork(req.count, memory=req.memory))
-    return WireResponse([service.remember(k).info("running").to_wire() for k in kids])
+    return WireResponse([k.info("running").to_wire() for k in service.fork(sandbox_id, req.count, req.memory)])
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SnapshotInfo,
@@ -50,11 +45,7 @@ def pause(service: ServiceDep, sandbox_id: SandboxId) -> Response:
 @router.post("/v1/sandboxes/{sandbox_id}/resume", response_model=SandboxInfo,
              responses=error_responses(400, 401, 404, 409, 422, 429, 501))
 def resume(service: ServiceDep, sandbox_id: SandboxId) -> Response:
-    sb = service.sandbox(sandbox_id)
-    limits = sb.limits
-    with service.reserve(1, limits.memory, limits.disk):
-        sb.resume()
-    return WireResponse(sb.info("running").to_wire())
+    return WireResponse(service.resume(sandbox_id).info("running").to_wire())
 
 
 @router.get("/v1/snapshots", response_model=list[SnapshotInfo], responses=error_responses(401))
@@ -78,8 +69,5 @@ def delete_snapshot(snapshot_id: SnapshotId,
 @router.post("/v1/snapshots/{snapshot_id}/restore", response_model=SandboxInfo,
              responses=error_responses(400, 401, 404, 422, 429, 501))
 def restore(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[RestoreRequest, Body()]) -> Response:
-    snap = Snapshot.get(snapshot_id)
-    limits = snap.spec.get("limits", {})
-    with service.reserve(1, int(limits.get("memory", 1 << 30)), limits.get("disk")):
-        sb = Sandbox.restore(snap, labels=req.labels)
-    return WireResponse(service.remember(sb).info("running").to_wire())
+    sb = service.restore(Snapshot.get(snapshot_id), labels=req.labels)
+    return WireResponse(sb.info("running").to_wire())
