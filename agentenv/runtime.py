@@ -30,7 +30,7 @@ from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
 from agentenv.errors import CheckpointError, SandboxError
-from agentenv.hostcalls import drop_netns, make_netns, mount_overlay, umount
+from agentenv.hostcalls import drop_netns, make_netns, mount_overlay, run_program, umount
 from agentenv.phases import phase
 
 DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
@@ -264,10 +264,8 @@ class Container:
         os.close(fd)
         log = Path(name)
         try:
-            r = subprocess.run(["runc", "--root", str(self.runc_root), "--log", str(log), "--log-format", "json",
-                                *args], stdin=subprocess.DEVNULL,
-                               stdout=subprocess.PIPE if args[0] == "state" else subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, text=True, timeout=timeout, check=False)
+            r = run_program(["runc", "--root", str(self.runc_root), "--log", str(log), "--log-format", "json", *args],
+                            timeout, capture=args[0] == "state")
         except subprocess.TimeoutExpired:
             log.unlink(missing_ok=True)
             verb = next((a for a in args if a in ("run", "state", "delete", "checkpoint", "restore")), args[0])
