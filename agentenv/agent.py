@@ -224,6 +224,7 @@ class Agent:
         self.closing: set[socket.socket] = set()
         self.keys: dict[str, int] = {}  # request key -> job id, until the result is delivered
         self.replies: OrderedDict[str, dict[str, Any]] = OrderedDict()  # spawn replies by request key
+        self.socket_path = ""  # where main listens
 
     # reaping: PID 1 collects every exit, its own jobs' and orphans' alike
     def reap_forever(self) -> None:
@@ -499,6 +500,13 @@ class Agent:
                 send_frame(conn, self.fs(h))
             elif op == "read":
                 send_file(conn, h["path"])
+            elif op == "reroot":  # a fork gave this (pooled) sandbox another root: run from it, as a new agent
+                argv, env = [str(a) for a in h["argv"]], {**os.environ, **{str(k): str(v) for k, v in h["env"].items()}}
+                os.makedirs(str(h["cwd"]), exist_ok=True)  # as runc makes a missing working folder
+                os.chdir(str(h["cwd"]))
+                os.unlink(self.socket_path)  # a connect from now on reaches the new agent, or waits for it
+                send_frame(conn, {"ok": True})
+                os.execve(sys.executable, argv, env)  # what ran from the old root (interpreter, modules) is gone
             elif op == "quiesce":
                 self.quiesce(conn)
                 send_frame(conn, {"ok": True})
@@ -921,6 +929,7 @@ def main(path: str = SOCKET_PATH) -> None:
         signal.signal(sig, _ignore)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path)
+    agent.socket_path = path
     server.listen(128)
     threading.Thread(target=agent.reap_forever, daemon=True).start()
     while True:  # nothing a request does may end this loop: the sandbox lives as long as it runs

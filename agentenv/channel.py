@@ -12,6 +12,7 @@ serving it is that sandbox's agent (``SO_PEERCRED`` against the pid the caller p
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import socket
@@ -127,6 +128,18 @@ class Channel:
                 continue
             raise_for(reply)
             return reply, data
+
+    def last_word(self, header: dict[str, Any], timeout: float) -> None:
+        """A request the agent answers and then closes its end on (quiesce; reroot, as it execs itself): returns
+        once it has closed. Not retried, and not through the gate (a snapshot shuts it to send a quiesce);
+        TimeoutError past ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self.connect(through_gate=False) as s:
+            agent.send_frame(s, header, deadline=deadline)
+            reply, _ = agent.recv_frame(s, 0, deadline)
+            raise_for(reply)
+            with contextlib.suppress(ConnectionError):
+                agent.recv_frame(s, 0, deadline)  # returns only when the agent closed its end
 
     def exec(self, header: dict[str, Any], on_output: OutputCallback | None) -> dict[str, Any]:
         """Run a command to completion; the final header carries 'stdout'/'stderr' as bytes.

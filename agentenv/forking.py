@@ -8,6 +8,11 @@ cheapest path its children allow:
   the layer holds), the other children's layers are snapshots of that one, and each child boots fresh
   processes as soon as its layer is there (the clones wait on the disk, the starts on the CPU: they
   overlap). Nothing goes through the snapshot store and no file is copied, not even once.
+  Where a warm pool (``agentenv.warm``) holds sandboxes started like the parent, a child is one of them:
+  its layer cloned the same way and its root swapped under its running agent (``hostcalls.swap_root``:
+  the overlay over the clone moved in, /proc, /dev and /sys moved onto it, ``pivot_root``), so a child
+  costs a clone and a few system calls instead of a runc start and an interpreter coming up. Nothing
+  untrusted has run in a pooled sandbox, so nothing it could have left there carries over.
 - Otherwise (processes too, or a volume without subvolumes): one snapshot in the store, restored ``n``
   times in parallel, then deleted off the caller's path.
 
@@ -19,18 +24,24 @@ frozen, and ``store.gc`` deletes the store snapshot of a fork whose process died
 from __future__ import annotations
 
 import builtins
+import logging
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentenv import store, volume
+from agentenv import store, volume, warm
+from agentenv.agent_start import agent_command, agent_env
 from agentenv.config import crash_point, paths
+from agentenv.errors import SandboxError
 from agentenv.phases import phase
 
 if TYPE_CHECKING:
+    from agentenv.runtime import ContainerSpec
     from agentenv.sandbox import Sandbox
 
 T = TypeVar("T")
+log = logging.getLogger("agentenv")
 
 
 def fork(parent: Sandbox, n: int, memory: bool) -> builtins.list[Sandbox]:
@@ -48,8 +59,9 @@ def _fork_files(parent: Sandbox, n: int) -> builtins.list[Sandbox]:
             parent.require_running()
             spec = parent._spec()
             lineage = parent._rec.get("parent_snapshot")  # no snapshot of its own: the children descend from the parent's
-            kids = [type(parent)._new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage)
-                    for _ in range(n)]
+            for _ in range(n):
+                kids.append(_from_pool(parent, spec, lineage)
+                            or type(parent)._new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage))
             disk = spec.limits.disk
             with phase("freeze+clone"), parent._frozen(quiesce=False):
                 volume.clone_layer(parent._container.layer, kids[0]._container.layer, disk)
@@ -62,9 +74,9 @@ def _fork_files(parent: Sandbox, n: int) -> builtins.list[Sandbox]:
             for k in kids[1:]:
                 with phase("clone"):
                     volume.clone_layer(kids[0]._container.layer, k._container.layer, disk)
-                futures.append(pool.submit(k._start, None, "fork"))
+                futures.append(pool.submit(_boot_child, k))
             crash_point("fork:cloned")
-            futures.append(pool.submit(kids[0]._start, None, "fork"))
+            futures.append(pool.submit(_boot_child, kids[0]))
         _raise_first(futures)
         crash_point("fork:children")
         return kids
@@ -72,6 +84,67 @@ def _fork_files(parent: Sandbox, n: int) -> builtins.list[Sandbox]:
         for k in kids:
             k._destroy()
         raise
+
+
+def _from_pool(parent: Sandbox, spec: ContainerSpec, lineage: str | None) -> Sandbox | None:
+    """A started sandbox from the warm pool (``agentenv.warm``) made like ``parent``, now a child being made
+    (state 'creating', owned by this process) whose layer is a new one, its own retired; None if there is none."""
+    sb = warm.take(parent.image, spec, ttl=None, labels=parent.labels)
+    if sb is None:
+        return None
+    with sb._locked():
+        retired = sb._rec["layer"]
+        sb._rec.update(state="creating", owner=store.owner(), parent_snapshot=lineage,
+                       layer=f"{sb.id}.{uuid.uuid4().hex[:6]}", retired_layers=[retired])
+        sb._save()
+    sb._container.layer = paths().layers / sb._rec["layer"]
+    return sb
+
+
+def _boot_child(kid: Sandbox) -> None:
+    """Start a child whose layer is there: boot it, or, for one from the pool, give its processes the files."""
+    if not kid._rec.get("retired_layers"):
+        kid._start(None, "fork")
+        return
+    from agentenv.sandbox import START_TIMEOUT
+
+    spec = kid._spec()
+    try:
+        with phase("swap root"):
+            try:
+                kid._container.take_root(spec, kid._rec["init_pid"])
+            except (OSError, SandboxError) as e:  # e.g. a mount point the parent made a symlink: boot it instead
+                log.warning("fork: could not give the pooled sandbox %s its files (%s); starting it afresh", kid.id, e)
+                kid._container.destroy()
+                volume.reset_work(kid._container.layer)  # the overlay mounted for the swap used it
+                _retire(kid)
+                kid._start(None, "fork")
+                return
+        crash_point("fork:started")
+        kid._rec["state"] = "running"  # on disk still 'creating' (removed if this process dies) until saved below
+        kid._starting = True
+        try:
+            # the agent starts again from the new root: nothing of the old one stays in use (CRIU could not
+            # dump a process that maps files of a root that is no longer mounted)
+            name, _, code = agent_env().partition("=")
+            kid._channel.last_word({"op": "reroot", "cwd": spec.workdir or "/", "argv": agent_command(),
+                                    "env": {name: code}}, START_TIMEOUT)
+            with phase("agent answers"):
+                kid.wait_started(START_TIMEOUT)
+        finally:
+            kid._starting = False
+        _retire(kid)
+        kid._rec.update(owner=None)
+        kid._save()
+    except BaseException:
+        kid._rec["state"] = "creating"
+        raise
+
+
+def _retire(kid: Sandbox) -> None:
+    """Delete the layers a pooled child no longer runs on (its record keeps their names until it is saved)."""
+    for name in kid._rec.pop("retired_layers", None) or []:
+        volume.drop_layer(paths().layers / name)
 
 
 def _fork_snapshot(parent: Sandbox, n: int, memory: bool) -> builtins.list[Sandbox]:

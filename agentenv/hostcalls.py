@@ -23,6 +23,8 @@ import ctypes
 import errno
 import fcntl
 import os
+import platform
+import re
 import select
 import signal
 import socket
@@ -31,6 +33,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from agentenv.errors import SandboxError
 
@@ -38,9 +41,17 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.unshare.argtypes = [ctypes.c_int]
+_libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
+_libc.syscall.restype = ctypes.c_long
 MS_BIND = 0x1000
 MNT_DETACH = 0x2
 CLONE_NEWNET = 0x40000000
+CLONE_FS, CLONE_NEWNS = 0x200, 0x20000
+MS_MOVE, MS_REC, MS_PRIVATE = 0x2000, 0x4000, 1 << 18
+AT_FDCWD, OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 0x4
+_NR_OPEN_TREE, _NR_MOVE_MOUNT = 428, 429  # numbers from 424 on are the same on every architecture
+_NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
+NEW_ROOT = "/.agentenv-root"  # where swap_root puts the new root in the old one, before pivoting to it
 _SIOCGIFFLAGS, _SIOCSIFFLAGS = 0x8913, 0x8914
 _IFF_UP = 0x1
 _IFREQ = struct.Struct("16sH22x")  # struct ifreq: the interface name, then ifr_flags (the rest of the union)
@@ -103,6 +114,89 @@ def make_netns(path: Path) -> None:
             drop_netns(path)
         raise SandboxError(f"could not create the sandbox's network namespace: {failed[0]}",
                            fix="agentenv needs root (CAP_SYS_ADMIN) on a kernel with network namespaces")
+
+
+def swap_root(pid: int, rootfs: Path) -> None:
+    """Make the mount on ``rootfs`` (in this process's namespace) the root of ``pid``'s mount namespace, with the
+    mounts on the old root (/proc, /dev, /sys, binds, each with what is mounted under it) moved onto it, and the
+    old root detached. Every process there whose root was the old root has the new one; cwds elsewhere stay
+    in the old tree (the caller moves them). For a namespace that runs nothing untrusted yet (a pooled sandbox):
+    it is read from /proc. SandboxError if a mount point in the new root goes through a symbolic link (checked
+    before anything moves; the new root is taken out again), OSError (the kernel's errno) if a step fails."""
+    if _NR_PIVOT_ROOT is None:
+        raise OSError(errno.ENOSYS, f"swap_root is not supported on {platform.machine()}")
+    mounts = mountinfo(pid)
+    root_id = next(m.id for m in mounts if m.point == "/")
+    tops = [m.point for m in mounts if m.parent == root_id and m.point != NEW_ROOT]
+    tree = _check_fd(_libc.syscall(_NR_OPEN_TREE, AT_FDCWD, str(rootfs).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC),
+                     f"open_tree {rootfs}")
+    ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    failed: list[BaseException] = []
+
+    def inside() -> None:  # this thread alone enters the namespace (its root and cwd become the old root)
+        try:
+            _check(_libc.unshare(CLONE_FS), "unshare(CLONE_FS)")
+            _check(_libc.setns(ns, CLONE_NEWNS), "setns(mnt)")
+            mount("none", Path("/"), None, MS_REC | MS_PRIVATE)  # moves and pivot_root need private parents
+            os.makedirs(NEW_ROOT, exist_ok=True)
+            _check(_libc.syscall(_NR_MOVE_MOUNT, tree, b"", AT_FDCWD, NEW_ROOT.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+                   "move_mount")
+            for point in tops:  # every mount point checked before anything moves: a refusal leaves all in place
+                target = NEW_ROOT + point
+                if not os.path.lexists(target):
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    if os.path.isdir(point):
+                        os.mkdir(target)
+                    else:
+                        os.close(os.open(target, os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o644))
+                if os.path.realpath(target) != target:  # the new root's files are the sandbox's: no detours
+                    raise SandboxError(f"the mount point {point} in the sandbox's files goes through a symbolic link")
+            for point in tops:
+                mount(point, Path(NEW_ROOT + point), None, MS_MOVE)
+            os.chdir(NEW_ROOT)
+            _check(_libc.syscall(_NR_PIVOT_ROOT, b".", b"."), "pivot_root")
+            umount(Path("."), lazy=True)  # the old root, stacked under the new one by pivot_root(".", ".")
+            os.chdir("/")
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(e)
+            with contextlib.suppress(OSError):  # the new root goes, so that its layer can be mounted afresh
+                umount(Path(NEW_ROOT), lazy=True)
+
+    try:
+        t = threading.Thread(target=inside, name="agentenv-swap-root")
+        t.start()
+        t.join()
+    finally:
+        os.close(ns)
+        os.close(tree)
+    if failed:
+        raise failed[0]
+
+
+class Mount(NamedTuple):
+    """One line of a mountinfo table: the mount's id, its parent's, where it is mounted and its type."""
+
+    id: int
+    parent: int
+    point: str
+    fstype: str
+
+
+def mountinfo(pid: int | str = "self") -> list[Mount]:
+    """The mounts of ``pid``'s mount namespace (this process's by default), as that namespace names them."""
+    rows = []
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])
+            rows.append(Mount(int(fields[0]), int(fields[1]), point, right.split()[0]))
+    return rows
+
+
+def _check_fd(rc: int, what: str) -> int:
+    _check(0 if rc >= 0 else -1, what)
+    return rc
 
 
 def drop_netns(path: Path) -> None:

@@ -260,7 +260,7 @@ def _collect() -> None:
     p = paths()
     with contextlib.suppress(FileNotFoundError):
         for layer in p.layers.iterdir():
-            if not (p.sandboxes / layer.name).exists():
+            if not (p.sandboxes / layer.name.partition(".")[0]).exists():  # <sandbox id>[.<n>]: see forking
                 log.warning("removing the layer %s: its sandbox is gone", layer.name)
                 volume.drop_layer(layer)
     now = time.time()

@@ -30,7 +30,7 @@ from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
 from agentenv.errors import CheckpointError, SandboxError
-from agentenv.hostcalls import drop_netns, make_netns, mount_overlay, run_program, umount
+from agentenv.hostcalls import drop_netns, make_netns, mount_overlay, run_program, swap_root, umount
 from agentenv.phases import phase
 
 DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
@@ -319,6 +319,13 @@ class Container:
             except OSError:
                 with contextlib.suppress(OSError):
                     umount(self.rootfs, lazy=True)
+
+    def take_root(self, spec: ContainerSpec, pid: int) -> None:
+        """Give the running container a new root: the overlay of ``spec``'s image over ``self.layer`` (which a fork
+        just cloned), mounted here and swapped in under its processes (``swap_root``; pid: its init's)."""
+        self.unmount()  # this namespace's copy; the container has its own until the swap
+        self.mount(spec)
+        swap_root(pid, self.rootfs)
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -90,9 +90,9 @@ class Sandbox(Calls):
         self._rec = record
         self.id: str = record["id"]
         p = paths()
-        layer = record.get("layer")  # absent in records made before the volume: their layer is the bundle
+        layer = record.get("layer")  # its name; absent in records made before the volume: the bundle then
         self._container = Container(f"ae-{self.id}", p.sandboxes / self.id, p.runc_root,
-                                    p.layers / self.id if layer else None)
+                                    p.layers / layer if layer else None)
         self._channel = Channel(self._root, _gate(self.id))
         self._agent: AgentProcess | None = None  # the pinned agent, once a call has needed it
         self._starting = False  # in _start: the record on disk does not name the new agent yet
@@ -181,12 +181,10 @@ class Sandbox(Calls):
             self._agent = None
             self._rec.update(init_pid=pid, init_start=proc_start_time(pid), state="running", owner=None)
             protect_agent(pid)
-            deadline = time.monotonic() + START_TIMEOUT
             self._starting = True
             try:
-                with phase("agent answers"), self._channel.connect(wait=START_TIMEOUT, through_gate=False) as s:
-                    agent.send_frame(s, {"op": "ping"}, deadline=deadline)
-                    agent.recv_frame(s, 0, deadline)
+                with phase("agent answers"):
+                    self.wait_started(START_TIMEOUT)
             finally:
                 self._starting = False
             volume.wait_accounted(self._container.layer, txn)
@@ -194,6 +192,13 @@ class Sandbox(Calls):
         except BaseException:
             self._container.destroy()
             raise
+
+    def wait_started(self, timeout: float) -> None:
+        """Wait until the agent, starting, answers a ping (at most ``timeout`` seconds)."""
+        deadline = time.monotonic() + timeout
+        with self._channel.connect(wait=timeout, through_gate=False) as s:
+            agent.send_frame(s, {"op": "ping"}, deadline=deadline)
+            agent.recv_frame(s, 0, deadline)
 
     @classmethod
     def restore(cls, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> Sandbox:
@@ -362,20 +367,13 @@ class Sandbox(Calls):
 
     def _quiesce(self) -> None:
         """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
-        deadline = time.monotonic() + QUIESCE_TIMEOUT
-        s = self._channel.connect(through_gate=False)  # the gate is shut: this is the one connection
         try:
-            agent.send_frame(s, {"op": "quiesce"}, deadline=deadline)
-            agent.recv_frame(s, 0, deadline)
-            with contextlib.suppress(ConnectionError):
-                agent.recv_frame(s, 0, deadline)  # returns only when the agent closed its end
+            self._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
         except TimeoutError:
             raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s; "
                                  "nothing was saved and the sandbox was left running",
                                  fix="the agent may be stopped (traced) or starved of CPU; retry, or close the "
                                      "sandbox") from None
-        finally:
-            s.close()
 
     def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[Sandbox]:
         """``n`` independent sandboxes that continue from this instant; this one keeps running.
@@ -465,6 +463,8 @@ class Sandbox(Calls):
     def _drop_layer(self) -> None:
         if self._has_own_layer():
             volume.drop_layer(self._container.layer)
+            for name in self._rec.get("retired_layers") or []:  # a pooled sandbox's own, before a fork took it
+                volume.drop_layer(paths().layers / name)
         else:
             for d in (self._container.upper, self._container.work):
                 shutil.rmtree(d, ignore_errors=True)

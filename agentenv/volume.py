@@ -42,6 +42,7 @@ from pathlib import Path
 
 from agentenv.config import Paths, parse_size, paths
 from agentenv.errors import DiskLimitUnsupported, SandboxError
+from agentenv.hostcalls import mountinfo
 
 log = logging.getLogger("agentenv")
 
@@ -199,18 +200,8 @@ def _make_dirs(p: Paths, subvolumes: bool) -> None:
 
 def _fstype(mountpoint: Path) -> str | None:
     """The filesystem type mounted on ``mountpoint`` (the top one), from /proc/self/mountinfo."""
-    found = None
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            if len(fields) > 4 and _unescape(fields[4]) == str(mountpoint):
-                found = right.split()[0]
-    return found
-
-
-def _unescape(s: str) -> str:
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n").replace("\\134", "\\")
+    found = [m.fstype for m in mountinfo() if m.point == str(mountpoint)]
+    return found[-1] if found else None
 
 
 @contextlib.contextmanager
@@ -318,9 +309,7 @@ def clone_layer(src: Path, dst: Path, disk: int | None) -> None:
         raise SandboxError(f"could not snapshot the layer {src} to {dst}: {e}",
                            fix=f"check the volume: btrfs filesystem usage {ensure().path}") from e
     try:
-        work = dst / "work"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
+        reset_work(dst)
         if disk is not None:
             _set_limit(dst, disk)
     except BaseException as e:
@@ -328,6 +317,13 @@ def clone_layer(src: Path, dst: Path, disk: int | None) -> None:
         if isinstance(e, OSError):
             raise SandboxError(f"could not prepare the layer {dst}: {e}") from e
         raise
+
+
+def reset_work(layer: Path) -> None:
+    """Empty the overlay's scratch folder of ``layer``: a ``volatile`` overlay refuses a work folder that another
+    one used (it leaves ``work/incompat/volatile`` behind on purpose)."""
+    shutil.rmtree(layer / "work", ignore_errors=True)
+    (layer / "work").mkdir()
 
 
 def account_soon(path: Path) -> int | None:

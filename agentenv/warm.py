@@ -4,7 +4,9 @@ A start costs tens of milliseconds of CPU (runc, the kernel's namespaces, the ag
 creates bigger than the machine's cores queues behind that work (``agentenv.admission``) however fast one
 start is; a pool moves the work before the burst: a create whose image and limits match a pooled sandbox
 gets it at once (its labels and ttl set to the caller's), and the pool refills behind, one start at a time
-so that the refill takes little from the sandboxes just handed out.
+and only once takes pause (``REFILL_DELAY``), so that the refill takes little from the sandboxes just handed
+out. A files-only fork of a sandbox made like the pool's takes its children from the pool too
+(``agentenv.forking``).
 
 Off by default: ``configure(image, size, **limits)`` turns it on for this process (the arguments are those
 of ``Sandbox.create``), ``drain()`` closes what it holds. A pooled sandbox is a sandbox like any other,
@@ -31,6 +33,7 @@ log = logging.getLogger("agentenv")
 
 KIND = "warm"  # the ``agentenv.kind`` label of a sandbox waiting in the pool
 IDLE_TTL = 3600.0  # seconds a pooled sandbox lives unused (the pool of a dead process is reaped after it)
+REFILL_DELAY = 0.25  # seconds the pool waits after a take before it refills: a burst or fork is done first
 
 _lock = threading.Condition()
 _ready: list[tuple[str, Sandbox]] = []  # (key, sandbox): the key says what it was started as (``_key``)
@@ -38,6 +41,7 @@ _want: dict[str, Any] = {}  # the create arguments of the pool ("image" included
 _size = 0
 _filler: threading.Thread | None = None
 _registered = False
+_last_take = 0.0  # time.monotonic() of the last take
 
 
 def configure(image: str, size: int, **create: Any) -> None:
@@ -91,7 +95,9 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
         if at is None:
             return None
         found = _ready.pop(at)[1]
-        _lock.notify_all()  # the filler starts a replacement
+        global _last_take
+        _last_take = time.monotonic()
+        _lock.notify_all()  # the filler starts a replacement, once takes pause
     with found._locked():
         found._rec.update(labels=dict(labels or {}), expires_at=time.time() + ttl if ttl else None)
         found._save()
@@ -126,8 +132,8 @@ def _fill() -> None:
 
     while True:
         with _lock:
-            while _size and len(_ready) >= _size:
-                _lock.wait()
+            while _size and (len(_ready) >= _size or (quiet := time.monotonic() - _last_take) < REFILL_DELAY):
+                _lock.wait(None if len(_ready) >= _size else REFILL_DELAY - quiet)
             if not _size or threading.current_thread() is not _filler:
                 return
             want = dict(_want)

@@ -20,6 +20,7 @@ from bench.sandbox_common import (
     MEM_CODE,
     MEM_MB,
     MEMORY,
+    POOL,
     REPO_CHECK,
     REPO_EDIT,
     REPO_SETUP,
@@ -182,15 +183,22 @@ class AgentenvSide(Side):
             m.add_extra(f"phase:{name}", secs)
         return out
 
-    def forks(self, op: str, n: int, memory: bool, runs: int) -> None:
-        """fork(n) of the fork fixture, ``runs`` times; for n = 1 also the first exec in the child (``<op>_exec``)."""
+    def forks(self, op: str, n: int, memory: bool, runs: int, pool: int = 0) -> None:
+        """fork(n) of the fork fixture, ``runs`` times; for n = 1 also the first exec in the child (``<op>_exec``).
+        With ``pool``, a warm pool of that many sandboxes made like the fixture, full before each fork."""
         m = self.result(op)
         what = "files and processes" if memory else "files only, fresh processes"
         m.note = (f"source: the {self.fork_source} sandbox; fork({n}, memory={memory}) ({what}) returns children "
-                  "whose agent answered; extra: where the time went, summed over the children")
-        with recording(m, f"agentenv {op}"):
+                  "whose agent answered; extra: where the time went, summed over the children"
+                  + (f"; children from a warm pool of {pool}, refilled between runs (untimed)" if pool else ""))
+        with recording(m, f"agentenv {op}"), contextlib.ExitStack() as stack:
             fx = self.fixture("fork")
+            if pool:
+                warm.configure(IMAGE, pool, cpus=CPUS, memory=MEMORY)
+                stack.callback(warm.drain)
             for i in range(runs):
+                if pool and not warm.wait_full(600):
+                    raise RuntimeError(f"the warm pool did not fill: {warm.ready()} of {pool} started")
                 kids = self.timed(m, lambda: cast("list[agentenv.Sandbox]", fx.handle.fork(n, memory=memory)))
                 self.cleanup.sandboxes.extend(kids)
                 try:
@@ -225,6 +233,12 @@ class AgentenvSide(Side):
 
     def fork8_fs(self, runs: int) -> None:
         self.forks("fork8_fs", 8, False, runs)
+
+    def fork1_fs_pool(self, runs: int) -> None:
+        self.forks("fork1_fs_pool", 1, False, runs, pool=POOL)
+
+    def fork8_fs_pool(self, runs: int) -> None:
+        self.forks("fork8_fs_pool", 8, False, runs, pool=POOL)
 
     def fork32_fs(self, runs: int) -> None:
         self.forks("fork32_fs", 32, False, runs)

@@ -25,6 +25,9 @@ many runs the Docker side takes; ``drive`` runs it for each side. Results go to
 ``bench/results/sandbox.json`` (keys ``agentenv.<op>`` and ``docker.<op>``, ratios = Docker median /
 agentenv median); everything created is removed at the end, on error too.
 
+The pool rows fork with a warm pool (``agentenv.warm``) of POOL (8) sandboxes made like the fork's source, full
+before each timed fork: the children are pooled sandboxes whose root is swapped for the clone.
+
 The burst rows ask for BURST (64) sandboxes at once and time each from the release to its first command
 answered (p50 and p99): with agentenv's admission bound (``agentenv.admission``), without it, and from a
 warm pool of BURST started sandboxes (``agentenv.warm``, filled before the burst).
@@ -51,7 +54,7 @@ import agentenv
 from bench.agentenv_ops import AgentenvSide
 from bench.docker_ops import DockerSide
 from bench.harness import Report, Row, add_output_arg, console, median, print_table
-from bench.sandbox_common import BURST, CPUS, IMAGE, MEM_MB, MEMORY, Cleanup, Side
+from bench.sandbox_common import BURST, CPUS, IMAGE, MEM_MB, MEMORY, POOL, Cleanup, Side
 
 A, D = AgentenvSide, DockerSide
 
@@ -93,6 +96,11 @@ OPERATIONS: list[Op] = [
        measured_by="fork1_fs"),
     Op("fork8_fs", "fork(8), files only -> all running", "commit+8x(create+start)", 250.0, A.fork8_fs, D.fork8_fs,
        fixture="fork"),
+    Op("fork1_fs_pool", f"... fork(1), children from a warm pool of {POOL}", "- (as fork(1), files only)", 60.0,
+       A.fork1_fs_pool, None, fixture="fork"),
+    Op("fork1_fs_pool_exec", "first exec in a pooled child", "-", None, None, None, measured_by="fork1_fs_pool"),
+    Op("fork8_fs_pool", f"... fork(8), children from a warm pool of {POOL}", "- (as fork(8), files only)", 250.0,
+       A.fork8_fs_pool, None, fixture="fork"),
     Op("fork32_fs", "fork(32), files only -> all running", "-", None, A.fork32_fs, None, fixture="fork"),
     Op("mem_snapshot", f"memory snapshot ({MEM_MB} MB proc)", "checkpoint create", 100.0, A.mem_snapshot,
        D.mem_snapshot, fixture="mem", slow=True),

@@ -177,6 +177,7 @@ class Cleanup:
 
 
 BURST = 64  # sandboxes asked for at once by the burst rows
+POOL = 8  # sandboxes in the warm pool of the pooled fork rows
 BURST_P99_TARGET_MS = 1000.0
 
 

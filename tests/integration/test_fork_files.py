@@ -1,6 +1,7 @@
 """Forks of the files alone (``fork(n, memory=False)``): each child's layer is a btrfs snapshot of the parent's
 (``agentenv.forking``), or, where layers cannot be cloned, a copy through the store. Either way the children get
-every file, mode, link and deletion of the parent, then diverge; a ``kill -9`` mid-fork leaves no child."""
+every file, mode, link and deletion of the parent, then diverge; a ``kill -9`` mid-fork leaves no child. With a
+warm pool the children are pooled sandboxes whose root is swapped: the same files, mounts and guarantees."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import agentenv
-from agentenv import recovery, volume
+from agentenv import recovery, volume, warm
 from agentenv.config import CRASH_ENV, paths
 
 pytestmark = pytest.mark.integration
@@ -137,5 +139,102 @@ sb.fork(2, memory=False)
         assert [s.id for s in agentenv.Sandbox.list()] == [parent.id]  # the half-made children are gone
         settled(lambda: sorted(p.name for p in paths().layers.iterdir()) == [parent.id], "a child's layer stayed")
         assert store_is_empty()
+    finally:
+        parent.close()
+
+
+def mounts(sb: agentenv.Sandbox) -> list[tuple[str, ...]]:
+    """Where each mount of the sandbox is, its type, flags and options; the root's layer folders left out."""
+    rows = []
+    for line in sb.exec("cat /proc/self/mountinfo").stdout.splitlines():
+        left, _, right = line.partition(" - ")
+        f, r = left.split(), right.split()
+        rows.append((f[4], f[5], r[0], "" if f[4] == "/" else r[2]))
+    return sorted(rows)
+
+
+@pytest.fixture
+def pool(parent):
+    warm.configure("agentenv/base", 2, memory="256m", disk="1g")  # made like the parent
+    try:
+        assert warm.wait_full(120)
+        yield {sb.id for sb in agentenv.Sandbox.list() if sb.labels.get("agentenv.kind") == warm.KIND}
+    finally:
+        warm.drain()
+
+
+def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(parent, pool):
+    kids = parent.fork(2, memory=False)
+    try:
+        assert {k.id for k in kids} == pool
+        assert all(k.labels == parent.labels and k.state == "running" for k in kids)
+        check_children(parent, kids)
+        assert kids[1].exec("pwd").stdout == "/testbed\n"  # the agent runs from the new root, in the workdir
+        for k in kids:  # a layer each, cloned; the pooled sandbox's own is gone
+            assert volume.is_subvolume(k._container.layer) and k._container.layer.name.startswith(k.id + ".")
+            assert [p.name for p in paths().layers.iterdir() if p.name.startswith(k.id)] == [k._container.layer.name]
+        warm.drain()
+        with parent.fork(1, memory=False)[0] as booted:  # no pool now: a child that runc started
+            assert mounts(kids[0]) == mounts(booted)  # /proc's masks, /dev, /sys read-only, the agent's file
+        # nothing of the pooled sandbox's first root stays in use: CRIU dumps and restores the child
+        kids[0].spawn("sleep 1000")
+        snap = kids[0].snapshot(memory=True)
+        try:
+            with agentenv.Sandbox.restore(snap) as r:
+                assert [p.command for p in r.processes()] == ["sleep 1000"]
+                assert r.exec(STATE).stdout == kids[0].exec(STATE).stdout
+        finally:
+            snap.delete()
+        grandkids = kids[1].fork(1, memory=False)  # a pooled child forks like any other
+        assert grandkids[0].exec("cat /testbed/mine").stdout == "1"
+        grandkids[0].close()
+    finally:
+        for k in kids:
+            k.close()
+    assert not [p for p in paths().layers.iterdir() if p.name.split(".")[0] in pool]
+
+
+def test_a_parent_that_plants_a_symlink_at_a_mount_point_gets_children_booted_afresh(parent, pool, caplog):
+    # the parent moves the agent's folder away and puts a link where the agent's file is mounted
+    r = parent.exec("mv /.agentenv /.agentenv-x && mkdir /.agentenv && ln -s /etc/hostname /.agentenv/agent.py")
+    assert r.exit_code == 0, r.stderr
+    host_hostname = Path("/etc/hostname").read_text()
+    kids = parent.fork(1, memory=False)
+    try:
+        assert kids[0].id in pool  # taken from the pool, then booted by runc over its cloned layer
+        assert "starting it afresh" in caplog.text
+        assert kids[0].exec("cat /testbed/mode").stdout == "secret\n"
+        assert kids[0].processes() == []
+    finally:
+        kids[0].close()
+    assert Path("/etc/hostname").read_text() == host_hostname
+
+
+@pytest.mark.parametrize("point", ["fork:cloned", "fork:started"])
+def test_kill_9_mid_pooled_fork_leaves_no_child(point):
+    script = f"""
+import sys
+sys.path.insert(0, {os.getcwd()!r})
+import agentenv
+from agentenv import warm
+sb = agentenv.Sandbox.create(memory="256m")
+sb.write_file("/testbed/kept", "kept")
+print(sb.id, flush=True)
+warm.configure("agentenv/base", 2, memory="256m")
+assert warm.wait_full(120)
+sb.fork(2, memory=False)
+"""
+    env = {**os.environ, CRASH_ENV: point}
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    parent = agentenv.Sandbox.get(p.stdout.split()[0])
+    try:
+        recovery.recover_all()
+        assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"
+        others = [s for s in agentenv.Sandbox.list() if s.id != parent.id]
+        assert all(s.labels.get("agentenv.kind") == warm.KIND for s in others)  # a refill at most: no child
+        for s in others:
+            s.close()
+        settled(lambda: sorted(p.name for p in paths().layers.iterdir()) == [parent.id], "a child's layer stayed")
     finally:
         parent.close()
