@@ -238,3 +238,21 @@ sb.fork(2, memory=False)
         settled(lambda: sorted(p.name for p in paths().layers.iterdir()) == [parent.id], "a child's layer stayed")
     finally:
         parent.close()
+
+
+def test_a_sandbox_with_a_1_gb_layer_forks_without_copying_it():
+    with agentenv.Sandbox.create(memory="256m", disk="3g") as sb:
+        r = sb.exec("dd if=/dev/zero of=/testbed/big bs=4M count=256 status=none && echo end >> /testbed/big && "
+                    "sha256sum /testbed/big | cut -c1-16", timeout=300)
+        assert r.exit_code == 0, r.stderr
+        assert sb.exec("du -sm /testbed/big | cut -f1").stdout.strip() == "1025"  # real blocks, not a sparse file
+        kids = sb.fork(2, memory=False) + sb.fork(1, memory=True)
+        try:
+            for k in kids:  # the whole file, from a clone (a copy would have doubled what the volume holds)
+                assert volume.is_subvolume(k._container.layer)
+                assert k.exec("sha256sum /testbed/big | cut -c1-16", timeout=120).stdout == r.stdout
+            kids[0].exec("truncate -s 1M /testbed/big")
+            assert kids[1].exec("stat -c %s /testbed/big").stdout == f"{(1 << 30) + 4}\n"
+        finally:
+            for k in kids:
+                k.close()
