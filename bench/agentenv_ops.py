@@ -243,6 +243,9 @@ class AgentenvSide(Side):
     def fork32_fs(self, runs: int) -> None:
         self.forks("fork32_fs", 32, False, runs)
 
+    def fork32_fs_pool(self, runs: int) -> None:
+        self.forks("fork32_fs_pool", 32, False, runs, pool=32)
+
     def mem_snapshot(self, runs: int) -> None:
         m = self.result("mem_snapshot")
         with recording(m, "agentenv memory snapshot"):

@@ -25,8 +25,8 @@ many runs the Docker side takes; ``drive`` runs it for each side. Results go to
 ``bench/results/sandbox.json`` (keys ``agentenv.<op>`` and ``docker.<op>``, ratios = Docker median /
 agentenv median); everything created is removed at the end, on error too.
 
-The pool rows fork with a warm pool (``agentenv.warm``) of POOL (8) sandboxes made like the fork's source, full
-before each timed fork: the children are pooled sandboxes whose root is swapped for the clone.
+The pool rows fork with a warm pool (``agentenv.warm``) of POOL (8; 32 for fork(32)) sandboxes made like the
+fork's source, full before each timed fork: the children are pooled sandboxes whose root is swapped for the clone.
 
 The burst rows ask for BURST (64) sandboxes at once and time each from the release to its first command
 answered (p50 and p99): with agentenv's admission bound (``agentenv.admission``), without it, and from a
@@ -102,6 +102,8 @@ OPERATIONS: list[Op] = [
     Op("fork8_fs_pool", f"... fork(8), children from a warm pool of {POOL}", "- (as fork(8), files only)", 250.0,
        A.fork8_fs_pool, None, fixture="fork"),
     Op("fork32_fs", "fork(32), files only -> all running", "-", None, A.fork32_fs, None, fixture="fork"),
+    Op("fork32_fs_pool", "... fork(32), children from a warm pool of 32", "-", None, A.fork32_fs_pool, None,
+       fixture="fork"),
     Op("mem_snapshot", f"memory snapshot ({MEM_MB} MB proc)", "checkpoint create", 100.0, A.mem_snapshot,
        D.mem_snapshot, fixture="mem", slow=True),
     Op("pause", f"pause ({MEM_MB} MB sandbox)", "checkpoint create --exit", None, A.pause, D.pause,

@@ -116,15 +116,19 @@ def test_snapshots_clone_the_layer_and_restores_clone_the_snapshot(parent):
     assert not snap.files.exists()
 
 
-@pytest.mark.parametrize("point", ["fork:frozen", "fork:cloned", "fork:started"])
-def test_kill_9_mid_files_fork_leaves_no_child_and_the_parent_running(point):
+@pytest.mark.parametrize(("point", "pooled"), [("fork:frozen", False), ("fork:cloned", False), ("fork:started", False),
+                                               ("fork:cloned", True), ("fork:started", True)])
+def test_kill_9_mid_files_fork_leaves_no_child_and_the_parent_running(point, pooled):
+    pool = 'warm.configure("agentenv/base", 2, memory="256m")\nassert warm.wait_full(120)' if pooled else ""
     script = f"""
 import sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
+from agentenv import warm
 sb = agentenv.Sandbox.create(memory="256m")
 sb.write_file("/testbed/kept", "kept")
 print(sb.id, flush=True)
+{pool}
 sb.fork(2, memory=False)
 """
     env = {**os.environ, CRASH_ENV: point}
@@ -136,7 +140,10 @@ sb.fork(2, memory=False)
         assert parent.id in found["running"]
         assert not parent._container.frozen()
         assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"
-        assert [s.id for s in agentenv.Sandbox.list()] == [parent.id]  # the half-made children are gone
+        others = [s for s in agentenv.Sandbox.list() if s.id != parent.id]
+        assert all(s.labels.get("agentenv.kind") == warm.KIND for s in others)  # the half-made children are gone
+        for s in others:  # what the dead process's pool had refilled (reaped after its idle ttl otherwise)
+            s.close()
         settled(lambda: sorted(p.name for p in paths().layers.iterdir()) == [parent.id], "a child's layer stayed")
         assert store_is_empty()
     finally:
@@ -208,36 +215,6 @@ def test_a_parent_that_plants_a_symlink_at_a_mount_point_gets_children_booted_af
     finally:
         kids[0].close()
     assert Path("/etc/hostname").read_text() == host_hostname
-
-
-@pytest.mark.parametrize("point", ["fork:cloned", "fork:started"])
-def test_kill_9_mid_pooled_fork_leaves_no_child(point):
-    script = f"""
-import sys
-sys.path.insert(0, {os.getcwd()!r})
-import agentenv
-from agentenv import warm
-sb = agentenv.Sandbox.create(memory="256m")
-sb.write_file("/testbed/kept", "kept")
-print(sb.id, flush=True)
-warm.configure("agentenv/base", 2, memory="256m")
-assert warm.wait_full(120)
-sb.fork(2, memory=False)
-"""
-    env = {**os.environ, CRASH_ENV: point}
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, check=False)
-    assert p.returncode == -signal.SIGKILL, p.stderr
-    parent = agentenv.Sandbox.get(p.stdout.split()[0])
-    try:
-        recovery.recover_all()
-        assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"
-        others = [s for s in agentenv.Sandbox.list() if s.id != parent.id]
-        assert all(s.labels.get("agentenv.kind") == warm.KIND for s in others)  # a refill at most: no child
-        for s in others:
-            s.close()
-        settled(lambda: sorted(p.name for p in paths().layers.iterdir()) == [parent.id], "a child's layer stayed")
-    finally:
-        parent.close()
 
 
 def test_a_sandbox_with_a_1_gb_layer_forks_without_copying_it():
