@@ -12,11 +12,12 @@ before a memory snapshot) reconnects and resumes from the byte offsets it alread
 end is delivered; its output waits in the agent, from absolute offsets, until read (or discarded).
 
 Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
-server, or connect to the agent itself. Every frame is capped (``MAX_HEADER``, and a blob limit the
-reader chooses), files are streamed in ``CHUNK``-sized pieces rather than held in memory, and the
-agent survives what its sandbox can throw at it: SIGTERM/SIGINT from inside, running out of pids
-(it answers an error instead of dying), ptrace (it is not dumpable), memory pressure (its children
-get the highest OOM score, so the kernel picks them first).
+server, or connect to the agent itself (so ``reroot``, which re-executes the agent with the argv it is
+given, is refused unless the peer is outside the sandbox's pid namespace: the host). Every frame is capped
+(``MAX_HEADER``, and a blob limit the reader chooses), files are streamed in ``CHUNK``-sized pieces rather
+than held in memory, and the agent survives what its sandbox can throw at it: SIGTERM/SIGINT from inside,
+running out of pids (it answers an error instead of dying), ptrace (it is not dumpable), memory pressure
+(its children get the highest OOM score, so the kernel picks them first).
 """
 
 from __future__ import annotations
@@ -504,6 +505,8 @@ class Agent:
             elif op == "read":
                 send_file(conn, h["path"])
             elif op == "reroot":  # a fork gave this (pooled) sandbox another root: run from it, as a new agent
+                if peer_pid(conn) != 0:  # sent from inside: the sandbox's own program would become its agent
+                    raise PermissionError(errno.EPERM, "reroot is the host's request alone: refused")
                 argv, env = [str(a) for a in h["argv"]], {**os.environ, **{str(k): str(v) for k, v in h["env"].items()}}
                 os.makedirs(str(h["cwd"]), exist_ok=True)  # as runc makes a missing working folder
                 os.chdir(str(h["cwd"]))
@@ -713,6 +716,12 @@ class Agent:
                 if not (self.conns - {keep}):
                     break
             time.sleep(0.001)
+
+
+def peer_pid(conn: socket.socket) -> int:
+    """The pid of the process that connected ``conn``, as the agent's pid namespace numbers it: 0 for one outside
+    that namespace (the host), which no process of the sandbox can be (it may not make pid namespaces)."""
+    return int(struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0])
 
 
 def kill_job(job_id: int, pgid: int) -> None:

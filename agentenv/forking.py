@@ -12,7 +12,8 @@ cheapest path its children allow:
   its layer cloned the same way and its root swapped under its running agent (``hostcalls.swap_root``:
   the overlay over the clone moved in, /proc, /dev and /sys moved onto it, ``pivot_root``), so a child
   costs a clone and a few system calls instead of a runc start and an interpreter coming up. Nothing
-  untrusted has run in a pooled sandbox, so nothing it could have left there carries over.
+  untrusted has run in a pooled sandbox, so nothing it could have left there carries over; one that runs
+  anything besides its agent (it is listed like any sandbox: someone may have used it) is booted afresh instead.
 - Otherwise (processes too, or a volume without subvolumes): one snapshot in the store, restored ``n``
   times in parallel, then deleted off the caller's path.
 
@@ -35,6 +36,7 @@ from agentenv.agent_start import agent_command, agent_env
 from agentenv.config import crash_point, paths
 from agentenv.errors import SandboxError
 from agentenv.phases import phase
+from agentenv.runtime import AgentProcess
 
 if TYPE_CHECKING:
     from agentenv.runtime import ContainerSpec
@@ -87,9 +89,10 @@ def _fork_files(parent: Sandbox, n: int) -> builtins.list[Sandbox]:
 
 
 def _from_pool(parent: Sandbox, spec: ContainerSpec, lineage: str | None) -> Sandbox | None:
-    """A started sandbox from the warm pool (``agentenv.warm``) made like ``parent``, now a child being made
-    (state 'creating', owned by this process) whose layer is a new one, its own retired; None if there is none."""
-    sb = warm.take(parent.image, spec, ttl=None, labels=parent.labels)
+    """A started sandbox from the warm pool (``agentenv.warm``) made like ``parent`` (never ``parent`` itself, which
+    may be waiting there too), now a child being made (state 'creating', owned by this process) whose layer is a
+    new one, its own retired; None if there is none."""
+    sb = warm.take(parent.image, spec, ttl=None, labels=parent.labels, skip=parent.id)
     if sb is None:
         return None
     with sb._locked():
@@ -112,7 +115,11 @@ def _boot_child(kid: Sandbox) -> None:
     try:
         with phase("swap root"):
             try:
-                kid._container.take_root(spec, kid._rec["init_pid"])
+                # its agent pinned as for every call: the pid in a record may name another sandbox's process by now
+                init = AgentProcess(kid._rec["init_pid"] or 0, kid._rec.get("init_start"), kid._container.cgroup)
+                if kid._container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
+                    raise SandboxError("the pooled sandbox runs processes besides its agent")
+                kid._container.take_root(spec, init)
             except (OSError, SandboxError) as e:  # e.g. a mount point the parent made a symlink: boot it instead
                 log.warning("fork: could not give the pooled sandbox %s its files (%s); starting it afresh", kid.id, e)
                 kid._container.destroy()

@@ -32,6 +32,7 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -116,21 +117,31 @@ def make_netns(path: Path) -> None:
                            fix="agentenv needs root (CAP_SYS_ADMIN) on a kernel with network namespaces")
 
 
-def swap_root(pid: int, rootfs: Path) -> None:
+def swap_root(pid: int, rootfs: Path, alive: Callable[[], bool]) -> None:
     """Make the mount on ``rootfs`` (in this process's namespace) the root of ``pid``'s mount namespace, with the
     mounts on the old root (/proc, /dev, /sys, binds, each with what is mounted under it) moved onto it, and the
     old root detached. Every process there whose root was the old root has the new one; cwds elsewhere stay
     in the old tree (the caller moves them). For a namespace that runs nothing untrusted yet (a pooled sandbox):
-    it is read from /proc. SandboxError if a mount point in the new root goes through a symbolic link (checked
+    it is read from /proc. ``alive``: whether the process the caller pinned as ``pid`` (a pidfd) still lives;
+    asked once its /proc files are open, so that they cannot be those of a later process given the same number
+    (ProcessLookupError then). The new root is made private in that namespace before anything moves onto it:
+    a clone of a shared mount (the host's mounts on systemd) would have the moves copied back to the host, and
+    pivot_root refuses it. SandboxError if a mount point in the new root goes through a symbolic link (checked
     before anything moves; the new root is taken out again), OSError (the kernel's errno) if a step fails."""
     if _NR_PIVOT_ROOT is None:
         raise OSError(errno.ENOSYS, f"swap_root is not supported on {platform.machine()}")
     mounts = mountinfo(pid)
     root_id = next(m.id for m in mounts if m.point == "/")
     tops = [m.point for m in mounts if m.parent == root_id and m.point != NEW_ROOT]
-    tree = _check_fd(_libc.syscall(_NR_OPEN_TREE, AT_FDCWD, str(rootfs).encode(), OPEN_TREE_CLONE | os.O_CLOEXEC),
-                     f"open_tree {rootfs}")
     ns = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if not alive():  # its pid may name another process now (another sandbox's, the host's)
+            raise ProcessLookupError(errno.ESRCH, f"the process {pid} whose root was to be swapped is gone")
+        tree = _check_fd(_libc.syscall(_NR_OPEN_TREE, AT_FDCWD, str(rootfs).encode(),
+                                       OPEN_TREE_CLONE | os.O_CLOEXEC), f"open_tree {rootfs}")
+    except BaseException:
+        os.close(ns)
+        raise
     failed: list[BaseException] = []
 
     def inside() -> None:  # this thread alone enters the namespace (its root and cwd become the old root)
@@ -141,6 +152,7 @@ def swap_root(pid: int, rootfs: Path) -> None:
             os.makedirs(NEW_ROOT, exist_ok=True)
             _check(_libc.syscall(_NR_MOVE_MOUNT, tree, b"", AT_FDCWD, NEW_ROOT.encode(), MOVE_MOUNT_F_EMPTY_PATH),
                    "move_mount")
+            mount("none", Path(NEW_ROOT), None, MS_PRIVATE)  # the clone is a peer of the host's mount, if shared
             for point in tops:  # every mount point checked before anything moves: a refusal leaves all in place
                 target = NEW_ROOT + point
                 if not os.path.lexists(target):

@@ -320,12 +320,12 @@ class Container:
                 with contextlib.suppress(OSError):
                     umount(self.rootfs, lazy=True)
 
-    def take_root(self, spec: ContainerSpec, pid: int) -> None:
+    def take_root(self, spec: ContainerSpec, init: AgentProcess) -> None:
         """Give the running container a new root: the overlay of ``spec``'s image over ``self.layer`` (which a fork
-        just cloned), mounted here and swapped in under its processes (``swap_root``; pid: its init's)."""
+        just cloned), mounted here and swapped in under its processes (``swap_root``; ``init``: its init, pinned)."""
         self.unmount()  # this namespace's copy; the container has its own until the swap
         self.mount(spec)
-        swap_root(pid, self.rootfs)
+        swap_root(init.pid, self.rootfs, init.alive)
 
     # --- lifecycle -------------------------------------------------------------------------
 
@@ -347,6 +347,14 @@ class Container:
         self._runc("delete", "--force", self.cid)
         self.unmount()
         drop_netns(self.netns)
+
+    def pids(self) -> list[int]:
+        """The host pids of the processes in the container's cgroup (the v1 pids controller's, or v2's); empty
+        when there is no such cgroup."""
+        for base in (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup")):
+            with contextlib.suppress(FileNotFoundError):
+                return sorted(int(p) for p in (base / self.cgroup.lstrip("/") / "cgroup.procs").read_text().split())
+        return []
 
     def freezer(self) -> Path | None:
         """The freezer control file of the container's cgroup (v1 freezer.state or v2 cgroup.freeze)."""

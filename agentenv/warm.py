@@ -84,14 +84,17 @@ def wait_full(timeout: float) -> bool:
     return True
 
 
-def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, str] | None) -> Sandbox | None:
+def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, str] | None,
+         skip: str | None = None) -> Sandbox | None:
     """A pooled sandbox of ``image`` started with ``spec``, now the caller's (its labels and ttl set), or
-    None when there is none (no pool, another image or limits, or the pool is empty: create one then)."""
+    None when there is none (no pool, another image or limits, or the pool is empty: create one then).
+    ``skip``: never the sandbox of this id (a fork's parent, which may itself be waiting here, listed as
+    every sandbox is, and whose lock the fork holds)."""
     if threading.current_thread() is _filler:  # the pool's own creates
         return None
     with _lock:
         key = _key(image, spec)
-        at = next((i for i, (k, _) in enumerate(_ready) if k == key), None)
+        at = next((i for i, (k, sb) in enumerate(_ready) if k == key and sb.id != skip), None)
         if at is None:
             return None
         found = _ready.pop(at)[1]
