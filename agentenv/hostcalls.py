@@ -117,6 +117,17 @@ def make_netns(path: Path) -> None:
                            fix="agentenv needs root (CAP_SYS_ADMIN) on a kernel with network namespaces")
 
 
+def proc_start_time(pid: int) -> int:
+    """When a process started (clock ticks since boot, field 22 of ``/proc/<pid>/stat``): with the pid,
+    a name no later process gets. ProcessLookupError when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ProcessLookupError(3, f"no process {pid}") from None
+    return int(data[data.rindex(b")") + 2:].split()[19])  # after the command name, which may hold anything
+
+
 def swap_root(pid: int, rootfs: Path, alive: Callable[[], bool]) -> None:
     """Make the mount on ``rootfs`` (in this process's namespace) the root of ``pid``'s mount namespace, with the
     mounts on the old root (/proc, /dev, /sys, binds, each with what is mounted under it) moved onto it, and the

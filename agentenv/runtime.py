@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import json
 import os
 import platform
@@ -25,12 +24,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv import agent
+from agentenv import agent, criu, lazy_pages
 from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
+from agentenv.criu import dump as criu_dump
+from agentenv.criu import fix as criu_fix
+from agentenv.criu import reason as criu_reason
 from agentenv.errors import CheckpointError, SandboxError
-from agentenv.hostcalls import drop_netns, make_netns, mount_overlay, run_program, swap_root, umount
+from agentenv.hostcalls import (
+    drop_netns,
+    make_netns,
+    mount_overlay,
+    proc_start_time,
+    run_program,
+    swap_root,
+    umount,
+)
 from agentenv.phases import phase
 
 DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
@@ -259,7 +269,7 @@ class Container:
         ``close()`` must not bring the removed sandbox folder back (runc creates its log's folder).
         """
         if "checkpoint" in args or "restore" in args:
-            criu_rundir()
+            criu.rundir()
         fd, name = tempfile.mkstemp(prefix=f"agentenv-runc-{self.cid}.", suffix=".log")
         os.close(fd)
         log = Path(name)
@@ -345,6 +355,7 @@ class Container:
     def destroy(self) -> None:
         """Kill every process, delete the runc container and unmount; tolerant of half-made state."""
         self._runc("delete", "--force", self.cid)
+        lazy_pages.stop_lazy_daemons(self.bundle)  # a lazy restore's, if its memory was still coming in
         self.unmount()
         drop_netns(self.netns)
 
@@ -402,43 +413,32 @@ class Container:
     # --- CRIU --------------------------------------------------------------------------------
 
     def checkpoint(self, images: Path, work: Path, leave_running: bool, criu: str | None = None) -> None:
-        """Dump every process of the container with CRIU (through runc) into ``images``."""
-        args = ["checkpoint", "--image-path", str(images), "--work-path", str(work), "--tcp-established",
-                "--file-locks"]
-        if leave_running:
-            args.append("--leave-running")
-        r = self._runc(*(["--criu", criu] if criu else []), *args, self.cid, timeout=300)
-        if r.returncode != 0:
-            log = self.bundle / "last-dump.log"  # kept: the snapshot folder is removed on failure
-            with contextlib.suppress(OSError):
-                shutil.copyfile(work / "dump.log", log)
-            raise CheckpointError(f"CRIU dump failed: {_criu_reason(r.stderr, log)}", fix=criu_fix(criu))
+        """Dump every process of the container with CRIU into ``images``, in the form ``runc restore`` takes
+        (CRIU run directly, with runc's options and fewer costs: see ``agentenv.criu``)."""
+        try:
+            criu_dump(self.runc_root / self.cid / "state.json", images, work, leave_running, criu)
+        except CheckpointError:
+            with contextlib.suppress(OSError):  # kept: the snapshot folder is removed on failure
+                shutil.copyfile(work / "dump.log", self.bundle / "last-dump.log")
+            raise
 
-    def restore(self, images: Path, work: Path, criu: str | None = None) -> int:
-        """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init."""
+    def restore(self, images: Path, work: Path, criu: str | None = None, lazy: bool = False) -> int:
+        """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init. With ``lazy``, the
+        processes run before their memory is in: a ``criu lazy-pages`` daemon listening in ``work`` serves it
+        (``agentenv.lazy_pages.start_lazy_pages``)."""
         pidfile = self.bundle / "init.pid"
         work.mkdir(parents=True, exist_ok=True)
         r = self._runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),
                        "--work-path", str(work), "--bundle", str(self.bundle), "--pid-file", str(pidfile),
-                       "--tcp-established", "--file-locks", self.cid, timeout=300)
+                       "--tcp-established", "--file-locks", *(["--lazy-pages"] if lazy else []), self.cid,
+                       timeout=300)
         if r.returncode != 0:
-            raise CheckpointError(f"CRIU restore failed: {_criu_reason(r.stderr, work / 'restore.log')}",
+            raise CheckpointError(f"CRIU restore failed: {criu_reason(r.stderr, work / 'restore.log')}",
                                   fix=criu_fix(criu))
         return int(pidfile.read_text())
 
 
 # --- the agent process, as the host knows it -------------------------------------------------------
-
-
-def proc_start_time(pid: int) -> int:
-    """When a process started (clock ticks since boot, field 22 of ``/proc/<pid>/stat``): with the pid,
-    a name no later process gets. ProcessLookupError when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise ProcessLookupError(3, f"no process {pid}") from None
-    return int(data[data.rindex(b")") + 2:].split()[19])  # after the command name, which may hold anything
 
 
 def in_cgroup(pid: int, cgroup: str) -> bool:
@@ -511,56 +511,6 @@ def protect_agent(pid: int) -> bool:
     except OSError:
         return False
     return True
-
-
-CRIU_RUNDIR = "/run/agentenv-criu"
-
-
-@functools.cache
-def criu_rundir() -> None:
-    """Mount the small tmpfs where our CRIU build caches its kernel probe (saves ~30 ms a run).
-
-    CRIU keeps the cache only on a tmpfs; a dedicated root-only one, since /run may be a disk.
-    Best effort: without it CRIU probes the kernel every time.
-    """
-    if os.path.ismount(CRIU_RUNDIR):
-        return
-    with contextlib.suppress(OSError):
-        os.makedirs(CRIU_RUNDIR, mode=0o700, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", CRIU_RUNDIR],
-                       capture_output=True, check=False)
-
-
-def dump_stats(images: Path) -> dict[str, int]:
-    """CRIU's own account of a dump (``stats-dump``, read with pycriu): frozen time and memory
-    figures in microseconds and pages. Empty when pycriu or the file is missing."""
-    try:
-        from pycriu import images as criu_images
-
-        with open(images / "stats-dump", "rb") as f:
-            entry = criu_images.load(f)["entries"][0]["dump"]
-    except Exception:  # noqa: BLE001 - statistics are best effort: they never fail a snapshot
-        return {}
-    return {k: int(v) for k, v in entry.items()}
-
-
-def criu_fix(criu: str | None) -> str:
-    """What to do when CRIU fails: where it is missing, install it; otherwise read its log."""
-    binary = criu or "criu"
-    if shutil.which(binary) is None:
-        return f"CRIU ({binary}) is not installed: run scripts/bootstrap.sh, which installs CRIU >= 4"
-    return "run 'criu check' and read the CRIU log named above; filesystem snapshots (memory=False) still work"
-
-
-def _criu_reason(stderr: str, log: Path) -> str:
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
-    reason = lines[-1] if lines else "unknown error"
-    if log.exists():
-        errors = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln or "rror" in ln]
-        if errors:
-            reason += "; CRIU says: " + " | ".join(e.strip() for e in errors[:3])
-        reason += f" (log: {log})"
-    return reason
 
 
 def copy_tree(src: Path, dst: Path) -> None:

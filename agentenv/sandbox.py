@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from agentenv import admission, agent, forking, images, recovery, store, volume, warm
+from agentenv import admission, agent, forking, images, lazy_pages, recovery, store, volume, warm
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_IMAGE,
@@ -47,6 +47,7 @@ from agentenv.api import (
 from agentenv.calls import Calls, Process, max_output
 from agentenv.channel import Channel, Gate, Root
 from agentenv.config import crash_point, parse_disk, parse_size, paths
+from agentenv.criu import dump_stats
 from agentenv.errors import (
     AgentEnvError,
     CheckpointError,
@@ -56,14 +57,13 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
+from agentenv.hostcalls import proc_start_time
 from agentenv.phases import phase
 from agentenv.recovery import RECOVER_PING_TIMEOUT, HostProcess
 from agentenv.runtime import (
     AgentProcess,
     Container,
     ContainerSpec,
-    dump_stats,
-    proc_start_time,
     protect_agent,
 )
 from agentenv.store import Snapshot
@@ -153,7 +153,10 @@ class Sandbox(Calls):
     def _start(self, snap: Snapshot | None, op: str) -> None:
         """Make the layer and the bundle, start the agent (or restore every process) and wait until it answers.
         On failure the container is torn down but the record stays: the caller decides its fate."""
+        restoring = None
         try:
+            if snap is not None and snap.has_memory:  # begun now: a lazy restore's daemon starts as the root is made
+                restoring = lazy_pages.Restore(snap.criu_dir, self._container.bundle, os.environ.get("AGENTENV_CRIU"))
             spec = self._spec()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
@@ -171,9 +174,10 @@ class Sandbox(Calls):
             # the files just copied (reflinks) count against the disk limit once a commit accounted them: start
             # one now, and have it done before this returns (it usually is, by the time the processes are up)
             txn = volume.account_soon(self._container.layer) if fs_from and spec.limits.disk is not None else None
-            if snap is not None and snap.has_memory:
-                with phase("criu restore"):
-                    pid = self._container.restore(snap.criu_dir, self._container.bundle / "criu-restore")
+            if restoring is not None:  # lazily where it pays: the record names the daemon until it is done
+                work = self._container.bundle / "criu-restore"
+                pid, self._rec["lazy_pages"] = restoring.run(
+                    lambda images, lazy: self._container.restore(images, work, restoring.criu, lazy=lazy))
             else:
                 with phase("runc run"):
                     pid = self._container.start()
@@ -190,6 +194,8 @@ class Sandbox(Calls):
             volume.wait_accounted(self._container.layer, txn)
             self._save()
         except BaseException:
+            if restoring is not None:
+                restoring.cancel()
             self._container.destroy()
             raise
 
@@ -312,6 +318,10 @@ class Sandbox(Calls):
     def _snapshot(self, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
                   snap_id: str | None = None, owner: builtins.list[int] | None = None) -> Snapshot:
         snap_id = snap_id or store.new_id("snap")
+        if memory and self._rec.get("lazy_pages"):  # restored lazily: its memory must be all in before a dump
+            lazy_pages.await_memory(self._rec["lazy_pages"], self.id)
+            self._rec["lazy_pages"] = None
+            self._save()
         with store.writing(snap_id) as folder:
             for attempt in range(3):
                 with self._frozen(quiesce=memory):

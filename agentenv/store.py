@@ -38,7 +38,8 @@ from agentenv import volume
 from agentenv.api import SnapshotInfo, info_of
 from agentenv.config import parse_size, paths
 from agentenv.errors import CheckpointError, SnapshotNotFound, StoreFullError
-from agentenv.runtime import copy_tree, proc_start_time
+from agentenv.hostcalls import proc_start_time
+from agentenv.runtime import copy_tree
 
 FORK_KIND = "fork"  # the ``agentenv.kind`` label of a fork's snapshot (deleted when the fork is done)
 
