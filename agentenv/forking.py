@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentenv import store, volume, warm
+from agentenv import snapshotting, store, volume, warm
 from agentenv.agent_start import agent_command, agent_env
 from agentenv.config import crash_point, paths
 from agentenv.errors import SandboxError
@@ -65,7 +65,7 @@ def _fork_files(parent: Sandbox, n: int) -> builtins.list[Sandbox]:
                 kids.append(_from_pool(parent, spec, lineage)
                             or type(parent)._new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage))
             disk = spec.limits.disk
-            with phase("freeze+clone"), parent._frozen(quiesce=False):
+            with phase("freeze+clone"), snapshotting.frozen(parent, quiesce=False):
                 volume.clone_layer(parent._container.layer, kids[0]._container.layer, disk)
                 crash_point("fork:frozen")
         # the others are clones of the first child's copy (the parent already runs on), each started as soon as
@@ -159,7 +159,7 @@ def _fork_snapshot(parent: Sandbox, n: int, memory: bool) -> builtins.list[Sandb
     with parent._locked():
         parent.require_running()
         with phase("snapshot"):  # a fork's snapshot: gc() removes it if this process dies
-            snap = parent._snapshot(memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND},
+            snap = snapshotting.take(parent, memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND},
                                     op="fork", owner=store.owner())
     try:
         made: builtins.list[Sandbox | None] = [None] * n

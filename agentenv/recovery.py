@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv import store, volume
+from agentenv import snapshotting, store, volume
 from agentenv.config import paths
 from agentenv.errors import AgentEnvError, SandboxNotFound
 
@@ -153,7 +153,7 @@ def _recover_pause(sb: Sandbox, snap_id: str) -> str:
             sb._save()
             return "lost"
         # CRIU dumped every process (and ended them): publish what it wrote, as the pause would have
-        snap = sb._snapshot_meta(snap_id, dumped[0], True, {"agentenv.kind": "pause"})
+        snap = snapshotting.meta(sb, snap_id, dumped[0], True, {"agentenv.kind": "pause"})
         store.write_meta(dumped[0], snap)
         store.publish(dumped[0], snap_id)
         for t in tmps[1:]:

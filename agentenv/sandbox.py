@@ -5,7 +5,8 @@ A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 
 list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
 or close the same sandbox at once. This module is its lifecycle: create, restore, get and list, state,
 snapshot, fork, pause, resume and close, the record and the lock. The calls into a running sandbox
-(exec, jobs, files) are ``agentenv.calls``, which ``Sandbox`` inherits; how a fork is made, ``agentenv.forking``.
+(exec, jobs, files) are ``agentenv.calls``, which ``Sandbox`` inherits; how a snapshot is written,
+``agentenv.snapshotting``; how a fork is made, ``agentenv.forking``.
 
 The record names the agent by pid *and* start time; each Sandbox object pins it with a pidfd and
 checks, before every connection, that the process it reaches is still that agent. A pid number that
@@ -31,10 +32,20 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from agentenv import admission, agent, forking, images, lazy_pages, recovery, store, volume, warm
+from agentenv import (
+    admission,
+    agent,
+    forking,
+    images,
+    lazy_pages,
+    recovery,
+    snapshotting,
+    store,
+    volume,
+    warm,
+)
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_IMAGE,
@@ -47,11 +58,8 @@ from agentenv.api import (
 from agentenv.calls import Calls, Process, max_output
 from agentenv.channel import Channel, Gate, Root
 from agentenv.config import crash_point, parse_disk, parse_size, paths
-from agentenv.criu import dump_stats
 from agentenv.errors import (
     AgentEnvError,
-    CheckpointError,
-    ConnectionLost,
     SandboxError,
     SandboxLost,
     SandboxNotFound,
@@ -72,7 +80,6 @@ __all__ = ["Process", "Sandbox", "max_output"]  # Process and max_output live in
 
 log = logging.getLogger("agentenv")
 START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
-QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
 _gates: dict[str, Gate] = {}
 _gates_lock = threading.Lock()
 
@@ -313,77 +320,7 @@ class Sandbox(Calls):
         """Save the filesystem (and with ``memory=True`` every process) into the snapshot store."""
         with self._locked():
             self.require_running()
-            return self._snapshot(memory, leave_running=True, labels=labels, op="snapshot")
-
-    def _snapshot(self, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
-                  snap_id: str | None = None, owner: builtins.list[int] | None = None) -> Snapshot:
-        snap_id = snap_id or store.new_id("snap")
-        if memory and self._rec.get("lazy_pages"):  # restored lazily: its memory must be all in before a dump
-            lazy_pages.await_memory(self._rec["lazy_pages"], self.id)
-            self._rec["lazy_pages"] = None
-            self._save()
-        with store.writing(snap_id) as folder:
-            for attempt in range(3):
-                with self._frozen(quiesce=memory):
-                    with phase("fs"):
-                        store.save_files(self._container.layer, self._container.upper, store.files_of(folder))
-                    crash_point(f"{op}:frozen")
-                    if not memory:
-                        break
-                    try:
-                        crash_point(f"{op}:dumping")
-                        with phase("criu dump"):
-                            self._container.checkpoint(folder / "criu", folder / "criu",
-                                                       leave_running=leave_running, criu=os.environ.get("AGENTENV_CRIU"))
-                        break
-                    except CheckpointError as e:
-                        # a host connection that another process opened in the meantime: quiesce again
-                        if "unix" not in str(e).lower() or attempt == 2:
-                            raise
-                shutil.rmtree(folder / "criu", ignore_errors=True)
-            crash_point(f"{op}:dumped")
-            snap = self._snapshot_meta(snap_id, folder, memory, labels, owner)
-            store.write_meta(folder, snap)
-        return snap
-
-    def _snapshot_meta(self, snap_id: str, folder: Path, memory: bool, labels: dict[str, str] | None,
-                       owner: builtins.list[int] | None = None) -> Snapshot:
-        layer = any(volume.is_subvolume(f) for f in (store.files_of(folder), paths().snapshot_files / snap_id))
-        return Snapshot(id=snap_id, parent_id=self._rec.get("parent_snapshot"), created_at=time.time(),
-                        size_bytes=store.size_of(folder), has_memory=memory, sandbox_id=self.id,
-                        spec=self._rec["spec"], labels={"image": self.image, **(labels or {})},
-                        criu_stats=dump_stats(folder / "criu") if memory else {}, owner=owner, layer=layer)
-
-    @contextlib.contextmanager
-    def _frozen(self, quiesce: bool) -> Iterator[None]:
-        """Hold every process still (cgroup freezer); with ``quiesce``, first close the host's connections."""
-        gate = self._channel.gate
-        if quiesce:
-            gate.shut()
-        try:
-            if quiesce:
-                with phase("quiesce"):
-                    self._quiesce()
-            try:
-                with phase("freeze"):
-                    self._container.freeze(True)
-                yield
-            finally:
-                if self._container.freezer() is not None:
-                    self._container.freeze(False)
-        finally:
-            if quiesce:
-                gate.open()
-
-    def _quiesce(self) -> None:
-        """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
-        try:
-            self._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
-        except TimeoutError:
-            raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s; "
-                                 "nothing was saved and the sandbox was left running",
-                                 fix="the agent may be stopped (traced) or starved of CPU; retry, or close the "
-                                     "sandbox") from None
+            return snapshotting.take(self, memory, leave_running=True, labels=labels, op="snapshot")
 
     def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[Sandbox]:
         """``n`` independent sandboxes that continue from this instant; this one keeps running.
@@ -408,8 +345,8 @@ class Sandbox(Calls):
             self._rec.update(pausing=snap_id, owner=store.owner())
             self._save()
             try:
-                snap = self._snapshot(True, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause",
-                                      snap_id=snap_id)
+                snap = snapshotting.take(self, True, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause",
+                                        snap_id=snap_id)
             except BaseException:
                 self._rec.update(pausing=None, owner=None)
                 self._save()

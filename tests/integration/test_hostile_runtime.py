@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import agent, channel, sandbox, store, volume
+from agentenv import agent, channel, snapshotting, store, volume
 from agentenv.config import paths
 from agentenv.errors import (
     ConnectionLost,
@@ -276,7 +276,7 @@ def test_seccomp_and_the_agents_protection_survive_a_memory_snapshot(sb):
 
 
 def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_sandbox_running(sb, monkeypatch):
-    monkeypatch.setattr(sandbox, "QUIESCE_TIMEOUT", 2.0)
+    monkeypatch.setattr(snapshotting, "QUIESCE_TIMEOUT", 2.0)
     monkeypatch.setattr(channel, "CALL_TIMEOUT", 2.0)
     pid = agent_pid(sb)
     os.kill(pid, signal.SIGSTOP)  # what PTRACE_ATTACH from inside did
@@ -296,7 +296,7 @@ def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_
 
 
 def test_one_stopped_sandbox_does_not_stall_the_ttl_reaper(monkeypatch):
-    monkeypatch.setattr(sandbox, "QUIESCE_TIMEOUT", 2.0)
+    monkeypatch.setattr(snapshotting, "QUIESCE_TIMEOUT", 2.0)
     stuck = agentenv.Sandbox.create(ttl=600)
     fine = agentenv.Sandbox.create(ttl=600)
     pid = agent_pid(stuck)

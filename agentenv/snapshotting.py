@@ -1,0 +1,110 @@
+"""How a sandbox's state is saved: its files (a clone of its layer) and, for a memory snapshot, every process.
+
+``Sandbox.snapshot``, ``pause`` and the snapshot path of ``fork`` all come here. The sandbox is held still by
+its cgroup freezer while its files are cloned, so files and processes are of one instant. Before a memory
+snapshot the agent first closes every connection of the host (``quiesce``, with the sandbox's gate shut so no
+new one opens): CRIU cannot dump a process holding the other end of a socket whose peer it does not own. A
+sandbox restored lazily (``agentenv.lazy_pages``) is dumped only once all of its memory is in. The snapshot is
+written in a hidden folder of the store and renamed into place (``store.writing``): a crash leaves nothing
+half-made listed.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentenv import lazy_pages, store, volume
+from agentenv.config import crash_point, paths
+from agentenv.criu import dump_stats
+from agentenv.errors import CheckpointError, ConnectionLost
+from agentenv.phases import phase
+from agentenv.store import Snapshot
+
+if TYPE_CHECKING:
+    from agentenv.sandbox import Sandbox
+
+QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
+DUMP_ATTEMPTS = 3  # a dump that met a host connection opened meanwhile is quiesced and tried again
+
+
+def take(sb: Sandbox, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
+         snap_id: str | None = None, owner: builtins.list[int] | None = None) -> Snapshot:
+    """Write a snapshot of ``sb`` (locked by the caller) into the store; ``op`` names the crash points (tests)."""
+    snap_id = snap_id or store.new_id("snap")
+    if memory and sb._rec.get("lazy_pages"):  # restored lazily: its memory must be all in before a dump
+        lazy_pages.await_memory(sb._rec["lazy_pages"], sb.id)
+        sb._rec["lazy_pages"] = None
+        sb._save()
+    with store.writing(snap_id) as folder:
+        for attempt in range(DUMP_ATTEMPTS):
+            with frozen(sb, quiesce=memory):
+                with phase("fs"):
+                    store.save_files(sb._container.layer, sb._container.upper, store.files_of(folder))
+                crash_point(f"{op}:frozen")
+                if not memory:
+                    break
+                try:
+                    crash_point(f"{op}:dumping")
+                    with phase("criu dump"):
+                        sb._container.checkpoint(folder / "criu", folder / "criu", leave_running=leave_running,
+                                                 criu=os.environ.get("AGENTENV_CRIU"))
+                    break
+                except CheckpointError as e:
+                    # a host connection that another process opened in the meantime: quiesce again
+                    if "unix" not in str(e).lower() or attempt == DUMP_ATTEMPTS - 1:
+                        raise
+            shutil.rmtree(folder / "criu", ignore_errors=True)
+        crash_point(f"{op}:dumped")
+        snap = meta(sb, snap_id, folder, memory, labels, owner)
+        store.write_meta(folder, snap)
+    return snap
+
+
+def meta(sb: Sandbox, snap_id: str, folder: Path, memory: bool, labels: dict[str, str] | None,
+         owner: builtins.list[int] | None = None) -> Snapshot:
+    """The record of a snapshot of ``sb`` written into ``folder`` (also how recovery completes a cut-off pause)."""
+    layer = any(volume.is_subvolume(f) for f in (store.files_of(folder), paths().snapshot_files / snap_id))
+    return Snapshot(id=snap_id, parent_id=sb._rec.get("parent_snapshot"), created_at=time.time(),
+                    size_bytes=store.size_of(folder), has_memory=memory, sandbox_id=sb.id,
+                    spec=sb._rec["spec"], labels={"image": sb.image, **(labels or {})},
+                    criu_stats=dump_stats(folder / "criu") if memory else {}, owner=owner, layer=layer)
+
+
+@contextlib.contextmanager
+def frozen(sb: Sandbox, quiesce: bool) -> Iterator[None]:
+    """Hold every process of ``sb`` still (cgroup freezer); with ``quiesce``, first close the host's connections."""
+    gate = sb._channel.gate
+    if quiesce:
+        gate.shut()
+    try:
+        if quiesce:
+            with phase("quiesce"):
+                _quiesce(sb)
+        try:
+            with phase("freeze"):
+                sb._container.freeze(True)
+            yield
+        finally:
+            if sb._container.freezer() is not None:
+                sb._container.freeze(False)
+    finally:
+        if quiesce:
+            gate.open()
+
+
+def _quiesce(sb: Sandbox) -> None:
+    """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
+    try:
+        sb._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
+    except TimeoutError:
+        raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s; "
+                             "nothing was saved and the sandbox was left running",
+                             fix="the agent may be stopped (traced) or starved of CPU; retry, or close the "
+                                 "sandbox") from None
