@@ -241,6 +241,8 @@ class Kernel:
 
     def pump(self, name: str, reads: int) -> None:
         """Turn what waits in the pipe of ``name`` into events (at most ``reads`` reads)."""
+        if os.getpid() != self.pid:
+            return  # a fork of the kernel: what it read could not be emitted, and would be lost to the kernel
         r, _w, _fd, decoder = self.pipes[name]
         with self.guard():  # what is read is emitted, interrupt or not
             for _ in range(reads):
