@@ -65,6 +65,36 @@ def test_forks_continue_from_snapshot_then_diverge(counting):
             k.close()
 
 
+def test_a_process_whose_session_leader_is_gone_comes_back():
+    """``cmd &`` from an exec: the shell that led the process's session has exited, so CRIU restores the session
+    through a helper task. That helper once shared the agent's fs and files, and the agent could then not enter
+    the mount namespace to restore its own bound socket (setns: EINVAL): every memory restore failed."""
+    sb = agentenv.Sandbox.create()
+    made: list[agentenv.Sandbox] = []
+    try:
+        sb.write_file("/opt/counter.py", COUNTER)
+        sb.exec("nohup python3 /opt/counter.py >/dev/null 2>&1 &")
+        for _ in range(200):
+            if sb.exec(ASK).exit_code == 0:
+                break
+            time.sleep(0.05)
+        pid = sb.exec("pgrep -f counter.py").stdout.split()[0]
+        ids = sb.exec(f"ps -o sid=,pgid= -p {pid}").stdout.split()
+        assert ids[0] != "1" and ids[0] == ids[1]  # a session (and group) of its own, its leader gone
+        assert sb.exec(f"ps -o pid= -p {ids[0]}").stdout.strip() == ""
+        assert ask(sb, 2) == 3
+        sb.pause()
+        sb.resume()
+        assert ask(sb) == 4
+        made += sb.fork(2)
+        assert [ask(k) for k in made] == [5, 5]
+        assert [k.exec(f"ps -o sid=,pgid= -p {pid}").stdout.split() for k in made] == [ids, ids]
+    finally:
+        sb.close()
+        for k in made:
+            k.close()
+
+
 def test_tcp_server_answers_after_restore(counting):
     snap = counting.snapshot(memory=True)
     try:
