@@ -19,9 +19,13 @@ from .conftest import restart_dockerd
 
 pytestmark = pytest.mark.integration
 
-def start_counter(sb: agentenv.Sandbox) -> None:
+def start_counter(sb: agentenv.Sandbox, detached: bool = False) -> None:
+    """Start the counter server (``detached``: from an exec's shell with ``&``, which then exits)."""
     sb.write_file("/opt/counter.py", COUNTER)
-    sb.spawn("python3 /opt/counter.py")
+    if detached:
+        sb.exec("nohup python3 /opt/counter.py >/dev/null 2>&1 &")
+    else:
+        sb.spawn("python3 /opt/counter.py")
     for _ in range(200):
         if sb.exec(ASK).exit_code == 0:
             return
@@ -72,17 +76,12 @@ def test_a_process_whose_session_leader_is_gone_comes_back():
     sb = agentenv.Sandbox.create()
     made: list[agentenv.Sandbox] = []
     try:
-        sb.write_file("/opt/counter.py", COUNTER)
-        sb.exec("nohup python3 /opt/counter.py >/dev/null 2>&1 &")
-        for _ in range(200):
-            if sb.exec(ASK).exit_code == 0:
-                break
-            time.sleep(0.05)
+        start_counter(sb, detached=True)
         pid = sb.exec("pgrep -f counter.py").stdout.split()[0]
         ids = sb.exec(f"ps -o sid=,pgid= -p {pid}").stdout.split()
         assert ids[0] != "1" and ids[0] == ids[1]  # a session (and group) of its own, its leader gone
         assert sb.exec(f"ps -o pid= -p {ids[0]}").stdout.strip() == ""
-        assert ask(sb, 2) == 3
+        assert ask(sb, 2) == 3  # the probe that found it up took value 1
         sb.pause()
         sb.resume()
         assert ask(sb) == 4
