@@ -1,4 +1,4 @@
-"""CRIU dumps for memory snapshots, run directly rather than through runc (restores: ``agentenv.lazy_pages``).
+"""CRIU run directly rather than through runc: the dumps of memory snapshots and the restores of them.
 
 A memory snapshot is a CRIU dump of every process of the sandbox. ``runc checkpoint`` did it through
 CRIU's RPC with settings runc fixes. Measured on a 100 MB sandbox (2 cores, kernel 6.18, CRIU 4.1.1), CRIU's
@@ -12,26 +12,20 @@ mode does not have).
 So ``dump`` runs ``criu dump`` itself, with what runc's ``Checkpoint`` (libcontainer, runc 1.1) passes, read
 from runc's own record of the container (``state.json`` in runc's root: init pid, rootfs, bind mounts, masked
 files, devices, the external network namespace, the freezer cgroup, the init's stdio), and it writes
-``descriptors.json`` as runc does, so ``runc restore`` takes these images exactly as it took its own. Only the
-dump moves: restoring stays with runc, which must keep knowing the restored container (``runc state``,
-``delete``, ``kill``); a dump leaves runc's record untouched (``--leave-running``), or, for a pause, ends the
-processes, after which ``runc delete`` removes the container as before. What differs from runc's dump:
-
-- ``--network-lock skip`` where the sandbox has a network namespace of its own (``network=False``: it holds only
-  loopback, made by agentenv, and nothing outside can reach it): nothing can send into it while CRIU works,
-  since every process in it is frozen. A sandbox on the host's network keeps CRIU's iptables lock.
-- ``--empty-ns net`` there too: the namespace is agentenv's to make (runc restore joins the one agentenv made
-  for the new sandbox), so nothing of it is saved. With our CRIU build (scripts/criu-patches/0002) that also
-  skips its conntrack tables, two netlink dumps of ~9 ms each on this kernel, for a namespace whose processes
-  cannot add netfilter rules (no CAP_NET_ADMIN) and so track nothing; an unpatched CRIU ignores the option for a
-  namespace it is told is external.
-- ``--cgroup-yard /sys/fs/cgroup`` where the host's cgroup v1 hierarchies are all mounted there: CRIU reads the
-  sandbox's cgroup settings from them instead of mounting each hierarchy again for every dump (~13 ms).
-- no round trip to runc for CRIU's notifications (runc acts on none of them for a checkpoint of ours) and no
-  ``criu swrk`` version probe before the dump.
-
-The command line names the container (its freezer cgroup path), so recovery still finds a CRIU that a killed
-process left working on a sandbox (``recovery._orphans``).
+``descriptors.json`` as runc does, so ``runc restore`` takes these images exactly as it took its own. A dump
+leaves runc's record untouched (``--leave-running``), or, for a pause, ends the processes, after which
+``runc delete`` removes the container as before. What differs from runc's dump:
+``restore`` does the same for the other half: ``runc restore`` spent ~25-35 ms of a ~90 ms restore around
+CRIU (its own start, a ``criu swrk`` version probe, the cgroups, the mount points, its record). The dump keeps
+runc's record of the container with the images (``runc-state.json``); a restore makes the new sandbox's cgroups
+and limits as runc would (``agentenv.cgroups``), runs ``criu restore`` with runc's options (the cgroups given as
+the new root, the sandbox's network namespace inherited, the bind mounts mapped; plus ``--cgroup-yard``, which
+runc cannot pass), then writes runc's record of the restored container (from the dumped one's, with the new
+id, init, cgroups, namespaces and root), so that ``runc state``, ``delete`` and later dumps know it. Where it
+cannot do what runc would (images without runc's record, a cgroup v2 host, stdio pipes, hooks, a mount point
+missing or behind a symbolic link in the root), or with ``$AGENTENV_DIRECT_RESTORE=0``, ``runc restore`` runs
+as before. A restore cut short before runc's record is written leaves processes runc does not know:
+``Container.destroy`` ends whatever is in the sandbox's cgroups and removes them.
 
 Tried and dropped, with figures: images written to a tmpfs first (a dump to /dev/shm took longer than to the
 home's ext4: memdump+memwrite 114 vs 68 ms for 100 MB), CRIU's log at level 2 instead of 4 (no measurable
@@ -41,6 +35,7 @@ difference), ``--manage-cgroups=ignore`` (the restored processes were left outsi
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import json
 import os
@@ -49,13 +44,17 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from agentenv import cgroups
+from agentenv.config import crash_point
 from agentenv.errors import CheckpointError
-from agentenv.hostcalls import run_program
+from agentenv.hostcalls import proc_start_time, run_program
 
-DUMP_TIMEOUT = 300.0  # seconds, as runc's own limit for a checkpoint
+DUMP_TIMEOUT = 300.0  # seconds, as runc's own limit for a checkpoint (and for a restore)
 LOG_LEVEL = 4  # as runc's: level 2 measured no faster on a 100 MB dump, and a full log explains failures
 CRIU_RUNDIR = "/run/agentenv-criu"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+DIRECT_RESTORE_ENV = "AGENTENV_DIRECT_RESTORE"  # "0": every restore through ``runc restore``, as before
+RUNC_STATE = "runc-state.json"  # runc's record of the dumped container, kept with its images
 _NS_KEYS = {"NEWNET": ("net", "extRootNetNS"), "NEWPID": ("pid", "extRootPidNS")}  # runc's criuNsToKey
 
 
@@ -120,6 +119,7 @@ def dump(runc_state: Path, images: Path, work: Path, leave_running: bool, criu: 
                               f"{e!r}", fix="agentenv reads runc 1.1's state.json to dump a sandbox; check "
                                             "'runc --version'") from e
     (images / "descriptors.json").write_text(json.dumps(state.get("external_descriptors") or []))
+    (images / RUNC_STATE).write_text(json.dumps(state))  # what a direct restore makes runc's record from
     rundir()
     binary = criu or "criu"
     try:
@@ -132,6 +132,143 @@ def dump(runc_state: Path, images: Path, work: Path, leave_running: bool, criu: 
         raise CheckpointError(f"CRIU ({binary}) is not installed", fix=fix(criu)) from None
     if r.returncode != 0:
         raise CheckpointError(f"CRIU dump failed: {reason(r.stdout, work / 'dump.log')}", fix=fix(criu))
+
+
+def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, lazy: bool,
+            criu: str | None = None) -> int | None:
+    """Restore the dump in ``images`` into the prepared bundle as runc container ``cid``, running ``criu restore``
+    directly (see the module doc); the host pid of its init, or None where only ``runc restore`` can (the caller
+    runs it then). CheckpointError with CRIU's reason if the restore fails; nothing of it is left then."""
+    plan = _restore_plan(images, bundle)
+    if plan is None:
+        return None
+    template, oci, paths, descriptors = plan
+    rootfs = bundle / oci["root"]["path"]
+    new_cg = oci["linux"]["cgroupsPath"]
+    work.mkdir(mode=0o700, parents=True, exist_ok=True)
+    pidfile = work / "restore.pid"
+    pidfile.unlink(missing_ok=True)
+    args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--log-file", "restore.log",
+            f"-v{LOG_LEVEL}", "--root", str(rootfs), "--restore-detached", "--pidfile", str(pidfile),
+            "--manage-cgroups", "--cgroup-root", new_cg, "--tcp-established", "--file-locks", "--evasive-devices"]
+    if lazy:
+        args.append("--lazy-pages")
+    yard = cgroup_yard()
+    if yard:
+        args += ["--cgroup-yard", yard]
+    for m in oci.get("mounts") or []:
+        if m.get("type") == "bind":
+            args += ["--external", f"mnt[{_in_root(m['destination'])}]:{m['source']}"]
+    if oci["linux"].get("maskedPaths"):
+        args += ["--external", "mnt[/dev/null]:/dev/null"]
+    for dev in template["config"].get("devices") or []:
+        args += ["--external", f"mnt[{dev['path']}]:{dev['path']}"]
+    fds: list[int] = []
+    try:
+        for ns in oci["linux"].get("namespaces") or []:
+            if ns.get("type") == "network" and ns.get("path"):
+                fds.append(os.open(ns["path"], os.O_RDONLY | os.O_CLOEXEC))
+                args += ["--inherit-fd", f"fd[{fds[-1]}]:extRootNetNS"]
+        try:
+            cgroups.create(paths, template["config"]["cgroups"].get("devices") or [], oci["linux"]["resources"])
+        except OSError as e:
+            cgroups.remove(paths.values())
+            raise CheckpointError(f"could not make the sandbox's cgroups for the restore: {e}",
+                                  fix="check /sys/fs/cgroup (cgroup v1) is writable") from e
+        rundir()
+        binary = criu or "criu"
+        try:
+            r = run_program([binary, *args], DUMP_TIMEOUT, capture=True, pass_fds=tuple(fds))
+        except subprocess.TimeoutExpired:
+            cgroups.remove(paths.values())
+            raise CheckpointError(f"the CRIU restore did not finish within {DUMP_TIMEOUT:g} s (killed)",
+                                  fix="read restore.log in the sandbox's criu-restore folder") from None
+        except FileNotFoundError:
+            cgroups.remove(paths.values())
+            raise CheckpointError(f"CRIU ({binary}) is not installed", fix=fix(criu)) from None
+    finally:
+        for fd in fds:
+            os.close(fd)
+    try:
+        if r.returncode != 0:
+            raise CheckpointError(f"CRIU restore failed: {reason(r.stdout, work / 'restore.log')}", fix=fix(criu))
+        pid = int(pidfile.read_text())
+        crash_point("restore:criu-done")
+        _write_runc_state(runc_root / cid, template, oci, bundle, cid, pid, paths, descriptors)
+    except BaseException:
+        cgroups.remove(paths.values())
+        raise
+    return pid
+
+
+def _restore_plan(images: Path, bundle: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Path],
+                                                         list[str]] | None:
+    """What a direct restore needs (runc's record of the dumped container, the new config.json, the new
+    cgroups' paths, the init's stdio), or None where it cannot do what ``runc restore`` would: images dumped
+    without runc's record (older snapshots), a cgroup v2 host, stdio pipes to pass, hooks, network devices,
+    or a mount point missing or behind a symbolic link in the sandbox's root (runc makes those safely)."""
+    try:
+        template = json.loads((images / RUNC_STATE).read_text())
+        oci = json.loads((bundle / "config.json").read_text())
+        descriptors = json.loads((images / "descriptors.json").read_text())
+        config = template["config"]
+        paths = cgroups.v1_paths(template.get("cgroup_paths") or {}, config["cgroups"]["path"],
+                                 oci["linux"]["cgroupsPath"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if paths is None or any("pipe:" in d for d in descriptors) or config.get("networks"):
+        return None
+    if any(v for v in (config.get("Hooks") or {}).values()):
+        return None
+    rootfs = bundle / oci["root"]["path"]
+    tmpfs = [m["destination"] for m in oci.get("mounts") or [] if m.get("type") == "tmpfs"]
+    for m in oci.get("mounts") or []:
+        dest = _in_root(m["destination"])
+        if not any(dest.startswith(t.rstrip("/") + "/") for t in tmpfs) and not _plain_path(rootfs, dest):
+            return None
+    return template, oci, paths, descriptors
+
+
+def _plain_path(root: Path, dest: str) -> bool:
+    """True if ``dest`` exists under ``root`` with no symbolic link on the way (never followed)."""
+    p = root
+    for part in dest.strip("/").split("/"):
+        p = p / part
+        try:
+            if os.lstat(p).st_mode & 0o170000 == 0o120000:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _write_runc_state(folder: Path, template: dict[str, Any], oci: dict[str, Any], bundle: Path, cid: str,
+                      pid: int, paths: dict[str, Path], descriptors: list[str]) -> None:
+    """runc's record of the restored container, as ``runc restore`` writes it (from the dumped container's, with
+    what differs: id, init, cgroups, namespaces, root), so that ``runc state``, ``delete`` and later dumps work."""
+    state = json.loads(json.dumps(template))
+    config = state["config"]
+    config["rootfs"] = str(bundle / oci["root"]["path"])
+    config["hostname"] = oci.get("hostname", config.get("hostname"))
+    config["labels"] = [f"bundle={bundle}"]
+    config["cgroups"]["path"] = oci["linux"]["cgroupsPath"]
+    net = {ns.get("type"): ns.get("path", "") for ns in oci["linux"].get("namespaces") or []}.get("network")
+    for ns in config.get("namespaces") or []:
+        if ns.get("type") == "NEWNET" and net is not None:
+            ns["path"] = net
+    sources = {m["destination"]: m["source"] for m in oci.get("mounts") or [] if m.get("type") == "bind"}
+    for m in config.get("mounts") or []:
+        if m.get("device") == "bind" and m.get("destination") in sources:
+            m["source"] = sources[m["destination"]]
+    state.update(id=cid, init_process_pid=pid, init_process_start=proc_start_time(pid),
+                 created=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+                 cgroup_paths={k: str(v) for k, v in paths.items()}, external_descriptors=descriptors,
+                 namespace_paths={k: f"/proc/{pid}/ns/{os.path.basename(v)}"
+                                  for k, v in (state.get("namespace_paths") or {}).items()})
+    folder.mkdir(mode=0o711, parents=True, exist_ok=True)
+    tmp = folder / "state.json.tmp"
+    tmp.write_text(json.dumps(state))
+    os.replace(tmp, folder / "state.json")
 
 
 @functools.cache

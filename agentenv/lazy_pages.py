@@ -2,7 +2,7 @@
 
 Copying every page before the processes run was most of CRIU's restore (~55 ms of ~90 for
 100 MB). Where a dump's pages take LAZY_MIN_BYTES or more, ``Restore`` starts a ``criu lazy-pages`` daemon over
-the images (in a thread, while the sandbox's root is mounted) and runc restores with ``--lazy-pages``: the
+the images (in a thread, while the sandbox's root is mounted) and CRIU restores with ``--lazy-pages``: the
 processes run as soon as all but their anonymous memory is back, and the daemon fills pages in as they are
 touched (userfaultfd), copies the rest in the background and exits. The agent's own pages are copied up front
 (``eager_pages``): served one fault at a time, they made its first answer ~30 ms late. The rules that keep this

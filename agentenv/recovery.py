@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv import snapshotting, store, volume
+from agentenv import cgroups, snapshotting, store, volume
 from agentenv.config import paths
 from agentenv.errors import AgentEnvError, SandboxNotFound
 
@@ -119,8 +119,8 @@ def _recover_locked(sb: Sandbox) -> str:
     if sb._rec.get("pausing"):
         return _recover_pause(sb, sb._rec["pausing"])
     if state == "paused":
-        if sb._container.state() is not None:  # a resume cut short left a container: the snapshot stays
-            sb._container.destroy()
+        if sb._container.state() is not None or cgroups.existing(sb._container.cgroup):
+            sb._container.destroy()  # a resume cut short left a container (or processes): the snapshot stays
         if sb._has_own_layer() and os.path.lexists(sb._container.layer):
             sb._drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
         paused = sb._rec.get("paused_snapshot")

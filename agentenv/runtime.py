@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv import agent, criu, lazy_pages
+from agentenv import agent, cgroups, criu, lazy_pages
 from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
+from agentenv.criu import DIRECT_RESTORE_ENV
 from agentenv.criu import dump as criu_dump
 from agentenv.criu import fix as criu_fix
 from agentenv.criu import reason as criu_reason
+from agentenv.criu import restore as criu_restore
 from agentenv.errors import CheckpointError, SandboxError
 from agentenv.hostcalls import (
     drop_netns,
@@ -355,6 +357,7 @@ class Container:
     def destroy(self) -> None:
         """Kill every process, delete the runc container and unmount; tolerant of half-made state."""
         self._runc("delete", "--force", self.cid)
+        cgroups.remove(cgroups.existing(self.cgroup))  # what runc had no record of (a direct restore cut short)
         lazy_pages.stop_lazy_daemons(self.bundle)  # a lazy restore's, if its memory was still coming in
         self.unmount()
         drop_netns(self.netns)
@@ -426,6 +429,10 @@ class Container:
         """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init. With ``lazy``, the
         processes run before their memory is in: a ``criu lazy-pages`` daemon listening in ``work`` serves it
         (``agentenv.lazy_pages.start_lazy_pages``)."""
+        if os.environ.get(DIRECT_RESTORE_ENV, "1") != "0":
+            pid = criu_restore(images, work, self.bundle, self.cid, self.runc_root, lazy, criu)
+            if pid is not None:
+                return pid
         pidfile = self.bundle / "init.pid"
         work.mkdir(parents=True, exist_ok=True)
         r = self._runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),

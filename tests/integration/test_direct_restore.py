@@ -1,0 +1,108 @@
+"""Restores that run CRIU without runc (agentenv.criu.restore): runc's work done by agentenv, and nothing lost.
+
+The restored sandbox must get the cgroups and limits that ``runc restore`` would have given it, runc must know
+it afterwards (state, delete, later dumps), images without runc's record must still restore (through runc), and
+a restore whose maker dies between CRIU and runc's record must leave no process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import agentenv
+from agentenv import cgroups, criu, runtime
+
+from .test_snapshots import ask, start_counter
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def runc_restores(monkeypatch):
+    """The number of ``runc restore`` runs made while the test runs (a list: one entry a run)."""
+    calls: list[tuple[str, ...]] = []
+    real = runtime.Container._runc
+
+    def counting(self, *args, **kw):
+        if "restore" in args:
+            calls.append(args)
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(runtime.Container, "_runc", counting)
+    return calls
+
+
+def cgroup_file(sb: agentenv.Sandbox, hierarchy: str, name: str) -> str:
+    return (Path("/sys/fs/cgroup") / hierarchy / sb._container.cgroup.lstrip("/") / name).read_text()
+
+
+def test_a_direct_restore_gives_the_limits_asked_for_and_runc_knows_the_sandbox(runc_restores):
+    sb = agentenv.Sandbox.create(cpus=0.5, memory="512m", pids=100)
+    try:
+        start_counter(sb)
+        assert ask(sb, 2) == 3
+        snap = sb.pause()
+        assert (snap.criu_dir / criu.RUNC_STATE).exists()
+        sb.resume()
+        assert runc_restores == []  # CRIU ran without runc
+        assert ask(sb) == 4
+        assert int(cgroup_file(sb, "memory", "memory.limit_in_bytes")) == 512 << 20
+        assert cgroup_file(sb, "cpu", "cpu.cfs_quota_us").strip() == "50000"
+        assert cgroup_file(sb, "pids", "pids.max").strip() == "100"
+        devices = cgroup_file(sb, "devices", "devices.list").splitlines()
+        assert "a *:* rwm" not in devices and "c 1:3 rwm" in devices and not any(d.startswith("b 8") for d in devices)
+        pids = sb._container.pids()
+        assert sb._rec["init_pid"] in pids and len(pids) >= 2
+        for pid in pids:  # every process in the sandbox's own cgroup, in every hierarchy
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+                assert line.endswith(sb._container.cgroup), line
+        state = sb._container.state()
+        assert state is not None and state["status"] == "running" and state["pid"] == sb._rec["init_pid"]
+        with sb.fork(1, memory=True)[0] as child:  # a later dump reads the record the restore wrote
+            assert ask(child) == 5
+    finally:
+        sb.close()
+    assert cgroups.existing(sb._container.cgroup) == []
+
+
+@pytest.mark.parametrize("how", ["images without runc's record", "AGENTENV_DIRECT_RESTORE=0"])
+def test_restores_fall_back_to_runc(how, runc_restores, monkeypatch):
+    sb = agentenv.Sandbox.create()
+    try:
+        start_counter(sb)
+        snap = sb.snapshot(memory=True)
+        if how.startswith("images"):
+            (snap.criu_dir / criu.RUNC_STATE).unlink()  # as a snapshot taken before direct restores
+        else:
+            monkeypatch.setenv(criu.DIRECT_RESTORE_ENV, "0")
+        with agentenv.Sandbox.restore(snap) as r:
+            assert len(runc_restores) == 1
+            assert ask(r) == 2
+        snap.delete()
+    finally:
+        sb.close()
+
+
+def test_a_restore_whose_maker_dies_before_runcs_record_leaves_no_process():
+    sb = agentenv.Sandbox.create()
+    try:
+        start_counter(sb)
+        sb.pause()
+        script = (f"import sys; sys.path.insert(0, {os.getcwd()!r}); import agentenv; "
+                  f"agentenv.Sandbox.get({sb.id!r}).resume()")
+        env = {**os.environ, "AGENTENV_CRASH_AT": "restore:criu-done"}
+        p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False)
+        assert p.returncode == -signal.SIGKILL, p.stderr
+        assert cgroups.existing(sb._container.cgroup), "CRIU had restored the processes into the cgroups"
+        assert sb.recover() == "paused"
+        assert cgroups.existing(sb._container.cgroup) == []
+        sb.resume()
+        assert ask(sb) == 2
+    finally:
+        sb.close()
