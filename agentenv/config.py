@@ -97,8 +97,9 @@ def paths() -> Paths:
     """The layout under $AGENTENV_HOME (default /var/lib/agentenv), created on first use (the volume's
     folders are made by ``agentenv.volume.ensure``, which may mount the volume there first)."""
     p = Paths(Path(os.environ.get("AGENTENV_HOME", "/var/lib/agentenv")))
-    for d in (p.sandboxes, p.snapshots, p.runc_root, p.tmp):
-        d.mkdir(parents=True, exist_ok=True)
+    if not p.tmp.is_dir():  # made last: one stat a call once made (a sandbox start asks ~10 times)
+        for d in (p.sandboxes, p.snapshots, p.runc_root, p.tmp):
+            d.mkdir(parents=True, exist_ok=True)
     return p
 
 

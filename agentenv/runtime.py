@@ -298,6 +298,7 @@ class Container:
 
     def prepare(self, spec: ContainerSpec, fs_from: Path | None = None) -> None:
         """Create the bundle: an empty (or copied) upper dir, the overlay mount and config.json."""
+        cgroups.favor_dynmods()  # once a process: starts move processes into cgroups
         for d in (self.upper, self.work, self.rootfs):
             d.mkdir(parents=True, exist_ok=True)
         if fs_from is not None:

@@ -30,7 +30,8 @@ for i in $(seq 1 9); do printf 'from src.mod_%d import f%d\\n\\ndef test_f%d():\
   $i $i $i $i $i > tests/test_$i.py; done
 printf '# testbed\\n' > README.md
 git add -A && git commit -qm init
-"""
+printf 'print(0)\\n' > src/new_0.py
+"""  # new_0.py: an edit not committed, which every fork must carry (REPO_CHECK), whichever operations run
 # a few edits, different each run: two modified files, one new file
 REPO_EDIT = """set -e
 cd /testbed

@@ -106,3 +106,24 @@ def test_a_restore_whose_maker_dies_before_runcs_record_leaves_no_process():
         assert ask(sb) == 2
     finally:
         sb.close()
+
+
+def cgroup2_options() -> list[str] | None:
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        f = line.split()
+        if f[2] == "cgroup2":
+            return f[3].split(",")
+    return None
+
+
+@pytest.mark.skipif(cgroup2_options() is None, reason="no cgroup v2 hierarchy on this host")
+def test_a_start_mounts_the_cgroup2_hierarchy_for_fast_moves(monkeypatch):
+    # the kernel cannot turn favordynmods off again (until a reboot): on a fresh host this is the start's doing
+    cgroups.favor_dynmods.cache_clear()
+    with agentenv.Sandbox.create() as sb:
+        assert sb.exec("true").ok
+    assert "favordynmods" in (cgroup2_options() or [])
+    cgroups.favor_dynmods.cache_clear()
+    monkeypatch.setenv(cgroups.FAVOR_ENV, "0")
+    assert cgroups.favor_dynmods() is False  # the host's options left alone when asked
+    cgroups.favor_dynmods.cache_clear()
