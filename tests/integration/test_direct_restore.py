@@ -127,3 +127,17 @@ def test_a_start_mounts_the_cgroup2_hierarchy_for_fast_moves(monkeypatch):
     monkeypatch.setenv(cgroups.FAVOR_ENV, "0")
     assert cgroups.favor_dynmods() is False  # the host's options left alone when asked
     cgroups.favor_dynmods.cache_clear()
+
+
+MASKS = ("grep -E ' /(proc/acpi|proc/scsi|sys/firmware) ' /proc/self/mountinfo | cut -d' ' -f5-7,9-; "
+         "ls -A /sys/firmware; stat -c '%a %u' /sys/firmware")
+
+
+def test_masked_directories_come_back_empty_and_read_only():
+    # CRIU saves an empty read-only tmpfs (runc's mask over a directory) without tar (scripts/criu-patches/0004)
+    with agentenv.Sandbox.create() as sb:
+        before = sb.exec(MASKS).stdout
+        assert "/sys/firmware ro" in before and " tmpfs " in before
+        with sb.fork(1, memory=True)[0] as child:
+            assert child.exec(MASKS).stdout == before
+            assert child.exec("touch /sys/firmware/x").exit_code != 0
