@@ -245,8 +245,9 @@ def _plain_path(root: Path, dest: str) -> bool:
 def _write_runc_state(folder: Path, template: dict[str, Any], oci: dict[str, Any], bundle: Path, cid: str,
                       pid: int, paths: dict[str, Path], descriptors: list[str]) -> None:
     """runc's record of the restored container, as ``runc restore`` writes it (from the dumped container's, with
-    what differs: id, init, cgroups, namespaces, root), so that ``runc state``, ``delete`` and later dumps work."""
-    state = json.loads(json.dumps(template))
+    what differs: id, init, cgroups, namespaces, root), so that ``runc state``, ``delete`` and later dumps work.
+    ``template`` (read for this restore alone) is changed in place."""
+    state = template
     config = state["config"]
     config["rootfs"] = str(bundle / oci["root"]["path"])
     config["hostname"] = oci.get("hostname", config.get("hostname"))

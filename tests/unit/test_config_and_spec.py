@@ -13,7 +13,8 @@ import pytest
 from agentenv import store, volume
 from agentenv.config import parse_disk, parse_size, paths
 from agentenv.errors import DiskLimitUnsupported, SnapshotNotFound, StoreFullError
-from agentenv.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config, seccomp_profile
+from agentenv.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config
+from agentenv.seccomp import seccomp_profile
 
 
 @pytest.mark.parametrize(("text", "n"), [("1g", 1 << 30), ("512m", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096),
