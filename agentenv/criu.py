@@ -15,6 +15,23 @@ files, devices, the external network namespace, the freezer cgroup, the init's s
 ``descriptors.json`` as runc does, so ``runc restore`` takes these images exactly as it took its own. A dump
 leaves runc's record untouched (``--leave-running``), or, for a pause, ends the processes, after which
 ``runc delete`` removes the container as before. What differs from runc's dump:
+
+- ``--network-lock skip`` where the sandbox has a network namespace of its own (``network=False``: it holds only
+  loopback, made by agentenv, and nothing outside can reach it): nothing can send into it while CRIU works,
+  since every process in it is frozen. A sandbox on the host's network keeps CRIU's iptables lock.
+- ``--empty-ns net`` there too: the namespace is agentenv's to make (a restore joins the one agentenv made
+  for the new sandbox), so nothing of it is saved. With our CRIU build (scripts/criu-patches/0002) that also
+  skips its conntrack tables, two netlink dumps of ~9 ms each on this kernel, for a namespace whose processes
+  cannot add netfilter rules (no CAP_NET_ADMIN) and so track nothing; an unpatched CRIU ignores the option for a
+  namespace it is told is external.
+- ``--cgroup-yard /sys/fs/cgroup`` where the host's cgroup v1 hierarchies are all mounted there: CRIU reads the
+  sandbox's cgroup settings from them instead of mounting each hierarchy again for every dump (~13 ms).
+- no round trip to runc for CRIU's notifications (runc acts on none of them for a checkpoint of ours) and no
+  ``criu swrk`` version probe before the dump.
+
+The command lines name the container (the dump's freezer cgroup path, the restore's cgroup root), so recovery
+still finds a CRIU that a killed process left working on a sandbox (``recovery._orphans``).
+
 ``restore`` does the same for the other half: ``runc restore`` spent ~25-35 ms of a ~90 ms restore around
 CRIU (its own start, a ``criu swrk`` version probe, the cgroups, the mount points, its record). The dump keeps
 runc's record of the container with the images (``runc-state.json``); a restore makes the new sandbox's cgroups
@@ -52,7 +69,6 @@ from agentenv.hostcalls import proc_start_time, run_program
 DUMP_TIMEOUT = 300.0  # seconds, as runc's own limit for a checkpoint (and for a restore)
 LOG_LEVEL = 4  # as runc's: level 2 measured no faster on a 100 MB dump, and a full log explains failures
 CRIU_RUNDIR = "/run/agentenv-criu"
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 DIRECT_RESTORE_ENV = "AGENTENV_DIRECT_RESTORE"  # "0": every restore through ``runc restore``, as before
 RUNC_STATE = "runc-state.json"  # runc's record of the dumped container, kept with its images
 _NS_KEYS = {"NEWNET": ("net", "extRootNetNS"), "NEWPID": ("pid", "extRootPidNS")}  # runc's criuNsToKey
@@ -120,18 +136,24 @@ def dump(runc_state: Path, images: Path, work: Path, leave_running: bool, criu: 
                                             "'runc --version'") from e
     (images / "descriptors.json").write_text(json.dumps(state.get("external_descriptors") or []))
     (images / RUNC_STATE).write_text(json.dumps(state))  # what a direct restore makes runc's record from
+    _run(criu, args, work / "dump.log")
+
+
+def _run(criu: str | None, args: list[str], log: Path, pass_fds: tuple[int, ...] = ()) -> None:
+    """Run CRIU (``args[0]``: dump or restore) to the end; CheckpointError with its reason (from ``log``) if it
+    fails, takes longer than DUMP_TIMEOUT or is not installed."""
     rundir()
-    binary = criu or "criu"
+    binary, verb = criu or "criu", args[0]
     try:
-        r = run_program([binary, *args], DUMP_TIMEOUT, capture=True)
+        r = run_program([binary, *args], DUMP_TIMEOUT, capture=True, pass_fds=pass_fds)
     except subprocess.TimeoutExpired:
-        raise CheckpointError(f"the CRIU dump did not finish within {DUMP_TIMEOUT:g} s (killed)",
+        raise CheckpointError(f"the CRIU {verb} did not finish within {DUMP_TIMEOUT:g} s (killed)",
                               fix="a process of the sandbox may be stuck (stopped, traced, or in "
                                   "uninterruptible sleep); check the sandbox, or close it") from None
     except FileNotFoundError:
         raise CheckpointError(f"CRIU ({binary}) is not installed", fix=fix(criu)) from None
     if r.returncode != 0:
-        raise CheckpointError(f"CRIU dump failed: {reason(r.stdout, work / 'dump.log')}", fix=fix(criu))
+        raise CheckpointError(f"CRIU {verb} failed: {reason(r.stdout, log)}", fix=fix(criu))
 
 
 def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, lazy: bool,
@@ -170,34 +192,21 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
                 fds.append(os.open(ns["path"], os.O_RDONLY | os.O_CLOEXEC))
                 args += ["--inherit-fd", f"fd[{fds[-1]}]:extRootNetNS"]
         try:
-            cgroups.create(paths, template["config"]["cgroups"].get("devices") or [], oci["linux"]["resources"])
-        except OSError as e:
-            cgroups.remove(paths.values())
-            raise CheckpointError(f"could not make the sandbox's cgroups for the restore: {e}",
-                                  fix="check /sys/fs/cgroup (cgroup v1) is writable") from e
-        rundir()
-        binary = criu or "criu"
-        try:
-            r = run_program([binary, *args], DUMP_TIMEOUT, capture=True, pass_fds=tuple(fds))
-        except subprocess.TimeoutExpired:
-            cgroups.remove(paths.values())
-            raise CheckpointError(f"the CRIU restore did not finish within {DUMP_TIMEOUT:g} s (killed)",
-                                  fix="read restore.log in the sandbox's criu-restore folder") from None
-        except FileNotFoundError:
-            cgroups.remove(paths.values())
-            raise CheckpointError(f"CRIU ({binary}) is not installed", fix=fix(criu)) from None
+            try:
+                cgroups.create(paths, template["config"]["cgroups"].get("devices") or [], oci["linux"]["resources"])
+            except OSError as e:
+                raise CheckpointError(f"could not make the sandbox's cgroups for the restore: {e}",
+                                      fix="check /sys/fs/cgroup (cgroup v1) is writable") from e
+            _run(criu, args, work / "restore.log", tuple(fds))
+            pid = int(pidfile.read_text())
+            crash_point("restore:criu-done")
+            _write_runc_state(runc_root / cid, template, oci, bundle, cid, pid, paths, descriptors)
+        except BaseException:
+            cgroups.remove(paths.values())  # and whatever CRIU left in them
+            raise
     finally:
         for fd in fds:
             os.close(fd)
-    try:
-        if r.returncode != 0:
-            raise CheckpointError(f"CRIU restore failed: {reason(r.stdout, work / 'restore.log')}", fix=fix(criu))
-        pid = int(pidfile.read_text())
-        crash_point("restore:criu-done")
-        _write_runc_state(runc_root / cid, template, oci, bundle, cid, pid, paths, descriptors)
-    except BaseException:
-        cgroups.remove(paths.values())
-        raise
     return pid
 
 
@@ -283,9 +292,9 @@ def cgroup_yard() -> str | None:
     for line in lines:
         names = line.split(":", 2)[1] if line.count(":") >= 2 else ""
         name = names.removeprefix("name=") or "unified"
-        if not os.path.ismount(CGROUP_ROOT / name):
+        if not os.path.ismount(cgroups.CGROUP_ROOT / name):
             return None
-    return str(CGROUP_ROOT) if lines else None
+    return str(cgroups.CGROUP_ROOT) if lines else None
 
 
 @functools.cache
