@@ -22,24 +22,28 @@ running out of pids (it answers an error instead of dying), ptrace (it is not du
 
 from __future__ import annotations
 
-import contextlib
+import _json
+import _socket
+import _thread
 import errno
-import json
 import os
-import selectors
-import signal
-import socket
+import select
 import stat
 import struct
-import subprocess
 import sys
-import threading
 import time
-from collections import OrderedDict
 
-TYPE_CHECKING = False  # typing is not imported at run time: ~2 ms of every sandbox start
+# Every sandbox start waits for this module to import, so it imports only C modules (and struct, stat):
+# json, socket, signal, subprocess, threading, selectors and contextlib cost ~13 ms of each start (enum, re,
+# functools, collections under them), as much as the interpreter's own start. So sockets, signals and locks
+# come from their C modules, commands start by posix_spawn, and JSON goes through _json (see _codec).
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import signal as _signal  # no stub for _signal: its names are signal's
+    from collections.abc import Callable
     from typing import Any
+else:
+    import _signal
 
 SOCKET_DIR = "/dev/agentenv"  # on the sandbox's private /dev tmpfs: saved with the processes
 SOCKET_PATH = SOCKET_DIR + "/agent.sock"
@@ -76,6 +80,99 @@ def _heartbeat() -> float:
 HEARTBEAT = _heartbeat()
 
 
+# --- what json, threading and contextlib would give ----------------------------------------------
+
+
+def _codec() -> tuple[Callable[[Any], str], Callable[[str], Any]]:
+    """``dumps`` (compact) and ``loads`` for frame headers: what json runs, _json's C encoder and scanner, without
+    the json package, which imports re. Where this Python's _json differs, the json package's own."""
+    try:
+        encoder = _json.make_encoder(None, _not_json, _json.encode_basestring_ascii, None, ":", ",",
+                                     False, False, True)
+
+        class Context:  # what the scanner reads of a json.JSONDecoder
+            strict = True
+            object_hook = object_pairs_hook = None
+            parse_float, parse_int = float, int
+            parse_constant = {"NaN": float("nan"), "Infinity": float("inf"), "-Infinity": float("-inf")}.__getitem__
+
+        scan = _json.make_scanner(Context)  # type: ignore[arg-type]
+
+        def dumps(obj: Any) -> str:
+            return "".join(encoder(obj, 0))
+
+        def loads(text: str) -> Any:
+            text = text.strip(" \t\n\r")
+            try:
+                obj, end = scan(text, 0)
+            except StopIteration as e:
+                raise ValueError(f"Expecting value: char {e.value}") from None
+            if end != len(text):
+                raise ValueError(f"Extra data: char {end}")
+            return obj
+
+        probe = {"a": [1, -2.5, "\u00e9\n\"", None, True], "b": {}}
+        if dumps(probe) != '{"a":[1,-2.5,"\\u00e9\\n\\"",null,true],"b":{}}' or loads(dumps(probe)) != probe:
+            raise ValueError("this _json differs")
+        return dumps, loads
+    except Exception:  # noqa: BLE001 - any surprise: the json package
+        import json
+
+        return lambda obj: json.dumps(obj, separators=(",", ":")), json.loads
+
+
+def _not_json(obj: object) -> object:
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+_dumps, _loads = _codec()
+
+
+class suppress:  # noqa: N801 - contextlib's name
+    """contextlib.suppress: the exceptions given end the ``with`` block quietly."""
+
+    def __init__(self, *exceptions: type[BaseException]) -> None:
+        self.exceptions = exceptions
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: type[BaseException] | None, value: object, tb: object) -> bool:
+        return kind is not None and issubclass(kind, self.exceptions)
+
+
+class Condition:
+    """threading.Condition's ``with``, ``wait`` and ``notify_all``, on _thread locks."""
+
+    def __init__(self) -> None:
+        self.lock = _thread.allocate_lock()
+        self.waiters: list[_thread.LockType] = []
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+    def wait(self, timeout: float) -> None:
+        """Let go of the lock until notified or ``timeout`` seconds passed, then hold it again."""
+        waiter = _thread.allocate_lock()
+        waiter.acquire()
+        self.waiters.append(waiter)
+        self.lock.release()
+        try:
+            waiter.acquire(True, max(0.0, timeout))
+        finally:
+            self.lock.acquire()
+            if waiter in self.waiters:  # timed out: nobody released it
+                self.waiters.remove(waiter)
+
+    def notify_all(self) -> None:
+        for waiter in self.waiters:
+            waiter.release()
+        self.waiters.clear()
+
+
 # --- framing, shared with the host side ---------------------------------------------------------
 
 
@@ -83,16 +180,16 @@ class FrameError(ConnectionError):
     """The peer broke the protocol (a frame over its cap, a header that is not a JSON object): not retried."""
 
 
-def send_frame(sock: socket.socket, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
+def send_frame(sock: _socket.socket, header: dict[str, Any], blob: bytes | bytearray | memoryview = b"",
                deadline: float | None = None) -> None:
     """Send one frame: JSON header plus raw bytes (a big blob is sent as is, never copied)."""
     send_parts(sock, header, [blob], deadline)
 
 
-def send_parts(sock: socket.socket, header: dict[str, Any], parts: list[bytes | bytearray | memoryview],
+def send_parts(sock: _socket.socket, header: dict[str, Any], parts: list[bytes | bytearray | memoryview],
                deadline: float | None = None) -> None:
     """Send one frame whose blob is ``parts`` one after the other."""
-    head = json.dumps(header, separators=(",", ":")).encode()
+    head = _dumps(header).encode()
     if len(head) > MAX_HEADER:
         raise ValueError(f"request header of {len(head)} bytes is over the {MAX_HEADER}-byte limit")
     size = sum(len(p) for p in parts)
@@ -107,7 +204,7 @@ def send_parts(sock: socket.socket, header: dict[str, Any], parts: list[bytes | 
             sock.sendall(p)
 
 
-def _settimeout(sock: socket.socket, deadline: float | None) -> None:
+def _settimeout(sock: _socket.socket, deadline: float | None) -> None:
     """Make the socket's timeout the time left to ``deadline`` (within 50 ms: each change is a syscall)."""
     if deadline is not None:
         left = deadline - time.monotonic()
@@ -118,7 +215,7 @@ def _settimeout(sock: socket.socket, deadline: float | None) -> None:
             sock.settimeout(left)
 
 
-def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+def _recv_exact(sock: _socket.socket, n: int, deadline: float | None = None) -> bytes:
     """Exactly ``n`` bytes; memory grows with what arrives, never with what the peer announced."""
     chunks: list[bytes] = []
     got = 0
@@ -132,22 +229,22 @@ def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> b
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def recv_header(sock: socket.socket, max_blob: int = MAX_BLOB,
+def recv_header(sock: _socket.socket, max_blob: int = MAX_BLOB,
                 deadline: float | None = None) -> tuple[dict[str, Any], int]:
     """Receive a frame's header and the length of the blob that follows (not read yet)."""
     hlen, blen = _HEAD.unpack(_recv_exact(sock, _HEAD.size, deadline))
     if hlen > MAX_HEADER or blen > max_blob:
         raise FrameError(f"frame of {hlen} + {blen} bytes is over the limit ({MAX_HEADER} + {max_blob})")
     try:
-        header = json.loads(_recv_exact(sock, hlen, deadline))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        header = _loads(_recv_exact(sock, hlen, deadline).decode())
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise FrameError(f"frame header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise FrameError("frame header is not a JSON object")
     return header, blen
 
 
-def recv_frame(sock: socket.socket, max_blob: int = MAX_BLOB,
+def recv_frame(sock: _socket.socket, max_blob: int = MAX_BLOB,
                deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
     """Receive one frame; ConnectionError when the peer closed, FrameError past the caps,
     TimeoutError past ``deadline`` (a ``time.monotonic()`` instant)."""
@@ -155,7 +252,7 @@ def recv_frame(sock: socket.socket, max_blob: int = MAX_BLOB,
     return header, _recv_exact(sock, blen, deadline) if blen else b""
 
 
-def drain(sock: socket.socket, n: int) -> None:
+def drain(sock: _socket.socket, n: int) -> None:
     """Read and drop ``n`` bytes, a chunk at a time."""
     while n > 0:
         chunk = sock.recv(min(n, CHUNK))
@@ -171,13 +268,22 @@ class Starved(Exception):
 # --- jobs -------------------------------------------------------------------------------------
 
 
+class Child:
+    """A command the agent started (``sh -c``, leading its own session and process group): its pid, and the
+    agent's ends of its pipes, where it has pipes."""
+
+    def __init__(self, pid: int, stdin: Any = None, stdout: Any = None, stderr: Any = None) -> None:
+        self.pid = pid
+        self.stdin, self.stdout, self.stderr = stdin, stdout, stderr
+
+
 class Job:
     """One command run by exec or start: its process group, buffered output and exit status.
 
     ``out[i]`` holds stream i from the absolute offset ``base[i]`` on (discard drops a prefix).
     """
 
-    def __init__(self, job_id: int, proc: subprocess.Popen[bytes], timeout: float | None,
+    def __init__(self, job_id: int, proc: Child, timeout: float | None,
                  max_output: int = MAX_OUTPUT) -> None:
         self.id = job_id
         self.max_output = max_output
@@ -190,15 +296,15 @@ class Job:
         self.dropped = [0, 0]
         self.held = 0  # bytes of out counted in the agent's output budget
         self.info: dict[str, Any] = {}  # a started job's request, for listing
-        self.stdin_lock = threading.Lock()
-        self.stdin_done: OrderedDict[str, int] = OrderedDict()  # input request key -> bytes written
+        self.stdin_lock = _thread.allocate_lock()
+        self.stdin_done: dict[str, int] = {}  # input request key -> bytes written
         self.exit_code: int | None = None
         self.timed_out = False
         self.duration = 0.0
         self.done = False
         self.handing = 0  # connections delivering its end
         self.key = ""
-        self.cond = threading.Condition()
+        self.cond = Condition()
 
     def result(self) -> dict[str, Any]:
         return {"exit_code": self.exit_code, "timed_out": self.timed_out, "duration": self.duration,
@@ -214,20 +320,20 @@ class Agent:
     def __init__(self, log_dir: str = LOG_DIR, own_dirs: tuple[str, ...] = OWN_DIRS) -> None:
         self.log_dir = log_dir
         self.own_dirs = own_dirs
-        self.lock = threading.Lock()
+        self.lock = _thread.allocate_lock()
         self.jobs: dict[int, Job] = {}
         self.spawned: dict[int, dict[str, Any]] = {}  # pid -> {"cmd", "exit_code", "log"}
         self.by_pid: dict[int, Job] = {}
         self.started: dict[int, Job] = {}  # pid -> job made by start, until its end is delivered
         self.buffered = 0  # bytes of output all jobs hold (OUTPUT_BUDGET), under ``budget``: a leaf lock
-        self.budget = threading.Lock()
-        self.children: dict[int, subprocess.Popen[bytes]] = {}  # every child we started, until reaped
+        self.budget = _thread.allocate_lock()
         self.next_id = 1
-        self.child_started = threading.Event()
-        self.conns: set[socket.socket] = set()
-        self.closing: set[socket.socket] = set()
+        self.child_started = Condition()  # reap_forever sleeps on it while the agent has no child
+        self.new_child = False  # a child was started since reap_forever last found none (under child_started)
+        self.conns: set[_socket.socket] = set()
+        self.closing: set[_socket.socket] = set()
         self.keys: dict[str, int] = {}  # request key -> job id, until the result is delivered
-        self.replies: OrderedDict[str, dict[str, Any]] = OrderedDict()  # spawn replies by request key
+        self.replies: dict[str, dict[str, Any]] = {}  # spawn replies by request key
         self.socket_path = ""  # where main listens
 
     # reaping: PID 1 collects every exit, its own jobs' and orphans' alike
@@ -236,15 +342,14 @@ class Agent:
             try:
                 pid, status = os.waitpid(-1, 0)
             except ChildProcessError:
-                self.child_started.wait(1.0)
-                self.child_started.clear()
+                with self.child_started:
+                    if not self.new_child:
+                        self.child_started.wait(1.0)
+                    self.new_child = False
                 continue
             code = os.waitstatus_to_exitcode(status)
             code = 128 - code if code < 0 else code
             with self.lock:
-                popen = self.children.pop(pid, None)
-                if popen is not None:
-                    popen.returncode = code  # reaped here: Popen must never waitpid() a recycled pid
                 job = self.by_pid.pop(pid, None)
                 spawned = self.spawned.get(pid)
                 if spawned is not None:
@@ -254,21 +359,54 @@ class Agent:
                     job.exit_code = code
                     job.cond.notify_all()
 
-    def _popen(self, header: dict[str, Any], stdout: Any, stderr: Any, job_id: int) -> subprocess.Popen[bytes]:
+    def _spawn(self, header: dict[str, Any], job_id: int, output: int | None = None) -> Child:
+        """Start the request's command: ``sh -c`` in a new session (its group is the job) with the sandbox's
+        environment plus the request's; stdin a pipe if asked for, else /dev/null; stdout and stderr two pipes,
+        or both the file ``output``. posix_spawn (a vfork) rather than subprocess, whose imports cost every start
+        of a sandbox (see the imports); callers hold self.lock."""
         env = dict(os.environ)
         env.pop("AGENTENV_AGENT", None)
         env.update(header.get("env") or {})
         env[JOB_ENV] = str(job_id)
+        script = _CHILD_PREFIX + str(header["cmd"])
+        cwd = header.get("cwd")
+        if cwd:  # posix_spawn cannot chdir: the shell does, once it is checked here (an error, as subprocess's)
+            if not stat.S_ISDIR(os.stat(cwd).st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, f"Not a directory: {cwd!r}")
+            script = "cd -- '" + str(cwd).replace("'", "'\\''") + "' || exit 126; " + script
+        ends: list[int | None] = [None, None, None]  # the agent's ends of the child's stdin, stdout, stderr
+        theirs: list[int] = []  # the child's ends, closed here once it runs
+        piped = ((0,) if header.get("stdin") else ()) + ((1, 2) if output is None else ())
+        actions: list[tuple[Any, ...]] = [] if 0 in piped else [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
         try:
-            proc = subprocess.Popen(
-                ["/bin/sh", "-c", _CHILD_PREFIX + str(header["cmd"])], cwd=header.get("cwd") or None, env=env,
-                stdin=subprocess.PIPE if header.get("stdin") else subprocess.DEVNULL, stdout=stdout, stderr=stderr,
-                start_new_session=True, close_fds=True)
-        except BlockingIOError as e:  # EAGAIN from fork: the pids cgroup is full
-            raise Starved(f"cannot start the command: the sandbox is out of processes ({e})") from None
-        self.children[proc.pid] = proc  # callers hold self.lock
-        self.child_started.set()
-        return proc
+            for fd in piped:
+                r, w = os.pipe()
+                ends[fd], child_end = (w, r) if fd == 0 else (r, w)
+                theirs.append(child_end)
+                actions.append((os.POSIX_SPAWN_DUP2, child_end, fd))
+            if output is not None:
+                actions += [(os.POSIX_SPAWN_DUP2, output, 1), (os.POSIX_SPAWN_DUP2, output, 2)]
+            argv = ["/bin/sh", "-c", script]
+            default = (_signal.SIGPIPE, _signal.SIGXFSZ)  # Python ignores these: the command must not
+            try:
+                pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=default)
+            except NotImplementedError:  # a C library without POSIX_SPAWN_SETSID: its own group is what matters
+                pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setpgroup=0, setsigdef=default)
+        except BaseException as e:
+            for end in ends:
+                if end is not None:
+                    os.close(end)
+            if isinstance(e, BlockingIOError):  # EAGAIN from clone: the pids cgroup is full
+                raise Starved(f"cannot start the command: the sandbox is out of processes ({e})") from None
+            raise
+        finally:
+            for end in theirs:
+                os.close(end)
+        with self.child_started:
+            self.new_child = True
+            self.child_started.notify_all()
+        return Child(pid, *(None if end is None else open(end, "wb" if fd == 0 else "rb", buffering=0)
+                            for fd, end in enumerate(ends)))
 
     def start_job(self, header: dict[str, Any], listed: bool = False) -> Job:
         with self.lock:
@@ -279,7 +417,7 @@ class Agent:
                 return known
             job_id = self.next_id
             self.next_id += 1
-            proc = self._popen(header, subprocess.PIPE, subprocess.PIPE, job_id)
+            proc = self._spawn(header, job_id)
             cap = header.get("max_output")
             job = Job(job_id, proc, header.get("timeout"),
                       min(MAX_OUTPUT, max(0, cap)) if isinstance(cap, int) else MAX_OUTPUT)
@@ -295,7 +433,7 @@ class Agent:
             if proc.stdin is not None:
                 os.set_blocking(proc.stdin.fileno(), False)
         try:
-            threading.Thread(target=self._pump, args=(job,), daemon=True).start()
+            _thread.start_new_thread(self._pump, (job,))
         except RuntimeError as e:  # no thread to collect its output: undo the job rather than hang its caller
             kill_job(job.id, job.pid)
             with self.lock:
@@ -325,12 +463,13 @@ class Agent:
     def _pump(self, job: Job) -> None:
         """Collect a job's output until it exits (or times out), then mark it done."""
         assert job.proc.stdout is not None and job.proc.stderr is not None
-        sel = selectors.DefaultSelector()
-        for idx, stream in enumerate((job.proc.stdout, job.proc.stderr)):
-            os.set_blocking(stream.fileno(), False)
-            sel.register(stream, selectors.EVENT_READ, idx)
+        streams = {job.proc.stdout.fileno(): 0, job.proc.stderr.fileno(): 1}  # fd -> index in job.out
+        poll = select.poll()
+        for fd in streams:
+            os.set_blocking(fd, False)
+            poll.register(fd, select.POLLIN)
         exited_at: float | None = None
-        while sel.get_map():
+        while streams:
             now = time.monotonic()
             if job.exit_code is not None and exited_at is None:
                 exited_at = now
@@ -339,16 +478,18 @@ class Agent:
             if job.deadline is not None and now > job.deadline and not job.timed_out:
                 job.timed_out = True
                 kill_job(job.id, job.pid)
-            for key, _ in sel.select(timeout=0.05 if exited_at or job.exit_code is not None else 0.2):
+            for fd, _ in poll.poll(50 if exited_at or job.exit_code is not None else 200):
                 try:
-                    data = os.read(key.fileobj.fileno(), 1 << 16)  # type: ignore[union-attr]
+                    data = os.read(fd, 1 << 16)
                 except BlockingIOError:
                     continue
                 if not data:
-                    sel.unregister(key.fileobj)
+                    poll.unregister(fd)
+                    del streams[fd]
                     continue
+                idx = streams[fd]
                 with job.cond:
-                    buf = job.out[key.data]
+                    buf = job.out[idx]
                     room = job.max_output - len(buf)
                     with self.budget:  # past its floor a job draws on a budget shared by all jobs: the unread
                         if len(buf) + len(data) > OUTPUT_FLOOR:  # output of many must not fill the sandbox's memory
@@ -358,9 +499,8 @@ class Agent:
                         self.buffered += took
                         job.held += took
                     buf += data[:took]
-                    job.dropped[key.data] += len(data) - took
+                    job.dropped[idx] += len(data) - took
                     job.cond.notify_all()
-        sel.close()
         job.proc.stdout.close()
         job.proc.stderr.close()
         with job.cond:
@@ -382,17 +522,17 @@ class Agent:
             self.next_id += 1
             log = f"{self.log_dir}/{job_id}.log"
             with open(log, "wb") as f:
-                proc = self._popen(header, f, subprocess.STDOUT, job_id)
+                proc = self._spawn(header, job_id, f.fileno())
             self.spawned[proc.pid] = {"cmd": header["cmd"], "exit_code": None, "log": log, "job": job_id}
             reply = {"pid": proc.pid, "log": log}
             self.replies[header.get("key", "")] = reply
             while len(self.replies) > 1024:
-                self.replies.popitem(last=False)
+                del self.replies[next(iter(self.replies))]  # the oldest
         return reply
 
     # --- connection handling ------------------------------------------------------------------
 
-    def serve(self, conn: socket.socket, starved: bool = False) -> None:
+    def serve(self, conn: _socket.socket, starved: bool = False) -> None:
         """Answer requests on one connection until the host closes it (registered by ``accept``).
 
         ``starved``: no thread could be started for it, so it runs on the accept loop: one request
@@ -426,11 +566,11 @@ class Agent:
             conn.close()
 
     @staticmethod
-    def _refuse_starved(conn: socket.socket, why: str) -> None:
+    def _refuse_starved(conn: _socket.socket, why: str) -> None:
         send_frame(conn, {"error": "SandboxError", "message": f"the sandbox is out of processes: {why}",
                           "fix": "kill processes in the sandbox (or give it a higher pids limit), then retry"})
 
-    def handle(self, conn: socket.socket, h: dict[str, Any], blob: bytes, blen: int = 0) -> None:
+    def handle(self, conn: _socket.socket, h: dict[str, Any], blob: bytes, blen: int = 0) -> None:
         op = h.get("op")
         try:
             if op == "write":  # the blob is still on the socket: it streams to the file
@@ -460,7 +600,7 @@ class Agent:
                     table = {str(pid): dict(v) for pid, v in self.spawned.items()}
                 send_frame(conn, {"procs": table})
             elif op == "kill":
-                pid, sig = int(h["pid"]), int(h.get("signal", signal.SIGTERM))
+                pid, sig = int(h["pid"]), int(h.get("signal", _signal.SIGTERM))
                 if pid in self.spawned or pid in self.started:
                     os.killpg(pid, sig)  # spawn and start make it a group leader: the shell and what it started
                 else:
@@ -580,7 +720,7 @@ class Agent:
             return {"ok": True}
         raise ValueError(f"unknown fs op {do!r}")
 
-    def wait(self, conn: socket.socket, job_id: int, offsets: list[int], stream: bool, follow: bool = True) -> None:
+    def wait(self, conn: _socket.socket, job_id: int, offsets: list[int], stream: bool, follow: bool = True) -> None:
         """Send a job's output from the given absolute offsets (as it comes when streaming), then its result.
 
         Every ``HEARTBEAT`` seconds without anything to send, a ``{"beat": true}`` frame tells the
@@ -657,14 +797,14 @@ class Agent:
         with job.cond:
             for i in (0, 1):
                 n = min(max(0, int(offsets[i]) - job.base[i]), len(job.out[i]))
-                with contextlib.suppress(BufferError):
+                with suppress(BufferError):
                     del job.out[i][:n]
                     job.base[i] += n
                     with self.budget:
                         self.buffered -= min(n, job.held)
                         job.held -= min(n, job.held)
 
-    def write_input(self, conn: socket.socket, job: Job, key: str, data: bytes, timeout: float) -> None:
+    def write_input(self, conn: _socket.socket, job: Job, key: str, data: bytes, timeout: float) -> None:
         """Write ``data`` to a job's stdin within ``timeout`` seconds (TimeoutError if it does not read);
         a retried request (same ``key``) goes on from the bytes already written."""
         deadline = time.monotonic() + timeout
@@ -685,28 +825,28 @@ class Agent:
                 try:
                     done += os.write(pipe.fileno(), data[done:done + (1 << 16)])
                 except BlockingIOError:
-                    with selectors.DefaultSelector() as sel:
-                        sel.register(pipe.fileno(), selectors.EVENT_WRITE)
-                        sel.select(min(left, 0.1))
+                    poll = select.poll()
+                    poll.register(pipe.fileno(), select.POLLOUT)
+                    poll.poll(min(left, 0.1) * 1000)
                 if key:
                     job.stdin_done[key] = done
                 while len(job.stdin_done) > 64:
-                    job.stdin_done.popitem(last=False)
+                    del job.stdin_done[next(iter(job.stdin_done))]
         finally:
             job.stdin_lock.release()
             if job.id not in self.jobs and job.stdin_lock.acquire(blocking=False):  # forgotten meanwhile
                 close_stdin(job)
                 job.stdin_lock.release()
 
-    def quiesce(self, keep: socket.socket) -> None:
+    def quiesce(self, keep: _socket.socket) -> None:
         """Close every other host connection, so that CRIU finds no socket with a peer outside."""
         with self.lock:
             others = [c for c in self.conns if c is not keep]
             self.closing.update(others)
             jobs = list(self.jobs.values())
         for c in others:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
+            with suppress(OSError):
+                c.shutdown(_socket.SHUT_RDWR)
         for job in jobs:
             with job.cond:
                 job.cond.notify_all()
@@ -718,16 +858,16 @@ class Agent:
             time.sleep(0.001)
 
 
-def peer_pid(conn: socket.socket) -> int:
+def peer_pid(conn: _socket.socket) -> int:
     """The pid of the process that connected ``conn``, as the agent's pid namespace numbers it: 0 for one outside
     that namespace (the host), which no process of the sandbox can be (it may not make pid namespaces)."""
-    return int(struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0])
+    return int(struct.unpack("3i", conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[0])
 
 
 def kill_job(job_id: int, pgid: int) -> None:
     """SIGKILL a job's process group and every process that carries its marker in the environment."""
-    with contextlib.suppress(OSError):
-        os.killpg(pgid, signal.SIGKILL)
+    with suppress(OSError):
+        os.killpg(pgid, _signal.SIGKILL)
     marker = f"{JOB_ENV}={job_id}".encode()
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == 1:
@@ -735,7 +875,7 @@ def kill_job(job_id: int, pgid: int) -> None:
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
                 if marker in f.read().split(b"\0"):
-                    os.kill(int(name), signal.SIGKILL)
+                    os.kill(int(name), _signal.SIGKILL)
         except OSError:
             continue
 
@@ -743,7 +883,7 @@ def kill_job(job_id: int, pgid: int) -> None:
 def close_stdin(job: Job) -> None:
     """Close a job's stdin (EOF for the job); callers hold its stdin_lock."""
     if job.proc.stdin is not None:
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             job.proc.stdin.close()
 
 
@@ -754,7 +894,7 @@ def file_info(path: str, names: dict[str, dict[int, str]] | None = None) -> dict
     kind, target = st.st_mode, None
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(path)
-        with contextlib.suppress(OSError):
+        with suppress(OSError):
             kind = os.stat(path).st_mode
     names = {} if names is None else names
     for db in ("passwd", "group"):
@@ -804,10 +944,10 @@ def _walk(top: str, depth: int) -> list[dict[str, Any]]:
     scan(top, 1)
     while stack:
         path, is_dir, level = stack.pop()
-        with contextlib.suppress(FileNotFoundError):  # gone since the scan
+        with suppress(FileNotFoundError):  # gone since the scan
             found.append(file_info(path, names))
             if is_dir and level < depth:
-                with contextlib.suppress(PermissionError, NotADirectoryError):
+                with suppress(PermissionError, NotADirectoryError):
                     scan(path, level + 1)
     return found
 
@@ -830,7 +970,7 @@ def move(src: str, dst: str) -> None:
             os.unlink(src)
 
 
-def write_stream(path: str, conn: socket.socket, n: int, mode: int) -> None:
+def write_stream(path: str, conn: _socket.socket, n: int, mode: int) -> None:
     """Write the next ``n`` bytes of ``conn`` to ``path`` atomically (temporary file and rename), creating
     parent folders, a ``CHUNK`` at a time: an upload never sits in the agent's memory.
 
@@ -857,7 +997,7 @@ def write_stream(path: str, conn: socket.socket, n: int, mode: int) -> None:
             os.chmod(tmp, mode)
             os.replace(tmp, path)
         except BaseException:
-            with contextlib.suppress(OSError):
+            with suppress(OSError):
                 os.unlink(tmp)
             raise
     except ConnectionError:
@@ -867,7 +1007,7 @@ def write_stream(path: str, conn: socket.socket, n: int, mode: int) -> None:
         raise
 
 
-def send_file(conn: socket.socket, path: str) -> None:
+def send_file(conn: _socket.socket, path: str) -> None:
     """Answer a read: the file's bytes, streamed from the file when big (never two copies in memory).
 
     Only regular files: a device (/dev/zero), a FIFO or a socket could be endless or block forever.
@@ -888,11 +1028,31 @@ def send_file(conn: socket.socket, path: str) -> None:
             send_frame(conn, header, _read_capped(f, st.st_size, path, MAX_FILE if st.st_size else MAX_UNSIZED))
             return
         size = st.st_size
-        head = json.dumps(header, separators=(",", ":")).encode()
+        head = _dumps(header).encode()
         conn.sendall(_HEAD.pack(len(head), size) + head)
-        sent = conn.sendfile(f, 0, size)
+        sent = _sendfile(conn, fd, size)
         if sent < size:  # the file shrank under us: the frame cannot be completed
             raise ConnectionError(f"{path} shrank while being read")
+
+
+def _sendfile(conn: _socket.socket, fd: int, size: int) -> int:
+    """Send ``size`` bytes of the file ``fd`` by os.sendfile (socket.sendfile's work): how many went before
+    the file ended. A connection with a timeout is non-blocking underneath: wait for room within it."""
+    sent = 0
+    while sent < size:
+        try:
+            n = os.sendfile(conn.fileno(), fd, sent, min(size - sent, 1 << 30))
+        except BlockingIOError:
+            poll = select.poll()
+            poll.register(conn.fileno(), select.POLLOUT)
+            timeout = conn.gettimeout()
+            if not poll.poll(None if timeout is None else timeout * 1000):
+                raise TimeoutError("timed out") from None
+            continue
+        if not n:
+            break
+        sent += n
+    return sent
 
 
 def _read_capped(f: Any, hint: int, path: str, cap: int) -> bytes:
@@ -915,7 +1075,7 @@ def not_dumpable() -> None:
 
     Best effort: an image's python3 without ctypes still runs the agent.
     """
-    with contextlib.suppress(Exception):
+    with suppress(Exception):
         if not _prctl:
             import ctypes
 
@@ -931,22 +1091,27 @@ def main(path: str = SOCKET_PATH) -> None:
         os.chmod("/dev/shm", 0o1777)
     if os.path.exists(path):
         os.unlink(path)
+    for fd in (0, 1, 2):  # each command's stdio is set up by number: none of them may be a pipe's number
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open("/dev/null", os.O_RDWR)  # the lowest free number: this one
     here = os.path.dirname(path)
     agent = Agent(log_dir=os.path.join(here, "proc"), own_dirs=OWN_DIRS if path == SOCKET_PATH else (here,))
     not_dumpable()
     # PID 1 of its namespace gets only the signals it handles from inside: handle these, and do nothing.
     # (A handler, not SIG_IGN: handlers are reset by exec, an ignored signal would stay ignored in every
     # command.) The host stops a sandbox with SIGKILL, through runc.
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, _ignore)
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
+        _signal.signal(sig, _ignore)
+    server = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     server.bind(path)
     agent.socket_path = path
     server.listen(128)
-    threading.Thread(target=agent.reap_forever, daemon=True).start()
+    _thread.start_new_thread(agent.reap_forever, ())
     while True:  # nothing a request does may end this loop: the sandbox lives as long as it runs
         try:
-            conn, _ = server.accept()
+            conn = _socket.socket(fileno=server._accept()[0])  # type: ignore[attr-defined]
         except OSError:
             time.sleep(0.01)
             continue
@@ -954,12 +1119,12 @@ def main(path: str = SOCKET_PATH) -> None:
             with agent.lock:
                 agent.conns.add(conn)  # before the thread starts: quiesce must never miss a connection
             try:
-                threading.Thread(target=agent.serve, args=(conn,), daemon=True).start()
+                _thread.start_new_thread(agent.serve, (conn,))
             except RuntimeError:  # can't start new thread: out of pids or memory
                 conn.settimeout(2.0)
                 agent.serve(conn, starved=True)
         except Exception:  # noqa: BLE001 - e.g. MemoryError: drop this connection, keep serving
-            with contextlib.suppress(Exception):
+            with suppress(Exception):
                 conn.close()
             time.sleep(0.01)
 
