@@ -371,9 +371,11 @@ class Agent:
         script = _CHILD_PREFIX + str(header["cmd"])
         cwd = header.get("cwd")
         if cwd:  # posix_spawn cannot chdir: the shell does, once it is checked here (an error, as subprocess's)
+            if not isinstance(cwd, str):
+                raise TypeError(f"'cwd' must be a path, not {type(cwd).__name__}")
             if not stat.S_ISDIR(os.stat(cwd).st_mode):
                 raise NotADirectoryError(errno.ENOTDIR, f"Not a directory: {cwd!r}")
-            script = "cd -- '" + str(cwd).replace("'", "'\\''") + "' || exit 126; " + script
+            script = "cd -- '" + cwd.replace("'", "'\\''") + "' || exit 126; " + script
         ends: list[int | None] = [None, None, None]  # the agent's ends of the child's stdin, stdout, stderr
         theirs: list[int] = []  # the child's ends, closed here once it runs
         piped = ((0,) if header.get("stdin") else ()) + ((1, 2) if output is None else ())

@@ -164,6 +164,8 @@ def test_cwd_is_taken_as_given_and_checked(channel, tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError):
         run(channel, "pwd", cwd=str(tmp_path / "file"))
+    with pytest.raises(ValueError, match="cwd"):  # a number would be taken for a file descriptor
+        run(channel, "pwd", cwd=3)
 
 
 def test_an_agent_started_without_stdio_keeps_each_stream_apart(tmp_path):
