@@ -96,7 +96,7 @@ def _episode_wall(t: Any) -> float:
 
 def _play(cfg: Any, tasks: list[Any], workers: int) -> Any:
     """Play ``tasks`` through ``workers`` Ray workers; raises when every episode hit an infrastructure error."""
-    from rollout.workers import Rollout
+    from rollout.driver import Rollout
 
     with tempfile.TemporaryDirectory(prefix="bench-rollout-") as out:
         r = Rollout(cfg, workers=workers, out=Path(out) / "run")
@@ -165,7 +165,8 @@ def group_start(report: Report, tasks: list[Any], runs: int) -> None:
 def burst(report: Report, tasks: list[str]) -> None:
     from rollout import scripted
     from rollout.agent import AgentConfig
-    from rollout.workers import Rollout, RolloutConfig
+    from rollout.driver import Rollout
+    from rollout.workers import RolloutConfig
 
     res = report.result("b_burst64_first_tool_call", note=f"{len(tasks)} SWE groups of 8 started at once on 2 "
                                                           "workers (scripted policy): seconds from the start to "

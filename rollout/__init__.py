@@ -1,5 +1,6 @@
 """Rollouts: the token-in/token-out agent loop (``agent``), trajectory records and shards (``trajectory``), GRPO
-groups forked from one state (``groups``), Ray rollout workers and their driver (``workers``), fork-based search
+groups forked from one state (``groups``), Ray rollout workers (``workers``) and their driver (``driver``), what a
+run owns and its clean-up (``ownership``), a run's totals (``stats``), fork-based search
 (``search``), a scripted policy for tests and demonstrations (``scripted``), and ``agentenv rollout`` (``cli``).
 
 Nothing is imported here: ``import rollout.trajectory`` stays light (no Ray, no torch)."""

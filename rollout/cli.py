@@ -139,7 +139,8 @@ def rollout(
         raise typer.Exit(2)
     from agentenv.errors import AgentEnvError
     from rollout.agent import AgentConfig
-    from rollout.workers import Rollout, RolloutConfig, RolloutError, load_task_refs
+    from rollout.driver import Rollout
+    from rollout.workers import RolloutConfig, RolloutError, load_task_refs
 
     token = policy_token or (policy_token_file.read_text().strip() if policy_token_file else None) \
         or os.environ.get("AGENTENV_POLICY_TOKEN")
@@ -306,7 +307,7 @@ def cleanup(
     env_token: Annotated[str | None, typer.Option(help="their token (else $AGENTENV_TOKEN)")] = None,
 ) -> None:
     """Close the sandboxes and delete the snapshots a run left behind (after its driver was killed)."""
-    from rollout.workers import sweep_run
+    from rollout.ownership import sweep_run
 
     swept = sweep_run(run, env_url or [], env_token)
     console.print(f"closed {len(swept['sandboxes'])} sandboxes, deleted {len(swept['snapshots'])} snapshots")

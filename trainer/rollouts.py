@@ -1,6 +1,6 @@
 """The training loop's rollouts: GRPO groups on the rollout workers, and partial rollouts (pause / resume).
 
-The loop hands ``rollout.workers.Rollout`` a ``GroupSpec`` per group whose ``task`` is a ``Job``: which env, which
+The loop hands ``rollout.driver.Rollout`` a ``GroupSpec`` per group whose ``task`` is a ``Job``: which env, which
 task, the agent loop's settings and the phase (train / eval / swe), so one set of workers plays every phase.
 ``LoopWorker`` (a ``RolloutWorker``, on Ray or in-process) plays a job with ``play_group``: the task is reset once
 and forked ``G`` ways (``rollout.groups.branch``), then the ``G`` episodes run on the agent loop's turn primitives
@@ -36,9 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.agent import AgentConfig, EnvFailed, Episode, Tokenizer, begin, play
+from rollout.driver import Rollout, await_ref
 from rollout.groups import GroupResult, GroupSpec, branch, close_all, failed
 from rollout.trajectory import Trajectory
-from rollout.workers import Rollout, RolloutWorker, await_ref
+from rollout.workers import RolloutWorker
 
 log = logging.getLogger(__name__)
 

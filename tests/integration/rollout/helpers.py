@@ -11,7 +11,7 @@ from typing import Any
 
 from agentenv import Sandbox, Snapshot
 from rollout import scripted
-from rollout.workers import RUN_LABEL
+from rollout.ownership import RUN_LABEL
 
 # --- scripts ------------------------------------------------------------------------------------------------
 

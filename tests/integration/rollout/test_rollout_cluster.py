@@ -13,7 +13,8 @@ import ray
 from policy import chat
 from rollout import trajectory
 from rollout.agent import AgentConfig, LocalTokenizer, env_tools
-from rollout.workers import Rollout, RolloutConfig, load_task_refs
+from rollout.driver import Rollout
+from rollout.workers import RolloutConfig, load_task_refs
 
 from ..server_fixtures import TOKEN, k3_mini_server, threaded_server
 from .helpers import labelled, python_script, tool_tasks

@@ -16,7 +16,8 @@ import ray
 
 from rollout import trajectory
 from rollout.agent import AgentConfig
-from rollout.workers import PolicyUnavailable, Rollout, RolloutConfig, load_task_refs
+from rollout.driver import Rollout
+from rollout.workers import PolicyUnavailable, RolloutConfig, load_task_refs
 
 from .helpers import calc_script, labelled, python_script, tool_tasks, wait_for
 

@@ -14,8 +14,9 @@ from envs.task import shipped_tasks
 from envs.tasks.libraries import load_libraries
 from rollout import scripted, trajectory
 from rollout.agent import AgentConfig
+from rollout.driver import Rollout
 from rollout.groups import branch
-from rollout.workers import Rollout, RolloutConfig
+from rollout.workers import RolloutConfig
 
 from .helpers import labelled
 

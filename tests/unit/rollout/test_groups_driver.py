@@ -11,17 +11,9 @@ import pytest
 
 from rollout import trajectory
 from rollout.agent import AgentConfig
-from rollout.workers import (
-    RUN_LABEL,
-    WORKER_LABEL,
-    LabelledBackend,
-    PolicyUnavailable,
-    Rollout,
-    RolloutConfig,
-    load_task_refs,
-    node_env_url,
-    sweep,
-)
+from rollout.driver import Rollout
+from rollout.ownership import RUN_LABEL, WORKER_LABEL, LabelledBackend, node_env_url, sweep
+from rollout.workers import PolicyUnavailable, RolloutConfig, load_task_refs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_fakes import FORKY, FakeBackend, FlakyTransport, bash_then_submit, policy_factory  # noqa: E402

@@ -12,8 +12,8 @@ from loop_fakes import FORKY, TOK, FakeBackend, Versions, loop_with_fakes, polic
 from rollout import scripted  # noqa: E402
 from rollout.agent import AgentConfig  # noqa: E402
 from rollout.groups import GroupSpec  # noqa: E402
+from rollout.ownership import LabelledBackend  # noqa: E402
 from rollout.trajectory import read  # noqa: E402
-from rollout.workers import LabelledBackend  # noqa: E402
 from trainer.rollouts import Job, play_group  # noqa: E402
 
 
