@@ -7,6 +7,7 @@ interpreter and its site-packages, startup hooks and the commands on PATH were a
 - ``patch``: the agent's change is taken out of its sandbox as a patch of /testbed — data, nothing
   more — and filtered by one documented rule (test files, test-runner configuration, interpreter
   startup hooks, bytecode, package metadata, ... are dropped and reported; ``filter_patch``);
+- ``diff``: the git diff read as data (its sections, the paths and lines each adds), for ``patch``'s rule;
 - ``grader``: the kept patch is applied to a fresh sandbox restored from the task's pristine state
   (a snapshot taken at reset, before the agent acted), where the tests run with plugin auto-loading
   off, the image's interpreter by absolute path and a canary test that must fail; results come from a

@@ -57,6 +57,7 @@ from typing import Any, TypeVar
 
 import agentenv
 from agentenv.api import Backend, SandboxLike, SnapshotLike
+from envs.grading.diff import parse_numstat
 from envs.grading.patch import (
     WORKDIR,
     Dropped,
@@ -67,7 +68,6 @@ from envs.grading.patch import (
     filter_patch,
     gold_exemptions,
     link_stays_inside,
-    parse_numstat,
 )
 from envs.grading.results import (
     MAX_RESULT_BYTES,
@@ -144,7 +144,7 @@ def declared_plugins(task: Task) -> list[str]:
 
 def protected_files(task: Task) -> list[str]:
     """The task's test files and the files its test patch touches: never taken from the agent's patch."""
-    from envs.grading.patch import parse_section, split_sections
+    from envs.grading.diff import parse_section, split_sections
 
     files = list(task.test_files)
     if task.test_patch:

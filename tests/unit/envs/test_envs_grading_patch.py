@@ -13,18 +13,9 @@ import pytest
 
 from agentenv.api import ExecResult
 from envs.grading import PatchError, drop_reason, extract_patch, filter_patch, parse_test_command
+from envs.grading.diff import FileChange, parse_numstat, parse_section, split_sections, unquote
 from envs.grading.grader import Invocation, filter_for, protected_files, run_script
-from envs.grading.patch import (
-    FileChange,
-    check_numstat,
-    content_reason,
-    gold_exemptions,
-    link_stays_inside,
-    parse_numstat,
-    parse_section,
-    split_sections,
-    unquote,
-)
+from envs.grading.patch import check_numstat, content_reason, gold_exemptions, link_stays_inside
 from envs.task import Task
 
 GIT_ENV = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
