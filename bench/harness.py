@@ -265,6 +265,25 @@ def machine_info() -> dict[str, Any]:
             "criu": _cmd("criu", "--version"), "runc": _cmd("runc", "--version"), "loadavg_start": load}
 
 
+def cpu_probe(rounds: int = 5) -> float:
+    """How fast this machine runs Python now: the median ms of a fixed loop (a shared or throttled host shows
+    here, so that two runs' figures can be set side by side)."""
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        sum(i * i for i in range(200_000))
+        times.append((time.perf_counter() - t) * 1000)
+    return round(sorted(times)[rounds // 2], 2)
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(all, steal) CPU ticks since boot from /proc/stat; None where it cannot be read."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields[:8]), fields[7]
+    return None
+
+
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> Path:
     """Write ``doc`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -300,6 +319,8 @@ class Report:
         self.started = time.time()
         self.commit, self.dirty = git_commit()
         self.machine = machine_info()
+        self.machine["cpu_probe_ms_start"] = cpu_probe()
+        self.ticks = cpu_ticks()
         self.results: dict[str, Result] = {}
         self.ratios: dict[str, dict[str, Any]] = {}
         self.info: dict[str, Any] = {}
@@ -329,6 +350,10 @@ class Report:
         machine = dict(self.machine)
         with contextlib.suppress(OSError):
             machine["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+        machine["cpu_probe_ms_end"] = cpu_probe()
+        now = cpu_ticks()
+        if self.ticks and now and now[0] > self.ticks[0]:  # the hypervisor's share of the run's CPU time
+            machine["steal_pct"] = round(100 * (now[1] - self.ticks[1]) / (now[0] - self.ticks[0]), 2)
         return {
             "schema": SCHEMA, "benchmark": self.benchmark,
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
@@ -339,7 +364,11 @@ class Report:
         }
 
     def write(self, path: Path | None = None) -> Path:
-        out = write_json_atomic(path or RESULTS_DIR / f"{self.benchmark}.json", self.to_json())
+        doc = self.to_json()
+        out = write_json_atomic(path or RESULTS_DIR / f"{self.benchmark}.json", doc)
+        m = doc["machine"]
+        console.print(f"machine speed: a fixed Python loop took {m['cpu_probe_ms_start']} ms at the start, "
+                      f"{m['cpu_probe_ms_end']} ms at the end; CPU steal {m.get('steal_pct', '-')}%", highlight=False)
         with contextlib.suppress(ValueError):
             out = out.resolve().relative_to(Path.cwd())
         console.print(f"results: {out}", highlight=False)

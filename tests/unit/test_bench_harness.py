@@ -142,7 +142,9 @@ def test_report_json_has_the_schema(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert doc["schema"] == harness.SCHEMA == 1
     assert (doc["benchmark"], doc["commit"], doc["dirty"], doc["args"]) == ("demo", "abc123", False, {"runs": 3})
     assert doc["started_at"].endswith("Z")
-    assert {"cpus", "kernel", "python", "loadavg_end"} <= set(doc["machine"])
+    assert {"cpus", "kernel", "python", "loadavg_end", "cpu_probe_ms_start", "cpu_probe_ms_end"} <= set(doc["machine"])
+    assert doc["machine"]["cpu_probe_ms_start"] > 0 and doc["machine"]["cpu_probe_ms_end"] > 0
+    assert 0 <= doc["machine"].get("steal_pct", 0) <= 100
     fast = doc["results"]["fast"]
     assert set(fast) >= STAT_KEYS
     assert fast["median_ms"] == 2.0 and fast["note"] == "a note" and fast["target_ms"] == 5.0
