@@ -178,9 +178,9 @@ class Sandbox(Calls):
                     with phase("layer"):
                         volume.make_layer(self._container.layer, spec.limits.disk)
             self._container.prepare(spec, fs_from=fs_from)
-            # the files just copied (reflinks) count against the disk limit once a commit accounted them: start
-            # one now, and have it done before this returns (it usually is, by the time the processes are up)
-            txn = volume.account_soon(self._container.layer) if fs_from and spec.limits.disk is not None else None
+            # the files just copied (reflinks) count against the disk limit (with full quota groups once a commit
+            # accounted them: one starts now, and is done before this returns, usually long before)
+            txn = volume.account_copy(self._container.layer, spec.limits.disk) if fs_from else None
             if restoring is not None:  # lazily where it pays: the record names the daemon until it is done
                 work = self._container.bundle / "criu-restore"
                 pid, self._rec["lazy_pages"] = restoring.run(

@@ -226,7 +226,7 @@ def size_of(tmp: Path) -> int:
     (meta.json, CRIU's images) are walked."""
     files = files_of(tmp)
     counted = volume.referenced(files)
-    return disk_usage(tmp) + (disk_usage(files) if counted is None else counted)
+    return volume.disk_usage(tmp) + (volume.disk_usage(files) if counted is None else counted)
 
 
 def publish(tmp: Path, snapshot_id: str, check: bool = False) -> None:
@@ -287,16 +287,6 @@ def write_meta(folder: Path, snap: Snapshot) -> None:
     tmp = folder / "meta.json.tmp"
     tmp.write_text(json.dumps(asdict(snap)))
     os.replace(tmp, folder / "meta.json")
-
-
-def disk_usage(folder: Path) -> int:
-    """Bytes used by the files under a folder (sparse-aware)."""
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(dirpath, f)).st_blocks * 512
-    return total
 
 
 def _pid_alive(pid: int) -> bool:
