@@ -14,7 +14,7 @@ A run, in order (``Loop.run``)::
     eval after RL, SWE iteration            the same path on SWE-v0 tasks: a group forked from one state, SWE grading
     summary (trainer/report.py)             table, summary.json, reward.png, metrics.png
 
-**Bounded staleness** (``rl.max_staleness = k``). ``k = 0`` is synchronous and on-policy: an iteration's rollouts
+**Bounded staleness** (``rl.max_staleness = k``, trainer/schedule.py). ``k = 0`` is synchronous and on-policy: an iteration's rollouts
 run under the current weights, then the step trains on them, strictly alternating. With ``k >= 1`` a producer task
 collects batches ahead of the trainer — the batch of step ``t + 1`` (up to ``t + k``) is played while step ``t``
 trains (the training step and the weight push run in a thread) — and puts them on a queue; each trajectory's
@@ -398,60 +398,19 @@ class Loop:
             self.metrics.close()
 
     async def iterations(self) -> None:
-        """The RL iterations: synchronous (max_staleness 0) or with a producer ahead of the trainer."""
+        """The RL iterations, synchronous (max_staleness 0) or with a producer ahead of the trainer."""
+        from trainer import schedule
         from trainer.metrics import Progress
 
         with Progress(self.cfg.rl.iterations, "GRPO", enabled=self._progress_on()) as bar:
             self.bar = bar
             bar.update(self.iteration, {})
             try:
-                if self.cfg.rl.max_staleness == 0:
-                    while self.iteration < self.cfg.rl.iterations:
-                        version = self.version
-                        batch = await self.rollout_batch()
-                        await self._train_iteration(batch, produced_at=version)
-                else:
-                    await self._async_iterations()
+                await schedule.run(self.cfg.rl.iterations, self.cfg.rl.max_staleness, lambda: self.iteration,
+                                   lambda: self.version, self.rollout_batch,
+                                   lambda batch, v: self._train_iteration(batch, produced_at=v))
             finally:
                 self.bar = None
-
-    async def _async_iterations(self) -> None:
-        """Bounded staleness k >= 1: a producer collects batches up to k steps ahead of the trainer."""
-        k = self.cfg.rl.max_staleness
-        queue: asyncio.Queue[tuple[Collected, int]] = asyncio.Queue()
-        progressed = asyncio.Event()
-        produced = self.iteration
-
-        async def producer() -> None:
-            nonlocal produced
-            while produced < self.cfg.rl.iterations:
-                if produced - self.iteration >= k + 1:
-                    # the batch being trained and those of the next k steps are out: wait for the trainer
-                    progressed.clear()
-                    await progressed.wait()
-                    continue
-                version = self.version
-                batch = await self.rollout_batch()
-                produced += 1
-                await queue.put((batch, version))
-
-        task = asyncio.create_task(producer())
-        try:
-            while self.iteration < self.cfg.rl.iterations:
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    task.result()     # the producer failed: raise its error
-                    raise RuntimeError("the rollout producer stopped early")
-                batch, version = getter.result()
-                await self._train_iteration(batch, produced_at=version)
-                progressed.set()
-        finally:
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
 
     async def _train_iteration(self, got: Collected, produced_at: int, phase: str = "train") -> dict[str, Any]:
         from trainer.advantages import AdvantageConfig
