@@ -82,8 +82,9 @@ def show_volume() -> None:
     st = os.statvfs(v.path)
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     cap = store.limit()
-    console.print(f"{v.path}: btrfs with {'simple' if v.simple else 'full'} quotas, {size / 2**30:.1f} GiB ({free / 2**30:.1f} free); sandboxes' disk "
-                  f"limits hold; snapshot store limit: {'none' if cap is None else f'{cap / 2**30:.1f} GiB'}")
+    mode = "simple" if v.simple else "full"
+    console.print(f"{v.path}: btrfs with {mode} quotas, {size / 2**30:.1f} GiB ({free / 2**30:.1f} free); sandboxes' "
+                  f"disk limits hold; snapshot store limit: {'none' if cap is None else f'{cap / 2**30:.1f} GiB'}")
 
 
 @app.command()

@@ -57,7 +57,7 @@ from agentenv.hostcalls import mountinfo
 log = logging.getLogger("agentenv")
 
 VOLUME_ENV = "AGENTENV_VOLUME"  # "off": never make a volume (sandboxes then need disk=None)
-QUOTAS_ENV = "AGENTENV_QUOTAS"  # "full": full quota groups on a new volume (default: simple ones where the kernel has them)
+QUOTAS_ENV = "AGENTENV_QUOTAS"  # "full": full quota groups on a new volume (default: simple ones where possible)
 SIZE_ENV = "AGENTENV_VOLUME_SIZE"  # the size of a volume agentenv makes, e.g. "200g"
 MIN_SIZE = 1 << 30
 # btrfs ioctls (linux/btrfs.h): _IOW(0x94, 1/14/15, btrfs_ioctl_vol_args), _IOR(0x94, 43, qgroup_limit_args),

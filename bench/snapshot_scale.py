@@ -52,7 +52,8 @@ CHURN = ("mkdir -p /testbed/many && cd /testbed/many && python3 -c \"import os\n
 
 @contextlib.contextmanager
 def home_with(mode: str) -> Iterator[Path]:
-    """A temporary agentenv home whose volume (sparse, 4 GiB) has ``mode`` quotas; unmounted and removed after."""
+    """A temporary agentenv home whose volume (sparse, 4 GiB) has ``mode`` quotas; unmounted and removed after
+    (also the fixture of ``tests/integration/test_volume_quotas.py``)."""
     home = Path(tempfile.mkdtemp(prefix=f"agentenv-bench-{mode}-", dir="/var/tmp"))
     saved = {k: os.environ.get(k) for k in ("AGENTENV_HOME", volume.SIZE_ENV, volume.QUOTAS_ENV)}
     os.environ.update({"AGENTENV_HOME": str(home), volume.SIZE_ENV: "4g", volume.QUOTAS_ENV: mode})

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 
 from agentenv import volume
 from agentenv.config import paths
+from bench.snapshot_scale import home_with
 
 pytestmark = pytest.mark.integration
 
@@ -27,24 +26,14 @@ MIB = 1 << 20
 
 
 @pytest.fixture(params=["simple", "full"])
-def quota_volume(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[volume.Volume]:
-    """A fresh home whose volume (a 2 GiB sparse image) has the quotas named by the parameter."""
+def quota_volume(request: pytest.FixtureRequest) -> Iterator[volume.Volume]:
+    """A fresh home whose volume (a sparse image) has the quotas named by the parameter."""
     if request.param == "simple" and not os.path.exists("/sys/fs/btrfs/features/simple_quota"):
-        pytest.skip("this kernel has no simple quotas")
-    home = Path(tempfile.mkdtemp(prefix="agentenv-quotas-", dir="/var/tmp"))
-    monkeypatch.setenv("AGENTENV_HOME", str(home))
-    monkeypatch.setenv(volume.SIZE_ENV, "2g")
-    monkeypatch.setenv(volume.QUOTAS_ENV, request.param)
-    volume.forget()
-    try:
-        v = volume.ensure()
-        if not v.quotas:
-            pytest.skip(f"no btrfs volume with quotas here: {v.reason}")
-        yield v
-    finally:
-        volume.forget()
-        subprocess.run(["umount", str(home / "volume")], capture_output=True, check=False)
-        shutil.rmtree(home, ignore_errors=True)
+        pytest.skip("this kernel has no simple quotas (Linux 6.7+)")
+    if not volume.ensure().quotas:
+        pytest.skip(f"no btrfs volume with quotas here: {volume.ensure().reason}")
+    with home_with(request.param):
+        yield volume.ensure()
 
 
 def fill(path: Path, mib: int) -> int:
