@@ -11,7 +11,7 @@ Standard library only: a user who wants sandboxes alone needs nothing else to re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
 
@@ -49,6 +49,8 @@ def _plain(v: Any) -> Any:
         return v.to_wire()
     if isinstance(v, dict):
         return dict(v)
+    if isinstance(v, tuple):
+        return list(v)
     return v
 
 
@@ -61,6 +63,25 @@ class Limits(_Value):
     memory: int = 1 << 30  # bytes
     pids: int = 512
     disk: int | None = None  # bytes; None in records made before disk limits existed, or asked for
+
+
+@dataclass(frozen=True)
+class Network(_Value):
+    """A sandbox's link to the outside and its outbound rules, in E2B's shape (``agentenv.netpolicy`` says what
+    they mean: an allowed destination wins over a denied one; the host, the other sandboxes and link-local
+    addresses are never reachable; private ranges only where allowed). ``address`` (the sandbox's own) and
+    ``resolved`` (each host name's addresses when the rule was set) are the host's answers, not asked for."""
+
+    allow_out: tuple[str, ...] = ()
+    deny_out: tuple[str, ...] = ()
+    address: str | None = None
+    resolved: dict[str, list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:  # lists from the wire, or from a caller
+        for name in ("allow_out", "deny_out"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
 
 
 @dataclass(frozen=True)
@@ -89,8 +110,9 @@ class SandboxInfo(_Value):
     expires_at: float | None
     labels: dict[str, str]
     limits: Limits
+    network: Network | None = None  # None: loopback only
 
-    _nested: ClassVar[dict[str, type[_Value]]] = {"limits": Limits}
+    _nested: ClassVar[dict[str, type[_Value]]] = {"limits": Limits, "network": Network}
 
 
 @dataclass(frozen=True)
@@ -241,6 +263,11 @@ class SandboxLike(Protocol):
     @property
     def limits(self) -> Limits: ...
 
+    @property
+    def network(self) -> Network | None: ...
+
+    def update_network(self, allow_out: Sequence[str] = ..., deny_out: Sequence[str] = ...) -> Network: ...
+
     def set_ttl(self, ttl: float) -> None: ...
 
     def exec(self, command: str, *, timeout: float | None = ..., cwd: str | None = ...,
@@ -301,7 +328,7 @@ class SandboxFactory(Protocol):
     """``agentenv.Sandbox``, ``client.Sandbox``, ``pool.Sandbox``: make, find and list sandboxes."""
 
     def create(self, image: str = ..., *, cpus: float = ..., memory: str | int = ..., pids: int = ...,
-               disk: str | int | None = ..., network: bool = ..., env: dict[str, str] | None = ...,
+               disk: str | int | None = ..., network: bool | Network | Mapping[str, Any] = ..., env: dict[str, str] | None = ...,
                workdir: str | None = ..., ttl: float | None = ...,
                labels: dict[str, str] | None = ...) -> SandboxLike: ...
 

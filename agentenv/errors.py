@@ -57,6 +57,16 @@ class DiskLimitRequired(AgentEnvError, PermissionError):
     ``--unlimited-disk``."""
 
 
+class NetworkRuleError(AgentEnvError, ValueError):
+    """A sandbox's network rule cannot be enforced as asked (an IPv6 entry, a wildcard name, a name that does not
+    resolve, an address no sandbox may reach); the message names the entry. Nothing of the rules was applied."""
+
+
+class NetworkUnavailable(AgentEnvError):
+    """This host cannot give a sandbox the network asked for (the bridge, nftables or a veth could not be made);
+    the message says which step failed."""
+
+
 class ConnectionLost(AgentEnvError, ConnectionError):
     """The in-sandbox agent or the remote server stopped answering."""
 
@@ -85,12 +95,12 @@ class SandboxLost(SandboxStateError):
 # the client and the host end of the agent channel rebuild the same class with ``from_wire``.
 
 _STATUS: list[tuple[type[BaseException], int]] = [
-    (Unauthorized, 401), (DiskLimitRequired, 403),
+    (Unauthorized, 401), (DiskLimitRequired, 403), (NetworkRuleError, 400),
     (SandboxNotFound, 404), (SnapshotNotFound, 404), (ImageNotFound, 404),
     (SandboxStateError, 409),
     (QuotaExceeded, 429),
     (StoreFullError, 507),
-    (DiskLimitUnsupported, 501),
+    (DiskLimitUnsupported, 501), (NetworkUnavailable, 501),
     (ConnectionLost, 502),
     (AgentEnvError, 500),
     (FileNotFoundError, 404), (ProcessLookupError, 404), (PermissionError, 403),

@@ -3,7 +3,8 @@
 Docker owns the images; runc (the runtime Docker itself uses) runs the sandbox directly so that
 CRIU checkpoints and restores skip Docker's checkpoint plumbing, which copies every checkpoint
 through containerd's content store (seconds instead of a few hundred milliseconds).
-The OCI spec keeps Docker's safe defaults: own pid/ipc/uts/mount/network namespaces, a small
+The OCI spec keeps Docker's safe defaults: own pid/ipc/uts/mount/network namespaces (a sandbox with network
+is linked to the outside by ``agentenv.network``, never through the host's own namespace), a small
 capability set, no-new-privileges, a seccomp allowlist modelled on Docker's default profile, masked
 /proc paths and cgroup limits.
 """
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv import agent, cgroups, criu, lazy_pages
+from agentenv import agent, cgroups, criu, lazy_pages, netpolicy, network
 from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
@@ -63,8 +64,9 @@ class ContainerSpec:
     env: list[str]
     workdir: str
     limits: Limits
-    network: bool = False
+    network: bool = False           # a link to the outside (agentenv.network); loopback only without
     caps: list[str] = field(default_factory=lambda: list(DEFAULT_CAPS))
+    rules: dict[str, Any] | None = None  # with network: its outbound rules (netpolicy.Rules.to_json())
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -76,17 +78,19 @@ class ContainerSpec:
         return cls(**{**d, "limits": Limits.from_wire(d["limits"])})
 
 
-def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str | None = None) -> dict[str, Any]:
+def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str, resolv: str | None = None) -> dict[str, Any]:
     """The runc config.json of a sandbox whose PID 1 is the agent.
 
-    Without network the sandbox joins ``netns``, a namespace holding only loopback that we made
-    (see ``make_netns``); with it, the sandbox shares the host's network.
+    The sandbox joins ``netns``, a namespace of its own that we made (``make_netns``): loopback only, or with
+    network also the link ``agentenv.network`` gave it, and ``resolv`` (its resolv.conf) on /etc/resolv.conf.
+    Never the host's namespace.
     """
+    if not netns:
+        raise ValueError("every sandbox needs a network namespace of its own")
+    if spec.network and not resolv:
+        raise ValueError("a sandbox with network needs its resolv.conf")
     namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
-    if not spec.network:
-        if netns is None:
-            raise ValueError("a sandbox without network needs its own network namespace")
-        namespaces.append({"type": "network", "path": netns})
+    namespaces.append({"type": "network", "path": netns})
     caps = sorted(set(spec.caps))
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -102,7 +106,7 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str | Non
         {"destination": AGENT_DEST, "type": "bind", "source": agent.__file__, "options": ["rbind", "ro"]},
     ]
     if spec.network:
-        mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": "/etc/resolv.conf",
+        mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": resolv,
                        "options": ["rbind", "ro"]})
     return {
         "ociVersion": "1.0.2",
@@ -164,6 +168,18 @@ class Container:
         return self.bundle / "netns"
 
     @property
+    def link_file(self) -> Path:
+        """Where a networked sandbox's link (``network.attach``'s record) is noted, for ``destroy``."""
+        return self.bundle / "link.json"
+
+    def link(self) -> dict[str, Any] | None:
+        """The sandbox's link to the outside (address, veth), or None without network."""
+        try:
+            return json.loads(self.link_file.read_text())
+        except (OSError, ValueError):
+            return None
+
+    @property
     def cgroup(self) -> str:
         return f"/agentenv/{self.cid}"
 
@@ -199,8 +215,9 @@ class Container:
 
     # --- filesystem ------------------------------------------------------------------------
 
-    def prepare(self, spec: ContainerSpec, fs_from: Path | None = None) -> None:
-        """Create the bundle: an empty (or copied) upper dir, the overlay mount and config.json."""
+    def prepare(self, spec: ContainerSpec, fs_from: Path | None = None, address: str | None = None) -> None:
+        """Create the bundle: an empty (or copied) upper dir, the overlay mount, the network namespace (with
+        network: its link, on ``address`` where that is free) and config.json."""
         cgroups.favor_dynmods()  # once a process: starts move processes into cgroups
         for d in (self.upper, self.work, self.rootfs):
             d.mkdir(parents=True, exist_ok=True)
@@ -209,12 +226,28 @@ class Container:
                 copy_tree(fs_from, self.upper)
         with phase("mount"):
             self.mount(spec)
-        if not spec.network:
-            with phase("netns"):
-                make_netns(self.netns)
-        config = oci_config(spec, hostname=self.cid[-12:], cgroup=self.cgroup,
-                            netns=None if spec.network else str(self.netns))
+        with phase("netns"):
+            make_netns(self.netns)
+        resolv = None
+        if spec.network:
+            with phase("network"):
+                dns = network.nameservers()
+                resolv = self.bundle / "resolv.conf"
+                resolv.write_text(network.resolv_conf(dns))
+                link = network.attach(self.netns, str(self.bundle), netpolicy.Rules.from_json(spec.rules), dns,
+                                      address)
+                link["dns"] = dns
+                self.link_file.write_text(json.dumps(link))
+        config = oci_config(spec, hostname=self.cid[-12:], cgroup=self.cgroup, netns=str(self.netns),
+                            resolv=str(resolv) if resolv else None)
         (self.bundle / "config.json").write_text(json.dumps(config))
+
+    def set_rules(self, rules: netpolicy.Rules) -> None:
+        """Replace a running networked sandbox's outbound rules (atomically)."""
+        link = self.link()
+        if link is None:
+            raise SandboxError("the sandbox has no network link to set rules on")
+        network.apply(self.netns, rules, list(link.get("dns") or []))
 
     def mount(self, spec: ContainerSpec) -> None:
         """The sandbox's root: an overlay of the image's layers under its own upper folder (``volatile``: a sync
@@ -264,6 +297,7 @@ class Container:
         cgroups.remove(cgroups.existing(self.cgroup))  # what runc had no record of (a direct restore cut short)
         lazy_pages.stop_lazy_daemons(self.bundle)  # a lazy restore's, if its memory was still coming in
         self.unmount()
+        network.detach(self.link())
         drop_netns(self.netns)
 
     def pids(self) -> list[int]:

@@ -31,7 +31,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from agentenv import (
@@ -40,17 +40,20 @@ from agentenv import (
     forking,
     images,
     lazy_pages,
+    netpolicy,
     recovery,
     snapshotting,
     store,
     volume,
     warm,
 )
+from agentenv import network as hostnet
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_IMAGE,
     MAX_FORK,
     Limits,
+    Network,
     SandboxInfo,
     SnapshotLike,
     State,
@@ -108,11 +111,13 @@ class Sandbox(Calls):
 
     @classmethod
     def create(cls, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
-               disk: str | int | None = DEFAULT_DISK, network: bool = False, env: dict[str, str] | None = None,
-               workdir: str | None = None, ttl: float | None = None,
+               disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
+               env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
                labels: dict[str, str] | None = None) -> Sandbox:
-        """Start a sandbox from a Docker image: no network, CPU/memory/pids limits, a disk limit (``disk`` bytes,
-        e.g. '10g'; None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it."""
+        """Start a sandbox from a Docker image: CPU/memory/pids limits, a disk limit (``disk`` bytes, e.g. '10g';
+        None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it. ``network``: False
+        (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
+        ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced)."""
         if not isinstance(cpus, int | float) or cpus <= 0:
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
         if not isinstance(pids, int) or pids < 8:
@@ -120,13 +125,15 @@ class Sandbox(Calls):
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
         disk_bytes = parse_disk(disk)
+        rules = netpolicy.requested(network, never=(str(hostnet.subnet()),))
         limits = Limits(cpus=float(cpus), memory=parse_size(memory), pids=pids, disk=disk_bytes)
         volume.ensure().require(disk_bytes)
         info = images.resolve(image)
         merged = dict(e.split("=", 1) for e in info.env if "=" in e)
         merged.update(env or {})
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
-                             workdir=workdir or info.workdir, limits=limits, network=network)
+                             workdir=workdir or info.workdir, limits=limits, network=rules is not None,
+                             rules=rules.to_json() if rules is not None else None)
         if (sb := warm.take(image, spec, ttl, labels)) is None:  # a started one, where a warm pool has it
             sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
             sb._boot(None, "create")
@@ -177,7 +184,8 @@ class Sandbox(Calls):
                 else:
                     with phase("layer"):
                         volume.make_layer(self._container.layer, spec.limits.disk)
-            self._container.prepare(spec, fs_from=fs_from)
+            self._container.prepare(spec, fs_from=fs_from, address=self._rec.get("address"))
+            self._rec["address"] = (self._container.link() or {}).get("address")
             # the files just copied (reflinks) count against the disk limit (with full quota groups once a commit
             # accounted them: one starts now, and is done before this returns, usually long before)
             txn = volume.account_copy(self._container.layer, spec.limits.disk) if fs_from else None
@@ -286,7 +294,7 @@ class Sandbox(Calls):
         """What this sandbox is now (``state`` when the caller knows it, saving a runc call)."""
         return SandboxInfo(id=self.id, state=state or self.state, image=self.image,
                            created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
-                           limits=self.limits)
+                           limits=self.limits, network=self.network)
 
     @property
     def image(self) -> str:
@@ -307,6 +315,33 @@ class Sandbox(Calls):
     @property
     def limits(self) -> Limits:
         return self._spec().limits
+
+    @property
+    def network(self) -> Network | None:
+        """The sandbox's address and outbound rules; None when it has loopback only."""
+        spec = self._spec()
+        if not spec.network:
+            return None
+        rules = netpolicy.Rules.from_json(spec.rules)
+        return Network(rules.allow_out, rules.deny_out, self._rec.get("address"), rules.resolved)
+
+    def update_network(self, allow_out: Sequence[str] = (), deny_out: Sequence[str] = ()) -> Network:
+        """Replace the outbound rules of a sandbox made with network, at once if it runs (a paused one gets them
+        when it resumes); host names are resolved now. NetworkRuleError (nothing changed) for a rule that
+        cannot be enforced."""
+        rules = netpolicy.check(allow_out, deny_out, never=(str(hostnet.subnet()),))
+        with self._locked():
+            spec = self._spec()
+            if not spec.network:
+                raise SandboxStateError(f"sandbox {self.id} was made without network: it has no rules to change",
+                                        fix="create it with network=True (or rules) to give it an outside link")
+            if self._rec["state"] == "running":
+                self._container.set_rules(rules)
+            spec.rules = rules.to_json()
+            self._rec["spec"] = spec.to_json()
+            self._save()
+        assert (net := self.network) is not None
+        return net
 
     def set_ttl(self, ttl: float) -> None:
         """Extend (or shorten) the time to live, counted from now."""
