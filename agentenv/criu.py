@@ -172,7 +172,8 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
     pidfile.unlink(missing_ok=True)
     args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--log-file", "restore.log",
             f"-v{LOG_LEVEL}", "--root", str(rootfs), "--restore-detached", "--pidfile", str(pidfile),
-            "--manage-cgroups", "--cgroup-root", new_cg, "--tcp-established", "--file-locks", "--evasive-devices"]
+            "--manage-cgroups", "--cgroup-root", new_cg, tcp_mode(images, bundle), "--file-locks",
+            "--evasive-devices"]
     if lazy:
         args.append("--lazy-pages")
     yard = cgroup_yard()
@@ -208,6 +209,24 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
         for fd in fds:
             os.close(fd)
     return pid
+
+
+LINK = "link.json"  # a networked sandbox's link (agentenv.network) as it was at the dump, kept with its images
+
+
+def tcp_mode(images: Path, bundle: Path) -> str:
+    """How established TCP connections come back: as they were (``--tcp-established``) where the sandbox has the
+    address it had at the dump (a resume), else closed (``--tcp-close``: a fork child or a restore has an address
+    of its own, and a connection cannot be bound back to another's; its process sees the connection reset)."""
+    try:
+        before = json.loads((images / LINK).read_text()).get("address")
+    except (OSError, ValueError):
+        return "--tcp-established"  # loopback only: its connections are between its own sockets
+    try:
+        now = json.loads((bundle / LINK).read_text()).get("address")
+    except (OSError, ValueError):
+        now = None
+    return "--tcp-established" if before == now else "--tcp-close"
 
 
 def _restore_plan(images: Path, bundle: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Path],

@@ -193,6 +193,18 @@ def _open_forward_filter() -> None:
             _must(_run(["iptables", "-I", chain, "1", *rule]), f"letting {BRIDGE}'s traffic through iptables' {chain}")
 
 
+def describe() -> str:
+    """The networking mode in one line, for a server's start-up log."""
+    try:
+        net = str(subnet())
+    except NetworkUnavailable as e:
+        net = f"unusable ({e})"
+    dns = ", ".join(nameservers()) or "none"
+    return (f"networking: every sandbox in a network namespace of its own (loopback only by default); network=True "
+            f"on the isolated bridge {BRIDGE} ({net}, NAT out; the host, other sandboxes, loopback and link-local "
+            f"addresses refused; private ranges only where allowed); resolvers: {dns}")
+
+
 def nameservers() -> list[str]:
     """The resolvers a networked sandbox uses: ``$AGENTENV_DNS`` (comma-separated; "none"), else the host's
     IPv4 ones that are not on loopback (systemd-resolved's upstreams behind its stub)."""

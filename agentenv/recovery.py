@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv import cgroups, snapshotting, store, volume
+from agentenv import cgroups, network, snapshotting, store, volume
 from agentenv.config import paths
 from agentenv.errors import AgentEnvError, SandboxNotFound
 
@@ -254,7 +254,8 @@ LEFTOVER_AGE = 60.0  # seconds after which a sandbox folder without a record is 
 
 def _collect() -> None:
     """Remove what dead processes left outside any record: layers without a sandbox, sandbox folders without
-    a record (a kill between the two first steps of making one), and the store's leftovers (``store.gc``)."""
+    a record (a kill between the two first steps of making one), network links whose sandbox folder is gone,
+    and the store's leftovers (``store.gc``)."""
     from agentenv.sandbox import Sandbox
 
     p = paths()
@@ -269,5 +270,7 @@ def _collect() -> None:
             if not (bundle / "sandbox.json").exists() and now - bundle.stat().st_mtime > LEFTOVER_AGE:
                 log.warning("removing the sandbox folder %s: it has no record", bundle.name)
                 Sandbox({"id": bundle.name, "state": "closed", "layer": bundle.name})._destroy()
+    for veth in network.sweep(f"{p.sandboxes}/"):
+        log.warning("removed the network link %s: its sandbox is gone", veth)
     for name in store.gc():
         log.warning("removed %s from the snapshot store (left by a process that died)", name)

@@ -28,7 +28,7 @@ from agentenv import agent, cgroups, criu, lazy_pages, netpolicy, network
 from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
-from agentenv.criu import DIRECT_RESTORE_ENV
+from agentenv.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
 from agentenv.criu import dump as criu_dump
 from agentenv.criu import fix as criu_fix
 from agentenv.criu import reason as criu_reason
@@ -170,7 +170,7 @@ class Container:
     @property
     def link_file(self) -> Path:
         """Where a networked sandbox's link (``network.attach``'s record) is noted, for ``destroy``."""
-        return self.bundle / "link.json"
+        return self.bundle / LINK
 
     def link(self) -> dict[str, Any] | None:
         """The sandbox's link to the outside (address, veth), or None without network."""
@@ -357,6 +357,9 @@ class Container:
         """Dump every process of the container with CRIU into ``images``, in the form ``runc restore`` takes
         (CRIU run directly, with runc's options and fewer costs: see ``agentenv.criu``)."""
         try:
+            if self.link_file.exists():  # what a restore compares its own address with (criu.tcp_mode)
+                images.mkdir(mode=0o700, parents=True, exist_ok=True)
+                shutil.copyfile(self.link_file, images / LINK)
             criu_dump(self.runc_root / self.cid / "state.json", images, work, leave_running, criu)
         except CheckpointError:
             with contextlib.suppress(OSError):  # kept: the snapshot folder is removed on failure
@@ -375,7 +378,8 @@ class Container:
         work.mkdir(parents=True, exist_ok=True)
         r = self._runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),
                        "--work-path", str(work), "--bundle", str(self.bundle), "--pid-file", str(pidfile),
-                       "--tcp-established", "--file-locks", *(["--lazy-pages"] if lazy else []), self.cid,
+                       *(["--tcp-established"] if tcp_mode(images, self.bundle) == "--tcp-established" else []),
+                       "--file-locks", *(["--lazy-pages"] if lazy else []), self.cid,
                        timeout=300)
         if r.returncode != 0:
             raise CheckpointError(f"CRIU restore failed: {criu_reason(r.stderr, work / 'restore.log')}",

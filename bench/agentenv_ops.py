@@ -83,14 +83,17 @@ class AgentenvSide(Side):
         self.cleanup.close_sandbox(fx.handle)
 
     # operations
-    def create(self, runs: int) -> None:
-        m = self.result("create")
+    def create(self, runs: int, name: str = "create", network: bool = False) -> None:
+        m = self.result(name)
         m.note = "Sandbox.create() returns once the in-sandbox agent answers (exec-ready); extra: + first exec"
-        with recording(m, "agentenv create"):
+        if network:
+            m.note += "; with network=True (its own namespace, a veth on the isolated bridge, NAT, nftables rules)"
+        with recording(m, f"agentenv {name}"):
             self.cleanup.close_sandbox(self.new_sandbox())  # warm-up: image lookup, page cache
             for _ in range(runs):
                 with Timer() as t:
-                    sb = agentenv.Sandbox.create(IMAGE, cpus=CPUS, memory=MEMORY, labels=self.cleanup.labels)
+                    sb = agentenv.Sandbox.create(IMAGE, cpus=CPUS, memory=MEMORY, labels=self.cleanup.labels,
+                                                 network=network)
                 self.cleanup.sandboxes.append(sb)
                 with Timer() as t2:
                     r = sb.exec("true")
@@ -99,6 +102,9 @@ class AgentenvSide(Side):
                 m.add(t.s)
                 m.add_extra("create_plus_first_exec", t.s + t2.s)
                 self.cleanup.close_sandbox(sb)
+
+    def create_net(self, runs: int) -> None:
+        self.create(runs, "create_net", network=True)
 
     def exec(self, runs: int) -> None:
         m = self.result("exec")

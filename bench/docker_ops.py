@@ -98,8 +98,8 @@ class DockerSide(Side):
         self.cleanup.containers.append(cid)
         return cid
 
-    def run(self, command: list[str]) -> DockerContainer:
-        c = self.client.containers.run(IMAGE, command, detach=True, network_mode="none", nano_cpus=int(CPUS * 1e9),
+    def run(self, command: list[str], network: str = "none") -> DockerContainer:
+        c = self.client.containers.run(IMAGE, command, detach=True, network_mode=network, nano_cpus=int(CPUS * 1e9),
                                        mem_limit=MEMORY, labels=self.cleanup.labels)
         self.cleanup.containers.append(c.id)
         return c
@@ -151,17 +151,20 @@ class DockerSide(Side):
         self.cleanup.remove_container(self.client, fx.handle)
 
     # operations
-    def create(self, runs: int) -> None:
-        m = self.result("create")
-        m.note = "containers.run(detach=True) of 'sleep infinity' until State.Running"
-        with recording(m, "docker run"):
-            self.cleanup.remove_container(self.client, self.run(["sleep", "infinity"]).id)  # warm-up
+    def create(self, runs: int, name: str = "create", network: str = "none") -> None:
+        m = self.result(name)
+        m.note = f"containers.run(detach=True, network_mode={network!r}) of 'sleep infinity' until State.Running"
+        with recording(m, f"docker run ({network})"):
+            self.cleanup.remove_container(self.client, self.run(["sleep", "infinity"], network).id)  # warm-up
             for _ in range(runs):
                 with Timer() as t:
-                    c = self.run(["sleep", "infinity"])
+                    c = self.run(["sleep", "infinity"], network)
                     wait_until(functools.partial(self.running, c.id), 30, "docker run", every=0.001)
                 m.add(t.s)
                 self.cleanup.remove_container(self.client, c.id)
+
+    def create_net(self, runs: int) -> None:
+        self.create(runs, "create_net", network="bridge")
 
     def burst(self, runs: int) -> None:
         m = self.result("burst")

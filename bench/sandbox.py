@@ -13,7 +13,8 @@ Why: agentenv bypasses Docker's container plumbing (runc directly, CRIU through 
 checkpoint``, an in-sandbox agent instead of ``docker exec``) to make RL rollouts cheap to fork and
 resume. This script checks the issue's latency targets and shows the speed-up over plain Docker.
 
-Both sides use the same image (``agentenv/base``), no network, 1 CPU and 1 GiB of memory. The
+Both sides use the same image (``agentenv/base``), no network (but in ``create_net``: agentenv's ``network=True``
+against Docker's default bridge), 1 CPU and 1 GiB of memory. The
 workloads are a git repository in /testbed with ~50 committed files and a few edits, and a Python
 process holding ~100 MB of touched memory. Docker's checkpoint-based operations take seconds, so
 they run ``--docker-runs`` times (cheap Docker operations run ``--runs`` times like agentenv's).
@@ -83,6 +84,8 @@ class Op:
 
 OPERATIONS: list[Op] = [
     Op("create", "create -> exec-ready", "docker run -> running", 150.0, A.create, D.create),
+    Op("create_net", "create, network=True -> exec-ready", "docker run, bridge -> running", None, A.create_net,
+       D.create_net),
     Op("burst", f"{BURST} creates at once -> 1st exec", "docker run + exec, all at once", 150.0, A.burst, D.burst),
     Op("burst_unbounded", "... without admission bound", "-", None, A.burst_unbounded, None),
     Op("burst_warm", f"... from a warm pool of {BURST}", "-", 150.0, A.burst_warm, None),

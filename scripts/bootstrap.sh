@@ -33,7 +33,7 @@ apt_install() {  # apt_install PKG... : installs only what is missing
 version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ]; }
 
 # --- 1. Docker engine -------------------------------------------------------------------
-apt_install docker.io runc containerd iptables iproute2 util-linux debootstrap tar xz-utils ca-certificates
+apt_install docker.io runc containerd iptables iproute2 nftables util-linux debootstrap tar xz-utils ca-certificates
 # The sandbox volume (agentenv/volume.py): a sparse btrfs image on a loop device, with quotas, that agentenv
 # makes under each AGENTENV_HOME on first use. This kernel has no XFS quotas and no ext4 quota format.
 apt_install btrfs-progs

@@ -42,8 +42,10 @@ def agentenv_home() -> Iterator[Path]:
 
 
 def leaked(home: Path) -> dict[str, list[str]]:
-    """Containers, mounts, sandbox records, layers and snapshot files left under ``home`` (the volume's own
-    mount, ``home/volume``, is the home's and stays until ``cleanup``)."""
+    """Containers, mounts, sandbox records, layers, snapshot files and sandboxes' network links (veths) left under
+    ``home`` (the volume's own mount, ``home/volume``, is the home's and stays until ``cleanup``)."""
+    from agentenv import network
+
     runc = subprocess.run(["runc", "--root", str(home / "runc"), "list", "-q"], capture_output=True, text=True,
                           check=False).stdout.split()
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
@@ -58,6 +60,7 @@ def leaked(home: Path) -> dict[str, list[str]]:
         "sandboxes": names(home / "sandboxes"),
         "layers": names(home / "volume" / "layers"),
         "snapshots": names(home / "snapshots") + names(home / "volume" / "snapshots"),
+        "veths": sorted(network.links(f"{home}/")),
     }
     return {k: v for k, v in out.items() if v}
 
@@ -72,6 +75,10 @@ def cleanup(home: Path) -> None:
         target = line.split()[1]
         if target.startswith(str(home)):
             subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+    from agentenv import network
+
+    for veth in network.links(f"{home}/"):
+        network.detach({"veth": veth})
     shutil.rmtree(home, ignore_errors=True)
 
 

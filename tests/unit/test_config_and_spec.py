@@ -71,11 +71,17 @@ def test_dev_tmpfs_is_at_most_half_the_memory():
     assert dev_size(4 << 30) == 256 << 20 and dev_size(64 << 20) == 32 << 20
 
 
-def test_network_is_opt_in():
-    ns = {n["type"] for n in oci_config(_spec(network=True), "h", "/x")["linux"]["namespaces"]}
-    assert "network" not in ns
+def test_every_sandbox_has_its_own_network_namespace():
+    """With network or without, the sandbox joins the namespace agentenv made for it, never the host's."""
+    for network in (False, True):
+        c = oci_config(_spec(network=network), "h", "/x", netns="/b/netns", resolv="/b/resolv.conf")
+        assert {"type": "network", "path": "/b/netns"} in c["linux"]["namespaces"]
+    binds = {m["destination"]: m["source"] for m in c["mounts"] if m["type"] == "bind"}
+    assert binds["/etc/resolv.conf"] == "/b/resolv.conf"  # its own resolvers, not the host's file
     with pytest.raises(ValueError):
-        oci_config(_spec(network=False), "h", "/x")  # no network means a namespace of its own
+        oci_config(_spec(network=False), "h", "/x", netns="")
+    with pytest.raises(ValueError):
+        oci_config(_spec(network=True), "h", "/x", netns="/b/netns")  # a networked one needs its resolv.conf
 
 
 def test_spec_round_trips_through_json():
