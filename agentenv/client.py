@@ -17,7 +17,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -35,6 +35,7 @@ from agentenv.api import (
     JobInfo,
     JobOutput,
     Limits,
+    Network,
     OutputCallback,
     SandboxInfo,
     SnapshotInfo,
@@ -280,9 +281,22 @@ class RemoteSandbox:
     def limits(self) -> Limits:
         return self._info.limits
 
+    @property
+    def network(self) -> Network | None:
+        """The sandbox's address and outbound rules (as last seen: ``info()`` asks again); None: loopback only."""
+        return self._info.network
+
     def set_ttl(self, ttl: float) -> None:
         """Extend (or shorten) the time to live, counted from now."""
         self._info = SandboxInfo.from_wire(self._call("POST", "/ttl", {"ttl": ttl}))
+
+    def update_network(self, allow_out: Sequence[str] = (), deny_out: Sequence[str] = ()) -> Network:
+        """Replace the outbound rules of a sandbox made with network (NetworkRuleError, nothing changed, for one
+        that cannot be enforced; SandboxStateError for a sandbox made without network)."""
+        body = {"allow_out": _rule_list(allow_out, "allow_out"), "deny_out": _rule_list(deny_out, "deny_out")}
+        self._info = SandboxInfo.from_wire(self._call("PUT", "/network", body, idempotent=True))
+        assert self._info.network is not None  # the server answers 409 for a sandbox without network
+        return self._info.network
 
     # commands and files
     def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
@@ -417,6 +431,34 @@ class RemoteSandbox:
         self._closed = True
 
 
+def _rule_list(value: Iterable[str] | None, which: str) -> list[str]:
+    """A rule list as the server takes one (its entries are checked there, by ``agentenv.netpolicy``)."""
+    if value is None:
+        return []
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise errors.NetworkRuleError(f"{which} must be a list of strings, got {type(value).__name__}")
+    return list(value)
+
+
+def _network_body(network: bool | Network | Mapping[str, Any] | None) -> bool | dict[str, list[str]]:
+    """``network`` of ``Sandbox.create`` as the server takes it: a bool, or ``{allow_out, deny_out}``; what the
+    local API refuses before looking at the entries is refused here alike (NetworkRuleError)."""
+    if network is None or isinstance(network, bool):
+        return bool(network)
+    if isinstance(network, Network):
+        if network.address is not None or network.resolved:
+            raise errors.NetworkRuleError("a sandbox's address and resolved names are the host's to set, not asked for")
+        return {"allow_out": list(network.allow_out), "deny_out": list(network.deny_out)}
+    if isinstance(network, Mapping):
+        unknown = sorted(str(k) for k in set(network) - {"allow_out", "deny_out"})
+        if unknown:
+            raise errors.NetworkRuleError(f"unknown network option(s) {unknown}: only allow_out and deny_out are "
+                                          "enforced")
+        return {"allow_out": _rule_list(network.get("allow_out"), "allow_out"),
+                "deny_out": _rule_list(network.get("deny_out"), "deny_out")}
+    raise errors.NetworkRuleError(f"network must be a bool, a Network or a mapping, got {type(network).__name__}")
+
+
 def _checked(path: str) -> str:
     """A path as the local API takes one (the server resolves it inside the sandbox), else ValueError."""
     if not isinstance(path, str) or not path or "\0" in path:
@@ -431,10 +473,13 @@ class SandboxAPI:
         self._client = client
 
     def create(self, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
-               disk: str | int | None = DEFAULT_DISK, network: bool = False, env: dict[str, str] | None = None,
-               workdir: str | None = None, ttl: float | None = None,
+               disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
+               env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
                labels: dict[str, str] | None = None) -> RemoteSandbox:
-        body = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "disk": disk, "network": network,
+        """A sandbox on the server, as ``agentenv.Sandbox.create`` makes one (``network``: False, True, or
+        outbound rules: a ``Network`` or a mapping with ``allow_out`` / ``deny_out``)."""
+        body = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "disk": disk,
+                "network": _network_body(network),
                 "env": env or {}, "workdir": workdir, "ttl": ttl, "labels": labels or {}}
         return self._client._sandbox(self._client.request("POST", "/v1/sandboxes", body))
 

@@ -18,13 +18,17 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     StrictBool,
+    Tag,
     WithJsonSchema,
     field_validator,
+    model_validator,
 )
 
 from agentenv.api import MAX_DEPTH, MAX_FORK
+from agentenv.netpolicy import MAX_ENTRIES
 
 _NO_NUL = r"^[^\x00]*$"
 _MIN_MEMORY = 32 << 20
@@ -95,13 +99,47 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+Rule = Annotated[str, Field(min_length=1, max_length=256, pattern=_NO_NUL)]
+_RULES_TEXT = ("IPv4 addresses, CIDR blocks and (allow_out only) host names; an allowed destination wins over a "
+               "denied one, so deny_out ['0.0.0.0/0'] with an allow_out list is an allowlist (agentenv.netpolicy)")
+
+
+class NetworkRules(_Body):
+    """A sandbox's outbound rules, E2B's shape. Entries are checked by ``agentenv.netpolicy`` when the rules are
+    set: one that cannot be enforced (IPv6, a wildcard name, a host name in deny_out, an address no sandbox may
+    reach) is a 400 NetworkRuleError naming it. Any other key is refused (nothing is accepted and ignored)."""
+
+    allow_out: list[Rule] = Field(default_factory=list, max_length=MAX_ENTRIES, description=_RULES_TEXT)
+    deny_out: list[Rule] = Field(default_factory=list, max_length=MAX_ENTRIES, description=_RULES_TEXT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, v: Any) -> Any:
+        if isinstance(v, dict) and (unknown := sorted(str(k) for k in set(v) - {"allow_out", "deny_out"})):
+            raise ValueError(f"unknown network option(s) {unknown}: only allow_out and deny_out are enforced")
+        return v
+
+
+class NetworkRequest(NetworkRules):
+    """``PUT /v1/sandboxes/{id}/network``: the rules that replace the sandbox's (both lists, whole)."""
+
+
+def _network_kind(v: Any) -> str:
+    return "bool" if isinstance(v, bool) else "rules"
+
+
+NetworkField = Annotated[Annotated[StrictBool, Tag("bool")] | Annotated[NetworkRules, Tag("rules")],
+                         Discriminator(_network_kind)]
+
+
 class CreateRequest(_Body):
     image: str = Field("agentenv/base", pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:@-]{0,254}$")
     cpus: Float = Field(1.0, ge=0.01, le=64)
     memory: Memory = "1g"
     pids: Int = Field(512, ge=8, le=1 << 22)
     disk: Disk = "10g"
-    network: StrictBool = False
+    network: NetworkField = Field(False, description="false: loopback only; true: the outside (never the host, the "
+                                                     "other sandboxes or link-local addresses); or outbound rules")
     env: Env = Field(default_factory=dict)
     workdir: Workdir = None
     ttl: Annotated[float, Field(ge=1e-3, le=1e7, strict=True)] | None = None
@@ -243,8 +281,10 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
             429: "quota exceeded: see Retry-After", 507: "the snapshot store is full",
             403: "refused: by the server's policy (a sandbox without a disk limit: DiskLimitRequired), or a path "
                  "the file API does not touch (PermissionError)",
-            501: "this host cannot enforce the disk limit asked for (DiskLimitUnsupported)",
-            400: "bad input (e.g. a path with a NUL byte, an invalid size)"}
+            501: "this host cannot enforce the disk limit (DiskLimitUnsupported) or give the network "
+                 "(NetworkUnavailable) asked for",
+            400: "bad input (e.g. a path with a NUL byte, an invalid size, a network rule that cannot be enforced: "
+                 "NetworkRuleError)"}
     out: dict[int | str, dict[str, Any]] = {c: {"model": ErrorBody, "description": text[c]} for c in codes}
     out["default"] = {"model": ErrorBody, "description": "any other error, with its class, message and fix"}
     return out

@@ -29,6 +29,7 @@ def agentenv_home() -> Iterator[Path]:
     home = Path(tempfile.mkdtemp(prefix="agentenv-test-", dir="/var/tmp"))
     old = os.environ.get("AGENTENV_HOME")
     os.environ["AGENTENV_HOME"] = str(home)
+    os.environ["AGENTENV_RESOLVE"] = "hosts"  # a host name in a network rule never sends a DNS query off the machine
     yield home
     try:
         leaks = leaked(home)

@@ -108,3 +108,10 @@ def test_nameservers_come_from_the_environment_or_the_hosts_non_loopback_ones(mo
     monkeypatch.setenv(network.SUBNET_ENV, "10.0.0.0/30")
     with pytest.raises(Exception, match="/8 to /24"):
         network.subnet()
+
+
+def test_host_names_can_be_resolved_from_etc_hosts_alone(monkeypatch):
+    monkeypatch.setenv(netpolicy.RESOLVE_ENV, "hosts")
+    assert netpolicy.resolve_ipv4("localhost") == ["127.0.0.1"]
+    with pytest.raises(OSError, match="not in /etc/hosts"):
+        netpolicy.resolve_ipv4("nowhere.invalid")

@@ -6,6 +6,14 @@ or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snaps
 sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox whose TTL runs out is paused,
 never deleted (E2B kills it unless ``autoPause``): nothing is lost, and ``Sandbox.connect`` brings it back.
 Errors are ``{code, message}``; a full quota is a 429 with ``Retry-After``, which the SDK retries.
+
+The network: ``allow_internet_access`` absent or true is a sandbox with network (E2B's default), false one with
+loopback only; ``network.allowOut`` / ``denyOut`` are the sandbox's outbound rules (``agentenv.netpolicy``: an
+allowed destination wins, as in E2B), and ``allow_internet_access: false`` with an ``allowOut`` list adds
+``0.0.0.0/0`` to ``denyOut``, as E2B reads it. ``PUT /sandboxes/{id}/network`` (``Sandbox.update_network``)
+replaces the rules; a sandbox made with loopback only has none to replace (409). What agentenv does not enforce
+(``allowPublicTraffic: true``, ``maskRequestHost``, ``dnsServers``, ``egressProxy``, per-host ``rules``,
+``httpsPorts``, any other key) is refused with a 400 that names it, never accepted and ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentenv import errors, warm
+from agentenv import errors, netpolicy, warm
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, MAX_FORK
 from agentenv.config import parse_size
 from agentenv.sandbox import Sandbox
@@ -101,12 +109,55 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+_NOTHING: tuple[Any, ...] = (None, {}, [])  # an option sent with one of these asks for nothing (dnsServers aside)
+
+
+class NetworkConfig(BaseModel):
+    """E2B's ``SandboxNetworkConfig`` (create) and ``SandboxNetworkUpdateConfig`` (update), camelCase or snake_case;
+    other keys are kept (``extra``) so that ``unenforced`` can name them."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    allow_out: list[str] | None = Field(None, alias="allowOut", max_length=netpolicy.MAX_ENTRIES)
+    deny_out: list[str] | None = Field(None, alias="denyOut", max_length=netpolicy.MAX_ENTRIES)
+    allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
+
+    def unenforced(self) -> list[str]:
+        """The options asked for that agentenv does not enforce: a public sandbox URL, and every other key but an
+        empty one (``dnsServers: []`` asks for no DNS server, which is not enforced either)."""
+        out = ["allowPublicTraffic"] if self.allow_public_traffic else []
+        return out + sorted(k for k, v in (self.model_extra or {}).items()
+                            if k in ("dnsServers", "dns_servers") or not any(v == n for n in _NOTHING))
+
+    def rules(self, internet: bool | None) -> tuple[list[str], list[str]]:
+        """``(allow_out, deny_out)``: E2B's ``allow_internet_access: false`` is ``denyOut`` ``0.0.0.0/0``."""
+        if bad := self.unenforced():
+            raise E2BError(400, f"network option(s) {bad} are not enforced by agentenv: only allowOut and denyOut "
+                                "are (and allowPublicTraffic false); leave the others out")
+        allow, deny = list(self.allow_out or []), list(self.deny_out or [])
+        if internet is False and netpolicy.ALL_TRAFFIC not in deny:
+            deny.append(netpolicy.ALL_TRAFFIC)
+        return allow, deny
+
+
+class NetworkUpdate(NetworkConfig):
+    allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
+
+
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
     timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=30 * 86400)
     metadata: dict[str, str] | None = None
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     allow_internet_access: bool | None = None
+    network: NetworkConfig | None = None
+
+    def network_asked(self) -> bool | dict[str, list[str]]:
+        """``Sandbox.create``'s ``network``: True when neither is given (E2B's default is internet access), False
+        for ``allow_internet_access: false`` without an ``allowOut`` list, else the rules."""
+        allow, deny = (self.network or NetworkConfig.model_validate({})).rules(self.allow_internet_access)
+        if self.allow_internet_access is False and not allow:
+            return False
+        return {"allow_out": allow, "deny_out": deny} if allow or deny else True
 
 
 class Timeout(_Body):
@@ -141,10 +192,13 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
                             "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "envdAccessToken": token,
                             "trafficAccessToken": token}
     if detail:
-        limits = sb.limits
+        limits, network = sb.limits, sb.network
         body.update(startedAt=_time(sb.created_at), endAt=_time(sb.expires_at), cpuCount=max(1, round(limits.cpus)),
                     memoryMB=limits.memory >> 20, diskSizeMB=(limits.disk or 0) >> 20, state=state or sb.state,
-                    metadata={k[len(META_PREFIX):]: v for k, v in labels.items() if k.startswith(META_PREFIX)})
+                    metadata={k[len(META_PREFIX):]: v for k, v in labels.items() if k.startswith(META_PREFIX)},
+                    allowInternetAccess=network is not None)
+        if network is not None:
+            body["network"] = {"allowOut": list(network.allow_out), "denyOut": list(network.deny_out)}
     return body
 
 
@@ -158,14 +212,39 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     labels = _labels(template, body.metadata)
     image = TEMPLATES.get(template, template)
     snap = _snapshot_or_none(template)
+    network = body.network_asked()
     if snap is not None:
-        sb = service.restore(snap, labels=labels)
+        sb = _restore(service, snap, labels, body, network)
         sb.set_ttl(ttl)
     else:
         with service.reserve(1, MEMORY, DISK):
             sb = service.remember(Sandbox.create(image, cpus=CPUS, memory=MEMORY, disk=DISK, env=body.env_vars or {},
-                                                 network=bool(body.allow_internet_access), ttl=ttl, labels=labels))
+                                                 network=network, ttl=ttl, labels=labels))
     return JSONResponse(sandbox_json(request, sb, "running"), 201)
+
+
+def _restore(service: Service, snap: Snapshot, labels: dict[str, str], body: NewSandbox,
+             network: bool | dict[str, list[str]]) -> Sandbox:
+    """A sandbox from a snapshot: its network is the snapshot's, and rules asked for replace its rules (a sandbox
+    that had none keeps loopback only, so asking it for more is refused)."""
+    asked = body.network is not None or body.allow_internet_access is not None
+    if not asked:
+        return service.restore(snap, labels=labels)
+    has_network = bool(snap.spec.get("network"))
+    if network is not False and not has_network:
+        raise E2BError(400, f"snapshot {snap.id} is of a sandbox with loopback only: its sandboxes have no network "
+                            "to give rules to (create one from an image with the network asked for)")
+    sb = service.restore(snap, labels=labels)
+    if has_network:
+        rules = network if isinstance(network, dict) else {"allow_out": [],
+                                                           "deny_out": [] if network else [netpolicy.ALL_TRAFFIC]}
+        try:
+            sb.update_network(rules["allow_out"], rules["deny_out"])
+        except BaseException:
+            sb.close()
+            service.forget(sb.id)
+            raise
+    return sb
 
 
 def _snapshot_or_none(template: str) -> Snapshot | None:
@@ -217,6 +296,15 @@ def kill(service: ServiceDep, sandbox_id: str) -> Response:
 @router.get("/sandboxes/{sandbox_id}")
 def get(request: Request, service: ServiceDep, sandbox_id: str) -> Response:
     return JSONResponse(sandbox_json(request, service.sandbox(sandbox_id), detail=True))
+
+
+@router.put("/sandboxes/{sandbox_id}/network")
+def update_network(service: ServiceDep, sandbox_id: str, body: Annotated[NetworkUpdate, Body()]) -> Response:
+    """``Sandbox.update_network``: the rules replaced whole (omitted lists are cleared, as in E2B); 409 for a
+    sandbox made with loopback only."""
+    allow, deny = body.rules(body.allow_internet_access)
+    service.call(sandbox_id, lambda s: s.update_network(allow, deny))
+    return Response(status_code=204)
 
 
 @router.post("/sandboxes/{sandbox_id}/timeout")
