@@ -93,11 +93,11 @@ def local(sandbox_id: str) -> agentenv.Sandbox:
     return agentenv.Sandbox.get(sandbox_id)
 
 
-def fork_killed_at(server, point: str, n: int):
+def fork_killed_at(server, point: str, n: int, network: bool = False):
     """A server killed at ``point`` of a fork of ``n`` (a working source sandbox), then started again: its client,
     the source's id and what recovery reported."""
     c = server.start(crash_at=point)
-    src = c.Sandbox.create(memory="256m")
+    src = c.Sandbox.create(memory="256m", network=network)
     start_work(src)
     with pytest.raises(ConnectionLost):
         src.fork(n)
@@ -120,6 +120,22 @@ def test_kill_9_mid_fork_thaws_the_source_and_leaves_no_child_or_snapshot(server
     assert settled_store() == []
     assert recovered(c) == found  # idempotent: a second look changes nothing
     src.close()
+
+
+@pytest.mark.parametrize("point", ["fork:dumped", "fork:started"])
+def test_kill_9_mid_fork_of_a_networked_sandbox_leaves_no_network_link(server, point):
+    """The half-made children's veths go with them (and their namespaces): only the source's link is left."""
+    from agentenv import network
+
+    c, src_id, found = fork_killed_at(server, point, 3, network=True)
+    assert src_id in found["running"]
+    assert [s.id for s in c.Sandbox.list()] == [src_id]
+    links = network.links(f"{paths().home}/")
+    src = local(src_id)
+    assert list(links) == [src._container.link()["veth"]], links
+    assert c.Sandbox.get(src_id).network.address == src.network.address
+    c.Sandbox.get(src_id).close()
+    assert network.links(f"{paths().home}/") == {}
 
 
 def test_kill_9_after_the_children_ran_keeps_them_and_collects_the_fork_snapshot(server):
