@@ -34,10 +34,11 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from agentenv.errors import SandboxError
 
+_T = TypeVar("_T")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -87,34 +88,49 @@ def mount_overlay(lowers: list[str], upper: Path, work: Path, target: Path) -> N
         mount("overlay", target, "overlay", 0, opts)  # a kernel older than 5.10
 
 
+def on_thread(fn: Callable[[], _T], name: str) -> _T:
+    """Run ``fn`` on a thread of its own and hand back its result or exception: for work that changes the calling
+    thread's namespaces (unshare, setns), which dies with that thread and touches no other."""
+    result: list[_T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(e)
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if failed:
+        raise failed[0]
+    return result[0]
+
+
 def make_netns(path: Path) -> None:
     """A persistent network namespace bound on ``path``, holding only loopback (up); SandboxError if the
     kernel refuses (the error names the step)."""
     if os.path.ismount(path):
         return
     path.touch()
-    failed: list[BaseException] = []
 
     def inside() -> None:  # this thread alone enters the new namespace, and ends with it
-        try:
-            _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
-            mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, None, MS_BIND)
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                req = bytearray(_IFREQ.pack(b"lo", 0))
-                fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req)
-                flags = _IFREQ.unpack(req)[1]
-                fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, bytearray(_IFREQ.pack(b"lo", flags | _IFF_UP)))
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            failed.append(e)
+        _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
+        mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, None, MS_BIND)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            req = bytearray(_IFREQ.pack(b"lo", 0))
+            fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req)
+            flags = _IFREQ.unpack(req)[1]
+            fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, bytearray(_IFREQ.pack(b"lo", flags | _IFF_UP)))
 
-    t = threading.Thread(target=inside, name="agentenv-netns")
-    t.start()
-    t.join()
-    if failed:
+    try:
+        on_thread(inside, "agentenv-netns")
+    except Exception as e:
         if os.path.ismount(path):
             drop_netns(path)
-        raise SandboxError(f"could not create the sandbox's network namespace: {failed[0]}",
-                           fix="agentenv needs root (CAP_SYS_ADMIN) on a kernel with network namespaces")
+        raise SandboxError(f"could not create the sandbox's network namespace: {e}",
+                           fix="agentenv needs root (CAP_SYS_ADMIN) on a kernel with network namespaces") from e
 
 
 def proc_start_time(pid: int) -> int:

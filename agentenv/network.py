@@ -30,7 +30,6 @@ import ipaddress
 import os
 import random
 import subprocess
-import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any, TypeVar
 
 from agentenv import netpolicy
 from agentenv.errors import NetworkUnavailable
+from agentenv.hostcalls import on_thread
 
 BRIDGE = "agentenv0"
 SUBNET_ENV, DEFAULT_SUBNET = "AGENTENV_SUBNET", "10.213.0.0/16"
@@ -92,28 +92,17 @@ def _must(r: subprocess.CompletedProcess[str], what: str) -> None:
 def in_netns(netns: Path, fn: Callable[[], _T]) -> _T:
     """Run ``fn`` on a thread that entered the network namespace bound on ``netns`` (programs it starts are
     there too); the thread ends with it, and no other thread changes namespace."""
-    result: list[_T] = []
-    failed: list[BaseException] = []
-
-    def inside() -> None:
+    def inside() -> _T:
+        fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            fd = os.open(netns, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                if _libc.setns(fd, CLONE_NEWNET) != 0:
-                    err = ctypes.get_errno()
-                    raise OSError(err, f"setns({netns}): {os.strerror(err)}")
-            finally:
-                os.close(fd)
-            result.append(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            failed.append(e)
+            if _libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns({netns}): {os.strerror(err)}")
+        finally:
+            os.close(fd)
+        return fn()
 
-    t = threading.Thread(target=inside, name="agentenv-netns-setup")
-    t.start()
-    t.join()
-    if failed:
-        raise failed[0]
-    return result[0]
+    return on_thread(inside, "agentenv-netns-setup")
 
 
 def host_rules(host: HostNet) -> str:

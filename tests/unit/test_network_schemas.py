@@ -17,13 +17,6 @@ TOKEN = "unit-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.fixture
-def client(tmp_path, monkeypatch):
-    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
-    with TestClient(server.create_app(TOKEN, max_sandboxes=0, reap_interval=60)) as c:
-        yield c
-
-
 def test_create_takes_a_bool_or_the_two_rule_lists() -> None:
     assert CreateRequest().network is False
     assert CreateRequest(network=True).network is True

@@ -15,13 +15,6 @@ TOKEN = "unit-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-@pytest.fixture
-def client(tmp_path, monkeypatch):
-    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
-    with TestClient(server.create_app(TOKEN, max_sandboxes=0, reap_interval=60)) as c:
-        yield c
-
-
 def test_no_or_wrong_token_is_401_and_nothing_happens(client, tmp_path):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}, {"Authorization": f"Basic {TOKEN}"}):
         r = client.post("/v1/sandboxes", json={"image": "agentenv/base"}, headers=headers)
