@@ -179,6 +179,16 @@ values = ["{sandbox}"]
 
 [parameters]
 "path.sandbox_id" = {{ dictionary = "sandboxes", probability = 0.5 }}
+
+# a rule's entry can be well formed and still not enforceable (a name that does not resolve, an address no
+# sandbox may reach): the route answers 400 NetworkRuleError, documented, for schema-valid bodies too
+[[operations]]
+include-name = "PUT /v1/sandboxes/{{sandbox_id}}/network"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429", "5xx"]
+
+[[operations]]
+include-name = "POST /v1/sandboxes"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429", "5xx"]
 """
 
 
