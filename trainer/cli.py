@@ -94,7 +94,7 @@ def train(
     if dry_run:
         print(loop.plan())
         try:
-            checked = preflight(cfg, resume=resume)
+            checked = preflight(cfg, resume=resume, build=False)
             print(f"pre-flight: {', '.join(checked)} ok")
         except PreflightError as e:
             print(e)

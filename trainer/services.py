@@ -7,7 +7,7 @@ if the process exits — and stops it (SIGTERM to its process group, then SIGKIL
 ``preflight(cfg, ...)`` checks every part the run will use *before* anything starts, and raises ``PreflightError``
 listing each part that is unreachable or missing with what to do: an existing policy endpoint (``--policy-url``:
 ``GET /v1/models`` with the token), an existing Ray cluster (``--ray-address``: its GCS port answers), the env id,
-the task lists, the demonstration expert, the SWE task image and Docker, a fixed port that is taken, and a run
+the task lists, the demonstration expert, the SWE task images (built where missing; a dry run only reports them) and Docker, a fixed port that is taken, and a run
 folder that already holds a run (``--resume`` continues it). ``check_endpoint`` is the quick policy check run once
 the endpoint is up: it lists the model, and a short completion returns token ids, one logprob each and the
 weight version (``policy.verify = "full"`` runs ``agentenv policy verify`` instead).
@@ -217,28 +217,35 @@ def swe_task_records(cfg: RunConfig) -> list[dict[str, Any]]:
     return records[: cfg.swe.groups]
 
 
-def _check_swe(cfg: RunConfig) -> str | None:
+def _check_swe(cfg: RunConfig, build: bool) -> str | None:
+    """The SWE tasks load and their images are there; with ``build``, images a shipped or configured library makes
+    are built first where missing (cached; seconds when up to date), so a fresh machine's first run needs no step
+    of its own."""
     if not Path(cfg.swe.tasks).is_file():
         return f"swe.tasks: no task file at {cfg.swe.tasks} (or set swe.enabled = false)"
     try:
         records = swe_task_records(cfg)
         from envs.task import Task
-        images = sorted({Task.from_json(r).image for r in records})
+        tasks = [Task.from_json(r) for r in records]
     except Exception as e:  # noqa: BLE001 - reported as the check's failure
         return f"swe.tasks: {type(e).__name__}: {e}"
     try:
-        import docker
+        from envs.images import image_exists
+        from envs.tasks.build import prepare_images
+        from envs.tasks.libraries import load_libraries
 
-        client = docker.from_env(timeout=10)
-        try:
-            for image in images:
-                try:
-                    client.images.get(image)
-                except docker.errors.ImageNotFound:
-                    return (f"the SWE task image {image} is missing; build it with `python -m envs.tasks images` "
-                            "(or set swe.enabled = false)")
-        finally:
-            client.close()
+        missing = [t for t in tasks if not image_exists(t.image)]
+        if missing and build:
+            names = sorted({t.image for t in missing})
+            print(f"[pre-flight] building the SWE task images this run needs: {', '.join(names)} "
+                  "(offline, cached; a minute or two the first time)", file=sys.stderr, flush=True)
+            problems = prepare_images(missing, load_libraries(), build=True,
+                                      log=lambda line: print(f"[pre-flight] {line}", file=sys.stderr, flush=True))
+            if problems:
+                return "; ".join(problems.values()) + " (or set swe.enabled = false)"
+        elif missing:
+            return (f"the SWE task image {missing[0].image} is missing; the run builds it (or build it now with "
+                    "`python -m envs.tasks images`; or set swe.enabled = false)")
     except Exception as e:  # noqa: BLE001 - no engine
         return f"Docker is unreachable ({type(e).__name__}: {e}); run scripts/bootstrap.sh (or set swe.enabled = false)"
     return None
@@ -255,8 +262,9 @@ def _check_port(port: int) -> str | None:
     return None
 
 
-def preflight(cfg: RunConfig, *, resume: bool) -> list[str]:
-    """Every check (see the module docstring); returns what was checked, raises PreflightError listing failures."""
+def preflight(cfg: RunConfig, *, resume: bool, build: bool = True) -> list[str]:
+    """Every check (see the module docstring); returns what was checked, raises PreflightError listing failures.
+    ``build``: build the task images the run needs where they are missing (a dry run only reports them)."""
     problems: list[str] = []
     checked: list[str] = []
 
@@ -294,7 +302,7 @@ def preflight(cfg: RunConfig, *, resume: bool) -> list[str]:
         problems.append(f"sft.init_weights: no file at {cfg.sft.init_weights}")
     if cfg.swe.enabled:
         run("swe env", lambda: _check_env(cfg.swe.env_id))
-        run("swe tasks and image", lambda: _check_swe(cfg))
+        run("swe tasks and image", lambda: _check_swe(cfg, build))
     if problems:
         raise PreflightError("pre-flight failed; nothing was started:\n" + "\n".join(f"  - {p}" for p in problems))
     return checked
