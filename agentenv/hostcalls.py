@@ -54,9 +54,23 @@ AT_FDCWD, OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 0x4
 _NR_OPEN_TREE, _NR_MOVE_MOUNT = 428, 429  # numbers from 424 on are the same on every architecture
 _NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 NEW_ROOT = "/.agentenv-root"  # where swap_root puts the new root in the old one, before pivoting to it
-_SIOCGIFFLAGS, _SIOCSIFFLAGS = 0x8913, 0x8914
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _SIOCSIFADDR, _SIOCSIFNETMASK, _SIOCADDRT = 0x8913, 0x8914, 0x8916, 0x891C, 0x890B
 _IFF_UP = 0x1
+_RTF_UP, _RTF_GATEWAY = 0x1, 0x2
 _IFREQ = struct.Struct("16sH22x")  # struct ifreq: the interface name, then ifr_flags (the rest of the union)
+_IFREQ_ADDR = struct.Struct("16sH2s4s8x")  # struct ifreq with a struct sockaddr_in: name, AF_INET, port, address
+
+
+class _SockaddrIn(ctypes.Structure):
+    _fields_ = [("family", ctypes.c_ushort), ("port", ctypes.c_ushort), ("addr", ctypes.c_uint32),  # network order
+                ("zero", ctypes.c_ubyte * 8)]
+
+
+class _RtEntry(ctypes.Structure):  # struct rtentry (<net/route.h>), for SIOCADDRT
+    _fields_ = [("pad1", ctypes.c_ulong), ("dst", _SockaddrIn), ("gateway", _SockaddrIn), ("genmask", _SockaddrIn),
+                ("flags", ctypes.c_ushort), ("pad2", ctypes.c_short), ("pad3", ctypes.c_ulong),
+                ("pad4", ctypes.c_void_p), ("metric", ctypes.c_short), ("dev", ctypes.c_char_p),
+                ("mtu", ctypes.c_ulong), ("window", ctypes.c_ulong), ("irtt", ctypes.c_ushort)]
 
 
 def _check(rc: int, what: str) -> None:
@@ -119,10 +133,7 @@ def make_netns(path: Path) -> None:
         _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
         mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, None, MS_BIND)
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            req = bytearray(_IFREQ.pack(b"lo", 0))
-            fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req)
-            flags = _IFREQ.unpack(req)[1]
-            fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, bytearray(_IFREQ.pack(b"lo", flags | _IFF_UP)))
+            _link_up(s, b"lo")
 
     try:
         on_thread(inside, "agentenv-netns")
@@ -131,6 +142,27 @@ def make_netns(path: Path) -> None:
             drop_netns(path)
         raise SandboxError(f"could not create the sandbox's network namespace: {e}",
                            fix="agentenv needs root (CAP_SYS_ADMIN) on a kernel with network namespaces") from e
+
+
+def _link_up(s: socket.socket, name: bytes) -> None:
+    req = bytearray(_IFREQ.pack(name, 0))
+    fcntl.ioctl(s.fileno(), _SIOCGIFFLAGS, req)
+    flags = _IFREQ.unpack(req)[1]
+    fcntl.ioctl(s.fileno(), _SIOCSIFFLAGS, bytearray(_IFREQ.pack(name, flags | _IFF_UP)))
+
+
+def configure_ipv4(name: str, address: str, netmask: str, gateway: str) -> None:
+    """Give the interface ``name`` of the calling thread's network namespace an IPv4 address, bring it up and
+    route everything through ``gateway`` (ioctls: no ``ip`` to run); OSError with the kernel's errno."""
+    dev = name.encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        fcntl.ioctl(s.fileno(), _SIOCSIFADDR, _IFREQ_ADDR.pack(dev, socket.AF_INET, b"", socket.inet_aton(address)))
+        fcntl.ioctl(s.fileno(), _SIOCSIFNETMASK, _IFREQ_ADDR.pack(dev, socket.AF_INET, b"", socket.inet_aton(netmask)))
+        _link_up(s, dev)
+        route = _RtEntry(dst=_SockaddrIn(socket.AF_INET), genmask=_SockaddrIn(socket.AF_INET),
+                         gateway=_SockaddrIn(socket.AF_INET, 0, struct.unpack("=I", socket.inet_aton(gateway))[0]),
+                         flags=_RTF_UP | _RTF_GATEWAY)
+        fcntl.ioctl(s.fileno(), _SIOCADDRT, bytes(route))
 
 
 def proc_start_time(pid: int) -> int:

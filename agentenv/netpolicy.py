@@ -185,11 +185,14 @@ def _resolve(name: str, resolve: Resolver, forbidden: list[ipaddress.IPv4Network
     return kept
 
 
-def ruleset(rules: Rules, dns: Sequence[str]) -> str:
-    """The nftables script (for ``nft -f``) that replaces the sandbox namespace's table with these rules: loopback
-    and DNS to ``dns`` (port 53) first, then allowed, denied, private; IPv6 is refused outright. A refused
-    connection is rejected (the caller sees ECONNREFUSED at once, not a timeout)."""
-    lines = ["table inet agentenv {}", "delete table inet agentenv", "table inet agentenv {"]
+def ruleset(rules: Rules, dns: Sequence[str], replace: bool = False) -> str:
+    """The nftables script (for ``nft -f``) of the sandbox namespace's table with these rules: loopback and DNS to
+    ``dns`` (port 53) first, then allowed, denied, private; IPv6 is refused outright. A refused connection is
+    rejected (the caller sees ECONNREFUSED at once, not a timeout). With ``replace``, the table there is flushed and
+    filled anew in the same transaction (atomic; deleting it instead costs the kernel an RCU grace period, 5-25 ms
+    against 0.5 ms here)."""
+    lines = ["flush table inet agentenv"] if replace else []
+    lines.append("table inet agentenv {")
     for name, nets in (("allow", rules.nets("allow_out")), ("deny", rules.nets("deny_out")),
                        ("private", [ipaddress.IPv4Network(p) for p in PRIVATE])):
         lines.append(f"  set {name} {{ type ipv4_addr; flags interval; auto-merge;")

@@ -17,8 +17,8 @@ Every sandbox has a network namespace of its own (``hostcalls.make_netns``); one
   sandbox's rules let it reach on port 53 only.
 
 The veth goes with the namespace: ``detach`` deletes it at once, and the kernel deletes it anyway when the
-namespace ends. The commands are ``ip`` and ``nft``, run (forked from a thread that entered the namespace, for
-what happens inside) in three execs a start.
+namespace ends. A start runs ``ip`` once (the pair and the bridge port); what happens inside the namespace is done
+from a thread that entered it, in-process: ioctls for the address and route, libnftables for the rules.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from agentenv import netpolicy
 from agentenv.errors import NetworkUnavailable
-from agentenv.hostcalls import on_thread
+from agentenv.hostcalls import configure_ipv4, on_thread
 
 BRIDGE = "agentenv0"
 SUBNET_ENV, DEFAULT_SUBNET = "AGENTENV_SUBNET", "10.213.0.0/16"
@@ -145,7 +145,7 @@ def ensure_host() -> HostNet:
     r = _run(["ip", "addr", "replace", f"{host.gateway}/{net.prefixlen}", "dev", BRIDGE])
     _must(r, f"giving {BRIDGE} its address")
     _must(_run(["ip", "link", "set", BRIDGE, "up"]), f"bringing {BRIDGE} up")
-    _must(_run(["nft", "-f", "-"], host_rules(host)), "loading the host's sandbox rules (nft)")
+    nft(host_rules(host))  # this thread is in the host's namespace
     try:
         Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
     except OSError as e:
@@ -239,27 +239,33 @@ def _candidates(host: HostNet, want: str | None) -> list[ipaddress.IPv4Address]:
 
 def attach(netns: Path, tag: str, rules: netpolicy.Rules, dns: list[str], want: str | None = None) -> dict[str, Any]:
     """Give the namespace on ``netns`` its link (a free address, ``want`` if it is), DNS and rules; returns the
-    link's record ``{"address", "veth"}``. ``tag``: what the host end's alias names (the sandbox's bundle)."""
+    link's record ``{"address", "veth"}``. ``tag``: what the host end's alias names (the sandbox's bundle).
+
+    One run of ``ip`` on the host makes the pair and the bridge port; inside, ioctls give ``eth0`` its address and
+    route (``hostcalls.configure_ipv4``) and libnftables loads the rules: ~5 ms in all."""
     host = ensure_host()
+    netmask = str(host.subnet.netmask)
     for address in _candidates(host, want):
         veth = veth_name(host, address)
-        batch = (f"link add eth0 type veth peer name {veth} netns /proc/{os.getpid()}/ns/net\n"
-                 f"addr add {address}/{host.subnet.prefixlen} dev eth0\n"
-                 "link set eth0 up\n"
-                 f"route add default via {host.gateway}\n")
-        r = in_netns(netns, lambda batch=batch: _run(["ip", "-batch", "-"], batch))  # type: ignore[misc]
+        r = _run(["ip", "-batch", "-"], f"link add {veth} type veth peer name eth0 netns {netns}\n"
+                                        f"link set {veth} master {BRIDGE}\n"
+                                        f"link set dev {veth} type bridge_slave isolated on\n"
+                                        f"link set dev {veth} alias {tag}\n"
+                                        f"link set {veth} up\n")
         if r.returncode != 0 and "File exists" in r.stderr:
-            with contextlib.suppress(NetworkUnavailable):  # the peer's name was taken: eth0 may exist
-                in_netns(netns, lambda: _run(["ip", "link", "del", "eth0"]))
-            continue
+            continue  # the name, so the address, is another sandbox's: nothing was made
         link = {"address": str(address), "veth": veth}
         try:
-            _must(r, "making the sandbox's veth pair")
-            _must(_run(["ip", "-batch", "-"], f"link set {veth} master {BRIDGE}\n"
-                                              f"link set dev {veth} type bridge_slave isolated on\n"
-                                              f"link set dev {veth} alias {tag}\n"
-                                              f"link set {veth} up\n"), f"putting {veth} on {BRIDGE}")
-            apply(netns, rules, dns)
+            _must(r, f"making the sandbox's veth pair ({veth} on {BRIDGE})")
+
+            def inside(address: ipaddress.IPv4Address = address) -> None:
+                try:
+                    configure_ipv4("eth0", str(address), netmask, str(host.gateway))
+                except OSError as e:
+                    raise NetworkUnavailable(f"configuring the sandbox's eth0 ({address}) failed: {e}") from e
+                nft(netpolicy.ruleset(rules, dns))
+
+            in_netns(netns, inside)
         except BaseException:
             detach(link)
             raise
@@ -270,8 +276,39 @@ def attach(netns: Path, tag: str, rules: netpolicy.Rules, dns: list[str], want: 
 
 def apply(netns: Path, rules: netpolicy.Rules, dns: list[str]) -> None:
     """Replace the namespace's rules with ``rules`` (atomically: the old ones hold until the new are in)."""
-    r = in_netns(netns, lambda: _run(["nft", "-f", "-"], netpolicy.ruleset(rules, dns)))
-    _must(r, "loading the sandbox's network rules (nft)")
+    in_netns(netns, lambda: nft(netpolicy.ruleset(rules, dns, replace=True)))
+
+
+@functools.cache
+def _libnftables() -> ctypes.CDLL:
+    try:
+        lib = ctypes.CDLL("libnftables.so.1")
+    except OSError as e:
+        raise NetworkUnavailable(f"libnftables is not installed ({e})", fix="run scripts/bootstrap.sh (nftables)") from e
+    lib.nft_ctx_new.restype, lib.nft_ctx_new.argtypes = ctypes.c_void_p, [ctypes.c_uint32]
+    lib.nft_ctx_free.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_buffer_error.argtypes = [ctypes.c_void_p]
+    lib.nft_ctx_get_error_buffer.restype, lib.nft_ctx_get_error_buffer.argtypes = ctypes.c_char_p, [ctypes.c_void_p]
+    lib.nft_run_cmd_from_buffer.restype = ctypes.c_int
+    lib.nft_run_cmd_from_buffer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    return lib
+
+
+def nft(script: str) -> None:
+    """Run an nftables script in the calling thread's network namespace, in-process (libnftables, as ``nft -f``
+    would: one transaction); NetworkUnavailable with nft's message if the kernel refuses it."""
+    lib = _libnftables()
+    ctx = lib.nft_ctx_new(0)
+    if not ctx:
+        raise NetworkUnavailable("libnftables could not make a context")
+    try:
+        lib.nft_ctx_buffer_error(ctx)
+        if lib.nft_run_cmd_from_buffer(ctx, script.encode()) != 0:
+            msg = (lib.nft_ctx_get_error_buffer(ctx) or b"").decode(errors="replace").strip()
+            raise NetworkUnavailable(f"loading the sandbox's network rules (nftables) failed: {msg[:400]}",
+                                     fix="agentenv needs root and a kernel with nf_tables (scripts/bootstrap.sh)")
+    finally:
+        lib.nft_ctx_free(ctx)
 
 
 def detach(link: dict[str, Any] | None) -> None:

@@ -80,7 +80,10 @@ def test_the_sandboxs_ruleset_orders_dns_allow_deny_private():
     order = ['oifname "lo" accept', "ip daddr { 10.255.255.53 } udp dport 53 accept", "ip daddr @allow accept",
              "ip daddr @deny reject", "ip daddr @private reject"]
     assert [lines.index(x) for x in order] == sorted(lines.index(x) for x in order)
-    assert lines[:2] == ["table inet agentenv {}", "delete table inet agentenv"]  # replaced whole, atomically
+    assert lines[0] == "table inet agentenv {"  # a new namespace's table
+    replacing = netpolicy.ruleset(rules, ["10.255.255.53"], replace=True).splitlines()
+    assert replacing[0] == "flush table inet agentenv" and replacing[1:] == netpolicy.ruleset(
+        rules, ["10.255.255.53"]).splitlines()  # replaced whole, in one transaction
     no_rules = netpolicy.ruleset(netpolicy.Rules(), [])
     assert "udp dport 53" not in no_rules and no_rules.count("elements") == 1  # only the private ranges
 
