@@ -17,13 +17,13 @@ from __future__ import annotations
 import builtins
 import contextlib
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import httpx
 
-from agentenv import errors, wire
+from agentenv import errors, netpolicy, wire
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
@@ -293,7 +293,7 @@ class RemoteSandbox:
     def update_network(self, allow_out: Sequence[str] = (), deny_out: Sequence[str] = ()) -> Network:
         """Replace the outbound rules of a sandbox made with network (NetworkRuleError, nothing changed, for one
         that cannot be enforced; SandboxStateError for a sandbox made without network)."""
-        body = {"allow_out": _rule_list(allow_out, "allow_out"), "deny_out": _rule_list(deny_out, "deny_out")}
+        body = _network_body({"allow_out": allow_out, "deny_out": deny_out})
         self._info = SandboxInfo.from_wire(self._call("PUT", "/network", body, idempotent=True))
         assert self._info.network is not None  # the server answers 409 for a sandbox without network
         return self._info.network
@@ -431,32 +431,13 @@ class RemoteSandbox:
         self._closed = True
 
 
-def _rule_list(value: Iterable[str] | None, which: str) -> list[str]:
-    """A rule list as the server takes one (its entries are checked there, by ``agentenv.netpolicy``)."""
-    if value is None:
-        return []
-    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
-        raise errors.NetworkRuleError(f"{which} must be a list of strings, got {type(value).__name__}")
-    return list(value)
-
-
 def _network_body(network: bool | Network | Mapping[str, Any] | None) -> bool | dict[str, list[str]]:
-    """``network`` of ``Sandbox.create`` as the server takes it: a bool, or ``{allow_out, deny_out}``; what the
-    local API refuses before looking at the entries is refused here alike (NetworkRuleError)."""
-    if network is None or isinstance(network, bool):
-        return bool(network)
-    if isinstance(network, Network):
-        if network.address is not None or network.resolved:
-            raise errors.NetworkRuleError("a sandbox's address and resolved names are the host's to set, not asked for")
-        return {"allow_out": list(network.allow_out), "deny_out": list(network.deny_out)}
-    if isinstance(network, Mapping):
-        unknown = sorted(str(k) for k in set(network) - {"allow_out", "deny_out"})
-        if unknown:
-            raise errors.NetworkRuleError(f"unknown network option(s) {unknown}: only allow_out and deny_out are "
-                                          "enforced")
-        return {"allow_out": _rule_list(network.get("allow_out"), "allow_out"),
-                "deny_out": _rule_list(network.get("deny_out"), "deny_out")}
-    raise errors.NetworkRuleError(f"network must be a bool, a Network or a mapping, got {type(network).__name__}")
+    """``network`` of ``Sandbox.create`` as the server takes it: a bool, or ``{allow_out, deny_out}``, its shape
+    checked as the local API checks it (``netpolicy.asked``); the server checks the entries."""
+    lists = netpolicy.asked(network)
+    if lists is None or network is True:
+        return lists is not None
+    return {"allow_out": lists[0], "deny_out": lists[1]}
 
 
 def _checked(path: str) -> str:

@@ -90,24 +90,32 @@ class Rules:
                    {k: list(v) for k, v in (d.get("resolved") or {}).items()})
 
 
-def requested(network: bool | Network | Mapping[str, Any] | None, *, never: Sequence[str] = (),
-              resolve: Resolver = resolve_ipv4) -> Rules | None:
-    """The checked rules of ``Sandbox.create(network=...)``: None for no network (False/None), no rules for
-    True, else a ``Network`` or a mapping with ``allow_out`` / ``deny_out`` (any other key is refused)."""
+def asked(network: bool | Network | Mapping[str, Any] | None) -> tuple[list[str], list[str]] | None:
+    """The ``(allow_out, deny_out)`` lists ``Sandbox.create(network=...)`` asks for, None for no network
+    (False/None): True is no rules, else a ``Network`` or a mapping with those keys (any other key is refused).
+    Only the shape is checked here (NetworkRuleError), as a client does before sending; ``check`` reads the
+    entries."""
     if network is None or network is False:
         return None
     if network is True:
-        return Rules()
+        return [], []
     if isinstance(network, Network):
         if network.address is not None or network.resolved:
             raise NetworkRuleError("a sandbox's address and resolved names are the host's to set, not asked for")
-        return check(network.allow_out, network.deny_out, never=never, resolve=resolve)
+        return list(network.allow_out), list(network.deny_out)
     if isinstance(network, Mapping):
-        unknown = sorted(set(network) - {"allow_out", "deny_out"})
+        unknown = sorted(str(k) for k in set(network) - {"allow_out", "deny_out"})
         if unknown:
             raise NetworkRuleError(f"unknown network option(s) {unknown}: only allow_out and deny_out are enforced")
-        return check(network.get("allow_out"), network.get("deny_out"), never=never, resolve=resolve)
+        return _entries(network.get("allow_out"), "allow_out"), _entries(network.get("deny_out"), "deny_out")
     raise NetworkRuleError(f"network must be a bool, a Network or a mapping, got {type(network).__name__}")
+
+
+def requested(network: bool | Network | Mapping[str, Any] | None, *, never: Sequence[str] = (),
+              resolve: Resolver = resolve_ipv4) -> Rules | None:
+    """The checked rules of ``Sandbox.create(network=...)`` (``asked``, then ``check``); None for no network."""
+    lists = asked(network)
+    return None if lists is None else check(*lists, never=never, resolve=resolve)
 
 
 def check(allow_out: Iterable[str] | None = None, deny_out: Iterable[str] | None = None, *,

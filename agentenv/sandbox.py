@@ -4,7 +4,7 @@ A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 
 (see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
 list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
 or close the same sandbox at once. This module is its lifecycle: create, restore, get and list, state,
-snapshot, fork, pause, resume and close, the record and the lock. The calls into a running sandbox
+snapshot, fork, pause, resume and close (the record and the lock: ``agentenv.record``). The calls into a running sandbox
 (exec, jobs, files) are ``agentenv.calls``, which ``Sandbox`` inherits; how a snapshot is written,
 ``agentenv.snapshotting``; how a fork is made, ``agentenv.forking``.
 
@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentenv import (
@@ -70,6 +69,7 @@ from agentenv.errors import (
 )
 from agentenv.hostcalls import proc_start_time
 from agentenv.phases import phase
+from agentenv.record import Record
 from agentenv.recovery import RECOVER_PING_TIMEOUT, HostProcess
 from agentenv.runtime import (
     AgentProcess,
@@ -93,7 +93,7 @@ def _gate(sandbox_id: str) -> Gate:
         return _gates.setdefault(sandbox_id, Gate())
 
 
-class Sandbox(Calls):
+class Sandbox(Calls, Record):
     """An isolated Linux environment with fast snapshot, fork, pause and restore."""
 
     def __init__(self, record: dict[str, Any]) -> None:
@@ -271,20 +271,6 @@ class Sandbox(Calls):
                 return "lost"
         return st
 
-    def made_here(self) -> bool:
-        """True if this process is making the sandbox (its record is in state 'creating' on its behalf)."""
-        who = self._rec.get("owner")
-        return isinstance(who, list) and bool(who) and who[0] == os.getpid()
-
-    @property
-    def recorded_state(self) -> State:
-        """The state in the sandbox's record, without asking runc whether its processes still live."""
-        return self._rec["state"]
-
-    def exists(self) -> bool:
-        """True while the sandbox is on this host (running or paused); False once closed."""
-        return self._container.bundle.exists()
-
     def ping(self, timeout: float | None = None) -> None:
         """Ask the agent to answer (within ``timeout`` s, else the call's usual deadline); ConnectionLost (or
         another AgentEnvError) when it does not."""
@@ -295,35 +281,6 @@ class Sandbox(Calls):
         return SandboxInfo(id=self.id, state=state or self.state, image=self.image,
                            created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
                            limits=self.limits, network=self.network)
-
-    @property
-    def image(self) -> str:
-        return str(self._rec["image"])
-
-    @property
-    def created_at(self) -> float:
-        return float(self._rec["created_at"])
-
-    @property
-    def labels(self) -> dict[str, str]:
-        return dict(self._rec["labels"])
-
-    @property
-    def expires_at(self) -> float | None:
-        return self._rec.get("expires_at")
-
-    @property
-    def limits(self) -> Limits:
-        return self._spec().limits
-
-    @property
-    def network(self) -> Network | None:
-        """The sandbox's address and outbound rules; None when it has loopback only."""
-        spec = self._spec()
-        if not spec.network:
-            return None
-        rules = netpolicy.Rules.from_json(spec.rules)
-        return Network(rules.allow_out, rules.deny_out, self._rec.get("address"), rules.resolved)
 
     def update_network(self, allow_out: Sequence[str] = (), deny_out: Sequence[str] = ()) -> Network:
         """Replace the outbound rules of a sandbox made with network, at once if it runs (a paused one gets them
@@ -500,9 +457,6 @@ class Sandbox(Calls):
 
     # --- internals ----------------------------------------------------------------------------
 
-    def _spec(self) -> ContainerSpec:
-        return ContainerSpec.from_json(self._rec["spec"])
-
     def _root(self) -> Root:
         """The agent's root, for one connection, after checking that the process is the sandbox's agent.
 
@@ -533,57 +487,3 @@ class Sandbox(Calls):
                 break
         raise SandboxLost(f"sandbox {self.id} is lost: its agent (pid {self._rec.get('init_pid')}) is gone",
                           fix="close it; restore one of its snapshots to go on from there")
-
-    def _reload(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            self._rec = json.loads((self._container.bundle / "sandbox.json").read_text())
-            return
-        self._rec["state"] = "closed"
-
-    def require_running(self) -> None:
-        """SandboxStateError unless the sandbox is running (e.g. paused or closed)."""
-        if self._rec["state"] != "running":
-            self._reload()
-        if self._rec["state"] != "running":
-            raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}",
-                                    fix="resume() a paused sandbox; a closed one is gone")
-
-    def _save(self) -> None:
-        path = self._container.bundle / "sandbox.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._rec))
-        os.replace(tmp, path)
-
-    @contextlib.contextmanager
-    def _locked(self, allow_closed: bool = False, wait: float | None = None) -> Iterator[None]:
-        """An exclusive lock across processes for state changes; raises if the sandbox is gone, and
-        TimeoutError if another holder keeps it past ``wait`` seconds (None: wait as long as it takes)."""
-        try:
-            fd = os.open(self._container.bundle / "lock", os.O_CREAT | os.O_RDWR, 0o600)
-        except FileNotFoundError:
-            raise SandboxNotFound(f"no sandbox {self.id!r} (closed?)") from None
-        try:
-            _flock(fd, wait)
-            self._reload()
-            if self._rec["state"] == "closed" and not allow_closed:
-                raise SandboxStateError(f"sandbox {self.id} is closed")
-            if self._rec["state"] == "running" and self._container.frozen():
-                self._container.freeze(False)  # a snapshotter died holding it frozen; the lock is ours now
-            yield
-        finally:
-            os.close(fd)
-
-
-def _flock(fd: int, wait: float | None) -> None:
-    if wait is None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                raise TimeoutError("the sandbox is held by another process") from None
-            time.sleep(0.02)

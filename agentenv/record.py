@@ -1,0 +1,129 @@
+"""A sandbox's record: ``<home>/sandboxes/<id>/sandbox.json``, what every process knows of a sandbox (its spec,
+state, agent, labels, ttl, address), written whole by rename and changed under a file lock that spans processes.
+
+``Sandbox`` is a ``Record`` with a lifecycle (``agentenv.sandbox``): this module is the fields it reads, the save
+and reload, the check that it runs, and the lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from agentenv import netpolicy
+from agentenv.api import Limits, Network, State
+from agentenv.errors import SandboxNotFound, SandboxStateError
+from agentenv.runtime import Container, ContainerSpec
+
+
+class Record:
+    """The record of sandbox ``id`` (``_rec``), kept in its bundle (``_container.bundle``)."""
+
+    id: str
+    _rec: dict[str, Any]
+    _container: Container
+
+    def made_here(self) -> bool:
+        """True if this process is making the sandbox (its record is in state 'creating' on its behalf)."""
+        who = self._rec.get("owner")
+        return isinstance(who, list) and bool(who) and who[0] == os.getpid()
+
+    @property
+    def recorded_state(self) -> State:
+        """The state in the sandbox's record, without asking runc whether its processes still live."""
+        return self._rec["state"]
+
+    def exists(self) -> bool:
+        """True while the sandbox is on this host (running or paused); False once closed."""
+        return self._container.bundle.exists()
+
+    @property
+    def image(self) -> str:
+        return str(self._rec["image"])
+
+    @property
+    def created_at(self) -> float:
+        return float(self._rec["created_at"])
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return dict(self._rec["labels"])
+
+    @property
+    def expires_at(self) -> float | None:
+        return self._rec.get("expires_at")
+
+    @property
+    def limits(self) -> Limits:
+        return self._spec().limits
+
+    @property
+    def network(self) -> Network | None:
+        """The sandbox's address and outbound rules; None when it has loopback only."""
+        spec = self._spec()
+        if not spec.network:
+            return None
+        rules = netpolicy.Rules.from_json(spec.rules)
+        return Network(rules.allow_out, rules.deny_out, self._rec.get("address"), rules.resolved)
+
+    def _spec(self) -> ContainerSpec:
+        return ContainerSpec.from_json(self._rec["spec"])
+
+    def _reload(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self._rec = json.loads((self._container.bundle / "sandbox.json").read_text())
+            return
+        self._rec["state"] = "closed"
+
+    def require_running(self) -> None:
+        """SandboxStateError unless the sandbox is running (e.g. paused or closed)."""
+        if self._rec["state"] != "running":
+            self._reload()
+        if self._rec["state"] != "running":
+            raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}",
+                                    fix="resume() a paused sandbox; a closed one is gone")
+
+    def _save(self) -> None:
+        path = self._container.bundle / "sandbox.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self._rec))
+        os.replace(tmp, path)
+
+    @contextlib.contextmanager
+    def _locked(self, allow_closed: bool = False, wait: float | None = None) -> Iterator[None]:
+        """An exclusive lock across processes for state changes; raises if the sandbox is gone, and
+        TimeoutError if another holder keeps it past ``wait`` seconds (None: wait as long as it takes)."""
+        try:
+            fd = os.open(self._container.bundle / "lock", os.O_CREAT | os.O_RDWR, 0o600)
+        except FileNotFoundError:
+            raise SandboxNotFound(f"no sandbox {self.id!r} (closed?)") from None
+        try:
+            _flock(fd, wait)
+            self._reload()
+            if self._rec["state"] == "closed" and not allow_closed:
+                raise SandboxStateError(f"sandbox {self.id} is closed")
+            if self._rec["state"] == "running" and self._container.frozen():
+                self._container.freeze(False)  # a snapshotter died holding it frozen; the lock is ours now
+            yield
+        finally:
+            os.close(fd)
+
+
+def _flock(fd: int, wait: float | None) -> None:
+    if wait is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError("the sandbox is held by another process") from None
+            time.sleep(0.02)
