@@ -193,9 +193,11 @@ def _resolve(name: str, resolve: Resolver, forbidden: list[ipaddress.IPv4Network
     return kept
 
 
-def ruleset(rules: Rules, dns: Sequence[str], replace: bool = False) -> str:
-    """The nftables script (for ``nft -f``) of the sandbox namespace's table with these rules: loopback and DNS to
-    ``dns`` (port 53) first, then allowed, denied, private; IPv6 is refused outright. A refused connection is
+def ruleset(rules: Rules, dns: Sequence[str], address: str, replace: bool = False) -> str:
+    """The nftables script (for ``nft -f``) of the sandbox namespace's table with these rules: loopback first, then
+    nothing leaves but from the sandbox's own ``address`` (a socket bound elsewhere with IP_FREEBIND, which needs no
+    capability, would impersonate another sandbox), DNS to ``dns`` (port 53), then allowed, denied, private; IPv6
+    is refused outright. A refused connection is
     rejected (the caller sees ECONNREFUSED at once, not a timeout). With ``replace``, the table there is flushed and
     filled anew in the same transaction (atomic; deleting it instead costs the kernel an RCU grace period, 5-25 ms
     against 0.5 ms here)."""
@@ -208,7 +210,8 @@ def ruleset(rules: Rules, dns: Sequence[str], replace: bool = False) -> str:
             lines.append("    elements = { " + ", ".join(str(n) for n in nets) + " }")
         lines.append("  }")
     lines += ["  chain out {", "    type filter hook output priority filter; policy accept;",
-              '    oifname "lo" accept', "    meta nfproto ipv6 reject"]
+              '    oifname "lo" accept', f"    ip saddr != {ipaddress.IPv4Address(address)} drop",
+              "    meta nfproto ipv6 reject"]
     if dns:
         servers = ", ".join(dns)
         lines += [f"    ip daddr {{ {servers} }} udp dport 53 accept", f"    ip daddr {{ {servers} }} tcp dport 53 accept"]

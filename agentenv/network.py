@@ -122,6 +122,7 @@ table inet agentenv {{
     oifname "{BRIDGE}" ct state established,related accept
     oifname "{BRIDGE}" reject
     iifname "{BRIDGE}" meta nfproto ipv6 reject
+    iifname "{BRIDGE}" ip saddr != {host.subnet} drop
     iifname "{BRIDGE}" ip daddr {{ {never} }} reject
   }}
   chain postrouting {{
@@ -263,7 +264,7 @@ def attach(netns: Path, tag: str, rules: netpolicy.Rules, dns: list[str], want: 
                     configure_ipv4("eth0", str(address), netmask, str(host.gateway))
                 except OSError as e:
                     raise NetworkUnavailable(f"configuring the sandbox's eth0 ({address}) failed: {e}") from e
-                nft(netpolicy.ruleset(rules, dns))
+                nft(netpolicy.ruleset(rules, dns, str(address)))
 
             in_netns(netns, inside)
         except BaseException:
@@ -274,9 +275,11 @@ def attach(netns: Path, tag: str, rules: netpolicy.Rules, dns: list[str], want: 
                              fix=f"close sandboxes, or set ${SUBNET_ENV} to a larger subnet")
 
 
-def apply(netns: Path, rules: netpolicy.Rules, dns: list[str]) -> None:
-    """Replace the namespace's rules with ``rules`` (atomically: the old ones hold until the new are in)."""
-    in_netns(netns, lambda: nft(netpolicy.ruleset(rules, dns, replace=True)))
+def apply(netns: Path, rules: netpolicy.Rules, link: dict[str, Any]) -> None:
+    """Replace the rules of the namespace whose link is ``link`` with ``rules`` (atomically: the old ones hold
+    until the new are in)."""
+    script = netpolicy.ruleset(rules, list(link.get("dns") or []), str(link["address"]), replace=True)
+    in_netns(netns, lambda: nft(script))
 
 
 @functools.cache

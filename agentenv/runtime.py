@@ -247,7 +247,7 @@ class Container:
         link = self.link()
         if link is None:
             raise SandboxError("the sandbox has no network link to set rules on")
-        network.apply(self.netns, rules, list(link.get("dns") or []))
+        network.apply(self.netns, rules, link)
 
     def mount(self, spec: ContainerSpec) -> None:
         """The sandbox's root: an overlay of the image's layers under its own upper folder (``volatile``: a sync

@@ -216,3 +216,27 @@ def test_an_outside_connection_resumes_with_the_sandbox_and_is_closed_in_a_fork(
         sb.exec("rm -f /tmp/echoes")
         _wait_file(sb, "/tmp/echoes")  # it echoes again after the resume
         assert sb.exec("test -e /tmp/closed").exit_code == 1
+
+
+SPOOF = r"""
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.IPPROTO_IP, 15, 1)  # IP_FREEBIND: bind an address that is not ours, no capability needed
+s.bind((sys.argv[1], 0))
+s.settimeout(3)
+try:
+    s.connect((sys.argv[2], int(sys.argv[3])))
+    print("connected")
+except OSError as e:
+    print(type(e).__name__, e.errno)
+"""
+
+
+def test_a_sandbox_cannot_send_from_another_sandboxs_address(outside):
+    with agentenv.Sandbox.create(network=True) as a, agentenv.Sandbox.create(network=True) as b:
+        a.write_file("/tmp/spoof.py", SPOOF)
+        own = a.exec(f"python3 /tmp/spoof.py {a.network.address} {outside.allowed} {outside.http_port}")
+        assert own.stdout.strip() == "connected"  # the probe works from its own address
+        for source in (b.network.address, "10.213.0.1", "203.0.113.9"):  # another sandbox, the gateway, any other
+            r = a.exec(f"python3 /tmp/spoof.py {source} {outside.allowed} {outside.http_port}")
+            assert r.ok and r.stdout.strip() != "connected", (source, r.stdout + r.stderr)

@@ -34,7 +34,7 @@ def test_an_allow_wholly_inside_the_never_reachable_set_is_refused(entry):
 def test_an_allow_that_overlaps_the_never_set_is_kept_and_the_rest_allowed():
     rules = netpolicy.check(["0.0.0.0/0", "10.0.0.0/8"], ["8.8.8.8"], never=("10.213.0.0/16",))
     assert rules.allow_out == ("0.0.0.0/0", "10.0.0.0/8") and rules.deny_out == ("8.8.8.8",)
-    text = netpolicy.ruleset(rules, [])
+    text = netpolicy.ruleset(rules, [], "10.213.0.9")
     assert "elements = { 0.0.0.0/0, 10.0.0.0/8 }" in text
 
 
@@ -76,15 +76,15 @@ def test_rules_round_trip_through_the_record():
 
 def test_the_sandboxs_ruleset_orders_dns_allow_deny_private():
     rules = netpolicy.check(["10.1.0.0/16"], ["0.0.0.0/0"])
-    lines = [line.strip() for line in netpolicy.ruleset(rules, ["10.255.255.53"]).splitlines()]
-    order = ['oifname "lo" accept', "ip daddr { 10.255.255.53 } udp dport 53 accept", "ip daddr @allow accept",
+    lines = [line.strip() for line in netpolicy.ruleset(rules, ["10.255.255.53"], "10.213.0.9").splitlines()]
+    order = ['oifname "lo" accept', "ip saddr != 10.213.0.9 drop", "ip daddr { 10.255.255.53 } udp dport 53 accept", "ip daddr @allow accept",
              "ip daddr @deny reject", "ip daddr @private reject"]
     assert [lines.index(x) for x in order] == sorted(lines.index(x) for x in order)
     assert lines[0] == "table inet agentenv {"  # a new namespace's table
-    replacing = netpolicy.ruleset(rules, ["10.255.255.53"], replace=True).splitlines()
+    replacing = netpolicy.ruleset(rules, ["10.255.255.53"], "10.213.0.9", replace=True).splitlines()
     assert replacing[0] == "flush table inet agentenv" and replacing[1:] == netpolicy.ruleset(
-        rules, ["10.255.255.53"]).splitlines()  # replaced whole, in one transaction
-    no_rules = netpolicy.ruleset(netpolicy.Rules(), [])
+        rules, ["10.255.255.53"], "10.213.0.9").splitlines()  # replaced whole, in one transaction
+    no_rules = netpolicy.ruleset(netpolicy.Rules(), [], "10.213.0.9")
     assert "udp dport 53" not in no_rules and no_rules.count("elements") == 1  # only the private ranges
 
 
