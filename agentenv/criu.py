@@ -58,6 +58,8 @@ import json
 import os
 import shutil
 import subprocess
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,7 +98,7 @@ def dump_args(state: dict[str, Any], images: Path, work: Path, leave_running: bo
         kind = _NS_KEYS.get(ns.get("type", ""))
         if kind and ns.get("path"):
             args += ["--external", f"{kind[0]}[{os.stat(ns['path']).st_ino}]:{kind[1]}"]
-            own_netns = own_netns or kind[0] == "net"
+        own_netns = own_netns or ns.get("type") == "NEWNET"
     if own_netns:
         args += ["--network-lock", "skip", "--empty-ns", "net"]
     for m in config.get("mounts") or []:
@@ -157,10 +159,13 @@ def _run(criu: str | None, args: list[str], log: Path, pass_fds: tuple[int, ...]
 
 
 def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, lazy: bool,
-            criu: str | None = None) -> int | None:
+            criu: str | None = None, setup: Callable[[int], None] | None = None,
+            address: str | None = None) -> int | None:
     """Restore the dump in ``images`` into the prepared bundle as runc container ``cid``, running ``criu restore``
     directly (see the module doc); the host pid of its init, or None where only ``runc restore`` can (the caller
-    runs it then). CheckpointError with CRIU's reason if the restore fails; nothing of it is left then."""
+    runs it then). ``setup(pid)`` sets up the sandbox's new (empty) network namespace once CRIU has made it, before
+    any socket or process is restored (``NamespaceHook``); ``address``: the one it will give the sandbox.
+    CheckpointError with CRIU's reason if the restore fails; nothing of it is left then."""
     plan = _restore_plan(images, bundle)
     if plan is None:
         return None
@@ -172,10 +177,12 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
     pidfile.unlink(missing_ok=True)
     args = ["restore", "--images-dir", str(images), "--work-dir", str(work), "--log-file", "restore.log",
             f"-v{LOG_LEVEL}", "--root", str(rootfs), "--restore-detached", "--pidfile", str(pidfile),
-            "--manage-cgroups", "--cgroup-root", new_cg, tcp_mode(images, bundle), "--file-locks",
+            "--manage-cgroups", "--cgroup-root", new_cg, tcp_mode(images, address), "--file-locks",
             "--evasive-devices"]
     if lazy:
         args.append("--lazy-pages")
+    if any(ns.get("type") == "network" and not ns.get("path") for ns in oci["linux"].get("namespaces") or []):
+        args += ["--empty-ns", "net"]  # made empty, as it was dumped: the host sets it up (Container.connect)
     yard = cgroup_yard()
     if yard:
         args += ["--cgroup-yard", yard]
@@ -187,6 +194,9 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
     for dev in template["config"].get("devices") or []:
         args += ["--external", f"mnt[{dev['path']}]:{dev['path']}"]
     fds: list[int] = []
+    hook = NamespaceHook(work, setup) if setup is not None else None
+    if hook is not None:
+        args += ["--action-script", str(hook.script)]
     try:
         for ns in oci["linux"].get("namespaces") or []:
             if ns.get("type") == "network" and ns.get("path"):
@@ -198,7 +208,13 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
             except OSError as e:
                 raise CheckpointError(f"could not make the sandbox's cgroups for the restore: {e}",
                                       fix="check /sys/fs/cgroup (cgroup v1) is writable") from e
-            _run(criu, args, work / "restore.log", tuple(fds))
+            try:
+                _run(criu, args, work / "restore.log", tuple(fds))
+            except CheckpointError as e:
+                if hook is not None and hook.error is not None:
+                    raise CheckpointError(f"setting up the restored sandbox's network failed: {hook.error}",
+                                          fix=getattr(hook.error, "fix", None) or fix(criu)) from e
+                raise
             pid = int(pidfile.read_text())
             crash_point("restore:criu-done")
             _write_runc_state(runc_root / cid, template, oci, bundle, cid, pid, paths, descriptors)
@@ -208,25 +224,82 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
     finally:
         for fd in fds:
             os.close(fd)
+        if hook is not None:
+            hook.close()
     return pid
+
+
+class NamespaceHook:
+    """CRIU's ``setup-namespaces`` action, served by this process: CRIU runs ``script`` once it has made the
+    restored sandbox's namespaces and before it restores a socket or runs a process; the script names the
+    restored init through one FIFO and waits on another while ``setup`` (run on a thread here) gives the empty
+    network namespace its loopback, rules and link. Sockets bound to its addresses and connections through them
+    then come back as they were, and no restored process ever runs without its rules.
+
+    Both FIFOs are opened read-write here first, so that no open blocks whoever comes first, and ``close``
+    wakes the thread by writing to them itself when CRIU never ran the action (it failed before)."""
+
+    def __init__(self, work: Path, setup: Callable[[int], None]) -> None:
+        self.script, self._setup = work / "setup-namespaces.sh", setup
+        ready, done = work / "ns-ready.fifo", work / "ns-done.fifo"
+        for f in (ready, done):
+            f.unlink(missing_ok=True)
+            os.mkfifo(f, 0o600)
+        self._ready = os.open(ready, os.O_RDWR | os.O_CLOEXEC)
+        self._done = os.open(done, os.O_RDWR | os.O_CLOEXEC)
+        self.script.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = setup-namespaces ] || exit 0\n'
+                               f'echo "$CRTOOLS_INIT_PID" >{ready}\nread -r answer <{done}\n[ "$answer" = ok ]\n')
+        self.script.chmod(0o700)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._serve, name="agentenv-criu-setup-ns", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        text = os.read(self._ready, 64).decode().strip()
+        if not text:  # close(): CRIU is done without asking
+            return
+        answer = b"ok\n"
+        try:
+            self._setup(int(text))
+        except BaseException as e:  # noqa: BLE001 - handed to the restoring thread
+            self.error, answer = e, b"failed\n"
+        os.write(self._done, answer)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._ready, b"\n")  # wakes the thread if it still waits (else nobody reads it)
+        self._thread.join()
+        os.close(self._ready)
+        os.close(self._done)
+
+
+def hand_over(images: Path, work: Path, bundle: Path) -> None:
+    """Give a restore's images and work folders to the sandbox's root (its host uid, from the bundle's config.json):
+    CRIU reads and writes them again from inside the sandbox's user namespace. Others may pass through them too
+    (0711): CRIU's first task opens some images while its ids are still the host's root's, before the namespace's
+    maps are written, when the folders' owner is no one it knows. (Their files stay the host's root's, 0600.)"""
+    oci = json.loads((bundle / "config.json").read_text())
+    maps = oci.get("linux", {}).get("uidMappings") or []
+    owner = next((int(m["hostID"]) for m in maps if int(m.get("containerID", -1)) == 0), None)
+    if owner is not None:
+        for d in (images, work):
+            d.mkdir(mode=0o700, parents=True, exist_ok=True)
+            os.chown(d, owner, owner)
+            os.chmod(d, 0o711)
 
 
 LINK = "link.json"  # a networked sandbox's link (agentenv.network) as it was at the dump, kept with its images
 
 
-def tcp_mode(images: Path, bundle: Path) -> str:
-    """How established TCP connections come back: as they were (``--tcp-established``) where the sandbox has the
-    address it had at the dump (a resume), else closed (``--tcp-close``: a fork child or a restore has an address
-    of its own, and a connection cannot be bound back to another's; its process sees the connection reset)."""
+def tcp_mode(images: Path, address: str | None) -> str:
+    """How established TCP connections come back: as they were (``--tcp-established``) where the sandbox gets the
+    address it had at the dump (``address``: a resume), else closed (``--tcp-close``: a fork child or a restore has
+    an address of its own, and a connection cannot be bound back to another's; its process sees it reset)."""
     try:
         before = json.loads((images / LINK).read_text()).get("address")
     except (OSError, ValueError):
         return "--tcp-established"  # loopback only: its connections are between its own sockets
-    try:
-        now = json.loads((bundle / LINK).read_text()).get("address")
-    except (OSError, ValueError):
-        now = None
-    return "--tcp-established" if before == now else "--tcp-close"
+    return "--tcp-established" if before == address else "--tcp-close"
 
 
 def _restore_plan(images: Path, bundle: Path) -> tuple[dict[str, Any], dict[str, Any], dict[str, Path],
@@ -244,7 +317,9 @@ def _restore_plan(images: Path, bundle: Path) -> tuple[dict[str, Any], dict[str,
                                  oci["linux"]["cgroupsPath"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if paths is None or any("pipe:" in d for d in descriptors) or config.get("networks"):
+    if paths is None or any("pipe:" in d for d in descriptors):
+        return None
+    if any(n.get("type") != "loopback" for n in config.get("networks") or []):  # runc's own netns: loopback
         return None
     if any(v for v in (config.get("Hooks") or {}).values()):
         return None

@@ -1,19 +1,18 @@
 """The kernel calls that set up a sandbox's root and network namespace, made from this process.
 
-Each sandbox start (create, fork child, restore, resume) mounts its overlay root and makes a network
-namespace holding only loopback. Done with mount(8), unshare(1) and ip(8), that was three fork+execs, 10-15 ms
-on an idle 2-core machine and several times that under load, on the critical path of every fork; the same
-work as direct system calls (libc through ctypes) costs well under a millisecond.
+Each sandbox start (create, fork child, restore, resume) mounts its overlay root over its image's layers, each
+seen through the sandbox's user namespace (an idmapped mount), and names the network namespace runc made for it.
+Done with mount(8), unshare(1) and ip(8), that was three fork+execs, 10-15 ms on an idle 2-core machine and
+several times that under load, on the critical path of every fork; the same work as direct system calls (libc
+through ctypes) costs well under a millisecond.
 
 The programs this process still runs on that path (runc) are waited for with ``run_program``: woken the
 instant the program exits, through a pidfd, where ``subprocess.run(timeout=...)`` polls with sleeps that
 double up to 50 ms (a runc start done in 33 ms was seen 31 ms later).
 
-The network namespace is made by a short-lived thread: ``unshare(CLONE_NEWNET)`` moves only the calling
-thread, which bind-mounts its namespace on the sandbox's ``netns`` file, brings loopback up through an ioctl
-on a socket it opens there, and ends. No other thread of the process ever changes namespace, and if any
-step fails the namespace dies with the thread (nothing is left but the empty file, which ``drop_netns``
-removes).
+Work inside a namespace (loopback up in a restored sandbox's, its address and rules) is done by a short-lived
+thread that enters it with ``setns`` and ends: no other thread of the process ever changes namespace. A user
+namespace, which a multithreaded process cannot enter or make, is made by a child process (``make_userns``).
 """
 
 from __future__ import annotations
@@ -50,8 +49,10 @@ MNT_DETACH = 0x2
 CLONE_NEWNET = 0x40000000
 CLONE_FS, CLONE_NEWNS = 0x200, 0x20000
 MS_MOVE, MS_REC, MS_PRIVATE = 0x2000, 0x4000, 1 << 18
-AT_FDCWD, OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = -100, 1, 0x4
-_NR_OPEN_TREE, _NR_MOVE_MOUNT = 428, 429  # numbers from 424 on are the same on every architecture
+AT_FDCWD, OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH, AT_EMPTY_PATH, AT_RECURSIVE = -100, 1, 0x4, 0x1000, 0x8000
+CLONE_NEWUSER = 0x10000000
+MOUNT_ATTR_IDMAP = 0x00100000
+_NR_OPEN_TREE, _NR_MOVE_MOUNT, _NR_MOUNT_SETATTR = 428, 429, 442  # numbers from 424 on: every architecture's
 _NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 NEW_ROOT = "/.agentenv-root"  # where swap_root puts the new root in the old one, before pivoting to it
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _SIOCSIFADDR, _SIOCSIFNETMASK, _SIOCADDRT = 0x8913, 0x8914, 0x8916, 0x891C, 0x890B
@@ -59,6 +60,11 @@ _IFF_UP = 0x1
 _RTF_UP, _RTF_GATEWAY = 0x1, 0x2
 _IFREQ = struct.Struct("16sH22x")  # struct ifreq: the interface name, then ifr_flags (the rest of the union)
 _IFREQ_ADDR = struct.Struct("16sH2s4s8x")  # struct ifreq with a struct sockaddr_in: name, AF_INET, port, address
+
+
+class _MountAttr(ctypes.Structure):  # struct mount_attr (<linux/mount.h>), for mount_setattr
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]
 
 
 class _SockaddrIn(ctypes.Structure):
@@ -102,6 +108,44 @@ def mount_overlay(lowers: list[str], upper: Path, work: Path, target: Path) -> N
         mount("overlay", target, "overlay", 0, opts)  # a kernel older than 5.10
 
 
+def idmap_mount(source: str, target: Path, userns: int) -> None:
+    """Mount ``source`` on ``target`` (an empty folder) as seen through the user namespace ``userns`` (an idmapped
+    mount, Linux 5.12+: a file owned by host uid k on disk shows as k's image there); OSError with the errno."""
+    tree = _check_fd(_libc.syscall(_NR_OPEN_TREE, AT_FDCWD, source.encode(), OPEN_TREE_CLONE | os.O_CLOEXEC),
+                     f"open_tree {source}")
+    try:
+        attr = _MountAttr(attr_set=MOUNT_ATTR_IDMAP, userns_fd=userns)
+        _check(_libc.syscall(_NR_MOUNT_SETATTR, tree, b"", AT_EMPTY_PATH, ctypes.byref(attr),
+                             ctypes.c_size_t(ctypes.sizeof(attr))), f"idmapping {source}")
+        _check(_libc.syscall(_NR_MOVE_MOUNT, tree, b"", AT_FDCWD, str(target).encode(), MOVE_MOUNT_F_EMPTY_PATH),
+               f"move_mount {source} to {target}")
+    finally:
+        os.close(tree)
+
+
+def make_userns(base: int, size: int, path: Path, timeout: float = 10.0) -> None:
+    """Bind on ``path`` a new user namespace whose ids 0..size-1 are host ids base..: ``unshare --user`` makes it (a
+    multithreaded process cannot, and forking this one costs ~100 ms once it holds gigabytes), this process writes
+    its maps once the child is in it and binds it, then the child is killed. OSError if it cannot be made."""
+    own = os.stat("/proc/self/ns/user").st_ino
+    with subprocess.Popen(["unshare", "--user", "--", "sleep", str(int(timeout) + 1)], stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) as child:
+        try:
+            deadline = time.monotonic() + timeout
+            while os.stat(f"/proc/{child.pid}/ns/user").st_ino == own:  # until it has unshared (a state, not a time)
+                if child.poll() is not None or time.monotonic() > deadline:
+                    raise OSError(errno.EPERM, "unshare --user did not make a user namespace (needs root and "
+                                               "user namespaces: sysctl user.max_user_namespaces)")
+                time.sleep(0.0001)
+            for name in ("uid_map", "gid_map"):
+                with open(f"/proc/{child.pid}/{name}", "w") as f:
+                    f.write(f"0 {base} {size}\n")
+            path.touch()
+            mount(f"/proc/{child.pid}/ns/user", path, None, MS_BIND)
+        finally:
+            child.kill()
+
+
 def on_thread(fn: Callable[[], _T], name: str) -> _T:
     """Run ``fn`` on a thread of its own and hand back its result or exception: for work that changes the calling
     thread's namespaces (unshare, setns), which dies with that thread and touches no other."""
@@ -122,26 +166,23 @@ def on_thread(fn: Callable[[], _T], name: str) -> _T:
     return result[0]
 
 
-def make_netns(path: Path) -> None:
-    """A persistent network namespace bound on ``path``, holding only loopback (up); SandboxError if the
-    kernel refuses (the error names the step)."""
-    if os.path.ismount(path):
-        return
-    path.touch()
+def bind_netns(pid: int, path: Path, loopback: bool = False) -> None:
+    """Bind the network namespace of process ``pid`` (runc made it) on ``path``, so that the host can set it up and
+    tear it down by name; ``loopback``: bring its ``lo`` up too (a CRIU restore makes it down)."""
+    if not os.path.ismount(path):
+        path.touch()
+        mount(f"/proc/{pid}/ns/net", path, None, MS_BIND)
+    if loopback:
+        def inside() -> None:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                _check(_libc.setns(fd, CLONE_NEWNET), "setns(net)")
+            finally:
+                os.close(fd)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                _link_up(s, b"lo")
 
-    def inside() -> None:  # this thread alone enters the new namespace, and ends with it
-        _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
-        mount(f"/proc/self/task/{threading.get_native_id()}/ns/net", path, None, MS_BIND)
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            _link_up(s, b"lo")
-
-    try:
-        on_thread(inside, "agentenv-netns")
-    except Exception as e:
-        if os.path.ismount(path):
-            drop_netns(path)
-        raise SandboxError(f"could not create the sandbox's network namespace: {e}",
-                           fix="agentenv needs root (CAP_SYS_ADMIN) on a kernel with network namespaces") from e
+        on_thread(inside, "agentenv-netns-lo")
 
 
 def _link_up(s: socket.socket, name: bytes) -> None:
@@ -271,7 +312,7 @@ def _check_fd(rc: int, what: str) -> int:
 
 
 def drop_netns(path: Path) -> None:
-    """Unmount a namespace ``make_netns`` bound on ``path`` (it ends with its last user) and remove the file."""
+    """Unmount a namespace ``bind_netns`` bound on ``path`` (it ends with its last user) and remove the file."""
     if os.path.ismount(path):
         with contextlib.suppress(OSError):
             umount(path, lazy=True)

@@ -18,11 +18,15 @@ safe:
 - the risk left: a daemon killed from outside before it is done leaves the pages it had not brought in reading
   as zeros. ``$AGENTENV_LAZY_PAGES=0`` turns lazy restores off (every page is copied up front, as before);
   "all" makes every restore lazy, whatever its size (how the test suite exercises this path everywhere).
+- with sandboxes in user namespaces, CRIU opens its userfaultfd from inside one, which the kernel allows only
+  with ``vm.unprivileged_userfaultfd=1`` (``userfaultfd_allowed``); without it every restore is eager.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import select
 import shutil
@@ -39,6 +43,8 @@ from agentenv.criu import rundir
 from agentenv.errors import CheckpointError
 from agentenv.hostcalls import proc_start_time, run_program
 from agentenv.phases import phase
+
+log = logging.getLogger("agentenv")
 
 LAZY_ENV = "AGENTENV_LAZY_PAGES"  # "0": no lazy restores; "all": every one, whatever its size
 LAZY_LOG_LEVEL = 2  # the daemon logs every page it serves at level 4
@@ -122,13 +128,34 @@ def lazy_worth_it(images: Path) -> bool:
     LAZY_MIN_BYTES (below that, copying them up front costs less than starting the daemon and runc's check that
     CRIU can serve pages lazily); never with ``$AGENTENV_LAZY_PAGES`` "0", always with "all"."""
     mode = os.environ.get(LAZY_ENV, "1")
-    if mode in ("0", "all"):
-        return mode == "all"
+    if mode == "0" or not userfaultfd_allowed():
+        return False
+    if mode == "all":
+        return True
     total = 0
     with contextlib.suppress(OSError):
         for f in images.glob("pages-*.img"):
             total += f.stat().st_size
     return total >= LAZY_MIN_BYTES
+
+
+UFFD_SYSCTL = Path("/proc/sys/vm/unprivileged_userfaultfd")
+
+
+@functools.cache
+def userfaultfd_allowed() -> bool:
+    """True if CRIU can serve a restore's pages lazily here: its restorer opens a userfaultfd from inside the
+    sandbox's user namespace, which the kernel allows only with ``vm.unprivileged_userfaultfd=1`` (set by
+    scripts/bootstrap.sh; the sandbox's own code still cannot: seccomp refuses it the system call). Without it
+    every restore copies its pages up front, said once."""
+    try:
+        if UFFD_SYSCTL.read_text().strip() == "1":
+            return True
+    except OSError:
+        pass
+    log.warning("lazy restores are off: with sandboxes in user namespaces they need vm.unprivileged_userfaultfd=1 "
+                "(run scripts/bootstrap.sh, or sysctl -w vm.unprivileged_userfaultfd=1)")
+    return False
 
 
 def start_lazy_pages(images: Path, own: Path, work: Path, criu: str | None = None) -> int | None:

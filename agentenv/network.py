@@ -1,6 +1,7 @@
 """A networked sandbox's link to the outside: its own namespace, a veth pair on agentenv's bridge, NAT out.
 
-Every sandbox has a network namespace of its own (``hostcalls.make_netns``); one made with network also gets:
+Every sandbox has a network namespace of its own (runc makes it, owned by the sandbox's user namespace, and
+``hostcalls.bind_netns`` names it in the bundle once the sandbox runs); one made with network also gets:
 
 - a veth pair: ``eth0`` inside, with the sandbox's own address on ``$AGENTENV_SUBNET`` (10.213.0.0/16 by
   default) and a default route through the bridge's address; the host end, ``ae<offset>`` (the address's
@@ -11,8 +12,9 @@ Every sandbox has a network namespace of its own (``hostcalls.make_netns``); one
   bridge is delivered to the host itself (any of its addresses: loopback services, the env server, Ray, the
   host's own interfaces), nothing is forwarded from one sandbox to another, to loopback, link-local or metadata
   addresses or into the sandboxes from outside (replies excepted), no IPv6, and what leaves is masqueraded;
-- its own rules (``agentenv.netpolicy``), in a table of its namespace, which the agent cannot change: it has no
-  CAP_NET_ADMIN, and the namespace is the host's user namespace's;
+- its own rules (``agentenv.netpolicy``), in a table of its namespace, which the agent cannot change: no process
+  of the sandbox holds CAP_NET_ADMIN (not in its bounding set, and seccomp lets none make a user namespace
+  where it would have it). They are loaded before ``eth0`` comes up: a restored sandbox's processes already run;
 - a resolv.conf naming the host's resolvers (``$AGENTENV_DNS`` overrides them, "none" for none), which the
   sandbox's rules let it reach on port 53 only.
 
@@ -260,11 +262,11 @@ def attach(netns: Path, tag: str, rules: netpolicy.Rules, dns: list[str], want: 
             _must(r, f"making the sandbox's veth pair ({veth} on {BRIDGE})")
 
             def inside(address: ipaddress.IPv4Address = address) -> None:
+                nft(netpolicy.ruleset(rules, dns, str(address)))  # first: a restored sandbox's processes run
                 try:
                     configure_ipv4("eth0", str(address), netmask, str(host.gateway))
                 except OSError as e:
                     raise NetworkUnavailable(f"configuring the sandbox's eth0 ({address}) failed: {e}") from e
-                nft(netpolicy.ruleset(rules, dns, str(address)))
 
             in_netns(netns, inside)
         except BaseException:

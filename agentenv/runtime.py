@@ -3,7 +3,8 @@
 Docker owns the images; runc (the runtime Docker itself uses) runs the sandbox directly so that
 CRIU checkpoints and restores skip Docker's checkpoint plumbing, which copies every checkpoint
 through containerd's content store (seconds instead of a few hundred milliseconds).
-The OCI spec keeps Docker's safe defaults: own pid/ipc/uts/mount/network namespaces (a sandbox with network
+The OCI spec keeps Docker's safe defaults and more: own pid/ipc/uts/mount/network/cgroup namespaces, a user
+namespace whose root is an unprivileged host uid (``agentenv.userns``; a sandbox with network
 is linked to the outside by ``agentenv.network``, never through the host's own namespace), a small
 capability set, no-new-privileges, a seccomp allowlist modelled on Docker's default profile, masked
 /proc paths and cgroup limits.
@@ -24,19 +25,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv import agent, cgroups, criu, lazy_pages, netpolicy, network
+from agentenv import agent, cgroups, criu, lazy_pages, netpolicy, network, userns
 from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
 from agentenv.channel import Root
 from agentenv.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
 from agentenv.criu import dump as criu_dump
 from agentenv.criu import fix as criu_fix
+from agentenv.criu import hand_over as criu_hand_over
 from agentenv.criu import reason as criu_reason
 from agentenv.criu import restore as criu_restore
 from agentenv.errors import CheckpointError, SandboxError
 from agentenv.hostcalls import (
+    bind_netns,
     drop_netns,
-    make_netns,
+    idmap_mount,
     mount_overlay,
     proc_start_time,
     run_program,
@@ -67,6 +70,7 @@ class ContainerSpec:
     network: bool = False           # a link to the outside (agentenv.network); loopback only without
     caps: list[str] = field(default_factory=lambda: list(DEFAULT_CAPS))
     rules: dict[str, Any] | None = None  # with network: its outbound rules (netpolicy.Rules.to_json())
+    uids: int | None = None  # the host uid of the sandbox's root (agentenv.userns): its fork family's range
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -78,19 +82,20 @@ class ContainerSpec:
         return cls(**{**d, "limits": Limits.from_wire(d["limits"])})
 
 
-def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str, resolv: str | None = None) -> dict[str, Any]:
+def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | None = None) -> dict[str, Any]:
     """The runc config.json of a sandbox whose PID 1 is the agent.
 
-    The sandbox joins ``netns``, a namespace of its own that we made (``make_netns``): loopback only, or with
-    network also the link ``agentenv.network`` gave it, and ``resolv`` (its resolv.conf) on /etc/resolv.conf.
-    Never the host's namespace.
+    Every namespace is new, the user namespace too: the sandbox's ids 0..65535 are ``spec.uids``.. on the host
+    (``agentenv.userns``), never the host's root. Its network namespace (runc makes it, owned by that user
+    namespace) holds loopback, or with network also the link ``agentenv.network`` gives it once it runs, and
+    ``resolv`` (its resolv.conf) on /etc/resolv.conf. Never the host's namespace.
     """
-    if not netns:
-        raise ValueError("every sandbox needs a network namespace of its own")
+    if spec.uids is None:
+        raise ValueError("every sandbox runs in a user namespace of its own: its spec needs its uids")
     if spec.network and not resolv:
         raise ValueError("a sandbox with network needs its resolv.conf")
-    namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
-    namespaces.append({"type": "network", "path": netns})
+    namespaces: list[dict[str, str]] = [{"type": t} for t in ("pid", "ipc", "uts", "mount", "network", "user",
+                                                              "cgroup")]
     caps = sorted(set(spec.caps))
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
@@ -124,6 +129,8 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, netns: str, reso
         "mounts": mounts,
         "linux": {
             "namespaces": namespaces,
+            "uidMappings": userns.mapping(spec.uids),
+            "gidMappings": userns.mapping(spec.uids),
             "cgroupsPath": cgroup,
             "resources": {
                 "devices": [{"allow": False, "access": "rwm"}],
@@ -215,32 +222,46 @@ class Container:
 
     # --- filesystem ------------------------------------------------------------------------
 
-    def prepare(self, spec: ContainerSpec, fs_from: Path | None = None, address: str | None = None) -> None:
-        """Create the bundle: an empty (or copied) upper dir, the overlay mount, the network namespace (with
-        network: its link, on ``address`` where that is free) and config.json."""
+    def prepare(self, spec: ContainerSpec, fs_from: Path | None = None) -> None:
+        """Create the bundle: an empty (or copied) upper dir owned by the sandbox's root, the overlay mount, the
+        resolv.conf of a sandbox with network and config.json. (Its network comes once it runs: ``connect``.)"""
+        if spec.uids is None:
+            raise ValueError("every sandbox runs in a user namespace of its own: its spec needs its uids")
         cgroups.favor_dynmods()  # once a process: starts move processes into cgroups
         for d in (self.upper, self.work, self.rootfs):
             d.mkdir(parents=True, exist_ok=True)
         if fs_from is not None:
             with phase("fs copy"):
                 copy_tree(fs_from, self.upper)
+        if not spec.uids <= self.upper.stat().st_uid < spec.uids + userns.SIZE:  # a new layer: the host's root's
+            os.chown(self.upper, spec.uids, spec.uids)
         with phase("mount"):
             self.mount(spec)
-        with phase("netns"):
-            make_netns(self.netns)
         resolv = None
+        if spec.network:
+            resolv = self.bundle / "resolv.conf"
+            resolv.write_text(network.resolv_conf(network.nameservers()))
+        config = oci_config(spec, hostname=self.cid[-12:], cgroup=self.cgroup, resolv=str(resolv) if resolv else None)
+        fd = os.open(self.bundle / "config.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        with open(fd, "w") as f:  # the host's alone (its env may hold secrets): runc reads it as root
+            f.write(json.dumps(config))
+
+    def connect(self, spec: ContainerSpec, pid: int, restored: bool, address: str | None = None) -> None:
+        """Name the network namespace runc (or CRIU) made for the running sandbox whose init is ``pid`` (``netns``
+        in the bundle) and, with network, give it its link: its rules first, then ``eth0`` (on ``address`` where
+        that is free). A restore's namespace comes empty: its loopback is brought up first. Done once: a direct
+        restore has CRIU call it before anything of the sandbox runs (``criu.NamespaceHook``)."""
+        if os.path.ismount(self.netns) and (not spec.network or self.link_file.exists()):
+            return
+        with phase("netns"):
+            bind_netns(pid, self.netns, loopback=restored)
         if spec.network:
             with phase("network"):
                 dns = network.nameservers()
-                resolv = self.bundle / "resolv.conf"
-                resolv.write_text(network.resolv_conf(dns))
                 link = network.attach(self.netns, str(self.bundle), netpolicy.Rules.from_json(spec.rules), dns,
                                       address)
                 link["dns"] = dns
                 self.link_file.write_text(json.dumps(link))
-        config = oci_config(spec, hostname=self.cid[-12:], cgroup=self.cgroup, netns=str(self.netns),
-                            resolv=str(resolv) if resolv else None)
-        (self.bundle / "config.json").write_text(json.dumps(config))
 
     def set_rules(self, rules: netpolicy.Rules) -> None:
         """Replace a running networked sandbox's outbound rules (atomically)."""
@@ -255,11 +276,28 @@ class Container:
         snapshots are copies)."""
         if os.path.ismount(self.rootfs):
             return
+        assert spec.uids is not None
+        lowers = self.bundle / "lower"
+        made: list[Path] = []
+        fd = userns.userns_fd(spec.uids)
         try:
-            mount_overlay(spec.layers, self.upper, self.work, self.rootfs)
+            for i, layer in enumerate(spec.layers):  # each seen through the sandbox's ids (the disk's stay)
+                made.append(lowers / str(i))
+                made[-1].mkdir(parents=True, exist_ok=True)
+                idmap_mount(layer, made[-1], fd)
+            mount_overlay([str(m) for m in made], self.upper, self.work, self.rootfs)
         except OSError as e:
             raise SandboxError(f"overlay mount failed: {e}",
                                fix="check that the image's layers still exist (docker image inspect)") from e
+        finally:
+            os.close(fd)
+            for m in made:  # the overlay holds its own private clones of its layers' mounts
+                with contextlib.suppress(OSError):
+                    umount(m, lazy=True)
+                with contextlib.suppress(OSError):
+                    m.rmdir()  # never a recursive delete: a mount left there would be an image's layer
+            with contextlib.suppress(OSError):
+                lowers.rmdir()
 
     def unmount(self) -> None:
         if os.path.ismount(self.rootfs):
@@ -366,19 +404,25 @@ class Container:
                 shutil.copyfile(work / "dump.log", self.bundle / "last-dump.log")
             raise
 
-    def restore(self, images: Path, work: Path, criu: str | None = None, lazy: bool = False) -> int:
-        """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init. With ``lazy``, the
+    def restore(self, images: Path, work: Path, spec: ContainerSpec, criu: str | None = None, lazy: bool = False,
+                address: str | None = None) -> int:
+        """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init. Its network namespace is
+        set up (``connect``, on ``address`` where free) before any of its processes runs. With ``lazy``, the
         processes run before their memory is in: a ``criu lazy-pages`` daemon listening in ``work`` serves it
         (``agentenv.lazy_pages.start_lazy_pages``)."""
+        criu_hand_over(images, work, self.bundle)
         if os.environ.get(DIRECT_RESTORE_ENV, "1") != "0":
-            pid = criu_restore(images, work, self.bundle, self.cid, self.runc_root, lazy, criu)
+            pid = criu_restore(images, work, self.bundle, self.cid, self.runc_root, lazy, criu,
+                               setup=lambda pid: self.connect(spec, pid, restored=True, address=address),
+                               address=address)
             if pid is not None:
                 return pid
         pidfile = self.bundle / "init.pid"
         work.mkdir(parents=True, exist_ok=True)
         r = self._runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),
                        "--work-path", str(work), "--bundle", str(self.bundle), "--pid-file", str(pidfile),
-                       *(["--tcp-established"] if tcp_mode(images, self.bundle) == "--tcp-established" else []),
+                       # the namespace is set up after runc's restore: connections through eth0 cannot come back
+                       *(["--tcp-established"] if tcp_mode(images, None) == "--tcp-established" else []),
                        "--file-locks", *(["--lazy-pages"] if lazy else []), self.cid,
                        timeout=300)
         if r.returncode != 0:

@@ -43,6 +43,7 @@ from agentenv import (
     recovery,
     snapshotting,
     store,
+    userns,
     volume,
     warm,
 )
@@ -62,6 +63,7 @@ from agentenv.channel import Channel, Gate, Root
 from agentenv.config import crash_point, parse_disk, parse_size, paths
 from agentenv.errors import (
     AgentEnvError,
+    CheckpointError,
     SandboxError,
     SandboxLost,
     SandboxNotFound,
@@ -133,7 +135,7 @@ class Sandbox(Calls, Record):
         merged.update(env or {})
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
                              workdir=workdir or info.workdir, limits=limits, network=rules is not None,
-                             rules=rules.to_json() if rules is not None else None)
+                             rules=rules.to_json() if rules is not None else None, uids=warm.family())
         if (sb := warm.take(image, spec, ttl, labels)) is None:  # a started one, where a warm pool has it
             sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
             sb._boot(None, "create")
@@ -175,6 +177,15 @@ class Sandbox(Calls, Record):
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
                 self._rec["spec"] = spec.to_json()
+            if spec.uids is None:  # a new family (agentenv.userns); snapshots and forks keep their parent's range
+                if snap is not None:
+                    raise CheckpointError(f"the snapshot {snap.id} was taken before sandboxes ran in user namespaces "
+                                        "and cannot be restored into one",
+                                        fix="create the sandbox afresh and take a new snapshot")
+                spec.uids = userns.allocate(self._container.bundle)
+                self._rec["spec"] = spec.to_json()
+            else:
+                userns.hold(spec.uids, self._container.bundle)
             fs_from = snap.fs_dir if snap else None
             if self._has_own_layer() and not os.path.lexists(self._container.layer):
                 if snap is not None and snap.layer and volume.can_clone(snap.files, self._container.layer):
@@ -184,18 +195,20 @@ class Sandbox(Calls, Record):
                 else:
                     with phase("layer"):
                         volume.make_layer(self._container.layer, spec.limits.disk)
-            self._container.prepare(spec, fs_from=fs_from, address=self._rec.get("address"))
-            self._rec["address"] = (self._container.link() or {}).get("address")
+            self._container.prepare(spec, fs_from=fs_from)
             # the files just copied (reflinks) count against the disk limit (with full quota groups once a commit
             # accounted them: one starts now, and is done before this returns, usually long before)
             txn = volume.account_copy(self._container.layer, spec.limits.disk) if fs_from else None
             if restoring is not None:  # lazily where it pays: the record names the daemon until it is done
                 work = self._container.bundle / "criu-restore"
                 pid, self._rec["lazy_pages"] = restoring.run(
-                    lambda images, lazy: self._container.restore(images, work, restoring.criu, lazy=lazy))
+                    lambda images, lazy: self._container.restore(images, work, spec, restoring.criu, lazy=lazy,
+                                                                 address=self._rec.get("address")))
             else:
                 with phase("runc run"):
                     pid = self._container.start()
+            self._container.connect(spec, pid, restored=restoring is not None, address=self._rec.get("address"))
+            self._rec["address"] = (self._container.link() or {}).get("address")
             crash_point(f"{op}:started")
             self._agent = None
             self._rec.update(init_pid=pid, init_start=proc_start_time(pid), state="running", owner=None)

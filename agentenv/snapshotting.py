@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv import lazy_pages, store, volume
+from agentenv import lazy_pages, store, userns, volume
 from agentenv.config import crash_point, paths
 from agentenv.criu import dump_stats
 from agentenv.errors import CheckpointError, ConnectionLost
@@ -43,6 +43,9 @@ def take(sb: Sandbox, memory: bool, leave_running: bool, labels: dict[str, str] 
         sb._rec["lazy_pages"] = None
         sb._save()
     with store.writing(snap_id) as folder:
+        uids = sb._spec().uids
+        if uids is not None:  # the snapshot holds its family's uid range: its files are those uids
+            userns.hold(uids, folder)
         for attempt in range(DUMP_ATTEMPTS):
             with frozen(sb, quiesce=memory):
                 with phase("fs"):

@@ -6,7 +6,8 @@ start is; a pool moves the work before the burst: a create whose image and limit
 gets it at once (its labels and ttl set to the caller's), and the pool refills behind, one start at a time
 and only once takes pause (``REFILL_DELAY``), so that the refill takes little from the sandboxes just handed
 out. A files-only fork of a sandbox made like the pool's takes its children from the pool too
-(``agentenv.forking``).
+(``agentenv.forking``), where they are of its fork family (one uid range, ``agentenv.userns``): the pool's
+sandboxes are one family, and so are those it handed out while others of it waited.
 
 Off by default: ``configure(image, size, **limits)`` turns it on for this process (the arguments are those
 of ``Sandbox.create``), ``drain()`` closes what it holds. A pooled sandbox is a sandbox like any other,
@@ -24,6 +25,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from agentenv import userns
+from agentenv.config import paths
 from agentenv.runtime import ContainerSpec
 
 if TYPE_CHECKING:
@@ -42,6 +45,8 @@ _size = 0
 _filler: threading.Thread | None = None
 _registered = False
 _last_take = 0.0  # time.monotonic() of the last take
+_family: int | None = None  # the uid range of the pool's sandboxes (``family``)
+_members: list[str] = []  # the ids of the sandboxes the pool started in it (that may still live)
 
 
 def configure(image: str, size: int, **create: Any) -> None:
@@ -94,7 +99,8 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
         return None
     with _lock:
         key = _key(image, spec)
-        at = next((i for i, (k, sb) in enumerate(_ready) if k == key and sb.id != skip), None)
+        at = next((i for i, (k, sb) in enumerate(_ready)
+                   if k == key and sb.id != skip and spec.uids in (None, sb._spec().uids)), None)
         if at is None:
             return None
         found = _ready.pop(at)[1]
@@ -107,15 +113,32 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
     return found
 
 
+def family() -> int | None:
+    """The uid range (``agentenv.userns``) of a sandbox the pool starts now: that of the pool's earlier ones, so that
+    the pool is one fork family and a files-only fork of a sandbox taken from it takes its children from it too.
+    None (a new family) outside the pool's thread, at first, or once nothing holds the range any more (every
+    sandbox of the family gone: it may be another family's by now)."""
+    global _family
+    if threading.current_thread() is not _filler:
+        return None
+    with _lock:
+        _members[:] = [m for m in _members if (paths().sandboxes / m).exists()]
+        if _family is not None and not (_members or userns.held(_family)):
+            _family = None
+        return _family
+
+
 def _key(image: str, spec: ContainerSpec) -> str:
-    return json.dumps([image, spec.to_json()], sort_keys=True)
+    """What a pooled sandbox must match: the image and spec, its uid range aside (a create takes any; a fork only
+    one of its own family, whose ids its files have: ``take`` checks)."""
+    return json.dumps([image, {**spec.to_json(), "uids": None}], sort_keys=True)
 
 
 def drain() -> None:
     """Stop refilling and close every sandbox waiting in the pool."""
-    global _size, _filler
+    global _size, _filler, _family
     with _lock:
-        _size = 0
+        _size, _family, _members[:] = 0, None, []
         _want.clear()
         gone, _ready[:] = [sb for _, sb in _ready], []
         filler, _filler = _filler, None
@@ -133,6 +156,7 @@ def _fill() -> None:
     """Start sandboxes one at a time while the pool is short of its size (the pool's thread)."""
     from agentenv.sandbox import Sandbox
 
+    global _family
     while True:
         with _lock:
             while _size and (len(_ready) >= _size or (quiet := time.monotonic() - _last_take) < REFILL_DELAY):
@@ -152,6 +176,8 @@ def _fill() -> None:
                 k: v for k, v in _want.items() if k != "image"} and _want.get("image") == image
             if keep:
                 _ready.append((_key(image, sb._spec()), sb))
+                _family = sb._spec().uids
+                _members.append(sb.id)
                 _lock.notify_all()
         if not keep:
             sb.close()

@@ -191,17 +191,23 @@ class AgentenvSide(Side):
 
     def forks(self, op: str, n: int, memory: bool, runs: int, pool: int = 0) -> None:
         """fork(n) of the fork fixture, ``runs`` times; for n = 1 also the first exec in the child (``<op>_exec``).
-        With ``pool``, a warm pool of that many sandboxes made like the fixture, full before each fork."""
+        With ``pool``, a warm pool of that many sandboxes made like the fixture, full before each fork, and a fixture
+        of its own taken from the pool."""
         m = self.result(op)
         what = "files and processes" if memory else "files only, fresh processes"
         m.note = (f"source: the {self.fork_source} sandbox; fork({n}, memory={memory}) ({what}) returns children "
                   "whose agent answered; extra: where the time went, summed over the children"
                   + (f"; children from a warm pool of {pool}, refilled between runs (untimed)" if pool else ""))
         with recording(m, f"agentenv {op}"), contextlib.ExitStack() as stack:
-            fx = self.fixture("fork")
-            if pool:
-                warm.configure(IMAGE, pool, cpus=CPUS, memory=MEMORY)
+            if pool:  # the source taken from the pool: its fork family (one uid range), whose sandboxes alone
+                warm.configure(IMAGE, pool, cpus=CPUS, memory=MEMORY)  # can be its children (agentenv.userns)
                 stack.callback(warm.drain)
+                if not warm.wait_full(600):
+                    raise RuntimeError(f"the warm pool did not fill: {warm.ready()} of {pool} started")
+                fx = self.setup(self.fork_source)
+                stack.callback(self.teardown, fx)
+            else:
+                fx = self.fixture("fork")
             for i in range(runs):
                 if pool and not warm.wait_full(600):
                     raise RuntimeError(f"the warm pool did not fill: {warm.ready()} of {pool} started")

@@ -39,6 +39,12 @@ apt_install docker.io runc containerd iptables iproute2 nftables util-linux debo
 apt_install btrfs-progs
 modprobe -q loop 2>/dev/null || true
 modprobe -q btrfs 2>/dev/null || true
+# Sandboxes run in user namespaces (agentenv/userns.py). A lazy restore's CRIU opens a userfaultfd from inside
+# one, which needs this; the sandboxes' own code cannot use it (their seccomp filter refuses the system call).
+if [ "$(cat /proc/sys/vm/unprivileged_userfaultfd 2>/dev/null)" != 1 ]; then
+    echo 'vm.unprivileged_userfaultfd = 1' >/etc/sysctl.d/60-agentenv-userfaultfd.conf
+    sysctl -q -w vm.unprivileged_userfaultfd=1 || log "could not set vm.unprivileged_userfaultfd: restores are eager"
+fi
 mkdir -p /etc/docker
 if ! grep -q '"experimental": *true' /etc/docker/daemon.json 2>/dev/null; then
     echo '{"experimental": true, "storage-driver": "overlay2"}' >/etc/docker/daemon.json
@@ -75,16 +81,15 @@ log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
 # CRIU's helper tasks no longer share fs with their parent, which made the restore of any sandbox with a
 # process whose session leader had exited ('cmd &') fail (0003, upstream c7395f4, in CRIU 4.2); an empty
 # read-only tmpfs (runc's mask over /proc/acpi, /sys/firmware...) is saved and restored without running tar,
-# 3-4 ms each of every dump and every restore (0004).
+# 3-4 ms each of every dump and every restore (0004); a tree in a user namespace whose non-dumpable agent CRIU
+# had restored could not be dumped again (0005: its check that the namespaces belong to the user namespace).
 # RUNDIR: where CRIU caches its kernel probe (criu.kdat, ~30 ms a run); it keeps it only on a tmpfs,
 # and /run is not always one, so our build uses a small tmpfs of its own (mounted by agentenv).
 CRIU_RUNDIR=/run/agentenv-criu
 PATCH_STAMP="$( { cat "$ROOT"/scripts/criu-patches/*.patch; echo "RUNDIR=$CRIU_RUNDIR"; } | sha256sum | cut -c1-16)"
-criu_ok() {  # our patched build, or an upstream release that has the fix (>= 4.2)
+criu_ok() {  # our patched build (no release has 0005)
     command -v criu >/dev/null 2>&1 || return 1
-    local v; v="$(criu --version 2>/dev/null | awk '/^Version/{print $2}')"
     criu check >/dev/null 2>&1 || return 1
-    version_ge "${v:-0}" 4.2 && return 0
     [ "$(command -v criu)" = /usr/local/sbin/criu ] && [ "$(cat "$CACHE/criu.patches" 2>/dev/null)" = "$PATCH_STAMP" ]
 }
 build_criu() {

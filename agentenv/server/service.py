@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentenv import errors, network
+from agentenv import errors, network, userns
 from agentenv.recovery import recover_all
 from agentenv.sandbox import Sandbox
 from agentenv.server.schemas import Capacity
@@ -204,6 +204,7 @@ class Service:
                 self.remember(sb)
 
         log.info("%s", network.describe())
+        log.info("%s", userns.describe())
         recover_all(wait, self.recovered, self._lock, on_result=done)
         found = self.recovered_now()
         if found["lost"]:

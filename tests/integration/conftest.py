@@ -43,14 +43,16 @@ def agentenv_home() -> Iterator[Path]:
 
 
 def leaked(home: Path) -> dict[str, list[str]]:
-    """Containers, mounts, sandbox records, layers, snapshot files and sandboxes' network links (veths) left under
+    """Containers, mounts, sandbox records, layers, snapshot files, sandboxes' network links (veths) and uid ranges
+    still held (agentenv.userns) left under
     ``home`` (the volume's own mount, ``home/volume``, is the home's and stays until ``cleanup``)."""
     from agentenv import network
 
     runc = subprocess.run(["runc", "--root", str(home / "runc"), "list", "-q"], capture_output=True, text=True,
                           check=False).stdout.split()
     mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()
-              if line.split()[1].startswith(str(home)) and line.split()[1] != str(home / "volume")]
+              if line.split()[1].startswith(str(home)) and line.split()[1] != str(home / "volume")
+              and not line.split()[1].startswith(f"{home}/uids/")]  # ranges' user namespaces, kept (userns_fd)
 
     def names(d: Path) -> list[str]:
         return sorted(p.name for p in d.iterdir() if p.name != ".lock") if d.exists() else []
@@ -62,6 +64,8 @@ def leaked(home: Path) -> dict[str, list[str]]:
         "layers": names(home / "volume" / "layers"),
         "snapshots": names(home / "snapshots") + names(home / "volume" / "snapshots"),
         "veths": sorted(network.links(f"{home}/")),
+        "uid ranges held": sorted(p.name for p in (home / "uids").glob("*") if p.stat().st_nlink > 1)
+        if (home / "uids").exists() else [],
     }
     return {k: v for k, v in out.items() if v}
 

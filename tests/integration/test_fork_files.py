@@ -119,12 +119,14 @@ def test_snapshots_clone_the_layer_and_restores_clone_the_snapshot(parent):
 @pytest.mark.parametrize(("point", "pooled"), [("fork:frozen", False), ("fork:cloned", False), ("fork:started", False),
                                                ("fork:cloned", True), ("fork:started", True)])
 def test_kill_9_mid_files_fork_leaves_no_child_and_the_parent_running(point, pooled):
+    # the pool first: the parent taken from it is of its fork family, whose sandboxes can be its children
     pool = 'warm.configure("agentenv/base", 2, memory="256m")\nassert warm.wait_full(120)' if pooled else ""
     script = f"""
 import sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
 from agentenv import warm
+{pool}
 sb = agentenv.Sandbox.create(memory="256m")
 sb.write_file("/testbed/kept", "kept")
 print(sb.id, flush=True)
@@ -160,17 +162,27 @@ def mounts(sb: agentenv.Sandbox) -> list[tuple[str, ...]]:
     return sorted(rows)
 
 
+def waiting() -> set[str]:
+    """The sandboxes waiting in the warm pool, once it is full."""
+    assert warm.wait_full(120)
+    return {sb.id for sb in agentenv.Sandbox.list() if sb.labels.get("agentenv.kind") == warm.KIND}
+
+
 @pytest.fixture
-def pool(parent):
+def pool():
+    """A warm pool of 2 made like ``parent``, filled before it (ask for ``pool`` first): the parent is taken from
+    it, so it is of the pool's fork family (one uid range, agentenv.userns), whose sandboxes alone can be its
+    children. Returns what waits in it once it has refilled."""
     warm.configure("agentenv/base", 2, memory="256m", disk="1g")  # made like the parent
     try:
         assert warm.wait_full(120)
-        yield {sb.id for sb in agentenv.Sandbox.list() if sb.labels.get("agentenv.kind") == warm.KIND}
+        yield waiting
     finally:
         warm.drain()
 
 
-def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(parent, pool):
+def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(pool, parent):
+    pool = pool()
     kids = parent.fork(2, memory=False)
     try:
         assert {k.id for k in kids} == pool
@@ -201,7 +213,8 @@ def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(parent, pool):
     assert not [p for p in paths().layers.iterdir() if p.name.split(".")[0] in pool]
 
 
-def test_a_parent_that_plants_a_symlink_at_a_mount_point_gets_children_booted_afresh(parent, pool, caplog):
+def test_a_parent_that_plants_a_symlink_at_a_mount_point_gets_children_booted_afresh(pool, parent, caplog):
+    pool = pool()
     # the parent moves the agent's folder away and puts a link where the agent's file is mounted
     r = parent.exec("mv /.agentenv /.agentenv-x && mkdir /.agentenv && ln -s /etc/hostname /.agentenv/agent.py")
     assert r.exit_code == 0, r.stderr

@@ -41,8 +41,9 @@ def kids_of_pool(kids: list[agentenv.Sandbox], pool: set[str]) -> None:
 
 @pytest.fixture
 def pool():
-    """Fill a warm pool of ``n`` sandboxes made like ``LIMITS`` (once the test's own sandboxes exist: a create
-    takes from the pool too) and return their ids; drained after the test."""
+    """Fill a warm pool of ``n`` sandboxes made like ``LIMITS`` and return their ids; drained after the test. Filled
+    before a test's parents are made (a create takes from the pool: a parent then is of the pool's fork family,
+    whose sandboxes alone can be its children, agentenv.userns), and again once they are."""
 
     def fill(n: int) -> set[str]:
         warm.configure("agentenv/base", n, **LIMITS)
@@ -115,9 +116,10 @@ def shared_sandboxes_folder():
 def test_on_a_host_with_shared_mounts_the_pooled_child_gets_its_root_swapped(shared_sandboxes_folder, caplog):
     # pivot_root refuses a new root that is shared, and every mount moved onto a shared one would be copied into
     # the host's mount namespace (under the sandbox's rootfs): the new root must be private in the sandbox
+    warm.configure("agentenv/base", 1, **LIMITS)  # first: the parent, taken from it, is of its fork family
+    assert warm.wait_full(120)
     with agentenv.Sandbox.create(**LIMITS) as parent:
         parent.write_file("/testbed/mine", "parent's")
-        warm.configure("agentenv/base", 1, **LIMITS)
         try:
             assert warm.wait_full(120)
             pooled = warm._ready[0][1].id
@@ -143,6 +145,7 @@ def test_on_a_host_with_shared_mounts_the_pooled_child_gets_its_root_swapped(sha
 def test_a_pooled_sandbox_whose_agent_pid_names_another_sandbox_never_swaps_that_ones_root(pool, caplog):
     # the pid in a record can outlive its process (an agent that died behind our back, its number given to a
     # process of another sandbox): the swap must pin the agent as every call does, never act on a bare pid
+    pool(2)
     with agentenv.Sandbox.create(**LIMITS) as parent, agentenv.Sandbox.create(**LIMITS) as bystander:
         parent.write_file("/testbed/mine", "parent's")
         bystander.write_file("/testbed/mine", "bystander's")
@@ -168,6 +171,7 @@ def test_a_pooled_sandbox_whose_agent_pid_names_another_sandbox_never_swaps_that
 # --- guarantees that held: pinned so that they keep holding -------------------------------------------------
 
 def test_a_pooled_child_pauses_resumes_and_restores_in_another_process(pool):
+    pool(1)
     with agentenv.Sandbox.create(**LIMITS) as parent:
         parent.write_file("/testbed/mine", "parent's")
         pooled = pool(1)
@@ -195,6 +199,7 @@ def test_a_pooled_child_pauses_resumes_and_restores_in_another_process(pool):
 
 
 def test_two_threads_forking_from_one_pool_get_distinct_children(pool):
+    pool(4)
     with agentenv.Sandbox.create(**LIMITS) as a, agentenv.Sandbox.create(**LIMITS) as b:
         a.write_file("/testbed/mine", "a")
         b.write_file("/testbed/mine", "b")
@@ -231,10 +236,11 @@ import sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
 from agentenv import hostcalls, warm, forking
+warm.configure("agentenv/base", 1, memory="256m", disk="1g")  # first: the parent is of the pool's fork family
+assert warm.wait_full(120)
 sb = agentenv.Sandbox.create(memory="256m", disk="1g")
 sb.write_file("/testbed/kept", "kept")
 print(sb.id, flush=True)
-warm.configure("agentenv/base", 1, memory="256m", disk="1g")
 assert warm.wait_full(120)
 import os, signal, threading
 orig = hostcalls.mount
@@ -304,6 +310,7 @@ print("done", flush=True)
 def test_a_pooled_sandbox_someone_ran_a_process_in_is_booted_afresh_for_the_child(pool, caplog):
     # a pooled sandbox is listed like any other: whoever used it in the meantime (an exec through its id) may
     # have left a process there, which a swap would carry into the child, its cwd in the retired root
+    pool(1)
     with agentenv.Sandbox.create(**LIMITS) as parent:
         parent.write_file("/testbed/mine", "parent's")
         pooled = agentenv.Sandbox.get(next(iter(pool(1))))

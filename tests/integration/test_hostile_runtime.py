@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +31,8 @@ from agentenv.errors import (
     SandboxStateError,
     StoreFullError,
 )
+
+from .conftest import cleanup
 
 pytestmark = pytest.mark.integration
 
@@ -225,10 +228,12 @@ def test_a_snapshot_past_the_stores_limit_is_refused_and_leaves_nothing():
             store.set_limit(None)
 
 
-def test_without_a_volume_disk_limits_are_a_typed_error_and_disk_none_runs_unlimited(tmp_path, monkeypatch):
+def test_without_a_volume_disk_limits_are_a_typed_error_and_disk_none_runs_unlimited(request, monkeypatch):
     with agentenv.Sandbox.create(memory="256m", disk=None) as s:
         assert s.limits.disk is None and s.exec("echo ok").stdout == "ok\n"
-    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path / "home"))
+    home = Path(tempfile.mkdtemp(dir="/var/tmp"))  # one the sandbox's root can pass through (pytest's is closed)
+    request.addfinalizer(lambda: cleanup(home))  # its mounts too (the uid ranges' namespaces)
+    monkeypatch.setenv("AGENTENV_HOME", str(home))
     monkeypatch.setenv(volume.VOLUME_ENV, "off")  # as on a host without btrfs-progs or loop devices
     with pytest.raises(DiskLimitUnsupported, match="AGENTENV_VOLUME") as e:
         agentenv.Sandbox.create(memory="256m")

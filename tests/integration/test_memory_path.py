@@ -243,7 +243,7 @@ def test_a_failed_lazy_restore_leaves_no_daemon_and_no_sandbox(monkeypatch):
         sb.close()
     before = {s.id for s in agentenv.Sandbox.list()}
 
-    def refuse(self, images, work, criu=None, lazy=False):
+    def refuse(self, images, work, spec, criu=None, lazy=False, address=None):
         assert lazy  # the daemon was up, waiting for this restore
         raise agentenv.errors.CheckpointError("refused for the test")
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from agentenv import store, volume
+from agentenv import store, userns, volume
 from agentenv.config import parse_disk, parse_size, paths
 from agentenv.errors import DiskLimitUnsupported, SnapshotNotFound, StoreFullError
 from agentenv.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config
@@ -29,15 +29,15 @@ def test_parse_size_rejects(bad):
         parse_size(bad)
 
 
-def _spec(network: bool = False) -> ContainerSpec:
+def _spec(network: bool = False, uids: int | None = userns.FIRST) -> ContainerSpec:
     return ContainerSpec(image_id="sha256:x", layers=["/l1", "/l0"], env=["A=1"], workdir="/testbed",
-                         limits=Limits(cpus=0.5, memory=256 << 20, pids=64), network=network)
+                         limits=Limits(cpus=0.5, memory=256 << 20, pids=64), network=network, uids=uids)
 
 
 def test_oci_config_is_locked_down():
-    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x", netns="/b/netns")
+    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x")
     ns = {n["type"]: n.get("path") for n in c["linux"]["namespaces"]}
-    assert ns == {"pid": None, "ipc": None, "uts": None, "mount": None, "network": "/b/netns"}
+    assert ns == {"pid": None, "ipc": None, "uts": None, "mount": None, "network": None, "user": None, "cgroup": None}
     caps = set(c["process"]["capabilities"]["bounding"])
     assert "CAP_SYS_ADMIN" not in caps and "CAP_NET_RAW" not in caps and "CAP_SYS_PTRACE" not in caps
     assert c["process"]["noNewPrivileges"] is True
@@ -49,7 +49,7 @@ def test_oci_config_is_locked_down():
 
 
 def test_seccomp_profile_is_an_allowlist_modelled_on_dockers():
-    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x", netns="/b/netns")
+    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x")
     prof = c["linux"]["seccomp"]
     assert prof["defaultAction"] == "SCMP_ACT_ERRNO" and prof["defaultErrnoRet"] == 1
     allowed = {n for r in prof["syscalls"] if r["action"] == "SCMP_ACT_ALLOW" and "args" not in r for n in r["names"]}
@@ -65,23 +65,26 @@ def test_seccomp_profile_is_an_allowlist_modelled_on_dockers():
 
 
 def test_dev_tmpfs_is_at_most_half_the_memory():
-    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x", netns="/b/netns")
+    c = oci_config(_spec(), hostname="h", cgroup="/agentenv/x")
     dev = next(m for m in c["mounts"] if m["destination"] == "/dev")
     assert f"size={128 << 20}" in dev["options"]
     assert dev_size(4 << 30) == 256 << 20 and dev_size(64 << 20) == 32 << 20
 
 
-def test_every_sandbox_has_its_own_network_namespace():
-    """With network or without, the sandbox joins the namespace agentenv made for it, never the host's."""
+def test_every_sandbox_has_its_own_network_and_user_namespaces():
+    """With network or without, the sandbox gets a new network namespace (never the host's, never one joined by
+    path) and a user namespace whose root is its range's first uid, never the host's root."""
     for network in (False, True):
-        c = oci_config(_spec(network=network), "h", "/x", netns="/b/netns", resolv="/b/resolv.conf")
-        assert {"type": "network", "path": "/b/netns"} in c["linux"]["namespaces"]
+        c = oci_config(_spec(network=network), "h", "/x", resolv="/b/resolv.conf")
+        assert {"type": "network"} in c["linux"]["namespaces"] and {"type": "user"} in c["linux"]["namespaces"]
+        for key in ("uidMappings", "gidMappings"):
+            assert c["linux"][key] == [{"containerID": 0, "hostID": userns.FIRST, "size": userns.SIZE}]
     binds = {m["destination"]: m["source"] for m in c["mounts"] if m["type"] == "bind"}
     assert binds["/etc/resolv.conf"] == "/b/resolv.conf"  # its own resolvers, not the host's file
     with pytest.raises(ValueError):
-        oci_config(_spec(network=False), "h", "/x", netns="")
+        oci_config(_spec(uids=None), "h", "/x")  # no spec runs as the host's root
     with pytest.raises(ValueError):
-        oci_config(_spec(network=True), "h", "/x", netns="/b/netns")  # a networked one needs its resolv.conf
+        oci_config(_spec(network=True), "h", "/x")  # a networked one needs its resolv.conf
 
 
 def test_spec_round_trips_through_json():

@@ -1,0 +1,172 @@
+"""User namespaces: root in a sandbox is an unprivileged range of host uids, one range per fork family.
+
+Every sandbox runs in a user namespace of its own (runc makes it) whose ids 0..65535 are the host ids
+``base``..``base+65535``: a process that escaped the sandbox's other namespaces would be a uid no host file
+belongs to, with no capability over anything the host owns. The image's layers stay shared and untouched:
+each is mounted into the sandbox's overlay through an idmapped mount (``hostcalls.idmap_mount``), so a file
+that is root's on the host's disk is the sandbox's root's inside it. What the sandbox writes is owned on the host
+by its mapped uids.
+
+Why one range per *fork family* and not per sandbox: a fork's children and a restore start from the
+parent's files, which belong to the parent's uids on disk; giving each its own range would mean rewriting the
+owner of every file (seconds for a large layer) on the critical path of every fork. So a range is chosen when a
+sandbox is made from an image and then travels in its ``ContainerSpec`` to its snapshots, forks and restores;
+two families never share one while either has a sandbox or a snapshot left. (A warm pool, ``agentenv.warm``, is
+one family: its sandboxes serve as the children of a files-only fork of one of them.)
+
+A range is held through hard links: ``<home>/uids/<n>`` is its lease file, and every sandbox bundle and
+snapshot folder of the family holds a link to it (``hold``). The link count says how many hold it, and
+removing a holder's folder (``rm -rf``, recovery, gc) lets it go with nothing else to update. A new family
+takes a range whose lease nobody holds (``allocate``, under the lease's flock), the low ones first: each range's
+user namespace, which its idmapped mounts need, is made once and kept (``userns_fd``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import logging
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+from agentenv.config import paths
+from agentenv.errors import SandboxError
+from agentenv.hostcalls import make_userns
+
+log = logging.getLogger("agentenv")
+
+SIZE = 1 << 16  # ids per sandbox: 0..65535, what images use (nobody is 65534)
+FIRST = 1 << 28  # the first host uid handed out: far above the ranges /etc/subuid and real users take
+COUNT = ((1 << 32) - 2 - FIRST) // SIZE  # ranges there are (61,439): uid 2**32-1 is (uid_t)-1, never mapped
+LEASE = "uids"  # a holder's link to its range's lease file
+LOW = 256  # a new family tries ranges below this first: their user namespaces are made already (``userns_fd``)
+
+
+def mapping(base: int) -> list[dict[str, int]]:
+    """The OCI uidMappings (and gidMappings) of a sandbox whose root is host uid ``base``."""
+    return [{"containerID": 0, "hostID": base, "size": SIZE}]
+
+
+def base_of(index: int) -> int:
+    return FIRST + index * SIZE
+
+
+def index_of(base: int) -> int:
+    index, rest = divmod(base - FIRST, SIZE)
+    if rest or not 0 <= index < COUNT:
+        raise SandboxError(f"uid {base} is not the start of a range agentenv hands out")
+    return index
+
+
+def _leases() -> Path:
+    d = paths().home / "uids"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+@contextlib.contextmanager
+def _lease(index: int) -> Iterator[tuple[Path, int]]:
+    """The lease file of range ``index`` (made if missing), flocked; with its link count."""
+    path = _leases() / str(index)
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield path, os.fstat(fd).st_nlink
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _reachable(home: Path) -> None:
+    """Let a sandbox's root reach its folders from inside its user namespace: runc mounts the bundle's root there,
+    and CRIU reads a restore's images there, as the sandbox's (unprivileged) root. Every folder on the way must
+    let others through (x, never r): the home's own are given it, its parents must have it."""
+    for d in (home, home / "sandboxes", home / "snapshots"):
+        mode = d.stat().st_mode
+        if not mode & 0o001:
+            os.chmod(d, (mode & 0o7777) | 0o011)
+    for parent in home.resolve().parents:
+        if not parent.stat().st_mode & 0o001:
+            raise SandboxError(f"{parent}, above AGENTENV_HOME, does not let other users through (mode "
+                               f"{parent.stat().st_mode & 0o777:o}): sandboxes, whose root is an unprivileged "
+                               "uid, could not reach their files",
+                               fix=f"chmod o+x {parent}, or set AGENTENV_HOME elsewhere (default /var/lib/agentenv)")
+
+
+def allocate(holder: Path) -> int:
+    """A range no family holds, now held by ``holder`` (a new sandbox's bundle); its base uid."""
+    _reachable(paths().home)
+    start = random.randrange(LOW)  # spread: processes allocating at once rarely try the same lease
+    for step in range(COUNT):
+        index = (start + step) % LOW if step < LOW else step
+        with _lease(index) as (path, links):
+            if links == 1:  # nobody but the lease itself
+                _link(path, holder)
+                return base_of(index)
+    raise SandboxError(f"every one of the {COUNT} uid ranges is held by a sandbox or a snapshot",
+                       fix="delete snapshots or close sandboxes you no longer need")
+
+
+def held(base: int) -> bool:
+    """True while some sandbox or snapshot holds the range whose root is ``base``."""
+    try:
+        return (_leases() / str(index_of(base))).stat().st_nlink > 1
+    except FileNotFoundError:
+        return False
+
+
+def hold(base: int, holder: Path) -> None:
+    """Make ``holder`` (a sandbox bundle or snapshot folder of the family whose root is ``base``) hold its range."""
+    _reachable(paths().home)
+    if (holder / LEASE).exists():
+        return
+    with _lease(index_of(base)) as (path, _):
+        _link(path, holder)
+
+
+def _link(lease: Path, holder: Path) -> None:
+    """Link ``holder`` to ``lease``. A holder on another filesystem (a snapshot store mounted apart) cannot: it
+    does not hold the range then (said once), which its family's sandboxes still do while any lives."""
+    try:
+        os.link(lease, holder / LEASE)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        _apart(holder.parent)
+
+
+@functools.cache
+def _apart(folder: Path) -> None:
+    log.warning("%s is on another filesystem than %s: what is there does not hold its fork family's uid range, "
+                "which a new family may then take once none of the family's sandboxes is left", folder, _leases())
+
+
+def userns_fd(base: int) -> int:
+    """A descriptor (the caller's to close) of the user namespace of the range whose root is ``base``, for
+    idmapped mounts. Each range's is made once and kept bound beside its lease (``<n>.userns``, until a reboot):
+    a start then opens a file instead of making a namespace (~3 ms, from a child process)."""
+    index = index_of(base)
+    path = _leases() / f"{index}.userns"
+    with contextlib.suppress(OSError):
+        if os.path.ismount(path):
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    with _lease(index):  # one process makes it
+        if not os.path.ismount(path):
+            try:
+                make_userns(base, SIZE, path)
+            except OSError as e:
+                raise SandboxError(f"could not make the user namespace of uids {base}..: {e}",
+                                   fix="agentenv needs root and a kernel with user namespaces") from e
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+
+def describe() -> str:
+    """The user-namespace mode in one line, for a server's start-up log."""
+    return (f"user namespaces: every sandbox's root is an unprivileged host uid, {SIZE} ids per fork family from "
+            f"uid {FIRST} (leases in {paths().home / 'uids'})")

@@ -1,0 +1,70 @@
+"""The uid ranges of fork families (agentenv.userns): leases by hard link, no infrastructure needed."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentenv import userns
+from agentenv.errors import SandboxError
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    h = tmp_path / "home"
+    for d in ("sandboxes", "snapshots"):
+        (h / d).mkdir(parents=True)
+    monkeypatch.setenv("AGENTENV_HOME", str(h))
+    monkeypatch.setattr(userns, "_reachable", lambda home: None)  # pytest's tmp folders are 0700
+    return h
+
+
+def _holder(home, name):
+    d = home / "sandboxes" / name
+    d.mkdir()
+    return d
+
+
+def test_allocation_never_hands_out_a_held_range(home, monkeypatch):
+    """Two holders in a row get different ranges; a range comes back once its holders are gone."""
+    monkeypatch.setattr(userns.random, "randrange", lambda n: 7)
+    a, b = _holder(home, "a"), _holder(home, "b")
+    first, second = userns.allocate(a), userns.allocate(b)
+    assert (first, second) == (userns.base_of(7), userns.base_of(8))
+    snap = _holder(home, "snap")
+    userns.hold(first, snap)  # a snapshot of a's family holds it too
+    (a / userns.LEASE).unlink()
+    assert userns.allocate(_holder(home, "c")) == userns.base_of(9)
+    (snap / userns.LEASE).unlink()
+    assert userns.allocate(_holder(home, "d")) == first
+
+
+def test_ranges_are_disjoint_unprivileged_and_below_the_invalid_uid():
+    assert userns.base_of(0) == userns.FIRST > 65535
+    last = userns.base_of(userns.COUNT - 1) + userns.SIZE - 1
+    assert last < (1 << 32) - 1
+    assert userns.index_of(userns.base_of(123)) == 123
+    for bad in (0, userns.FIRST + 1, userns.base_of(userns.COUNT)):
+        with pytest.raises(SandboxError):
+            userns.index_of(bad)
+    assert userns.mapping(userns.FIRST) == [{"containerID": 0, "hostID": userns.FIRST, "size": userns.SIZE}]
+
+
+def test_a_home_others_cannot_pass_through_is_opened_or_refused(tmp_path):
+    """The sandbox's root must reach its bundle: the home's folders get o+x, a closed parent is a clear error."""
+    closed = tmp_path / "closed"
+    home = closed / "home"
+    for d in ("sandboxes", "snapshots"):
+        (home / d).mkdir(parents=True)
+    home.chmod(0o700)
+    closed.chmod(0o755)
+    tmp_path.chmod(0o755)
+    userns._reachable.cache_clear()
+    try:
+        userns._reachable(home)  # tmp_path's own parents may be closed: only the home's folders are checked here
+    except SandboxError as e:
+        assert "chmod o+x" in e.fix
+    assert home.stat().st_mode & 0o011 == 0o011
+    closed.chmod(0o700)
+    userns._reachable.cache_clear()
+    with pytest.raises(SandboxError, match="does not let other users through"):
+        userns._reachable(home)
