@@ -141,13 +141,14 @@ def dump(runc_state: Path, images: Path, work: Path, leave_running: bool, criu: 
     _run(criu, args, work / "dump.log")
 
 
-def _run(criu: str | None, args: list[str], log: Path, pass_fds: tuple[int, ...] = ()) -> None:
+def _run(criu: str | None, args: list[str], log: Path, pass_fds: tuple[int, ...] = (),
+         env: dict[str, str] | None = None) -> None:
     """Run CRIU (``args[0]``: dump or restore) to the end; CheckpointError with its reason (from ``log``) if it
     fails, takes longer than DUMP_TIMEOUT or is not installed."""
     rundir()
     binary, verb = criu or "criu", args[0]
     try:
-        r = run_program([binary, *args], DUMP_TIMEOUT, capture=True, pass_fds=pass_fds)
+        r = run_program([binary, *args], DUMP_TIMEOUT, capture=True, pass_fds=pass_fds, env=env)
     except subprocess.TimeoutExpired:
         raise CheckpointError(f"the CRIU {verb} did not finish within {DUMP_TIMEOUT:g} s (killed)",
                               fix="a process of the sandbox may be stuck (stopped, traced, or in "
@@ -209,7 +210,8 @@ def restore(images: Path, work: Path, bundle: Path, cid: str, runc_root: Path, l
                 raise CheckpointError(f"could not make the sandbox's cgroups for the restore: {e}",
                                       fix="check /sys/fs/cgroup (cgroup v1) is writable") from e
             try:
-                _run(criu, args, work / "restore.log", tuple(fds))
+                # our CRIU build runs the script for this action alone (scripts/criu-patches/0006)
+                _run(criu, args, work / "restore.log", tuple(fds), {"CRTOOLS_SCRIPT_ACTIONS": "setup-namespaces"})
             except CheckpointError as e:
                 if hook is not None and hook.error is not None:
                     raise CheckpointError(f"setting up the restored sandbox's network failed: {hook.error}",

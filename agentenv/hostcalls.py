@@ -319,14 +319,15 @@ def drop_netns(path: Path) -> None:
     path.unlink(missing_ok=True)
 
 
-def run_program(cmd: list[str], timeout: float, capture: bool = False,
-                pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
-    """Run ``cmd`` (stdin and stderr /dev/null; stdout too unless ``capture``; ``pass_fds`` kept open in it) and
-    wait for it to exit, at most ``timeout`` seconds (then it is killed and ``subprocess.TimeoutExpired``
-    raised), waking when it exits."""
+def run_program(cmd: list[str], timeout: float, capture: bool = False, pass_fds: tuple[int, ...] = (),
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` (stdin and stderr /dev/null; stdout too unless ``capture``; ``pass_fds`` kept open in it; ``env``
+    added to this process's environment) and wait for it to exit, at most ``timeout`` seconds (then it is killed
+    and ``subprocess.TimeoutExpired`` raised), waking when it exits."""
     out: list[bytes] = []
     with subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, pass_fds=pass_fds) as proc:
+                          stderr=subprocess.DEVNULL, pass_fds=pass_fds,
+                          env={**os.environ, **env} if env else None) as proc:
         pidfd = os.pidfd_open(proc.pid)
         try:
             poller = select.poll()

@@ -82,7 +82,8 @@ log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
 # process whose session leader had exited ('cmd &') fail (0003, upstream c7395f4, in CRIU 4.2); an empty
 # read-only tmpfs (runc's mask over /proc/acpi, /sys/firmware...) is saved and restored without running tar,
 # 3-4 ms each of every dump and every restore (0004); a tree in a user namespace whose non-dumpable agent CRIU
-# had restored could not be dumped again (0005: its check that the namespaces belong to the user namespace).
+# had restored could not be dumped again (0005: its check that the namespaces belong to the user namespace);
+# $CRTOOLS_SCRIPT_ACTIONS limits action scripts to the actions it names (0006: one shell run per restore, not six).
 # RUNDIR: where CRIU caches its kernel probe (criu.kdat, ~30 ms a run); it keeps it only on a tmpfs,
 # and /run is not always one, so our build uses a small tmpfs of its own (mounted by agentenv).
 CRIU_RUNDIR=/run/agentenv-criu
