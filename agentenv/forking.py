@@ -32,11 +32,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentenv import snapshotting, store, volume, warm
+from agentenv.agent_process import AgentProcess
 from agentenv.agent_start import agent_command, agent_env
 from agentenv.config import crash_point, paths
 from agentenv.errors import SandboxError
 from agentenv.phases import phase
-from agentenv.runtime import AgentProcess
 
 if TYPE_CHECKING:
     from agentenv.runtime import ContainerSpec

@@ -17,7 +17,6 @@ import errno
 import json
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -26,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from agentenv import agent, cgroups, criu, lazy_pages, netpolicy, network, userns
+from agentenv.agent_process import AgentProcess
 from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
 from agentenv.api import Limits
-from agentenv.channel import Root
 from agentenv.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
 from agentenv.criu import dump as criu_dump
 from agentenv.criu import fix as criu_fix
@@ -41,7 +40,6 @@ from agentenv.hostcalls import (
     drop_netns,
     idmap_mount,
     mount_overlay,
-    proc_start_time,
     run_program,
     swap_root,
     umount,
@@ -429,81 +427,6 @@ class Container:
             raise CheckpointError(f"CRIU restore failed: {criu_reason(r.stderr, work / 'restore.log')}",
                                   fix=criu_fix(criu))
         return int(pidfile.read_text())
-
-
-# --- the agent process, as the host knows it -------------------------------------------------------
-
-
-def in_cgroup(pid: int, cgroup: str) -> bool:
-    """True if the process is in the cgroup ``cgroup`` (as runc's cgroupsPath names it)."""
-    try:
-        with open(f"/proc/{pid}/cgroup") as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return False
-    return any(line.split(":", 2)[-1].endswith(cgroup) for line in lines)
-
-
-class AgentProcess:
-    """A sandbox's agent (its PID 1), pinned: a pidfd names that very process, never a later one that
-    happens to get its pid number.
-
-    Pinning checks the pid against what the sandbox's record says of its agent (start time, cgroup)
-    *after* opening the pidfd, so the pidfd cannot belong to another process; each ``root()`` then
-    opens ``/proc/<pid>/root`` and checks that the pinned process is still alive *after* the open, so
-    the root cannot be another process's either. ProcessLookupError when the process is gone or is not
-    the sandbox's agent.
-    """
-
-    def __init__(self, pid: int, start: int | None, cgroup: str) -> None:
-        self.pid = pid
-        self._fd = os.pidfd_open(pid)
-        try:
-            if (start is not None and proc_start_time(pid) != start) or not in_cgroup(pid, cgroup) or not self.alive():
-                raise ProcessLookupError(3, f"pid {pid} is not the sandbox's agent any more")
-        except BaseException:
-            os.close(self._fd)
-            self._fd = -1  # closed: __del__ must not close the number again (by then another file's, in a thread)
-            raise
-
-    def alive(self) -> bool:
-        try:
-            signal.pidfd_send_signal(self._fd, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def root(self) -> Root:
-        """An O_PATH descriptor of the agent's root folder (the caller closes it)."""
-        fd = os.open(f"/proc/{self.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        if not self.alive():
-            os.close(fd)
-            raise ProcessLookupError(3, f"the agent (pid {self.pid}) is gone")
-        return Root(fd, self.pid)
-
-    def __del__(self) -> None:  # the last user let go of it: no other thread can still use the pidfd
-        if getattr(self, "_fd", -1) >= 0:  # (pidfd_open itself may have failed)
-            with contextlib.suppress(Exception):
-                os.close(self._fd)
-            self._fd = -1
-
-
-def protect_agent(pid: int) -> bool:
-    """Take the agent out of the OOM killer's reach where the host may (CAP_SYS_RESOURCE); True if done.
-
-    Written through the legacy ``oom_adj`` (-17 is -1000 in ``oom_score_adj``), which, unlike
-    ``oom_score_adj``, leaves the floor its children inherit at 0: they cannot make themselves
-    unkillable too. (The agent also starts every child at the highest score, so even without this the
-    kernel chooses them first.)
-    """
-    try:
-        with open(f"/proc/{pid}/oom_score_adj", "w") as f:
-            f.write("0")  # resets the floor a CRIU restore may have lowered
-        with open(f"/proc/{pid}/oom_adj", "w") as f:
-            f.write("-17")
-    except OSError:
-        return False
-    return True
 
 
 def copy_tree(src: Path, dst: Path) -> None:

@@ -48,6 +48,7 @@ from agentenv import (
     warm,
 )
 from agentenv import network as hostnet
+from agentenv.agent_process import AgentProcess, protect_agent
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_IMAGE,
@@ -73,12 +74,7 @@ from agentenv.hostcalls import proc_start_time
 from agentenv.phases import phase
 from agentenv.record import Record
 from agentenv.recovery import RECOVER_PING_TIMEOUT, HostProcess
-from agentenv.runtime import (
-    AgentProcess,
-    Container,
-    ContainerSpec,
-    protect_agent,
-)
+from agentenv.runtime import Container, ContainerSpec
 from agentenv.store import Snapshot
 
 __all__ = ["Process", "Sandbox", "max_output"]  # Process and max_output live in agentenv.calls
