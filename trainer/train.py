@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 import traceback
@@ -191,7 +192,11 @@ class _Rank:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             all_reduce_grads(self.model, self.layout)
-            norm = grad_norm(self.model, self.layout)
+            norm = grad_norm(self.model, self.layout)  # reduced: every rank sees the same figure, so all skip
+            if not math.isfinite(float(norm)):  # clipping by nan is no clip (min(1, nan) is 1): the weights would be
+                sums["skipped_updates"] += 1.0  # non-finite from here on, and pushed to the server
+                log.warning("a non-finite gradient norm (%s): this update is skipped", float(norm))
+                continue
             norms.append(float(norm))
             if self.cfg.grad_clip > 0:
                 coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
@@ -439,7 +444,8 @@ class Trainer:
                "grad_norm": results[0]["grad_norm_sum"] / updates, "loss_tokens": tot["tokens"],
                "samples": float(len(batch.samples)), "tokens": float(batch.tokens), "time/train": elapsed,
                "train_tokens_per_s": batch.tokens / elapsed if elapsed > 0 else 0.0}
-        skip = {"tokens", "loss", "grad_norm_sum", "updates", "rank_train_s"}
+        out["skipped_updates"] = results[0].get("skipped_updates", 0.0)  # non-finite gradient norms, not stepped
+        skip = {"tokens", "loss", "grad_norm_sum", "updates", "rank_train_s", "skipped_updates"}
         for k, v in tot.items():   # token means of the per-token metrics
             if k not in skip:
                 out["kl" if k == "kl_ref" else k] = v / tokens

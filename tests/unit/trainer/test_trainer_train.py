@@ -214,3 +214,21 @@ def test_grad_norm_is_reported_before_clipping_and_the_update_is_clipped():
         raw = t.step(batch)["grad_norm"]
         full = torch.sqrt(sum(p.grad.pow(2).sum() for p in t.model.parameters() if p.grad is not None))
     assert raw == pytest.approx(m["grad_norm"], rel=1e-9) and full.item() == pytest.approx(raw, rel=1e-9)
+
+
+def test_a_non_finite_gradient_norm_skips_the_update_and_says_so(monkeypatch):
+    """min(1, grad_clip / nan) is 1: without the check, one bad batch writes NaN weights (and the loop pushes them)."""
+    import trainer.train as train_mod
+
+    batch = rl_batch(_trajs(4))
+    with Trainer(tiny_cfg(), TrainConfig(lr=1e-2)) as t:
+        before = {k: v.clone() for k, v in t.state_dict().items()}
+        monkeypatch.setattr(train_mod, "grad_norm", lambda model, layout: torch.tensor(float("nan")))
+        m = t.step(batch)
+        after = {k: v.clone() for k, v in t.state_dict().items()}
+        assert m["skipped_updates"] == 1.0
+        assert all(torch.isfinite(v).all() for v in after.values())
+        assert _state_diff(before, after) == 0.0
+        monkeypatch.undo()
+        m = t.step(batch)
+        assert m["skipped_updates"] == 0.0 and _state_diff(before, t.state_dict()) > 0.0
