@@ -204,18 +204,25 @@ def nameservers() -> list[str]:
     if env is not None:
         return [] if env.strip() in ("", "none") else [str(ipaddress.IPv4Address(a.strip())) for a in env.split(",")]
     for conf in (Path("/etc/resolv.conf"), Path("/run/systemd/resolve/resolv.conf")):
-        found = []
-        with contextlib.suppress(OSError):
-            for line in conf.read_text().splitlines():
-                words = line.split()
-                if len(words) >= 2 and words[0] == "nameserver":
-                    with contextlib.suppress(ValueError):
-                        addr = ipaddress.ip_address(words[1])
-                        if addr.version == 4 and not addr.is_loopback:
-                            found.append(str(addr))
+        found = nameservers_in(conf)
         if found:
             return found
     return []
+
+
+def nameservers_in(conf: Path) -> list[str]:
+    """The IPv4 resolvers off loopback that the resolv.conf ``conf`` names (none if it cannot be read): also
+    what a sandbox's own resolv.conf, written at its start, gives its rules."""
+    found = []
+    with contextlib.suppress(OSError):
+        for line in conf.read_text().splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] == "nameserver":
+                with contextlib.suppress(ValueError):
+                    addr = ipaddress.ip_address(words[1])
+                    if addr.version == 4 and not addr.is_loopback:
+                        found.append(str(addr))
+    return found
 
 
 def resolv_conf(dns: Iterable[str]) -> str:

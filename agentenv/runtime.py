@@ -255,7 +255,7 @@ class Container:
             bind_netns(pid, self.netns, loopback=restored)
         if spec.network:
             with phase("network"):
-                dns = network.nameservers()
+                dns = network.nameservers_in(self.bundle / "resolv.conf")  # what prepare gave it: one reading
                 link = network.attach(self.netns, str(self.bundle), netpolicy.Rules.from_json(spec.rules), dns,
                                       address)
                 link["dns"] = dns
