@@ -12,8 +12,9 @@ With ``answer_tool=False`` there is one tool, ``bash``, and a reply without a to
 
 Levels (graded difficulty):
 
-0. "What code is in the file?" — ``/data`` holds one file: ``cat *``, then answer what it printed (one copy,
-   from the observation just before the answer: what a model this small learns first).
+0. "What code is in the file NAME?" — ``/data`` holds one file, NAME: ``cat *``, then answer what it printed
+   (one copy, from the observation just before the answer: what a model this small learns first). The question
+   names the file so that a task is its (name, code) pair, which the splits keep apart (below).
 1. "What code is in file NAME?" — ``/data/NAME`` holds the code (other files hold other codes):
    ``cat NAME``, then answer what it printed.
 2. "What is the code of NAME in the files?" — several files hold lines ``KEY=CODE``; NAME is a key in one of
@@ -29,9 +30,12 @@ the bare word) into the answer (``"CODE"``: the bare word too).
 distinct tokens to learn to copy, and a higher chance of a lucky guess (1 / ``words``), for a first curriculum.
 
 Task ids are ``lookup-LEVEL-SEED`` (``lookup-LEVEL-SEED-wWORDS`` with fewer words); a task is made again from
-its id (``make_task``), so a snapshot, a fork or another process resolves it without a task file. Split by seed: seeds below ``HELDOUT_SEED`` are training
-tasks, seeds from ``HELDOUT_SEED`` on are held out; the two also never share a (question name, code) pair
-(``pair_split``), so a held-out task's answer was never the answer to the same question in training.
+its id (``make_task``), so a snapshot, a fork or another process resolves it without a task file. Three splits, by
+seed: ``[0, 1e6)`` train, ``[1e6, 2e6)`` held out, ``[2e6, 3e6)`` validation (for choosing recipes). They never
+share a (question name, code) pair either (``pair_split``: one pair in five is held out, one in five validation),
+so no held-out or validation question was ever asked in training with that answer, and no episode of one split
+is token for token an episode of another. ``task_key`` says when two tasks are the same to a policy (the
+pre-flight of ``agentenv train`` refuses a run whose splits share one).
 ``task_ids(split, n, levels)`` lists tasks; ``python -m envs.lookup_env --split heldout --n 60`` writes them as
 JSONL records for ``agentenv rollout --tasks``.
 
@@ -64,7 +68,7 @@ DEFAULT_MAX_STEPS = 5  # also the step limit it is registered with (envs/__init_
 WORKDIR = "/data"
 LEVELS = (0, 1, 2, 3)
 HELDOUT_SEED = 1_000_000  # seeds [0, HELDOUT_SEED): train; [HELDOUT_SEED, 2 * HELDOUT_SEED): held out
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "validation")   # validation: seeds [2 * HELDOUT_SEED, 3 * HELDOUT_SEED)
 MAX_OBSERVATION = MAX_ACTION = 4096
 
 # Single tokens of the k3-mini tokenizer both bare and after a space (``tests/unit/envs/test_envs_lookup.py``
@@ -77,7 +81,7 @@ VALUES = ("python", "project", "process", "count", "decay", "dense", "cores", "c
           "extra", "eye", "flat", "forward", "grad", "hidden", "input", "lower", "load", "linear", "latent",
           "partial", "single", "softmax", "special", "sum", "top", "total", "valid", "back", "down", "short",
           "solve", "tie", "dim", "dtype", "init", "json", "lib", "bool")
-HELDOUT_EVERY = 5  # one (name, code) pair in five belongs to the held-out split
+HELDOUT_EVERY = 5  # of five (name, code) pairs: one held out, one validation, three train
 WORDS, MIN_WORDS = len(NAMES), 9  # level 2 needs 9 distinct names (3 files, 6 keys)
 
 # What a small policy trained from scratch on a CPU (k3-mini) learns on: gymnasium.make(ID, **SMALL_MODEL_KWARGS).
@@ -85,20 +89,29 @@ WORDS, MIN_WORDS = len(NAMES), 9  # level 2 needs 9 distinct names (3 files, 6 k
 # at ~35% (it reads every file with ``cat *`` and answers one of the codes): room for RL to improve.
 SMALL_MODEL_KWARGS: dict[str, Any] = {"levels": (0, 1), "words": 12, "answer_tool": False}
 
-QUESTION = {0: "What code is in the file?", 1: "What code is in file {name}?", 2: "What is the code of {name} in the files?",
+QUESTION = {0: "What code is in the file {name}?", 1: "What code is in file {name}?", 2: "What is the code of {name} in the files?",
             3: "What code is in file {name}?"}
 _TASK_ID = re.compile(r"lookup-(\d)-(\d+)(?:-w(\d+))?")
 
 
 def pair_split(name: str, value: str) -> str:
-    """The split a (question name, code) pair belongs to: "heldout" for one pair in ``HELDOUT_EVERY``."""
-    return "heldout" if (NAMES.index(name) + VALUES.index(value)) % HELDOUT_EVERY == 0 else "train"
+    """The split a (question name, code) pair belongs to: one pair in ``HELDOUT_EVERY`` is held out, the next
+    one validation, the rest train."""
+    r = (NAMES.index(name) + VALUES.index(value)) % HELDOUT_EVERY
+    return "heldout" if r == 0 else "validation" if r == 1 else "train"
+
+
+def split_base(split: str) -> int:
+    """The first seed of a split."""
+    if split not in SPLITS:
+        raise ValueError(f"split is one of {SPLITS}, got {split!r}")
+    return SPLITS.index(split) * HELDOUT_SEED
 
 
 def seed_split(seed: int) -> str:
-    if not 0 <= seed < 2 * HELDOUT_SEED:
-        raise TaskError(f"a lookup seed is in [0, {2 * HELDOUT_SEED}), got {seed}")
-    return "train" if seed < HELDOUT_SEED else "heldout"
+    if not 0 <= seed < len(SPLITS) * HELDOUT_SEED:
+        raise TaskError(f"a lookup seed is in [0, {len(SPLITS) * HELDOUT_SEED}), got {seed}")
+    return SPLITS[seed // HELDOUT_SEED]
 
 
 @dataclass(frozen=True)
@@ -120,6 +133,11 @@ class LookupTask:
 
     def score(self, given: str) -> float:
         return 1.0 if _norm(given) == _norm(self.answer) else 0.0
+
+    @property
+    def content(self) -> tuple[Any, ...]:
+        """What a policy sees and must answer: two tasks with one key are the same task to it."""
+        return (self.level, self.question, self.files, self.answer)
 
     def to_json(self) -> dict[str, Any]:
         """The record a task file holds (``id`` is enough to make the task again; the rest is for people)."""
@@ -202,24 +220,40 @@ def resolve(ref: Any) -> LookupTask:
 
 
 def task_ids(split: str = "train", n: int = 100, levels: Sequence[int] = LEVELS, start: int = 0,
-             words: int = WORDS) -> list[str]:
+             words: int = WORDS, distinct: bool = False) -> list[str]:
     """``n`` task ids of ``split``, the levels taking turns: seeds ``base + start``, ``base + start + 1``, ...
-    (``base`` is 0 for train, ``HELDOUT_SEED`` for held out); disjoint ``start`` ranges give disjoint tasks."""
-    if split not in SPLITS:
-        raise ValueError(f"split is one of {SPLITS}, got {split!r}")
+    (``base``: ``split_base``); disjoint ``start`` ranges give disjoint seeds. ``distinct``: skip a seed whose task
+    is one listed already (same ``content``), so that each task is counted once in an evaluation; then fewer than
+    ``n`` come back when the split has fewer distinct tasks (level 0 has one per (name, code) pair)."""
+    base = split_base(split)
     if not levels or any(lv not in LEVELS for lv in levels):
         raise ValueError(f"levels are some of {LEVELS}, got {levels!r}")
-    base = 0 if split == "train" else HELDOUT_SEED
     if start < 0 or start + n > HELDOUT_SEED:
         raise ValueError(f"start and n must stay within the split's {HELDOUT_SEED} seeds")
     if not MIN_WORDS <= words <= WORDS:
         raise ValueError(f"words must be in [{MIN_WORDS}, {WORDS}], got {words!r}")
-    return [task_id(levels[i % len(levels)], base + start + i, words) for i in range(n)]
+    if not distinct:
+        return [task_id(levels[i % len(levels)], base + start + i, words) for i in range(n)]
+    out: list[str] = []
+    seen: set[tuple[Any, ...]] = set()
+    for i in range(min(HELDOUT_SEED - start, 200 * n)):   # 200 seeds a task: past that, the split is exhausted
+        if len(out) == n:
+            break
+        task = make_task(levels[len(out) % len(levels)], base + start + i, words)
+        if task.content not in seen:
+            seen.add(task.content)
+            out.append(task.id)
+    return out
+
+
+def task_key(ref: Any) -> tuple[Any, ...]:
+    """The identity of a task to a policy (``LookupTask.content``): the pre-flight's check that splits are apart."""
+    return resolve(ref).content
 
 
 def tasks(split: str = "train", n: int = 100, levels: Sequence[int] = LEVELS, start: int = 0,
-          words: int = WORDS) -> list[LookupTask]:
-    return [resolve(i) for i in task_ids(split, n, levels, start, words)]
+          words: int = WORDS, distinct: bool = False) -> list[LookupTask]:
+    return [resolve(i) for i in task_ids(split, n, levels, start, words, distinct)]
 
 
 class ShellTool(SandboxTools):
@@ -267,7 +301,7 @@ class LookupEnv(SandboxEnv[LookupTask]):
         if self._default is not None:
             return self._default
         level = self.levels[int(self.np_random.integers(len(self.levels)))]
-        base = 0 if self.split == "train" else HELDOUT_SEED
+        base = split_base(self.split)
         return make_task(level, base + int(self.np_random.integers(HELDOUT_SEED)), self.words)
 
     def _task_id(self, task: LookupTask) -> str:
@@ -326,8 +360,9 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--levels", default=",".join(map(str, LEVELS)), help="comma-separated, e.g. 1,2")
     p.add_argument("--start", type=int, default=0, help="first seed offset within the split")
     p.add_argument("--words", type=int, default=WORDS, help=f"names and codes to draw from ({MIN_WORDS}-{WORDS})")
+    p.add_argument("--distinct", action="store_true", help="each task once (no two with the same content)")
     a = p.parse_args(list(argv) if argv is not None else None)
-    for t in tasks(a.split, a.n, [int(x) for x in a.levels.split(",")], a.start, a.words):
+    for t in tasks(a.split, a.n, [int(x) for x in a.levels.split(",")], a.start, a.words, a.distinct):
         sys.stdout.write(json.dumps(t.to_json()) + "\n")
     return 0
 

@@ -95,6 +95,37 @@ def load_tool_tasks(path: str | Path = TASKS_FILE) -> list[ToolTask]:
     return out
 
 
+SPLITS = ("train", "heldout", "validation")
+
+
+def task_split(task: ToolTask, tasks: Sequence[ToolTask]) -> str:
+    """The split of a shipped task, by its place in the file: of five, one held out, one validation, three train."""
+    r = [t.id for t in tasks].index(task.id) % 5
+    return "heldout" if r == 0 else "validation" if r == 1 else "train"
+
+
+def task_ids(split: str = "train", path: str = str(TASKS_FILE)) -> list[str]:
+    """The ids of a split of the tasks in ``path`` (``py:envs.tool_env:task_ids split=heldout`` in a run's config)."""
+    if split not in SPLITS:
+        raise ValueError(f"split is one of {SPLITS}, got {split!r}")
+    tasks = load_tool_tasks(path)
+    return [t.id for t in tasks if task_split(t, tasks) == split]
+
+
+def task_key(ref: Any) -> tuple[str, str]:
+    """The identity of a task to a policy: its question and answer (a shipped task's id, a record or a task)."""
+    if isinstance(ref, ToolTask):
+        t = ref
+    elif isinstance(ref, Mapping):
+        t = ToolTask.from_json(ref)
+    else:
+        found = [t for t in load_tool_tasks() if t.id == ref]
+        if not found:
+            raise TaskError(f"no tool task {ref!r}")
+        t = found[0]
+    return (_norm(t.question), _norm(t.answer))
+
+
 class ToolEnv(SandboxEnv[ToolTask]):
     """One question per episode; tool calls as K3 text or dicts; reward from the final answer."""
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,15 @@ class AgentConfig:
 
 
 DEFAULT_CONFIG = AgentConfig()
+
+
+def sampling_seed(traj: Trajectory) -> int | None:
+    """The seed of an episode's next policy call, from its group's seed, its place in the group and its turn, so
+    that a run's sampling repeats (None without a group seed: the engine draws one)."""
+    if traj.seed is None:
+        return None
+    digest = hashlib.blake2b(f"{traj.seed}:{traj.group_index}:{len(traj.turns)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2   # below 2**62: every engine takes it
 
 
 def observation_messages(obs: str, info: dict[str, Any], text: str = "") -> list[dict[str, Any]]:
@@ -153,6 +163,7 @@ class Episode:
         t0 = time.perf_counter()
         completion = await policy.complete(self.traj.token_ids, max_tokens=self.room(config), n=n,
                                            temperature=config.temperature, top_p=config.top_p,
+                                           seed=sampling_seed(self.traj),
                                            stop_token_ids=[self.tokenizer.eos_id],
                                            return_routed_experts=config.return_routed_experts,
                                            timeout=config.policy_timeout)

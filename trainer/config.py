@@ -14,9 +14,11 @@ Sections: ``[policy]`` (the policy server: started here, or an existing one), ``
 
 from __future__ import annotations
 
+import importlib
 import json
 import tomllib
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -76,11 +78,18 @@ class EnvConfig:
 
     id: str = doc("agentenv/Tool-v0", "Gymnasium env id (registered by `import envs`)")
     kwargs: dict[str, Any] = doc({}, "keyword arguments of gymnasium.make(id, ...)")
-    train_tasks: str = doc("seeds:0-999999", "training tasks: seeds:A-B (the env draws a task from each seed), "
-                                             "ids:ID,ID,... , py:MODULE:FUNCTION key=value ... (a function that "
-                                             "lists task ids or records; values in TOML without spaces, e.g. "
-                                             "levels=[1,2]), or a JSONL / JSON file of task records")
-    heldout_tasks: str = doc("seeds:1000000-1000063", "held-out tasks, never trained on (same forms)")
+    train_tasks: str = doc("py:envs.tool_env:task_ids split=train",
+                           "training tasks: ids:ID,ID,... , py:MODULE:FUNCTION key=value ... (a function that "
+                           "lists task ids or records; values in TOML without spaces, e.g. levels=[1,2]), a JSONL / "
+                           "JSON file of task records, or seeds:A-B (the env draws a task from each seed; with "
+                           "evaluation on, refused: the pre-flight cannot check such a set against the held-out one)")
+    heldout_tasks: str = doc("py:envs.tool_env:task_ids split=heldout",
+                             "held-out tasks, never trained on, read only for the reported figures (same forms); "
+                             "the pre-flight refuses a run whose held-out, validation and training tasks share a "
+                             "task (by the env module's task_key, else by task id)")
+    validation_tasks: str = doc("py:envs.tool_env:task_ids split=validation",
+                                "validation tasks, for choosing recipes: the evaluations during RL (eval.every) "
+                                "read these, never the held-out ones (empty: none)")
     max_turns: int = doc(4, "policy calls per episode")
     max_new_tokens: int = doc(64, "tokens per policy call")
     max_total_tokens: int = doc(256, "generated tokens per episode")
@@ -157,10 +166,13 @@ class TrainerConfig:
 class EvalConfig:
     """Held-out evaluation: after the warm start (before RL), every few iterations, and after RL."""
 
-    enabled: bool = doc(True, "evaluate on the held-out tasks")
-    episodes: int = doc(64, "held-out tasks evaluated (the first N of env.heldout_tasks)")
-    every: int = doc(0, "also evaluate every N iterations (0: only before and after RL)")
-    temperature: float = doc(0.0, "sampling temperature (0: greedy)")
+    enabled: bool = doc(True, "evaluate on the held-out tasks before and after RL")
+    episodes: int = doc(64, "tasks evaluated (the first N of env.heldout_tasks, and of env.validation_tasks)")
+    samples: int = doc(4, "samples per task (k): each evaluation reports mean@k and pass@k with 95% intervals "
+                          "(bootstrap over tasks); the RL gain is a paired difference with its own interval")
+    every: int = doc(0, "also evaluate on the validation tasks every N iterations (0: never; needs "
+                        "env.validation_tasks)")
+    temperature: float = doc(0.0, "sampling temperature (0: greedy; then samples > 1 repeat one another)")
 
 
 @dataclass
@@ -227,14 +239,19 @@ class RunConfig:
             (self.env.max_turns >= 1, "env.max_turns must be at least 1"),
             (self.sft.steps >= 0 and self.sft.batch_size >= 1, "sft.steps >= 0 and sft.batch_size >= 1"),
             (self.eval.episodes >= 0, "eval.episodes must be >= 0"),
+            (self.eval.samples >= 1, "eval.samples must be at least 1"),
+            (self.eval.every == 0 or bool(self.env.validation_tasks.strip()),
+             "eval.every evaluates on the validation tasks: set env.validation_tasks (the held-out tasks are read "
+             "only before and after RL)"),
             (self.swe.groups >= 1 and self.swe.group_size >= 1, "swe.groups and swe.group_size must be at least 1"),
             (bool(self.name) and "/" not in self.name, "name must be a plain folder name"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
-        for spec in (self.env.train_tasks, self.env.heldout_tasks):
-            parse_task_spec(spec)
+        for spec in (self.env.train_tasks, self.env.heldout_tasks, self.env.validation_tasks):
+            if spec.strip():
+                parse_task_spec(spec)
         return self
 
 
@@ -455,3 +472,14 @@ def undocumented() -> list[str]:
 
     walk(RunConfig, "")
     return missing
+
+
+def resolve_function(ref: str) -> Callable[..., Any]:
+    """``module:function`` -> the function (ImportError / AttributeError name what is missing)."""
+    module, sep, name = ref.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"{ref!r} is not module:function")
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        raise ConfigError(f"{ref} is not callable")
+    return fn

@@ -94,6 +94,8 @@ class Loop:
         self.evals: dict[str, dict[str, Any]] = {}
         self.train_src = TaskSource(cfg.env.train_tasks, cfg.seed)
         self.heldout_src = TaskSource(cfg.env.heldout_tasks, cfg.seed)
+        self.validation_src = TaskSource(cfg.env.validation_tasks, cfg.seed) if cfg.env.validation_tasks.strip() \
+            else None
         self._group_seq = 0
         self.metrics: Any = None
         self.bar: Any = None
@@ -342,24 +344,43 @@ class Loop:
         return await self.collect(specs, rl.groups_per_iteration if rl.partial_rollouts else None)
 
     # -- 4. evaluation --
-    async def evaluate(self, tag: str) -> dict[str, Any]:
+    async def evaluate(self, tag: str, split: str = "heldout") -> dict[str, Any]:
+        """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (a group forked from
+        one reset per task): mean@k and pass@k with 95% intervals (trainer/evaluation.py)."""
+        from trainer.evaluation import per_task_passes, summarize, tool_use
+
         cfg = self.cfg
-        refs = self.heldout_src.first(cfg.eval.episodes)
+        src = self.heldout_src if split == "heldout" else self.validation_src
+        assert src is not None, "validation evaluations need env.validation_tasks (checked by validate)"
+        refs = src.first(cfg.eval.episodes)
         t0 = time.perf_counter()
-        got = await self.collect([self._spec(r, "eval", 1) for r in refs])
+        got = await self.collect([self._spec(r, "eval", cfg.eval.samples) for r in refs])
         trajs = got.trajectories
-        rate, reward, scored = pass_rate(trajs, cfg.rl.pass_threshold)
+        per_task = per_task_passes(trajs, cfg.rl.pass_threshold)
+        stats = summarize(per_task, cfg.eval.samples, seed=cfg.seed)
+        _, reward, scored = pass_rate(trajs, cfg.rl.pass_threshold)
         elapsed = time.perf_counter() - t0
-        res: dict[str, Any] = {"tag": tag, "pass_rate": rate, "reward_mean": reward, "episodes": len(trajs),
+        res: dict[str, Any] = {"tag": tag, "split": split, **stats, "pass_rate": stats["mean_at_k"],
+               "reward_mean": reward, "episodes": len(trajs),
                "passed": sum(1 for t in trajs if t.reward is not None and t.reward >= cfg.rl.pass_threshold),
                "infra_errors": len(trajs) - scored, "weight_version": self.logical_version,
                "iteration": self.iteration, "time_s": elapsed,
-               "finish_reasons": dict(Counter(t.finish_reason for t in trajs))}
+               "finish_reasons": dict(Counter(t.finish_reason for t in trajs)), **tool_use(trajs, cfg.rl.pass_threshold),
+               "per_task": per_task}
         self.add_time("eval", elapsed)
         self.evals[tag] = res
-        self.say(f"held-out eval ({tag}): pass rate {rate:.3f} ({res['passed']}/{len(trajs)}), reward {reward:.3f}, "
-                 f"weights v{self.logical_version}")
+        lo, hi = stats["mean_at_k_ci"]
+        self.say(f"{split} eval ({tag}): mean@{stats['k']} {stats['mean_at_k']:.3f} [{lo:.3f}, {hi:.3f}], "
+                 f"pass@{stats['k']} {stats['pass_at_k']:.3f} on {stats['tasks']} tasks, weights "
+                 f"v{self.logical_version}")
         return res
+
+    def _eval_row(self, res: dict[str, Any]) -> dict[str, Any]:
+        """The metrics row of an evaluation: ``pass_rate/<split>`` is its mean@k, with the interval's ends."""
+        split = res["split"]
+        lo, hi = res["mean_at_k_ci"]
+        return {f"pass_rate/{split}": res["mean_at_k"], f"pass_rate/{split}_lo": lo, f"pass_rate/{split}_hi": hi,
+                f"pass_at_k/{split}": res["pass_at_k"], f"reward/{split}": res["reward_mean"]}
 
     # -- 5. the iterations --
     async def _rl(self) -> None:
@@ -378,8 +399,7 @@ class Loop:
             self.say(f"rollout workers: {cfg.ray.workers} ({'Ray at ' + cfg.ray.address if cfg.ray.address else 'local Ray' if cfg.ray.workers else 'in-process'})")
             if cfg.eval.enabled and "before" not in self.evals:
                 res = await self.evaluate("before")
-                self.metrics.write(self.iteration, {"pass_rate/heldout": res["pass_rate"],
-                                                    "reward/heldout": res["reward_mean"], "eval": "before"})
+                self.metrics.write(self.iteration, {**self._eval_row(res), "eval": "before"})
             await self.iterations()
             for result in self.paused:    # partial episodes the last iteration left: not trained on, counted
                 self.counts["partial_left_at_end"] += len(result.info["paused"])
@@ -387,8 +407,7 @@ class Loop:
             self.paused = []
             if cfg.eval.enabled and cfg.rl.iterations > 0:
                 res = await self.evaluate("after")
-                self.metrics.write(self.iteration, {"pass_rate/heldout": res["pass_rate"],
-                                                    "reward/heldout": res["reward_mean"], "eval": "after"})
+                self.metrics.write(self.iteration, {**self._eval_row(res), "eval": "after"})
             if cfg.swe.enabled:
                 await self._swe()
         finally:
@@ -451,8 +470,8 @@ class Loop:
         every = cfg.eval.every
         if phase == "train" and cfg.eval.enabled and every > 0 and self.iteration % every == 0 \
                 and self.iteration < cfg.rl.iterations:
-            res = await self.evaluate(f"iter{self.iteration}")
-            m.update({"pass_rate/heldout": res["pass_rate"], "reward/heldout": res["reward_mean"]})
+            res = await self.evaluate(f"iter{self.iteration}", split="validation")
+            m.update(self._eval_row(res))
         last = self.iteration >= cfg.rl.iterations or phase != "train"
         if cfg.rl.ckpt_every > 0 and (self.iteration % cfg.rl.ckpt_every == 0 or last) and batch.samples:
             t0 = time.perf_counter()
@@ -506,17 +525,22 @@ class Loop:
     # -- 7. the summary --
     def _finish(self) -> None:
         cfg = self.cfg
+        from trainer.evaluation import paired_gain
         from trainer.metrics import plot, read_jsonl
 
         rows = read_jsonl(self.dir / "metrics.jsonl") if (self.dir / "metrics.jsonl").is_file() else []
         before, after = self.evals.get("before"), self.evals.get("after")
+        gain = paired_gain(before["per_task"], after["per_task"], seed=cfg.seed) if before and after else None
         times = {k: round(v, 2) for k, v in sorted(self.times.items())}
         self.summary.update({
             "iterations": self.iteration, "weight_version": self.logical_version,
-            "heldout": {"after_sft": before, "after_rl": after,
-                        "during": {k: v for k, v in self.evals.items() if k not in ("before", "after")}},
-            "pass_rate_after_sft": before["pass_rate"] if before else None,
-            "pass_rate_after_rl": after["pass_rate"] if after else None,
+            "heldout": {"after_sft": before, "after_rl": after, "gain": gain},
+            "validation": {k: v for k, v in self.evals.items() if k not in ("before", "after")},
+            "pass_rate_after_sft": before["mean_at_k"] if before else None,
+            "pass_rate_after_sft_ci": before["mean_at_k_ci"] if before else None,
+            "pass_rate_after_rl": after["mean_at_k"] if after else None,
+            "pass_rate_after_rl_ci": after["mean_at_k_ci"] if after else None,
+            "rl_gain": gain["gain"] if gain else None, "rl_gain_ci": gain["gain_ci"] if gain else None,
             "counts": dict(self.counts), "time_s": times,
             "config": to_dict(cfg), "run_dir": str(self.dir),
         })

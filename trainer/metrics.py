@@ -3,11 +3,13 @@
 ``MetricsLog`` appends ``{"step": N, "time": ..., <metric>: value, ...}`` lines (flushed and fsynced). On resume it
 is opened with the checkpoint's step and drops the lines of later steps (steps a killed run logged but did not
 checkpoint), so that the file lists every step once. ``plot`` draws the standard panels (whichever the log has):
-reward and pass rate on training and held-out tasks, response length, entropy, KL, clip fraction, grad norm,
+reward and pass rate on training and validation tasks (the held-out figures with their intervals are in
+``reward.png``), response length, entropy, KL, clip fraction, grad norm,
 staleness, and the time breakdown (environment / policy / training / weight sync) as stacked areas.
 
-Metric names the loop and the trainer share: ``reward/train``, ``reward/heldout``, ``pass_rate/train``,
-``pass_rate/heldout``, ``response_length``, ``entropy``, ``kl``, ``clip_frac``, ``grad_norm``, ``staleness/mean``,
+Metric names the loop and the trainer share: ``reward/train``, ``reward/<split>``, ``pass_rate/train``,
+``pass_rate/<split>`` (an evaluation's mean@k; ``_lo`` / ``_hi``: its 95% interval; split heldout or validation),
+``pass_at_k/<split>``, ``response_length``, ``entropy``, ``kl``, ``clip_frac``, ``grad_norm``, ``staleness/mean``,
 ``time/env``, ``time/policy``, ``time/train``, ``time/sync``.
 """
 
@@ -23,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 PANELS: list[tuple[str, list[str]]] = [
-    ("reward", ["reward/train", "reward/heldout"]),
-    ("pass rate", ["pass_rate/train", "pass_rate/heldout"]),
+    ("reward", ["reward/train", "reward/validation"]),
+    ("pass rate", ["pass_rate/train", "pass_rate/validation"]),
     ("response length (tokens)", ["response_length"]),
     ("entropy", ["entropy"]),
     ("KL", ["kl", "rollout_kl"]),

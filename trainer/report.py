@@ -1,8 +1,9 @@
 """What a run shows of itself: the plan (``--dry-run``), the reward figure and the summary table.
 
-``reward.png`` is the figure a reader looks at first: training reward and pass rate per iteration, and the
-held-out pass rate after the warm start, during and after RL on the same axis, so that a training curve that rises
-without the held-out one is seen at once. The other metrics are plotted by ``trainer.metrics.plot``.
+``reward.png`` is the figure a reader looks at first: the training pass rate per iteration (and the reward where it
+is not the same curve), the validation mean@k during RL and the held-out mean@k after the warm start and after RL,
+each with its 95% interval, on the same axis, so that a training curve that rises without the held-out one is seen
+at once and a rise inside the intervals is not mistaken for one. The other metrics: ``trainer.metrics.plot``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ def plan(cfg: RunConfig, run_dir: Path, resume: bool = False) -> str:
     lines.append(f"   trainer: world {cfg.trainer.world}, EP {cfg.trainer.ep}, {cfg.trainer.device}; rollout "
                  f"workers: {cfg.ray.workers} on " + (f"Ray at {cfg.ray.address}" if cfg.ray.address
                                                      else "a local Ray" if cfg.ray.workers else "this process"))
-    lines.append(f"4. held-out eval before RL: {cfg.eval.episodes} tasks of {cfg.env.heldout_tasks}, "
-                 f"temperature {cfg.eval.temperature:g}" if cfg.eval.enabled else "4. no held-out eval")
+    lines.append(f"4. held-out eval before RL: {cfg.eval.episodes} tasks of {cfg.env.heldout_tasks} x "
+                 f"{cfg.eval.samples} samples, temperature {cfg.eval.temperature:g}" if cfg.eval.enabled
+                 else "4. no held-out eval")
     mode = "synchronous (on-policy)" if rl.max_staleness == 0 else f"max staleness {rl.max_staleness}"
     partial = (f", partial rollouts (+{rl.extra_groups} groups, max {rl.max_resumes} resumes)"
                if rl.partial_rollouts else "")
@@ -46,8 +48,8 @@ def plan(cfg: RunConfig, run_dir: Path, resume: bool = False) -> str:
                  f"episodes of {cfg.env.train_tasks}, {mode}{partial}; lr {rl.lr:g}, clip "
                  f"[{rl.eps_low}, {rl.eps_high}], TIS {rl.tis_cap:g}, KL {rl.kl_coef:g}")
     if cfg.eval.enabled:
-        lines.append("6. held-out eval after RL" + (f" (and every {cfg.eval.every} iterations)"
-                                                    if cfg.eval.every else ""))
+        lines.append("6. held-out eval after RL, and the paired gain" +
+                     (f" (validation eval every {cfg.eval.every} iterations)" if cfg.eval.every else ""))
     if cfg.swe.enabled:
         lines.append(f"7. one SWE iteration: {cfg.swe.groups} group(s) x {cfg.swe.group_size} on {cfg.swe.env_id} "
                      f"({cfg.swe.tasks}), {cfg.swe.max_turns} turns, graded" +
@@ -68,16 +70,21 @@ def reward_plot(rows: Sequence[dict[str, Any]], evals: dict[str, dict[str, Any]]
         return [p[0] for p in pts], [float(p[1]) for p in pts]
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("reward/train", "train reward"), ("pass_rate/train", "train pass rate")):
-        xs, ys = series(key)
-        if xs:
-            ax.plot(xs, ys, marker=".", label=label)
-    ev = sorted((v["iteration"], v["pass_rate"]) for v in evals.values()
-                if isinstance(v.get("pass_rate"), int | float) and math.isfinite(v["pass_rate"]))
-    if ev:
-        ax.plot([e[0] for e in ev], [e[1] for e in ev], marker="o", linestyle="--", color="black",
-                label="held-out pass rate")
-    if not ax.lines:
+    xs, pass_ys = series("pass_rate/train")
+    if xs:
+        ax.plot(xs, pass_ys, marker=".", label="train pass rate")
+    rxs, rys = series("reward/train")
+    if rxs and (rxs != xs or any(abs(a - b) > 1e-9 for a, b in zip(rys, pass_ys, strict=False))):
+        ax.plot(rxs, rys, marker=".", alpha=0.6, label="train reward")
+    for split, color, label in (("validation", "tab:green", "validation"), ("heldout", "black", "held-out")):
+        ev = sorted((v["iteration"], v["mean_at_k"], *v["mean_at_k_ci"], v.get("k", 1)) for v in evals.values()
+                    if v.get("split", "heldout") == split and isinstance(v.get("mean_at_k"), int | float)
+                    and math.isfinite(v["mean_at_k"]))
+        if ev:
+            ax.errorbar([e[0] for e in ev], [e[1] for e in ev], yerr=[[e[1] - e[2] for e in ev],
+                        [e[3] - e[1] for e in ev]], marker="o", linestyle="--", color=color, capsize=4,
+                        label=f"{label} mean@{ev[0][4]} (95% CI)")
+    if not ax.lines and not ax.containers:
         plt.close(fig)
         return None
     ax.set_xlabel("RL iteration (0: after the SFT warm start)")
@@ -89,6 +96,10 @@ def reward_plot(rows: Sequence[dict[str, Any]], evals: dict[str, dict[str, Any]]
 
 def _fmt(v: Any, fmt: str = ".3f") -> str:
     return format(v, fmt) if isinstance(v, int | float) and math.isfinite(v) else "-"
+
+
+def _ci(v: Any, ci: Sequence[Any], fmt: str = ".3f") -> str:
+    return f"{_fmt(v, fmt)} [{_fmt(ci[0], fmt)}, {_fmt(ci[1], fmt)}]"
 
 
 def iteration_line(label: str, m: dict[str, Any], version: int) -> str:
@@ -107,14 +118,18 @@ def summary_table(s: dict[str, Any]) -> Table:
     t.add_column("what", no_wrap=True)
     t.add_column("value")
     h = s.get("heldout", {})
-    for tag, label in (("after_sft", "held-out pass rate after SFT (before RL)"), ("after_rl", "held-out pass "
-                                                                                              "rate after RL")):
+    for tag, label in (("after_sft", "held-out after SFT (before RL)"), ("after_rl", "held-out after RL")):
         e = h.get(tag)
         if e:
-            t.add_row(label, f"{_fmt(e['pass_rate'])} ({e['passed']}/{e['episodes']}), reward "
-                             f"{_fmt(e['reward_mean'])}, weights v{e['weight_version']}")
-    for tag, e in (h.get("during") or {}).items():
-        t.add_row(f"held-out pass rate at {tag}", f"{_fmt(e['pass_rate'])} ({e['passed']}/{e['episodes']})")
+            t.add_row(label, f"mean@{e['k']} {_ci(e['mean_at_k'], e['mean_at_k_ci'])}, pass@{e['k']} "
+                             f"{_ci(e['pass_at_k'], e['pass_at_k_ci'])} on {e['tasks']} tasks; used a tool "
+                             f"{_fmt(e.get('used_tools'), '.2f')} (pass {_fmt(e.get('pass_rate_with_tools'), '.2f')}), "
+                             f"without {_fmt(e.get('pass_rate_without_tools'), '.2f')}; weights v{e['weight_version']}")
+    g = h.get("gain")
+    if g:
+        t.add_row("RL gain on held-out (paired)", f"{_ci(g['gain'], g['gain_ci'], '+.3f')} on {g['tasks']} tasks")
+    for tag, e in (s.get("validation") or {}).items():
+        t.add_row(f"validation at {tag}", f"mean@{e['k']} {_ci(e['mean_at_k'], e['mean_at_k_ci'])}")
     sft = s.get("sft") or {}
     if sft:
         t.add_row("SFT warm start", f"{sft.get('samples')} demonstrations ({sft.get('demonstrations_solved')} solved), "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import os
 import secrets
@@ -32,7 +31,7 @@ from typing import Any
 
 import httpx
 
-from trainer.config import ConfigError, RunConfig, parse_task_spec
+from trainer.config import ConfigError, RunConfig, parse_task_spec, resolve_function
 
 
 class PreflightError(RuntimeError):
@@ -192,15 +191,13 @@ def _check_tasks(spec: str, what: str) -> str | None:
     return None
 
 
-def resolve_function(ref: str) -> Callable[..., Any]:
-    """``module:function`` -> the function (ImportError / AttributeError name what is missing)."""
-    module, sep, name = ref.partition(":")
-    if not sep or not module or not name:
-        raise ConfigError(f"{ref!r} is not module:function")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise ConfigError(f"{ref} is not callable")
-    return fn
+def _check_apart(cfg: RunConfig) -> str | None:
+    from trainer.tasks import check_apart
+
+    sets = {"env.train_tasks": cfg.env.train_tasks, "env.heldout_tasks": cfg.env.heldout_tasks}
+    if cfg.env.validation_tasks.strip():
+        sets["env.validation_tasks"] = cfg.env.validation_tasks
+    return check_apart(cfg.env.id, sets)
 
 
 def swe_task_records(cfg: RunConfig) -> list[dict[str, Any]]:
@@ -290,6 +287,10 @@ def preflight(cfg: RunConfig, *, resume: bool, build: bool = True) -> list[str]:
     run("env", lambda: _check_env(cfg.env.id))
     run("train tasks", lambda: _check_tasks(cfg.env.train_tasks, "env.train_tasks"))
     run("held-out tasks", lambda: _check_tasks(cfg.env.heldout_tasks, "env.heldout_tasks"))
+    if cfg.env.validation_tasks.strip():
+        run("validation tasks", lambda: _check_tasks(cfg.env.validation_tasks, "env.validation_tasks"))
+    if cfg.eval.enabled:
+        run("splits apart", lambda: _check_apart(cfg))
     if cfg.sft.enabled and not (run_dir / "sft" / "weights.safetensors").is_file():
         def expert() -> str | None:
             try:

@@ -12,6 +12,7 @@ run killed at any point and resumed takes exactly the steps, on exactly the batc
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -128,7 +129,8 @@ def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: b
     and a summary. Weights already there are kept (a resumed run)."""
     from rollout.trajectory import read
     from trainer.cli import model_config
-    from trainer.services import resolve_function, write_json_atomic
+    from trainer.config import resolve_function
+    from trainer.services import write_json_atomic
     from trainer.train import TrainConfig, Trainer
 
     final = run_dir / "sft" / "weights.safetensors"
@@ -145,8 +147,11 @@ def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: b
     if not (demos / "index.json").is_file():
         say(f"warm start: {n} demonstrations of a scripted expert on {cfg.env.id} ({cfg.sft.expert})")
         t0 = time.perf_counter()
-        extra = {"env_kwargs": dict(cfg.env.kwargs)} if cfg.env.kwargs else {}
-        resolve_function(cfg.sft.expert)(cfg.env.id, list(tasks), str(demos), n, **extra, **cfg.sft.expert_kwargs)
+        extra: dict[str, Any] = {"env_kwargs": dict(cfg.env.kwargs)} if cfg.env.kwargs else {}
+        expert = resolve_function(cfg.sft.expert)
+        if "seed" in inspect.signature(expert).parameters and "seed" not in cfg.sft.expert_kwargs:
+            extra["seed"] = cfg.seed     # which demonstrations guess: from the run's seed, like everything else
+        expert(cfg.env.id, list(tasks), str(demos), n, **extra, **cfg.sft.expert_kwargs)
         timed("sft_demos", t0)
     trajs = sorted(read(demos), key=lambda t: (t.task_id, t.seed or 0))   # shards fill in finishing order
     samples = sft_samples(trajs)

@@ -4,16 +4,20 @@ A spec (``seeds:A-B``, ``ids:...``, ``py:module:function key=value ...``, or a J
 ``TaskSource`` walks it in a seeded order, pass after pass (training), or from its start (held-out evaluation:
 the same tasks every time). The position in that walk (``task_cursor``) is part of a checkpoint, so a resumed
 run neither repeats nor skips tasks.
+
+``check_apart`` is the pre-flight's proof that the held-out and validation tasks are not training tasks: it compares
+the tasks by the env module's ``task_key`` (what a policy sees and must answer: two seeds of Lookup-v0 can make one
+task), or by task id where the env has none, and refuses ``seeds:`` sets, whose tasks only the env knows.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import parse_task_spec
-from trainer.services import resolve_function
+from trainer.config import parse_task_spec, resolve_function
 
 
 @dataclass(frozen=True)
@@ -87,3 +91,40 @@ def step_limit(env_id: str, turns: int) -> dict[str, Any]:
     if spec is None or "max_steps" not in (spec.kwargs or {}):
         return {}
     return {"max_steps": turns, "max_episode_steps": turns}
+
+
+def key_function(env_id: str) -> Callable[[Any], Hashable] | None:
+    """The ``task_key`` function of the module that defines ``env_id``'s env class (None where it has none)."""
+    import importlib
+
+    import gymnasium
+
+    import envs  # noqa: F401  (registers the env ids)
+
+    spec = gymnasium.registry.get(env_id)
+    entry = spec.entry_point if spec is not None else None
+    if not isinstance(entry, str) or ":" not in entry:
+        return None
+    fn = getattr(importlib.import_module(entry.partition(":")[0]), "task_key", None)
+    return fn if callable(fn) else None
+
+
+def check_apart(env_id: str, sets: dict[str, str], train: str = "train") -> str | None:
+    """A problem when the task sets ``{name: spec}`` share a task with the training set (and each other), or
+    cannot be compared; None when they are apart."""
+    keyed = key_function(env_id)
+    where = f"{env_id}'s task_key" if keyed else "task id"
+    seen: dict[Hashable, str] = {}
+    for name, spec in sets.items():
+        src = TaskSource(spec)
+        if src.kind == "seeds":
+            return (f"{name} = {spec!r}: the env draws a task from each seed, so the pre-flight cannot check that "
+                    f"held-out, validation and training tasks differ; list them (ids:, py:MODULE:FUNCTION, a file), "
+                    f"e.g. py:envs.lookup_env:task_ids split=heldout or py:envs.tool_env:task_ids split=heldout")
+        for item in src.items:
+            key = keyed(item) if keyed else TaskRef(item).task_id
+            other = seen.setdefault(key, name)
+            if other != name:
+                return (f"{name} and {other} share a task ({TaskRef(item).task_id}, same {where}): the "
+                        f"held-out and validation tasks must never be trained on; choose disjoint sets")
+    return None

@@ -35,7 +35,16 @@ def test_quick_main_job_end_to_end(tmp_path):
     iterations = summary["config"]["rl"]["iterations"]
     assert summary["iterations"] == iterations
     assert summary["pass_rate_after_sft"] is not None and summary["pass_rate_after_rl"] is not None
-    assert "held-out pass rate after RL" in r.stdout and "time (s)" in r.stdout
+    assert "held-out after RL" in r.stdout and "RL gain on held-out" in r.stdout and "time (s)" in r.stdout
+    # mean@k with intervals, k samples of each task, and the paired gain
+    k, n = summary["config"]["eval"]["samples"], summary["config"]["eval"]["episodes"]
+    for tag in ("after_sft", "after_rl"):
+        e = summary["heldout"][tag]
+        assert e["k"] == k and e["tasks"] == n and e["episodes"] == n * k
+        lo, hi = e["mean_at_k_ci"]
+        assert lo <= e["mean_at_k"] <= hi and e["mean_at_k"] <= e["pass_at_k"]
+    lo, hi = summary["rl_gain_ci"]
+    assert lo <= summary["rl_gain"] <= hi
 
     # weight versions advance: one push per iteration, and one for the SWE step
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
@@ -53,7 +62,7 @@ def test_quick_main_job_end_to_end(tmp_path):
     phases = Counter(t.metadata["phase"] for t in trajs)
     g = summary["config"]["rl"]["group_size"]
     assert phases["train"] == iterations * summary["config"]["rl"]["groups_per_iteration"] * g
-    assert phases["eval"] == 2 * summary["config"]["eval"]["episodes"] and phases["swe"] == swe["episodes"]
+    assert phases["eval"] == 2 * n * k and phases["swe"] == swe["episodes"]
     train = [t for t in trajs if t.metadata["phase"] == "train"]
     assert {t.weight_versions[0] for t in train if t.turns} == set(range(iterations))
     groups: dict[str, list] = {}

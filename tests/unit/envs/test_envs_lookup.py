@@ -46,10 +46,10 @@ def test_a_task_is_made_again_from_its_id_and_its_answer_is_only_in_the_files(le
         t = make_task(level, seed)
         assert t == make_task(level, seed) == resolve(t.id) == resolve({"id": t.id}) == resolve(
             {"level": level, "seed": seed}) == resolve(t)
-        assert t.answer not in t.question and (t.key in t.question) == (level > 0) and t.level == level
+        assert t.answer not in t.question and t.key in t.question and t.level == level
         files = dict(t.files)
         if level == 0:
-            assert files == {t.key: t.answer + "\n"} and t.question == "What code is in the file?"
+            assert files == {t.key: t.answer + "\n"} and t.question == f"What code is in the file {t.key}?"
         elif level == 1:
             assert files[t.key] == t.answer + "\n" and len(files) == 3
         elif level == 2:
@@ -61,20 +61,36 @@ def test_a_task_is_made_again_from_its_id_and_its_answer_is_only_in_the_files(le
     assert make_task(level, 1).files != make_task(level, 2).files
 
 
-def test_seeds_split_train_and_heldout_and_they_share_no_question_answer_pair():
-    train, held = lk.tasks("train", 300), lk.tasks("heldout", 300)
+def test_seeds_split_train_heldout_and_validation_and_they_share_no_question_answer_pair():
+    train, held, val = lk.tasks("train", 300), lk.tasks("heldout", 300), lk.tasks("validation", 300)
     assert {t.split for t in train} == {"train"} and {t.split for t in held} == {"heldout"}
-    assert all(pair_split(t.key, t.answer) == t.split for t in train + held)
-    assert not {(t.key, t.answer) for t in train} & {(t.key, t.answer) for t in held}
+    assert {t.split for t in val} == {"validation"}
+    assert all(pair_split(t.key, t.answer) == t.split for t in train + held + val)
+    pairs = [{(t.key, t.answer) for t in ts} for ts in (train, held, val)]
+    assert not pairs[0] & pairs[1] and not pairs[0] & pairs[2] and not pairs[1] & pairs[2]
+    # no episode of one split is one of another: what the policy sees (question, files) and answers differs
+    contents = [{t.content for t in ts} for ts in (train, held, val)]
+    assert not contents[0] & contents[1] and not contents[0] & contents[2] and not contents[1] & contents[2]
     assert {t.level for t in train} == set(lk.LEVELS)
     ids = task_ids("heldout", 6, levels=(2, 3), start=10)
     assert ids == [f"lookup-{lv}-{HELDOUT_SEED + 10 + i}" for i, lv in enumerate([2, 3, 2, 3, 2, 3])]
     assert set(task_ids("train", 50)).isdisjoint(task_ids("train", 50, start=50))
-    for bad in ("lookup-4-1", "lookup--1-1", "lookup-1-x", "calc-001", f"lookup-1-{2 * HELDOUT_SEED}"):
+    for bad in ("lookup-4-1", "lookup--1-1", "lookup-1-x", "calc-001", f"lookup-1-{3 * HELDOUT_SEED}"):
         with pytest.raises(TaskError):
             resolve(bad)
     with pytest.raises(ValueError):
         task_ids("test", 1)
+
+
+def test_distinct_task_ids_list_each_task_once_and_stop_where_the_split_runs_out():
+    ids = task_ids("heldout", 100, (0,), words=12, distinct=True)
+    contents = [resolve(i).content for i in ids]
+    assert len(set(contents)) == len(contents) == len(ids)
+    # level 0 has one task per (name, code) pair: 12 x 12 pairs, one in five held out
+    pairs = {(n, v) for n in lk.NAMES[:12] for v in lk.VALUES[:12] if pair_split(n, v) == "heldout"}
+    assert {(resolve(i).key, resolve(i).answer) for i in ids} == pairs
+    assert len(task_ids("heldout", 100, (0,), words=12)) == 100     # without distinct: one per seed
+    assert lk.task_key(ids[0]) == resolve(ids[0]).content
 
 
 @pytest.mark.parametrize("level", lk.LEVELS)

@@ -126,3 +126,42 @@ def test_every_turn_records_its_weight_version_and_timings(turns):
     assert t.weight_versions == [0] * turns
     assert all(turn.policy_s >= 0 and turn.env_s >= 0 and turn.generated > 0 for turn in t.turns)
     assert t.turns[0].start == t.prompt_len
+
+
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """The scripted server's transport, keeping each request body."""
+
+    def __init__(self, app) -> None:
+        self.inner, self.bodies = httpx.ASGITransport(app=app), []
+
+    async def handle_async_request(self, request):
+        import json
+        self.bodies.append(json.loads(request.content or b"{}"))
+        return await self.inner.handle_async_request(request)
+
+
+def test_each_policy_call_carries_a_seed_from_the_groups_seed_its_place_and_its_turn():
+    from rollout.agent import sampling_seed
+    from rollout.trajectory import Trajectory
+
+    def seeds_of(seed, index):
+        transport = RecordingTransport(scripted.create_app(solve_calc, TOK))
+        env = ToolEnv(task="calc-001", api=FakeBackend())
+
+        async def go():
+            async with PolicyClient("http://scripted", transport=transport, max_retries=0) as policy:
+                return await run_episode(env, policy, TOK, AgentConfig(), env_id="agentenv/Tool-v0", seed=seed,
+                                         group_index=index)
+        try:
+            asyncio.run(go())
+        finally:
+            env.close()
+        return [b.get("seed") for b in transport.bodies if "prompt" in b or "messages" in b]
+
+    first = seeds_of(7, 0)
+    assert len(first) == 2 and None not in first and len(set(first)) == 2      # one per turn, each its own
+    assert seeds_of(7, 0) == first                                             # the same run: the same seeds
+    assert set(seeds_of(7, 1)).isdisjoint(first) and set(seeds_of(8, 0)).isdisjoint(first)
+    assert seeds_of(None, 0) == [None, None]                                   # no group seed: the engine draws
+    assert all(0 <= s < 2**62 for s in first)
+    assert sampling_seed(Trajectory("t", "e", seed=3)) == sampling_seed(Trajectory("u", "f", seed=3))

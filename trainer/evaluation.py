@@ -1,0 +1,86 @@
+"""What an evaluation's numbers mean: mean@k and pass@k over tasks, with 95% intervals, and a paired RL gain.
+
+Each evaluated task is sampled ``k`` times. ``mean@k`` is the mean over tasks of the fraction of a task's samples
+that pass; ``pass@k`` the mean over tasks of "at least one of k passes" (the unbiased estimator of Chen et al. 2021
+when a task has more samples than ``k``). Both get a percentile-bootstrap 95% interval over tasks (the tasks are the
+sample: a new draw of tasks is what a reader's next run would see). The gain of RL is a *paired* difference: the same
+tasks after RL minus after the warm start, bootstrapped over tasks, so the task-to-task spread cancels out. The
+bootstrap generator is seeded, so a run's figures repeat.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+BOOTSTRAP = 2000
+LEVEL = 0.95
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of ``k`` samples drawn from ``n`` (``c`` of them passing) passes."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def _interval(stats: np.ndarray) -> list[float]:
+    lo, hi = np.quantile(stats, [(1 - LEVEL) / 2, (1 + LEVEL) / 2])
+    return [float(lo), float(hi)]
+
+
+def _boot(values: np.ndarray, seed: int) -> list[float]:
+    """The percentile-bootstrap interval of the mean of ``values`` (one per task)."""
+    if len(values) < 2:
+        return [float(values.mean()), float(values.mean())] if len(values) else [math.nan, math.nan]
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(values), size=(BOOTSTRAP, len(values)))
+    return _interval(values[picks].mean(axis=1))
+
+
+def summarize(per_task: Mapping[str, Sequence[bool]], k: int, seed: int = 0) -> dict[str, Any]:
+    """mean@k and pass@k of ``{task: [passed, ...]}`` with their 95% intervals (tasks with no scored sample are
+    left out, and counted)."""
+    scored = {t: list(v) for t, v in per_task.items() if v}
+    means = np.array([sum(v) / len(v) for v in scored.values()], dtype=float)
+    kk = min([k, *(len(v) for v in scored.values())]) if scored else k
+    passes = np.array([pass_at_k(len(v), sum(v), kk) for v in scored.values()], dtype=float)
+    return {"tasks": len(scored), "unscored_tasks": len(per_task) - len(scored), "k": kk,
+            "samples": int(sum(len(v) for v in scored.values())),
+            "mean_at_k": float(means.mean()) if len(means) else math.nan, "mean_at_k_ci": _boot(means, seed),
+            "pass_at_k": float(passes.mean()) if len(passes) else math.nan, "pass_at_k_ci": _boot(passes, seed + 1)}
+
+
+def paired_gain(before: Mapping[str, Sequence[bool]], after: Mapping[str, Sequence[bool]],
+                seed: int = 0) -> dict[str, Any]:
+    """mean@k after minus before on the tasks both scored, with a paired-bootstrap 95% interval."""
+    common = sorted(t for t in before if before[t] and after.get(t))
+    diff = np.array([sum(after[t]) / len(after[t]) - sum(before[t]) / len(before[t]) for t in common], dtype=float)
+    return {"tasks": len(common), "gain": float(diff.mean()) if len(diff) else math.nan,
+            "gain_ci": _boot(diff, seed)}
+
+
+def per_task_passes(trajectories: Sequence[Any], threshold: float) -> dict[str, list[bool]]:
+    """``{task_id: [passed, ...]}`` of evaluation trajectories (an unscored one, an infra error, adds nothing)."""
+    out: dict[str, list[bool]] = {}
+    for t in trajectories:
+        got = out.setdefault(str(t.task_id), [])
+        if t.reward is not None and not t.infra_error:
+            got.append(t.reward >= threshold)
+    return out
+
+
+def tool_use(trajectories: Sequence[Any], threshold: float) -> dict[str, Any]:
+    """What the policy did, beside whether it passed: the share of episodes that called a tool before answering
+    (on Lookup-v0: looked before answering, what RL should teach), and the pass rate of those that did and did not."""
+    used = [t for t in trajectories if t.tool_calls > 0]
+    not_used = [t for t in trajectories if t.tool_calls == 0]
+
+    def rate(ts: Sequence[Any]) -> float:
+        return sum(1 for t in ts if t.reward is not None and t.reward >= threshold) / len(ts) if ts else math.nan
+    return {"used_tools": len(used) / len(trajectories) if trajectories else math.nan,
+            "pass_rate_with_tools": rate(used), "pass_rate_without_tools": rate(not_used),
+            "malformed_calls": sum(t.malformed_calls for t in trajectories)}
