@@ -165,9 +165,9 @@ class RolloutWorker:
             self._running -= 1
             self.groups_done += 1
 
-    async def shutdown(self, wait: float = 60.0) -> dict[str, Any]:
+    async def shutdown(self, wait: float = 60.0, keep: list[str] | None = None) -> dict[str, Any]:
         """Wait (up to ``wait`` seconds) for groups still closing (cancelled ones), close the policy client and
-        anything still labelled with this worker; returns ``info()``."""
+        anything still labelled with this worker but the snapshots in ``keep``; returns ``info()``."""
         deadline = time.monotonic() + wait
         while self._running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -175,7 +175,8 @@ class RolloutWorker:
             with contextlib.suppress(Exception):
                 await self._policy.aclose()
             self._policy = None
-        left = await asyncio.to_thread(sweep, self.api.inner, {RUN_LABEL: self.run_id, WORKER_LABEL: self.key})
+        left = await asyncio.to_thread(sweep, self.api.inner, {RUN_LABEL: self.run_id, WORKER_LABEL: self.key},
+                                       keep or ())
         info = self.info()
         info["left_at_shutdown"] = left
         return info
