@@ -89,9 +89,11 @@ class LabelledBackend:
         return _LabelledBox(sb, self)
 
 
-def sweep(api: Any, labels: Mapping[str, str], keep: Iterable[str] = ()) -> dict[str, list[str]]:
+def sweep(api: Any, labels: Mapping[str, str], keep: Iterable[str] = (), snapshots: bool = True
+          ) -> dict[str, list[str]]:
     """Close every sandbox and delete every snapshot of ``api`` that carries all of ``labels``, except the snapshots
-    named in ``keep`` (a training checkpoint's paused episodes live in them); returns their ids."""
+    named in ``keep`` (a training checkpoint's paused episodes live in them) and, with ``snapshots=False``, every
+    snapshot; returns their ids."""
     want = dict(labels)
     kept = set(keep)
     out: dict[str, list[str]] = {"sandboxes": [], "snapshots": []}
@@ -107,7 +109,7 @@ def sweep(api: Any, labels: Mapping[str, str], keep: Iterable[str] = ()) -> dict
             with contextlib.suppress(Exception):
                 sb.close()
                 out["sandboxes"].append(sb.id)
-    for snap in _listed(api.Snapshot):
+    for snap in _listed(api.Snapshot) if snapshots else []:
         if ours(snap) and snap.id not in kept:
             with contextlib.suppress(Exception):
                 snap.delete()

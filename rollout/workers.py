@@ -118,8 +118,9 @@ class RolloutWorker:
             url = node_env_url(config.env_urls, self.node_id, self.node_ip)
             base = connect(url, config.env_token)
             self.env_url = url or LOCAL
-        # A worker Ray restarted first closes what its predecessor (same key) left behind.
-        self.swept = sweep(base, {RUN_LABEL: run_id, WORKER_LABEL: key})
+        # A worker Ray restarted first closes the sandboxes its predecessor (same key) left behind; not its
+        # snapshots: paused episodes the driver holds (partial rollouts) live in them. The run's end sweeps those.
+        self.swept = sweep(base, {RUN_LABEL: run_id, WORKER_LABEL: key}, snapshots=False)
         self.api = LabelledBackend(base, {RUN_LABEL: run_id, WORKER_LABEL: key}, config.sandbox_ttl)
         self.tokenizer = config.tokenizer_factory()
         self._policy: PolicyClient | None = None
