@@ -57,7 +57,7 @@ def vllm_like(script):
         body = await request.json()
         assert body["method"] == "reload_weights"
         folder = Path(body["kwargs"]["weights_path"])
-        app.state.loads.append(sorted(p.name for p in folder.iterdir()))
+        app.state.loads.append(sorted(p.name for p in folder.iterdir()) if folder.is_dir() else [folder.name])
         return {"results": [None]}
 
     return app
