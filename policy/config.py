@@ -120,6 +120,7 @@ def from_k3_json(path: str | Path) -> K3Config:
         linear_head_dim=lin["head_dim"],
         short_conv_kernel_size=lin.get("short_conv_kernel_size", 4),
         gate_lower_bound=lin.get("gate_lower_bound", -5.0),
+        kda_chunk_size=lin.get("chunk_size", 64),
         num_attention_heads=tc["num_attention_heads"],
         q_lora_rank=tc["q_lora_rank"],
         kv_lora_rank=tc["kv_lora_rank"],

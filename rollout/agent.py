@@ -13,6 +13,16 @@ Every piece the loop tokenises starts and ends at a special token, so ``decode(t
 Failures: an exception from the env is ``env_error``, one from the policy ``policy_error``; both carry
 ``reward=None`` (an infrastructure failure is not a task failure). Stopping on a limit of the loop is a
 task failure: reward 0.0 unless the env graded the episode itself.
+
+A generation cut off by a weight update (``finish_reason == "abort"``: our server with ``sync_mode = "abort"``,
+vLLM's and SGLang's aborted requests) is not the agent's answer: ``Episode.ask`` drops it and asks again, on the
+new weights, up to ``AgentConfig.abort_retries`` times; then the episode ends as ``policy_error``. The env never
+sees, let alone grades, the truncated text, and the turn records the version of the generation that was kept.
+
+Weight versions: a turn records the version the server reports for its generation. vLLM and SGLang report none;
+for them ``play`` takes ``served_version()``, the version the caller knew to be loaded when the request was sent
+(the training loop's, which it raises only after a push returned): a lower bound of the weights that served it,
+so staleness is never underestimated.
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ class AgentConfig:
     system_prompt: str | None = None
     return_routed_experts: bool = False
     policy_timeout: float = 600.0
+    abort_retries: int = 3             # a generation aborted by a weight update is asked again this many times
 
 
 DEFAULT_CONFIG = AgentConfig()
@@ -161,12 +172,20 @@ class Episode:
     async def ask(self, policy: PolicyClient, config: AgentConfig, n: int = 1) -> tuple[Completion, float]:
         """``n`` continuations of the conversation from the policy (raises PolicyError); and the seconds it took."""
         t0 = time.perf_counter()
-        completion = await policy.complete(self.traj.token_ids, max_tokens=self.room(config), n=n,
-                                           temperature=config.temperature, top_p=config.top_p,
-                                           seed=sampling_seed(self.traj),
-                                           stop_token_ids=[self.tokenizer.eos_id],
-                                           return_routed_experts=config.return_routed_experts,
-                                           timeout=config.policy_timeout)
+        for attempt in range(config.abort_retries + 1):
+            completion = await policy.complete(self.traj.token_ids, max_tokens=self.room(config), n=n,
+                                               temperature=config.temperature, top_p=config.top_p,
+                                               seed=sampling_seed(self.traj),
+                                               stop_token_ids=[self.tokenizer.eos_id],
+                                               return_routed_experts=config.return_routed_experts,
+                                               timeout=config.policy_timeout)
+            aborted = [s for s in completion.samples if s.finish_reason == "abort"]
+            if not aborted:
+                break
+            self.traj.metadata["aborted_generations"] = int(self.traj.metadata.get("aborted_generations", 0)) + 1
+            if attempt == config.abort_retries:
+                raise PolicyError(f"the generation was aborted {attempt + 1} times "
+                                  f"({aborted[0].abort_reason or 'no reason given'}); not graded")
         for sample in completion.samples:
             if sample.logprobs is None or len(sample.logprobs) != len(sample.token_ids):
                 raise PolicyProtocolError("the policy returned no logprob per generated token")
@@ -267,20 +286,24 @@ async def run_episode(env: Any, policy: PolicyClient, tokenizer: Tokenizer, conf
 
 
 async def play(episode: Episode, env: Any, policy: PolicyClient, config: AgentConfig,
-               should_pause: Callable[[], bool] | None = None) -> Trajectory | None:
+               should_pause: Callable[[], bool] | None = None,
+               served_version: Callable[[], int] | None = None) -> Trajectory | None:
     """Turns until the env ends the episode, a limit of the loop is reached, or something fails (the trajectory);
     or until ``should_pause()`` says so between two turns (None: a partial rollout, continued later with the same
-    ``episode``). Turns taken before a pause count toward ``max_turns``."""
+    ``episode``). Turns taken before a pause count toward ``max_turns``. ``served_version()``, read before each
+    request, is the turn's version when the server reports none (see the module docstring)."""
     while len(episode.traj.turns) < config.max_turns:
         if should_pause is not None and should_pause():
             return None
         if episode.room(config) <= 0:
             return episode.stop(episode.limit_reached(config))
+        known = served_version() if served_version is not None else None
         try:
             completion, policy_s = await episode.ask(policy, config)
         except PolicyError as e:
             return episode.fail("policy_error", e)
-        text, turn = episode.take(completion.samples[0], completion.weight_version, policy_s)
+        version = completion.weight_version if completion.weight_version is not None else known
+        text, turn = episode.take(completion.samples[0], version, policy_s)
         try:
             step = await episode.act(env, text, turn)
         except EnvFailed as e:

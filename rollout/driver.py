@@ -37,7 +37,8 @@ process without Ray (debugging, unit tests).
   snapshot a worker makes carries the labels ``agentenv.rollout.run`` and ``agentenv.rollout.worker`` (and
   sandboxes a TTL, ``sandbox_ttl``): the restarted worker first closes what its predecessor left, and at the
   end of a run the workers and then the driver sweep whatever is labelled with the run. ``sweep_run`` (also
-  ``agentenv rollout cleanup``) does it by hand after the driver itself was killed.
+  ``agentenv rollout cleanup``) does it by hand after the driver itself was killed. Snapshots in
+  ``keep_snapshots`` are spared by every sweep (a training checkpoint's paused episodes).
 - The policy server going away: the policy client's calls have timeouts; an episode whose call could not reach
   the server probes it, and when the driver's own probe fails too the run stops with ``PolicyUnavailable``
   (which names the URL), recording what finished; in-flight groups are cancelled and their sandboxes closed.
@@ -121,6 +122,7 @@ class Rollout:
         self.slots: list[_Slot] = []
         self.worker_infos: list[dict[str, Any]] = []
         self.swept: dict[str, list[str]] = {"sandboxes": [], "snapshots": []}
+        self.keep_snapshots: set[str] = set()   # never swept: a training checkpoint names them (trainer/partial.py)
         self.not_run = 0
         self._started_ray = False
         self._ready = False
@@ -168,7 +170,7 @@ class Rollout:
                 # a run that was killed here may have left sandboxes behind
                 with contextlib.suppress(Exception):
                     urls = [u for u in (self.config.env_urls or {}).values()]
-                    await asyncio.to_thread(sweep_run, self.out, urls, self.config.env_token)
+                    await asyncio.to_thread(sweep_run, self.out, urls, self.config.env_token, self.keep_snapshots)
             self._write_run_file()
         if self.n_workers == 0:
             w = self.worker_class(self.config, f"{self.run_id}-w0", self.run_id)
@@ -217,9 +219,10 @@ class Rollout:
         for s in self.slots:
             try:
                 if isinstance(s.handle, RolloutWorker):
-                    infos.append(await s.handle.shutdown())
+                    infos.append(await s.handle.shutdown(keep=sorted(self.keep_snapshots)))
                 else:
-                    infos.append(await asyncio.wait_for(await_ref(s.handle.shutdown.remote()), 90))
+                    infos.append(await asyncio.wait_for(await_ref(
+                        s.handle.shutdown.remote(keep=sorted(self.keep_snapshots))), 90))
             except Exception as e:  # noqa: BLE001 - a dead worker: its leftovers are swept below
                 infos.append({"key": s.key, "error": f"{type(e).__name__}: {e}"})
         if infos:
@@ -234,13 +237,14 @@ class Rollout:
         if self.config.backend_factory is None:
             urls = [u for u in (self.config.env_urls or {}).values()]
             with contextlib.suppress(Exception):
-                swept = await asyncio.to_thread(sweep_run, self.run_id, urls, self.config.env_token)
+                swept = await asyncio.to_thread(sweep_run, self.run_id, urls, self.config.env_token,
+                                                self.keep_snapshots)
                 for k, v in swept.items():
                     self.swept[k] += v
         else:
             for s in self.slots:
                 if isinstance(s.handle, RolloutWorker):
-                    for k, v in sweep(s.handle.api.inner, {RUN_LABEL: self.run_id}).items():
+                    for k, v in sweep(s.handle.api.inner, {RUN_LABEL: self.run_id}, self.keep_snapshots).items():
                         self.swept[k] += v
         self.slots = []
 

@@ -89,9 +89,13 @@ class LabelledBackend:
         return _LabelledBox(sb, self)
 
 
-def sweep(api: Any, labels: Mapping[str, str]) -> dict[str, list[str]]:
-    """Close every sandbox and delete every snapshot of ``api`` that carries all of ``labels``; returns their ids."""
+def sweep(api: Any, labels: Mapping[str, str], keep: Iterable[str] = (), snapshots: bool = True
+          ) -> dict[str, list[str]]:
+    """Close every sandbox and delete every snapshot of ``api`` that carries all of ``labels``, except the snapshots
+    named in ``keep`` (a training checkpoint's paused episodes live in them) and, with ``snapshots=False``, every
+    snapshot; returns their ids."""
     want = dict(labels)
+    kept = set(keep)
     out: dict[str, list[str]] = {"sandboxes": [], "snapshots": []}
 
     def ours(obj: Any) -> bool:
@@ -105,8 +109,8 @@ def sweep(api: Any, labels: Mapping[str, str]) -> dict[str, list[str]]:
             with contextlib.suppress(Exception):
                 sb.close()
                 out["sandboxes"].append(sb.id)
-    for snap in _listed(api.Snapshot):
-        if ours(snap):
+    for snap in _listed(api.Snapshot) if snapshots else []:
+        if ours(snap) and snap.id not in kept:
             with contextlib.suppress(Exception):
                 snap.delete()
                 out["snapshots"].append(snap.id)
@@ -143,10 +147,12 @@ def node_env_url(env_urls: Mapping[str, str] | None, node_id: str | None, node_i
     return os.environ.get("AGENTENV_URL") or None
 
 
-def sweep_run(run: str | os.PathLike[str], env_urls: Iterable[str] = (), env_token: str | None = None
-              ) -> dict[str, list[str]]:
+def sweep_run(run: str | os.PathLike[str], env_urls: Iterable[str] = (), env_token: str | None = None,
+              keep: Iterable[str] = ()) -> dict[str, list[str]]:
     """Close what a run left (after its driver was killed): ``run`` is its run id or its out folder (whose
-    ``run.json`` names the id); this host's sandboxes and those on the env servers ``env_urls``."""
+    ``run.json`` names the id); this host's sandboxes and those on the env servers ``env_urls``; the snapshots in
+    ``keep`` stay."""
+    keep = set(keep)
     run_id = str(run)
     path = Path(run)
     if (path / RUN_FILE).is_file():
@@ -155,7 +161,7 @@ def sweep_run(run: str | os.PathLike[str], env_urls: Iterable[str] = (), env_tok
     for url in [LOCAL, *[u for u in env_urls if u != LOCAL]]:
         api = connect(url, env_token)
         try:
-            for k, v in sweep(api, {RUN_LABEL: run_id}).items():
+            for k, v in sweep(api, {RUN_LABEL: run_id}, keep).items():
                 total[k] += v
         finally:
             if url != LOCAL:

@@ -29,8 +29,10 @@ def tool_call(name: str, arguments: dict[str, Any], index: int = 0) -> str:
                                     "function": {"name": name, "arguments": json.dumps(arguments)}}])
 
 
-def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", weight_version: int = 0) -> FastAPI:
-    """An app answering ``GET /v1/models`` and ``POST /v1/completions`` (token-id prompts) from ``script``."""
+def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", weight_version: int | None = 0
+               ) -> FastAPI:
+    """An app answering ``GET /v1/models`` and ``POST /v1/completions`` (token-id prompts) from ``script``;
+    ``weight_version=None`` leaves that field out of the answers, as vLLM and SGLang do."""
     app = FastAPI(title="agentenv scripted policy")
     app.state.calls = 0
 
@@ -57,8 +59,11 @@ def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", we
                 ids, finish = ids + [tokenizer.eos_id], "stop"
             choices.append({"index": i, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
                             "logprobs": {"token_logprobs": [LOGPROB] * len(ids)}})
-        return {"id": f"cmpl-{app.state.calls}", "object": "text_completion", "model": model, "choices": choices,
-                "weight_version": weight_version, "prompt_token_ids": prompt,
-                "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+        reply: dict[str, Any] = {"id": f"cmpl-{app.state.calls}", "object": "text_completion", "model": model, "choices": choices,
+                                 "weight_version": weight_version, "prompt_token_ids": prompt,
+                                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
+        if weight_version is None:
+            del reply["weight_version"]
+        return reply
 
     return app

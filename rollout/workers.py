@@ -118,8 +118,9 @@ class RolloutWorker:
             url = node_env_url(config.env_urls, self.node_id, self.node_ip)
             base = connect(url, config.env_token)
             self.env_url = url or LOCAL
-        # A worker Ray restarted first closes what its predecessor (same key) left behind.
-        self.swept = sweep(base, {RUN_LABEL: run_id, WORKER_LABEL: key})
+        # A worker Ray restarted first closes the sandboxes its predecessor (same key) left behind; not its
+        # snapshots: paused episodes the driver holds (partial rollouts) live in them. The run's end sweeps those.
+        self.swept = sweep(base, {RUN_LABEL: run_id, WORKER_LABEL: key}, snapshots=False)
         self.api = LabelledBackend(base, {RUN_LABEL: run_id, WORKER_LABEL: key}, config.sandbox_ttl)
         self.tokenizer = config.tokenizer_factory()
         self._policy: PolicyClient | None = None
@@ -165,9 +166,9 @@ class RolloutWorker:
             self._running -= 1
             self.groups_done += 1
 
-    async def shutdown(self, wait: float = 60.0) -> dict[str, Any]:
+    async def shutdown(self, wait: float = 60.0, keep: list[str] | None = None) -> dict[str, Any]:
         """Wait (up to ``wait`` seconds) for groups still closing (cancelled ones), close the policy client and
-        anything still labelled with this worker; returns ``info()``."""
+        anything still labelled with this worker but the snapshots in ``keep``; returns ``info()``."""
         deadline = time.monotonic() + wait
         while self._running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -175,7 +176,8 @@ class RolloutWorker:
             with contextlib.suppress(Exception):
                 await self._policy.aclose()
             self._policy = None
-        left = await asyncio.to_thread(sweep, self.api.inner, {RUN_LABEL: self.run_id, WORKER_LABEL: self.key})
+        left = await asyncio.to_thread(sweep, self.api.inner, {RUN_LABEL: self.run_id, WORKER_LABEL: self.key},
+                                       keep or ())
         info = self.info()
         info["left_at_shutdown"] = left
         return info

@@ -107,9 +107,13 @@ def staleness(traj: Any, current_version: int) -> int:
 
 
 def allowed_staleness(traj: Any, max_staleness: int) -> int:
-    """The bound for ``traj``: ``max_staleness``, plus one per time it was paused (a partial rollout spans the
-    versions of the iterations it ran in)."""
-    return max_staleness + int(traj.metadata.get("resumes", 0) or 0)
+    """The bound for ``traj``: ``max_staleness``, plus the weight versions pushed while it was paused
+    (``metadata["paused_versions"]``, trainer/partial.py): a partial rollout spans the versions it waited through,
+    and no more. A trajectory paused before that count existed: one per pause (``resumes``)."""
+    md = traj.metadata
+    if "paused_versions" in md:
+        return max_staleness + int(md["paused_versions"] or 0)
+    return max_staleness + int(md.get("resumes", 0) or 0)
 
 
 def filter_stale(trajectories: Sequence[Any], current_version: int, max_staleness: int

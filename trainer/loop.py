@@ -19,16 +19,18 @@ run under the current weights, then the step trains on them, strictly alternatin
 collects batches ahead of the trainer — the batch of step ``t + 1`` (up to ``t + k``) is played while step ``t``
 trains (the training step and the weight push run in a thread) — and puts them on a queue; each trajectory's
 staleness is the current weight version minus the version of its oldest turn, and a trajectory more than ``k``
-versions old (plus one per time it was paused, below) is dropped and counted (``staleness/dropped``), as AReaL and
-prime-rl do. Versions are the policy server's: each push bumps it, and every turn records the version that
-generated it.
+versions old (plus the versions that passed while it was paused, trainer/partial.py) is dropped and counted
+(``staleness/dropped``), as AReaL and prime-rl do. Versions are the policy server's: each push bumps it, and every
+turn records the version that generated it; for servers that report none (vLLM, SGLang) the loop's own count of
+pushes is stamped on each turn instead (trainer/rollouts.py).
 
 **Partial rollouts** (``rl.partial_rollouts``, trainer/rollouts.py). An iteration launches ``groups_per_iteration
 + extra_groups`` groups (groups paused earlier first) and its rollouts end as soon as ``groups_per_iteration`` are
 complete: the episodes still running are paused after their current turn to the snapshot store and resumed in the
 next iteration under the new weights, instead of holding the iteration back or being thrown away. A resumed
-episode's turns keep their own weight versions; its staleness bound grows by one per pause; one paused more than
-``max_resumes`` times is dropped (counted).
+episode's turns keep their own weight versions; its staleness bound grows by the versions pushed while it was
+paused; one paused more than ``max_resumes`` times is dropped (counted). Paused groups and the task cursor are part
+of a checkpoint (trainer/partial.py).
 
 Everything a run writes, under ``out_dir/name``: ``config.toml`` (the effective settings), ``demos/`` and ``sft/``
 (the warm start: demonstrations, checkpoints, metrics, ``weights.safetensors``), ``trajectories/`` (every episode
@@ -45,16 +47,16 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from dataclasses import replace
+from collections.abc import Iterator
 from typing import Any
 
 from rich.console import Console
 
 from trainer.batch import filter_stale, pass_rate
 from trainer.config import RunConfig, describe, to_dict
+from trainer.partial import PAUSED_FILE, PartialRollouts
 from trainer.report import iteration_line, plan, reward_plot, summary_table
-from trainer.rollouts import Collected, turn_times
+from trainer.rollouts import Collected
 from trainer.services import (
     PolicyServer,
     check_endpoint,
@@ -89,8 +91,9 @@ class Loop:
         self.version_base = 0                 # trainer steps taken before this server's version 0 (resume)
         self.iteration = 0                    # RL iterations done
         self.task_cursor = cfg.sft.demonstrations if cfg.sft.enabled else 0   # training tasks handed out (demos first)
-        self.paused: list[Any] = []           # paused groups (GroupResults with info["paused"])
         self.counts: Counter[str] = Counter()
+        self.partial = PartialRollouts(cfg.rl.max_resumes, cfg.ray.env_url, counts=self.counts)   # paused groups
+        self.trained_cursor: int | None = None   # the task cursor as the newest trained batch left it
         self.evals: dict[str, dict[str, Any]] = {}
         self.train_src = TaskSource(cfg.env.train_tasks, cfg.seed)
         self.heldout_src = TaskSource(cfg.env.heldout_tasks, cfg.seed)
@@ -183,11 +186,10 @@ class Loop:
         self.start_weights = weights
         meta = self.trainer.resume(self.dir / "checkpoints") if self.resume else None
         if meta is not None:
-            data = meta.get("data", {})
-            self.iteration = int(data.get("iteration", self.trainer.step_count))
-            self.task_cursor = int(data.get("task_cursor", 0))
-            self.counts.update(data.get("counts", {}))
-            self.evals = dict(data.get("evals", {}))
+            from trainer.checkpoint import latest
+            from trainer.partial import restore_data
+
+            restore_data(self, meta.get("data", {}), latest(self.dir / "checkpoints"))
             self.version_base = self.trainer.step_count
             path = self.dir / "weights" / f"resume-{self.trainer.step_count:08d}.safetensors"
             self.start_weights = str(self.trainer.save_weights(path))
@@ -259,7 +261,7 @@ class Loop:
         turns = self.cfg.swe.max_turns if phase == "swe" else self.cfg.env.max_turns
         kwargs = dict(self.cfg.swe.env_kwargs if phase == "swe" else self.cfg.env.kwargs)
         return Job(env_id, ref.task, {**step_limit(env_id, turns), **kwargs}, self.agent_config(phase), phase,
-                   self.iteration, self.cfg.ray.memory_fork)
+                   self.iteration, self.cfg.ray.memory_fork, weight_version=self.version)
 
     def _spec(self, ref: TaskRef, phase: str, group_size: int, env_id: str | None = None) -> Any:
         from rollout.groups import GroupSpec
@@ -270,36 +272,10 @@ class Loop:
 
     async def collect(self, specs: list[Any], need: int | None = None) -> Collected:
         """Play ``specs`` on the workers; with ``need``, stop once ``need`` groups are complete and pause the rest
-        (partial rollouts). Paused groups go to ``self.paused``."""
-        out = Collected(launched=len(specs))
-        out.resumed = sum(len(s.task.resume) for s in specs)
-        stop = False
+        (partial rollouts, trainer/partial.py). Paused groups go to ``self.partial``."""
+        from trainer.partial import collect
 
-        def feed() -> Iterator[Any]:
-            for s in specs:
-                if stop:
-                    return
-                yield s
-
-        t0 = time.perf_counter()
-        if need is not None:
-            await self.rollout.unpause()
-        async for result in self.rollout.stream(feed()):
-            paused = result.info.get("paused")
-            trajs = list(result.trajectories) or [*result.info.get("finished", []), *(p.traj for p in paused or [])]
-            env_s, policy_s = turn_times(trajs)
-            out.env_s += env_s
-            out.policy_s += policy_s
-            if paused:
-                self.paused.append(result)
-                out.paused += len(paused)
-            else:
-                out.groups.append(result)
-            if need is not None and not stop and len(out.groups) >= need:
-                stop = True
-                await self.rollout.pause()
-        out.wall_s = time.perf_counter() - t0
-        return out
+        return await collect(self, specs, need)
 
     def _train_specs(self, n_new: int) -> list[Any]:
         specs = []
@@ -309,39 +285,11 @@ class Loop:
             specs.append(self._spec(ref, "train", self.cfg.rl.group_size))
         return specs
 
-    def _resume_specs(self) -> list[Any]:
-        """Groups paused earlier, as jobs that resume them (too often paused ones are dropped, counted)."""
-        from rollout.groups import GroupSpec
-
-        specs = []
-        for result in self.paused:
-            spec, paused = result.spec, result.info["paused"]
-            if any(p.resumes + 1 > self.cfg.rl.max_resumes for p in paused):
-                self.counts["partial_dropped_groups"] += 1
-                self._drop_snapshots(paused)
-                continue
-            job = replace(spec.task, resume=list(paused), finished=list(result.info.get("finished", [])),
-                          iteration=self.iteration)
-            specs.append(GroupSpec(spec.group_id, job, spec.task_id, spec.group_size, spec.seed, spec.index))
-        self.paused = []
-        return specs
-
-    def _drop_snapshots(self, paused: Sequence[Any]) -> None:
-        if self.cfg.ray.env_url:
-            return   # on a remote env server: the run's sweep deletes them
-        import agentenv
-        from trainer.rollouts import drop_snapshot
-
-        for p in paused:
-            drop_snapshot(agentenv, p.env_state)
-
     async def rollout_batch(self) -> Collected:
         """One iteration's groups: paused ones resumed first, then new ones; partial rollouts cut the tail."""
-        rl = self.cfg.rl
-        resumed = self._resume_specs() if rl.partial_rollouts else []
-        launch = rl.groups_per_iteration + (rl.extra_groups if rl.partial_rollouts else 0)
-        specs = resumed + self._train_specs(max(0, launch - len(resumed)))
-        return await self.collect(specs, rl.groups_per_iteration if rl.partial_rollouts else None)
+        from trainer.partial import rollout_batch
+
+        return await rollout_batch(self)
 
     # -- 4. evaluation --
     async def evaluate(self, tag: str, split: str = "heldout") -> dict[str, Any]:
@@ -388,6 +336,7 @@ class Loop:
 
         cfg = self.cfg
         self.rollout = self._rollout()
+        self.rollout.keep_snapshots = set(self.partial.referenced)   # a resumed checkpoint's paused episodes
         self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume_step=self.iteration if self.resume else None,
                                   tensorboard=self.dir / "tensorboard" if cfg.tensorboard else None)
         try:
@@ -401,10 +350,7 @@ class Loop:
                 res = await self.evaluate("before")
                 self.metrics.write(self.iteration, {**self._eval_row(res), "eval": "before"})
             await self.iterations()
-            for result in self.paused:    # partial episodes the last iteration left: not trained on, counted
-                self.counts["partial_left_at_end"] += len(result.info["paused"])
-                self._drop_snapshots(result.info["paused"])
-            self.paused = []
+            self.partial.finish()    # partial episodes the last iteration left: kept for --resume or dropped, counted
             if cfg.eval.enabled and cfg.rl.iterations > 0:
                 res = await self.evaluate("after")
                 self.metrics.write(self.iteration, {**self._eval_row(res), "eval": "after"})
@@ -456,6 +402,7 @@ class Loop:
             t0 = time.perf_counter()
             res = await asyncio.to_thread(self.sync.push, self.trainer)
             self.version = res.version if res.version is not None else self.version + 1
+            await self.rollout.set_version(self.version)   # turns the server does not version are stamped with it
             m.update(res.metrics())
             self.add_time("sync", time.perf_counter() - t0)
         else:
@@ -473,11 +420,18 @@ class Loop:
             res = await self.evaluate(f"iter{self.iteration}", split="validation")
             m.update(self._eval_row(res))
         last = self.iteration >= cfg.rl.iterations or phase != "train"
+        if got.cursor is not None:
+            self.trained_cursor = got.cursor
+        checkpointed = False
         if cfg.rl.ckpt_every > 0 and (self.iteration % cfg.rl.ckpt_every == 0 or last) and batch.samples:
             t0 = time.perf_counter()
+            files = {PAUSED_FILE: got.pending} if got.pending is not None else None
             await asyncio.to_thread(self.trainer.checkpoint, self.dir / "checkpoints", self._data_state(),
-                                    cfg.rl.keep_checkpoints)
+                                    cfg.rl.keep_checkpoints, files=files)
+            checkpointed = True
             self.add_time("checkpoint", time.perf_counter() - t0)
+        self.rollout.keep_snapshots = set(self.partial.trained(got.consumed, checkpointed, got.pending,
+                                                               cfg.rl.ckpt_every > 0))
         step = self.iteration if phase == "train" else self.iteration + 1
         row = self.metrics.write(step, {f"{phase}/{k}" if phase != "train" else k: v for k, v in m.items()})
         self._report(m, phase)
@@ -486,8 +440,9 @@ class Loop:
         return row
 
     def _data_state(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "task_cursor": self.task_cursor, "counts": dict(self.counts),
-                "evals": self.evals, "version": self.logical_version}
+        from trainer.partial import data_state
+
+        return data_state(self)
 
     def _report(self, m: dict[str, Any], phase: str) -> None:
         label = f"iter {self.iteration}/{self.cfg.rl.iterations}" if phase == "train" else phase.upper()

@@ -20,6 +20,14 @@ its new turns record the new version, its old turns keep theirs, so the trainer 
 importance weight corrects — exactly which weights sampled each token. The group is complete, and written, when
 all ``G`` episodes are. ``resumes`` in a trajectory's metadata counts its pauses.
 
+Snapshots a resumed episode was restored from are deleted by the worker once it is done or paused again, unless
+the job says ``keep_resumed``: the training loop's jobs do, because its newest checkpoint may still name them
+(trainer/partial.py deletes them once no checkpoint does).
+
+**Weight versions** for servers that report none (vLLM, SGLang): a ``Job`` carries the loop's version when it was
+made and each worker holds the newest the loop announced (``LoopRollout.set_version``, after a push returned); a
+turn whose answer has no ``weight_version`` records the larger of the two as it was when its request went out.
+
 Faults inside a job are recorded, not retried: an env or policy failure ends that episode as ``env_error`` /
 ``policy_error`` (reward None, left out of the group's statistics); a reset or fork that fails makes every
 episode of the group ``env_error``. A worker that dies is handled by ``Rollout`` (the group is sent again).
@@ -69,6 +77,8 @@ class Job:
     memory_fork: bool = False
     resume: list[Paused] = field(default_factory=list)
     finished: list[Trajectory] = field(default_factory=list)   # the group's episodes already done
+    weight_version: int = 0              # the loop's weight version when it made the job (module docstring)
+    keep_resumed: bool = False           # leave the snapshots resumed from to the loop (module docstring)
 
     @property
     def resuming(self) -> bool:
@@ -89,6 +99,9 @@ class Collected:
     paused: int = 0                                         # episodes paused at the end of this collection
     resumed: int = 0                                        # episodes resumed in it
     launched: int = 0
+    cursor: int | None = None                               # the task cursor after its new groups (training)
+    pending: bytes | None = None                            # the groups paused at its end (PartialRollouts.dump)
+    consumed: list[dict[str, Any]] = field(default_factory=list)   # env states its resumed groups started from
 
     @property
     def trajectories(self) -> list[Any]:
@@ -156,10 +169,14 @@ def drop_snapshot(api: Any, state: dict[str, Any]) -> None:
 
 async def play_group(make_env: Callable[[], Any], spec: GroupSpec, job: Job, policy: Any, tokenizer: Tokenizer,
                      should_pause: PauseCheck | None = None, api: Any = None,
-                     metadata: dict[str, Any] | None = None) -> GroupResult:
+                     metadata: dict[str, Any] | None = None,
+                     served_version: Callable[[], int] | None = None) -> GroupResult:
     """Play (or resume) the group ``spec`` / ``job``; a result with ``info["paused"]`` is not complete yet (see the
-    module docstring). ``make_env()`` makes one env of the job's kind."""
+    module docstring). ``make_env()`` makes one env of the job's kind; ``served_version()``: the version of turns
+    whose answer reports none (default: the job's)."""
     g = spec.group_size
+    version = served_version or (lambda: job.weight_version)
+    drop = (lambda api, state: None) if job.keep_resumed else drop_snapshot
     result = GroupResult(spec, [])
     done: dict[int, Trajectory] = {t.group_index: t for t in job.finished}
     running: list[tuple[int, Episode, Any, dict[str, Any]]] = []     # index, episode, env, its paused state
@@ -175,7 +192,7 @@ async def play_group(make_env: Callable[[], Any], spec: GroupSpec, job: Job, pol
                 p.traj.error = f"resume: {type(e).__name__}: {e}"[:2000]
                 p.traj.metadata.update(resumes=p.resumes + 1)
                 done[p.index] = p.traj
-                await asyncio.to_thread(drop_snapshot, api, p.env_state)
+                await asyncio.to_thread(drop, api, p.env_state)
                 continue
             episode = Episode(tokenizer, p.tools, p.traj)
             episode.messages = p.messages
@@ -216,7 +233,7 @@ async def play_group(make_env: Callable[[], Any], spec: GroupSpec, job: Job, pol
                 done[i] = traj
                 continue
             running.append((i, episode, kid, {}))
-    outcomes = await asyncio.gather(*(play(ep, env, policy, job.agent, should_pause)
+    outcomes = await asyncio.gather(*(play(ep, env, policy, job.agent, should_pause, version)
                                       for _, ep, env, _ in running), return_exceptions=True)
     paused: list[Paused] = []
     previous = {p.index: p for p in job.resume}
@@ -239,7 +256,7 @@ async def play_group(make_env: Callable[[], Any], spec: GroupSpec, job: Job, pol
             done[i] = out
             await asyncio.to_thread(close_all, [env])
         if state:
-            await asyncio.to_thread(drop_snapshot, api, state)
+            await asyncio.to_thread(drop, api, state)
     for t in done.values():
         t.metadata.update({k: v for k, v in meta.items() if k not in t.metadata})
         t.check()
@@ -259,6 +276,11 @@ class LoopWorker(RolloutWorker):
     def __init__(self, config: Any, key: str, run_id: str) -> None:
         super().__init__(config, key, run_id)
         self._pause = False
+        self._version = 0
+
+    def set_version(self, version: int) -> None:
+        """The loop's newest weight version (a push that returned); see the module docstring."""
+        self._version = max(self._version, int(version))
 
     def pause(self) -> int:
         """Ask every training episode of this worker to stop after its current turn (evaluation and SWE episodes
@@ -287,7 +309,8 @@ class LoopWorker(RolloutWorker):
         try:
             meta = {"worker": self.key, "node_id": self.node_id, "env_url": self.env_url}
             result = await play_group(self._make(job.env_id, job.env_kwargs), spec, job, policy, self.tokenizer,
-                                      lambda: self._pause and job.phase == "train", self.api, meta)
+                                      lambda: self._pause and job.phase == "train", self.api, meta,
+                                      lambda: max(job.weight_version, self._version))
             result.info.update(worker=self.key)
             return result
         finally:
@@ -300,15 +323,15 @@ class LoopRollout(Rollout):
 
     worker_class = LoopWorker
 
-    async def _each(self, method: str) -> None:
+    async def _each(self, method: str, *args: Any) -> None:
         for s in self.slots:
             if s.dead:
                 continue
             if isinstance(s.handle, LoopWorker):
-                getattr(s.handle, method)()
+                getattr(s.handle, method)(*args)
             else:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(await_ref(getattr(s.handle, method).remote()), 60)
+                    await asyncio.wait_for(await_ref(getattr(s.handle, method).remote(*args)), 60)
 
     async def pause(self) -> None:
         """Every worker's running episodes stop after their current turn and come back paused."""
@@ -316,3 +339,7 @@ class LoopRollout(Rollout):
 
     async def unpause(self) -> None:
         await self._each("unpause")
+
+    async def set_version(self, version: int) -> None:
+        """Tell every worker the loop's weight version now (after a push returned)."""
+        await self._each("set_version", version)

@@ -478,12 +478,15 @@ class Trainer:
         return Path(path)
 
     def checkpoint(self, root: str | os.PathLike[str], data_state: dict[str, Any] | None = None, keep: int = 2,
-                   extra: dict[str, Any] | None = None) -> Path:
+                   extra: dict[str, Any] | None = None, files: dict[str, bytes] | None = None) -> Path:
         """Checkpoint the run after ``step_count`` steps: every rank's model shard, optimizer, RNG; the step and the
-        caller's ``data_state`` (its data position) in ``meta.json``. Atomic (trainer/checkpoint.py)."""
+        caller's ``data_state`` (its data position) in ``meta.json``; ``files`` (name -> bytes) beside them.
+        Atomic (trainer/checkpoint.py)."""
         step = self.step_count
         tmp = ckpt.begin(root, step)
         self._call("save_checkpoint", tmp=str(tmp))
+        for name, data in (files or {}).items():
+            ckpt.write_bytes_atomic(tmp / name, data)
         meta = {"data": data_state or {}, "world": self.world, "ep_size": self.ep_size,
                 "model_config": self.model_cfg.to_dict(), "train_config": self.cfg.to_dict(), "time": time.time(),
                 **(extra or {})}

@@ -120,10 +120,8 @@ def test_a_cancelled_group_closes_its_sandboxes():
         async with policy_factory(slow)() as policy:
             task = asyncio.create_task(run_group(lambda: ForkyEnv(api=backend), GroupSpec("g", group_size=3), policy,
                                                  TOK, AgentConfig()))
-            for _ in range(200):
+            while len(backend.sandboxes) < 4 and not task.done():   # wait on state: the fork happened
                 await asyncio.sleep(0.01)
-                if len(backend.sandboxes) >= 4:
-                    break
             assert len(backend.sandboxes) == 4  # the parent and three children
             task.cancel()
             with pytest.raises(asyncio.CancelledError):

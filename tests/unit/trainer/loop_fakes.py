@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from rollout_fakes import FORKY, TOK, FakeBackend  # noqa: E402
 from policy.client import PolicyClient  # noqa: E402
 from rollout import scripted  # noqa: E402
 from rollout.workers import RolloutConfig  # noqa: E402
+from trainer import checkpoint as ckpt  # noqa: E402
 from trainer.config import load  # noqa: E402
 from trainer.loop import Loop  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
@@ -32,13 +34,19 @@ class Versions:
         self.now = 0
 
 
-class VersionedTransport(httpx.AsyncBaseTransport):
-    """The scripted app, its answers stamped with the current weight version."""
+Gate = Callable[[str], Awaitable[None]]
 
-    def __init__(self, app: Any, versions: Versions) -> None:
-        self.inner, self.versions = httpx.ASGITransport(app=app), versions
+
+class VersionedTransport(httpx.AsyncBaseTransport):
+    """The scripted app, its answers stamped with the current weight version. ``gate(prompt)``, when given, is
+    awaited before a completion is answered (a test holds chosen episodes back until something happened)."""
+
+    def __init__(self, app: Any, versions: Versions, gate: Gate | None = None) -> None:
+        self.inner, self.versions, self.gate = httpx.ASGITransport(app=app), versions, gate
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.gate is not None and request.url.path.endswith("/completions"):
+            await self.gate(TOK.decode(json.loads(request.content)["prompt"]))
         version = self.versions.now               # the version when the generation started
         r = await self.inner.handle_async_request(request)
         if not request.url.path.endswith("/completions"):
@@ -48,8 +56,8 @@ class VersionedTransport(httpx.AsyncBaseTransport):
         return httpx.Response(r.status_code, json=body)
 
 
-def policy_factory(script: scripted.Script, versions: Versions):
-    tr = VersionedTransport(scripted.create_app(script, TOK), versions)
+def policy_factory(script: scripted.Script, versions: Versions, gate: Gate | None = None):
+    tr = VersionedTransport(scripted.create_app(script, TOK), versions, gate)
 
     def make() -> PolicyClient:
         return PolicyClient("http://scripted", transport=tr, max_retries=0, backoff=0.01)
@@ -69,8 +77,13 @@ class FakeTrainer:
         self.step_count += 1
         return {"loss": 0.0, "time/train": self.delay}
 
-    def checkpoint(self, *a: Any, **kw: Any) -> None:
-        return None
+    def checkpoint(self, root: Any, data_state: dict[str, Any] | None = None, keep: int = 2,
+                   files: dict[str, bytes] | None = None) -> Any:
+        """A real checkpoint folder (trainer/checkpoint.py) with the loop's data state and files, no model."""
+        tmp = ckpt.begin(root, self.step_count)
+        for name, data in (files or {}).items():
+            ckpt.write_bytes_atomic(tmp / name, data)
+        return ckpt.commit(root, self.step_count, tmp, {"data": data_state or {}}, keep)
 
     def close(self) -> None:
         return None
@@ -95,7 +108,8 @@ class FakeSync:
 
 
 def loop_with_fakes(tmp_path: Path, script: scripted.Script, overrides: list[str], delay: float = 0.0,
-                    backend: FakeBackend | None = None) -> tuple[Loop, Versions, FakeBackend]:
+                    backend: FakeBackend | None = None, gate: Gate | None = None, resume: bool = False
+                    ) -> tuple[Loop, Versions, FakeBackend]:
     """A Loop on ``test/Forky-v0`` (fake sandboxes), a scripted policy, a counting trainer and sync; no eval, no
     SWE, no warm start. Call ``await loop.rollout.start()`` before collecting."""
     cfg = load(overrides=[f'out_dir="{tmp_path}"', 'name="t"', f'env.id="{FORKY}"', 'env.train_tasks="ids:a,b,c,d"',
@@ -103,9 +117,10 @@ def loop_with_fakes(tmp_path: Path, script: scripted.Script, overrides: list[str
                           "eval.enabled=false", 'progress="off"', "ray.workers=0", *overrides])
     versions = Versions()
     backend = backend or FakeBackend()
-    loop = Loop(cfg)
+    loop = Loop(cfg, resume=resume)
+    loop.partial.api = backend
     rc = RolloutConfig(cfg.env.id, "http://scripted", backend_factory=lambda: backend,
-                       policy_factory=policy_factory(script, versions), tokenizer_factory=lambda: TOK)
+                       policy_factory=policy_factory(script, versions, gate), tokenizer_factory=lambda: TOK)
     loop.rollout = LoopRollout(rc, workers=0, out=tmp_path / "trajectories", run_id="unit")
     loop.trainer, loop.sync = FakeTrainer(delay), FakeSync(versions)
     loop.metrics = MetricsLog(tmp_path / "metrics.jsonl")

@@ -6,6 +6,7 @@ import json
 import httpx
 import pytest
 
+from policy.config import k3_mini
 from trainer.metrics import MetricsLog, Progress, TensorBoard, plot, read_jsonl
 from trainer.sync import Endpoint, SyncError, WeightSync
 
@@ -51,6 +52,7 @@ def test_progress_and_tensorboard_are_optional(tmp_path):
 
 class FakeTrainer:
     step_count = 7
+    model_cfg = k3_mini()
 
     def save_weights(self, path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -85,11 +87,12 @@ def test_sync_calls_every_kind_of_server(tmp_path):
     sync = WeightSync([Endpoint("http://ours:8000", api_key="k"), Endpoint("http://sg:30000", "sglang"),
                        Endpoint("http://vl:8000/", "vllm"), local], str(tmp_path), client=client, mode="abort")
     r = sync.push(FakeTrainer())
-    path = str(tmp_path / "step-00000007.safetensors")
+    folder = str(tmp_path / "step-00000007")          # external engines: a Hugging Face folder
+    path = str(tmp_path / "step-00000007" / "model.safetensors")   # ours: the folder's one file
     assert sorted(seen) == sorted([
         ("ours", "/update_weights", {"path": path, "mode": "abort"}, "Bearer k"),
-        ("sg", "/update_weights_from_disk", {"model_path": path, "weight_version": "7"}, None),
-        ("vl", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}, None)])
+        ("sg", "/update_weights_from_disk", {"model_path": folder, "weight_version": "7"}, None),
+        ("vl", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}}, None)])
     assert local.loaded == [(path, "abort")]
     assert r.versions == {"http://ours:8000": 3, "http://sg:30000": 7, "http://vl:8000/": None,
                           f"local:{id(local):x}": 1}

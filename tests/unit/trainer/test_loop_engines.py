@@ -1,0 +1,153 @@
+"""External engines (vLLM, SGLang): their answers carry no weight version, so the loop stamps its own on each turn
+(else every turn is version 0 and, from the second step, the staleness filter drops everything); and a push hands
+them a Hugging Face model folder, not our single file.
+
+The engine is a stand-in on a real loopback HTTP server (uvicorn) speaking vLLM's wire: completions with token ids
+and logprobs and no ``weight_version``, ``/collective_rpc`` ``reload_weights`` with a folder."""
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import httpx
+import torch
+from fastapi import Request
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+from loop_fakes import FORKY, TOK, FakeBackend, FakeTrainer  # noqa: E402
+from rollout_fakes import serve_app  # noqa: E402
+
+from policy.config import from_k3_json, k3_mini  # noqa: E402
+from rollout import scripted  # noqa: E402
+from rollout.trajectory import read  # noqa: E402
+from rollout.workers import RolloutConfig  # noqa: E402
+from trainer.config import load  # noqa: E402
+from trainer.loop import Loop  # noqa: E402
+from trainer.metrics import MetricsLog  # noqa: E402
+from trainer.rollouts import LoopRollout  # noqa: E402
+from trainer.sync import Endpoint, WeightSync  # noqa: E402
+
+HF_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+
+
+class WeightTrainer(FakeTrainer):
+    """Counts steps and writes a real (tiny) safetensors file; has the model config a folder's config.json needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model_cfg = k3_mini(vocab_size=TOK._tok.vocab_size, eos_token_id=TOK.eos_id)
+
+    def save_weights(self, path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        save_file({"w": torch.full((2,), float(self.step_count))}, str(path))
+        return Path(path)
+
+
+def vllm_like(script):
+    """The scripted completions without ``weight_version`` (as vLLM answers), and vLLM's dev-mode reload route."""
+    app = scripted.create_app(script, TOK, model="k3", weight_version=None)
+    app.state.loads = []
+
+    @app.post("/collective_rpc")
+    async def rpc(request: Request):
+        body = await request.json()
+        assert body["method"] == "reload_weights"
+        folder = Path(body["kwargs"]["weights_path"])
+        app.state.loads.append(sorted(p.name for p in folder.iterdir()) if folder.is_dir() else [folder.name])
+        return {"results": [None]}
+
+    return app
+
+
+def two_turns(prompt: str, turn: int) -> str:
+    return scripted.tool_call("bash", {"command": "submit" if turn >= 1 else "echo x"})
+
+
+def test_vllm_turns_carry_the_loops_version_and_training_goes_on(tmp_path):
+    app = vllm_like(two_turns)
+    with serve_app(app) as url:
+        cfg = load(overrides=[f'out_dir="{tmp_path}"', 'name="t"', f'env.id="{FORKY}"', 'env.train_tasks="ids:a,b"',
+                              'env.heldout_tasks="ids:h"', "sft.enabled=false", "swe.enabled=false",
+                              "eval.enabled=false", 'progress="off"', "ray.workers=0", f'policy.url="{url}"',
+                              'policy.kind="vllm"', "rl.iterations=3", "rl.groups_per_iteration=2",
+                              "rl.group_size=2"])
+        loop = Loop(cfg)
+        loop.trainer, loop.start_weights = WeightTrainer(), None
+        loop._start_policy()                             # the real pre-flight of the endpoint, and its WeightSync
+        backend = FakeBackend()
+        rc = RolloutConfig(cfg.env.id, url, backend_factory=lambda: backend, tokenizer_factory=lambda: TOK)
+        loop.rollout = LoopRollout(rc, workers=0, out=tmp_path / "trajectories", run_id="unit")
+        loop.metrics = MetricsLog(tmp_path / "metrics.jsonl")
+
+        async def go():
+            await loop.rollout.start()
+            try:
+                await loop.iterations()
+            finally:
+                await loop.rollout.aclose()
+
+        try:
+            asyncio.run(go())
+        finally:
+            loop.sync.close()
+    rows = loop.metrics.rows()
+    assert [r["staleness/dropped"] for r in rows] == [0, 0, 0]
+    assert len(loop.trainer.batches) == 3 and loop.counts["empty_batches"] == 0
+    by_iteration = {}
+    for t in read(tmp_path / "trajectories"):
+        by_iteration.setdefault(t.metadata["iteration"], []).append(t.weight_versions)
+    assert by_iteration == {i: [[i, i]] * 4 for i in range(3)}   # each turn: the version loaded when it was asked
+    assert app.state.loads == [HF_FILES] * 3                     # vLLM got a Hugging Face folder each push
+
+
+class Local:
+    """An in-process endpoint (``update_weights(path)``), as ours loads: one file."""
+
+    def __init__(self) -> None:
+        self.loaded = []
+
+    def update_weights(self, path, mode="drain", timeout=600.0):
+        self.loaded.append(path)
+        return len(self.loaded)
+
+
+def test_a_push_to_an_external_engine_writes_a_hugging_face_folder(tmp_path):
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={"success": True})
+
+    trainer, ours = WeightTrainer(), Local()
+    sync = WeightSync([Endpoint("http://sg:30000", "sglang"), ours], str(tmp_path / "weights"), keep=1,
+                      client=httpx.Client(transport=httpx.MockTransport(handler)))
+    trainer.step_count = 1
+    res = sync.push(trainer)
+    folder = tmp_path / "weights" / "step-00000001"
+    assert res.path == str(folder) and sorted(p.name for p in folder.iterdir()) == HF_FILES
+    assert seen == [("/update_weights_from_disk", {"model_path": str(folder), "weight_version": "1"})]
+    assert ours.loaded == [str(folder / "model.safetensors")]    # ours: the folder's one file
+    assert from_k3_json(folder / "config.json") == trainer.model_cfg
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["KimiLinearForCausalLM"]
+    assert load_file(str(folder / "model.safetensors"))["w"].tolist() == [1.0, 1.0]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    assert tok.get_vocab_size() == TOK._tok.vocab_size
+    special = json.loads((folder / "tokenizer_config.json").read_text())
+    assert tok.token_to_id(special["eos_token"]) == TOK.eos_id
+    trainer.step_count = 2
+    sync.push(trainer)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step-00000002"]   # no temp folder, kept 1
+    assert load_file(str(tmp_path / "weights" / "step-00000002" / "model.safetensors"))["w"].tolist() == [2.0, 2.0]
+
+
+def test_ours_alone_still_gets_one_file(tmp_path):
+    trainer, ours = WeightTrainer(), Local()
+    sync = WeightSync([ours], str(tmp_path / "weights"))
+    trainer.step_count = 3
+    res = sync.push(trainer)
+    assert res.path == str(tmp_path / "weights" / "step-00000003.safetensors") and Path(res.path).is_file()
+    assert ours.loaded == [res.path]
