@@ -4,6 +4,7 @@ next step run while a step trains, never more than k steps ahead."""
 
 import asyncio
 import sys
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,7 +72,24 @@ def test_synchronous_by_default_every_batch_is_on_policy(tmp_path):
 
 def test_one_step_off_plays_the_next_batch_while_a_step_trains(tmp_path):
     loop, versions, _ = loop_with_fakes(tmp_path, bash_submit, ["rl.iterations=4", "rl.groups_per_iteration=2",
-                                                                 "rl.group_size=2", "rl.max_staleness=1"], delay=0.5)
+                                                                 "rl.group_size=2", "rl.max_staleness=1"])
+    # step t ends only once batch t + 1 is played (waiting on that state, not on a delay): if the producer did not
+    # run ahead, the step would wait in vain and the test fail
+    produced = [threading.Event() for _ in range(6)]
+    played, step = loop.rollout_batch, loop.trainer.step
+
+    async def rollout_batch():
+        got = await played()
+        produced[next(i for i, e in enumerate(produced) if not e.is_set())].set()
+        return got
+
+    def gated_step(batch):
+        t = loop.trainer.step_count
+        if t + 1 < 4:
+            assert produced[t + 1].wait(120), f"batch {t + 1} was not played while step {t} trained"
+        return step(batch)
+
+    loop.rollout_batch, loop.trainer.step = rollout_batch, gated_step
     rows = _run(loop)
     assert versions.now == 4 and [r["iteration"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     # batch t+1 was played while step t trained: its episodes are one version old when trained on, and kept
