@@ -7,7 +7,7 @@ and the grader's details; why the episode ended; per-turn timings; counts of too
 calls; and, for MoE policies, the experts every position was routed to (routing replay): ``routing[p]`` is
 ``[moe layer][k]`` global expert ids at position p of ``token_ids`` (prompt, tool output or generated), as the
 serving engine computed it when that position was first fed; None where it was not recorded. The last token is
-never fed (nothing follows it), so ``len(routing) <= len(token_ids)``.
+never fed (nothing follows it), nor is a tool output after the last turn, so ``len(routing) <= len(token_ids)``.
 
 An infrastructure failure is never a task failure: an episode that ends in ``env_error`` or
 ``policy_error`` has ``reward = None`` (not 0), so a trainer leaves it out of group statistics.
@@ -140,8 +140,9 @@ class Trajectory:
         self.routing = have + list(positions[len(have):])
 
     def routing_coverage(self) -> float:
-        """Fraction of the fed positions (all but the last token) with a recorded routing."""
-        n = max(len(self.token_ids) - 1, 0)
+        """Fraction of the positions that shape a generated token (those before the last one; later positions,
+        such as a last tool output the policy never read, shape nothing) with a recorded routing."""
+        n = max((i for i, m in enumerate(self.loss_mask) if m), default=0)
         return sum(1 for r in (self.routing or [])[:n] if r is not None) / n if n else 1.0
 
     # --- the wire -----------------------------------------------------------------------------

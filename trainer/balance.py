@@ -33,8 +33,11 @@ def expert_load(model: K3Model, valid: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.bincount(m.last_routing[keep].reshape(-1), minlength=n).cpu() for m in moes])
 
 
-def reduce_load(load: torch.Tensor, distributed: bool) -> torch.Tensor:
-    """Sum ``load`` over every rank (each rank counted its own tokens' routing)."""
+def reduce_load(load: torch.Tensor | None, shape: tuple[int, int], distributed: bool) -> torch.Tensor:
+    """Sum ``load`` (None: this rank had no data, zeros of ``shape``) over every rank (each counted its own
+    tokens' routing)."""
+    if load is None:
+        load = torch.zeros(shape, dtype=torch.long)
     if distributed:
         t = load.to(torch.float64)
         dist.all_reduce(t)

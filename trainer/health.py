@@ -5,8 +5,10 @@ From the trainer step (``Trainer.step``, reduced over micro-batches and ranks by
     ratio_min / ratio_max                 PPO ratio pi_theta / pi_old over the loss tokens (1 with one mini-batch)
     tis_weight_min / tis_weight_max       truncated IS weight pi_old / pi_rollout (before the cap when TIS is off)
     skipped_updates                       optimizer updates skipped for a non-finite gradient norm
-    routing_replay/coverage               fraction of the positions fed to the training forward that replayed a
-                                          routing the engine recorded (with ``routing_replay``; otherwise absent)
+    routing_replay/coverage               fraction of the positions that shape a loss token (each episode's up
+                                          to its last generated token) that replayed a routing the engine
+                                          recorded (with ``routing_replay``; otherwise absent). Below 1 only for
+                                          episodes recorded without routing: the trainer logs a warning
     routing_replay/coverage_loss          the same over the positions that produce loss tokens
     router/load_imbalance                 max expert load / mean expert load of the step's training forward
 
@@ -79,6 +81,19 @@ def token_means(tot: Mapping[str, float]) -> dict[str, float]:
         out["routing_replay/coverage_loss"] = (tot.get("replay_loss_covered", 0.0)
                                                / max(tot.get("replay_loss_positions", 0.0), 1.0))
     return out
+
+
+def replay_coverage(mb: Any) -> dict[str, float]:
+    """The positions of ``mb`` that shape a loss token (each sample's, up to its last loss position: the causal
+    model's later positions, e.g. a final tool output the policy never saw, affect nothing), and how many of them
+    replayed a recorded routing (every MoE layer); the same over the positions that produce loss tokens.
+    ``mb``: a ``trainer.batch.MicroBatch`` with its replay tensor."""
+    assert mb.routing is not None
+    loss = mb.mask.bool()
+    shaping = (mb.mask.flip(-1).cumsum(-1).flip(-1) > 0) & mb.positions.bool()
+    covered = (mb.routing >= 0).flatten(2).all(-1) & shaping
+    return {"replay_positions": float(shaping.sum()), "replay_covered": float(covered.sum()),
+            "replay_loss_positions": float(loss.sum()), "replay_loss_covered": float((covered & loss).sum())}
 
 
 def batch_health(trajectories: Sequence[Any], advantages: Iterable[float], groups_all_equal: int) -> dict[str, float]:

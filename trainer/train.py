@@ -50,7 +50,7 @@ from policy.model import K3Model
 from trainer import checkpoint as ckpt
 from trainer.balance import expert_load, reduce_load, update_router_bias
 from trainer.batch import Batch, MicroBatch, Sample, chunks, collate, pack, split_ranks
-from trainer.health import merge, token_means
+from trainer.health import merge, replay_coverage, token_means
 from trainer.losses import LossConfig, policy_loss, token_logprobs
 from trainer.parallel import Layout, all_reduce_grads, free_port, grad_norm, init_layout
 from trainer.sft import sft_loss
@@ -217,8 +217,7 @@ class _Rank:
                 g["lr"] = lr
             self.opt.step()
         if kind == "rl" and self.routing_shape is not None:   # every rank joins the reduction, with or without data
-            total = reduce_load(load if load is not None else torch.zeros(
-                self.routing_shape[0], self.model_cfg.num_experts, dtype=torch.long), self.layout.distributed)
+            total = reduce_load(load, (self.routing_shape[0], self.model_cfg.num_experts), self.layout.distributed)
             sums.update(update_router_bias(self.model, total, self.cfg.router_bias_rate if norms else 0.0))
         self.n_steps += 1
         sums["grad_norm_sum"] = sum(norms)
@@ -304,16 +303,6 @@ class _Rank:
         if op == "load_checkpoint":
             return self.load_checkpoint(msg["folder"])
         raise ValueError(f"unknown op {op!r}")
-
-
-def replay_coverage(mb: MicroBatch) -> dict[str, float]:
-    """Positions of ``mb`` fed to the forward, and how many of them replayed a recorded routing (every MoE layer);
-    the same over the positions that produce loss tokens."""
-    assert mb.routing is not None
-    covered = (mb.routing >= 0).flatten(2).all(-1) & mb.positions.bool()
-    loss = mb.mask.bool()
-    return {"replay_positions": float(mb.positions.sum()), "replay_covered": float(covered.sum()),
-            "replay_loss_positions": float(loss.sum()), "replay_loss_covered": float((covered & loss).sum())}
 
 
 def write_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> Path:
