@@ -107,7 +107,8 @@ def _generate(engine: Engine, tok: Any, n: int, tokens: int, seed: int) -> list[
     seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed,
                                                    return_routed_experts=True))
     return [Sample(s.prompt_ids + s.output_ids, [0] * len(s.prompt_ids) + [1] * len(s.output_ids),
-                   [0.0] * len(s.prompt_ids) + s.logprobs, routed_experts=s.routed_experts) for s in seqs]
+                   [0.0] * len(s.prompt_ids) + s.logprobs,
+                   routing=[*(s.prompt_routed_experts or []), *s.routed_experts]) for s in seqs]
 
 
 def routing_gap(samples: list[Sample], scored: list[Any]) -> dict[str, float]:
@@ -116,8 +117,8 @@ def routing_gap(samples: list[Sample], scored: list[Any]) -> dict[str, float]:
     abs_diff, k3 = [], []
     for s, sc in zip(samples, scored, strict=True):
         gen = [t for t, m in enumerate(s.loss_mask) if m]
-        got = sc.routing[[t - 1 for t in gen]].sort(-1).values
-        rec = torch.tensor(s.routed_experts).sort(-1).values
+        got = sc.routing[[t - 1 for t in gen]].sort(-1).values   # the positions that produced generated tokens
+        rec = torch.tensor([(s.routing or [])[t - 1] for t in gen]).sort(-1).values
         differs = (got != rec).any(-1)                      # (tokens, layers)
         pairs += differs.numel()
         diff_pairs += int(differs.sum())

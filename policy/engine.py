@@ -8,6 +8,11 @@ sequence is kept (on the rank that computed it, in a bounded LRU); a new sequenc
 prefix starts from a copy of that state and prefills only the rest, and a prompt kept with its last logits
 (the ``n`` samples of one request, a GRPO group) is forked without any forward. Requests asking for
 ``prompt_logprobs`` prefill their whole prompt (the logprobs of a reused prefix were never computed here).
+Routing is kept with the states it belongs to: an entry made by a sequence that recorded its experts
+(``return_routed_experts``) keeps the routing of every one of its positions (on rank 0, ``Engine._routes``), and a
+sequence that asks for routing starts only from such an entry, so its ``prompt_routed_experts`` cover every prompt
+position, reused or prefilled (routing depends only on the prefix and the weights, and entries are dropped when the
+weights change).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class Sequence:
     ``prompt_logprobs[i]``: ``(logprob, rank, top alternatives)`` of prompt token ``i + 1``.
     ``routed_experts[j][l]``: the k experts MoE layer l routed to at the position that produced output token j
     (the last prompt token for j = 0, else output token j - 1); ``prompt_routed_experts[p]`` the same for
-    prompt position p < len(prompt) - 1, None where the state came from the prefix cache.
+    prompt position p < len(prompt) - 1 (from the prefix entry's kept routing where the state came from one).
     """
 
     seq_id: int
@@ -81,8 +86,9 @@ class Sequence:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[int, float]:
-    """Sample a token with temperature and nucleus (top-p); return it with its log-probability under
-    the temperature-scaled distribution (the plain distribution when greedy)."""
+    """Sample a token with temperature and nucleus (top-p); return it with its log-probability under the
+    distribution it was actually drawn from: temperature-scaled, and with ``top_p < 1`` truncated to the nucleus and
+    renormalised (``log p_T(tok) - log sum_{nucleus} p_T``); the plain distribution when greedy."""
     logits = logits.float()
     if params.temperature <= 0:
         lp = torch.log_softmax(logits, -1)
@@ -94,6 +100,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
         sorted_p, order = probs.sort(descending=True)
         keep = sorted_p.cumsum(0) - sorted_p < params.top_p      # always keeps the most likely token
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        lp = torch.full_like(lp, float("-inf")).scatter(0, order[keep], lp[order[keep]])
+        lp = lp - torch.logsumexp(lp, -1)                          # renormalised over the nucleus
     tok = int(torch.multinomial(probs, 1, generator=gen))
     return tok, float(lp[tok])
 
@@ -119,6 +127,7 @@ class Engine:
         self._to_keep: list[tuple[int, int]] = []  # (sequence, entry): finished states to keep, sent next step
         self._to_drop: list[int] = []
         self.prefix = PrefixIndex(prefix_cache_bytes, prefix_cache_entries)
+        self._routes: dict[int, list[list[list[int]]]] = {}  # entry id -> routing of each of its positions
         self._update: tuple[str, str, threading.Event, list[Any]] | None = None
         self._stop = False
         n_moe = sum(1 for i in range(cfg.num_hidden_layers) if not cfg.is_dense(i))
@@ -223,6 +232,7 @@ class Engine:
             self.group.load(path)
             self.weight_version += 1
             self.prefix.clear()  # every kept state was computed with the old weights (the ranks drop theirs)
+            self._routes.clear()
             self._to_keep = []
         except Exception as e:
             box.append(e)
@@ -243,7 +253,8 @@ class Engine:
         """Pick the rank: the one holding the longest kept prefix of the prompt, else the least loaded one;
         and keep the state after this prompt's prefill for later requests that repeat or extend it."""
         P = len(seq.prompt_ids)
-        hit = self.prefix.lookup(seq.prompt_ids) if seq.params.prompt_logprobs is None else None
+        accept = (lambda e: e.id in self._routes) if seq.params.return_routed_experts else None
+        hit = self.prefix.lookup(seq.prompt_ids, accept) if seq.params.prompt_logprobs is None else None
         if hit is not None:
             seq.rank, seq.start_entry, seq.cached_tokens = hit.rank, hit.id, len(hit.tokens)
             self.stats["prefix_hits"] += 1
@@ -277,6 +288,8 @@ class Engine:
         free, self._to_free = self._to_free, []
         keep, self._to_keep = self._to_keep, []
         drop, self._to_drop = self._to_drop + self.prefix.evict(protect=used), []
+        for e in drop:
+            self._routes.pop(e, None)
         results, load = self.group.step(jobs, free, keep, drop)
         self.stats["steps"] += 1
         self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(self._running))
@@ -305,15 +318,29 @@ class Engine:
             self._after_token(s, tok)
         self.stats["step_seconds_total"] += time.perf_counter() - t0
 
-    @staticmethod
-    def _record_prefill(s: Sequence, res: JobResult) -> None:
+    def _record_prefill(self, s: Sequence, res: JobResult) -> None:
         if res.prompt_logprobs is not None:
             s.prompt_logprobs = res.prompt_logprobs
         if s.params.return_routed_experts and res.routing is not None:
             P, fed = len(s.prompt_ids), len(s.prompt_ids) - s.cached_tokens
             rows = res.routing.tolist()   # one row per fed position (a fork: just the last prompt position)
-            s.prompt_routed_experts = [None] * (P - 1) if fed == 0 else [None] * (P - fed) + rows[:-1]
-            s.routed_experts.append(rows[-1])
+            kept = self._routes.get(s.start_entry, []) if s.start_entry is not None else []
+            if len(kept) != s.cached_tokens:   # an entry without routing is never chosen for a routed sequence
+                raise RuntimeError(f"prefix entry {s.start_entry} holds routing for {len(kept)} of its "
+                                   f"{s.cached_tokens} positions")
+            full = kept + rows if fed else kept   # routing of prompt positions 0..P-1
+            s.prompt_routed_experts = list(full[:P - 1])
+            s.routed_experts.append(full[P - 1])
+            self._keep_routes(s.save_entry, s.prompt_ids, full)
+
+    def _keep_routes(self, entry: int | None, tokens: list[int], routing: list[list[list[int]]]) -> None:
+        """Keep ``routing`` (one row per position of ``tokens``) with the entry kept for ``tokens``: the new one, or
+        the one kept earlier for the same tokens without routing (same tokens, same weights: the same routing)."""
+        if entry is None:
+            old = self.prefix.find(tokens)
+            entry = old.id if old is not None and old.id not in self._routes else None
+        if entry is not None and len(routing) == len(tokens):
+            self._routes[entry] = list(routing)
 
     def _after_token(self, s: Sequence, tok: int) -> None:
         eos = tok == self.tokenizer.eos_id or tok in s.params.stop_token_ids
@@ -340,6 +367,10 @@ class Engine:
                 entry = self.prefix.add(s.rank, kept, state_nbytes(self.cfg, len(kept)), has_logits=False)
                 if entry is not None:
                     self._to_keep.append((s.seq_id, entry.id))
+                if s.params.return_routed_experts and s.prompt_routed_experts is not None:
+                    # positions 0..P-2, then P-1.. (each produced an output token): one per kept position
+                    rows = [r for r in s.prompt_routed_experts if r is not None]   # complete: see _record_prefill
+                    self._keep_routes(entry.id if entry else None, kept, [*rows, *s.routed_experts][:len(kept)])
         self._to_free.append(s.seq_id)
         self.stats["requests_finished"] += 1
         if s.listener:

@@ -15,6 +15,7 @@ was never fed), which the next turn of a multi-turn episode extends.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from policy.config import K3Config
@@ -61,9 +62,9 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, prompt: list[int]) -> PrefixEntry | None:
-        """The longest kept prefix that ``prompt`` extends (or equals, when the entry has its last logits);
-        marks it as used."""
+    def lookup(self, prompt: list[int], accept: Callable[[PrefixEntry], bool] | None = None) -> PrefixEntry | None:
+        """The longest kept prefix that ``prompt`` extends (or equals, when the entry has its last logits) and that
+        ``accept`` (when given) takes; marks it as used."""
         n = len(prompt)
         for length in sorted(self._lengths, reverse=True):
             if length > n:
@@ -72,11 +73,16 @@ class PrefixIndex:
             if eid is None:
                 continue
             entry = self._entries[eid]
-            if length == n and not entry.has_logits:
+            if (length == n and not entry.has_logits) or (accept is not None and not accept(entry)):
                 continue
             self._entries.move_to_end(eid)
             return entry
         return None
+
+    def find(self, tokens: list[int] | tuple[int, ...]) -> PrefixEntry | None:
+        """The entry kept for exactly ``tokens`` (not marked as used), or None."""
+        eid = self._by_tokens.get(tuple(tokens))
+        return None if eid is None else self._entries[eid]
 
     def add(self, rank: int, tokens: list[int] | tuple[int, ...], nbytes: int, has_logits: bool) -> PrefixEntry | None:
         """Register a state to keep; None (nothing to keep) when those tokens are kept already or it could never

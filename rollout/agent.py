@@ -191,8 +191,11 @@ class Episode:
                 raise PolicyProtocolError("the policy returned no logprob per generated token")
         return completion, time.perf_counter() - t0
 
-    def take(self, sample: Sample, weight_version: int | None, policy_s: float) -> tuple[str, Turn]:
-        """Append a generated sample verbatim as this episode's next turn; returns its text and the turn."""
+    def take(self, sample: Sample, weight_version: int | None, policy_s: float,
+             prompt_routing: list[Any] | None = None) -> tuple[str, Turn]:
+        """Append a generated sample verbatim as this episode's next turn; returns its text and the turn.
+        ``prompt_routing``: the answer's ``prompt_routed_experts`` (positions 0..len(prompt) - 2), recorded with the
+        sample's own routing into ``traj.routing`` (positions seen in an earlier turn keep their first routing)."""
         start = len(self.traj.token_ids)
         ids, logprobs = sample.token_ids, sample.logprobs or []
         self.traj.append(ids, generated=True, logprobs=logprobs)
@@ -202,7 +205,8 @@ class Episode:
             self.traj.append([self.tokenizer.eos_id], generated=False)  # close the turn as the template does
         self.messages.append({"role": "assistant", "content": text})
         if sample.routed_experts is not None:
-            self.traj.routed_experts = (self.traj.routed_experts or []) + list(sample.routed_experts)
+            prompt = list(prompt_routing or [])[:start - 1]
+            self.traj.record_routing(prompt + [None] * (start - 1 - len(prompt)) + list(sample.routed_experts))
         turn = Turn(start=start, generated=len(ids), weight_version=weight_version or 0, policy_s=policy_s,
                     finish=sample.finish_reason or "")
         self.traj.turns.append(turn)
@@ -303,7 +307,7 @@ async def play(episode: Episode, env: Any, policy: PolicyClient, config: AgentCo
         except PolicyError as e:
             return episode.fail("policy_error", e)
         version = completion.weight_version if completion.weight_version is not None else known
-        text, turn = episode.take(completion.samples[0], version, policy_s)
+        text, turn = episode.take(completion.samples[0], version, policy_s, completion.prompt_routed_experts)
         try:
             step = await episode.act(env, text, turn)
         except EnvFailed as e:

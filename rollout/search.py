@@ -166,7 +166,8 @@ async def _expand(node: Node, env: Any, episode: Episode, policy: PolicyClient, 
 
     async def child(sample_index: int) -> tuple[Node, Any, Episode]:
         kid_env, ep = forks[sample_index], episode.copy()
-        text, turn = ep.take(completion.samples[sample_index], completion.weight_version, policy_s)
+        text, turn = ep.take(completion.samples[sample_index], completion.weight_version, policy_s,
+                             completion.prompt_routed_experts)
         n = Node(next(ids), node.id, node.depth + 1, action=text)
         try:
             step = await ep.act(kid_env, text, turn)
@@ -203,7 +204,8 @@ async def best_of_n(env: Any, policy: PolicyClient, tokenizer: Tokenizer, n: int
 
     async def episode(i: int) -> Trajectory:
         ep = root.copy()
-        text, turn = ep.take(completion.samples[i], completion.weight_version, policy_s)
+        text, turn = ep.take(completion.samples[i], completion.weight_version, policy_s,
+                             completion.prompt_routed_experts)
         try:
             if (await ep.act(forks[i], text, turn)).done:
                 return ep.traj

@@ -4,7 +4,10 @@ A record holds the whole conversation as ``token_ids`` with a ``loss_mask`` (1 =
 generated, 0 = prompt, template, tool output) and ``logprobs`` aligned to it (the server's log-prob of
 each generated token, 0.0 where the mask is 0); the policy ``weight_version`` of every turn; the reward
 and the grader's details; why the episode ended; per-turn timings; counts of tool calls and malformed
-calls; and, for MoE policies, the experts each generated token was routed to (routing replay).
+calls; and, for MoE policies, the experts every position was routed to (routing replay): ``routing[p]`` is
+``[moe layer][k]`` global expert ids at position p of ``token_ids`` (prompt, tool output or generated), as the
+serving engine computed it when that position was first fed; None where it was not recorded. The last token is
+never fed (nothing follows it), nor is a tool output after the last turn, so ``len(routing) <= len(token_ids)``.
 
 An infrastructure failure is never a task failure: an episode that ends in ``env_error`` or
 ``policy_error`` has ``reward = None`` (not 0), so a trainer leaves it out of group statistics.
@@ -73,7 +76,7 @@ class Trajectory:
     group_index: int = 0
     seed: int | None = None
     prompt_len: int = 0             # tokens of the first prompt (system, tools, task); shared by a group
-    routed_experts: list[Any] | None = None  # per generated token: [layer][k] expert ids, when the server gives them
+    routing: list[Any] | None = None  # per position: [moe layer][k] expert ids, when the server gives them
     fork_s: float = 0.0             # seconds this episode's env took to fork from its group's state
     tool_calls: int = 0
     malformed_calls: int = 0
@@ -123,9 +126,24 @@ class Trajectory:
         if sum(t.generated for t in self.turns) != self.generated_tokens:
             raise TrajectoryError(f"the turns generated {sum(t.generated for t in self.turns)} tokens but the "
                                   f"mask marks {self.generated_tokens}")
-        if self.routed_experts is not None and len(self.routed_experts) != self.generated_tokens:
-            raise TrajectoryError("routed_experts needs one entry per generated token")
+        if self.routing is not None and len(self.routing) > n:
+            raise TrajectoryError(f"routing has {len(self.routing)} entries for {n} tokens (one per position at most)")
         return self
+
+    def record_routing(self, positions: list[Any] | None) -> None:
+        """Extend ``routing`` from a policy answer's routing of positions ``0..len(positions) - 1`` (its prompt
+        positions, then the positions that produced its output tokens): positions recorded already keep the routing
+        they were first fed with (the state every later turn attends to)."""
+        if positions is None:
+            return
+        have = self.routing or []
+        self.routing = have + list(positions[len(have):])
+
+    def routing_coverage(self) -> float:
+        """Fraction of the positions that shape a generated token (those before the last one; later positions,
+        such as a last tool output the policy never read, shape nothing) with a recorded routing."""
+        n = max((i for i, m in enumerate(self.loss_mask) if m), default=0)
+        return sum(1 for r in (self.routing or [])[:n] if r is not None) / n if n else 1.0
 
     # --- the wire -----------------------------------------------------------------------------
 

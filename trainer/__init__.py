@@ -5,6 +5,8 @@ parallelism, weight sync to the policy servers, checkpoints, and metrics.
     losses.py       token-level PPO-clip (eps_low / eps_high), truncated importance sampling, k3 KL, entropy
     batch.py        trajectories -> samples -> micro-batches by token budget (masks, logprobs, routing replay)
     sft.py          masked NLL on demonstrations, a resumable SFT run
+    health.py       RL health figures of a step (ratio / TIS extremes, advantages, malformed calls, replay coverage)
+    balance.py      aux-loss-free MoE balancing: the router bias moved toward balance after each step
     train.py        Trainer: the model as served, EP + DP on torch.distributed, AdamW, step / checkpoint / resume
     sync.py         weight sync: atomic safetensors, then /update_weights (ours) or SGLang's / vLLM's reload
     metrics.py      per-iteration JSONL, PNG plots, a rich live display, optional TensorBoard

@@ -87,10 +87,12 @@ def grpo_advantages(episodes: Sequence[Scored], cfg: AdvantageConfig | None = No
     for i, ep in enumerate(episodes):
         groups.setdefault(ep.group_id or f"\0{i}", []).append(i)
     adv: list[float | None] = [None] * len(episodes)
-    dropped_groups = dropped_episodes = singleton_groups = 0
+    dropped_groups = dropped_episodes = singleton_groups = all_equal = 0
     for members in groups.values():
         rewards = [_reward(episodes[i]) for i in members]
         valid = [r for r in rewards if r is not None]
+        equal = len(valid) > 1 and all(r == valid[0] for r in valid)
+        all_equal += equal
         if cfg.drop_all_equal and valid and all(r == valid[0] for r in valid):
             dropped_groups += 1
             dropped_episodes += len(valid)
@@ -112,6 +114,7 @@ def grpo_advantages(episodes: Sequence[Scored], cfg: AdvantageConfig | None = No
         "infra_errors": float(sum(1 for ep in episodes if _reward(ep) is None)),
         "groups": float(len(groups)),
         "groups_dropped": float(dropped_groups),
+        "groups_all_equal": float(all_equal),      # two or more usable rewards, all equal: advantage 0 (no signal)
         "episodes_dropped": float(dropped_episodes),
         "groups_singleton": float(singleton_groups),
         "reward_mean": math.fsum(rewards_all) / len(rewards_all) if rewards_all else float("nan"),

@@ -2,12 +2,13 @@
 
 A ``Sample`` is one episode as the trainer sees it: the whole conversation (``token_ids``), the ``loss_mask`` (1 on
 tokens the policy generated), the serving engine's ``logprobs`` aligned to it, the episode's advantage, and the
-experts the engine routed each generated token to. A ``Batch`` is what one training step consumes.
+experts the engine routed every position to (``routing``, see ``rollout.trajectory.Trajectory.routing``). A
+``Batch`` is what one training step consumes.
 
 Alignment (``collate``): position t of a micro-batch reads ``token_ids[t]`` and predicts ``token_ids[t + 1]``;
 its loss mask, rollout log-prob and advantage are those of token t + 1, and its replayed routing is the routing
-the engine recorded for generated token t + 1 (the engine routes the position that *produced* a token: the last
-prompt position for a turn's first token, the previous output token after that).
+the engine recorded at position t (prompt, tool output or generated: every position's experts shape the hidden
+states the later ones attend to, so every position is replayed, not only those that produce loss tokens).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 from trainer.advantages import AdvantageConfig, grpo_advantages
+from trainer.health import batch_health
 
 
 @dataclass
@@ -30,7 +32,7 @@ class Sample:
     loss_mask: list[int]
     logprobs: list[float]                       # rollout log-probs aligned with token_ids, 0.0 off the mask
     advantage: float = 0.0
-    routed_experts: list[Any] | None = None     # per generated token: [moe layer][k] global expert ids
+    routing: list[Any] | None = None            # per position: [moe layer][k] global expert ids (None: unknown)
     weight_version: int = 0                     # the oldest weights that generated any of its tokens
     episode_id: str = ""
     reward: float | None = None
@@ -48,7 +50,7 @@ class Sample:
         """A ``rollout.trajectory.Trajectory`` (or anything with its fields) as a training sample."""
         versions = [t.weight_version for t in getattr(traj, "turns", [])]
         return cls(list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs), advantage,
-                   traj.routed_experts, min(versions) if versions else 0, traj.episode_id, traj.reward)
+                   getattr(traj, "routing", None), min(versions) if versions else 0, traj.episode_id, traj.reward)
 
 
 @dataclass
@@ -135,9 +137,11 @@ def rl_batch(trajectories: Sequence[Any], cfg: AdvantageConfig | None = None, *,
     adv = grpo_advantages(trajectories, cfg or AdvantageConfig())
     samples = [Sample.from_trajectory(t, adv.values[t.episode_id]) for t in adv.kept]
     empty = sum(1 for s in samples if s.loss_tokens == 0)
+    kept = [s for s in samples if s.loss_tokens > 0]
     stats = {**episode_stats(trajectories, current_version, pass_threshold),
-             **{k: v for k, v in adv.stats.items() if k != "reward_mean"}, "episodes_empty": float(empty)}
-    return Batch([s for s in samples if s.loss_tokens > 0], "rl", stats)
+             **{k: v for k, v in adv.stats.items() if k != "reward_mean"}, "episodes_empty": float(empty),
+             **batch_health(trajectories, [s.advantage for s in kept], int(adv.stats["groups_all_equal"]))}
+    return Batch(kept, "rl", stats)
 
 
 # --- splitting ----------------------------------------------------------------------------------------------------
@@ -194,6 +198,12 @@ class MicroBatch:
     advantages: torch.Tensor           # (B, S) the episode's advantage on every position
     routing: torch.Tensor | None = None    # (B, S, MoE layers, k) replayed experts, -1 where none was recorded
     old_logprobs: torch.Tensor | None = None
+    valid: torch.Tensor | None = None      # (B, S) 1 on the positions of a sample (0: padding); all ones if None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """(B, S) 1 on the positions that belong to a sample (not padding)."""
+        return self.valid if self.valid is not None else torch.ones_like(self.mask)
 
     @property
     def tokens(self) -> int:
@@ -204,12 +214,13 @@ class MicroBatch:
             return None if t is None else t.to(device)
         return MicroBatch(self.input_ids.to(device), self.targets.to(device), self.mask.to(device),
                           self.rollout_logprobs.to(device), self.advantages.to(device), mv(self.routing),
-                          mv(self.old_logprobs))
+                          mv(self.old_logprobs), mv(self.valid))
 
 
 def collate(samples: Sequence[Sample], pad_id: int = 0, routing_shape: tuple[int, int] | None = None) -> MicroBatch:
     """Right-pad ``samples`` into a micro-batch (causal model: padding after a sequence never affects it).
-    ``routing_shape`` (MoE layers, k) builds the replay tensor from the samples' ``routed_experts``."""
+    ``routing_shape`` (MoE layers, k) builds the replay tensor from the samples' ``routing`` (position t of the
+    micro-batch replays ``routing[t]``; positions without one keep -1 and route freely)."""
     B = len(samples)
     S = max(len(s) for s in samples) - 1
     if S < 1:
@@ -218,6 +229,7 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, routing_shape: tuple[int
     mask = torch.zeros(B, S)
     rollout = torch.zeros(B, S)
     adv = torch.zeros(B, S)
+    valid = torch.zeros(B, S)
     routing = None if routing_shape is None else torch.full((B, S, *routing_shape), -1, dtype=torch.long)
     for b, s in enumerate(samples):
         n = len(s)
@@ -225,12 +237,11 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, routing_shape: tuple[int
         mask[b, :n - 1] = torch.tensor(s.loss_mask[1:], dtype=torch.float32)
         rollout[b, :n - 1] = torch.tensor(s.logprobs[1:], dtype=torch.float32)
         adv[b, :n - 1] = s.advantage
-        if routing is not None and s.routed_experts is not None:
-            gen = [t for t, m in enumerate(s.loss_mask) if m]
-            if len(gen) != len(s.routed_experts):
-                raise ValueError(f"episode {s.episode_id}: {len(s.routed_experts)} routing entries for "
-                                 f"{len(gen)} generated tokens")
-            rows = [(t - 1, r) for t, r in zip(gen, s.routed_experts, strict=True) if t >= 1]
+        valid[b, :n - 1] = 1.0
+        if routing is not None and s.routing is not None:
+            if len(s.routing) > n:
+                raise ValueError(f"episode {s.episode_id}: {len(s.routing)} routing entries for {n} tokens")
+            rows = [(t, r) for t, r in enumerate(s.routing[:n - 1]) if r is not None]
             if rows:
                 pos = torch.tensor([p for p, _ in rows])
                 rec = torch.tensor([r for _, r in rows], dtype=torch.long)
@@ -238,6 +249,6 @@ def collate(samples: Sequence[Sample], pad_id: int = 0, routing_shape: tuple[int
                     raise ValueError(f"episode {s.episode_id}: routing entries of shape {tuple(rec.shape[1:])}, "
                                      f"the model has {tuple(routing.shape[2:])} (MoE layers, k)")
                 routing[b, pos] = rec
-    return MicroBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), mask, rollout, adv, routing)
+    return MicroBatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), mask, rollout, adv, routing, None, valid)
 
 

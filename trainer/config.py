@@ -95,7 +95,9 @@ class EnvConfig:
     max_total_tokens: int = doc(256, "generated tokens per episode")
     context_limit: int = doc(4096, "prompt + generated tokens per episode")
     temperature: float = doc(1.0, "sampling temperature of training rollouts")
-    top_p: float = doc(1.0, "nucleus sampling of training rollouts")
+    top_p: float = doc(1.0, "nucleus sampling of training rollouts: only 1.0 is accepted, since the trainer scores "
+                            "tokens under the full temperature-scaled distribution, not the truncated one the engine "
+                            "would sample from (evaluation samples with top_p 1 too)")
     system_prompt: str = doc("", "a system message before each task (empty: none)")
 
 
@@ -136,11 +138,20 @@ class RLConfig:
     lr: float = doc(2e-5, "AdamW learning rate")
     warmup_steps: int = doc(0, "linear learning-rate warm-up")
     grad_clip: float = doc(1.0, "max global grad norm (<= 0: none)")
-    mini_batches: int = doc(1, "optimizer updates per iteration's batch")
+    mini_batches: int = doc(1, "optimizer updates per iteration's batch. With 1 the PPO ratio is exactly 1 (the old "
+                               "log-probs are the current ones), so eps_low / eps_high clipping and clip-higher never "
+                               "act and the update is REINFORCE with the TIS weight (pi_train / pi_rollout) and the "
+                               "group baseline; > 1 makes the later updates off-policy, where the clip ranges and "
+                               "dual_clip bound them")
     micro_batch_tokens: int = doc(4096, "padded tokens per forward / backward")
     eps_low: float = doc(0.2, "PPO clip range below 1")
     eps_high: float = doc(0.28, "PPO clip range above 1 (DAPO's clip-higher)")
     tis_cap: float = doc(2.0, "truncated importance-sampling cap (<= 0: no TIS)")
+    dual_clip: float = doc(3.0, "dual-clip c (Ye et al. 2020): a token with a negative advantage loses at most "
+                                "c * |A|, however large its ratio (> 1; 0: off); acts only with mini_batches > 1")
+    router_bias_rate: float = doc(1e-3, "aux-loss-free MoE balancing (DeepSeek-V3): after each step every router's "
+                                        "selection bias moves by this toward balance, bias_i += rate * sign(mean "
+                                        "load - load_i), loads from the training forward (0: off)")
     kl_coef: float = doc(0.0, "k3 KL penalty to the starting weights (> 0 keeps a frozen reference model)")
     baseline: str = doc("mean", "advantage baseline: mean (GRPO) or loo (leave-one-out)")
     std_normalize: bool = doc(True, "divide advantages by the group's std (GRPO); false: Dr. GRPO")
@@ -148,7 +159,10 @@ class RLConfig:
     pass_threshold: float = doc(1.0, "a reward at least this counts as a pass")
     ckpt_every: int = doc(1, "checkpoint every N iterations (the last one always)")
     keep_checkpoints: int = doc(2, "checkpoints kept")
-    routing_replay: bool = doc(False, "replay the rollout's recorded expert routing in the training forward")
+    routing_replay: bool = doc(False, "replay the rollout's recorded expert routing of every position (prompt, tool "
+                                      "output, generated) in the training forward; needs policy.kind agentenv (the "
+                                      "engine that returns routing); routing_replay/coverage reports the fraction "
+                                      "of trained positions replayed")
 
 
 @dataclass
@@ -233,6 +247,13 @@ class RunConfig:
             (self.rl.extra_groups >= 0, "rl.extra_groups must be >= 0"),
             (self.rl.max_resumes >= 0, "rl.max_resumes must be >= 0"),
             (self.rl.baseline in ("mean", "loo"), "rl.baseline must be mean or loo"),
+            (self.rl.mini_batches >= 1, "rl.mini_batches must be at least 1"),
+            (self.rl.dual_clip == 0 or self.rl.dual_clip > 1, "rl.dual_clip must be > 1 (or 0: off)"),
+            (self.rl.router_bias_rate >= 0, "rl.router_bias_rate must be >= 0"),
+            (self.env.top_p == 1.0, f"env.top_p = {self.env.top_p}: training with top_p < 1 is refused, because the "
+             "trainer computes each token's log-prob under the full temperature-scaled distribution, not the "
+             "truncated, renormalised one the engine samples from, so the PPO / TIS ratios would be biased; "
+             "set env.top_p = 1 (evaluation samples with top_p = 1 anyway)"),
             (self.trainer.world >= 1 and self.trainer.world % self.trainer.ep == 0,
              "trainer.ep must divide trainer.world"),
             (self.progress in ("auto", "on", "off"), "progress must be auto, on or off"),

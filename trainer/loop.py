@@ -36,7 +36,7 @@ Everything a run writes, under ``out_dir/name``: ``config.toml`` (the effective 
 (the warm start: demonstrations, checkpoints, metrics, ``weights.safetensors``), ``trajectories/`` (every episode
 of every phase as msgpack shards, ``metadata.phase`` = train / eval / swe), ``checkpoints/`` (trainer state per
 iteration; ``--resume`` continues from the newest), ``weights/`` (the pushed safetensors), ``metrics.jsonl``,
-``reward.png``, ``metrics.png``, ``summary.json``, ``policy-server.log``.
+``reward.png``, ``metrics.png``, ``rl_health.png`` (trainer/health.py), ``summary.json``, ``policy-server.log``.
 """
 
 from __future__ import annotations
@@ -176,10 +176,11 @@ class Loop:
 
         loss = LossConfig(eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high,
                           tis_cap=cfg.rl.tis_cap if cfg.rl.tis_cap > 0 else None, kl_coef=cfg.rl.kl_coef,
-                          temperature=cfg.env.temperature)
+                          temperature=cfg.env.temperature, dual_clip=cfg.rl.dual_clip)
         tcfg = TrainConfig(lr=cfg.rl.lr, warmup_steps=cfg.rl.warmup_steps, grad_clip=cfg.rl.grad_clip,
                            micro_batch_tokens=cfg.rl.micro_batch_tokens, mini_batches=cfg.rl.mini_batches,
-                           routing_replay=cfg.rl.routing_replay, dtype=cfg.trainer.dtype, loss=loss, seed=cfg.seed)
+                           routing_replay=cfg.rl.routing_replay, router_bias_rate=cfg.rl.router_bias_rate,
+                           dtype=cfg.trainer.dtype, loss=loss, seed=cfg.seed)
         with self.timed("trainer_start"):
             self.trainer = Trainer(model_config(cfg.policy.preset), tcfg, world=cfg.trainer.world,
                                    ep_size=cfg.trainer.ep, weights=weights, device=cfg.trainer.device)
@@ -244,15 +245,17 @@ class Loop:
         from rollout.agent import AgentConfig
 
         e = self.cfg.env
+        route = self.cfg.rl.routing_replay and phase != "eval"   # trained episodes record every position's experts
         if phase == "swe":
             s = self.cfg.swe
             return AgentConfig(max_turns=s.max_turns, max_new_tokens=s.max_new_tokens,
                                max_total_tokens=s.max_total_tokens, context_limit=s.context_limit,
-                               temperature=e.temperature, top_p=e.top_p)
+                               temperature=e.temperature, top_p=e.top_p, return_routed_experts=route)
         return AgentConfig(max_turns=e.max_turns, max_new_tokens=e.max_new_tokens, max_total_tokens=e.max_total_tokens,
                            context_limit=e.context_limit,
                            temperature=self.cfg.eval.temperature if phase == "eval" else e.temperature,
-                           top_p=1.0 if phase == "eval" else e.top_p, system_prompt=e.system_prompt or None)
+                           top_p=1.0 if phase == "eval" else e.top_p, system_prompt=e.system_prompt or None,
+                           return_routed_experts=route)
 
     def _job(self, ref: TaskRef, phase: str, env_id: str | None = None) -> Any:
         from trainer.rollouts import Job
@@ -481,6 +484,7 @@ class Loop:
     def _finish(self) -> None:
         cfg = self.cfg
         from trainer.evaluation import paired_gain
+        from trainer.health import plot_health
         from trainer.metrics import plot, read_jsonl
 
         rows = read_jsonl(self.dir / "metrics.jsonl") if (self.dir / "metrics.jsonl").is_file() else []
@@ -502,6 +506,8 @@ class Loop:
         write_json_atomic(self.dir / "summary.json", self.summary)
         with contextlib.suppress(Exception):
             plot(rows, self.dir / "metrics.png", title=f"{cfg.name}: RL metrics")
+        with contextlib.suppress(Exception):
+            plot_health(rows, self.dir / "rl_health.png", title=f"{cfg.name}: RL health")
         with contextlib.suppress(Exception):
             reward_plot(rows, self.evals, self.dir / "reward.png", title=f"{cfg.name} (seed {cfg.seed})")
         self.console.print(summary_table(self.summary))

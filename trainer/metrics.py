@@ -5,7 +5,8 @@ is opened with the checkpoint's step and drops the lines of later steps (steps a
 checkpoint), so that the file lists every step once. ``plot`` draws the standard panels (whichever the log has):
 reward and pass rate on training and validation tasks (the held-out figures with their intervals are in
 ``reward.png``), response length, entropy, KL, clip fraction, grad norm,
-staleness, and the time breakdown (environment / policy / training / weight sync) as stacked areas.
+staleness, and the time breakdown (environment / policy / training / weight sync) as stacked areas; the RL health
+panels (ratio and TIS extremes, advantages, malformed calls, routing-replay coverage) are trainer/health.py's.
 
 Metric names the loop and the trainer share: ``reward/train``, ``reward/<split>``, ``pass_rate/train``,
 ``pass_rate/<split>`` (an evaluation's mean@k; ``_lo`` / ``_hi``: its 95% interval; split heldout or validation),
@@ -94,8 +95,10 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 def plot(rows: Sequence[dict[str, Any]] | str | os.PathLike[str], out: str | os.PathLike[str],
-         title: str = "training") -> Path | None:
-    """Draw the panels the rows have data for into one PNG (written atomically); None when there is nothing."""
+         title: str = "training", panels: Sequence[tuple[str, list[str]]] = PANELS, with_time: bool = True
+         ) -> Path | None:
+    """Draw the ``panels`` the rows have data for (and the time breakdown, ``with_time``) into one PNG (written
+    atomically); None when there is nothing."""
     data: list[dict[str, Any]] = read_jsonl(rows) if isinstance(rows, str | os.PathLike) else list(rows)
     import matplotlib
     matplotlib.use("Agg")
@@ -105,17 +108,17 @@ def plot(rows: Sequence[dict[str, Any]] | str | os.PathLike[str], out: str | os.
         pts = [(r["step"], r[key]) for r in data if isinstance(r.get(key), int | float)]
         return [p[0] for p in pts], [float(p[1]) for p in pts]
 
-    panels = [(name, [k for k in keys if series(k)[0]]) for name, keys in PANELS]
-    panels = [(n, ks) for n, ks in panels if ks]
-    has_time = any(series(k)[0] for k in TIME_KEYS)
-    n = len(panels) + has_time
+    drawn = [(name, [k for k in keys if series(k)[0]]) for name, keys in panels]
+    drawn = [(n, ks) for n, ks in drawn if ks]
+    has_time = with_time and any(series(k)[0] for k in TIME_KEYS)
+    n = len(drawn) + has_time
     if n == 0:
         return None
     cols = min(3, n)
     nrows = math.ceil(n / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(5 * cols, 3.2 * nrows), squeeze=False)
     flat = list(axes.flat)
-    for ax, (name, keys) in zip(flat, panels, strict=False):
+    for ax, (name, keys) in zip(flat, drawn, strict=False):
         for k in keys:
             xs, ys = series(k)
             ax.plot(xs, ys, label=k, marker="." if len(xs) < 30 else None)
@@ -124,7 +127,7 @@ def plot(rows: Sequence[dict[str, Any]] | str | os.PathLike[str], out: str | os.
         if len(keys) > 1:
             ax.legend(fontsize=7)
     if has_time:
-        ax = flat[len(panels)]
+        ax = flat[len(drawn)]
         steps = [r["step"] for r in data]
         stacks = [[float(r.get(k) or 0.0) for r in data] for k in TIME_KEYS]
         ax.stackplot(steps, stacks, labels=[k.split("/")[1] for k in TIME_KEYS])

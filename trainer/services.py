@@ -278,6 +278,10 @@ def preflight(cfg: RunConfig, *, resume: bool, build: bool = True) -> list[str]:
     run_dir = cfg.run_dir
     if not resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
         problems.append(f"{run_dir} holds a run; pass --resume to continue it, or choose another --name")
+    if cfg.rl.routing_replay and cfg.policy.kind != "agentenv":
+        problems.append(f"rl.routing_replay needs the expert routing of every position from the policy endpoint, "
+                        f"which only agentenv's engine returns (return_routed_experts); policy.kind "
+                        f"{cfg.policy.kind} cannot: set rl.routing_replay = false or serve with agentenv")
     if cfg.policy.url:
         run("policy endpoint", lambda: _check_url(cfg.policy.url, read_token(cfg.policy.token_file)))
     else:

@@ -20,7 +20,9 @@ run the same number of micro-batches (a rank short of data runs a one-token micr
 expert all-to-alls pair up, forward and backward.
 
 Log-probs are computed as the serving engine computes them (``trainer.losses.token_logprobs``); with
-``routing_replay`` the MoE layers use the experts the engine recorded for each generated token.
+``routing_replay`` the MoE layers use the experts the engine recorded for every position of the episode (prompt,
+tool output and generated tokens; ``routing_replay/coverage`` reports the fraction that had a recording). After
+each step the routers' balancing bias moves toward balance (trainer/balance.py, ``router_bias_rate``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ from policy.config import K3Config
 from policy.ep import shard_state_dict
 from policy.model import K3Model
 from trainer import checkpoint as ckpt
+from trainer.balance import expert_load, reduce_load, update_router_bias
 from trainer.batch import Batch, MicroBatch, Sample, chunks, collate, pack, split_ranks
+from trainer.health import merge, replay_coverage, token_means
 from trainer.losses import LossConfig, policy_loss, token_logprobs
 from trainer.parallel import Layout, all_reduce_grads, free_port, grad_norm, init_layout
 from trainer.sft import sft_loss
@@ -67,6 +71,7 @@ class TrainConfig:
     micro_batch_tokens: int = 4096  # padded tokens (samples x longest) per forward/backward
     mini_batches: int = 1           # optimizer updates per batch; > 1 computes the old log-probs first
     routing_replay: bool = False    # replay the rollout's recorded expert routing in the forward pass
+    router_bias_rate: float = 0.0   # aux-loss-free balancing: bias step per training step (0: the bias stays)
     dtype: str = "float32"          # parameter dtype ("float64" for exact comparisons in tests)
     loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0                   # initial weights (the same seed gives the policy server's initial weights)
@@ -159,6 +164,7 @@ class _Rank:
                 old = [[self._old_logprobs(samples, temperature) for samples in mini] for mini in plan]
         sums: dict[str, float] = defaultdict(float)
         norms = []
+        load: torch.Tensor | None = None
         for j, mini in enumerate(plan):
             self.opt.zero_grad(set_to_none=False)
             for i, samples in enumerate(mini):
@@ -174,6 +180,10 @@ class _Rank:
                     with torch.no_grad():
                         ref_lp, _ = token_logprobs(self._logits(self.ref, mb), mb.targets, temperature)
                 logp, entropy = token_logprobs(self._logits(self.model, mb), mb.targets, temperature)
+                got = expert_load(self.model, mb.positions)
+                load = got if load is None else load + got
+                if self.cfg.routing_replay and mb.routing is not None:
+                    merge(sums, replay_coverage(mb))
                 if kind == "sft":
                     loss = sft_loss(logp, mb.mask, denoms[j])
                     with torch.no_grad():
@@ -185,8 +195,7 @@ class _Rank:
                     loss, s = policy_loss(logp, old_lp, mb.rollout_logprobs, mb.advantages, mb.mask, self.cfg.loss,
                                           denoms[j], ref_lp, entropy)
                 loss.backward()
-                for k, v in s.items():
-                    sums[k] += v
+                merge(sums, s)
                 sums["loss"] += float(loss.detach())
             for p in self.model.parameters():
                 if p.grad is None:
@@ -207,6 +216,9 @@ class _Rank:
             for g in self.opt.param_groups:
                 g["lr"] = lr
             self.opt.step()
+        if kind == "rl" and self.routing_shape is not None:   # every rank joins the reduction, with or without data
+            total = reduce_load(load, (self.routing_shape[0], self.model_cfg.num_experts), self.layout.distributed)
+            sums.update(update_router_bias(self.model, total, self.cfg.router_bias_rate if norms else 0.0))
         self.n_steps += 1
         sums["grad_norm_sum"] = sum(norms)
         sums["updates"] = float(len(norms))
@@ -433,11 +445,10 @@ class Trainer:
         groups = chunks(range(len(batch.samples)), self.cfg.mini_batches if batch.kind == "rl" else 1)
         plans, denoms = self._plan(batch.samples, groups)
         results = self._call("step", plans, kind=batch.kind, denoms=denoms, lr=lr)
-        tot: dict[str, float] = defaultdict(float)
+        tot: dict[str, float] = {}
         for r in results:
-            for k, v in r.items():
-                tot[k] += v
-        tokens = max(tot["tokens"], 1.0)
+            merge(tot, r)
+        tot.pop("router/load_imbalance", None)   # the same figure on every rank: rank 0's below
         updates = max(results[0]["updates"], 1.0)
         elapsed = time.perf_counter() - t0
         out = {"step": float(self.step_count), "loss": tot["loss"] / updates, "lr": lr,
@@ -445,10 +456,14 @@ class Trainer:
                "samples": float(len(batch.samples)), "tokens": float(batch.tokens), "time/train": elapsed,
                "train_tokens_per_s": batch.tokens / elapsed if elapsed > 0 else 0.0}
         out["skipped_updates"] = results[0].get("skipped_updates", 0.0)  # non-finite gradient norms, not stepped
-        skip = {"tokens", "loss", "grad_norm_sum", "updates", "rank_train_s", "skipped_updates"}
-        for k, v in tot.items():   # token means of the per-token metrics
-            if k not in skip:
-                out["kl" if k == "kl_ref" else k] = v / tokens
+        if "router/load_imbalance" in results[0]:
+            out["router/load_imbalance"] = results[0]["router/load_imbalance"]
+        out.update(token_means(tot))   # token means of the per-token metrics, extremes, replay coverage
+        cov = out.get("routing_replay/coverage")
+        if cov is not None and cov < 1.0:
+            log.warning("routing replay: %.1f%% of the trained positions had no recorded routing and routed freely "
+                        "(episodes recorded without routing, or from an engine that does not return it)",
+                        100 * (1 - cov))
         return {**batch.stats, **out}
 
     def score(self, samples: Sequence[Sample], temperature: float | None = None) -> list[Scored]:

@@ -13,8 +13,8 @@ Asked for in the request:
   expert ids, one item per generated token: the experts that every MoE layer (the layers after
   ``first_k_dense_replace``, in order) chose at the position that produced that token (the last prompt token for
   the first one, then the previous generated token). ``prompt_routed_experts`` (top-level, same layout) covers
-  prompt positions 0 .. len(prompt) - 2, ``null`` where the state came from the prefix cache (the request that
-  computed it returned them). Together they give the routing of every position a trainer scores, so it can
+  prompt positions 0 .. len(prompt) - 2, reused prefix positions included (a routed request starts only from a
+  prefix state kept with its routing, see ``policy.engine``). Together they give the routing of every position a trainer scores, so it can
   replay the serving-time routing. Streamed chunks carry the slice for their tokens.
 """
 

@@ -1,6 +1,7 @@
 """The generation engine (EP=1, in-process): sampling, stop handling, continuous batching, weight updates,
 and the vLLM / SGLang command builders."""
 
+import math
 import time
 
 import pytest
@@ -120,3 +121,26 @@ def test_vllm_and_sglang_commands_enable_expert_parallelism():
     assert "--enable-expert-parallel" not in no_ep
     with pytest.raises(ValueError):
         build_command(EngineSpec("tgi", "m"))
+
+
+def test_top_p_reports_the_logprob_of_the_truncated_renormalised_distribution():
+    """With top_p < 1 the token is drawn from the nucleus, renormalised: the logprob reported is log(p / mass of
+    the nucleus) after temperature, not log p of the full distribution."""
+    logits = torch.tensor([2.0, 1.5, 0.0, -1.0, -3.0])
+    gen = torch.Generator().manual_seed(0)
+    for temperature, top_p in ((1.0, 0.8), (0.7, 0.9), (1.3, 0.5)):
+        probs = torch.softmax(logits / temperature, -1)
+        srt, order = probs.sort(descending=True)
+        keep = order[(srt.cumsum(0) - srt) < top_p]
+        mass = float(probs[keep].sum())
+        assert mass < 1.0
+        seen = set()
+        for _ in range(50):
+            tok, lp = sample(logits, SamplingParams(temperature=temperature, top_p=top_p), gen)
+            assert tok in keep.tolist()
+            assert lp == pytest.approx(math.log(float(probs[tok]) / mass), abs=1e-5)
+            seen.add(tok)
+        assert len(seen) > 1          # more than the argmax was drawn: the renormalisation was checked on several
+    # top_p = 1: the plain temperature-scaled log-prob, as before
+    tok, lp = sample(logits, SamplingParams(temperature=0.7), gen)
+    assert lp == pytest.approx(float(torch.log_softmax(logits / 0.7, -1)[tok]), abs=1e-6)

@@ -1,6 +1,7 @@
 """Prefix-state reuse in the engine (EP=1, in-process): the ledger's lookup and LRU, multi-turn episodes and
 n-sample requests with and without reuse (same greedy tokens, same logprobs to tolerance, fewer prefill tokens),
-prompt logprobs and the experts each generated token was routed to, checked against a plain forward."""
+prompt logprobs and the experts every position was routed to (reused prefixes included), checked against a plain
+forward."""
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_prompt_logprobs_score_the_generated_tokens_again(engines, tok):
 
 def test_routed_experts_are_those_of_a_plain_forward(engines, tok):
     reuse, _ = engines
-    turns = _episode(reuse, tok, turns=2, return_routed_experts=True)
+    turns = _episode(reuse, tok, turns=3, return_routed_experts=True)
     torch.manual_seed(0)
     model = K3Model(reuse.cfg).eval()
     n_moe = len(model.moe_layers())
@@ -133,9 +134,33 @@ def test_routed_experts_are_those_of_a_plain_forward(engines, tok):
         assert torch.tensor(s.routed_experts).shape == (len(s.output_ids), n_moe, reuse.cfg.num_experts_per_token)
         assert s.routed_experts == rows[P - 1:].tolist()
         assert s.prompt_routed_experts is not None and len(s.prompt_routed_experts) == P - 1
-        assert s.prompt_routed_experts[s.cached_tokens:] == rows[s.cached_tokens:P - 1].tolist()
-        assert all(x is None for x in s.prompt_routed_experts[:s.cached_tokens])
-    assert turns[1].cached_tokens > 0
+        # every prompt position, the reused prefix's included (kept with its state), as a plain forward routes it
+        assert s.prompt_routed_experts == rows[:P - 1].tolist()
+    assert turns[1].cached_tokens > 0 and turns[2].cached_tokens > 0
+
+
+def test_a_routed_request_never_starts_from_a_state_kept_without_routing(tok):
+    """A state kept by a request that did not record routing cannot give a routed request its prefix's experts:
+    the routed request prefills (and keeps its own entry, with routing, once it finishes)."""
+    cfg = k3_mini(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+    eng = Engine(cfg, tok, seed=0, max_context=1024)
+    try:
+        first = _episode(eng, tok, turns=1)[0]
+        nxt = first.prompt_ids + first.output_ids + tok.encode(OBS)
+        plain = eng.generate([nxt], SamplingParams(max_tokens=4, temperature=0))[0]
+        assert plain.cached_tokens > 0                       # reuse works for a request without routing
+        routed = eng.generate([nxt + plain.output_ids + tok.encode(OBS)],
+                              SamplingParams(max_tokens=4, temperature=0, return_routed_experts=True))[0]
+        assert routed.cached_tokens == 0
+        assert routed.prompt_routed_experts is not None and None not in routed.prompt_routed_experts
+        again = eng.generate([routed.prompt_ids + routed.output_ids + tok.encode(OBS)],
+                             SamplingParams(max_tokens=4, temperature=0, return_routed_experts=True))[0]
+        assert again.cached_tokens > 0 and again.prompt_routed_experts is not None
+        assert None not in again.prompt_routed_experts
+        assert again.prompt_routed_experts[:len(routed.prompt_routed_experts)] == routed.prompt_routed_experts
+        assert not set(eng._routes) - set(eng.prefix._entries)   # routing kept only for live entries
+    finally:
+        eng.close()
 
 
 def test_a_tiny_budget_evicts_and_a_weight_update_forgets(tok, tmp_path):

@@ -42,7 +42,7 @@ def test_a_well_formed_episode_checks_and_counts():
     (lambda t: t.logprobs.__setitem__(0, -1.0), "0.0 where the mask is 0"),
     (lambda t: setattr(t, "finish_reason", "crashed"), "is not one of"),
     (lambda t: setattr(t, "turns", t.turns[:1]), "the turns generated"),
-    (lambda t: setattr(t, "routed_experts", [[[1, 2]]]), "routed_experts"),
+    (lambda t: setattr(t, "routing", [[[1, 2]]] * (len(t.token_ids) + 1)), "one per position at most"),
 ])
 def test_broken_records_are_refused_with_the_reason(mutate, words):
     t = episode()

@@ -98,3 +98,43 @@ def test_task_specs():
     for bad in ("seeds:9-1", "ids:", "py:nofunction", "py:m:f noequals"):
         with pytest.raises(ConfigError):
             parse_task_spec(bad)
+
+
+def test_switches_that_the_trainer_cannot_honour_are_refused():
+    """env.top_p < 1: the trainer scores under the full distribution, so the ratios would be biased: refused with
+    the reason. dual_clip must be > 1 (or 0), router_bias_rate >= 0, mini_batches >= 1."""
+    with pytest.raises(ConfigError, match="top_p.*full temperature-scaled distribution"):
+        load(overrides=["env.top_p=0.9"])
+    with pytest.raises(ConfigError, match="rl.dual_clip must be > 1"):
+        load(overrides=["rl.dual_clip=0.5"])
+    with pytest.raises(ConfigError, match="router_bias_rate"):
+        load(overrides=["rl.router_bias_rate=-1"])
+    with pytest.raises(ConfigError, match="mini_batches"):
+        load(overrides=["rl.mini_batches=0"])
+    cfg = load(overrides=["rl.dual_clip=0"])
+    assert cfg.rl.dual_clip == 0.0 and RunConfig().rl.dual_clip == 3.0
+
+
+def test_the_mini_batches_doc_says_one_means_ratio_one():
+    from dataclasses import fields
+
+    from trainer.config import RLConfig
+
+    text = next(f.metadata["doc"] for f in fields(RLConfig) if f.name == "mini_batches")
+    assert "ratio is exactly 1" in text and "REINFORCE" in text
+    assert "REINFORCE" in MAIN_TOML.read_text()
+
+
+def test_routing_replay_is_refused_for_endpoints_that_cannot_return_routing(tmp_path):
+    from trainer.services import PreflightError, preflight
+
+    for kind in ("vllm", "sglang"):
+        cfg = load(overrides=[f"policy.kind={kind}", "policy.url=http://127.0.0.1:9", "rl.routing_replay=true",
+                              f'out_dir="{tmp_path}"', "swe.enabled=false", "sft.enabled=false"])
+        with pytest.raises(PreflightError, match=f"rl.routing_replay.*policy.kind {kind} cannot"):
+            preflight(cfg, resume=False, build=False)
+    ok = load(overrides=["policy.kind=vllm", "policy.url=http://127.0.0.1:9", f'out_dir="{tmp_path}"',
+                         "swe.enabled=false", "sft.enabled=false"])
+    with pytest.raises(PreflightError) as e:          # the endpoint is down, but replay is not the complaint
+        preflight(ok, resume=False, build=False)
+    assert "routing_replay" not in str(e.value)

@@ -16,8 +16,8 @@ from trainer_helpers import make_traj  # noqa: E402
 
 def test_collate_aligns_every_tensor_to_the_predicted_token():
     a = Sample([10, 11, 12, 13, 14], [0, 0, 1, 1, 0], [0.0, 0.0, -0.5, -1.5, 0.0], advantage=0.7,
-               routed_experts=[[[1, 2], [3, 4]], [[5, 6], [7, 0]]])
-    b = Sample([20, 21, 22], [0, 1, 1], [0.0, -0.1, -0.2], advantage=-1.0, routed_experts=None)
+               routing=[[[0, 1], [2, 3]], [[1, 2], [3, 4]], [[5, 6], [7, 0]], None])
+    b = Sample([20, 21, 22], [0, 1, 1], [0.0, -0.1, -0.2], advantage=-1.0, routing=None)
     mb = collate([a, b], pad_id=9, routing_shape=(2, 2))
     assert mb.input_ids.tolist() == [[10, 11, 12, 13], [20, 21, 22, 9]]
     assert mb.targets.tolist() == [[11, 12, 13, 14], [21, 22, 9, 9]]
@@ -25,18 +25,20 @@ def test_collate_aligns_every_tensor_to_the_predicted_token():
     assert torch.allclose(mb.rollout_logprobs, torch.tensor([[0, -0.5, -1.5, 0], [-0.1, -0.2, 0, 0]]))
     assert mb.advantages[0, :4].tolist() == pytest.approx([0.7] * 4) and mb.advantages[1, 2:].tolist() == [0, 0]
     assert mb.tokens == 4
-    # generated token 12 (index 2) was produced at position 1, token 13 at position 2; nothing recorded elsewhere
+    # position t replays the routing recorded at position t: prompt position 0 too; nothing recorded at 3, nor in b
     assert mb.routing is not None and mb.routing.shape == (2, 4, 2, 2)
+    assert mb.routing[0, 0].tolist() == [[0, 1], [2, 3]]
     assert mb.routing[0, 1].tolist() == [[1, 2], [3, 4]] and mb.routing[0, 2].tolist() == [[5, 6], [7, 0]]
-    assert (mb.routing[0, [0, 3]] == -1).all() and (mb.routing[1] == -1).all()
+    assert (mb.routing[0, 3] == -1).all() and (mb.routing[1] == -1).all()
+    assert mb.valid is not None and mb.valid.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]    # padding is not a position
     assert collate([a]).routing is None
 
 
 def test_collate_refuses_routing_that_does_not_fit():
-    s = Sample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], routed_experts=[[[1, 2]]])
+    s = Sample([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], routing=[[[1, 2]]] * 4)
     with pytest.raises(ValueError, match="routing entries"):
         collate([s], routing_shape=(1, 2))
-    s.routed_experts = [[[1, 2, 3]], [[1, 2, 3]]]
+    s.routing = [[[1, 2, 3]], [[1, 2, 3]]]
     with pytest.raises(ValueError, match="MoE layers"):
         collate([s], routing_shape=(1, 2))
 
@@ -47,10 +49,10 @@ def test_sample_from_trajectory_keeps_the_record():
     t.turns[1].weight_version = 2
     s = Sample.from_trajectory(t, advantage=0.25)
     assert s.token_ids == t.token_ids and s.loss_mask == t.loss_mask and s.logprobs == t.logprobs
-    assert s.routed_experts == t.routed_experts and s.weight_version == 0 and s.advantage == 0.25
+    assert s.routing == t.routing and s.weight_version == 0 and s.advantage == 0.25
     assert s.loss_tokens == t.generated_tokens
     mb = collate([s], routing_shape=(3, 2))
-    assert int((mb.routing[0, :, 0, 0] >= 0).sum()) == t.generated_tokens
+    assert int((mb.routing[0, :, 0, 0] >= 0).sum()) == len(t.token_ids) - 1     # every fed position
 
 
 def test_pack_keeps_each_micro_batch_within_the_budget():

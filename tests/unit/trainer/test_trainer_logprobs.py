@@ -31,7 +31,7 @@ def _generate(engine, tok, temperature, seed=1):
     seqs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=temperature, seed=seed,
                                                    return_routed_experts=True))
     return [Sample(s.prompt_ids + s.output_ids, [0] * len(s.prompt_ids) + [1] * len(s.output_ids),
-                   [0.0] * len(s.prompt_ids) + s.logprobs, routed_experts=s.routed_experts,
+                   [0.0] * len(s.prompt_ids) + s.logprobs, routing=[*(s.prompt_routed_experts or []), *s.routed_experts],
                    weight_version=s.weight_version) for s in seqs]
 
 
@@ -43,9 +43,8 @@ def _max_diff(samples, scored):
 def _route_mismatch(samples, scored):
     diff = total = 0
     for s, sc in zip(samples, scored, strict=True):
-        gen = [t for t, m in enumerate(s.loss_mask) if m]
-        got = sc.routing[[t - 1 for t in gen]].sort(-1).values
-        rec = torch.tensor(s.routed_experts).sort(-1).values
+        got = sc.routing.sort(-1).values                     # every fed position: prompt and generated
+        rec = torch.tensor(s.routing).sort(-1).values
         diff += int((got != rec).any(-1).sum())
         total += got.shape[0] * got.shape[1]
     return diff / total

@@ -143,3 +143,52 @@ def test_sft_loss_is_the_masked_token_mean_nll_and_ignores_the_rest():
     loss.backward()
     assert logp.grad is not None
     assert (logp.grad[mask == 0] == 0).all() and torch.allclose(logp.grad[mask == 1], torch.full((3,), -1 / 3))
+
+
+def test_a_huge_log_ratio_keeps_the_loss_and_its_gradient_finite():
+    """A later mini-batch can move a token's log-prob far from the old one: exp(100) is inf in float32, and inf
+    times a zero advantage (or a masked token) is NaN. The log-ratio is clamped to +-20 before exp."""
+    logp = T([[100.0, -100.0, 0.0]], requires_grad=True)
+    old = T([[0.0, 0.0, 0.0]])
+    rollout = T([[0.0, 150.0, 0.0]])
+    adv = T([[0.0, 1.0, -1.0]])
+    mask = T([[1.0, 1.0, 1.0]])
+    for cfg in (LossConfig(), LossConfig(tis_cap=None), LossConfig(dual_clip=3.0)):
+        loss, sums = policy_loss(logp, old, rollout, adv, mask, cfg)
+        assert math.isfinite(float(loss.detach())), cfg
+        loss.backward()
+        assert logp.grad is not None and torch.isfinite(logp.grad).all()
+        logp.grad = None
+        assert all(math.isfinite(v) for v in sums.values()), sums
+        assert sums["ratio_max"] == pytest.approx(math.exp(20.0), rel=1e-5)
+        assert sums["ratio_min"] == pytest.approx(math.exp(-20.0), rel=1e-5)
+
+
+def test_dual_clip_caps_a_negative_advantage_tokens_loss():
+    """Dual-clip (Ye et al. 2020): with A < 0 and a ratio beyond c, the token's loss is c * |A| and carries no
+    gradient; positive advantages and ratios below c are untouched; 0 turns it off."""
+    logp = torch.log(T([[5.0, 2.0, 5.0]])).requires_grad_(True)
+    old = T([[0.0, 0.0, 0.0]])
+    adv = T([[-2.0, -2.0, 1.0]])
+    pg_off, _ = ppo_clip(logp, old, adv, 0.2, 0.28)
+    assert pg_off.tolist()[0] == pytest.approx([10.0, 4.0, -1.28])      # -A * r for A < 0, unbounded
+    pg, taken = ppo_clip(logp, old, adv, 0.2, 0.28, dual_clip=3.0)
+    assert pg.tolist()[0] == pytest.approx([6.0, 4.0, -1.28])           # capped at 3 * |A|
+    assert taken.tolist() == [[True, False, True]]
+    pg.sum().backward()
+    assert logp.grad is not None
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(4.0)
+    loss, sums = policy_loss(logp.detach(), old, old, adv, T([[1.0, 1.0, 1.0]]), LossConfig(dual_clip=3.0))
+    assert sums["dual_clip_frac"] == 1.0
+    with pytest.raises(ValueError, match="dual_clip"):
+        LossConfig(dual_clip=0.5)
+
+
+def test_ratio_and_tis_extremes_are_reported_over_loss_tokens_only():
+    logp = T([[-1.0, -2.0, -3.0]])
+    old = T([[-1.5, -2.0, 5.0]])          # the last token is masked out: its ratio exp(-8) must not show
+    rollout = T([[-1.0, -1.0, -1.0]])
+    _, sums = policy_loss(logp, old, rollout, T([[1.0, 1.0, 1.0]]), T([[1.0, 1.0, 0.0]]), LossConfig(tis_cap=2.0))
+    assert sums["ratio_min"] == pytest.approx(1.0) and sums["ratio_max"] == pytest.approx(math.exp(0.5))
+    assert sums["tis_weight_min"] == pytest.approx(math.exp(-1.0)) and sums["tis_weight_max"] == pytest.approx(
+        math.exp(-0.5))

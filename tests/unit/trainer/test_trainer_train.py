@@ -96,27 +96,25 @@ def test_routing_replay_in_the_trainer():
     # record the trainer's own routing as if the server had: replaying it changes nothing
     recorded = []
     for s, sc in zip(samples, own, strict=True):
-        gen = [t for t, m in enumerate(s.loss_mask) if m]
         assert sc.routing is not None
-        recorded.append(Sample(s.token_ids, s.loss_mask, s.logprobs, s.advantage,
-                               [sc.routing[t - 1].tolist() for t in gen]))
+        recorded.append(Sample(s.token_ids, s.loss_mask, s.logprobs, s.advantage, sc.routing.tolist()))
     with Trainer(tiny_cfg(), TrainConfig(routing_replay=True)) as replay:
         same = replay.score(recorded)
         for a, b in zip(own, same, strict=True):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
-        # other recorded experts: the training forward routes generated tokens exactly as recorded
+        # other recorded experts: the training forward routes every position (prompt and tool output too) as recorded
         rng = random.Random(0)
         forced = [Sample(s.token_ids, s.loss_mask, s.logprobs, s.advantage,
-                         [[rng.sample(range(8), 2) for _ in range(3)] for _ in range(sum(s.loss_mask))]) for s in samples]
+                         [[rng.sample(range(8), 2) for _ in range(3)] for _ in range(len(s) - 1)]) for s in samples]
         out = replay.score(forced)
         for s, sc in zip(forced, out, strict=True):
-            gen = [t for t, m in enumerate(s.loss_mask) if m]
             assert sc.routing is not None
-            assert sc.routing[[t - 1 for t in gen]].tolist() == s.routed_experts
+            assert sc.routing.tolist() == s.routing
         assert any(abs(a - b) > 1e-4 for x, y in zip(own, out, strict=True) for a, b in zip(x.logprobs, y.logprobs,
                                                                                           strict=True))
         m = replay.step(Batch(forced))
-        assert m["loss_tokens"] > 0
+        assert m["loss_tokens"] > 0 and m["routing_replay/coverage"] == 1.0
+        assert m["routing_replay/coverage_loss"] == 1.0
 
 
 def test_saved_weights_load_into_the_policy_runner(tmp_path):

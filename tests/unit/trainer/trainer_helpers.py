@@ -37,5 +37,5 @@ def make_traj(rng: random.Random, group: str = "", index: int = 0, reward: float
             t.append([rng.randrange(VOCAB) for _ in range(tool)], generated=False)
     if routing is not None:
         layers, k = routing
-        t.routed_experts = [[rng.sample(range(8), k) for _ in range(layers)] for _ in range(t.generated_tokens)]
+        t.routing = [[rng.sample(range(8), k) for _ in range(layers)] for _ in range(len(t.token_ids) - 1)]
     return t.check()
