@@ -49,8 +49,9 @@ from trainer.batch import Batch, Sample
 from trainer.cli import model_config
 from trainer.metrics import iteration_split, read_jsonl, rollout_to_train
 from trainer.parallel import free_port
+from trainer.rank import write_safetensors_atomic
 from trainer.sync import Endpoint, WeightSync
-from trainer.train import TrainConfig, Trainer, write_safetensors_atomic
+from trainer.train import TrainConfig, Trainer
 
 
 def synthetic_batch(n: int, length: int, prompt: int, vocab: int, seed: int = 0) -> Batch:

@@ -117,6 +117,8 @@ class SFTConfig:
     lr: float = doc(1e-3, "AdamW learning rate")
     warmup_steps: int = doc(4, "linear learning-rate warm-up")
     init_weights: str = doc("", "safetensors to start from (empty: the seed's initial weights)")
+    threads: int = doc(0, "torch threads of the warm start (0: trainer.threads), which runs alone: nothing else "
+                          "is started yet")
 
 
 @dataclass

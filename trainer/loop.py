@@ -157,11 +157,19 @@ class Loop:
         cfg = self.cfg
         if not cfg.sft.enabled:
             return cfg.sft.init_weights or None
+        import torch
+
         from trainer.sft import warm_start
 
-        weights, self.summary["sft"] = warm_start(cfg, self.dir, self.train_src.values(cfg.sft.demonstrations),
-                                                  resume=self.resume, progress=self._progress_on(), say=self.say,
-                                                  add_time=self.add_time)
+        threads = torch.get_num_threads()
+        if cfg.sft.threads > 0:
+            torch.set_num_threads(cfg.sft.threads)
+        try:
+            weights, self.summary["sft"] = warm_start(cfg, self.dir, self.train_src.values(cfg.sft.demonstrations),
+                                                      resume=self.resume, progress=self._progress_on(), say=self.say,
+                                                      add_time=self.add_time)
+        finally:
+            torch.set_num_threads(threads)
         return weights
 
     def _progress_on(self) -> bool | None:

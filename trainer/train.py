@@ -27,325 +27,28 @@ each step the routers' balancing bias moves toward balance (trainer/balance.py, 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
 import os
 import time
 import traceback
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 
 from policy.config import K3Config
-from policy.ep import shard_state_dict
 from policy.model import K3Model
 from trainer import checkpoint as ckpt
-from trainer.balance import expert_load, reduce_load, update_router_bias
-from trainer.batch import Batch, MicroBatch, Sample, chunks, collate, pack, split_ranks
-from trainer.health import merge, replay_coverage, token_means
-from trainer.losses import LossConfig, policy_loss, token_logprobs
-from trainer.parallel import Layout, all_reduce_grads, free_port, grad_norm, init_layout
-from trainer.sft import sft_loss
+from trainer.batch import Batch, Sample, chunks, pack, split_ranks
+from trainer.health import merge, token_means
+from trainer.parallel import free_port, init_layout
+from trainer.rank import Scored, TrainConfig, _Rank, _rank_device, _threads, _worker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Optimiser, batching and loss settings of a training run."""
-
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = 0.01
-    adam_eps: float = 1e-8
-    warmup_steps: int = 0           # linear warm-up of the learning rate over the first steps
-    grad_clip: float = 1.0          # max global grad norm (<= 0: no clipping)
-    micro_batch_tokens: int = 4096  # padded tokens (samples x longest) per forward/backward
-    mini_batches: int = 1           # optimizer updates per batch; > 1 computes the old log-probs first
-    routing_replay: bool = False    # replay the rollout's recorded expert routing in the forward pass
-    router_bias_rate: float = 0.0   # aux-loss-free balancing: bias step per training step (0: the bias stays)
-    dtype: str = "float32"          # parameter dtype ("float64" for exact comparisons in tests)
-    loss: LossConfig = field(default_factory=LossConfig)
-    seed: int = 0                   # initial weights (the same seed gives the policy server's initial weights)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
-        d = dict(d)
-        if "loss" in d:
-            d["loss"] = LossConfig(**d["loss"])
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return cls(**d)
-
-
-@dataclass
-class Scored:
-    """A sample scored by the training forward: per-position log-probs and entropy (index t scores token t;
-    index 0 is 0.0) and, per position that produced a token, the experts the training forward routed it to."""
-
-    logprobs: list[float]
-    entropy: list[float]
-    routing: torch.Tensor | None      # (len - 1, MoE layers, k): position t - 1 produced token t
-
-
-# --- one rank ------------------------------------------------------------------------------------------------------
-
-class _Rank:
-    """A training rank: its model shard, optimizer, and the work of every call."""
-
-    def __init__(self, layout: Layout, model_cfg: K3Config, cfg: TrainConfig, weights: str | None, device: str) -> None:
-        self.layout, self.cfg, self.model_cfg = layout, cfg, model_cfg
-        self.device = torch.device(device)
-        torch.manual_seed(cfg.seed)
-        full = K3Model(model_cfg)                 # identical on every rank, and to a policy server's of this seed
-        state = load_file(weights) if weights else full.state_dict()
-        self.model = K3Model(model_cfg, layout.ep) if layout.ep.world > 1 else full
-        self.model.load_state_dict(shard_state_dict(state, layout.ep) if layout.ep.world > 1 else state)
-        self.dtype = getattr(torch, cfg.dtype)
-        self.model.to(self.device, self.dtype).train()
-        self.ref: K3Model | None = None
-        if cfg.loss.kl_coef > 0:
-            self.ref = K3Model(model_cfg, layout.ep if layout.ep.world > 1 else None)
-            self.ref.load_state_dict(self.model.state_dict())
-            self.ref.to(self.device, self.dtype).eval().requires_grad_(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps,
-                                     weight_decay=cfg.weight_decay)
-        self.n_steps = 0
-        moes = self.model.moe_layers()
-        self.routing_shape = (len(moes), moes[0].router.k) if moes else None
-
-    # -- forward helpers --
-    @contextlib.contextmanager
-    def _replay(self, model: K3Model, mb: MicroBatch | None) -> Iterator[None]:
-        moes = model.moe_layers()
-        if mb is not None and mb.routing is not None and self.cfg.routing_replay:
-            for i, m in enumerate(moes):
-                m.replay = mb.routing[:, :, i].reshape(-1, mb.routing.shape[-1])
-        try:
-            yield
-        finally:
-            for m in moes:
-                m.replay = None
-
-    def _collate(self, samples: Sequence[Sample]) -> MicroBatch:
-        shape = self.routing_shape if self.cfg.routing_replay else None
-        return collate(samples, self.model_cfg.pad_token_id, shape).to(self.device)
-
-    def _logits(self, model: K3Model, mb: MicroBatch) -> torch.Tensor:
-        with self._replay(model, mb):
-            logits, _ = model(mb.input_ids)
-        return logits
-
-    def _dummy(self, model: K3Model) -> torch.Tensor:
-        """Logits of a one-token forward (a rank with no data this round keeps its EP group's all-to-alls paired)."""
-        ids = torch.full((1, 1), self.model_cfg.pad_token_id, dtype=torch.long, device=self.device)
-        logits, _ = model(ids)
-        return logits
-
-    # -- calls --
-    def step(self, kind: str, plan: list[list[list[Sample]]], denoms: list[float], lr: float) -> dict[str, float]:
-        """One step: for each mini-batch, accumulate its micro-batches' gradients, reduce, clip, update."""
-        t0 = time.perf_counter()
-        temperature = self.cfg.loss.temperature if kind == "rl" else 1.0
-        old: list[list[torch.Tensor | None]] | None = None
-        if kind == "rl" and len(plan) > 1:   # log-probs before any update of this step: the PPO ratio's denominator
-            with torch.no_grad():
-                old = [[self._old_logprobs(samples, temperature) for samples in mini] for mini in plan]
-        sums: dict[str, float] = defaultdict(float)
-        norms = []
-        load: torch.Tensor | None = None
-        for j, mini in enumerate(plan):
-            self.opt.zero_grad(set_to_none=False)
-            for i, samples in enumerate(mini):
-                if not samples:
-                    if self.ref is not None and kind == "rl":
-                        with torch.no_grad():
-                            self._dummy(self.ref)
-                    (self._dummy(self.model).sum() * 0.0).backward()
-                    continue
-                mb = self._collate(samples)
-                ref_lp = None
-                if self.ref is not None and kind == "rl":
-                    with torch.no_grad():
-                        ref_lp, _ = token_logprobs(self._logits(self.ref, mb), mb.targets, temperature)
-                logp, entropy = token_logprobs(self._logits(self.model, mb), mb.targets, temperature)
-                got = expert_load(self.model, mb.positions)
-                load = got if load is None else load + got
-                if self.cfg.routing_replay and mb.routing is not None:
-                    merge(sums, replay_coverage(mb))
-                if kind == "sft":
-                    loss = sft_loss(logp, mb.mask, denoms[j])
-                    with torch.no_grad():
-                        s = {"tokens": float(mb.mask.sum()), "nll": float(-(logp * mb.mask).sum()),
-                             "entropy": float((entropy * mb.mask).sum())}
-                else:
-                    old_lp = old[j][i] if old is not None else logp.detach()
-                    assert old_lp is not None
-                    loss, s = policy_loss(logp, old_lp, mb.rollout_logprobs, mb.advantages, mb.mask, self.cfg.loss,
-                                          denoms[j], ref_lp, entropy)
-                loss.backward()
-                merge(sums, s)
-                sums["loss"] += float(loss.detach())
-            for p in self.model.parameters():
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            all_reduce_grads(self.model, self.layout)
-            norm = grad_norm(self.model, self.layout)  # reduced: every rank sees the same figure, so all skip
-            if not math.isfinite(float(norm)):  # clipping by nan is no clip (min(1, nan) is 1): the weights would be
-                sums["skipped_updates"] += 1.0  # non-finite from here on, and pushed to the server
-                log.warning("a non-finite gradient norm (%s): this update is skipped", float(norm))
-                continue
-            norms.append(float(norm))
-            if self.cfg.grad_clip > 0:
-                coef = min(1.0, self.cfg.grad_clip / (float(norm) + 1e-6))
-                if coef < 1.0:
-                    for p in self.model.parameters():
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
-            for g in self.opt.param_groups:
-                g["lr"] = lr
-            self.opt.step()
-        if kind == "rl" and self.routing_shape is not None:   # every rank joins the reduction, with or without data
-            total = reduce_load(load, (self.routing_shape[0], self.model_cfg.num_experts), self.layout.distributed)
-            sums.update(update_router_bias(self.model, total, self.cfg.router_bias_rate if norms else 0.0))
-        self.n_steps += 1
-        sums["grad_norm_sum"] = sum(norms)
-        sums["updates"] = float(len(norms))
-        sums["rank_train_s"] = time.perf_counter() - t0
-        return dict(sums)
-
-    def _old_logprobs(self, samples: Sequence[Sample], temperature: float) -> torch.Tensor | None:
-        if not samples:
-            self._dummy(self.model)
-            return None
-        return self._score(samples, temperature)[0]
-
-    def _score(self, samples: Sequence[Sample], temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        mb = self._collate(samples)
-        logp, entropy = token_logprobs(self._logits(self.model, mb), mb.targets, temperature)
-        routing = self.model.last_routing(*mb.input_ids.shape)
-        return logp, entropy, routing
-
-    @torch.no_grad()
-    def score(self, plan: list[list[Sample]], temperature: float) -> list[list[Scored]]:
-        """Log-probs, entropies and routing of each micro-batch's samples (an empty micro-batch: a dummy)."""
-        out: list[list[Scored]] = []
-        for samples in plan:
-            if not samples:
-                self._dummy(self.model)
-                out.append([])
-                continue
-            logp, entropy, routing = self._score(samples, temperature)
-            res = []
-            for b, s in enumerate(samples):
-                n = len(s) - 1
-                res.append(Scored([0.0, *logp[b, :n].cpu().tolist()], [0.0, *entropy[b, :n].cpu().tolist()],
-                                  routing[b, :n].cpu() if routing.numel() else None))
-            out.append(res)
-        return out
-
-    def full_state(self) -> dict[str, torch.Tensor] | None:
-        """The unsharded model state on global rank 0 (expert shards gathered over the EP group); None elsewhere."""
-        state = {k: v.detach() for k, v in self.model.state_dict().items()}
-        if self.layout.ep.world > 1:
-            for name, t in list(state.items()):
-                if ".experts." in name:
-                    parts = [torch.empty_like(t) for _ in range(self.layout.ep.world)]
-                    dist.all_gather(parts, t.contiguous(), group=self.layout.ep.group)
-                    state[name] = torch.cat(parts)
-        return {k: v.cpu().contiguous() for k, v in state.items()} if self.layout.rank == 0 else None
-
-    def save_weights(self, path: str) -> None:
-        state = self.full_state()
-        if state is not None:
-            write_safetensors_atomic(state, Path(path), {"step": str(self.n_steps)})
-
-    def save_checkpoint(self, tmp: str) -> None:
-        ckpt.save_rank(Path(tmp), self.layout.rank, {
-            "model": self.model.state_dict(), "optimizer": self.opt.state_dict(), "step": self.n_steps,
-            "rng": ckpt.rng_state(), "ref": self.ref.state_dict() if self.ref is not None else None})
-
-    def load_checkpoint(self, folder: str) -> int:
-        state = torch.load(ckpt.rank_file(folder, self.layout.rank), map_location=self.device, weights_only=False)
-        self.model.load_state_dict(state["model"])
-        self.opt.load_state_dict(state["optimizer"])
-        if self.ref is not None and state.get("ref") is not None:
-            self.ref.load_state_dict(state["ref"])
-        self.n_steps = int(state["step"])
-        ckpt.set_rng_state(state["rng"])
-        return self.n_steps
-
-    def handle(self, msg: dict[str, Any]) -> Any:
-        op = msg["op"]
-        per_rank = msg.get("per_rank")
-        mine: Any = per_rank[self.layout.rank] if per_rank is not None else None
-        if op == "step":
-            return self.step(msg["kind"], mine, msg["denoms"], msg["lr"])
-        if op == "score":
-            return self.score(mine, msg["temperature"])
-        if op == "save_weights":
-            return self.save_weights(msg["path"])
-        if op == "full_state":
-            return self.full_state()
-        if op == "save_checkpoint":
-            return self.save_checkpoint(msg["tmp"])
-        if op == "load_checkpoint":
-            return self.load_checkpoint(msg["folder"])
-        raise ValueError(f"unknown op {op!r}")
-
-
-def write_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> Path:
-    """Write ``state`` as safetensors through a temporary file in the same folder, fsync, rename: a server never
-    reads a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(state, str(tmp), metadata=metadata)
-    ckpt.fsync_path(tmp)
-    os.replace(tmp, path)
-    ckpt.fsync_path(path.parent)
-    return path
-
-
-def _rank_device(device: str, rank: int) -> str:
-    if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-        return f"cuda:{rank}"
-    return "cpu"
-
-
-def _threads(world: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world)
-
-
-def _worker(rank: int, world: int, ep_size: int, port: int, model_cfg: dict[str, Any], cfg: dict[str, Any],
-            weights: str | None, device: str, backend: str) -> None:
-    torch.set_num_threads(_threads(world))
-    dev = _rank_device(device, rank)
-    layout = init_layout(rank, world, ep_size, port, backend)
-    r = _Rank(layout, K3Config.from_dict(model_cfg), TrainConfig.from_dict(cfg), weights, dev)
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        msg = box[0]
-        if msg["op"] == "stop":
-            break
-        try:
-            result: Any = ("ok", r.handle(msg))
-        except Exception:  # reported to rank 0, which raises it
-            result = ("error", f"rank {rank}: {traceback.format_exc()}")
-        dist.gather_object(result, None, dst=0)
-    dist.destroy_process_group()
 
 
 # --- the controller ------------------------------------------------------------------------------------------------
@@ -357,12 +60,13 @@ class TrainerError(RuntimeError):
 class Trainer:
     """The training job (see the module docstring); methods are called on rank 0 and run on every rank."""
 
-    def __init__(self, model_cfg: K3Config, cfg: TrainConfig = TrainConfig(), *, world: int = 1, ep_size: int = 1,
+    def __init__(self, model_cfg: K3Config, cfg: TrainConfig | None = None, *, world: int = 1, ep_size: int = 1,
                  weights: str | None = None, device: str = "cpu", backend: str | None = None) -> None:
         """``weights``: a full safetensors file to start from (e.g. the SFT warm start); otherwise the weights of
         ``K3Model(model_cfg)`` after ``torch.manual_seed(cfg.seed)``, the same as a policy server with that seed."""
         if world % ep_size:
             raise ValueError(f"ep_size {ep_size} does not divide world {world}")
+        cfg = cfg or TrainConfig()
         self.model_cfg, self.cfg, self.world, self.ep_size = model_cfg.validate(), cfg, world, ep_size
         self.procs: list[Any] = []
         backend = backend or ("nccl" if device.startswith("cuda") else "gloo")

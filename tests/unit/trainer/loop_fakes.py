@@ -3,6 +3,7 @@ a weight sync that only count, and a Loop wired to them with an in-process LoopR
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 import time
@@ -125,3 +126,15 @@ def loop_with_fakes(tmp_path: Path, script: scripted.Script, overrides: list[str
     loop.trainer, loop.sync = FakeTrainer(delay), FakeSync(versions)
     loop.metrics = MetricsLog(tmp_path / "metrics.jsonl")
     return loop, versions, backend
+
+
+def run_iterations(loop: Loop) -> list[dict[str, Any]]:
+    """Start the loop's rollout, run its RL iterations, close the rollout; the metrics rows."""
+    async def go() -> None:
+        await loop.rollout.start()
+        try:
+            await loop.iterations()
+        finally:
+            await loop.rollout.aclose()
+    asyncio.run(go())
+    return loop.metrics.rows()

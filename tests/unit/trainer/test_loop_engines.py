@@ -5,7 +5,6 @@ them a Hugging Face model folder, not our single file.
 The engine is a stand-in on a real loopback HTTP server (uvicorn) speaking vLLM's wire: completions with token ids
 and logprobs and no ``weight_version``, ``/collective_rpc`` ``reload_weights`` with a folder."""
 
-import asyncio
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
-from loop_fakes import FORKY, TOK, FakeBackend, FakeTrainer  # noqa: E402
+from loop_fakes import FORKY, TOK, FakeBackend, FakeTrainer, run_iterations  # noqa: E402
 from rollout_fakes import serve_app  # noqa: E402
 
 from policy.config import from_k3_json, k3_mini  # noqa: E402
@@ -83,15 +82,8 @@ def test_vllm_turns_carry_the_loops_version_and_training_goes_on(tmp_path):
         loop.rollout = LoopRollout(rc, workers=0, out=tmp_path / "trajectories", run_id="unit")
         loop.metrics = MetricsLog(tmp_path / "metrics.jsonl")
 
-        async def go():
-            await loop.rollout.start()
-            try:
-                await loop.iterations()
-            finally:
-                await loop.rollout.aclose()
-
         try:
-            asyncio.run(go())
+            run_iterations(loop)
         finally:
             loop.sync.close()
     rows = loop.metrics.rows()

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_fakes import loop_with_fakes  # noqa: E402
+from loop_fakes import loop_with_fakes, run_iterations  # noqa: E402
 
 from rollout import scripted  # noqa: E402
 from rollout.trajectory import Trajectory, Turn, read  # noqa: E402
@@ -49,21 +49,10 @@ def bash_submit(prompt: str, turn: int) -> str:
     return scripted.tool_call("bash", {"command": "submit" if turn >= 1 else "echo x"})
 
 
-def _run(loop):
-    async def go():
-        await loop.rollout.start()
-        try:
-            await loop.iterations()
-        finally:
-            await loop.rollout.aclose()
-    asyncio.run(go())
-    return loop.metrics.rows()
-
-
 def test_synchronous_by_default_every_batch_is_on_policy(tmp_path):
     loop, versions, _ = loop_with_fakes(tmp_path, bash_submit, ["rl.iterations=3", "rl.groups_per_iteration=2",
                                                                  "rl.group_size=2"], delay=0.2)
-    rows = _run(loop)
+    rows = run_iterations(loop)
     assert [r["version"] for r in rows] == [1.0, 2.0, 3.0] and versions.now == 3
     assert all(r["staleness/max"] == 0 and r["staleness/dropped"] == 0 for r in rows)
     assert [r["version/rollout"] for r in rows] == [0.0, 1.0, 2.0]
@@ -90,7 +79,7 @@ def test_one_step_off_plays_the_next_batch_while_a_step_trains(tmp_path):
         return step(batch)
 
     loop.rollout_batch, loop.trainer.step = rollout_batch, gated_step
-    rows = _run(loop)
+    rows = run_iterations(loop)
     assert versions.now == 4 and [r["iteration"] for r in rows] == [1.0, 2.0, 3.0, 4.0]
     # batch t+1 was played while step t trained: its episodes are one version old when trained on, and kept
     assert max(r["staleness/max"] for r in rows) == 1

@@ -216,12 +216,12 @@ def test_grad_norm_is_reported_before_clipping_and_the_update_is_clipped():
 
 def test_a_non_finite_gradient_norm_skips_the_update_and_says_so(monkeypatch):
     """min(1, grad_clip / nan) is 1: without the check, one bad batch writes NaN weights (and the loop pushes them)."""
-    import trainer.train as train_mod
+    import trainer.rank as rank_mod
 
     batch = rl_batch(_trajs(4))
     with Trainer(tiny_cfg(), TrainConfig(lr=1e-2)) as t:
         before = {k: v.clone() for k, v in t.state_dict().items()}
-        monkeypatch.setattr(train_mod, "grad_norm", lambda model, layout: torch.tensor(float("nan")))
+        monkeypatch.setattr(rank_mod, "grad_norm", lambda model, layout: torch.tensor(float("nan")))
         m = t.step(batch)
         after = {k: v.clone() for k, v in t.state_dict().items()}
         assert m["skipped_updates"] == 1.0
