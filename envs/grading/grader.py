@@ -301,11 +301,17 @@ class _Run:
     exit_code: int = -1
     timed_out: bool = False
     log: str = ""
+    reasons: list[str] = field(default_factory=list)     # signs of tampering the run showed (the guard's log)
+    audit_events: tuple[Mapping[str, str], ...] = ()
 
-    def fail(self, why: str, *, tampering: bool = False, reasons: Sequence[str] = ()) -> GradeResult:
-        return _failed(self.task, self.patch, why, dropped=self.filtered.dropped, reasons=tuple(reasons),
-                       tampering=self.tampering or tampering, graded_patch=self.filtered.kept.decode("utf-8", "replace"),
-                       exit_code=self.exit_code, timed_out=self.timed_out, log_tail=self.log[-4000:])
+    def fail(self, why: str, *, tampering: bool = False) -> GradeResult:
+        if self.reasons:
+            why = f"the test run was tampered with: {self.reasons[0]} ({why})"
+        r = _failed(self.task, self.patch, why, dropped=self.filtered.dropped, reasons=tuple(self.reasons),
+                    tampering=self.tampering or tampering or bool(self.reasons),
+                    graded_patch=self.filtered.kept.decode("utf-8", "replace"), exit_code=self.exit_code,
+                    timed_out=self.timed_out, log_tail=self.log[-4000:])
+        return dataclasses.replace(r, audit_events=self.audit_events)
 
 
 def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, timeout: float,
@@ -366,14 +372,14 @@ def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, 
     size, _, kind = st.stdout.split("\n", 1)[0].strip().partition(" ")
     outputs = _fields_raw(st.stdout)
     guard_log = audit.read_log(_b64(outputs.get(audit.LOG_FILE, "")))
-    reasons = guard_log.reasons()
+    reasons = run.reasons = guard_log.reasons()
+    run.audit_events = guard_log.events
     if guarded and r.exit_code == audit.GUARD_EXIT:
         reasons.append("the test process closed or replaced the audit hook's log")
     if guarded and guard_log.starts == 0 and not reasons:
         return run.fail("the grader's guard did not start in the grading sandbox")
     if st.exit_code != 0 or kind != "regular file" or not size.isdigit():
-        return run.fail(f"the test run wrote no result file (pytest exit code {r.exit_code})", tampering=bool(reasons),
-                        reasons=reasons)
+        return run.fail(f"the test run wrote no result file (pytest exit code {r.exit_code})")
     if int(size) > MAX_RESULT_BYTES:
         return run.fail(f"the result file is {size} bytes, over the {MAX_RESULT_BYTES} byte limit", tampering=True)
     try:

@@ -150,7 +150,7 @@ def _install(cfg):
             obj, name = args[0], args[1] if len(args) > 1 else ""
             if isinstance(obj, type) and obj.__dict__.get("__module__") in modules and name != "__module__":
                 return
-            f = on_stack(caller)
+            f = asker(caller, lambda code: False)
             if f is not None:
                 record(event, f"{getattr(obj, '__qualname__', type(obj).__name__)}.{name}", f)
         elif event == "import":
