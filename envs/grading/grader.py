@@ -8,38 +8,44 @@ What runs where:
    agent acted (``SWEEnv`` keeps it; without one, a sandbox is set up from the task's image) — into
    which nothing of the agent's sandbox carries over but the kept patch:
 
-   a. the kept patch and the task's test patch are written to a folder of its own
-      (``/var/lib/agentenv-grade-<random>``, mode 700, outside /testbed); the image's git lists the
-      files it will touch (``git apply --numstat``), which must be exactly the kept files in order
-      (else the patch does not mean the same to the grader and to git: nothing runs, reward 0), then
-      applies both; links the patch made must stay inside /testbed;
-   b. a canary test that must fail, under a name drawn for this grading, is appended to the file of
-      the first FAIL_TO_PASS test (so nothing on pytest's command line points to it);
+   a. the kept patch, the task's test patch, the guard program (``sandbox_guard.py``) and a secret for
+      this grading are written to a folder of its own (``/var/lib/agentenv-grade-<random>``, mode 700,
+      outside /testbed); the image's git lists the files it will touch (``git apply --numstat``), which
+      must be exactly the kept files in order (else the patch does not mean the same to the grader and
+      to git: nothing runs, reward 0), then applies both; links the patch made must stay inside /testbed;
+   b. canaries, tests that must fail, are derived from the tests of the first FAIL_TO_PASS test's file
+      and written into it beside the tests they copy (``envs.grading.canary``; a plain one when the file
+      has none to copy), so nothing on pytest's command line points to them;
    c. the tests run with the image's interpreter by absolute path (resolved before the patch was
-      applied), ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and only the plugins the task declares (``-p``;
-      the record's ``pytest_plugins``, kept in ``task.metadata``), ``PYTHON*`` and ``PYTEST_*``
-      variables cleared (``PYTHONPATH`` as the image sets it), no cache provider, and pytest asked
-      for a JUnit XML file in the grading folder; when they end, every other process in the sandbox
-      is killed before the file is read;
-   d. statuses come from that file (``envs.grading.results``), the text log only adds XPASS and the
-      failure messages; the canary must be reported FAILED (or ERROR), else the run was tampered with;
+      applied), started by the guard (its audit hook installed before any repository code:
+      ``envs.grading.audit``) instead of ``-m pytest``, ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and only
+      the plugins the task declares (``-p``; the record's ``pytest_plugins``, kept in
+      ``task.metadata``), ``PYTHON*`` and ``PYTEST_*`` variables cleared (``PYTHONPATH`` as the image
+      sets it), no cache provider, and pytest asked for a JUnit XML file in the grading folder; when
+      they end, every other process in the sandbox is killed, the FAIL_TO_PASS tests and the canaries
+      are called again on their own in a second guarded interpreter (``envs.grading.isolation``), and
+      every other process is killed again before the files are read;
+   d. statuses come from the JUnit file (``envs.grading.results``), the text log only adds XPASS and the
+      failure messages; the run was tampered with (reward 0, ``tampering_reasons``) when the guard's log
+      shows a refused event, a canary is reported anything but FAILED (or ERROR), or the isolated run
+      disagrees with pytest's report (a test reported passing that fails on its own, a canary passing
+      there, its result missing or without the secret);
 4. the grading sandbox is closed (by ``SWEEnv`` on a worker thread; ``env.close()`` waits for it).
 
-The canary is not used when the command selects tests (``-k``, ``-m``, ``--deselect``, ``--lf``, ...) or
+The canaries are not used when the command selects tests (``-k``, ``-m``, ``--deselect``, ``--lf``, ...) or
 names no ``{tests}``. A repository whose pristine configuration does not collect ``test_*`` functions
 (``python_functions``) or marks whole test modules xfail would trip it with every patch, the gold one
 too: ``python -m envs.tasks validate`` shows such a task.
 
-The task's ``test_command`` is kept when it is a plain pytest invocation (``[VAR=value ...] python3 -m
-pytest ARGS``, ``pytest ARGS``): its ARGS stay (they are the task's, e.g. ``-o addopts= -W ...``) and
-the grader's options are added. Any other command runs as the task gives it, with the grader's
-options passed through ``PYTEST_ADDOPTS`` and without a canary. The pristine repository's own
-pytest configuration is used (the patch cannot change it: ``test-config`` drops).
+How the task's ``test_command`` is run is ``envs.grading.command``'s: a plain pytest invocation keeps its
+arguments and gets the grader's options, the guard and the isolated run; any other command runs as the
+task gives it, without them. The pristine repository's own pytest configuration is used (the patch
+cannot change it: ``test-config`` drops).
 
 A task is resolved when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes (a test
 missing from the results counts as failed), as SWE-bench decides, and nothing else went wrong: the
 patch was extracted within its size limit and applied, the tests did not time out, the result file
-was there and well formed, and the canary held.
+was there and well formed, and no sign of tampering showed (canaries, audit hook, isolated run).
 """
 
 from __future__ import annotations

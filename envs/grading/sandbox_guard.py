@@ -15,7 +15,8 @@ lists, for each file the patch touches, its added lines; a new file is added thr
 event is written at once to the audit log (an append-only file opened before any repository code ran,
 checked to be the same file at each write) and then refused (the hook raises), so the attempt both
 fails and is reported. What comes "from" the patch: for a frame-returning event, the frame that asked
-(past ``inspect`` and ``traceback``, which only pass frames on); for the others, any frame on the stack
+(past the ``inspect``, ``traceback`` and ``logging`` functions that hand frames to their caller:
+``inspect.stack``, ``traceback.walk_tb``, ...); for the others, any frame on the stack
 that runs added code (a function containing an added line, or a module body at an added line).
 
 ``solo`` mode calls FAIL_TO_PASS tests and canaries directly, without pytest's runner: the test module
@@ -97,10 +98,13 @@ def _install(cfg):
             f = f.f_back
         return f if f is not None and added(f.f_code, f.f_lineno) else None
 
-    def frame_helper(code):
-        name = code.co_filename.replace("\\", "/").rsplit("/", 1)[-1]
-        return name in ("inspect.py", "traceback.py") or (name == "__init__.py" and code.co_name == "<lambda>"
-                                                            and "/logging/" in code.co_filename)
+    givers = frozenset(("currentframe", "stack", "trace", "getouterframes", "getinnerframes", "walk_stack",
+                        "walk_tb", "<lambda>"))
+
+    def frame_helper(code):  # the standard library's functions that hand frames to their caller
+        name = code.co_filename.rsplit("/", 1)[-1]
+        return code.co_name in givers and (name in ("inspect.py", "traceback.py") or (
+            name == "__init__.py" and "/logging/" in code.co_filename))
 
     def import_machinery(code):
         fn = code.co_filename
