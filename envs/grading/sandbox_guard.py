@@ -28,7 +28,9 @@ the grading folder before that: a result without the secret is not the runner's.
 reports is involved, so rewriting them changes nothing here.
 """
 
+import contextlib
 import sys
+from typing import Any
 
 
 def _load(path):
@@ -54,7 +56,7 @@ def _install(cfg):
     patched = {p: (None if v is None else sorted(v)) for p, v in cfg["patched"].items()}
     modules = frozenset(cfg["modules"])
     paths = tuple(cfg["paths"])
-    runner_modules = frozenset(("_pytest", "pytest", "pluggy", "py", "ctypes", "_ctypes", "gc", "_testcapi",
+    runner_modules = frozenset(("_pytest", "pytest", "pluggy", "py", "ctypes", "_ctypes", "_testcapi",
                                 "_testinternalcapi", "_xxsubinterpreters"))
     frame_attrs = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"))
     any_events = frozenset(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
@@ -226,16 +228,59 @@ def _eligible(test_file, root):
 
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test") and plain(node, False):
-            out[f"{test_file}::{node.name}"] = ("", node.name, node.lineno)
-        elif (isinstance(node, ast.ClassDef) and node.name.startswith("Test") and not node.decorator_list
-              and not node.bases and not node.keywords):
+            out[f"{test_file}::{node.name}"] = ("", node.name, node.lineno, "function", ())
+        elif isinstance(node, ast.ClassDef) and not node.decorator_list and not node.keywords:
             methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            if any(m.name.startswith(("setup", "teardown", "__init__")) for m in methods):
-                continue
+            if not node.bases:  # a pytest-style class: only without setup methods
+                if not node.name.startswith("Test") or any(m.name.startswith(("setup", "teardown", "__init__"))
+                                                           for m in methods):
+                    continue
+                kind = "class"
+            else:  # with bases: called only if it turns out to be a unittest.TestCase
+                kind = "unittest"
             for m in methods:
                 if m.name.startswith("test") and plain(m, True):
-                    out[f"{test_file}::{node.name}::{m.name}"] = (node.name, m.name, m.lineno)
+                    out[f"{test_file}::{node.name}::{m.name}"] = (node.name, m.name, m.lineno, kind, ())
+            if kind == "unittest":  # a test it inherits (from a mixin): its function is checked at run time
+                out[f"{test_file}::{node.name}::*"] = (node.name, "*", None, kind, tuple(m.name for m in methods))
     return out
+
+
+def _watched_state():
+    """The test machinery a patch could blunt so that a test passes: the function and class attributes of
+    ``builtins``, ``unittest`` and pytest's modules, and of their classes (identities, kept alive)."""
+    state = {}
+    for name, mod in list(sys.modules.items()):
+        if name == "builtins" or name.split(".", 1)[0] in ("unittest", "pytest", "_pytest"):
+            for k, v in list(vars(mod).items()):
+                if callable(v):
+                    state[(name, k, "")] = v
+                if isinstance(v, type) and v.__module__ == name:
+                    for kk, vv in list(vars(v).items()):
+                        state[(name, k, kk)] = vv
+    return state
+
+
+def _changed(state):
+    out = []
+    for (name, k, kk), v in state.items():
+        mod = sys.modules.get(name)
+        now = vars(mod).get(k) if mod is not None else None
+        if kk:
+            now = vars(now).get(kk) if isinstance(now, type) else None
+        if now is not v:
+            out.append(f"{name}.{k}" + (f".{kk}" if kk else ""))
+    return out
+
+
+def _defines(path, line, name):
+    """The file at ``path`` has ``def name(`` at ``line`` (a test a class inherits, found at run time)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return False
+    return 0 < line <= len(lines) and lines[line - 1].lstrip().startswith((f"def {name}(", f"async def {name}("))
 
 
 def _module_for(test_file, root):
@@ -260,10 +305,13 @@ def _solo(cfg):
                   0o600)
     root = cfg["root"]
     plans: dict = {}
+    uses_pytest = False
     for tid in cfg["solo"]:
         test_file = tid.split("::", 1)[0]
         try:
             plans.setdefault(test_file, _eligible(test_file, root))
+            with open(root + "/" + test_file, encoding="utf-8", errors="replace") as f:
+                uses_pytest = uses_pytest or "pytest" in f.read()
         except (OSError, SyntaxError, ValueError):
             plans[test_file] = {}
     import importlib
@@ -271,35 +319,76 @@ def _solo(cfg):
     import types
 
     write, exit_, code_type, func_type = os.write, os._exit, types.CodeType, types.FunctionType
+    import unittest
+
+    if uses_pytest:  # imported before the repository's code, so that the state watched is pytest's own
+        with contextlib.suppress(ImportError):
+            import pytest  # noqa: F401
+    watched = _watched_state()
+    test_case = unittest.TestCase
+    patched = cfg["patched"]
     results = {}
     _install(cfg)
     os.chdir(root)
     for tid in cfg["solo"]:
-        test_file = tid.split("::", 1)[0]
-        plan = plans[test_file].get(tid)
+        test_file, _, rest = tid.partition("::")
+        plan = plans[test_file].get(tid) or plans[test_file].get(f"{test_file}::{rest.rsplit('::', 1)[0]}::*")
         if plan is None:
             results[tid] = "UNSUPPORTED"
             continue
-        cls_name, name, line = plan
+        cls_name, name, line, kind, own = plan
+        name = tid.rsplit("::", 1)[1] if name == "*" else name
+        if name in own:  # defined in the class but not plainly (decorated, arguments): not called
+            results[tid] = "UNSUPPORTED"
+            continue
         folder, dotted = _module_for(test_file, root)
         if folder not in sys.path:
             sys.path.insert(0, folder)
         try:
             module = importlib.import_module(dotted)
-            owner = module.__dict__[cls_name]() if cls_name else None
-            fn = (type(owner).__dict__ if owner is not None else module.__dict__)[name]
+            cls: Any = module.__dict__[cls_name] if cls_name else None
+            if kind == "unittest" and not (isinstance(cls, type) and issubclass(cls, test_case)):
+                results[tid] = "UNSUPPORTED"
+                continue
+            holder = next((k.__dict__ for k in cls.__mro__ if name in k.__dict__), {}) if cls else module.__dict__
+            fn = holder[name]
             code = fn.__code__ if type(fn) is func_type else None
         except BaseException as e:  # the module would not import: as pytest reports it, an error
             results[tid] = f"ERROR {type(e).__name__}"
             continue
-        if type(code) is not code_type or code.co_filename != root + "/" + test_file or code.co_firstlineno != line:
-            results[tid] = "MISMATCH"
+        where = root + "/" + test_file
+        if type(code) is not code_type or (line is not None and (code.co_filename, code.co_firstlineno) != (where, line)):
+            results[tid] = "MISMATCH"  # not the function the test file defines
+            continue
+        if line is None and (code.co_filename in patched or not code.co_filename.startswith(root + "/")):
+            results[tid] = "MISMATCH" if code.co_filename in patched else "UNSUPPORTED"
+            continue
+        if line is None and not _defines(code.co_filename, code.co_firstlineno, name):
+            results[tid] = "UNSUPPORTED"  # decorated, or not where it says: not called
             continue
         try:
-            fn(owner) if owner is not None else fn()
+            if kind == "unittest":
+                cls.setUpClass()
+                case = cls(name)
+                case.setUp()
+                try:
+                    fn(case)
+                finally:
+                    case.tearDown()
+                    case.doCleanups()
+                    cls.tearDownClass()
+            elif cls is not None:
+                fn(cls())
+            else:
+                fn()
             results[tid] = "PASSED"
+        except unittest.SkipTest:
+            results[tid] = "SKIPPED"
         except BaseException as e:  # a skip or xfail raised from outside the test's text counts as a failure
             results[tid] = f"FAILED {type(e).__name__}"
+        blunted = _changed(watched)
+        if blunted:
+            results[tid] = "MISMATCH " + ",".join(blunted[:3])
     write(out, json.dumps({"secret": secret, "results": results}).encode())
     exit_(0)
 

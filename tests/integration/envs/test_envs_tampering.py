@@ -5,7 +5,8 @@ Two shipped tasks (toolz: tests in a package; boltons: tests beside a pristine c
 starts from the task's pristine state (a sandbox restored from the env's pristine snapshot, as an agent's
 sandbox is at reset), does what an agent could do there as root, and is graded as the env grades. The
 attacks aimed at code run *inside* the test process avoid the words the filter looks for, to show what
-stops them besides the text rule (the fresh sandbox, the canary, the result file, the process kill).
+stops them besides the text rule (the fresh sandbox, the canaries, the result file, the process kill, the
+audit hook; test_envs_runtime_tampering.py has the attacks that rewrite outcomes from inside the test process).
 """
 
 from __future__ import annotations

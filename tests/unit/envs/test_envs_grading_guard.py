@@ -102,7 +102,11 @@ def test_disagreements_between_pytest_and_the_isolated_run():
 # --- the guard, for real ---------------------------------------------------------------------------
 
 
-def repo(tmp_path: Path, lib: str, added: list[int] | None, tests: str = TESTS) -> tuple[Path, Path]:
+SOLO = ["tests/test_lib.py::test_value", "tests/test_lib.py::test_twice", "tests/test_lib.py::test_p"]
+
+
+def repo(tmp_path: Path, lib: str, added: list[int] | None, tests: str = TESTS,
+         solo_ids: list[str] = SOLO) -> tuple[Path, Path]:
     root, folder = tmp_path / "repo", tmp_path / "grade"
     (root / "tests").mkdir(parents=True)
     folder.mkdir()
@@ -110,7 +114,7 @@ def repo(tmp_path: Path, lib: str, added: list[int] | None, tests: str = TESTS) 
     (root / "tests" / "test_lib.py").write_text(tests)
     cfg = {"log": str(folder / "audit.log"), "folder": str(folder), "root": str(root),
            "patched": {str(root / "lib.py"): added}, "modules": ["lib"], "paths": [str(folder), "/proc/"],
-           "solo": ["tests/test_lib.py::test_value", "tests/test_lib.py::test_twice", "tests/test_lib.py::test_p"]}
+           "solo": solo_ids}
     (folder / "guard.json").write_text(json.dumps(cfg))
     (folder / "guard.py").write_bytes(audit.guard_source())
     return root, folder
@@ -197,3 +201,35 @@ def test_an_xfail_or_a_swapped_test_function_fails_the_isolated_run(tmp_path):
     run = solo(root, folder)
     assert run.results["tests/test_lib.py::test_value"].startswith("FAILED"), run.results
     assert run.status("tests/test_lib.py::test_twice") in ("MISMATCH", "FAILED"), run.results
+
+
+UNITTEST = textwrap.dedent("""\
+    import unittest
+
+    from lib import f
+    from mixin import Mixin
+
+
+    class TestF(unittest.TestCase, Mixin):
+        def test_own(self):
+            self.assertEqual(f(1), 2)
+""")
+MIXIN = "from lib import f\n\n\nclass Mixin:\n    def test_inherited(self):\n        self.assertEqual(f(2), 3)\n"
+UNITTEST_IDS = ["tests/test_lib.py::TestF::test_own", "tests/test_lib.py::TestF::test_inherited"]
+
+
+@pytest.mark.parametrize("right", [True, False])
+def test_the_isolated_run_calls_unittest_tests_their_own_and_inherited(tmp_path, right):
+    root, folder = repo(tmp_path, LIB if right else "def f(x):\n    return x\n", [2], UNITTEST, UNITTEST_IDS)
+    (root / "tests" / "mixin.py").write_text(MIXIN)
+    run = solo(root, folder)
+    assert {run.status(t) for t in UNITTEST_IDS} == {"PASSED" if right else "FAILED"}, run.results
+
+
+def test_blunting_unittests_assertions_is_seen_by_the_isolated_run(tmp_path):
+    lib = "def f(x):\n    return x\n" + "import unittest as _u\nsetattr(_u.TestCase, 'assert' + 'Equal', lambda *a, **k: None)\n"
+    root, folder = repo(tmp_path, lib, [3, 4], UNITTEST, UNITTEST_IDS)
+    (root / "tests" / "mixin.py").write_text(MIXIN)
+    run = solo(root, folder)
+    assert {run.status(t) for t in UNITTEST_IDS} == {"MISMATCH"}, run.results
+    assert "unittest.case.TestCase.assertEqual" in run.results[UNITTEST_IDS[0]]
