@@ -34,10 +34,14 @@ returned the right answers while the test ran, i.e. special-cased the tests' inp
 of outcomes can tell from a fix — or forge its result file, which needs the run's secret: held only in
 the runner's local variables, reachable only through frames (refused) or a frame a signal handler
 receives (``signal.signal`` is not audited: the one known way in, not yet closed). Tests the isolated
-run cannot call plainly (parametrized, fixtures, decorators, classes with setup; FAIL_TO_PASS ids with
-parameters) rest on the canaries and the hook only, and a patch that carries the pristine test names
-can spare every canary (they cannot be indistinguishable from tests missing from the file the agent
-had). A command that is not a plain pytest invocation runs without the guard, the isolated run and the
+run cannot call (parametrized, taking fixtures, decorated; ``envs.grading.isolation``) rest on the
+canaries and the hook only, and a patch that carries the pristine test names can spare every canary
+(they cannot be indistinguishable from tests missing from the file the agent had): of the shipped
+tasks' 344 FAIL_TO_PASS tests the isolated run calls 170, and 9 of the 54 tasks (inflection's and
+semver's parametrized ones) have none it can call — there, a rewrite by a computed module or class
+attribute, aimed at the tests by name, still gets through. Neither check sees a patch that weakens a
+helper the tests import from the library itself (e.g. an ``assert raises(...)`` helper that always says
+yes): that is a change to what the tests test, for a reviewer of ``info["patch"]``. A command that is not a plain pytest invocation runs without the guard, the isolated run and the
 canaries. Processes the tests leave behind are killed before each result file is read.
 """
 

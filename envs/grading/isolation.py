@@ -11,9 +11,18 @@ repository's code runs, kept out of the guard's globals): a result file without 
 
 ``disagreements`` compares the two: a test pytest reports as passing that fails, errors or is not the
 task's own function when called on its own, a canary that passes, a missing or forged result file while
-pytest reports passes — each is a sign the report was rewritten (tampering, reward 0). Tests that cannot
-be called plainly (fixtures, parameters, decorators, classes with setup methods; decided from the test
-file's source) are reported ``UNSUPPORTED`` and checked by the canaries and the audit hook only.
+pytest reports passes — each is a sign the report was rewritten (tampering, reward 0). A test also counts
+as not the task's (``MISMATCH``) when, while it ran, the machinery it relies on was blunted: a function
+or class attribute of ``builtins``, ``unittest`` or pytest's modules (``assertEqual``, ``raises``, ...)
+replaced since before the repository's code ran.
+
+What can be called: module-level test functions and methods of pytest-style classes without setup
+methods, without decorators, arguments or fixtures; methods of ``unittest.TestCase`` classes, their own
+or inherited (run as unittest runs them: ``setUpClass``, ``setUp``, the test, ``tearDown``, cleanups),
+decided from the test file's source before any import, inherited ones checked at run time (a plain
+``def`` in a pristine repository file, not one the patch touches). Parametrized tests (ids with
+``[...]``), tests taking fixtures and decorated tests are reported ``UNSUPPORTED`` and rest on the
+canaries and the audit hook only.
 """
 
 from __future__ import annotations
