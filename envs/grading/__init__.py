@@ -7,21 +7,42 @@ interpreter and its site-packages, startup hooks and the commands on PATH were a
 - ``patch``: the agent's change is taken out of its sandbox as a patch of /testbed — data, nothing
   more — and filtered by one documented rule (test files, test-runner configuration, interpreter
   startup hooks, bytecode, package metadata, ... are dropped and reported; ``filter_patch``);
-- ``diff``: the git diff read as data (its sections, the paths and lines each adds), for ``patch``'s rule;
 - ``grader``: the kept patch is applied to a fresh sandbox restored from the task's pristine state
   (a snapshot taken at reset, before the agent acted), where the tests run with plugin auto-loading
-  off, the image's interpreter by absolute path and a canary test that must fail; results come from a
-  JUnit XML file the grader asked for, outside /testbed (``grade``);
+  off and the image's interpreter by absolute path; results come from a JUnit XML file the grader asked
+  for, outside /testbed (``grade``); ``command``: the task's test command read as a pytest invocation,
+  and the script that runs it;
+- run-time tampering, closed by construction rather than by reading the patch: ``audit`` (with
+  ``sandbox_guard.py``, the program written into the grading folder) runs pytest under a PEP 578 audit
+  hook installed before any repository code, which refuses and logs frames, ``gc`` walks, ``ctypes``,
+  tracing hooks, string-compiled code, runner imports, new processes and the grading folder to the code
+  the patch added; ``isolation`` calls the FAIL_TO_PASS tests and the canaries again in a second guarded
+  interpreter, without pytest's runner, its verdicts signed with a secret, and compares; ``canary``
+  derives the canaries from the task's own tests (copies under names like theirs, made to fail). Any
+  sign sets ``info["grading"]["tampering"]`` with ``tampering_reasons`` (reward 0);
+- ``diff``: the git diff read as data (its sections, the paths and lines each adds), for ``patch``'s rule;
 - ``results``: the JUnit and ``-rA`` text parsers, and SWE-bench's decision rule.
 
-What remains possible. The code under test runs in the same process as pytest. A patch to the library
-that, at run time, reaches into the runner by means the text rule does not name (``exec`` of a string
-built at run time, a computed ``importlib`` name, ``gc`` walks under another name) and rewrites the
-outcome of the task's own tests *by name* — leaving the canary failing — is not stopped by
-construction; it is a change to the library's source that a reviewer of ``info["patch"]`` sees. The
-canary catches every blanket manipulation (all outcomes passed, the result file rewritten without
-knowing the canary, early exits). Processes the tests leave behind are killed before the result file
-is read.
+What it takes to rewrite outcomes now, and what remains possible. Rewriting pytest's reports at run time
+(a class attribute of the report, a module attribute of the runner, pluggy's hook calls, a registered
+plugin, ``xfail``) is not refused by the audit hook — Python audits neither module, instance nor
+(ordinary) class attribute writes, nor ``sys.modules`` lookups — but it no longer decides the grade: the
+isolated run calls each FAIL_TO_PASS test without pytest's reports, and a test pytest reports passing that
+fails there is tampering. To get past all of it a patch must (1) rewrite pytest's outcome by means the
+hook does not see, and (2) either make the isolated run see the test pass — in which case the library
+returned the right answers while the test ran, i.e. special-cased the tests' inputs, which no grader
+of outcomes can tell from a fix — or forge its result file, which needs the run's secret: held only in
+the runner's local variables, reachable only through frames (refused) or a frame a signal handler
+receives (``signal.signal`` is not audited: the one known way in, not yet closed). Tests the isolated
+run cannot call (parametrized, taking fixtures, decorated; ``envs.grading.isolation``) rest on the
+canaries and the hook only, and a patch that carries the pristine test names can spare every canary
+(they cannot be indistinguishable from tests missing from the file the agent had): of the shipped
+tasks' 344 FAIL_TO_PASS tests the isolated run calls 170, and 9 of the 54 tasks (inflection's and
+semver's parametrized ones) have none it can call — there, a rewrite by a computed module or class
+attribute, aimed at the tests by name, still gets through. Neither check sees a patch that weakens a
+helper the tests import from the library itself (e.g. an ``assert raises(...)`` helper that always says
+yes): that is a change to what the tests test, for a reviewer of ``info["patch"]``. A command that is not a plain pytest invocation runs without the guard, the isolated run and the
+canaries. Processes the tests leave behind are killed before each result file is read.
 """
 
 from envs.grading.grader import (

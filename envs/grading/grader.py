@@ -8,45 +8,50 @@ What runs where:
    agent acted (``SWEEnv`` keeps it; without one, a sandbox is set up from the task's image) — into
    which nothing of the agent's sandbox carries over but the kept patch:
 
-   a. the kept patch and the task's test patch are written to a folder of its own
-      (``/var/lib/agentenv-grade-<random>``, mode 700, outside /testbed); the image's git lists the
-      files it will touch (``git apply --numstat``), which must be exactly the kept files in order
-      (else the patch does not mean the same to the grader and to git: nothing runs, reward 0), then
-      applies both; links the patch made must stay inside /testbed;
-   b. a canary test that must fail, under a name drawn for this grading, is appended to the file of
-      the first FAIL_TO_PASS test (so nothing on pytest's command line points to it);
+   a. the kept patch, the task's test patch, the guard program (``sandbox_guard.py``) and a secret for
+      this grading are written to a folder of its own (``/var/lib/agentenv-grade-<random>``, mode 700,
+      outside /testbed); the image's git lists the files it will touch (``git apply --numstat``), which
+      must be exactly the kept files in order (else the patch does not mean the same to the grader and
+      to git: nothing runs, reward 0), then applies both; links the patch made must stay inside /testbed;
+   b. canaries, tests that must fail, are derived from the tests of the first FAIL_TO_PASS test's file
+      and written into it beside the tests they copy (``envs.grading.canary``; a plain one when the file
+      has none to copy), so nothing on pytest's command line points to them;
    c. the tests run with the image's interpreter by absolute path (resolved before the patch was
-      applied), ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and only the plugins the task declares (``-p``;
-      the record's ``pytest_plugins``, kept in ``task.metadata``), ``PYTHON*`` and ``PYTEST_*``
-      variables cleared (``PYTHONPATH`` as the image sets it), no cache provider, and pytest asked
-      for a JUnit XML file in the grading folder; when they end, every other process in the sandbox
-      is killed before the file is read;
-   d. statuses come from that file (``envs.grading.results``), the text log only adds XPASS and the
-      failure messages; the canary must be reported FAILED (or ERROR), else the run was tampered with;
+      applied), started by the guard (its audit hook installed before any repository code:
+      ``envs.grading.audit``) instead of ``-m pytest``, ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and only
+      the plugins the task declares (``-p``; the record's ``pytest_plugins``, kept in
+      ``task.metadata``), ``PYTHON*`` and ``PYTEST_*`` variables cleared (``PYTHONPATH`` as the image
+      sets it), no cache provider, and pytest asked for a JUnit XML file in the grading folder; when
+      they end, every other process in the sandbox is killed, the FAIL_TO_PASS tests and the canaries
+      are called again on their own in a second guarded interpreter (``envs.grading.isolation``), and
+      every other process is killed again before the files are read;
+   d. statuses come from the JUnit file (``envs.grading.results``), the text log only adds XPASS and the
+      failure messages; the run was tampered with (reward 0, ``tampering_reasons``) when the guard's log
+      shows a refused event, a canary is reported anything but FAILED (or ERROR), or the isolated run
+      disagrees with pytest's report (a test reported passing that fails on its own, a canary passing
+      there, its result missing or without the secret);
 4. the grading sandbox is closed (by ``SWEEnv`` on a worker thread; ``env.close()`` waits for it).
 
-The canary is not used when the command selects tests (``-k``, ``-m``, ``--deselect``, ``--lf``, ...) or
+The canaries are not used when the command selects tests (``-k``, ``-m``, ``--deselect``, ``--lf``, ...) or
 names no ``{tests}``. A repository whose pristine configuration does not collect ``test_*`` functions
 (``python_functions``) or marks whole test modules xfail would trip it with every patch, the gold one
 too: ``python -m envs.tasks validate`` shows such a task.
 
-The task's ``test_command`` is kept when it is a plain pytest invocation (``[VAR=value ...] python3 -m
-pytest ARGS``, ``pytest ARGS``): its ARGS stay (they are the task's, e.g. ``-o addopts= -W ...``) and
-the grader's options are added. Any other command runs as the task gives it, with the grader's
-options passed through ``PYTEST_ADDOPTS`` and without a canary. The pristine repository's own
-pytest configuration is used (the patch cannot change it: ``test-config`` drops).
+How the task's ``test_command`` is run is ``envs.grading.command``'s: a plain pytest invocation keeps its
+arguments and gets the grader's options, the guard and the isolated run; any other command runs as the
+task gives it, without them. The pristine repository's own pytest configuration is used (the patch
+cannot change it: ``test-config`` drops).
 
 A task is resolved when every FAIL_TO_PASS test passes and every PASS_TO_PASS test still passes (a test
 missing from the results counts as failed), as SWE-bench decides, and nothing else went wrong: the
 patch was extracted within its size limit and applied, the tests did not time out, the result file
-was there and well formed, and the canary held.
+was there and well formed, and no sign of tampering showed (canaries, audit hook, isolated run).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import posixpath
-import re
 import secrets
 import shlex
 import time
@@ -57,6 +62,8 @@ from typing import Any, TypeVar
 
 import agentenv
 from agentenv.api import Backend, SandboxLike, SnapshotLike
+from envs.grading import audit, canary, isolation
+from envs.grading.command import Invocation, declared_plugins, parse_test_command, run_script
 from envs.grading.diff import parse_numstat
 from envs.grading.patch import (
     WORKDIR,
@@ -83,11 +90,6 @@ from envs.task import Task
 _T = TypeVar("_T")
 GRADE_ROOT = "/var/lib/agentenv-grade-"
 CANARY_OK = frozenset({"FAILED", "ERROR"})
-_PYTHON = re.compile(r"(?:.*/)?python[0-9.]*")
-_ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
-_SHELL_OPS = frozenset("();<>|&")
-# -k / -m / --deselect select tests: the canary could be deselected, so it is not used with them
-_SELECTING = ("-k", "-m", "--deselect", "--lf", "--last-failed", "--ff", "--sw", "--stepwise")
 
 
 @dataclass(frozen=True)
@@ -103,18 +105,26 @@ class GradeResult:
     dropped: tuple[Dropped, ...] = ()   # files of the patch that were not graded, and why
     tampering: bool = False         # a drop for a reason but `test`, a mismatched patch, or a tripped canary
     graded_patch: str = field(default="", repr=False)  # what was applied (the patch less `dropped`)
-    canary: str = ""                # the canary test's status; "" when the run had none
+    canary: str = ""                # the canaries' status (FAILED or ERROR when they held); "" when none ran
     timings: Mapping[str, float] = field(default_factory=dict)  # seconds per phase
+    canaries: Mapping[str, str] = field(default_factory=dict)   # each canary's node id -> its status
+    tampering_reasons: tuple[str, ...] = ()   # what the canaries, the audit hook and the isolated run saw
+    solo: Mapping[str, str] = field(default_factory=dict)       # the isolated run's verdicts
+    audit_events: tuple[Mapping[str, str], ...] = ()            # what the audit hook refused
 
     @property
     def reward(self) -> float:
         return 1.0 if self.resolved else 0.0
 
     def grading_info(self) -> dict[str, Any]:
-        """``info["grading"]``: what was dropped from the patch and why, tampering, the canary, timings."""
+        """``info["grading"]``: what was dropped from the patch and why, tampering and why, the canaries, the
+        isolated run, what the audit hook refused, timings."""
+        reasons = [f"{d.path}: dropped ({d.reason})" for d in self.dropped if d.tampering]
         out: dict[str, Any] = {"dropped": [d.to_info() for d in self.dropped], "tampering": self.tampering,
-                               "canary": self.canary, "timings_ms": {k: round(v * 1000, 1) for k, v in
-                                                                     self.timings.items()}}
+                               "tampering_reasons": [*reasons, *self.tampering_reasons], "canary": self.canary,
+                               "canaries": dict(self.canaries), "solo": dict(self.solo),
+                               "audit_events": [dict(e) for e in self.audit_events],
+                               "timings_ms": {k: round(v * 1000, 1) for k, v in self.timings.items()}}
         if self.dropped:
             out["graded_patch"] = self.graded_patch
         return out
@@ -132,14 +142,6 @@ class GradeResult:
             notes.append("not graded: " + ", ".join(f"{d.path} ({d.reason})" for d in self.dropped[:5])
                          + (f" and {len(self.dropped) - 5} more" if len(self.dropped) > 5 else ""))
         return f"Graded: {verdict}." + (f" [{'; '.join(notes)}]" if notes else "")
-
-
-def declared_plugins(task: Task) -> list[str]:
-    """The pytest plugins a task declares (``"pytest_plugins": [...]`` in its record; default none)."""
-    v = task.metadata.get("pytest_plugins", [])
-    if isinstance(v, str):
-        v = [v]
-    return [p for p in v if isinstance(p, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.]*", p)]
 
 
 def protected_files(task: Task) -> list[str]:
@@ -160,97 +162,10 @@ def filter_for(task: Task, patch: bytes) -> FilteredPatch:
                         exempt_paths=paths, exempt_reasons=reasons)
 
 
-@dataclass(frozen=True)
-class Invocation:
-    """How the tests are run: the pytest arguments (None: the task's own command, options via PYTEST_ADDOPTS)."""
-
-    assignments: tuple[str, ...] = ()
-    interpreter: str = ""            # the word naming python, or "pytest" for the console script
-    python_flags: tuple[str, ...] = ()
-    args: tuple[str, ...] | None = None
-
-    @property
-    def canary_allowed(self) -> bool:
-        return self.args is not None and "{tests}" in self.args and not any(
-            a == s or a.startswith(s + "=") or (s in ("-k", "-m") and a.startswith(s) and len(a) > 2)
-            for a in self.args for s in _SELECTING)
-
-
-def parse_test_command(command: str) -> Invocation:
-    """The task's ``test_command`` as a pytest invocation the grader can run itself, when it is one."""
-    try:
-        lex = shlex.shlex(command, posix=True, punctuation_chars=True)
-        lex.whitespace_split = True
-        words = list(lex)
-    except ValueError:
-        return Invocation()
-    if not words or any(w and set(w) <= _SHELL_OPS for w in words):
-        return Invocation()
-    assignments = []
-    while words and _ASSIGN.fullmatch(words[0]):
-        assignments.append(words.pop(0))
-    if not words:
-        return Invocation()
-    head = words[0]
-    if posixpath.basename(head) in ("pytest", "py.test"):
-        return Invocation(tuple(assignments), "pytest", (), tuple(words[1:]))
-    if _PYTHON.fullmatch(head):
-        i = 1
-        while i < len(words):
-            w = words[i]
-            if w == "-m":
-                if i + 1 < len(words) and words[i + 1] in ("pytest", "py.test"):
-                    return Invocation(tuple(assignments), head, tuple(words[1:i]), tuple(words[i + 2:]))
-                break
-            if w in ("-X", "-W"):  # flags that take a value
-                i += 2
-            elif w.startswith("-") and w != "-c" and w != "-":
-                i += 1
-            else:
-                break
-    return Invocation()
-
-
-def _grader_options(task: Task, inv: Invocation, junit: str) -> list[str]:
-    args = list(inv.args or ())
-    opts = ["-p", "no:cacheprovider", f"--junitxml={junit}", "-o", "junit_family=xunit1", "-o", "junit_logging=no"]
-    for plugin in declared_plugins(task):
-        opts += ["-p", plugin]
-    if not any(a == "--rootdir" or a.startswith("--rootdir=") for a in args):
-        opts.append(f"--rootdir={WORKDIR}")
-    return opts
-
-
-def run_script(task: Task, inv: Invocation, python: str, folder: str) -> str:
-    """The POSIX sh script that runs the tests in the grading sandbox (see the module doc, step 3c)."""
-    junit = f"{folder}/junit.xml"
-    tests = task.test_files
-    opts = _grader_options(task, inv, junit)
-    clean = ('for v in $(env | sed -n -E \'s/^((PYTHON|PYTEST_)[A-Za-z0-9_]*)=.*/\\1/p\'); do '
-             '[ "$v" = PYTHONPATH ] || unset "$v"; done')
-    exports = "export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONDONTWRITEBYTECODE=1 PYTHONNOUSERSITE=1"
-    if inv.args is not None:
-        args: list[str] = []
-        for a in inv.args:
-            args += tests if a == "{tests}" else [a.replace("{tests}", " ".join(tests))]
-        cmd = shlex.join([*inv.assignments, python, *inv.python_flags, "-m", "pytest", *args, *opts])
-        if inv.assignments:
-            cmd = "env " + cmd
-    else:
-        cmd = task.test_command.replace("{tests}", " ".join(shlex.quote(f) for f in task.test_files))
-        exports += f" PYTEST_ADDOPTS={shlex.quote(shlex.join(opts))}"
-    return "\n".join([clean, exports, f"cd {WORKDIR}", cmd, "rc=$?", "kill -s KILL -- -1 2>/dev/null", "exit $rc"])
-
-
-def canary_source(name: str) -> str:
-    return (f"\n\n\ndef {name}():  # added by the grader: it must fail\n"
-            f"    raise AssertionError('{name} must fail')\n")
-
-
 def _prepare_script(folder: str, interpreter: str, has_patch: bool, has_test_patch: bool,
-                    canary: tuple[str, str] | None = None) -> str:
-    """Step 3a: resolve the interpreter, list and apply the patch, apply the test patch, add the canary
-    (``(test file, function name)``) to the end of that file, list the links."""
+                    canary_file: str = "") -> str:
+    """Step 3a: resolve the interpreter, list and apply the patch, apply the test patch, print the file the
+    canaries go in (when it is a plain file), list the links."""
     q = shlex.quote
     lines = ["set -u", f"chmod 700 {folder}", f"cd {WORKDIR}", "g=/usr/bin/git; [ -x \"$g\" ] || g=git",
              f"echo \"python=$(command -v {q(interpreter)} || true)\"",
@@ -264,10 +179,9 @@ def _prepare_script(folder: str, interpreter: str, has_patch: bool, has_test_pat
     if has_test_patch:
         lines += [f"\"$g\" apply --whitespace=nowarn {folder}/test.patch 2> {folder}/err "
                   f"|| {{ echo \"fail=test_patch $(base64 -w0 {folder}/err)\"; exit 0; }}"]
-    if canary is not None:
-        path = q(f"{WORKDIR}/{canary[0]}")
-        lines += [f"if [ -f {path} ] && [ ! -L {path} ]; then printf %s {q(canary_source(canary[1]))} >> {path}; "
-                  "echo canary=1; fi"]
+    if canary_file:
+        path = q(f"{WORKDIR}/{canary_file}")
+        lines += [f"if [ -f {path} ] && [ ! -L {path} ]; then echo \"canary_src=$(head -c 4000000 {path} | base64 -w0)\"; fi"]
     lines += [f"echo \"links=$(find {WORKDIR} -path {WORKDIR}/.git -prune -o -type l -printf '%P\\0%l\\0' "
               "| base64 -w0)\"", "echo ok=1"]
     return "\n".join(lines)
@@ -393,11 +307,17 @@ class _Run:
     exit_code: int = -1
     timed_out: bool = False
     log: str = ""
+    reasons: list[str] = field(default_factory=list)     # signs of tampering the run showed (the guard's log)
+    audit_events: tuple[Mapping[str, str], ...] = ()
 
     def fail(self, why: str, *, tampering: bool = False) -> GradeResult:
-        return _failed(self.task, self.patch, why, dropped=self.filtered.dropped,
-                       tampering=self.tampering or tampering, graded_patch=self.filtered.kept.decode("utf-8", "replace"),
-                       exit_code=self.exit_code, timed_out=self.timed_out, log_tail=self.log[-4000:])
+        if self.reasons:
+            why = f"the test run was tampered with: {self.reasons[0]} ({why})"
+        r = _failed(self.task, self.patch, why, dropped=self.filtered.dropped, reasons=tuple(self.reasons),
+                    tampering=self.tampering or tampering or bool(self.reasons),
+                    graded_patch=self.filtered.kept.decode("utf-8", "replace"), exit_code=self.exit_code,
+                    timed_out=self.timed_out, log_tail=self.log[-4000:])
+        return dataclasses.replace(r, audit_events=self.audit_events)
 
 
 def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, timeout: float,
@@ -405,18 +325,21 @@ def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, 
     run = _Run(task, raw.decode("utf-8", "replace"), filtered, tampering=filtered.tampering)
     folder = GRADE_ROOT + secrets.token_hex(8)
     inv = parse_test_command(task.test_command)
+    guarded = inv.args is not None
+    secret = isolation.new_secret()
+    files = {f"{folder}/{audit.GUARD_FILE}": audit.guard_source(), f"{folder}/{isolation.KEY_FILE}": secret.encode()}
     if filtered.kept:
-        sb.write_file(f"{folder}/model.patch", filtered.kept, mode=0o600)
+        files[f"{folder}/model.patch"] = filtered.kept
     if task.test_patch:
-        sb.write_file(f"{folder}/test.patch", task.test_patch, mode=0o600)
-    if not filtered.kept and not task.test_patch:
-        sb.exec(f"mkdir -p -m 700 {folder}", timeout=60)
+        files[f"{folder}/test.patch"] = task.test_patch.encode("utf-8", "surrogateescape")
+    for path, data in files.items():
+        sb.write_file(path, data, mode=0o600)
     interp = inv.interpreter if inv.args is not None and inv.interpreter != "pytest" else "python3"
-    canary_name = f"test_{secrets.token_hex(8)}"
     canary_file = task.FAIL_TO_PASS[0].split("::", 1)[0] if task.FAIL_TO_PASS else ""
-    canary = (canary_file, canary_name) if inv.canary_allowed and canary_file.endswith(".py") else None
-    r = sb.exec(_prepare_script(folder, interp, bool(filtered.kept), bool(task.test_patch), canary), timeout=300,
-                cwd=WORKDIR)
+    if not (inv.canary_allowed and canary_file.endswith(".py")):
+        canary_file = ""
+    r = sb.exec(_prepare_script(folder, interp, bool(filtered.kept), bool(task.test_patch), canary_file),
+                timeout=300, cwd=WORKDIR)
     fields = _fields(r.stdout)
     timer.lap("apply")
     if "fail" in fields:
@@ -439,16 +362,28 @@ def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, 
     python = _python(inv, fields) if inv.args is not None else ""
     if inv.args is not None and not python.startswith("/"):
         return run.fail(f"the image has no interpreter for {inv.interpreter!r} on its PATH")
-    if canary is not None and fields.get("canary") != "1":
-        canary = None  # the test file is not a plain file: no canary (a missing test fails the task anyway)
+    canary_ids = _add_canaries(sb, canary_file, fields) if canary_file and "canary_src" in fields else []
+    solo_ids = isolation.solo_tests(task.FAIL_TO_PASS, canary_ids) if guarded else []
+    cfg = audit.config(folder, filtered, solo_ids)
+    sb.write_file(f"{folder}/{audit.CONFIG_FILE}", audit.config_bytes(cfg), mode=0o600)
     timer.lap("apply")
-    r = sb.exec(run_script(task, inv, python, folder), timeout=timeout, cwd=WORKDIR)
+    r = sb.exec(run_script(task, inv, python, folder, guarded=guarded, solo=bool(solo_ids)), timeout=timeout,
+                cwd=WORKDIR)
     run.exit_code, run.timed_out, run.log = r.exit_code, r.timed_out, r.stdout + r.stderr
     timer.lap("tests")
     if r.timed_out:
         return run.fail(f"the tests timed out after {timeout:g} s")
-    st = sb.exec(f"stat -L -c '%s %F' {folder}/junit.xml", timeout=60)
-    size, _, kind = st.stdout.strip().partition(" ")
+    st = sb.exec(f"stat -L -c '%s %F' {folder}/junit.xml; for f in {audit.LOG_FILE} {isolation.RESULT_FILE}; do "
+                 f"echo \"$f=$(head -c 1000000 {folder}/$f 2>/dev/null | base64 -w0)\"; done", timeout=60)
+    size, _, kind = st.stdout.split("\n", 1)[0].strip().partition(" ")
+    outputs = _fields_raw(st.stdout)
+    guard_log = audit.read_log(_b64(outputs.get(audit.LOG_FILE, "")))
+    reasons = run.reasons = guard_log.reasons()
+    run.audit_events = guard_log.events
+    if guarded and r.exit_code == audit.GUARD_EXIT:
+        reasons.append("the test process closed or replaced the audit hook's log")
+    if guarded and guard_log.starts == 0 and not reasons:
+        return run.fail("the grader's guard did not start in the grading sandbox")
     if st.exit_code != 0 or kind != "regular file" or not size.isdigit():
         return run.fail(f"the test run wrote no result file (pytest exit code {r.exit_code})")
     if int(size) > MAX_RESULT_BYTES:
@@ -460,28 +395,59 @@ def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, 
     timer.lap("results")
     expected = [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]
     statuses = merge_text(statuses_from_junit(cases, expected), parse_pytest(run.log, expected))
-    canary_status = ""
-    if canary is not None:
-        found = statuses_from_junit(cases, [f"{canary[0]}::{canary[1]}"])
-        canary_status = found.get(f"{canary[0]}::{canary[1]}", "MISSING")
+    canaries = dict(statuses_from_junit(cases, canary_ids)) if canary_ids else {}
+    canaries = {c: canaries.get(c, "MISSING") for c in canary_ids}
     f2p = {t: statuses.get(t, "MISSING") for t in task.FAIL_TO_PASS}
     p2p = {t: statuses.get(t, "MISSING") for t in task.PASS_TO_PASS}
     tests_pass = all(s in PASSING for s in (*f2p.values(), *p2p.values()))
-    error, tampering = "", run.tampering
     # a missing canary with failing tests is no sign (e.g. -x stopped the run before it); with passing ones it is
-    if canary is not None and canary_status not in CANARY_OK and (canary_status != "MISSING" or tests_pass):
-        tampering = True
-        error = f"the canary test, which must fail, was reported {canary_status}: the test run was tampered with"
+    for c, status in canaries.items():
+        if status not in CANARY_OK and (status != "MISSING" or tests_pass):
+            reasons.append(f"the canary test {c}, which must fail, was reported {status}")
+    solo = isolation.read_solo(_b64(outputs.get(isolation.RESULT_FILE, "")), secret) if solo_ids \
+        else isolation.SoloRun({})
+    if solo_ids:
+        reasons += isolation.disagreements(solo, solo_ids, statuses, canary_ids)
+    bad = [s for s in canaries.values() if s not in CANARY_OK]
+    error = f"the test run was tampered with: {reasons[0]}" if reasons else ""
     return GradeResult(resolved=tests_pass and not error, fail_to_pass=f2p, pass_to_pass=p2p, patch=run.patch,
                        exit_code=r.exit_code, timed_out=False, error=error, log_tail=run.log[-4000:],
-                       dropped=filtered.dropped, tampering=tampering,
-                       graded_patch=filtered.kept.decode("utf-8", "replace"), canary=canary_status)
+                       dropped=filtered.dropped, tampering=run.tampering or bool(reasons),
+                       graded_patch=filtered.kept.decode("utf-8", "replace"),
+                       canary=(bad[0] if bad else ("FAILED" if "FAILED" in canaries.values() else "ERROR"))
+                       if canaries else "", canaries=canaries, tampering_reasons=tuple(reasons),
+                       solo=dict(solo.results), audit_events=guard_log.events)
+
+
+def _fields_raw(stdout: str) -> dict[str, str]:
+    """``name=value`` lines whose name is a file name (``audit.log=...``)."""
+    out: dict[str, str] = {}
+    for line in stdout.splitlines():
+        k, sep, v = line.partition("=")
+        if sep and k and "/" not in k and " " not in k:
+            out.setdefault(k, v)
+    return out
+
+
+def _add_canaries(sb: SandboxLike, test_file: str, fields: dict[str, str]) -> list[str]:
+    """Step 3b: the canaries written into ``test_file`` (derived from its tests; a plain one when it has none)."""
+    source = _b64(fields.get("canary_src", "")).decode("utf-8", "surrogateescape")
+    derived = canary.derive(source)
+    if derived is None:
+        name = f"test_{secrets.token_hex(8)}"
+        text, names = source + canary.plain(name), [name]
+    else:
+        text, names = derived.source, list(derived.names)
+    sb.write_file(f"{WORKDIR}/{test_file}", text.encode("utf-8", "surrogateescape"))
+    return [f"{test_file}::{n}" for n in names]
 
 
 def _failed(task: Task, patch: str = "", why: str = "", *, dropped: Sequence[Dropped] = (), tampering: bool = False,
+            reasons: tuple[str, ...] = (),
             graded_patch: str = "", exit_code: int = -1, timed_out: bool = False, log_tail: str = "",
             timings: Mapping[str, float] | None = None) -> GradeResult:
     return GradeResult(resolved=False, fail_to_pass={t: "MISSING" for t in task.FAIL_TO_PASS},
                        pass_to_pass={t: "MISSING" for t in task.PASS_TO_PASS}, patch=patch, exit_code=exit_code,
                        timed_out=timed_out, error=why, log_tail=log_tail, dropped=tuple(dropped),
-                       tampering=tampering, graded_patch=graded_patch, timings=dict(timings or {}))
+                       tampering=tampering, graded_patch=graded_patch, timings=dict(timings or {}),
+                       tampering_reasons=reasons)

@@ -56,12 +56,17 @@ or is the test runner itself stays gradable. The task's test files are never exe
 Every dropped change is reported (``Dropped``: path, reason, detail) in ``info["grading"]["dropped"]``;
 a drop for any reason but ``test`` sets ``info["grading"]["tampering"]``.
 
-What the rule cannot do. The code under test runs in the same process as pytest, so a fix to the
-library can still reach the runner at run time in ways no reading of the text finds (``exec`` of a
-string built at run time, ``importlib`` with a computed name, walking ``gc`` or frames under other
-names). The grader adds a canary — a test that must fail, placed beside the task's tests under a name
-drawn for each grading — so a patch that makes every test pass is caught, but one that targets the
-task's own test ids by name is not stopped by construction. See ``envs/grading/__init__.py``.
+What the rule cannot do, and what does instead. The code under test runs in the same process as pytest, so a
+fix to the library can still reach the runner at run time in ways no reading of the text finds (``exec`` of
+a string built at run time, ``importlib`` or ``sys.modules`` with a computed name, ``gc`` or frames under
+other names). That is not this rule's job; the grader closes it by construction
+(``envs.grading.grader``): the tests run under a guard whose PEP 578 audit hook, installed before any
+repository code, refuses and reports the means of reaching the runner from the patch's added lines
+(frames, ``gc`` walks, ``ctypes``, tracing hooks, code compiled from strings, new processes, the grading
+folder; ``envs.grading.audit``); the FAIL_TO_PASS tests are called again in a second interpreter where no
+pytest report decides anything (``envs.grading.isolation``); and canaries derived from the task's own
+tests must fail (``envs.grading.canary``). The rule stays as the first, cheap filter and the reason a
+drop is reported. See ``envs/grading/__init__.py`` for what remains.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Two shipped tasks (toolz: tests in a package; boltons: tests beside a pristine c
 starts from the task's pristine state (a sandbox restored from the env's pristine snapshot, as an agent's
 sandbox is at reset), does what an agent could do there as root, and is graded as the env grades. The
 attacks aimed at code run *inside* the test process avoid the words the filter looks for, to show what
-stops them besides the text rule (the fresh sandbox, the canary, the result file, the process kill).
+stops them besides the text rule (the fresh sandbox, the canaries, the result file, the process kill, the
+audit hook; test_envs_runtime_tampering.py has the attacks that rewrite outcomes from inside the test process).
 """
 
 from __future__ import annotations
@@ -328,8 +329,8 @@ ATTACKS: list[tuple[Callable[[SandboxLike, Case], None], str]] = [
     (swap_the_test_file_for_a_link, "test"),
     (xfail_from_the_library, "runner-reference"),
     (exit_at_import_unnamed, "no result file"),
-    (result_file_written_by_the_library, "canary"),
-    (result_file_rewritten_after_the_run, ""),
+    (result_file_written_by_the_library, "audit hook refused open"),  # the grading folder, from the patch
+    (result_file_rewritten_after_the_run, "audit hook refused subprocess.Popen"),
     (fake_result_files_in_the_agents_sandbox, ""),
     (git_config_and_hooks, "test-config"),
     (git_binary_replaced, "does not mean the same"),

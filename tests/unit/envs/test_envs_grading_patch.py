@@ -336,10 +336,23 @@ def test_the_run_script_pins_the_interpreter_and_turns_plugins_off():
     assert "unset" in lines[0] and "PYTHON|PYTEST_" in lines[0]
     assert "PYTEST_DISABLE_PLUGIN_AUTOLOAD=1" in lines[1]
     words = shlex.split(lines[3])
-    assert words[:3] == ["/usr/bin/python3", "-m", "pytest"]
+    # pytest starts under the grader's guard (its audit hook), from the grading folder, not with -m
+    assert words[:4] == ["/usr/bin/python3", "/var/lib/agentenv-grade-x/guard.py",
+                         "/var/lib/agentenv-grade-x/guard.json", "pytest"]
     assert "tests/test_a.py" in words and not [w for w in words if "canary" in w]
     assert "--junitxml=/var/lib/agentenv-grade-x/junit.xml" in words and "junit_family=xunit1" in words
     assert words[words.index("pytest_asyncio") - 1] == "-p" and "--rootdir=/testbed" in words
+    assert lines[-2:] == ["kill -s KILL -- -1 2>/dev/null", "exit $rc"]
+
+
+def test_the_isolated_run_follows_pytest_once_its_processes_are_killed():
+    task = task_with(SHIPPED)
+    lines = run_script(task, parse_test_command(SHIPPED), "/usr/bin/python3", "/var/lib/agentenv-grade-x",
+                       solo=True).splitlines()
+    at = lines.index("rc=$?")
+    assert lines[at + 1] == "kill -s KILL -- -1 2>/dev/null"
+    assert shlex.split(lines[at + 2])[:4] == ["/usr/bin/python3", "/var/lib/agentenv-grade-x/guard.py",
+                                              "/var/lib/agentenv-grade-x/guard.json", "solo"]
     assert lines[-2:] == ["kill -s KILL -- -1 2>/dev/null", "exit $rc"]
 
 
