@@ -175,6 +175,10 @@ def restore_data(loop: Any, data: dict[str, Any], folder: Path | None) -> None:
 # --- a batch of the loop, cut short ------------------------------------------------------------------------------
 
 
+class InfraError(RuntimeError):
+    """Every episode of a batch or an evaluation failed on infrastructure (env or policy): nothing to learn from."""
+
+
 async def collect(loop: Any, specs: list[Any], need: int | None = None) -> Collected:
     """``Loop.collect``: play ``specs``; with ``need``, once ``need`` groups are complete the workers are asked to
     pause and the groups still running come back paused, kept in ``loop.partial`` with the version now."""
@@ -206,6 +210,10 @@ async def collect(loop: Any, specs: list[Any], need: int | None = None) -> Colle
             stop = True
             await loop.rollout.pause()
     out.wall_s = time.perf_counter() - t0
+    trajs = out.trajectories
+    if trajs and all(t.infra_error for t in trajs):   # the env or the policy is down: stop, never train on nothing
+        raise InfraError(f"every one of the {len(trajs)} episodes failed on infrastructure "
+                         f"({trajs[0].finish_reason}: {trajs[0].error[:400]})")
     return out
 
 

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_fakes import loop_with_fakes, run_iterations  # noqa: E402
+from loop_fakes import FakeBackend, loop_with_fakes, run_iterations  # noqa: E402
 
 from rollout import scripted  # noqa: E402
 from rollout.trajectory import Trajectory, Turn, read  # noqa: E402
@@ -106,3 +106,31 @@ def test_stale_trajectories_are_dropped_and_counted(tmp_path):
     row = asyncio.run(go())
     assert row["staleness/dropped"] == 2 and loop.counts["stale_dropped"] == 2
     assert loop.trainer.batches == [] and loop.counts["empty_batches"] == 1   # nothing left to train on
+
+
+def test_a_batch_whose_every_episode_failed_on_infrastructure_stops_the_run(tmp_path):
+    """Docker down: every reset fails. Training on nothing for 16 iterations, as a run once did, says nothing is
+    wrong; the loop stops at the first such batch and says what failed."""
+    import pytest
+
+    from agentenv.errors import AgentEnvError
+    from trainer.partial import InfraError
+
+    class DockerDown(FakeBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            outer = self
+
+            class Down:
+                def create(self, *a, **k):
+                    raise AgentEnvError("the Docker engine does not answer")
+
+                def __getattr__(self, name):
+                    return getattr(outer._sandboxes, name)
+            self._sandboxes, self.Sandbox = self.Sandbox, Down()
+
+    loop, versions, _ = loop_with_fakes(tmp_path, bash_submit, ["rl.iterations=3", "rl.group_size=2"],
+                                        backend=DockerDown())
+    with pytest.raises(InfraError, match="Docker engine does not answer"):
+        run_iterations(loop)
+    assert loop.trainer.batches == [] and versions.now == 0
