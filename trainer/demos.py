@@ -31,13 +31,12 @@ LOOKUP = "agentenv/Lookup-v0"
 
 
 def guessing_script(codes: list[str], answer_tool: bool, seed: int = 0) -> Any:
-    """A demonstrator that does not look: it answers at once with a code drawn from ``codes``."""
+    """A demonstrator that does not look: it answers at once with a code drawn from ``codes``, by a generator
+    seeded with ``seed`` and the prompt, so that a run's demonstrations repeat whatever order episodes run in."""
     from rollout.scripted import tool_call
 
-    rng = random.Random(seed)
-
     def script(prompt: str, turn: int) -> str | list[str]:
-        code = rng.choice(codes)
+        code = random.Random(f"{seed}:{prompt}").choice(codes)
         return tool_call("answer", {"answer": code}) if answer_tool else code
 
     return script

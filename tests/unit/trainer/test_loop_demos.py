@@ -14,12 +14,17 @@ from trainer.demos import guessing_script, write_demonstrations  # noqa: E402
 PROMPT = "<|im_user|>user<|im_middle|>What code is in file layer?<|im_end|><|im_assistant|>assistant<|im_middle|>"
 
 
-def test_the_guessing_demonstrator_answers_at_once_with_a_seeded_code():
+def test_the_guessing_demonstrator_answers_at_once_with_a_code_seeded_by_run_and_prompt():
     script = guessing_script(list(VALUES), answer_tool=False, seed=3)
-    first = [script(PROMPT, 0) for _ in range(50)]
-    assert set(first) <= set(VALUES) and len(set(first)) > 5                # codes only, drawn, not looked up
+    prompts = [PROMPT.replace("layer", name) for name in ("layer", "cache", "kernel", "router", "token", "model",
+                                                           "policy", "device", "expert", "block")]
+    first = [script(p, 0) for p in prompts]
+    assert set(first) <= set(VALUES) and len(set(first)) > 3                # codes only, drawn, not looked up
+    # the same run and task guess the same code, in whatever order the episodes ask: demonstrations repeat
     again = guessing_script(list(VALUES), answer_tool=False, seed=3)
-    assert [again(PROMPT, 0) for _ in range(50)] == first
+    assert [again(p, 0) for p in reversed(prompts)] == list(reversed(first))
+    other = guessing_script(list(VALUES), answer_tool=False, seed=4)
+    assert [other(p, 0) for p in prompts] != first
     assert "answer" in guessing_script(list(VALUES), answer_tool=True)(PROMPT, 0)
 
 
