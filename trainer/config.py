@@ -117,8 +117,9 @@ class SFTConfig:
     lr: float = doc(1e-3, "AdamW learning rate")
     warmup_steps: int = doc(4, "linear learning-rate warm-up")
     init_weights: str = doc("", "safetensors to start from (empty: the seed's initial weights)")
-    threads: int = doc(0, "torch threads of the warm start (0: trainer.threads), which runs alone: nothing else "
-                          "is started yet")
+    threads: int = doc(0, "torch threads of the warm start, which runs before anything else starts (0: the cores "
+                          "idle now, from the load average: on a machine shared with another run, two torch "
+                          "processes of two threads each on two cores run several times slower than of one)")
 
 
 @dataclass
@@ -261,6 +262,7 @@ class RunConfig:
             (self.progress in ("auto", "on", "off"), "progress must be auto, on or off"),
             (self.env.max_turns >= 1, "env.max_turns must be at least 1"),
             (self.sft.steps >= 0 and self.sft.batch_size >= 1, "sft.steps >= 0 and sft.batch_size >= 1"),
+            (self.sft.threads >= 0, "sft.threads must be >= 0 (0: the idle cores)"),
             (self.eval.episodes >= 0, "eval.episodes must be >= 0"),
             (self.eval.samples >= 1, "eval.samples must be at least 1"),
             (self.eval.every == 0 or bool(self.env.validation_tasks.strip()),

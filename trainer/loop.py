@@ -70,6 +70,14 @@ from trainer.tasks import TaskRef, TaskSource, step_limit
 log = logging.getLogger(__name__)
 
 
+def idle_cores() -> int:
+    """The cores not busy now (the CPUs this process may use minus the 1-minute load average), at least one."""
+    import os
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - round(os.getloadavg()[0]))
+
+
 # --- the loop -----------------------------------------------------------------------------------------------------
 
 
@@ -162,8 +170,8 @@ class Loop:
         from trainer.sft import warm_start
 
         threads = torch.get_num_threads()
-        if cfg.sft.threads > 0:
-            torch.set_num_threads(cfg.sft.threads)
+        torch.set_num_threads(cfg.sft.threads or idle_cores())
+        self.say(f"warm start: {torch.get_num_threads()} torch thread(s)")
         try:
             weights, self.summary["sft"] = warm_start(cfg, self.dir, self.train_src.values(cfg.sft.demonstrations),
                                                       resume=self.resume, progress=self._progress_on(), say=self.say,

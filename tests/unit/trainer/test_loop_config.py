@@ -138,3 +138,17 @@ def test_routing_replay_is_refused_for_endpoints_that_cannot_return_routing(tmp_
     with pytest.raises(PreflightError) as e:          # the endpoint is down, but replay is not the complaint
         preflight(ok, resume=False, build=False)
     assert "routing_replay" not in str(e.value)
+
+
+def test_the_warm_start_takes_the_idle_cores_and_at_least_one(monkeypatch):
+    import os
+
+    from trainer.loop import idle_cores
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert idle_cores() == cores
+    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 5.0, 0.0, 0.0))
+    assert idle_cores() == 1
+    with pytest.raises(ConfigError, match="sft.threads"):
+        load(overrides=["sft.threads=-1"])
