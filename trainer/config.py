@@ -118,7 +118,7 @@ class SFTConfig:
     warmup_steps: int = doc(4, "linear learning-rate warm-up")
     init_weights: str = doc("", "safetensors to start from (empty: the seed's initial weights)")
     threads: int = doc(0, "torch threads of the warm start, which runs before anything else starts (0: the cores "
-                          "idle now, from the load average: on a machine shared with another run, two torch "
+                          "no other process keeps busy, measured over a second: on a machine shared with another run, two torch "
                           "processes of two threads each on two cores run several times slower than of one)")
 
 

@@ -48,6 +48,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -70,12 +71,27 @@ from trainer.tasks import TaskRef, TaskSource, step_limit
 log = logging.getLogger(__name__)
 
 
-def idle_cores() -> int:
-    """The cores not busy now (the CPUs this process may use minus the 1-minute load average), at least one."""
+def idle_cores(window: float = 1.0) -> int:
+    """The cores no other process keeps busy now (measured over ``window`` seconds from /proc/stat, less this
+    process's own time), at least one; where /proc/stat is missing, all of them."""
     import os
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - round(os.getloadavg()[0]))
+
+    def sample() -> tuple[float, float, float]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)   # all but idle and iowait
+        own = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic()
+
+    try:
+        b0, o0, t0 = sample()
+        time.sleep(window)
+        b1, o1, t1 = sample()
+    except (OSError, ValueError):
+        return cores
+    others = max(0.0, (b1 - b0) - (o1 - o0)) / max(t1 - t0, 1e-6)
+    return max(1, min(cores, round(cores - others)))
 
 
 # --- the loop -----------------------------------------------------------------------------------------------------

@@ -140,15 +140,37 @@ def test_routing_replay_is_refused_for_endpoints_that_cannot_return_routing(tmp_
     assert "routing_replay" not in str(e.value)
 
 
-def test_the_warm_start_takes_the_idle_cores_and_at_least_one(monkeypatch):
+def test_the_warm_start_takes_the_cores_no_other_process_keeps_busy():
+    import multiprocessing
     import os
 
     from trainer.loop import idle_cores
 
     cores = len(os.sched_getaffinity(0))
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert idle_cores() == cores
-    monkeypatch.setattr(os, "getloadavg", lambda: (cores + 5.0, 0.0, 0.0))
-    assert idle_cores() == 1
+    assert 1 <= idle_cores(0.2) <= cores
+    # a process that keeps a core busy takes that core (its own time is not counted against the idle ones)
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    spinner.start()
+    try:
+        while not _started(spinner):
+            pass
+        assert idle_cores(0.5) <= max(1, cores - 1)
+    finally:
+        spinner.kill()
+        spinner.join()
     with pytest.raises(ConfigError, match="sft.threads"):
         load(overrides=["sft.threads=-1"])
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+def _started(p) -> bool:
+    """The spinner has run on a CPU (its utime has moved)."""
+    from pathlib import Path
+    try:
+        return int(Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[11]) > 0
+    except (OSError, IndexError):
+        return False
