@@ -5,12 +5,14 @@ that pass; ``pass@k`` the mean over tasks of "at least one of k passes" (the unb
 when a task has more samples than ``k``). Both get a percentile-bootstrap 95% interval over tasks (the tasks are the
 sample: a new draw of tasks is what a reader's next run would see). The gain of RL is a *paired* difference: the same
 tasks after RL minus after the warm start, bootstrapped over tasks, so the task-to-task spread cancels out. The
-bootstrap generator is seeded, so a run's figures repeat.
+bootstrap generator is seeded, so a run's figures repeat. ``evaluate`` plays an evaluation on the loop's workers.
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -84,3 +86,36 @@ def tool_use(trajectories: Sequence[Any], threshold: float) -> dict[str, Any]:
     return {"used_tools": len(used) / len(trajectories) if trajectories else math.nan,
             "pass_rate_with_tools": rate(used), "pass_rate_without_tools": rate(not_used),
             "malformed_calls": sum(t.malformed_calls for t in trajectories)}
+
+
+async def evaluate(loop: Any, tag: str, split: str = "heldout") -> dict[str, Any]:
+    """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (a group forked from
+    one reset per task) with the loop's current weights: mean@k and pass@k with 95% intervals, the tool use;
+    kept in ``loop.evals[tag]``."""
+    cfg = loop.cfg
+    src = loop.heldout_src if split == "heldout" else loop.validation_src
+    assert src is not None, "validation evaluations need env.validation_tasks (checked by validate)"
+    refs = src.first(cfg.eval.episodes)
+    t0 = time.perf_counter()
+    got = await loop.collect([loop._spec(r, "eval", cfg.eval.samples) for r in refs])
+    trajs = got.trajectories
+    per_task = per_task_passes(trajs, cfg.rl.pass_threshold)
+    stats = summarize(per_task, cfg.eval.samples, seed=cfg.seed)
+    from trainer.batch import pass_rate
+
+    _, reward, scored = pass_rate(trajs, cfg.rl.pass_threshold)
+    elapsed = time.perf_counter() - t0
+    res: dict[str, Any] = {"tag": tag, "split": split, **stats, "pass_rate": stats["mean_at_k"],
+           "reward_mean": reward, "episodes": len(trajs),
+           "passed": sum(1 for t in trajs if t.reward is not None and t.reward >= cfg.rl.pass_threshold),
+           "infra_errors": len(trajs) - scored, "weight_version": loop.logical_version,
+           "iteration": loop.iteration, "time_s": elapsed,
+           "finish_reasons": dict(Counter(t.finish_reason for t in trajs)), **tool_use(trajs, cfg.rl.pass_threshold),
+           "per_task": per_task}
+    loop.add_time("eval", elapsed)
+    loop.evals[tag] = res
+    lo, hi = stats["mean_at_k_ci"]
+    loop.say(f"{split} eval ({tag}): mean@{stats['k']} {stats['mean_at_k']:.3f} [{lo:.3f}, {hi:.3f}], "
+             f"pass@{stats['k']} {stats['pass_at_k']:.3f} on {stats['tasks']} tasks, weights "
+             f"v{loop.logical_version}")
+    return res

@@ -48,7 +48,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -69,29 +68,6 @@ from trainer.services import (
 from trainer.tasks import TaskRef, TaskSource, step_limit
 
 log = logging.getLogger(__name__)
-
-
-def idle_cores(window: float = 1.0) -> int:
-    """The cores no other process keeps busy now (measured over ``window`` seconds from /proc/stat, less this
-    process's own time), at least one; where /proc/stat is missing, all of them."""
-    import os
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-    def sample() -> tuple[float, float, float]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)   # all but idle and iowait
-        own = os.times()
-        return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic()
-
-    try:
-        b0, o0, t0 = sample()
-        time.sleep(window)
-        b1, o1, t1 = sample()
-    except (OSError, ValueError):
-        return cores
-    others = max(0.0, (b1 - b0) - (o1 - o0)) / max(t1 - t0, 1e-6)
-    return max(1, min(cores, round(cores - others)))
 
 
 # --- the loop -----------------------------------------------------------------------------------------------------
@@ -181,19 +157,11 @@ class Loop:
         cfg = self.cfg
         if not cfg.sft.enabled:
             return cfg.sft.init_weights or None
-        import torch
-
         from trainer.sft import warm_start
 
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cfg.sft.threads or idle_cores())
-        self.say(f"warm start: {torch.get_num_threads()} torch thread(s)")
-        try:
-            weights, self.summary["sft"] = warm_start(cfg, self.dir, self.train_src.values(cfg.sft.demonstrations),
-                                                      resume=self.resume, progress=self._progress_on(), say=self.say,
-                                                      add_time=self.add_time)
-        finally:
-            torch.set_num_threads(threads)
+        weights, self.summary["sft"] = warm_start(cfg, self.dir, self.train_src.values(cfg.sft.demonstrations),
+                                                  resume=self.resume, progress=self._progress_on(), say=self.say,
+                                                  add_time=self.add_time)
         return weights
 
     def _progress_on(self) -> bool | None:
@@ -328,35 +296,10 @@ class Loop:
 
     # -- 4. evaluation --
     async def evaluate(self, tag: str, split: str = "heldout") -> dict[str, Any]:
-        """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (a group forked from
-        one reset per task): mean@k and pass@k with 95% intervals (trainer/evaluation.py)."""
-        from trainer.evaluation import per_task_passes, summarize, tool_use
+        """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (trainer/evaluation.py)."""
+        from trainer.evaluation import evaluate
 
-        cfg = self.cfg
-        src = self.heldout_src if split == "heldout" else self.validation_src
-        assert src is not None, "validation evaluations need env.validation_tasks (checked by validate)"
-        refs = src.first(cfg.eval.episodes)
-        t0 = time.perf_counter()
-        got = await self.collect([self._spec(r, "eval", cfg.eval.samples) for r in refs])
-        trajs = got.trajectories
-        per_task = per_task_passes(trajs, cfg.rl.pass_threshold)
-        stats = summarize(per_task, cfg.eval.samples, seed=cfg.seed)
-        _, reward, scored = pass_rate(trajs, cfg.rl.pass_threshold)
-        elapsed = time.perf_counter() - t0
-        res: dict[str, Any] = {"tag": tag, "split": split, **stats, "pass_rate": stats["mean_at_k"],
-               "reward_mean": reward, "episodes": len(trajs),
-               "passed": sum(1 for t in trajs if t.reward is not None and t.reward >= cfg.rl.pass_threshold),
-               "infra_errors": len(trajs) - scored, "weight_version": self.logical_version,
-               "iteration": self.iteration, "time_s": elapsed,
-               "finish_reasons": dict(Counter(t.finish_reason for t in trajs)), **tool_use(trajs, cfg.rl.pass_threshold),
-               "per_task": per_task}
-        self.add_time("eval", elapsed)
-        self.evals[tag] = res
-        lo, hi = stats["mean_at_k_ci"]
-        self.say(f"{split} eval ({tag}): mean@{stats['k']} {stats['mean_at_k']:.3f} [{lo:.3f}, {hi:.3f}], "
-                 f"pass@{stats['k']} {stats['pass_at_k']:.3f} on {stats['tasks']} tasks, weights "
-                 f"v{self.logical_version}")
-        return res
+        return await evaluate(self, tag, split)
 
     def _eval_row(self, res: dict[str, Any]) -> dict[str, Any]:
         """The metrics row of an evaluation: ``pass_rate/<split>`` is its mean@k, with the interval's ends."""

@@ -126,7 +126,19 @@ def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: b
                add_time: Callable[[str, float], None] | None = None) -> tuple[str, dict[str, Any]]:
     """The loop's warm start: the config's scripted expert plays ``tasks`` through the real env path into
     ``run_dir/demos``, then ``run_sft`` trains on them; returns the weights (``run_dir/sft/weights.safetensors``)
-    and a summary. Weights already there are kept (a resumed run)."""
+    and a summary. Weights already there are kept (a resumed run). It takes ``sft.threads`` torch threads, by
+    default the cores no other process keeps busy (``idle_cores``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.sft.threads or idle_cores())
+    say(f"warm start: {torch.get_num_threads()} torch thread(s)")
+    try:
+        return _warm_start(cfg, run_dir, tasks, resume=resume, progress=progress, say=say, add_time=add_time)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: bool, progress: bool | None,
+                say: Callable[[str], None], add_time: Callable[[str, float], None] | None) -> tuple[str, dict[str, Any]]:
     from rollout.trajectory import read
     from trainer.cli import model_config
     from trainer.config import resolve_function
@@ -176,3 +188,24 @@ def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: b
                "loss_last": rows[-1].get("loss") if rows else None, "nll_last": nll[-1] if nll else None}
     write_json_atomic(summary_file, summary)
     return str(final), summary
+
+
+def idle_cores(window: float = 1.0) -> int:
+    """The cores no other process keeps busy now (measured over ``window`` seconds from /proc/stat, less this
+    process's own time), at least one; where /proc/stat is missing, all of them."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+    def sample() -> tuple[float, float, float]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)   # all but idle and iowait
+        own = os.times()
+        return busy / os.sysconf("SC_CLK_TCK"), own.user + own.system, time.monotonic()
+
+    try:
+        b0, o0, t0 = sample()
+        time.sleep(window)
+        b1, o1, t1 = sample()
+    except (OSError, ValueError):
+        return cores
+    others = max(0.0, (b1 - b0) - (o1 - o0)) / max(t1 - t0, 1e-6)
+    return max(1, min(cores, round(cores - others)))

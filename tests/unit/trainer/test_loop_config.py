@@ -144,7 +144,7 @@ def test_the_warm_start_takes_the_cores_no_other_process_keeps_busy():
     import multiprocessing
     import os
 
-    from trainer.loop import idle_cores
+    from trainer.sft import idle_cores
 
     cores = len(os.sched_getaffinity(0))
     assert 1 <= idle_cores(0.2) <= cores
