@@ -14,11 +14,9 @@ Sections: ``[policy]`` (the policy server: started here, or an existing one), ``
 
 from __future__ import annotations
 
-import importlib
 import json
 import tomllib
 import typing
-from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -497,14 +495,3 @@ def undocumented() -> list[str]:
 
     walk(RunConfig, "")
     return missing
-
-
-def resolve_function(ref: str) -> Callable[..., Any]:
-    """``module:function`` -> the function (ImportError / AttributeError name what is missing)."""
-    module, sep, name = ref.partition(":")
-    if not sep or not module or not name:
-        raise ConfigError(f"{ref!r} is not module:function")
-    fn = getattr(importlib.import_module(module), name)
-    if not callable(fn):
-        raise ConfigError(f"{ref} is not callable")
-    return fn

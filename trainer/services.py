@@ -31,7 +31,8 @@ from typing import Any
 
 import httpx
 
-from trainer.config import ConfigError, RunConfig, parse_task_spec, resolve_function
+from trainer.config import ConfigError, RunConfig, parse_task_spec
+from trainer.tasks import resolve_function
 
 
 class PreflightError(RuntimeError):

@@ -141,8 +141,8 @@ def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: 
                 say: Callable[[str], None], add_time: Callable[[str, float], None] | None) -> tuple[str, dict[str, Any]]:
     from rollout.trajectory import read
     from trainer.cli import model_config
-    from trainer.config import resolve_function
     from trainer.services import write_json_atomic
+    from trainer.tasks import resolve_function
     from trainer.train import TrainConfig, Trainer
 
     final = run_dir / "sft" / "weights.safetensors"

@@ -5,19 +5,20 @@ A spec (``seeds:A-B``, ``ids:...``, ``py:module:function key=value ...``, or a J
 the same tasks every time). The position in that walk (``task_cursor``) is part of a checkpoint, so a resumed
 run neither repeats nor skips tasks.
 
-``check_apart`` is the pre-flight's proof that the held-out and validation tasks are not training tasks: it compares
+``resolve_function`` finds a ``module:function`` a config names (a task list, an expert). ``check_apart`` is the pre-flight's proof that the held-out and validation tasks are not training tasks: it compares
 the tasks by the env module's ``task_key`` (what a policy sees and must answer: two seeds of Lookup-v0 can make one
 task), or by task id where the env has none, and refuses ``seeds:`` sets, whose tasks only the env knows.
 """
 
 from __future__ import annotations
 
+import importlib
 import random
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import parse_task_spec, resolve_function
+from trainer.config import ConfigError, parse_task_spec
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,17 @@ class TaskRef:
         if self.task is not None:
             return str(self.task)
         return f"seed-{self.seed}"
+
+
+def resolve_function(ref: str) -> Callable[..., Any]:
+    """``module:function`` -> the function (ImportError / AttributeError name what is missing)."""
+    module, sep, name = ref.partition(":")
+    if not sep or not module or not name:
+        raise ConfigError(f"{ref!r} is not module:function")
+    fn = getattr(importlib.import_module(module), name)
+    if not callable(fn):
+        raise ConfigError(f"{ref} is not callable")
+    return fn
 
 
 class TaskSource:

@@ -15,18 +15,21 @@ code beside it too. Real Docker, real pytest in the task's image.
 from __future__ import annotations
 
 import base64
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
 import agentenv
 from agentenv.api import SandboxLike
 from envs.grading import GradeResult, grade
-from envs.images import build_image
-from envs.swe_env import Pristine, SWEEnv
-from envs.task import Task, shipped_tasks
-from envs.tasks.libraries import load_libraries
+from envs.swe_env import Pristine
+from envs.task import Task
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from swe_cases import reset_env, run  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -52,21 +55,8 @@ class Case:
 
 @pytest.fixture(scope="module", params=["toolz", "boltons"])
 def case(request) -> Iterator[Case]:
-    lib = next(lib for lib in load_libraries() if lib.name == request.param)
-    build_image(lib.recipe)
-    task = next(t for t in shipped_tasks() if t.metadata["library"] == request.param)
-    env = SWEEnv(task=task)
-    try:
-        env.reset()
+    with reset_env(request.param) as (task, env):
         yield Case(task, env.pristine())
-    finally:
-        env.close()
-
-
-def run(sb: SandboxLike, command: str) -> str:
-    r = sb.exec(command, timeout=120, cwd="/testbed")
-    assert r.exit_code == 0, f"{command}: {r.stdout}{r.stderr}"
-    return r.stdout
 
 
 def append_to_library(sb: SandboxLike, c: Case, code: str) -> None:
