@@ -31,18 +31,22 @@ isolated run calls each FAIL_TO_PASS test without pytest's reports, and a test p
 fails there is tampering. To get past all of it a patch must (1) rewrite pytest's outcome by means the
 hook does not see, and (2) either make the isolated run see the test pass — in which case the library
 returned the right answers while the test ran, i.e. special-cased the tests' inputs, which no grader
-of outcomes can tell from a fix — or forge its result file, which needs the run's secret: held only in
-the runner's local variables, reachable only through frames (refused) or a frame a signal handler
-receives (``signal.signal`` is not audited: the one known way in, not yet closed). Tests the isolated
-run cannot call (parametrized, taking fixtures, decorated; ``envs.grading.isolation``) rest on the
-canaries and the hook only, and a patch that carries the pristine test names can spare every canary
-(they cannot be indistinguishable from tests missing from the file the agent had): of the shipped
-tasks' 344 FAIL_TO_PASS tests the isolated run calls 170, and 9 of the 54 tasks (inflection's and
-semver's parametrized ones) have none it can call — there, a rewrite by a computed module or class
-attribute, aimed at the tests by name, still gets through. Neither check sees a patch that weakens a
-helper the tests import from the library itself (e.g. an ``assert raises(...)`` helper that always says
-yes): that is a change to what the tests test, for a reviewer of ``info["patch"]``. A command that is not a plain pytest invocation runs without the guard, the isolated run and the
-canaries. Processes the tests leave behind are killed before each result file is read.
+of outcomes can tell from a fix — or forge its verdicts, which needs the run's secret or its results,
+held only in the runner's local variables. Those are out of reach by construction: frames, ``gc`` and
+``ctypes`` are refused to the patch's code; no signal handler set from Python ever runs (a seccomp filter
+on ``rt_sigaction``, so no handler receives a frame); and the hook and the isolated run use builtins and
+functions bound before the repository's code ran, so rebinding ``builtins.getattr`` or ``json.dumps``
+changes nothing they call. Of the shipped tasks' 344 FAIL_TO_PASS tests the isolated run calls 336,
+parametrized ones included (with the parameter set their id names, derived as pytest derives ids), and
+every task has some. The 8 it cannot call (fixtures, other decorators) rest on the canaries and the
+hook only, and a patch that carries the pristine test names can spare every canary (they cannot be
+indistinguishable from tests missing from the file the agent had). Neither check sees a patch that
+weakens a helper the tests import from the library itself (e.g. an ``assert raises(...)`` helper that
+always says yes), or returns objects that compare equal to anything: that is a change to what the tests
+test, for a reviewer of ``info["patch"]``. Under the guard no test can catch a signal (a handler set is
+a no-op; none of the shipped tasks needs one). A command that is not a plain pytest invocation runs
+without the guard, the isolated run and the canaries. Processes the tests leave behind are killed
+before each result file is read.
 """
 
 from envs.grading.grader import (

@@ -27,9 +27,14 @@ GUARD_EXIT = 97     # the guard's exit status when its log was closed or replace
 _HUNK = re.compile(rb"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
 
 
-def guard_source() -> bytes:
-    """The text of the guard program (``sandbox_guard.py``)."""
-    return (Path(__file__).parent / "sandbox_guard.py").read_bytes()
+SOLO_FILE = "solo.py"   # the isolated run, run by the guard from beside it (its SOLO_FILE)
+
+
+def guard_files() -> dict[str, bytes]:
+    """The guard program's files, by their names in the grading folder: ``sandbox_guard.py`` and the
+    isolated run it loads (``sandbox_solo.py``)."""
+    here = Path(__file__).parent
+    return {GUARD_FILE: (here / "sandbox_guard.py").read_bytes(), SOLO_FILE: (here / "sandbox_solo.py").read_bytes()}
 
 
 def added_lines(text: bytes) -> list[int] | None:

@@ -327,7 +327,8 @@ def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, 
     inv = parse_test_command(task.test_command)
     guarded = inv.args is not None
     secret = isolation.new_secret()
-    files = {f"{folder}/{audit.GUARD_FILE}": audit.guard_source(), f"{folder}/{isolation.KEY_FILE}": secret.encode()}
+    files = {**{f"{folder}/{name}": text for name, text in audit.guard_files().items()},
+             f"{folder}/{isolation.KEY_FILE}": secret.encode()}
     if filtered.kept:
         files[f"{folder}/model.patch"] = filtered.kept
     if task.test_patch:

@@ -16,12 +16,8 @@ as not the task's (``MISMATCH``) when, while it ran, the machinery it relies on 
 or class attribute of ``builtins``, ``unittest`` or pytest's modules (``assertEqual``, ``raises``, ...)
 replaced since before the repository's code ran.
 
-What can be called: module-level test functions and methods of pytest-style classes without setup
-methods, without decorators, arguments or fixtures; methods of ``unittest.TestCase`` classes, their own
-or inherited (run as unittest runs them: ``setUpClass``, ``setUp``, the test, ``tearDown``, cleanups),
-decided from the test file's source before any import, inherited ones checked at run time (a plain
-``def`` in a pristine repository file, not one the patch touches). Parametrized tests (ids with
-``[...]``), tests taking fixtures and decorated tests are reported ``UNSUPPORTED`` and rest on the
+What can be called, and how parametrized tests get their parameter set: ``sandbox_solo.py`` says. A test
+that cannot be called plainly (fixtures, other decorators) is reported ``UNSUPPORTED`` and rests on the
 canaries and the audit hook only.
 """
 
@@ -44,9 +40,8 @@ def new_secret() -> str:
 
 
 def solo_tests(fail_to_pass: Sequence[str], canaries: Sequence[str]) -> list[str]:
-    """The node ids the isolated run calls: FAIL_TO_PASS tests without parameters, and the canaries."""
-    plain = [t for t in fail_to_pass if "[" not in t][:MAX_SOLO]
-    return list(dict.fromkeys([*plain, *canaries]))
+    """The node ids the isolated run calls: the FAIL_TO_PASS tests (up to ``MAX_SOLO``), and the canaries."""
+    return list(dict.fromkeys([*fail_to_pass[:MAX_SOLO], *canaries]))
 
 
 @dataclass(frozen=True)

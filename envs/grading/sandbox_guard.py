@@ -19,18 +19,21 @@ fails and is reported. What comes "from" the patch: for a frame-returning event,
 ``inspect.stack``, ``traceback.walk_tb``, ...); for the others, any frame on the stack
 that runs added code (a function containing an added line, or a module body at an added line).
 
-``solo`` mode calls FAIL_TO_PASS tests and canaries directly, without pytest's runner: the test module
-is imported as pytest would import it and each test function that can be called plainly (no decorators,
-no arguments, no fixtures, no skip/xfail in its text; chosen from the test file's *source* before any
-import, so nothing at run time can make a test look ineligible) is called; it passed when it returned.
-Its results go to a file opened before the repository's code ran, with a secret read (and deleted) from
-the grading folder before that: a result without the secret is not the runner's. Nothing of pytest's
-reports is involved, so rewriting them changes nothing here.
+Two things hold before the hook, by construction:
+- **No signal handler set from Python ever runs.** The guard first starts itself again under a seccomp
+  filter that turns each ``rt_sigaction`` with a new action into a no-op (``_seal_and_restart``): a
+  handler is handed the interrupted frame, which no audit event reports.
+- **The hook and the isolated run use builtins of their own.** Both files run in a private namespace
+  (``main``), so a patch that rebinds ``builtins.getattr`` or ``json.dumps`` changes nothing they call.
+
+``solo`` mode is the isolated run (``sandbox_solo.py``): FAIL_TO_PASS tests and canaries called without
+pytest's runner, so that rewriting pytest's reports changes nothing there.
 """
 
 import contextlib
 import sys
-from typing import Any
+
+SOLO_FILE = "solo.py"   # the isolated run (``sandbox_solo.py``), written beside this file
 
 
 def _load(path):
@@ -51,7 +54,8 @@ def _install(cfg):
     log = os.open(cfg["log"], flags, 0o600)
     st = os.fstat(log)
     ident = (st.st_dev, st.st_ino)
-    fstat, write, exit_, isfile, dumps = os.fstat, os.write, os._exit, os.path.isfile, json.dumps
+    fstat, write, exit_, isfile = os.fstat, os.write, os._exit, os.path.isfile
+    quote = json.encoder.encode_basestring_ascii  # the C function: json.dumps goes through a patchable global
     getframe = sys._getframe
     patched = {p: (None if v is None else sorted(v)) for p, v in cfg["patched"].items()}
     modules = frozenset(cfg["modules"])
@@ -62,10 +66,29 @@ def _install(cfg):
     any_events = frozenset(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
                             "sys.settrace", "sys.setprofile", "sys.addaudithook", "subprocess.Popen", "os.system",
                             "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill",
-                            "os.killpg", "os.truncate", "code.__new__"))
+                            "os.killpg", "os.truncate", "code.__new__", "_thread.start_new_thread"))
     path_events = frozenset(("open", "os.listdir", "os.scandir", "os.remove", "os.rename", "os.rmdir",
                              "os.chmod", "os.link", "os.symlink", "shutil.rmtree"))
     state = _thread._local()
+    code_type, str_, bytes_, qualname = type(_load.__code__), str, bytes, type.__dict__["__qualname__"].__get__
+    fspath = os.fspath
+    import pathlib
+
+    path_types = frozenset(c for c in vars(pathlib).values() if isinstance(c, type) and issubclass(c, pathlib.PurePath))
+
+    def brief(args):  # what the log shows of an event's arguments, without running any of their code
+        return ", ".join(str_.__str__(a)[:80] if issubclass(type(a), str_) else qualname(type(a)) for a in args)
+
+    def as_path(target):  # a path argument as text, without running code of the patch's own (None: not one)
+        t = type(target)
+        if issubclass(t, str_):
+            return str_.__str__(target)
+        if issubclass(t, bytes_):
+            return bytes_.decode(bytes_(target), "utf-8", "replace")
+        if t in path_types:  # pathlib's own classes: their fspath is pathlib's
+            return str_.__str__(fspath(target))
+        return None if t is int else ""   # "": an object of another kind, refused from the patch's code
+
     ranges: dict = {}
     seen: list = []
 
@@ -125,8 +148,9 @@ def _install(cfg):
             source = source.encode("utf-8", "surrogateescape")
         return isinstance(source, (bytes, bytearray)) and bytes(source) == data
 
-    def record(event, detail, f):
-        line = dumps({"event": event, "detail": detail[:200], "where": where(f)}) + "\n"
+    def note(event, detail, at):
+        """Write a line to the audit log (at most 50); stop the process if the log is not the one opened."""
+        line = f'{{"event": {quote(event)}, "detail": {quote(detail[:200])}, "where": {quote(at)}}}\n'
         try:
             st = fstat(log)
             if (st.st_dev, st.st_ino) != ident:
@@ -136,31 +160,37 @@ def _install(cfg):
             seen.append(event)
         except OSError:
             exit_(97)
+
+    def record(event, detail, f):
+        note(event, detail, where(f))
         raise RuntimeError(f"agentenv grader: {event} refused ({detail[:100]}) at {where(f)}")
 
     def judge(event, args, caller):
         if event in any_events:
             f = on_stack(caller)
             if f is not None:
-                record(event, repr(args)[:200], f)
+                record(event, brief(args), f)
         elif event == "sys._getframe":
             f = asker(caller, frame_helper)
             if f is not None:
                 record(event, "", f)
         elif event == "object.__getattr__":
-            if len(args) > 1 and args[1] in frame_attrs:
+            if len(args) > 1 and type(args[1]) is str_ and args[1] in frame_attrs:
                 f = asker(caller, frame_helper)
                 if f is not None:
                     record(event, args[1], f)
         elif event in ("object.__setattr__", "object.__delattr__"):
             obj, name = args[0], args[1] if len(args) > 1 else ""
-            if isinstance(obj, type) and obj.__dict__.get("__module__") in modules and name != "__module__":
-                return
+            if issubclass(type(obj), type):  # a class of a module the patch touches may change its own
+                owner = type.__dict__["__dict__"].__get__(obj).get("__module__")
+                if type(owner) is str_ and owner in modules and not (type(name) is str_ and name == "__module__"):
+                    return
             f = asker(caller, lambda code: False)
             if f is not None:
-                record(event, f"{getattr(obj, '__qualname__', type(obj).__name__)}.{name}", f)
+                what = qualname(obj) if issubclass(type(obj), type) else qualname(type(obj))
+                record(event, f"{what}.{brief((name,))}", f)
         elif event == "import":
-            name = args[0] if args and isinstance(args[0], str) else ""
+            name = args[0] if args and type(args[0]) is str_ else ""
             if name.split(".", 1)[0] in runner_modules:
                 f = on_stack(caller)
                 if f is not None:
@@ -169,7 +199,7 @@ def _install(cfg):
             source, filename = (args + (None, None))[:2]
             f = asker(caller, import_machinery)
             if f is not None and not (f is not caller and same_source(source, filename)):
-                record(event, str(filename), f)
+                record(event, brief((filename,)), f)
         elif event in ("marshal.loads", "marshal.load"):  # from the import system: a module's cached bytecode
             f = asker(caller, import_machinery)
             if f is not None and f is caller:
@@ -177,19 +207,17 @@ def _install(cfg):
         elif event == "exec":
             code = args[0] if args else None
             f = asker(caller, import_machinery)
-            filename = getattr(code, "co_filename", "")
-            if f is not None and not (f is not caller and isinstance(filename, str) and isfile(filename)):
-                record(event, str(filename), f)
+            filename = code.co_filename if type(code) is code_type else ""
+            if f is not None and not (f is not caller and type(filename) is str_ and isfile(filename)):
+                record(event, brief((filename,)), f)
         elif event in path_events or event.startswith("ctypes."):
-            target = args[0] if args else ""
-            if isinstance(target, bytes):
-                target = target.decode("utf-8", "replace")
-            if event.startswith("ctypes.") or (isinstance(target, str) and (
+            target = as_path(args[0]) if args else None
+            if event.startswith("ctypes.") or target == "" or (target is not None and (
                     target.startswith(paths) or (event == "open" and target.endswith(".pyc") and len(args) > 1
-                                                 and isinstance(args[1], str) and "r" not in args[1]))):
+                                                 and type(args[1]) is str_ and "r" not in args[1]))):
                 f = on_stack(caller)
                 if f is not None:
-                    record(event, str(target), f)
+                    record(event, target or brief(args[:1]), f)
 
     def hook(event, args):
         if getattr(state, "busy", False):
@@ -203,194 +231,7 @@ def _install(cfg):
 
     sys.addaudithook(hook)
     write(log, b'{"event": "started"}\n')
-    return seen
-
-
-def _eligible(test_file, root):
-    """Plain test functions of ``test_file`` (node id -> (class or "", name, def line)), read from its source."""
-    import ast
-
-    with open(root + "/" + test_file, "rb") as f:
-        source = f.read()
-    tree = ast.parse(source)
-    text = source.decode("utf-8", "replace").splitlines()
-    out: dict = {}
-    if any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
-           for n in tree.body):
-        return out
-
-    def plain(fn, self_arg):
-        a = fn.args
-        n_args = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
-        body = "\n".join(text[fn.lineno - 1:fn.end_lineno])
-        return (isinstance(fn, ast.FunctionDef) and not fn.decorator_list and n_args == int(self_arg)
-                and not any(w in body for w in ("skip", "xfail", "fixture", "request", "monkeypatch")))
-
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test") and plain(node, False):
-            out[f"{test_file}::{node.name}"] = ("", node.name, node.lineno, "function", ())
-        elif isinstance(node, ast.ClassDef) and not node.decorator_list and not node.keywords:
-            methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
-            if not node.bases:  # a pytest-style class: only without setup methods
-                if not node.name.startswith("Test") or any(m.name.startswith(("setup", "teardown", "__init__"))
-                                                           for m in methods):
-                    continue
-                kind = "class"
-            else:  # with bases: called only if it turns out to be a unittest.TestCase
-                kind = "unittest"
-            for m in methods:
-                if m.name.startswith("test") and plain(m, True):
-                    out[f"{test_file}::{node.name}::{m.name}"] = (node.name, m.name, m.lineno, kind, ())
-            if kind == "unittest":  # a test it inherits (from a mixin): its function is checked at run time
-                out[f"{test_file}::{node.name}::*"] = (node.name, "*", None, kind, tuple(m.name for m in methods))
-    return out
-
-
-def _watched_state():
-    """The test machinery a patch could blunt so that a test passes: the function and class attributes of
-    ``builtins``, ``unittest`` and pytest's modules, and of their classes (identities, kept alive)."""
-    state = {}
-    for name, mod in list(sys.modules.items()):
-        if name == "builtins" or name.split(".", 1)[0] in ("unittest", "pytest", "_pytest"):
-            for k, v in list(vars(mod).items()):
-                if callable(v):
-                    state[(name, k, "")] = v
-                if isinstance(v, type) and v.__module__ == name:
-                    for kk, vv in list(vars(v).items()):
-                        state[(name, k, kk)] = vv
-    return state
-
-
-def _changed(state):
-    out = []
-    for (name, k, kk), v in state.items():
-        mod = sys.modules.get(name)
-        now = vars(mod).get(k) if mod is not None else None
-        if kk:
-            now = vars(now).get(kk) if isinstance(now, type) else None
-        if now is not v:
-            out.append(f"{name}.{k}" + (f".{kk}" if kk else ""))
-    return out
-
-
-def _defines(path, line, name):
-    """The file at ``path`` has ``def name(`` at ``line`` (a test a class inherits, found at run time)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return False
-    return 0 < line <= len(lines) and lines[line - 1].lstrip().startswith((f"def {name}(", f"async def {name}("))
-
-
-def _module_for(test_file, root):
-    """(folder to put first on sys.path, dotted module name), as pytest's default import mode finds them."""
-    import os
-
-    parts = test_file[:-3].split("/")
-    base = len(parts) - 1
-    while base > 0 and os.path.isfile(os.path.join(root, *parts[:base], "__init__.py")):
-        base -= 1
-    return os.path.join(root, *parts[:base]), ".".join(parts[base:])
-
-
-def _solo(cfg):
-    import os
-
-    key_path = cfg["folder"] + "/solo.key"
-    with open(key_path) as f:
-        secret = f.read().strip()
-    os.unlink(key_path)
-    out = os.open(cfg["folder"] + "/solo.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0),
-                  0o600)
-    root = cfg["root"]
-    plans: dict = {}
-    uses_pytest = False
-    for tid in cfg["solo"]:
-        test_file = tid.split("::", 1)[0]
-        try:
-            plans.setdefault(test_file, _eligible(test_file, root))
-            with open(root + "/" + test_file, encoding="utf-8", errors="replace") as f:
-                uses_pytest = uses_pytest or "pytest" in f.read()
-        except (OSError, SyntaxError, ValueError):
-            plans[test_file] = {}
-    import importlib
-    import json
-    import types
-
-    write, exit_, code_type, func_type = os.write, os._exit, types.CodeType, types.FunctionType
-    import unittest
-
-    if uses_pytest:  # imported before the repository's code, so that the state watched is pytest's own
-        with contextlib.suppress(ImportError):
-            import pytest  # noqa: F401
-    watched = _watched_state()
-    test_case = unittest.TestCase
-    patched = cfg["patched"]
-    results = {}
-    _install(cfg)
-    os.chdir(root)
-    for tid in cfg["solo"]:
-        test_file, _, rest = tid.partition("::")
-        plan = plans[test_file].get(tid) or plans[test_file].get(f"{test_file}::{rest.rsplit('::', 1)[0]}::*")
-        if plan is None:
-            results[tid] = "UNSUPPORTED"
-            continue
-        cls_name, name, line, kind, own = plan
-        name = tid.rsplit("::", 1)[1] if name == "*" else name
-        if name in own:  # defined in the class but not plainly (decorated, arguments): not called
-            results[tid] = "UNSUPPORTED"
-            continue
-        folder, dotted = _module_for(test_file, root)
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
-        try:
-            module = importlib.import_module(dotted)
-            cls: Any = module.__dict__[cls_name] if cls_name else None
-            if kind == "unittest" and not (isinstance(cls, type) and issubclass(cls, test_case)):
-                results[tid] = "UNSUPPORTED"
-                continue
-            holder = next((k.__dict__ for k in cls.__mro__ if name in k.__dict__), {}) if cls else module.__dict__
-            fn = holder[name]
-            code = fn.__code__ if type(fn) is func_type else None
-        except BaseException as e:  # the module would not import: as pytest reports it, an error
-            results[tid] = f"ERROR {type(e).__name__}"
-            continue
-        where = root + "/" + test_file
-        if type(code) is not code_type or (line is not None and (code.co_filename, code.co_firstlineno) != (where, line)):
-            results[tid] = "MISMATCH"  # not the function the test file defines
-            continue
-        if line is None and (code.co_filename in patched or not code.co_filename.startswith(root + "/")):
-            results[tid] = "MISMATCH" if code.co_filename in patched else "UNSUPPORTED"
-            continue
-        if line is None and not _defines(code.co_filename, code.co_firstlineno, name):
-            results[tid] = "UNSUPPORTED"  # decorated, or not where it says: not called
-            continue
-        try:
-            if kind == "unittest":
-                cls.setUpClass()
-                case = cls(name)
-                case.setUp()
-                try:
-                    fn(case)
-                finally:
-                    case.tearDown()
-                    case.doCleanups()
-                    cls.tearDownClass()
-            elif cls is not None:
-                fn(cls())
-            else:
-                fn()
-            results[tid] = "PASSED"
-        except unittest.SkipTest:
-            results[tid] = "SKIPPED"
-        except BaseException as e:  # a skip or xfail raised from outside the test's text counts as a failure
-            results[tid] = f"FAILED {type(e).__name__}"
-        blunted = _changed(watched)
-        if blunted:
-            results[tid] = "MISMATCH " + ",".join(blunted[:3])
-    write(out, json.dumps({"secret": secret, "results": results}).encode())
-    exit_(0)
+    return note
 
 
 def _pytest(args):
@@ -402,15 +243,111 @@ def _pytest(args):
     runpy.run_module("pytest", run_name="__main__", alter_sys=True)
 
 
-def main():
-    cfg = _load(sys.argv[1])
-    mode, rest = sys.argv[2], sys.argv[3:]
+def _seal_and_restart():
+    """Start this program again (``sealed`` first in its arguments) under a seccomp filter that makes every
+    ``rt_sigaction`` installing an action succeed without effect, for this process and all it starts.
+
+    A signal handler is handed the interrupted frame, and no audit event says so; from there ``f_back``
+    reaches the runner's frames, and ``signal`` can be had afresh without an import (``_imp.create_builtin``).
+    With the filter, no handler that Python code sets is ever called: the kernel keeps each signal's default
+    action (the restart resets the ones Python had caught). Queries (no new action) go through. Tests that
+    need to catch a signal cannot pass under the grader; none of the shipped tasks has one."""
+    import ctypes
+    import os
+    import platform
+    import struct
+    import subprocess
+
+    arch, nr = {"x86_64": (0xC000003E, 13), "aarch64": (0xC00000B7, 134)}.get(platform.machine(), (0, 0))
+    if not arch:
+        sys.exit(f"agentenv grader: cannot seal signal handlers on {platform.machine()}")
+
+    def ins(code, jt, jf, k):
+        return struct.pack("HBBI", code, jt, jf, k)
+
+    ld, jeq, ret = 0x20, 0x15, 0x06   # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    noop, eperm, allow = 0x00050000, 0x00050001, 0x7FFF0000   # SECCOMP_RET_ERRNO | 0, | EPERM, RET_ALLOW
+    prog = b"".join([
+        ins(ld, 0, 0, 4), ins(jeq, 0, 7, arch),      # another ABI: refused
+        ins(ld, 0, 0, 0), ins(jeq, 0, 6, nr),        # not rt_sigaction: allowed
+        ins(ld, 0, 0, 24), ins(jeq, 0, 2, 0),        # the new action's pointer (args[1]), low half
+        ins(ld, 0, 0, 28), ins(jeq, 2, 0, 0),        # high half: both zero is a query, allowed
+        ins(ret, 0, 0, noop), ins(ret, 0, 0, eperm), ins(ret, 0, 0, allow)])
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    buf = ctypes.create_string_buffer(prog, len(prog))
+    fprog = SockFprog(len(prog) // 8, ctypes.addressof(buf))
+    libc = ctypes.CDLL(None, use_errno=True)
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with SECCOMP_MODE_FILTER
+    if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
+        sys.exit(f"agentenv grader: cannot seal signal handlers: {os.strerror(ctypes.get_errno())}")
+    exe = sys.executable or "/proc/self/exe"
+    flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    os.execv(exe, [exe, *flags, sys.argv[0], sys.argv[1], "sealed", *sys.argv[2:]])
+
+
+def _check_sealed():
+    """Stop unless a handler set now is never called (the filter of ``_seal_and_restart`` is in place)."""
+    import signal
+
+    called = []
+    urg = signal.SIGURG  # ignored by default: harmless whether or not the filter holds
+    signal.signal(urg, lambda *_: called.append(1))
+    signal.raise_signal(urg)
+    for _ in range(3):  # a handler set by Python runs at the next bytecode boundaries
+        pass
+    signal.signal(urg, signal.SIG_DFL)
+    if called:
+        sys.exit("agentenv grader: signal handlers are not sealed")
+
+
+def _handlers_from(patched, signals: tuple):
+    """Signals whose Python handler is a function of the patched files (a trace of an attempt; ``signals``:
+    the ``signal`` module's functions, bound before the repository's code ran)."""
+    valid, getsignal = signals
+    out = []
+    for s in valid():
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            h = getsignal(s)
+            code = getattr(h, "__code__", None)
+            if code is not None and code.co_filename in patched:
+                out.append((int(s), f"{code.co_filename}:{code.co_firstlineno}"))
+    return out
+
+
+def _run(cfg, mode, rest):
     if mode == "solo":
-        _solo(cfg)
-    else:
-        _install(cfg)
-        del sys.argv[1:3]
+        solo(cfg, _install)  # type: ignore[name-defined]  # noqa: F821 (the isolated run's, loaded beside)
+        return
+    import signal
+
+    signals = (signal.valid_signals, signal.getsignal)
+    note = _install(cfg)
+    try:
         _pytest(rest)
+    finally:
+        for signum, where in _handlers_from(cfg["patched"], signals):
+            note("signal.signal", f"a handler for signal {signum}", where)
+
+
+def main():
+    """Seal signals (restarting), then run this file and the isolated run's in a namespace of their own, with
+    builtins of their own: a patch can rebind ``builtins.getattr`` for everyone else, not for the hook."""
+    if sys.argv[2] != "sealed":
+        _seal_and_restart()
+    _check_sealed()
+    import builtins
+    import os
+
+    folder = os.path.dirname(os.path.abspath(sys.argv[0]))
+    space: dict = {"__builtins__": dict(vars(builtins)), "__name__": "agentenv_grader"}
+    for name in (os.path.basename(sys.argv[0]), SOLO_FILE):
+        path = os.path.join(folder, name)
+        with open(path, encoding="utf-8") as f:
+            exec(compile(f.read(), path, "exec"), space)
+    space["_run"](_load(sys.argv[1]), sys.argv[3], sys.argv[4:])
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from agentenv.api import SandboxLike
 from envs.images import build_image
@@ -13,11 +13,12 @@ from envs.tasks.libraries import load_libraries
 
 
 @contextlib.contextmanager
-def reset_env(library: str) -> Iterator[tuple[Task, SWEEnv]]:
-    """The first shipped task of ``library`` and its env, reset (the image built where missing); closed after."""
+def reset_env(library: str, pick: Callable[[Task], bool] = lambda t: True) -> Iterator[tuple[Task, SWEEnv]]:
+    """The first shipped task of ``library`` that ``pick`` accepts, and its env, reset (the image built where
+    missing); closed after."""
     lib = next(lib for lib in load_libraries() if lib.name == library)
     build_image(lib.recipe)
-    task = next(t for t in shipped_tasks() if t.metadata["library"] == library)
+    task = next(t for t in shipped_tasks() if t.metadata["library"] == library and pick(t))
     env = SWEEnv(task=task)
     try:
         env.reset()

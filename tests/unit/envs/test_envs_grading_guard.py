@@ -116,7 +116,8 @@ def repo(tmp_path: Path, lib: str, added: list[int] | None, tests: str = TESTS,
            "patched": {str(root / "lib.py"): added}, "modules": ["lib"], "paths": [str(folder), "/proc/"],
            "solo": solo_ids}
     (folder / "guard.json").write_text(json.dumps(cfg))
-    (folder / "guard.py").write_bytes(audit.guard_source())
+    for name, text in audit.guard_files().items():
+        (folder / name).write_bytes(text)
     return root, folder
 
 
@@ -233,3 +234,134 @@ def test_blunting_unittests_assertions_is_seen_by_the_isolated_run(tmp_path):
     run = solo(root, folder)
     assert {run.status(t) for t in UNITTEST_IDS} == {"MISMATCH"}, run.results
     assert "unittest.case.TestCase.assertEqual" in run.results[UNITTEST_IDS[0]]
+
+
+# --- signals, rebound builtins and module attributes, parametrized tests -----------------------------------
+
+SIGNAL_FRAMES = textwrap.dedent("""\
+    import os as _os
+    _sg = __import__('sig' + 'nal')
+    def _walk(signum, frame):
+        open(_os.environ['MARK'], 'w').write(frame.f_back.f_code.co_name)
+    getattr(_sg, 'sig' + 'nal')(_sg.SIGUSR1, _walk)
+    getattr(_sg, 'raise_' + 'signal')(_sg.SIGUSR1)
+""")
+
+
+def test_a_signal_handler_set_by_the_patch_never_runs_and_is_logged(tmp_path):
+    """A handler is handed the interrupted frame, which no audit event reports: under the guard's seccomp
+    filter no handler set from Python is called (the signal keeps its default action: SIGUSR1 ends the run)."""
+    root, folder = repo(tmp_path, LIB + "import os\nif os.environ.get('ARM'):\n" + textwrap.indent(SIGNAL_FRAMES, "    "),
+                        list(range(3, 12)))
+    mark = tmp_path / "walked"
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           "MARK": str(mark), "ARM": "1"}
+    r = subprocess.run([sys.executable, str(folder / "guard.py"), str(folder / "guard.json"), "pytest", "-q",
+                        "-p", "no:cacheprovider", "tests"], cwd=root, env=env, capture_output=True, text=True,
+                       timeout=120, check=False)
+    assert not mark.exists(), "the handler ran"
+    assert r.returncode == -10, (r.returncode, r.stdout, r.stderr)   # SIGUSR1's default action
+    plain = subprocess.run([sys.executable, "-c", "import lib"], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=60, check=False)
+    assert plain.returncode == 0 and mark.read_text(), "without the guard the same code reaches a frame"
+
+
+def test_a_leftover_handler_of_the_patch_is_logged(tmp_path):
+    lib = LIB + "_sg = __import__('sig' + 'nal')\ngetattr(_sg, 'sig' + 'nal')(_sg.SIGUSR2, lambda *a: None)\n"
+    root, folder = repo(tmp_path, lib, [3, 4])
+    r, log = run_pytest(root, folder)
+    assert [e["event"] for e in log.events] == ["signal.signal"], (r.stdout, log)
+    assert log.events[0]["where"].startswith(f"{root}/lib.py:")
+
+
+def test_rebinding_builtins_does_not_blind_the_hook(tmp_path):
+    """The hook runs with builtins of its own: a getattr that says it is busy changes nothing for it."""
+    lib = LIB + ("import builtins as _b\n_g0 = _b.getattr\n"
+                 "_b.getattr = lambda o, n, *d: True if n == 'busy' else _g0(o, n, *d)\n" + GC_WALK)
+    root, folder = repo(tmp_path, lib, list(range(3, 8)))
+    r, log = run_pytest(root, folder)
+    assert [e["event"] for e in log.events] == ["gc.get_objects"], (r.stdout, log)
+
+
+def test_a_rebound_json_dumps_cannot_forge_the_isolated_runs_verdicts(tmp_path):
+    lib = "def f(x):\n    return x\n" + textwrap.dedent("""\
+        import sys as _s
+        _j = _s.modules['js' + 'on']
+        _d = _j.dumps
+        def _forge(obj, *a, **k):
+            if isinstance(obj, dict) and 'results' in obj:
+                obj = dict(obj, results={t: 'PASSED' for t in obj['results']})
+            return _d(obj, *a, **k)
+        _j.dumps = _forge
+        _j._default_encoder = _j.JSONEncoder()
+        _j.encoder.encode_basestring_ascii = lambda s: '"PASSED"'
+    """)
+    root, folder = repo(tmp_path, lib, list(range(3, 15)))
+    run = solo(root, folder)
+    assert not run.problem and run.results["tests/test_lib.py::test_value"].startswith("FAILED"), run.results
+
+
+PARAMETRIZED = textwrap.dedent("""\
+    import pytest
+
+    from lib import f
+
+    CASES = [(1, 2), (2, 3), ("a", "b")]
+
+
+    @pytest.mark.parametrize("x, y", CASES)
+    def test_f(x, y):
+        assert f(x) == y
+
+
+    class TestF:
+        @pytest.mark.parametrize("x", [1, None])
+        @pytest.mark.parametrize("k", ["p", "q"])
+        def test_k(self, x, k):
+            assert x is None or f(x) == 2
+
+
+    @pytest.mark.parametrize("v", [object(), f])
+    def test_obj(v):
+        assert v is not None
+
+
+    @pytest.mark.parametrize("v", [1, 1])
+    def test_dup(v):
+        assert v
+""")
+PARAM_IDS = ["tests/test_lib.py::test_f[1-2]", "tests/test_lib.py::test_f[2-3]", "tests/test_lib.py::test_f[a-b]",
+             "tests/test_lib.py::TestF::test_k[p-1]", "tests/test_lib.py::TestF::test_k[q-None]",
+             "tests/test_lib.py::test_obj[v0]", "tests/test_lib.py::test_obj[f]", "tests/test_lib.py::test_dup[1]",
+             "tests/test_lib.py::test_f[9-9]"]
+
+
+def test_the_isolated_run_calls_parametrized_tests_with_the_set_their_id_names(tmp_path):
+    lib = "def f(x):\n    return x + 1 if x == 1 else x\n"
+    root, folder = repo(tmp_path, lib, [2], PARAMETRIZED, PARAM_IDS)
+    run = solo(root, folder)
+    assert not run.problem, run.problem
+    got = {t.split("::")[-1]: run.status(t) for t in PARAM_IDS}
+    assert got == {"test_f[1-2]": "PASSED", "test_f[2-3]": "FAILED", "test_f[a-b]": "FAILED", "test_k[p-1]": "PASSED",
+                   "test_k[q-None]": "PASSED", "test_obj[v0]": "PASSED", "test_obj[f]": "PASSED",
+                   "test_dup[1]": "UNSUPPORTED", "test_f[9-9]": "UNSUPPORTED"}, got
+
+
+def test_the_ids_are_pytests_own(tmp_path):
+    """Every id the isolated run derives is one pytest collects, for the same test file."""
+    root, folder = repo(tmp_path, LIB, [2], PARAMETRIZED, PARAM_IDS)
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "tests"],
+                       cwd=root, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, capture_output=True,
+                       text=True, timeout=120, check=False)
+    collected = {line.strip() for line in r.stdout.splitlines() if "::" in line}
+    run = solo(root, folder)
+    called = {t for t in PARAM_IDS if run.status(t) not in ("UNSUPPORTED", "MISSING")}
+    assert called and called <= collected, (called - collected, r.stdout)
+
+
+def test_a_rebound_json_encoder_cannot_hide_a_refused_event(tmp_path):
+    lib = LIB + ("import json as _j\nclass _Quiet:\n    def encode(self, o):\n        return '{\"event\": \"started\"}'\n"
+                 "_j._default_encoder = _Quiet()\n" + GC_WALK)
+    root, folder = repo(tmp_path, lib, list(range(3, 10)))
+    r, log = run_pytest(root, folder)
+    assert [e["event"] for e in log.events] == ["gc.get_objects"], (r.stdout, log)
