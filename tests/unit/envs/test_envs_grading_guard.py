@@ -274,11 +274,17 @@ def test_a_leftover_handler_of_the_patch_is_logged(tmp_path):
     assert log.events[0]["where"].startswith(f"{root}/lib.py:")
 
 
-def test_rebinding_builtins_does_not_blind_the_hook(tmp_path):
-    """The hook runs with builtins of its own: a getattr that says it is busy changes nothing for it."""
-    lib = LIB + ("import builtins as _b\n_g0 = _b.getattr\n"
-                 "_b.getattr = lambda o, n, *d: True if n == 'busy' else _g0(o, n, *d)\n" + GC_WALK)
-    root, folder = repo(tmp_path, lib, list(range(3, 8)))
+BUSY_GETATTR = ("import builtins as _b\n_g0 = _b.getattr\n"
+                "_b.getattr = lambda o, n, *d: True if n == 'busy' else _g0(o, n, *d)\n")
+QUIET_JSON = ("import json as _j\nclass _Quiet:\n    def encode(self, o):\n        return '{\"event\": \"started\"}'\n"
+              "_j._default_encoder = _Quiet()\n")
+
+
+@pytest.mark.parametrize("rebinding", [BUSY_GETATTR, QUIET_JSON], ids=["a_getattr_that_says_busy", "a_quiet_json"])
+def test_rebinding_builtins_or_json_neither_blinds_the_hook_nor_hides_what_it_refused(tmp_path, rebinding):
+    """The hook runs with builtins of its own and writes its log with the C encoder: a getattr that says it is
+    busy, or a json encoder that writes start lines, changes nothing for it."""
+    root, folder = repo(tmp_path, LIB + rebinding + GC_WALK, list(range(3, 3 + (LIB + rebinding).count("\n") + 2)))
     r, log = run_pytest(root, folder)
     assert [e["event"] for e in log.events] == ["gc.get_objects"], (r.stdout, log)
 
@@ -358,10 +364,3 @@ def test_the_ids_are_pytests_own(tmp_path):
     called = {t for t in PARAM_IDS if run.status(t) not in ("UNSUPPORTED", "MISSING")}
     assert called and called <= collected, (called - collected, r.stdout)
 
-
-def test_a_rebound_json_encoder_cannot_hide_a_refused_event(tmp_path):
-    lib = LIB + ("import json as _j\nclass _Quiet:\n    def encode(self, o):\n        return '{\"event\": \"started\"}'\n"
-                 "_j._default_encoder = _Quiet()\n" + GC_WALK)
-    root, folder = repo(tmp_path, lib, list(range(3, 10)))
-    r, log = run_pytest(root, folder)
-    assert [e["event"] for e in log.events] == ["gc.get_objects"], (r.stdout, log)
