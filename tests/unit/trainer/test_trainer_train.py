@@ -40,6 +40,23 @@ def test_sft_learns_the_demonstrations():
     assert t.step_count == 15
 
 
+def test_the_same_seed_trains_the_same_weights_with_deterministic_kernels():
+    """Two threads add the backward of indexing in any order unless torch's deterministic kernels are on."""
+    samples = sft_samples(_trajs(1, groups=2, size=2))
+    states, threads = [], torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for _ in range(2):
+            with Trainer(tiny_cfg(), TrainConfig(lr=3e-3)) as t:
+                assert torch.are_deterministic_algorithms_enabled()
+                for _ in range(3):
+                    t.step(Batch(samples, "sft"))
+                states.append(t.state_dict())
+    finally:
+        torch.set_num_threads(threads)
+    assert _state_diff(*states) == 0.0
+
+
 def test_micro_batch_budget_does_not_change_the_step():
     batch = rl_batch(_trajs(2))
     states, metrics = [], []
