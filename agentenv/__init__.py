@@ -3,14 +3,20 @@
 The contract (value types and Protocols) is ``agentenv.api``; this module is its local implementation
 (``agentenv.Sandbox``, ``agentenv.Snapshot``), ``connect`` and ``Pool`` its remote ones. Gymnasium
 environments live in the ``envs`` package, so importing this one stays light.
+
+The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, CRIU, the volume), ``sandbox/``
+(the ``Sandbox`` and its lifecycle: calls, fork, snapshots, recovery, the warm pool, the store), ``inside/``
+(the standard-library programs that run in a sandbox), ``remote/`` (client, pool, wire) and ``server/``
+(``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``), the
+settings (``config``, ``phases``) and the command line (``cli``, ``tour``).
 """
 
 from typing import Any
 
 from agentenv import errors
 from agentenv.api import Backend, ExecResult, Limits, SandboxInfo, SandboxLike, SnapshotInfo, SnapshotLike
-from agentenv.sandbox import Process, Sandbox
-from agentenv.store import Snapshot
+from agentenv.sandbox.core import Process, Sandbox
+from agentenv.sandbox.store import Snapshot
 
 __all__ = ["Backend", "ExecResult", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
            "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "errors"]
@@ -20,11 +26,11 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     """``connect`` and ``Pool`` (the remote API) are imported on first use: httpx is not needed locally."""
     if name == "connect":
-        from agentenv.client import connect
+        from agentenv.remote.client import connect
 
         return connect
     if name == "Pool":
-        from agentenv.pool import Pool
+        from agentenv.remote.pool import Pool
 
         return Pool
     raise AttributeError(f"module 'agentenv' has no attribute {name!r}")

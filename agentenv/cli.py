@@ -57,9 +57,10 @@ def collect(
 ) -> None:
     """Mend what a killed process left (frozen sandboxes, half-made ones, interrupted pauses, fork snapshots),
     pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
-    from agentenv import Sandbox, recovery, store
+    from agentenv import Sandbox
+    from agentenv.sandbox import store, sweep
 
-    for where, ids in recovery.recover_all().items():
+    for where, ids in sweep.recover_all().items():
         if where in ("discarded", "lost") and ids:
             console.print(f"{where}: {', '.join(ids)}")
     for sid in Sandbox.reap_expired():
@@ -73,7 +74,8 @@ def show_volume() -> None:
     """Mount (and on first use make) this home's sandbox volume, where disk limits hold; show it."""
     import os
 
-    from agentenv import store, volume
+    from agentenv.host import volume
+    from agentenv.sandbox import store
 
     v = volume.ensure()
     if not v.quotas:

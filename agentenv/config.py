@@ -45,7 +45,7 @@ def parse_disk(value: str | int | None) -> int | None:
 
 @dataclass(frozen=True)
 class Paths:
-    """The on-disk layout under the home (see ``agentenv.volume`` for the volume)::
+    """The on-disk layout under the home (see ``agentenv.host.volume`` for the volume)::
 
         sandboxes/<id>/     each sandbox's record, OCI bundle, rootfs mount point and logs (host filesystem)
         snapshots/<id>/     the snapshot store: meta.json and criu/, the processes' images (host filesystem,
@@ -95,7 +95,7 @@ class Paths:
 
 def paths() -> Paths:
     """The layout under $AGENTENV_HOME (default /var/lib/agentenv), created on first use (the volume's
-    folders are made by ``agentenv.volume.ensure``, which may mount the volume there first)."""
+    folders are made by ``agentenv.host.volume.ensure``, which may mount the volume there first)."""
     p = Paths(Path(os.environ.get("AGENTENV_HOME", "/var/lib/agentenv")))
     if not p.tmp.is_dir():  # made last: one stat a call once made (a sandbox start asks ~10 times)
         for d in (p.sandboxes, p.snapshots, p.runc_root, p.tmp):

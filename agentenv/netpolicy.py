@@ -5,7 +5,7 @@ The shape is E2B's: ``allow_out`` and ``deny_out``, lists of IPv4 addresses, CID
 ``allow_out`` only) host names; an allowed destination wins over a denied one, so ``deny_out=["0.0.0.0/0"]``
 with an ``allow_out`` list is an allowlist. On top of the rules, and above them:
 
-- never reachable, whatever a rule says (``agentenv.network`` enforces this on the host, where the sandbox
+- never reachable, whatever a rule says (``agentenv.host.network`` enforces this on the host, where the sandbox
   cannot touch it): the host itself (every one of its addresses), loopback, the other sandboxes, link-local
   and metadata addresses, multicast and reserved ranges. An ``allow_out`` entry lying wholly inside that set is
   refused; one that overlaps it is enforced for the rest;

@@ -12,8 +12,8 @@ from typing import TypeVar
 from rich.console import Console
 from rich.table import Table
 
-from agentenv.sandbox import Sandbox
-from agentenv.store import Snapshot
+from agentenv.sandbox.core import Sandbox
+from agentenv.sandbox.store import Snapshot
 
 T = TypeVar("T")
 console = Console()

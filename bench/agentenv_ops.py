@@ -10,7 +10,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import agentenv
-from agentenv import admission, phases, warm
+from agentenv import phases
+from agentenv.host import admission
+from agentenv.sandbox import warm
 from bench.harness import ROOT, Result, Timer, recording
 from bench.sandbox_common import (
     BURST,
@@ -200,7 +202,7 @@ class AgentenvSide(Side):
                   + (f"; children from a warm pool of {pool}, refilled between runs (untimed)" if pool else ""))
         with recording(m, f"agentenv {op}"), contextlib.ExitStack() as stack:
             if pool:  # the source taken from the pool: its fork family (one uid range), whose sandboxes alone
-                warm.configure(IMAGE, pool, cpus=CPUS, memory=MEMORY)  # can be its children (agentenv.userns)
+                warm.configure(IMAGE, pool, cpus=CPUS, memory=MEMORY)  # can be its children (agentenv.host.userns)
                 stack.callback(warm.drain)
                 if not warm.wait_full(600):
                     raise RuntimeError(f"the warm pool did not fill: {warm.ready()} of {pool} started")

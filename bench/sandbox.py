@@ -26,12 +26,12 @@ many runs the Docker side takes; ``drive`` runs it for each side. Results go to
 ``bench/results/sandbox.json`` (keys ``agentenv.<op>`` and ``docker.<op>``, ratios = Docker median /
 agentenv median); everything created is removed at the end, on error too.
 
-The pool rows fork with a warm pool (``agentenv.warm``) of POOL (8; 32 for fork(32)) sandboxes made like the
+The pool rows fork with a warm pool (``agentenv.sandbox.warm``) of POOL (8; 32 for fork(32)) sandboxes made like the
 fork's source, full before each timed fork: the children are pooled sandboxes whose root is swapped for the clone.
 
 The burst rows ask for BURST (64) sandboxes at once and time each from the release to its first command
-answered (p50 and p99): with agentenv's admission bound (``agentenv.admission``), without it, and from a
-warm pool of BURST started sandboxes (``agentenv.warm``, filled before the burst).
+answered (p50 and p99): with agentenv's admission bound (``agentenv.host.admission``), without it, and from a
+warm pool of BURST started sandboxes (``agentenv.sandbox.warm``, filled before the burst).
 
     .venv/bin/python -m bench.sandbox [--runs 10] [--docker-runs 3] [--quick] [--no-docker] [--only burst]
 """

@@ -3,7 +3,7 @@
 
 Why: a snapshot of the files is a btrfs clone of the sandbox's layer, a few ms whatever it holds, and its
 ``size_bytes`` (what the store's limit counts) comes from the clone's quota group, not from walking every file
-(``agentenv.volume.referenced``). Two costs used to grow with the number of files anyway, and each is
+(``agentenv.host.volume.referenced``). Two costs used to grow with the number of files anyway, and each is
 measured here against what replaced it, in the same run:
 
 - ``walk``: the size counted file by file (the old way, forced by hiding the quota group), against
@@ -30,7 +30,7 @@ from pathlib import Path
 from unittest import mock
 
 import agentenv
-from agentenv import volume
+from agentenv.host import volume
 from bench.harness import Report, Result, Row, add_output_arg, console, fmt_ratio, print_table, recording
 from bench.sandbox_common import CPUS, IMAGE
 

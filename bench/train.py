@@ -42,11 +42,11 @@ from bench.harness import (
     print_table,
     recording,
 )
+from policy.config import model_config
 from policy.engine import Engine, SamplingParams
 from policy.engines import EngineSpec, start, wait_healthy
 from policy.tokenizer import load_tokenizer
 from trainer.batch import Batch, Sample
-from trainer.cli import model_config
 from trainer.metrics import iteration_split, read_jsonl, rollout_to_train
 from trainer.parallel import free_port
 from trainer.rank import write_safetensors_atomic

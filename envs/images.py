@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
-from agentenv.images import docker_client
+from agentenv.host.images import docker_client
 from envs.task import image_name
 
 DOCS = "README.md, 'Bring your own tasks'"

@@ -186,3 +186,14 @@ def preset(name: str, **overrides: Any) -> K3Config:
     if name not in PRESETS:
         raise KeyError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
     return PRESETS[name](**overrides)
+
+
+def model_config(name: str = "k3-mini", config_file: Path | None = None) -> K3Config:
+    """The model configuration the policy server uses for preset ``name`` (sized to the tokenizer's vocabulary
+    and special ids), or the one a JSON file describes (``K3Config`` fields)."""
+    if config_file is not None:
+        return K3Config.from_dict(json.loads(config_file.read_text()))
+    from policy.tokenizer import load_tokenizer
+    tok = load_tokenizer()
+    return preset(name, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                  pad_token_id=tok.pad_id)

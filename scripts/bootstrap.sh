@@ -34,12 +34,12 @@ version_ge() { [ "$(printf '%s\n%s\n' "$2" "$1" | sort -V | head -n1)" = "$2" ];
 
 # --- 1. Docker engine -------------------------------------------------------------------
 apt_install docker.io runc containerd iptables iproute2 nftables util-linux debootstrap tar xz-utils ca-certificates
-# The sandbox volume (agentenv/volume.py): a sparse btrfs image on a loop device, with quotas, that agentenv
+# The sandbox volume (agentenv/host/volume.py): a sparse btrfs image on a loop device, with quotas, that agentenv
 # makes under each AGENTENV_HOME on first use. This kernel has no XFS quotas and no ext4 quota format.
 apt_install btrfs-progs
 modprobe -q loop 2>/dev/null || true
 modprobe -q btrfs 2>/dev/null || true
-# Sandboxes run in user namespaces (agentenv/userns.py). A lazy restore's CRIU opens a userfaultfd from inside
+# Sandboxes run in user namespaces (agentenv/host/userns.py). A lazy restore's CRIU opens a userfaultfd from inside
 # one, which needs this; the sandboxes' own code cannot use it (their seccomp filter refuses the system call).
 if [ "$(cat /proc/sys/vm/unprivileged_userfaultfd 2>/dev/null)" != 1 ]; then
     echo 'vm.unprivileged_userfaultfd = 1' >/etc/sysctl.d/60-agentenv-userfaultfd.conf
@@ -77,7 +77,7 @@ log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
 # --- 2. CRIU >= 4 -------------------------------------------------------------------------
 # Patches to 4.1.1 (scripts/criu-patches): kernels >= 6.16 answer EOPNOTSUPP for SO_PASSCRED on
 # TCP sockets, which makes CRIU 4.1.1 fail to dump any process holding one (0001); --empty-ns net also
-# skips the namespace's conntrack tables, ~20 ms of every memory snapshot (0002, see agentenv/criu.py);
+# skips the namespace's conntrack tables, ~20 ms of every memory snapshot (0002, see agentenv/host/criu.py);
 # CRIU's helper tasks no longer share fs with their parent, which made the restore of any sandbox with a
 # process whose session leader had exited ('cmd &') fail (0003, upstream c7395f4, in CRIU 4.2); an empty
 # read-only tmpfs (runc's mask over /proc/acpi, /sys/firmware...) is saved and restored without running tar,

@@ -130,19 +130,6 @@ def defaults_cmd() -> None:
     print(defaults_toml(), end="")
 
 
-def model_config(preset: str = "k3-mini", config_file: Path | None = None) -> Any:
-    """The model configuration the policy server uses for ``preset`` (the tokenizer's vocabulary and special ids),
-    or the one a JSON file describes (``K3Config`` fields)."""
-    from policy.config import K3Config
-    from policy.config import preset as get_preset
-    if config_file is not None:
-        return K3Config.from_dict(json.loads(config_file.read_text()))
-    from policy.tokenizer import load_tokenizer
-    tok = load_tokenizer()
-    return get_preset(preset, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
-                      pad_token_id=tok.pad_id)
-
-
 @app.command()
 def sft(
     data: Annotated[Path, typer.Option(help="run folder (or shard) of demonstration trajectories")],
@@ -167,6 +154,7 @@ def sft(
     tensorboard: Annotated[bool, typer.Option(help="also write TensorBoard events (needs tensorboard)")] = False,
 ) -> None:
     """Supervised warm start on demonstrations: masked NLL over the generated tokens."""
+    from policy.config import model_config
     from rollout.trajectory import read
     from trainer.sft import run_sft, sft_samples
     from trainer.train import TrainConfig, Trainer

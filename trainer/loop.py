@@ -170,7 +170,7 @@ class Loop:
     # -- 2. trainer and policy server --
     def _start_trainer(self, weights: str | None) -> None:
         cfg = self.cfg
-        from trainer.cli import model_config
+        from policy.config import model_config
         from trainer.losses import LossConfig
         from trainer.train import TrainConfig, Trainer
 

@@ -86,6 +86,11 @@ def token_mean(x: torch.Tensor, mask: torch.Tensor, denom: float | torch.Tensor 
     return masked_sum(x, mask) / denom
 
 
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor, denom: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Masked NLL: the token mean of -log p over the mask (``denom``: the batch's token count)."""
+    return -token_mean(logp, mask, denom)
+
+
 def safe_ratio(logp: torch.Tensor, base: torch.Tensor, max_log_ratio: float = 20.0) -> torch.Tensor:
     """exp(logp - base) with the log-ratio clamped to +-``max_log_ratio`` first (finite whatever the inputs)."""
     return torch.exp(torch.clamp(logp - base, -max_log_ratio, max_log_ratio))

@@ -32,9 +32,8 @@ from trainer import checkpoint as ckpt
 from trainer.balance import expert_load, reduce_load, update_router_bias
 from trainer.batch import MicroBatch, Sample, collate
 from trainer.health import merge, replay_coverage
-from trainer.losses import LossConfig, policy_loss, token_logprobs
+from trainer.losses import LossConfig, policy_loss, sft_loss, token_logprobs
 from trainer.parallel import Layout, all_reduce_grads, grad_norm, init_layout
-from trainer.sft import sft_loss
 
 log = logging.getLogger(__name__)
 

@@ -24,17 +24,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.batch import Batch, Sample
-from trainer.losses import token_mean
 from trainer.metrics import MetricsLog, Progress, plot
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
     from trainer.train import Trainer
-
-
-def sft_loss(logp: torch.Tensor, mask: torch.Tensor, denom: float | torch.Tensor | None = None) -> torch.Tensor:
-    """Masked NLL: the token mean of -log p over the mask (``denom``: the batch's token count)."""
-    return -token_mean(logp, mask, denom)
 
 
 def sft_samples(trajectories: Sequence[Any], min_reward: float | None = None) -> list[Sample]:
@@ -139,8 +133,8 @@ def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: b
 
 def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: bool, progress: bool | None,
                 say: Callable[[str], None], add_time: Callable[[str, float], None] | None) -> tuple[str, dict[str, Any]]:
+    from policy.config import model_config
     from rollout.trajectory import read
-    from trainer.cli import model_config
     from trainer.services import write_json_atomic
     from trainer.tasks import resolve_function
     from trainer.train import TrainConfig, Trainer

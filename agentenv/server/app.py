@@ -14,9 +14,10 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agentenv import __version__, store, warm
+from agentenv import __version__
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
+from agentenv.sandbox import store, warm
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, jobs, sandboxes, server, snapshots
 from agentenv.server.routing import (

@@ -22,7 +22,8 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from agentenv import errors, wire
+from agentenv import errors
+from agentenv.remote import wire
 from agentenv.server.limits import BodyTooLarge, too_large_body
 from agentenv.server.service import RETRY_AFTER
 

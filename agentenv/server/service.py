@@ -3,7 +3,7 @@
 All state lives on disk (sandbox records and the snapshot store), so a server killed with ``kill -9``
 and started again lists every paused sandbox and snapshot, reattaches to the running sandboxes and
 reports the ones whose processes died as ``lost`` (``Service.recover``). What the kill cut short is
-mended first (``agentenv.recovery.recover_all``): a sandbox left frozen is thawed, half-made fork children
+mended first (``agentenv.sandbox.sweep.recover_all``): a sandbox left frozen is thawed, half-made fork children
 are removed, a pause is finished or rolled back, the fork's snapshot is collected; one sandbox that does
 not answer holds up neither the start nor the others.
 """
@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentenv import errors, network, userns
-from agentenv.recovery import recover_all
-from agentenv.sandbox import Sandbox
+from agentenv import errors
+from agentenv.host import network, userns
+from agentenv.sandbox.core import Sandbox
+from agentenv.sandbox.store import Snapshot
+from agentenv.sandbox.sweep import recover_all
 from agentenv.server.schemas import Capacity
-from agentenv.store import Snapshot
 
 log = logging.getLogger("agentenv.server")
 RETRY_AFTER = 5.0  # seconds a client is told to wait when a quota is full

@@ -44,9 +44,9 @@ def agentenv_home() -> Iterator[Path]:
 
 def leaked(home: Path) -> dict[str, list[str]]:
     """Containers, mounts, sandbox records, layers, snapshot files, sandboxes' network links (veths) and uid ranges
-    still held (agentenv.userns) left under
+    still held (agentenv.host.userns) left under
     ``home`` (the volume's own mount, ``home/volume``, is the home's and stays until ``cleanup``)."""
-    from agentenv import network
+    from agentenv.host import network
 
     runc = subprocess.run(["runc", "--root", str(home / "runc"), "list", "-q"], capture_output=True, text=True,
                           check=False).stdout.split()
@@ -80,7 +80,7 @@ def cleanup(home: Path) -> None:
         target = line.split()[1]
         if target.startswith(str(home)):
             subprocess.run(["umount", "-l", target], capture_output=True, check=False)
-    from agentenv import network
+    from agentenv.host import network
 
     for veth in network.links(f"{home}/"):
         network.detach({"veth": veth})

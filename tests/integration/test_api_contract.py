@@ -187,7 +187,7 @@ def test_file_system_calls(sb):
 def test_properties_list_get_and_close(api):
     s = api.Sandbox.create(memory="256m", cpus=0.5, labels={"who": "contract"}, ttl=3600)
     assert s.state == "running" and s.image == "agentenv/base" and s.labels == {"who": "contract"}
-    assert s.limits == agentenv.sandbox.Limits(cpus=0.5, memory=256 << 20, pids=512, disk=10 << 30)
+    assert s.limits == agentenv.sandbox.core.Limits(cpus=0.5, memory=256 << 20, pids=512, disk=10 << 30)
     assert s.expires_at is not None and s.expires_at > s.created_at
     before = s.expires_at
     s.set_ttl(7200)

@@ -1,5 +1,5 @@
 """A burst of concurrent creates: every sandbox starts, each is independent of the others, the admission
-bound (``agentenv.admission``) is honoured, and a warm pool (``agentenv.warm``) hands out started sandboxes
+bound (``agentenv.host.admission``) is honoured, and a warm pool (``agentenv.sandbox.warm``) hands out started sandboxes
 that are independent too and leaves nothing behind once drained."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import agentenv
-from agentenv import admission, warm
+from agentenv.host import admission
+from agentenv.sandbox import warm
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""Restores that run CRIU without runc (agentenv.criu.restore): runc's work done by agentenv, and nothing lost.
+"""Restores that run CRIU without runc (agentenv.host.criu.restore): runc's work done by agentenv, and nothing lost.
 
 The restored sandbox must get the cgroups and limits that ``runc restore`` would have given it, runc must know
 it afterwards (state, delete, later dumps), images without runc's record must still restore (through runc), and
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import cgroups, criu, runtime
+from agentenv.host import cgroups, criu, runtime
 
 from .test_snapshots import ask, start_counter
 

@@ -1,5 +1,5 @@
 """Forks of the files alone (``fork(n, memory=False)``): each child's layer is a btrfs snapshot of the parent's
-(``agentenv.forking``), or, where layers cannot be cloned, a copy through the store. Either way the children get
+(``agentenv.sandbox.forking``), or, where layers cannot be cloned, a copy through the store. Either way the children get
 every file, mode, link and deletion of the parent, then diverge; a ``kill -9`` mid-fork leaves no child. With a
 warm pool the children are pooled sandboxes whose root is swapped: the same files, mounts and guarantees."""
 
@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import recovery, volume, warm
 from agentenv.config import CRASH_ENV, paths
+from agentenv.host import volume
+from agentenv.sandbox import sweep, warm
 
 pytestmark = pytest.mark.integration
 
@@ -125,7 +126,7 @@ def test_kill_9_mid_files_fork_leaves_no_child_and_the_parent_running(point, poo
 import sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
-from agentenv import warm
+from agentenv.sandbox import warm
 {pool}
 sb = agentenv.Sandbox.create(memory="256m")
 sb.write_file("/testbed/kept", "kept")
@@ -138,7 +139,7 @@ sb.fork(2, memory=False)
     assert p.returncode == -signal.SIGKILL, p.stderr
     parent = agentenv.Sandbox.get(p.stdout.split()[0])
     try:
-        found = recovery.recover_all()
+        found = sweep.recover_all()
         assert parent.id in found["running"]
         assert not parent._container.frozen()
         assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"
@@ -171,7 +172,7 @@ def waiting() -> set[str]:
 @pytest.fixture
 def pool():
     """A warm pool of 2 made like ``parent``, filled before it (ask for ``pool`` first): the parent is taken from
-    it, so it is of the pool's fork family (one uid range, agentenv.userns), whose sandboxes alone can be its
+    it, so it is of the pool's fork family (one uid range, agentenv.host.userns), whose sandboxes alone can be its
     children. Returns what waits in it once it has refilled."""
     warm.configure("agentenv/base", 2, memory="256m", disk="1g")  # made like the parent
     try:

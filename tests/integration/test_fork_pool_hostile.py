@@ -1,4 +1,4 @@
-"""The pooled files-fork path (``agentenv.forking``: a warm pool's sandbox given a clone of the parent's layer by
+"""The pooled files-fork path (``agentenv.sandbox.forking``: a warm pool's sandbox given a clone of the parent's layer by
 ``hostcalls.swap_root``, its agent re-executed by the op ``reroot``) against what a hostile sandbox or an ordinary
 host can do to it: code inside a sandbox sending ``reroot`` itself, a host whose mounts propagate (systemd's
 default), a pooled sandbox whose recorded agent pid now names another process, a fork of a sandbox that waits in
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import recovery, warm
 from agentenv.config import CRASH_ENV, paths
 from agentenv.errors import ConnectionLost
+from agentenv.sandbox import sweep, warm
 
 from .test_fork_files import settled
 
@@ -43,7 +43,7 @@ def kids_of_pool(kids: list[agentenv.Sandbox], pool: set[str]) -> None:
 def pool():
     """Fill a warm pool of ``n`` sandboxes made like ``LIMITS`` and return their ids; drained after the test. Filled
     before a test's parents are made (a create takes from the pool: a parent then is of the pool's fork family,
-    whose sandboxes alone can be its children, agentenv.userns), and again once they are."""
+    whose sandboxes alone can be its children, agentenv.host.userns), and again once they are."""
 
     def fill(n: int) -> set[str]:
         warm.configure("agentenv/base", n, **LIMITS)
@@ -235,7 +235,8 @@ def test_kill_9_inside_the_root_swap_leaves_no_child_nor_mount():
 import sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
-from agentenv import hostcalls, warm, forking
+from agentenv.host import hostcalls
+from agentenv.sandbox import forking, warm
 warm.configure("agentenv/base", 1, memory="256m", disk="1g")  # first: the parent is of the pool's fork family
 assert warm.wait_full(120)
 sb = agentenv.Sandbox.create(memory="256m", disk="1g")
@@ -256,7 +257,7 @@ sb.fork(1, memory=False)
     assert p.returncode == -signal.SIGKILL, p.stderr
     parent = agentenv.Sandbox.get(p.stdout.split()[0])
     try:
-        recovery.recover_all()
+        sweep.recover_all()
         assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"
         others = [s for s in agentenv.Sandbox.list() if s.id != parent.id]
         assert all(s.labels.get("agentenv.kind") == warm.KIND for s in others)  # a refill at most: no child
@@ -278,7 +279,7 @@ def test_forking_a_sandbox_that_waits_in_the_pool_never_takes_it_as_its_own_chil
 import sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
-from agentenv import warm
+from agentenv.sandbox import warm
 warm.configure("agentenv/base", 1, memory="256m", disk="1g")
 assert warm.wait_full(120)
 pooled = agentenv.Sandbox.get(warm._ready[0][1].id)
@@ -302,7 +303,7 @@ print("done", flush=True)
         assert lines[1].split()[0] != lines[0] and lines[1].split()[1] == "pooled"
         assert lines[2] == "done"
     finally:
-        recovery.recover_all()
+        sweep.recover_all()
         for s in agentenv.Sandbox.list():  # what the killed process left
             s.close()
 

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import recovery, store
-from agentenv.client import Client
 from agentenv.config import CRASH_ENV, paths
 from agentenv.errors import ConnectionLost
+from agentenv.remote.client import Client
+from agentenv.sandbox import store, sweep
 
 from .server_fixtures import TOKEN, free_port, start_server_process
 
@@ -125,7 +125,7 @@ def test_kill_9_mid_fork_thaws_the_source_and_leaves_no_child_or_snapshot(server
 @pytest.mark.parametrize("point", ["fork:dumped", "fork:started"])
 def test_kill_9_mid_fork_of_a_networked_sandbox_leaves_no_network_link(server, point):
     """The half-made children's veths go with them (and their namespaces): only the source's link is left."""
-    from agentenv import network
+    from agentenv.host import network
 
     c, src_id, found = fork_killed_at(server, point, 3, network=True)
     assert src_id in found["running"]
@@ -217,8 +217,8 @@ def test_recovery_in_process_is_idempotent_and_leaves_live_work_alone():
     with agentenv.Sandbox.create(memory="256m") as sb:
         making = agentenv.Sandbox._new(sb._spec(), image="agentenv/base", ttl=None, labels=None, parent=None)
         try:
-            first = recovery.recover_all()
+            first = sweep.recover_all()
             assert sb.id in first["running"] and making.id in first["busy"]
-            assert recovery.recover_all() == first
+            assert sweep.recover_all() == first
         finally:
             making._destroy()

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import agent, channel, snapshotting, store, volume
 from agentenv.config import paths
 from agentenv.errors import (
     ConnectionLost,
@@ -31,6 +30,9 @@ from agentenv.errors import (
     SandboxStateError,
     StoreFullError,
 )
+from agentenv.host import volume
+from agentenv.inside import agent
+from agentenv.sandbox import channel, snapshotting, store
 
 from .conftest import cleanup
 

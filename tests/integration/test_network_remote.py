@@ -14,8 +14,8 @@ import pytest
 
 import agentenv
 from agentenv.api import Network
-from agentenv.client import Client
 from agentenv.errors import NetworkRuleError, SandboxStateError
+from agentenv.remote.client import Client
 
 from .server_fixtures import TOKEN
 

@@ -9,9 +9,10 @@ import os
 import pytest
 
 import agentenv
-from agentenv import store, volume
 from agentenv.config import paths
 from agentenv.errors import StoreFullError
+from agentenv.host import volume
+from agentenv.sandbox import store
 
 pytestmark = pytest.mark.integration
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv import userns
 from agentenv.config import paths
+from agentenv.host import userns
 
 pytestmark = pytest.mark.integration
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv import volume
 from agentenv.config import paths
+from agentenv.host import volume
 from bench.snapshot_scale import home_with
 
 pytestmark = pytest.mark.integration

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import agentenv
 from agentenv.api import Backend, ProcessLike, SandboxLike, SnapshotLike
-from agentenv.client import Client, RemoteProcess, RemoteSandbox, RemoteSnapshot
-from agentenv.pool import Pool
-from agentenv.sandbox import Process, Sandbox
-from agentenv.store import Snapshot
+from agentenv.remote.client import Client, RemoteProcess, RemoteSandbox, RemoteSnapshot
+from agentenv.remote.pool import Pool
+from agentenv.sandbox.core import Process, Sandbox
+from agentenv.sandbox.store import Snapshot
 
 
 def local_backend() -> Backend:

@@ -1,4 +1,4 @@
-"""The admission bound on starting sandboxes (``agentenv.admission``): honoured under a burst, sized from the
+"""The admission bound on starting sandboxes (``agentenv.host.admission``): honoured under a burst, sized from the
 environment or the CPU count, and changeable while starts wait."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from agentenv import admission
+from agentenv.host import admission
 
 
 @pytest.fixture(autouse=True)

@@ -1,5 +1,5 @@
 """Jobs (start, attach, stdin, discard, signals) and the file system ops of the agent, run as a plain process
-on a temporary socket (no container), driven through the host end (``agentenv.jobs``)."""
+on a temporary socket (no container), driven through the host end (``agentenv.sandbox.jobs``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from agentenv import agent, jobs
 from agentenv.api import JobEnd, JobOutput
-from agentenv.channel import Channel, Gate, raise_for
+from agentenv.inside import agent
+from agentenv.sandbox import jobs
+from agentenv.sandbox.channel import Channel, Gate, raise_for
 
 
 @pytest.fixture

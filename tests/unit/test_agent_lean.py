@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv import agent
-from agentenv.channel import Channel, Gate
+from agentenv.inside import agent
+from agentenv.sandbox.channel import Channel, Gate
 
 HEAVY = ("json", "re", "subprocess", "threading", "socket", "signal", "selectors", "contextlib", "enum",
          "collections", "typing", "functools")

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from agentenv.agent_process import AgentProcess
+from agentenv.host.agent_process import AgentProcess
 
 
 def test_a_refused_pin_never_closes_another_files_descriptor() -> None:

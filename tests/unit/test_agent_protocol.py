@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv import agent
-from agentenv.channel import Channel, Gate, raise_for
+from agentenv.inside import agent
+from agentenv.sandbox.channel import Channel, Gate, raise_for
 
 
 @pytest.fixture
@@ -98,7 +98,7 @@ def test_spawn_and_process_table(channel):
 
 def test_a_planted_symlink_cannot_redirect_the_host(tmp_path):
     """The sandbox owns the socket's folder: a symlink there must not lead the host to another socket."""
-    from agentenv.channel import connect_in_root
+    from agentenv.sandbox.channel import connect_in_root
 
     elsewhere = socket.socket(socket.AF_UNIX)
     elsewhere.bind(str(tmp_path / "host-only.sock"))
@@ -123,8 +123,8 @@ def test_raise_for_maps_errors():
 
 
 def test_a_silent_agent_is_an_error_not_a_hang(tmp_path, monkeypatch):
-    from agentenv import channel as channel_mod
     from agentenv.errors import ConnectionLost
+    from agentenv.sandbox import channel as channel_mod
 
     path = str(tmp_path / "mute.sock")
     mute = socket.socket(socket.AF_UNIX)

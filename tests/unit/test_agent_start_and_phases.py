@@ -1,4 +1,4 @@
-"""The agent's precompiled start (``agentenv.agent_start``) and the phase timer (``agentenv.phases``)."""
+"""The agent's precompiled start (``agentenv.host.agent_start``) and the phase timer (``agentenv.phases``)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import time
 import zlib
 from pathlib import Path
 
-from agentenv import agent, phases
-from agentenv.agent_start import AGENT_DEST, CODE_ENV, LOADER, agent_command, agent_env
+from agentenv import phases
+from agentenv.host.agent_start import AGENT_DEST, CODE_ENV, LOADER, agent_command, agent_env
+from agentenv.inside import agent
 
 PROBE = "import os, sys\nprint(sys.argv[1:], __name__, __file__.endswith('agent.py'), os.environ.get({var!r}))\n"
 

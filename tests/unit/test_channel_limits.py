@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from agentenv import agent
-from agentenv import channel as channel_mod
-from agentenv.channel import Channel, Gate
 from agentenv.errors import ConnectionLost
+from agentenv.inside import agent
+from agentenv.sandbox import channel as channel_mod
+from agentenv.sandbox.channel import Channel, Gate
 
 HEAD = struct.Struct(">II")
 

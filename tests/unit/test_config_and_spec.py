@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
-from agentenv import store, userns, volume
 from agentenv.config import parse_disk, parse_size, paths
 from agentenv.errors import DiskLimitUnsupported, SnapshotNotFound, StoreFullError
-from agentenv.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config
-from agentenv.seccomp import seccomp_profile
+from agentenv.host import userns, volume
+from agentenv.host.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config
+from agentenv.host.seccomp import seccomp_profile
+from agentenv.sandbox import store
 
 
 @pytest.mark.parametrize(("text", "n"), [("1g", 1 << 30), ("512m", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096),

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from agentenv import api, wire
+from agentenv import api
 from agentenv.api import ExecResult, Limits, ProcessInfo, SandboxInfo, SnapshotInfo
-from agentenv.client import RemoteSnapshot
-from agentenv.store import Snapshot
+from agentenv.remote import wire
+from agentenv.remote.client import RemoteSnapshot
+from agentenv.sandbox.store import Snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUES = [

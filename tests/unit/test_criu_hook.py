@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from agentenv.criu import NamespaceHook
+from agentenv.host.criu import NamespaceHook
 
 
 def _run(hook: NamespaceHook, action: str, pid: int = 4242) -> int:

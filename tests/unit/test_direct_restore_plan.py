@@ -1,4 +1,4 @@
-"""When a restore may run CRIU without runc (agentenv.criu._restore_plan), and runc's device rules as the kernel
+"""When a restore may run CRIU without runc (agentenv.host.criu._restore_plan), and runc's device rules as the kernel
 takes them: no infrastructure needed."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agentenv import cgroups, criu
+from agentenv.host import cgroups, criu
 
 
 def test_device_rules_read_as_the_v1_devices_controller_takes_them():

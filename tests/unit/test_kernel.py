@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from agentenv import kernel
+from agentenv.inside import kernel
 
 
 class Kernel:

@@ -6,9 +6,10 @@ import ipaddress
 
 import pytest
 
-from agentenv import netpolicy, network
+from agentenv import netpolicy
 from agentenv.api import Network
 from agentenv.errors import NetworkRuleError
+from agentenv.host import network
 
 
 def _no_dns(name: str) -> list[str]:

@@ -9,8 +9,8 @@ from pydantic import ValidationError
 
 from agentenv import errors, server
 from agentenv.api import Network
-from agentenv.client import _network_body
 from agentenv.netpolicy import MAX_ENTRIES
+from agentenv.remote.client import _network_body
 from agentenv.server.schemas import CreateRequest, NetworkRequest, NetworkRules
 
 TOKEN = "unit-token"

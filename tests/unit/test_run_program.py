@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from agentenv.hostcalls import run_program
+from agentenv.host.hostcalls import run_program
 
 
 def test_exit_status_and_output() -> None:

@@ -1,11 +1,11 @@
-"""The uid ranges of fork families (agentenv.userns): leases by hard link, no infrastructure needed."""
+"""The uid ranges of fork families (agentenv.host.userns): leases by hard link, no infrastructure needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from agentenv import userns
 from agentenv.errors import SandboxError
+from agentenv.host import userns
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from connectrpc.request import RequestContext
 from protobuf import Oneof
 
 from agentenv import errors
-from agentenv.sandbox import Sandbox
+from agentenv.sandbox.core import Sandbox
 from agentenv.server import streaming
 from agentenv.server.service import Service
 

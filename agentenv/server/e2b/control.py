@@ -29,13 +29,14 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentenv import errors, netpolicy, warm
+from agentenv import errors, netpolicy
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, MAX_FORK
 from agentenv.config import parse_size
-from agentenv.sandbox import Sandbox
+from agentenv.sandbox import warm
+from agentenv.sandbox.core import Sandbox
+from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
 from agentenv.server.service import Service
-from agentenv.store import Snapshot
 
 TEMPLATES = {"base": DEFAULT_IMAGE, "code-interpreter-v1": DEFAULT_IMAGE, "code-interpreter": DEFAULT_IMAGE}
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime

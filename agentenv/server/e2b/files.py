@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from agentenv.api import FileInfo
-from agentenv.sandbox import Sandbox
+from agentenv.sandbox.core import Sandbox
 from agentenv.server.e2b.bridge import call, connect_error, one_of, sandbox_of
 from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service

@@ -1,7 +1,7 @@
 """The code interpreter's port (49999): ``/execute`` streaming NDJSON, and ``/contexts``, over kernels that
 live inside the sandbox.
 
-A context is a persistent Python process (``agentenv.kernel``) run as a job of the sandbox's agent, with its
+A context is a persistent Python process (``agentenv.inside.kernel``) run as a job of the sandbox's agent, with its
 stdin fed requests and its stdout read for events; it is found again by its job tag, so the server keeps no
 state of its own. Because the kernel is an ordinary process of the sandbox, a memory snapshot, a pause or a
 fork carries its variables: every child of a fork starts with the interpreter state of the moment it forked.
@@ -24,9 +24,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, Router
 
-from agentenv import kernel
 from agentenv.api import JobEnd, JobOutput
-from agentenv.sandbox import Sandbox
+from agentenv.inside import kernel
+from agentenv.sandbox.core import Sandbox
 from agentenv.server.e2b.bridge import iterate, run
 from agentenv.server.e2b.files import http_error
 from agentenv.server.service import Service

@@ -23,7 +23,7 @@ from e2b.envd.process import process_pb as pb
 from protobuf import Oneof
 
 from agentenv.api import JobEnd, JobInfo, JobOutput
-from agentenv.sandbox import Sandbox
+from agentenv.sandbox.core import Sandbox
 from agentenv.server.e2b.bridge import call, iterate, one_of, sandbox_of
 from agentenv.server.service import Service
 

@@ -14,9 +14,10 @@ from fastapi import APIRouter, Body, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from agentenv import errors, wire
+from agentenv import errors
 from agentenv.api import JobInfo, JobOutput
-from agentenv.sandbox import Sandbox
+from agentenv.remote import wire
+from agentenv.sandbox.core import Sandbox
 from agentenv.server.routes import BINARY, ServiceDep
 from agentenv.server.routes.sandboxes import SB_ERRORS
 from agentenv.server.routing import WireResponse, WireRoute, reply_in_msgpack

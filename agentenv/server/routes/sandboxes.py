@@ -8,7 +8,7 @@ from fastapi import APIRouter, Body, Response
 
 from agentenv.api import SandboxInfo
 from agentenv.config import parse_disk, parse_size
-from agentenv.sandbox import Sandbox
+from agentenv.sandbox.core import Sandbox
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import (

@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Query, Response
 
 from agentenv.api import SandboxInfo, SnapshotInfo
+from agentenv.sandbox.store import Snapshot
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import (
@@ -18,7 +19,6 @@ from agentenv.server.schemas import (
     SnapshotRequest,
     error_responses,
 )
-from agentenv.store import Snapshot
 
 router = APIRouter(route_class=WireRoute, tags=["snapshots"])
 

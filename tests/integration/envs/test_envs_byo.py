@@ -185,7 +185,7 @@ RUN git apply -R /tmp/gold.patch && rm -rf .git && git init -q && git add -A && 
 def history_image(image_commit, tmp_path_factory):
     """An image built from a history that runs past the task's base: HEAD (main) is the fix, with tags,
     a branch and a stash; the base commit is its parent. Like an upstream clone for SWE-bench records."""
-    from agentenv.images import docker_client
+    from agentenv.host.images import docker_client
 
     ctx = tmp_path_factory.mktemp("history-image")
     (ctx / "Dockerfile").write_text(HISTORY_DOCKERFILE)

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from policy.config import model_config
 from rollout.trajectory import read
 from trainer import checkpoint as ckpt
-from trainer.cli import model_config
 from trainer.train import TrainConfig, Trainer
 
 pytestmark = pytest.mark.integration

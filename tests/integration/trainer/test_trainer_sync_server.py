@@ -7,8 +7,8 @@ the trained weights' log-probs."""
 import pytest
 
 from policy.client import SyncPolicyClient
+from policy.config import model_config
 from trainer.batch import Batch, Sample
-from trainer.cli import model_config
 from trainer.sync import Endpoint, WeightSync
 from trainer.train import TrainConfig, Trainer
 

@@ -11,11 +11,11 @@ from trainer.losses import (
     kl_k3,
     policy_loss,
     ppo_clip,
+    sft_loss,
     tis_weight,
     token_logprobs,
     token_mean,
 )
-from trainer.sft import sft_loss
 
 T = torch.tensor
 

@@ -6,9 +6,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+from dataclasses import dataclass
 
-from agentenv.channel import Root
-from agentenv.hostcalls import proc_start_time
+from agentenv.host.hostcalls import proc_start_time
+
+
+@dataclass(frozen=True)
+class Root:
+    """A sandbox's root as one connect reaches it: an ``O_PATH`` descriptor of ``/proc/<pid>/root``,
+    owned (and closed) by the connect, and the host pid that must be serving the socket found there."""
+
+    fd: int
+    pid: int
 
 
 def in_cgroup(pid: int, cgroup: str) -> bool:

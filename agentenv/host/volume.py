@@ -52,7 +52,7 @@ from pathlib import Path
 
 from agentenv.config import Paths, parse_size, paths
 from agentenv.errors import DiskLimitUnsupported, SandboxError
-from agentenv.hostcalls import mountinfo
+from agentenv.host.hostcalls import mountinfo
 
 log = logging.getLogger("agentenv")
 

@@ -19,7 +19,7 @@ import marshal
 import sys
 import zlib
 
-from agentenv import agent
+from agentenv.inside import agent
 
 AGENT_DEST = "/.agentenv/agent.py"  # where the host's agent.py is bind-mounted (read-only) in every sandbox
 CODE_ENV = "AGENTENV_AGENT_CODE"

@@ -11,7 +11,7 @@ Why one range per *fork family* and not per sandbox: a fork's children and a res
 parent's files, which belong to the parent's uids on disk; giving each its own range would mean rewriting the
 owner of every file (seconds for a large layer) on the critical path of every fork. So a range is chosen when a
 sandbox is made from an image and then travels in its ``ContainerSpec`` to its snapshots, forks and restores;
-two families never share one while either has a sandbox or a snapshot left. (A warm pool, ``agentenv.warm``, is
+two families never share one while either has a sandbox or a snapshot left. (A warm pool, ``agentenv.sandbox.warm``, is
 one family: its sandboxes serve as the children of a files-only fork of one of them.)
 
 A range is held through hard links: ``<home>/uids/<n>`` is its lease file, and every sandbox bundle and
@@ -35,7 +35,7 @@ from pathlib import Path
 
 from agentenv.config import paths
 from agentenv.errors import SandboxError
-from agentenv.hostcalls import make_userns
+from agentenv.host.hostcalls import make_userns
 
 log = logging.getLogger("agentenv")
 

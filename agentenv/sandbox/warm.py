@@ -1,12 +1,12 @@
 """A warm pool: sandboxes started ahead of time, handed out by ``Sandbox.create`` when one matches.
 
 A start costs tens of milliseconds of CPU (runc, the kernel's namespaces, the agent coming up). A burst of
-creates bigger than the machine's cores queues behind that work (``agentenv.admission``) however fast one
+creates bigger than the machine's cores queues behind that work (``agentenv.host.admission``) however fast one
 start is; a pool moves the work before the burst: a create whose image and limits match a pooled sandbox
 gets it at once (its labels and ttl set to the caller's), and the pool refills behind, one start at a time
 and only once takes pause (``REFILL_DELAY``), so that the refill takes little from the sandboxes just handed
 out. A files-only fork of a sandbox made like the pool's takes its children from the pool too
-(``agentenv.forking``), where they are of its fork family (one uid range, ``agentenv.userns``): the pool's
+(``agentenv.sandbox.forking``), where they are of its fork family (one uid range, ``agentenv.host.userns``): the pool's
 sandboxes are one family, and so are those it handed out while others of it waited.
 
 Off by default: ``configure(image, size, **limits)`` turns it on for this process (the arguments are those
@@ -23,14 +23,15 @@ import json
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-from agentenv import userns
 from agentenv.config import paths
-from agentenv.runtime import ContainerSpec
+from agentenv.host import userns
+from agentenv.host.runtime import ContainerSpec
+from agentenv.sandbox.parts import Parts
 
-if TYPE_CHECKING:
-    from agentenv.sandbox import Sandbox
+S = TypeVar("S", bound=Parts)
 
 log = logging.getLogger("agentenv")
 
@@ -39,7 +40,7 @@ IDLE_TTL = 3600.0  # seconds a pooled sandbox lives unused (the pool of a dead p
 REFILL_DELAY = 0.25  # seconds the pool waits after a take before it refills: a burst or fork is done first
 
 _lock = threading.Condition()
-_ready: list[tuple[str, Sandbox]] = []  # (key, sandbox): the key says what it was started as (``_key``)
+_ready: list[tuple[str, Parts]] = []  # (key, sandbox): the key says what it was started as (``_key``)
 _want: dict[str, Any] = {}  # the create arguments of the pool ("image" included); empty: no pool
 _size = 0
 _filler: threading.Thread | None = None
@@ -47,6 +48,14 @@ _registered = False
 _last_take = 0.0  # time.monotonic() of the last take
 _family: int | None = None  # the uid range of the pool's sandboxes (``family``)
 _members: list[str] = []  # the ids of the sandboxes the pool started in it (that may still live)
+_create: Callable[..., Parts] | None = None  # how the pool starts one: ``Sandbox.create`` (``bind``)
+
+
+def bind(create: Callable[..., Parts]) -> None:
+    """How the pool starts a sandbox (``agentenv.sandbox.core`` binds ``Sandbox.create`` once, at import): the pool
+    never imports the class it fills with."""
+    global _create
+    _create = create
 
 
 def configure(image: str, size: int, **create: Any) -> None:
@@ -89,12 +98,12 @@ def wait_full(timeout: float) -> bool:
     return True
 
 
-def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, str] | None,
-         skip: str | None = None) -> Sandbox | None:
+def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, str] | None, kind: type[S],
+         skip: str | None = None) -> S | None:
     """A pooled sandbox of ``image`` started with ``spec``, now the caller's (its labels and ttl set), or
     None when there is none (no pool, another image or limits, or the pool is empty: create one then).
     ``skip``: never the sandbox of this id (a fork's parent, which may itself be waiting here, listed as
-    every sandbox is, and whose lock the fork holds)."""
+    every sandbox is, and whose lock the fork holds). ``kind``: the caller's sandbox class, which the pool's are."""
     if threading.current_thread() is _filler:  # the pool's own creates
         return None
     with _lock:
@@ -104,6 +113,8 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
         if at is None:
             return None
         found = _ready.pop(at)[1]
+        if not isinstance(found, kind):
+            raise TypeError(f"the warm pool holds a {type(found).__name__}, not a {kind.__name__}")
         global _last_take
         _last_take = time.monotonic()
         _lock.notify_all()  # the filler starts a replacement, once takes pause
@@ -114,7 +125,7 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
 
 
 def family() -> int | None:
-    """The uid range (``agentenv.userns``) of a sandbox the pool starts now: that of the pool's earlier ones, so that
+    """The uid range (``agentenv.host.userns``) of a sandbox the pool starts now: that of the pool's earlier ones, so that
     the pool is one fork family and a files-only fork of a sandbox taken from it takes its children from it too.
     None (a new family) outside the pool's thread, at first, or once nothing holds the range any more (every
     sandbox of the family gone: it may be another family's by now)."""
@@ -154,8 +165,6 @@ def drain() -> None:
 
 def _fill() -> None:
     """Start sandboxes one at a time while the pool is short of its size (the pool's thread)."""
-    from agentenv.sandbox import Sandbox
-
     global _family
     while True:
         with _lock:
@@ -166,7 +175,9 @@ def _fill() -> None:
             want = dict(_want)
         image = want.pop("image")
         try:
-            sb = Sandbox.create(image, **want, ttl=IDLE_TTL, labels={"agentenv.kind": KIND})
+            if _create is None:
+                raise RuntimeError("agentenv.sandbox.core was not imported: nothing bound the pool's create")
+            sb = _create(image, **want, ttl=IDLE_TTL, labels={"agentenv.kind": KIND})
         except Exception as e:  # noqa: BLE001 - the pool retries; creates without it go on regardless
             log.warning("the warm pool could not start a sandbox of %s: %s", image, e)
             time.sleep(1.0)

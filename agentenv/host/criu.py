@@ -35,7 +35,7 @@ still finds a CRIU that a killed process left working on a sandbox (``recovery._
 ``restore`` does the same for the other half: ``runc restore`` spent ~25-35 ms of a ~90 ms restore around
 CRIU (its own start, a ``criu swrk`` version probe, the cgroups, the mount points, its record). The dump keeps
 runc's record of the container with the images (``runc-state.json``); a restore makes the new sandbox's cgroups
-and limits as runc would (``agentenv.cgroups``), runs ``criu restore`` with runc's options (the cgroups given as
+and limits as runc would (``agentenv.host.cgroups``), runs ``criu restore`` with runc's options (the cgroups given as
 the new root, the sandbox's network namespace inherited, the bind mounts mapped; plus ``--cgroup-yard``, which
 runc cannot pass), then writes runc's record of the restored container (from the dumped one's, with the new
 id, init, cgroups, namespaces and root), so that ``runc state``, ``delete`` and later dumps know it. Where it
@@ -63,10 +63,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentenv import cgroups
 from agentenv.config import crash_point
 from agentenv.errors import CheckpointError
-from agentenv.hostcalls import proc_start_time, run_program
+from agentenv.host import cgroups
+from agentenv.host.hostcalls import proc_start_time, run_program
 
 DUMP_TIMEOUT = 300.0  # seconds, as runc's own limit for a checkpoint (and for a restore)
 LOG_LEVEL = 4  # as runc's: level 2 measured no faster on a 100 MB dump, and a full log explains failures
@@ -290,7 +290,7 @@ def hand_over(images: Path, work: Path, bundle: Path) -> None:
             os.chmod(d, 0o711)
 
 
-LINK = "link.json"  # a networked sandbox's link (agentenv.network) as it was at the dump, kept with its images
+LINK = "link.json"  # a networked sandbox's link (agentenv.host.network) as it was at the dump, kept with its images
 
 
 def tcp_mode(images: Path, address: str | None) -> str:

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import httpx
 
-from agentenv import errors, netpolicy, wire
+from agentenv import errors, netpolicy
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
@@ -42,7 +42,8 @@ from agentenv.api import (
     SnapshotLike,
 )
 from agentenv.errors import ConnectionLost, SandboxNotFound, from_wire
-from agentenv.sandbox import Process
+from agentenv.remote import wire
+from agentenv.sandbox.core import Process
 
 DEFAULT_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 5.0

@@ -1,7 +1,7 @@
 """A sandbox's record: ``<home>/sandboxes/<id>/sandbox.json``, what every process knows of a sandbox (its spec,
 state, agent, labels, ttl, address), written whole by rename and changed under a file lock that spans processes.
 
-``Sandbox`` is a ``Record`` with a lifecycle (``agentenv.sandbox``): this module is the fields it reads, the save
+``Sandbox`` is a ``Record`` with a lifecycle (``agentenv.sandbox.core``): this module is the fields it reads, the save
 and reload, the check that it runs, and the lock.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 from agentenv import netpolicy
 from agentenv.api import Limits, Network, State
 from agentenv.errors import SandboxNotFound, SandboxStateError
-from agentenv.runtime import Container, ContainerSpec
+from agentenv.host.runtime import Container, ContainerSpec
 
 
 class Record:

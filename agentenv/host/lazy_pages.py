@@ -39,9 +39,9 @@ from pathlib import Path
 
 from pycriu import images as criu_images
 
-from agentenv.criu import rundir
 from agentenv.errors import CheckpointError
-from agentenv.hostcalls import proc_start_time, run_program
+from agentenv.host.criu import rundir
+from agentenv.host.hostcalls import proc_start_time, run_program
 from agentenv.phases import phase
 
 log = logging.getLogger("agentenv")

@@ -4,7 +4,7 @@
 its cgroup freezer while its files are cloned, so files and processes are of one instant. Before a memory
 snapshot the agent first closes every connection of the host (``quiesce``, with the sandbox's gate shut so no
 new one opens): CRIU cannot dump a process holding the other end of a socket whose peer it does not own. A
-sandbox restored lazily (``agentenv.lazy_pages``) is dumped only once all of its memory is in. The snapshot is
+sandbox restored lazily (``agentenv.host.lazy_pages``) is dumped only once all of its memory is in. The snapshot is
 written in a hidden folder of the store and renamed into place (``store.writing``): a crash leaves nothing
 half-made listed.
 """
@@ -20,21 +20,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv import lazy_pages, store, userns, volume
 from agentenv.config import crash_point, paths
-from agentenv.criu import dump_stats
 from agentenv.errors import CheckpointError, ConnectionLost
+from agentenv.host import lazy_pages, userns, volume
+from agentenv.host.criu import dump_stats
 from agentenv.phases import phase
-from agentenv.store import Snapshot
+from agentenv.sandbox import store
+from agentenv.sandbox.store import Snapshot
 
 if TYPE_CHECKING:
-    from agentenv.sandbox import Sandbox
+    from agentenv.sandbox.parts import Parts
 
 QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
 DUMP_ATTEMPTS = 3  # a dump that met a host connection opened meanwhile is quiesced and tried again
 
 
-def take(sb: Sandbox, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
+def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
          snap_id: str | None = None, owner: builtins.list[int] | None = None) -> Snapshot:
     """Write a snapshot of ``sb`` (locked by the caller) into the store; ``op`` names the crash points (tests)."""
     snap_id = snap_id or store.new_id("snap")
@@ -70,7 +71,7 @@ def take(sb: Sandbox, memory: bool, leave_running: bool, labels: dict[str, str] 
     return snap
 
 
-def meta(sb: Sandbox, snap_id: str, folder: Path, memory: bool, labels: dict[str, str] | None,
+def meta(sb: Parts, snap_id: str, folder: Path, memory: bool, labels: dict[str, str] | None,
          owner: builtins.list[int] | None = None) -> Snapshot:
     """The record of a snapshot of ``sb`` written into ``folder`` (also how recovery completes a cut-off pause)."""
     layer = any(volume.is_subvolume(f) for f in (store.files_of(folder), paths().snapshot_files / snap_id))
@@ -81,7 +82,7 @@ def meta(sb: Sandbox, snap_id: str, folder: Path, memory: bool, labels: dict[str
 
 
 @contextlib.contextmanager
-def frozen(sb: Sandbox, quiesce: bool) -> Iterator[None]:
+def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
     """Hold every process of ``sb`` still (cgroup freezer); with ``quiesce``, first close the host's connections."""
     gate = sb._channel.gate
     if quiesce:
@@ -102,7 +103,7 @@ def frozen(sb: Sandbox, quiesce: bool) -> Iterator[None]:
             gate.open()
 
 
-def _quiesce(sb: Sandbox) -> None:
+def _quiesce(sb: Parts) -> None:
     """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
     try:
         sb._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection

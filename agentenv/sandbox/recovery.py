@@ -1,35 +1,29 @@
-"""Recovery after ``kill -9``: mending one sandbox, which host processes may still work on sandboxes, and
-``recover_all``, which mends every sandbox on this host and collects what dead processes left.
+"""Recovery after ``kill -9``: mending one sandbox, and which host processes may still work on sandboxes
+(``agentenv.sandbox.sweep.recover_all`` mends every sandbox on this host and collects what dead processes left).
 
 A process that died mid-operation leaves sandboxes frozen, half-made fork children, interrupted pauses and
 folders without records. ``recover`` (``Sandbox.recover``) mends one sandbox: it waits for the dead owner's
 helpers, found among ``host_processes()``, to go first, then removes a half-made sandbox, finishes or rolls back
-a pause cut short, and thaws one left frozen (``thaw_abandoned``, the cheap part). ``recover_all`` runs it on
-every sandbox in parallel, so that one stuck sandbox holds up none of the others, then removes layers, folders
-and store entries that no record owns. ``agentenv serve`` and ``agentenv gc`` call it at start.
+a pause cut short, and thaws one left frozen (``thaw_abandoned``, the cheap part).
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import logging
 import os
-import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from agentenv import cgroups, network, snapshotting, store, volume
 from agentenv.config import paths
 from agentenv.errors import AgentEnvError, SandboxNotFound
+from agentenv.host import cgroups
+from agentenv.sandbox import snapshotting, store
 
 if TYPE_CHECKING:
-    from agentenv.sandbox import Sandbox
+    from agentenv.sandbox.parts import Parts
 
 log = logging.getLogger("agentenv")
 RECOVER_PING_TIMEOUT = 2.0  # seconds a recovered sandbox's agent has to answer
@@ -79,7 +73,7 @@ def process_running(pid: int) -> bool:
     return data[data.rindex(b")") + 2:].split()[0] != b"Z"
 
 
-def recover(sb: Sandbox, procs: builtins.list[HostProcess] | None = None,
+def recover(sb: Parts, procs: builtins.list[HostProcess] | None = None,
             ping_timeout: float = RECOVER_PING_TIMEOUT) -> str:
     """``Sandbox.recover`` (what it returns and mends: its docstring)."""
     sb._reload()
@@ -110,7 +104,7 @@ def recover(sb: Sandbox, procs: builtins.list[HostProcess] | None = None,
     return "running"
 
 
-def _recover_locked(sb: Sandbox) -> str:
+def _recover_locked(sb: Parts) -> str:
     state = sb._rec["state"]
     if state == "creating":  # its maker died: a half-made sandbox (a fork's child, say)
         log.warning("removing sandbox %s: the process making it died", sb.id)
@@ -128,7 +122,7 @@ def _recover_locked(sb: Sandbox) -> str:
     return "running"  # _locked thawed it if a dead snapshotter left it frozen
 
 
-def _recover_pause(sb: Sandbox, snap_id: str) -> str:
+def _recover_pause(sb: Parts, snap_id: str) -> str:
     """Finish a pause cut short, or roll it back; 'paused' or 'running' ('lost' only if its processes died
     without CRIU having dumped them)."""
     tmps = sorted(paths().snapshots.glob(f".tmp-{snap_id}-*"))
@@ -163,12 +157,12 @@ def _recover_pause(sb: Sandbox, snap_id: str) -> str:
     return "paused"
 
 
-def _container_alive(sb: Sandbox) -> bool:
+def _container_alive(sb: Parts) -> bool:
     st = sb._container.state()
     return st is not None and st.get("status") in ("running", "paused", "created")
 
 
-def thaw_abandoned(sb: Sandbox, procs: builtins.list[HostProcess] | None = None) -> bool:
+def thaw_abandoned(sb: Parts, procs: builtins.list[HostProcess] | None = None) -> bool:
     """``Sandbox.thaw_abandoned``: thaw ``sb`` if a dead process left it frozen; True if it did."""
     try:
         if sb._rec["state"] != "running" or not sb._container.frozen():
@@ -183,13 +177,13 @@ def thaw_abandoned(sb: Sandbox, procs: builtins.list[HostProcess] | None = None)
     return True
 
 
-def _orphans(sb: Sandbox, procs: builtins.list[HostProcess]) -> builtins.list[int]:
+def _orphans(sb: Parts, procs: builtins.list[HostProcess]) -> builtins.list[int]:
     """The host processes still working on this sandbox for someone else (runc, CRIU, cp)."""
     needles = (sb._container.cid.encode(), str(sb._container.layer).encode() + b"/")
     return [p.pid for p in procs if any(n in p.cmdline for n in needles)]
 
 
-def _wait_for_orphans(sb: Sandbox, procs: builtins.list[HostProcess]) -> None:
+def _wait_for_orphans(sb: Parts, procs: builtins.list[HostProcess]) -> None:
     pids = _orphans(sb, procs)
     deadline = time.monotonic() + ORPHAN_WAIT
     while pids and time.monotonic() < deadline:
@@ -199,78 +193,3 @@ def _wait_for_orphans(sb: Sandbox, procs: builtins.list[HostProcess]) -> None:
     if pids:
         log.warning("sandbox %s: processes %s still work on it after %g s; recovering anyway", sb.id, pids,
                     ORPHAN_WAIT)
-
-
-def recover_all(wait: float | None = None, result: dict[str, builtins.list[str]] | None = None,
-                lock: threading.Lock | None = None,
-                on_result: Callable[[Sandbox, str], None] | None = None) -> dict[str, builtins.list[str]]:
-    """``recover`` every sandbox on this host (in parallel, so that one stuck sandbox holds up none of the
-    others), then collect the store's leftovers (``store.gc``). Returns where each sandbox ended, by
-    bucket ('running', 'paused', 'lost', 'discarded', 'busy'), in ``result`` if given (updated under
-    ``lock``). Waits ``wait`` seconds at most (None: until done): the sandboxes not done by then are under
-    'recovering', and move to their bucket as they finish in the background (``on_result`` is called
-    with each sandbox and its bucket as it finishes)."""
-    result = {} if result is None else result
-    lock = lock or threading.Lock()
-    from agentenv.sandbox import Sandbox
-
-    procs = host_processes()
-    sandboxes = Sandbox.list()
-    for sb in sandboxes:  # first the cheap part, so that no call waits on a frozen sandbox
-        sb.thaw_abandoned(procs)
-    with lock:
-        for bucket in ("running", "paused", "lost"):
-            result.setdefault(bucket, [])
-        result.setdefault("recovering", []).extend(sb.id for sb in sandboxes)
-
-    left = [len(sandboxes)]
-
-    def one(sb: Sandbox) -> None:
-        try:
-            where = sb.recover(procs)
-        except Exception as e:  # noqa: BLE001 - one sandbox's failure is reported, not raised
-            log.warning("could not recover sandbox %s: %s", sb.id, e)
-            where = "lost"
-        with lock:
-            result["recovering"].remove(sb.id)
-            result.setdefault(where, []).append(sb.id)
-            left[0] -= 1
-            last = left[0] == 0
-        if on_result is not None:
-            on_result(sb, where)
-        if last:  # what the recovered sandboxes' dead processes were still writing is free to go now
-            _collect()
-
-    _collect()
-    if sandboxes:
-        pool = ThreadPoolExecutor(max_workers=min(16, len(sandboxes)), thread_name_prefix="agentenv-recover")
-        futures_wait([pool.submit(one, sb) for sb in sandboxes], timeout=wait)
-        pool.shutdown(wait=False)
-    return result
-
-
-LEFTOVER_AGE = 60.0  # seconds after which a sandbox folder without a record is a leftover, not one being made
-
-
-def _collect() -> None:
-    """Remove what dead processes left outside any record: layers without a sandbox, sandbox folders without
-    a record (a kill between the two first steps of making one), network links whose sandbox folder is gone,
-    and the store's leftovers (``store.gc``)."""
-    from agentenv.sandbox import Sandbox
-
-    p = paths()
-    with contextlib.suppress(FileNotFoundError):
-        for layer in p.layers.iterdir():
-            if not (p.sandboxes / layer.name.partition(".")[0]).exists():  # <sandbox id>[.<n>]: see forking
-                log.warning("removing the layer %s: its sandbox is gone", layer.name)
-                volume.drop_layer(layer)
-    now = time.time()
-    for bundle in p.sandboxes.iterdir():
-        with contextlib.suppress(OSError):
-            if not (bundle / "sandbox.json").exists() and now - bundle.stat().st_mtime > LEFTOVER_AGE:
-                log.warning("removing the sandbox folder %s: it has no record", bundle.name)
-                Sandbox({"id": bundle.name, "state": "closed", "layer": bundle.name})._destroy()
-    for veth in network.sweep(f"{p.sandboxes}/"):
-        log.warning("removed the network link %s: its sandbox is gone", veth)
-    for name in store.gc():
-        log.warning("removed %s from the snapshot store (left by a process that died)", name)

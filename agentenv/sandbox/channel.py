@@ -22,26 +22,17 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from agentenv import agent
 from agentenv.api import OutputCallback
 from agentenv.errors import ConnectionLost, SandboxError, from_wire
+from agentenv.host.agent_process import Root
+from agentenv.inside import agent
 
 CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
 RETRIES = 10  # connections in a row closed before an answer (no snapshot explaining it): the call fails
 BACKOFF = (0.004, 0.5)  # seconds slept after the first such close, doubling up to the second figure
 START_POLL = 0.005  # seconds at most between attempts to reach an agent still starting (it answers in tens of ms)
-
-
-@dataclass(frozen=True)
-class Root:
-    """A sandbox's root as one connect reaches it: an ``O_PATH`` descriptor of ``/proc/<pid>/root``,
-    owned (and closed) by the connect, and the host pid that must be serving the socket found there."""
-
-    fd: int
-    pid: int
 
 
 class Gate:

@@ -1,10 +1,10 @@
 """Calls into a running sandbox: commands, background processes, jobs and files (what the agent does for us).
 
 ``Calls`` is the half of ``Sandbox`` that works inside a running sandbox through its agent, apart from its
-lifecycle (create, snapshot, pause, close: ``agentenv.sandbox``): ``exec``, ``spawn``, ``read_file`` and
+lifecycle (create, snapshot, pause, close: ``agentenv.sandbox.core``): ``exec``, ``spawn``, ``read_file`` and
 ``write_file``, the job calls (``start``, ``output``, ``send_input``...) and the file system calls (``stat``,
-``list_dir``, ``move``...), whose host side is ``agentenv.jobs``. Every call goes through the sandbox's
-channel (``agentenv.channel``); paths are checked here first: relative ones are taken from the working
+``list_dir``, ``move``...), whose host side is ``agentenv.sandbox.jobs``. Every call goes through the sandbox's
+channel (``agentenv.sandbox.channel``); paths are checked here first: relative ones are taken from the working
 directory, and the agent's own folders are refused. (``hostcalls`` is another thing: the kernel calls that
 set a sandbox up.)
 """
@@ -16,9 +16,8 @@ import errno
 import posixpath
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
-from agentenv import agent, jobs
 from agentenv.api import (
     DEFAULT_EXEC_TIMEOUT,
     ExecResult,
@@ -29,17 +28,18 @@ from agentenv.api import (
     OutputCallback,
     ProcessInfo,
 )
-from agentenv.channel import Channel
+from agentenv.inside import agent
+from agentenv.sandbox import jobs
+from agentenv.sandbox.channel import Channel
 
 if TYPE_CHECKING:
-    from agentenv.runtime import ContainerSpec
-    from agentenv.sandbox import Sandbox
+    from agentenv.host.runtime import ContainerSpec
 
 
 class Process:
     """A background process started with ``Sandbox.spawn``; it survives snapshots and forks."""
 
-    def __init__(self, sandbox: Sandbox, pid: int, log: str, command: str) -> None:
+    def __init__(self, sandbox: Calls, pid: int, log: str, command: str) -> None:
         self.sandbox, self.pid, self.log, self.command = sandbox, pid, log, command
 
     def __repr__(self) -> str:
@@ -73,7 +73,7 @@ class Process:
 
 class Calls:
     """The calls into a running sandbox; ``Sandbox`` inherits them (it provides what is declared here, and is
-    the only class that does: ``spawn`` and ``processes`` hand ``self`` to ``Process`` as a Sandbox)."""
+    the only class that does; ``Process`` needs no more of it than these calls)."""
 
     id: str
     _channel: Channel
@@ -104,13 +104,13 @@ class Calls:
         """Start a background process; its output goes to a log file inside the sandbox."""
         self.require_running()
         reply, _ = self._channel.call({"op": "spawn", "cmd": command, "cwd": cwd, "env": env or {}})
-        return Process(cast("Sandbox", self), reply["pid"], reply["log"], command)
+        return Process(self, reply["pid"], reply["log"], command)
 
     def processes(self) -> builtins.list[Process]:
         """Every process started with ``spawn`` (running or finished)."""
         self.require_running()
         reply, _ = self._channel.call({"op": "procs"})
-        return [Process(cast("Sandbox", self), int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
+        return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
 
     def read_file(self, path: str) -> bytes:
         """A whole file (at most 1 GiB); the agent's own files are refused (PermissionError), its
@@ -128,7 +128,7 @@ class Calls:
         target = _own_checked(_abs(path, self._spec().workdir), True)
         self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
 
-    # --- jobs and the file system (the host side: agentenv.jobs) --------------------------------
+    # --- jobs and the file system (the host side: agentenv.sandbox.jobs) --------------------------------
 
     def start(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
               timeout: float | None = None, stdin: bool = False, tag: str | None = None) -> JobInfo:

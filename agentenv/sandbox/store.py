@@ -1,7 +1,7 @@
 """The snapshot store: one folder per snapshot, written atomically, with parent links.
 
 Layout: ``<home>/snapshots/<id>/{meta.json, criu/}`` and the snapshot's files in ``<home>/volume/snapshots/<id>/``
-on the volume (see ``agentenv.volume``). There they are a btrfs snapshot of the sandbox's whole layer (a
+on the volume (see ``agentenv.host.volume``). There they are a btrfs snapshot of the sandbox's whole layer (a
 subvolume holding its overlay's ``upper/``: ``layer`` in meta.json), taken in a few milliseconds whatever the
 files, and a restore clones it whole in turn, so a snapshot's files are never copied, not even once; where
 the layer is no subvolume they are a reflink copy of the upper folder (older snapshots: ``fs/`` beside
@@ -34,12 +34,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv import volume
 from agentenv.api import SnapshotInfo, info_of
 from agentenv.config import parse_size, paths
 from agentenv.errors import CheckpointError, SnapshotNotFound, StoreFullError
-from agentenv.hostcalls import proc_start_time
-from agentenv.runtime import copy_tree
+from agentenv.host import volume
+from agentenv.host.hostcalls import proc_start_time
+from agentenv.host.runtime import copy_tree
 
 FORK_KIND = "fork"  # the ``agentenv.kind`` label of a fork's snapshot (deleted when the fork is done)
 

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from agentenv import netpolicy
 from agentenv.errors import NetworkUnavailable
-from agentenv.hostcalls import configure_ipv4, on_thread
+from agentenv.host.hostcalls import configure_ipv4, on_thread
 
 BRIDGE = "agentenv0"
 SUBNET_ENV, DEFAULT_SUBNET = "AGENTENV_SUBNET", "10.213.0.0/16"

@@ -1,4 +1,4 @@
-"""The sandboxes' cgroups: made as runc makes them, for restores that run CRIU without runc (``agentenv.criu``),
+"""The sandboxes' cgroups: made as runc makes them, for restores that run CRIU without runc (``agentenv.host.criu``),
 removed where runc cannot, and moved into fast (``favor_dynmods``).
 
 ``runc restore`` creates the container's cgroups and writes its limits before CRIU puts the restored processes

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from agentenv.api import DEFAULT_IMAGE, SnapshotLike
-from agentenv.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
 from agentenv.errors import AgentEnvError, ConnectionLost, QuotaExceeded, SandboxNotFound, SnapshotNotFound
+from agentenv.remote.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
 
 T = TypeVar("T")
 

@@ -4,8 +4,8 @@ Docker owns the images; runc (the runtime Docker itself uses) runs the sandbox d
 CRIU checkpoints and restores skip Docker's checkpoint plumbing, which copies every checkpoint
 through containerd's content store (seconds instead of a few hundred milliseconds).
 The OCI spec keeps Docker's safe defaults and more: own pid/ipc/uts/mount/network/cgroup namespaces, a user
-namespace whose root is an unprivileged host uid (``agentenv.userns``; a sandbox with network
-is linked to the outside by ``agentenv.network``, never through the host's own namespace), a small
+namespace whose root is an unprivileged host uid (``agentenv.host.userns``; a sandbox with network
+is linked to the outside by ``agentenv.host.network``, never through the host's own namespace), a small
 capability set, no-new-privileges, a seccomp allowlist modelled on Docker's default profile, masked
 /proc paths and cgroup limits.
 """
@@ -24,18 +24,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentenv import agent, cgroups, criu, lazy_pages, netpolicy, network, userns
-from agentenv.agent_process import AgentProcess
-from agentenv.agent_start import AGENT_DEST, agent_command, agent_env
+from agentenv import netpolicy
 from agentenv.api import Limits
-from agentenv.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
-from agentenv.criu import dump as criu_dump
-from agentenv.criu import fix as criu_fix
-from agentenv.criu import hand_over as criu_hand_over
-from agentenv.criu import reason as criu_reason
-from agentenv.criu import restore as criu_restore
 from agentenv.errors import CheckpointError, SandboxError
-from agentenv.hostcalls import (
+from agentenv.host import cgroups, criu, lazy_pages, network, userns
+from agentenv.host.agent_process import AgentProcess
+from agentenv.host.agent_start import AGENT_DEST, agent_command, agent_env
+from agentenv.host.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
+from agentenv.host.criu import dump as criu_dump
+from agentenv.host.criu import fix as criu_fix
+from agentenv.host.criu import hand_over as criu_hand_over
+from agentenv.host.criu import reason as criu_reason
+from agentenv.host.criu import restore as criu_restore
+from agentenv.host.hostcalls import (
     bind_netns,
     drop_netns,
     idmap_mount,
@@ -44,8 +45,9 @@ from agentenv.hostcalls import (
     swap_root,
     umount,
 )
+from agentenv.host.seccomp import seccomp_profile
+from agentenv.inside import agent
 from agentenv.phases import phase
-from agentenv.seccomp import seccomp_profile
 
 DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
                 "CAP_SETUID", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT"]
@@ -65,10 +67,10 @@ class ContainerSpec:
     env: list[str]
     workdir: str
     limits: Limits
-    network: bool = False           # a link to the outside (agentenv.network); loopback only without
+    network: bool = False           # a link to the outside (agentenv.host.network); loopback only without
     caps: list[str] = field(default_factory=lambda: list(DEFAULT_CAPS))
     rules: dict[str, Any] | None = None  # with network: its outbound rules (netpolicy.Rules.to_json())
-    uids: int | None = None  # the host uid of the sandbox's root (agentenv.userns): its fork family's range
+    uids: int | None = None  # the host uid of the sandbox's root (agentenv.host.userns): its fork family's range
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -84,8 +86,8 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
     """The runc config.json of a sandbox whose PID 1 is the agent.
 
     Every namespace is new, the user namespace too: the sandbox's ids 0..65535 are ``spec.uids``.. on the host
-    (``agentenv.userns``), never the host's root. Its network namespace (runc makes it, owned by that user
-    namespace) holds loopback, or with network also the link ``agentenv.network`` gives it once it runs, and
+    (``agentenv.host.userns``), never the host's root. Its network namespace (runc makes it, owned by that user
+    namespace) holds loopback, or with network also the link ``agentenv.host.network`` gives it once it runs, and
     ``resolv`` (its resolv.conf) on /etc/resolv.conf. Never the host's namespace.
     """
     if spec.uids is None:
@@ -391,7 +393,7 @@ class Container:
 
     def checkpoint(self, images: Path, work: Path, leave_running: bool, criu: str | None = None) -> None:
         """Dump every process of the container with CRIU into ``images``, in the form ``runc restore`` takes
-        (CRIU run directly, with runc's options and fewer costs: see ``agentenv.criu``)."""
+        (CRIU run directly, with runc's options and fewer costs: see ``agentenv.host.criu``)."""
         try:
             if self.link_file.exists():  # what a restore compares its own address with (criu.tcp_mode)
                 images.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -407,7 +409,7 @@ class Container:
         """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init. Its network namespace is
         set up (``connect``, on ``address`` where free) before any of its processes runs. With ``lazy``, the
         processes run before their memory is in: a ``criu lazy-pages`` daemon listening in ``work`` serves it
-        (``agentenv.lazy_pages.start_lazy_pages``)."""
+        (``agentenv.host.lazy_pages.start_lazy_pages``)."""
         criu_hand_over(images, work, self.bundle)
         if os.environ.get(DIRECT_RESTORE_ENV, "1") != "0":
             pid = criu_restore(images, work, self.bundle, self.cid, self.runc_root, lazy, criu,

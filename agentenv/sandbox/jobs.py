@@ -5,7 +5,7 @@ A job made by ``start`` runs on its own; the agent buffers its output (both stre
 later, from another process or after a snapshot, and a reader that will never look back lets the agent
 drop what it read (``discard``). The agent forgets the job once ``output`` delivered its end.
 
-What the agent answers is checked like every reply (``agentenv.channel``): frames capped, offsets and
+What the agent answers is checked like every reply (``agentenv.sandbox.channel``): frames capped, offsets and
 results validated, reconnecting bounded.
 """
 
@@ -17,10 +17,18 @@ import threading
 from collections.abc import Generator, Iterator
 from typing import Any
 
-from agentenv import agent
 from agentenv.api import FileInfo, JobEnd, JobInfo, JobOutput
-from agentenv.channel import CALL_TIMEOUT, Channel, _broken, _checked_result, _silent, _soonest, raise_for
 from agentenv.errors import ConnectionLost
+from agentenv.inside import agent
+from agentenv.sandbox.channel import (
+    CALL_TIMEOUT,
+    Channel,
+    _broken,
+    _checked_result,
+    _silent,
+    _soonest,
+    raise_for,
+)
 
 STREAMS = ("stdout", "stderr")
 

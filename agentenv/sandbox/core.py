@@ -4,20 +4,20 @@ A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 
 (see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
 list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
 or close the same sandbox at once. This module is its lifecycle: create, restore, get and list, state,
-snapshot, fork, pause, resume and close (the record and the lock: ``agentenv.record``). The calls into a running sandbox
-(exec, jobs, files) are ``agentenv.calls``, which ``Sandbox`` inherits; how a snapshot is written,
-``agentenv.snapshotting``; how a fork is made, ``agentenv.forking``.
+snapshot, fork, pause, resume and close (the record and the lock: ``agentenv.sandbox.record``). The calls into a running sandbox
+(exec, jobs, files) are ``agentenv.sandbox.calls``, which ``Sandbox`` inherits; how a snapshot is written,
+``agentenv.sandbox.snapshotting``; how a fork is made, ``agentenv.sandbox.forking``.
 
 The record names the agent by pid *and* start time; each Sandbox object pins it with a pidfd and
 checks, before every connection, that the process it reaches is still that agent. A pid number that
 the kernel has since given to another sandbox's agent therefore never leads there: the handle follows
 the record (another handle may have paused and resumed the sandbox) or fails with SandboxLost.
 
-What a sandbox writes goes to its layer on the volume (``agentenv.volume``): a subvolume limited to its
+What a sandbox writes goes to its layer on the volume (``agentenv.host.volume``): a subvolume limited to its
 ``disk=`` bytes. Operations that a ``kill -9`` could cut in half say so in the record first (the
 ``owner`` of a sandbox being made, the snapshot a ``pausing`` sandbox is writing), so that ``recover``
 can finish or undo them: thaw a sandbox left frozen, remove half-made ones, finish or roll back a pause
-(the work is in ``agentenv.recovery``).
+(the work is in ``agentenv.sandbox.recovery``).
 """
 
 from __future__ import annotations
@@ -33,22 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from agentenv import (
-    admission,
-    agent,
-    forking,
-    images,
-    lazy_pages,
-    netpolicy,
-    recovery,
-    snapshotting,
-    store,
-    userns,
-    volume,
-    warm,
-)
-from agentenv import network as hostnet
-from agentenv.agent_process import AgentProcess, protect_agent
+from agentenv import netpolicy
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_IMAGE,
@@ -59,8 +44,6 @@ from agentenv.api import (
     SnapshotLike,
     State,
 )
-from agentenv.calls import Calls, Process, max_output
-from agentenv.channel import Channel, Gate, Root
 from agentenv.config import crash_point, parse_disk, parse_size, paths
 from agentenv.errors import (
     AgentEnvError,
@@ -70,17 +53,24 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
-from agentenv.hostcalls import proc_start_time
+from agentenv.host import admission, images, lazy_pages, userns, volume
+from agentenv.host import network as hostnet
+from agentenv.host.agent_process import AgentProcess, protect_agent
+from agentenv.host.hostcalls import proc_start_time
+from agentenv.host.runtime import Container, ContainerSpec
+from agentenv.inside import agent
 from agentenv.phases import phase
-from agentenv.record import Record
-from agentenv.recovery import RECOVER_PING_TIMEOUT, HostProcess
-from agentenv.runtime import Container, ContainerSpec
-from agentenv.store import Snapshot
+from agentenv.sandbox import forking, recovery, snapshotting, store, warm
+from agentenv.sandbox.calls import Calls, Process, max_output
+from agentenv.sandbox.channel import Channel, Gate, Root
+from agentenv.sandbox.parts import START_TIMEOUT
+from agentenv.sandbox.record import Record
+from agentenv.sandbox.recovery import RECOVER_PING_TIMEOUT, HostProcess
+from agentenv.sandbox.store import Snapshot
 
-__all__ = ["Process", "Sandbox", "max_output"]  # Process and max_output live in agentenv.calls
+__all__ = ["Process", "Sandbox", "max_output"]  # Process and max_output live in agentenv.sandbox.calls
 
 log = logging.getLogger("agentenv")
-START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
 _gates: dict[str, Gate] = {}
 _gates_lock = threading.Lock()
 
@@ -132,7 +122,7 @@ class Sandbox(Calls, Record):
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
                              workdir=workdir or info.workdir, limits=limits, network=rules is not None,
                              rules=rules.to_json() if rules is not None else None, uids=warm.family())
-        if (sb := warm.take(image, spec, ttl, labels)) is None:  # a started one, where a warm pool has it
+        if (sb := warm.take(image, spec, ttl, labels, cls)) is None:  # a started one, where a warm pool has it
             sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
             sb._boot(None, "create")
         return sb
@@ -161,7 +151,7 @@ class Sandbox(Calls, Record):
             self._destroy()
             raise
 
-    @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.admission)
+    @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.host.admission)
     def _start(self, snap: Snapshot | None, op: str) -> None:
         """Make the layer and the bundle, start the agent (or restore every process) and wait until it answers.
         On failure the container is torn down but the record stays: the caller decides its fate."""
@@ -173,7 +163,7 @@ class Sandbox(Calls, Record):
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
                 self._rec["spec"] = spec.to_json()
-            if spec.uids is None:  # a new family (agentenv.userns); snapshots and forks keep their parent's range
+            if spec.uids is None:  # a new family (agentenv.host.userns); snapshots and forks keep their parent's range
                 if snap is not None:
                     raise CheckpointError(f"the snapshot {snap.id} was taken before sandboxes ran in user namespaces "
                                         "and cannot be restored into one",
@@ -327,7 +317,7 @@ class Sandbox(Calls, Record):
         """``n`` independent sandboxes that continue from this instant; this one keeps running.
 
         With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
-        and all an episode needs when its state lives in files. How: ``agentenv.forking``.
+        and all an episode needs when its state lives in files. How: ``agentenv.sandbox.forking``.
         """
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
             raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
@@ -441,7 +431,7 @@ class Sandbox(Calls, Record):
                 log.warning("could not pause sandbox %s past its TTL: %s", sb.id, e)
         return paused
 
-    # --- recovery (the work: agentenv.recovery) -----------------------------------------------
+    # --- recovery (the work: agentenv.sandbox.recovery) -----------------------------------------------
 
     def recover(self, procs: builtins.list[HostProcess] | None = None,
                 ping_timeout: float = RECOVER_PING_TIMEOUT) -> str:
@@ -496,3 +486,6 @@ class Sandbox(Calls, Record):
                 break
         raise SandboxLost(f"sandbox {self.id} is lost: its agent (pid {self._rec.get('init_pid')}) is gone",
                           fix="close it; restore one of its snapshots to go on from there")
+
+
+warm.bind(Sandbox.create)  # the warm pool starts its sandboxes as ``Sandbox.create`` does

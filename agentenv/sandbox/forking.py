@@ -8,7 +8,7 @@ cheapest path its children allow:
   the layer holds), the other children's layers are snapshots of that one, and each child boots fresh
   processes as soon as its layer is there (the clones wait on the disk, the starts on the CPU: they
   overlap). Nothing goes through the snapshot store and no file is copied, not even once.
-  Where a warm pool (``agentenv.warm``) holds sandboxes started like the parent, a child is one of them:
+  Where a warm pool (``agentenv.sandbox.warm``) holds sandboxes started like the parent, a child is one of them:
   its layer cloned the same way and its root swapped under its running agent (``hostcalls.swap_root``:
   the overlay over the clone moved in, /proc, /dev and /sys moved onto it, ``pivot_root``), so a child
   costs a clone and a few system calls instead of a runc start and an interpreter coming up. Nothing
@@ -31,31 +31,33 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from agentenv import snapshotting, store, volume, warm
-from agentenv.agent_process import AgentProcess
-from agentenv.agent_start import agent_command, agent_env
 from agentenv.config import crash_point, paths
 from agentenv.errors import SandboxError
+from agentenv.host import volume
+from agentenv.host.agent_process import AgentProcess
+from agentenv.host.agent_start import agent_command, agent_env
 from agentenv.phases import phase
+from agentenv.sandbox import snapshotting, store, warm
+from agentenv.sandbox.parts import START_TIMEOUT, Parts
 
 if TYPE_CHECKING:
-    from agentenv.runtime import ContainerSpec
-    from agentenv.sandbox import Sandbox
+    from agentenv.host.runtime import ContainerSpec
 
 T = TypeVar("T")
+S = TypeVar("S", bound=Parts)  # the sandbox class: its children are of it
 log = logging.getLogger("agentenv")
 
 
-def fork(parent: Sandbox, n: int, memory: bool) -> builtins.list[Sandbox]:
+def fork(parent: S, n: int, memory: bool) -> builtins.list[S]:
     """``n`` running children of ``parent`` (checked by the caller: 1 <= n <= MAX_FORK); see the module doc."""
     if not memory and volume.can_clone(parent._container.layer, paths().layers):
         return _fork_files(parent, n)
     return _fork_snapshot(parent, n, memory)
 
 
-def _fork_files(parent: Sandbox, n: int) -> builtins.list[Sandbox]:
+def _fork_files(parent: S, n: int) -> builtins.list[S]:
     """Children with the parent's files and fresh processes, their layers cloned from the parent's."""
-    kids: builtins.list[Sandbox] = []
+    kids: builtins.list[S] = []
     try:
         with parent._locked():
             parent.require_running()
@@ -88,11 +90,11 @@ def _fork_files(parent: Sandbox, n: int) -> builtins.list[Sandbox]:
         raise
 
 
-def _from_pool(parent: Sandbox, spec: ContainerSpec, lineage: str | None) -> Sandbox | None:
-    """A started sandbox from the warm pool (``agentenv.warm``) made like ``parent`` (never ``parent`` itself, which
+def _from_pool(parent: S, spec: ContainerSpec, lineage: str | None) -> S | None:
+    """A started sandbox from the warm pool (``agentenv.sandbox.warm``) made like ``parent`` (never ``parent`` itself, which
     may be waiting there too), now a child being made (state 'creating', owned by this process) whose layer is a
     new one, its own retired; None if there is none."""
-    sb = warm.take(parent.image, spec, ttl=None, labels=parent.labels, skip=parent.id)
+    sb = warm.take(parent.image, spec, ttl=None, labels=parent.labels, kind=type(parent), skip=parent.id)
     if sb is None:
         return None
     with sb._locked():
@@ -104,13 +106,11 @@ def _from_pool(parent: Sandbox, spec: ContainerSpec, lineage: str | None) -> San
     return sb
 
 
-def _boot_child(kid: Sandbox) -> None:
+def _boot_child(kid: S) -> None:
     """Start a child whose layer is there: boot it, or, for one from the pool, give its processes the files."""
     if not kid._rec.get("retired_layers"):
         kid._start(None, "fork")
         return
-    from agentenv.sandbox import START_TIMEOUT
-
     spec = kid._spec()
     try:
         with phase("swap root"):
@@ -148,13 +148,13 @@ def _boot_child(kid: Sandbox) -> None:
         raise
 
 
-def _retire(kid: Sandbox) -> None:
+def _retire(kid: S) -> None:
     """Delete the layers a pooled child no longer runs on (its record keeps their names until it is saved)."""
     for name in kid._rec.pop("retired_layers", None) or []:
         volume.drop_layer(paths().layers / name)
 
 
-def _fork_snapshot(parent: Sandbox, n: int, memory: bool) -> builtins.list[Sandbox]:
+def _fork_snapshot(parent: S, n: int, memory: bool) -> builtins.list[S]:
     """Children restored from one snapshot of the parent (its processes too with ``memory``)."""
     with parent._locked():
         parent.require_running()
@@ -162,7 +162,7 @@ def _fork_snapshot(parent: Sandbox, n: int, memory: bool) -> builtins.list[Sandb
             snap = snapshotting.take(parent, memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND},
                                     op="fork", owner=store.owner())
     try:
-        made: builtins.list[Sandbox | None] = [None] * n
+        made: builtins.list[S | None] = [None] * n
 
         def one(i: int) -> None:
             made[i] = type(parent)._restore(snap, parent.labels, "fork")

@@ -1,0 +1,161 @@
+"""The layout's rules, read from the source: no import circle between modules, and the packages' one-way order.
+
+Every ``import`` is counted, at module level, inside functions and under ``TYPE_CHECKING`` alike: a circle that
+only type checking or a late import keeps apart is still two modules that cannot be read one after the other.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("agentenv", "envs", "policy", "rollout", "trainer")
+# what each package may import of the others (DESIGN.md's layout: the sandbox library and the policy stand alone)
+MAY_IMPORT = {"agentenv": set(), "policy": set(), "envs": {"agentenv"}, "rollout": {"agentenv", "envs", "policy"},
+              "trainer": {"agentenv", "envs", "policy", "rollout"}}
+# crossings against the order, being moved (issue 25): K3's chat format is shared by the policy server and envs
+KNOWN_CROSSINGS = {("envs.lookup_env", "policy.chat"), ("envs.tools.actions", "policy.chat"),
+                   ("envs.tools.core", "policy.chat"), ("envs.tools.toolbox", "policy.chat")}
+# inside agentenv, each room imports only the rooms below it (and the contract at the top: api, errors, config, ...)
+CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "agentenv.phases", "agentenv.netpolicy"}
+ROOMS = {"agentenv.inside": set(), "agentenv.host": {"agentenv.inside"},
+         "agentenv.sandbox": {"agentenv.inside", "agentenv.host"},
+         "agentenv.remote": {"agentenv.sandbox", "agentenv.inside", "agentenv.host"}}
+
+
+def modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
+    out = {}
+    for pkg in packages:
+        for p in sorted((root / pkg).rglob("*.py")):
+            name = ".".join(p.relative_to(root).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = p
+    return out
+
+
+def imports(mods: Mapping[str, Path]) -> dict[str, set[str]]:
+    """Module -> the project modules it imports (``from pkg import name`` counts ``pkg.name`` when a module)."""
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join([*parts, base] if base else parts)
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    graph[name].add(t)
+    return graph
+
+
+def circles(graph: Mapping[str, set[str]]) -> list[frozenset[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[frozenset[str]] = []
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, children = work[-1]
+            w = next(children, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = set()
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.add(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(frozenset(comp))
+    return found
+
+
+GRAPH = imports(modules(ROOT, PACKAGES))
+
+
+def test_no_import_circle_between_modules():
+    assert [sorted(c) for c in circles(GRAPH)] == []
+
+
+def test_the_packages_import_one_way():
+    wrong = sorted((m, t) for m, ts in GRAPH.items() for t in ts
+                   if t.split(".")[0] != m.split(".")[0] and t.split(".")[0] not in MAY_IMPORT[m.split(".")[0]])
+    assert set(wrong) - KNOWN_CROSSINGS == set()
+    assert KNOWN_CROSSINGS - set(wrong) == set(), "gone: take it out of KNOWN_CROSSINGS"
+
+
+def test_an_added_circle_is_found_at_any_depth(tmp_path):
+    """The checker itself: a circle through a function-level and a TYPE_CHECKING import, three modules long."""
+    pkg = tmp_path / "p"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from p.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("def f():\n    from ..c import g\n")
+    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import p.a\ndef g(): pass\n")
+    (pkg / "d.py").write_text("from p import c\n")
+    graph = imports(modules(tmp_path, ["p"]))
+    assert circles(graph) == [frozenset({"p.a", "p.sub.b", "p.c"})]
+    (pkg / "c.py").write_text("def g(): pass\n")
+    assert circles(imports(modules(tmp_path, ["p"]))) == []
+
+
+def room(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_each_room_of_agentenv_imports_only_the_rooms_below_it():
+    wrong = sorted((m, t) for m, ts in GRAPH.items() if room(m) in ROOMS for t in ts
+                   if t.startswith("agentenv") and room(t) != room(m) and room(t) not in ROOMS[room(m)]
+                   and t not in CONTRACT)
+    assert wrong == []
+
+
+def test_what_runs_inside_a_sandbox_imports_the_standard_library_only():
+    import sys
+
+    for name, path in modules(ROOT, ["agentenv"]).items():
+        if room(name) != "agentenv.inside":
+            continue
+        tops = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                tops.add(node.module.split(".")[0])
+        assert tops - set(sys.stdlib_module_names) - {"__future__"} == set(), (name, tops)
+
+
+def test_agentenv_keeps_few_modules_at_its_top():
+    top = [p.name for p in (ROOT / "agentenv").glob("*.py")]
+    assert len(top) <= 10, sorted(top)
