@@ -46,7 +46,7 @@ def _boot(values: np.ndarray, seed: int) -> list[float]:
 def summarize(per_task: Mapping[str, Sequence[bool]], k: int, seed: int = 0) -> dict[str, Any]:
     """mean@k and pass@k of ``{task: [passed, ...]}`` with their 95% intervals (tasks with no scored sample are
     left out, and counted)."""
-    scored = {t: list(v) for t, v in per_task.items() if v}
+    scored = {t: list(per_task[t]) for t in sorted(per_task) if per_task[t]}  # in one order: the bootstrap repeats
     means = np.array([sum(v) / len(v) for v in scored.values()], dtype=float)
     kk = min([k, *(len(v) for v in scored.values())]) if scored else k
     passes = np.array([pass_at_k(len(v), sum(v), kk) for v in scored.values()], dtype=float)

@@ -87,3 +87,10 @@ def test_the_preflight_refuses_a_run_whose_heldout_tasks_are_training_tasks(tmp_
         preflight(cfg, resume=False)
     with pytest.raises(Exception, match="validation"):
         load(overrides=['env.validation_tasks=""', "eval.every=2"])
+
+
+def test_the_intervals_do_not_depend_on_the_order_tasks_finished_in():
+    """Tasks finish in any order; the same results give the same intervals (the bootstrap draws by position)."""
+    per_task = {f"t{i}": [j < i % 5 for j in range(4)] for i in range(12)}
+    backwards = dict(reversed(list(per_task.items())))
+    assert summarize(per_task, 4, seed=3) == summarize(backwards, 4, seed=3)
