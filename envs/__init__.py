@@ -1,5 +1,11 @@
 """Gymnasium environments on agentenv sandboxes: ``agentenv/Shell-v0`` (a shell), ``agentenv/SWE-v0`` (fix a
-repository, graded like SWE-bench) and ``agentenv/Tool-v0`` (small tool-use tasks with checkable answers).
+repository, graded like SWE-bench), ``agentenv/Tool-v0`` (small tool-use tasks with checkable answers) and
+``agentenv/Lookup-v0`` (find a code in small files: the family the main job learns on).
+
+The rooms: ``base`` (``SandboxEnv``), ``spaces``, ``tools/`` (tool groups, each tool declared once), the envs
+(``shell_env``, ``swe_env``, ``tool_env``, ``lookup_env``), the task format and its sandbox (``task``,
+``task_sandbox``), ``images``, ``grading/`` (the agent's patch graded in a fresh sandbox, guarded against
+tampering) and ``tasks/`` (the shipped task set and ``python -m envs.tasks``).
 
 ``import envs`` registers them. Each is registered with Gymnasium's step limit (``max_episode_steps``,
 so ``gymnasium.make`` wraps it in ``TimeLimit``) and the same number as the env's ``max_steps``, on

@@ -1,6 +1,10 @@
 """The K3 policy: a k3-mini model with Kimi K3's architecture (KDA, gated MLA, Attention Residuals,
 LatentMoE), an expert-parallel engine on torch.distributed, and an OpenAI-compatible server.
 
+The rooms: the model (``model``, ``kda``, ``mla``, ``attnres``, ``moe``, ``layers``, ``config``), the engine
+(``engine``, ``ep``, ``runner``, ``prefix_cache``, ``grammar``, ``engines``), the format (``chat``,
+``tokenizer``), ``server/`` (OpenAI-compatible), ``client``, ``verify`` (``agentenv policy verify``), ``cli``.
+
 The names below load on first use, so ``from policy import chat`` (K3's chat and tool-call format,
 standard library only) does not import torch, nor ``from policy import PolicyClient`` (the async client of
 any OpenAI-compatible endpoint, httpx only).

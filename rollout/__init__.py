@@ -1,6 +1,7 @@
 """Rollouts: the token-in/token-out agent loop (``agent``), trajectory records and shards (``trajectory``), GRPO
 groups forked from one state (``groups``), Ray rollout workers (``workers``) and their driver (``driver``), what a
 run owns and its clean-up (``ownership``), a run's totals (``stats``), fork-based search
-(``search``), a scripted policy for tests and demonstrations (``scripted``), and ``agentenv rollout`` (``cli``).
+(``search``), a scripted policy for tests and demonstrations (``scripted``), scripted experts for the shipped env families
+(``experts``), and ``agentenv rollout`` (``cli``).
 
 Nothing is imported here: ``import rollout.trajectory`` stays light (no Ray, no torch)."""

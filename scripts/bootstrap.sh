@@ -150,7 +150,7 @@ if [ "$SKIP_VENV" = 0 ]; then
         pip install -q --upgrade pip
         # Pin the CPU build that the package registries here serve; a bare 'torch' pulls CUDA wheels.
         "$VENV/bin/python" -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-        pip install -q -e "$ROOT[all,test]"
+        pip install -q -e "$ROOT[all,test,docs]"
         # the official SWE-bench log parser, for a test that cross-checks ours (its own dependencies are not needed)
         pip install -q --no-deps "swebench==5.0.2"
         echo "$WANT" >"$STAMP"

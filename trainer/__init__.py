@@ -12,4 +12,8 @@ parallelism, weight sync to the policy servers, checkpoints, and metrics.
     metrics.py      per-iteration JSONL, PNG plots, a rich live display, optional TensorBoard
     cli.py          ``python -m trainer sft ...`` and ``python -m trainer plot ...``
 
+The RL loop (``agentenv train``): ``config`` (TOML), ``tasks``, ``rollouts`` and ``partial`` (groups, partial
+rollouts), ``services`` (pre-flight, the policy server), ``loop``, ``evaluation``, ``schedule`` (bounded staleness),
+``parallel`` and ``rank`` (process groups, one rank), ``report``, ``demos``.
+
 Nothing is imported here: ``import trainer.advantages`` stays light (no torch)."""
