@@ -51,6 +51,7 @@ class Paths:
         snapshots/<id>/     the snapshot store: meta.json and criu/, the processes' images (host filesystem,
                             which writes them several times faster than btrfs does)
         runc/, tmp/         runc's state; scratch
+        agents/             the in-sandbox agent, its parts joined, one file by content (bind-mounted read-only)
         volume.img          the sparse btrfs image of the volume (when agentenv made it)
         volume/             the volume: what sandboxes write, and the files of snapshots (one filesystem, so
                             that a snapshot's files are reflinks of the sandbox's, and a restore's of the snapshot's)
@@ -83,6 +84,10 @@ class Paths:
     @property
     def snapshot_files(self) -> Path:
         return self.volume / "snapshots"
+
+    @property
+    def agents(self) -> Path:
+        return self.home / "agents"
 
     @property
     def runc_root(self) -> Path:

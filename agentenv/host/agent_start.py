@@ -1,12 +1,18 @@
-"""How a sandbox's PID 1 starts the agent: precompiled by the host where the sandbox's Python can run it.
+"""How a sandbox's PID 1 starts the agent: its files joined into one, precompiled by the host where the
+sandbox's Python can run it.
+
+The agent is written as a few standard-library modules in ``agentenv/inside`` (``PARTS``: the wire, jobs,
+file calls, the entry), which the host also imports. In a sandbox they run as one module: ``agent_source``
+joins them in order, without their imports of each other (every name is then a global of the one module) and
+with one ``from __future__`` line on top; ``test_agent_start`` checks that no part defines a name another does.
 
 Every sandbox start (create, each fork child, restore of files only) waits for its agent's first answer.
-Run as a script, ``agent.py`` is compiled from source each time (a script's bytecode is never cached): about
+Run as a script, the agent is compiled from source each time (a script's bytecode is never cached): about
 10 ms of a start, more than the interpreter takes to come up. So the agent's environment carries it already
 compiled by the host (``AGENTENV_AGENT_CODE``: marshalled, compressed, base64, ~30 KB, under the kernel's
 128 KiB per string), and a one-line loader runs it when the sandbox's ``python3`` is the host's version
 (``cache_tag``: marshalled code is only valid within one version); any other interpreter compiles the
-bind-mounted ``agent.py``, as before. Either way the code is the host's own ``agent.py``, run in the
+bind-mounted source (``agent_file``, the joined parts). Either way the code is the host's own, run in the
 ``__main__`` module as a script is. The loader takes the variable out of the environment first, so no
 command the agent starts inherits it, and ``ps`` shows a short command line.
 """
@@ -15,17 +21,51 @@ from __future__ import annotations
 
 import binascii
 import functools
+import hashlib
 import marshal
+import os
+import re
 import sys
 import zlib
+from pathlib import Path
 
-from agentenv.inside import agent
+from agentenv.inside import agent, files, frames, jobs
 
-AGENT_DEST = "/.agentenv/agent.py"  # where the host's agent.py is bind-mounted (read-only) in every sandbox
+PARTS = (frames, jobs, files, agent)  # in the order they run: each uses only the names of those before it
+AGENT_DEST = "/.agentenv/agent.py"  # where the joined agent is bind-mounted (read-only) in every sandbox
 CODE_ENV = "AGENTENV_AGENT_CODE"
 LOADER = ("import os,sys;__file__={dest!r};_c=os.environ.pop({var!r},'');exec(__import__('marshal').loads("
           "__import__('zlib').decompress(__import__('binascii').a2b_base64(_c))) if _c and "
           "sys.implementation.cache_tag=={tag!r} else compile(open(__file__).read(),__file__,'exec'))")
+FUTURE = "from __future__ import annotations\n"
+_SIBLING_IMPORT = re.compile(r"^from agentenv\.inside\.\w+ import (\([^)]*\)|[^\n(]*)\n", re.M)
+
+
+@functools.cache
+def agent_source() -> str:
+    """The agent as one module: its parts in order, their imports of each other and ``from __future__`` lines
+    taken out (one goes on top)."""
+    joined = []
+    for part in PARTS:
+        assert part.__file__ is not None
+        text = Path(part.__file__).read_text()
+        joined.append(f"# --- agentenv/inside/{Path(part.__file__).name} ---\n"
+                      + _SIBLING_IMPORT.sub("", text.replace(FUTURE, "")))
+    return FUTURE + "\n".join(joined)
+
+
+def agent_file(folder: Path) -> Path:
+    """The joined agent as a file in ``folder``, named by its content (written once, atomically), for the
+    sandbox's bind mount: a snapshot's bundle keeps naming the one its agent came from."""
+    source = agent_source()
+    path = folder / f"agent-{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(source)
+        tmp.chmod(0o644)
+        os.replace(tmp, path)
+    return path
 
 
 def agent_command(tag: str = sys.implementation.cache_tag) -> list[str]:
@@ -37,6 +77,5 @@ def agent_command(tag: str = sys.implementation.cache_tag) -> list[str]:
 @functools.cache
 def agent_env() -> str:
     """The variable that carries this host's agent, compiled (``NAME=value``, for ``process.env``)."""
-    with open(agent.__file__) as f:
-        code = compile(f.read(), AGENT_DEST, "exec")
+    code = compile(agent_source(), AGENT_DEST, "exec")
     return f"{CODE_ENV}={binascii.b2a_base64(zlib.compress(marshal.dumps(code), 9), newline=False).decode()}"

@@ -26,10 +26,11 @@ from typing import Any
 
 from agentenv import netpolicy
 from agentenv.api import Limits
+from agentenv.config import paths
 from agentenv.errors import CheckpointError, SandboxError
 from agentenv.host import cgroups, criu, lazy_pages, network, userns
 from agentenv.host.agent_process import AgentProcess
-from agentenv.host.agent_start import AGENT_DEST, agent_command, agent_env
+from agentenv.host.agent_start import AGENT_DEST, agent_command, agent_env, agent_file
 from agentenv.host.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
 from agentenv.host.criu import dump as criu_dump
 from agentenv.host.criu import fix as criu_fix
@@ -46,7 +47,6 @@ from agentenv.host.hostcalls import (
     umount,
 )
 from agentenv.host.seccomp import seccomp_profile
-from agentenv.inside import agent
 from agentenv.phases import phase
 
 DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
@@ -108,7 +108,8 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
          "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
         {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
         {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
-        {"destination": AGENT_DEST, "type": "bind", "source": agent.__file__, "options": ["rbind", "ro"]},
+        {"destination": AGENT_DEST, "type": "bind", "source": str(agent_file(paths().agents)),
+         "options": ["rbind", "ro"]},
     ]
     if spec.network:
         mounts.append({"destination": "/etc/resolv.conf", "type": "bind", "source": resolv,

@@ -28,7 +28,8 @@ from agentenv.api import (
     OutputCallback,
     ProcessInfo,
 )
-from agentenv.inside import agent
+from agentenv.inside import agent, frames
+from agentenv.inside.jobs import MAX_OUTPUT
 from agentenv.sandbox import jobs
 from agentenv.sandbox.channel import Channel
 
@@ -123,8 +124,8 @@ class Calls:
         folders are refused (PermissionError)."""
         self.require_running()
         payload = data if isinstance(data, bytes) else data.encode() if isinstance(data, str) else bytes(data)
-        if len(payload) > agent.MAX_FILE:
-            raise ValueError(f"{len(payload)} bytes is over write_file's limit of {agent.MAX_FILE}")
+        if len(payload) > frames.MAX_FILE:
+            raise ValueError(f"{len(payload)} bytes is over write_file's limit of {frames.MAX_FILE}")
         target = _own_checked(_abs(path, self._spec().workdir), True)
         self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
 
@@ -186,7 +187,7 @@ class Calls:
 def max_output(memory: int) -> int:
     """Bytes of one command's output the agent keeps per stream: 64 MiB, or a sixteenth of the sandbox's
     memory when that is less (the agent holds them, in the sandbox's memory)."""
-    return min(agent.MAX_OUTPUT, max(1 << 20, memory // 16))
+    return min(MAX_OUTPUT, max(1 << 20, memory // 16))
 
 
 def _dropped(n: int) -> str:

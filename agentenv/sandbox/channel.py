@@ -27,7 +27,8 @@ from typing import Any
 from agentenv.api import OutputCallback
 from agentenv.errors import ConnectionLost, SandboxError, from_wire
 from agentenv.host.agent_process import Root
-from agentenv.inside import agent
+from agentenv.inside import agent, frames
+from agentenv.inside import jobs as agent_jobs
 
 CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
 RETRIES = 10  # connections in a row closed before an answer (no snapshot explaining it): the call fails
@@ -91,7 +92,7 @@ class Channel:
                 delay = min(delay * 2, START_POLL)
 
     def call(self, header: dict[str, Any], blob: bytes = b"", *, timeout: float | None = None,
-             max_blob: int = agent.MAX_BLOB) -> tuple[dict[str, Any], bytes]:
+             max_blob: int = frames.MAX_BLOB) -> tuple[dict[str, Any], bytes]:
         """One request and its reply within ``timeout`` seconds (``CALL_TIMEOUT``); agent-side errors
         become exceptions.
 
@@ -106,11 +107,11 @@ class Channel:
             epoch = self.gate.epoch
             try:
                 with self.connect(deadline=deadline) as s:
-                    agent.send_frame(s, header, blob, deadline)
-                    reply, data = agent.recv_frame(s, max_blob, deadline)
+                    frames.send_frame(s, header, blob, deadline)
+                    reply, data = frames.recv_frame(s, max_blob, deadline)
             except ConnectionLost:
                 raise
-            except agent.FrameError as e:
+            except frames.FrameError as e:
                 raise _broken(e) from e
             except TimeoutError as e:
                 raise _silent(header["op"], limit) from e
@@ -126,11 +127,11 @@ class Channel:
         TimeoutError past ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         with self.connect(through_gate=False) as s:
-            agent.send_frame(s, header, deadline=deadline)
-            reply, _ = agent.recv_frame(s, 0, deadline)
+            frames.send_frame(s, header, deadline=deadline)
+            reply, _ = frames.recv_frame(s, 0, deadline)
             raise_for(reply)
             with contextlib.suppress(ConnectionError):
-                agent.recv_frame(s, 0, deadline)  # returns only when the agent closed its end
+                frames.recv_frame(s, 0, deadline)  # returns only when the agent closed its end
 
     def exec(self, header: dict[str, Any], on_output: OutputCallback | None) -> dict[str, Any]:
         """Run a command to completion; the final header carries 'stdout'/'stderr' as bytes.
@@ -149,21 +150,21 @@ class Channel:
             epoch = self.gate.epoch
             try:
                 with self.connect(deadline=deadline) as s:
-                    agent.send_frame(s, {**request, "offsets": [len(b) for b in out]}, deadline=_soonest(deadline))
-                    first, _ = agent.recv_frame(s, 0, _soonest(deadline))
+                    frames.send_frame(s, {**request, "offsets": [len(b) for b in out]}, deadline=_soonest(deadline))
+                    first, _ = frames.recv_frame(s, 0, _soonest(deadline))
                     raise_for(first)
                     # an agent that sends heartbeats is silent for CALL_TIMEOUT at most; one from an older
                     # snapshot only answers when the command ends
                     beats = bool(first.get("beat"))
                     while True:
-                        h, data = agent.recv_frame(s, agent.MAX_EXEC_BLOB, _soonest(deadline) if beats else deadline)
+                        h, data = frames.recv_frame(s, agent_jobs.MAX_EXEC_BLOB, _soonest(deadline) if beats else deadline)
                         raise_for(h)
                         if h.get("beat"):
                             continue
                         if "fd" in h:
                             fd = h["fd"]
-                            if fd not in (1, 2) or len(out[fd - 1]) + len(data) > agent.MAX_OUTPUT:
-                                raise agent.FrameError("an output frame past the agent's limits")
+                            if fd not in (1, 2) or len(out[fd - 1]) + len(data) > agent_jobs.MAX_OUTPUT:
+                                raise frames.FrameError("an output frame past the agent's limits")
                             out[fd - 1] += data
                             if data:
                                 failures = 0  # progress: a later close is not the same failure again
@@ -173,8 +174,8 @@ class Channel:
                         n = _checked_result(h, len(data))
                         tail = (data[:n], data[n:])
                         for i, name in ((0, "stdout"), (1, "stderr")):
-                            if len(out[i]) + len(tail[i]) > agent.MAX_OUTPUT:
-                                raise agent.FrameError("a result frame past the agent's limits")
+                            if len(out[i]) + len(tail[i]) > agent_jobs.MAX_OUTPUT:
+                                raise frames.FrameError("a result frame past the agent's limits")
                             out[i] += tail[i]
                             if on_output and tail[i]:
                                 on_output(name, tail[i])
@@ -182,7 +183,7 @@ class Channel:
                         return h
             except ConnectionLost:
                 raise
-            except agent.FrameError as e:
+            except frames.FrameError as e:
                 raise _broken(e) from e
             except TimeoutError as e:
                 raise _silent("exec", CALL_TIMEOUT) from e
@@ -223,7 +224,7 @@ def _checked_result(h: dict[str, Any], blob_len: int) -> int:
           and isinstance(h.get("duration"), int | float) and isinstance(h.get("timed_out"), bool)
           and isinstance(dropped, list) and len(dropped) == 2 and all(isinstance(d, int) for d in dropped))
     if not ok:
-        raise agent.FrameError("a malformed result frame")
+        raise frames.FrameError("a malformed result frame")
     assert isinstance(n, int)
     return n
 

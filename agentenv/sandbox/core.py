@@ -58,7 +58,7 @@ from agentenv.host import network as hostnet
 from agentenv.host.agent_process import AgentProcess, protect_agent
 from agentenv.host.hostcalls import proc_start_time
 from agentenv.host.runtime import Container, ContainerSpec
-from agentenv.inside import agent
+from agentenv.inside import frames
 from agentenv.phases import phase
 from agentenv.sandbox import forking, recovery, snapshotting, store, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
@@ -217,8 +217,8 @@ class Sandbox(Calls, Record):
         """Wait until the agent, starting, answers a ping (at most ``timeout`` seconds)."""
         deadline = time.monotonic() + timeout
         with self._channel.connect(wait=timeout, through_gate=False) as s:
-            agent.send_frame(s, {"op": "ping"}, deadline=deadline)
-            agent.recv_frame(s, 0, deadline)
+            frames.send_frame(s, {"op": "ping"}, deadline=deadline)
+            frames.recv_frame(s, 0, deadline)
 
     @classmethod
     def restore(cls, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> Sandbox:

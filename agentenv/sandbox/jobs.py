@@ -19,7 +19,8 @@ from typing import Any
 
 from agentenv.api import FileInfo, JobEnd, JobInfo, JobOutput
 from agentenv.errors import ConnectionLost
-from agentenv.inside import agent
+from agentenv.inside import frames
+from agentenv.inside.jobs import INPUT_TIMEOUT, MAX_EXEC_BLOB
 from agentenv.sandbox.channel import (
     CALL_TIMEOUT,
     Channel,
@@ -45,7 +46,7 @@ def start(ch: Channel, command: str, *, cwd: str | None, env: dict[str, str] | N
 def listing(ch: Channel) -> list[JobInfo]:
     reply, _ = ch.call({"op": "jobs"})
     if not isinstance(reply.get("jobs"), list):
-        raise _broken(agent.FrameError("a malformed job list"))
+        raise _broken(frames.FrameError("a malformed job list"))
     return [_job(j) for j in reply["jobs"]]
 
 
@@ -53,9 +54,9 @@ def _job(reply: Any) -> JobInfo:
     try:
         info = JobInfo.from_wire(reply)
     except (TypeError, AttributeError) as e:
-        raise _broken(agent.FrameError(f"a malformed job ({e})")) from e
+        raise _broken(frames.FrameError(f"a malformed job ({e})")) from e
     if type(info.pid) is not int:
-        raise _broken(agent.FrameError("a malformed job"))
+        raise _broken(frames.FrameError("a malformed job"))
     return info
 
 
@@ -115,24 +116,24 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
             with reading.connected(ch) as s:
                 if s is None:
                     return
-                agent.send_frame(s, {"op": "attach", "pid": pid, "offsets": pos, "follow": follow},
+                frames.send_frame(s, {"op": "attach", "pid": pid, "offsets": pos, "follow": follow},
                                  deadline=_soonest(None))
-                first, _ = agent.recv_frame(s, 0, _soonest(None))
+                first, _ = frames.recv_frame(s, 0, _soonest(None))
                 raise_for(first)
                 pos = _offsets(first.get("offsets"), pos)
                 while True:
-                    h, data = agent.recv_frame(s, agent.MAX_EXEC_BLOB, _soonest(None))
+                    h, data = frames.recv_frame(s, MAX_EXEC_BLOB, _soonest(None))
                     raise_for(h)
                     if h.get("beat"):
                         yield None
                         continue
                     if "fd" in h:
                         if h["fd"] not in (1, 2):
-                            raise agent.FrameError("an output frame for no stream")
+                            raise frames.FrameError("an output frame for no stream")
                         i = h["fd"] - 1
                         at = h.get("at")
                         if type(at) is not int or at < pos[i]:
-                            raise agent.FrameError("an output frame from a wrong offset")
+                            raise frames.FrameError("an output frame from a wrong offset")
                         pos[i] = at + len(data)
                         if data:
                             failures = 0  # progress: a later close is not the same failure again
@@ -143,7 +144,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
                         return
                     n = _checked_result(h, len(data))
                     if not isinstance(h.get("exit_code"), int):
-                        raise agent.FrameError("a result without an exit code")
+                        raise frames.FrameError("a result without an exit code")
                     for i, tail in ((0, data[:n]), (1, data[n:])):
                         if tail:
                             yield JobOutput(stream=STREAMS[i], data=tail, offset=at[i])
@@ -151,7 +152,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
                     return
         except ConnectionLost:
             raise
-        except agent.FrameError as e:
+        except frames.FrameError as e:
             raise _broken(e) from e
         except TimeoutError as e:
             raise _silent("attach", CALL_TIMEOUT) from e
@@ -164,9 +165,9 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
 def _offsets(value: Any, floor: list[int] | None) -> list[int]:
     """Two absolute offsets from the agent, none below what this reader already has (it never goes back)."""
     if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)):
-        raise agent.FrameError("malformed offsets")
+        raise frames.FrameError("malformed offsets")
     if floor is not None and any(v < f for v, f in zip(value, floor, strict=True)):
-        raise agent.FrameError("offsets going back")
+        raise frames.FrameError("offsets going back")
     return list(value)
 
 
@@ -177,13 +178,13 @@ def discard(ch: Channel, pid: int, offsets: tuple[int, int]) -> None:
 def send_input(ch: Channel, pid: int, data: bytes) -> None:
     """Write ``data`` to the job's stdin, a piece at a time (each one a request the agent takes once)."""
     view = memoryview(bytes(data))
-    for at in range(0, max(len(view), 1), agent.SMALL_BLOB):  # nothing: still one request (is there such a job?)
-        ch.call({"op": "input", "pid": pid}, bytes(view[at:at + agent.SMALL_BLOB]),
-                timeout=agent.INPUT_TIMEOUT + CALL_TIMEOUT)
+    for at in range(0, max(len(view), 1), frames.SMALL_BLOB):  # nothing: still one request (is there such a job?)
+        ch.call({"op": "input", "pid": pid}, bytes(view[at:at + frames.SMALL_BLOB]),
+                timeout=INPUT_TIMEOUT + CALL_TIMEOUT)
 
 
 def close_input(ch: Channel, pid: int) -> None:
-    ch.call({"op": "close_stdin", "pid": pid}, timeout=agent.INPUT_TIMEOUT + CALL_TIMEOUT)
+    ch.call({"op": "close_stdin", "pid": pid}, timeout=INPUT_TIMEOUT + CALL_TIMEOUT)
 
 
 def signal(ch: Channel, pid: int, sig: int) -> None:
@@ -198,7 +199,7 @@ def file_info(reply: Any) -> FileInfo:
     try:
         return FileInfo.from_wire(reply)
     except (TypeError, AttributeError) as e:
-        raise _broken(agent.FrameError(f"a malformed file info ({e})")) from e
+        raise _broken(frames.FrameError(f"a malformed file info ({e})")) from e
 
 
 def stat(ch: Channel, path: str) -> FileInfo:
@@ -210,7 +211,7 @@ def list_dir(ch: Channel, path: str, depth: int) -> list[FileInfo]:
         raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
     entries = fs(ch, "list", path, depth=depth).get("entries")
     if not isinstance(entries, list):
-        raise _broken(agent.FrameError("a malformed listing"))
+        raise _broken(frames.FrameError("a malformed listing"))
     return [file_info(e) for e in entries]
 
 

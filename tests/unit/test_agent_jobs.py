@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from agentenv.api import JobEnd, JobOutput
-from agentenv.inside import agent
+from agentenv.host.agent_start import agent_file
+from agentenv.inside import frames
 from agentenv.sandbox import jobs
 from agentenv.sandbox.channel import Channel, Gate, raise_for
 
@@ -23,7 +24,7 @@ from agentenv.sandbox.channel import Channel, Gate, raise_for
 @pytest.fixture
 def ch(tmp_path: Path) -> Iterator[Channel]:
     path = str(tmp_path / "agent" / "agent.sock")  # the folder is the agent's own: the file API refuses it
-    proc = subprocess.Popen([sys.executable, agent.__file__, path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
+    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
     channel = Channel(lambda: "/", Gate(), path)
     channel.connect(wait=10).close()
     yield channel
@@ -64,8 +65,8 @@ def wait_for(cond, timeout: float = 10.0) -> None:
 def raw(ch: Channel, header: dict, blob: bytes = b"") -> dict:
     """One request with the key the caller chose (Channel.call makes its own)."""
     with ch.connect() as s:
-        agent.send_frame(s, header, blob)
-        return agent.recv_frame(s)[0]
+        frames.send_frame(s, header, blob)
+        return frames.recv_frame(s)[0]
 
 
 def test_start_returns_at_once_and_output_waits_to_be_read(ch, tmp_path):
@@ -150,7 +151,7 @@ def test_input_to_a_job_that_does_not_read_does_not_hang_the_agent(ch):
     t = threading.Thread(target=ping_meanwhile)
     t.start()
     t0 = time.monotonic()
-    reply = raw(ch, {"op": "input", "pid": pid, "key": "k", "timeout": 5.0}, b"x" * agent.SMALL_BLOB)
+    reply = raw(ch, {"op": "input", "pid": pid, "key": "k", "timeout": 5.0}, b"x" * frames.SMALL_BLOB)
     replied.set()
     assert reply["error"] == "TimeoutError" and time.monotonic() - t0 >= 5.0
     with pytest.raises(TimeoutError):
@@ -222,8 +223,8 @@ def test_output_resumes_after_the_agent_closes_connections(ch):
     time.sleep(0.2)
     ch.gate.shut()
     s = ch.connect(through_gate=False)
-    agent.send_frame(s, {"op": "quiesce"})
-    assert agent.recv_frame(s)[0] == {"ok": True}
+    frames.send_frame(s, {"op": "quiesce"})
+    assert frames.recv_frame(s)[0] == {"ok": True}
     s.close()
     time.sleep(0.1)
     ch.gate.open()

@@ -15,16 +15,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.inside import agent
+from agentenv.host.agent_start import agent_file
+from agentenv.inside import frames
 from agentenv.sandbox.channel import Channel, Gate
 
 HEAVY = ("json", "re", "subprocess", "threading", "socket", "signal", "selectors", "contextlib", "enum",
          "collections", "typing", "functools")
 
 
-def test_the_agent_imports_none_of_the_heavy_modules():
-    """The property the start time rests on, checked where it can fail: a fresh interpreter runs the module."""
-    probe = (f"import sys; exec(compile(open({agent.__file__!r}).read(), 'agent', 'exec'), {{'__name__': 'agent'}}); "
+def test_the_agent_imports_none_of_the_heavy_modules(tmp_path):
+    """The property the start time rests on, checked where it can fail: a fresh interpreter runs the joined
+    agent as the sandbox gets it."""
+    probe = (f"import sys; exec(compile(open({str(agent_file(tmp_path))!r}).read(), 'agent', 'exec'), "
+             f"{{'__name__': 'agent'}}); "
              f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
@@ -38,10 +41,10 @@ json_values = st.recursive(
 @settings(max_examples=300, deadline=None)
 @given(json_values)
 def test_the_codec_writes_and_reads_what_json_does(value):
-    text = agent._dumps(value)
+    text = frames._dumps(value)
     assert text == json.dumps(value, separators=(",", ":"))
-    assert agent._loads(text) == value
-    assert agent._loads(json.dumps(value, indent=1)) == value  # whitespace anywhere, as json.loads takes
+    assert frames._loads(text) == value
+    assert frames._loads(json.dumps(value, indent=1)) == value  # whitespace anywhere, as json.loads takes
 
 
 @pytest.mark.parametrize("text", ["", " ", "{", "{}x", "[1,]", '"\x01"', "nul", "{'a': 1}", "[1] [2]"])
@@ -49,7 +52,7 @@ def test_the_codec_refuses_what_json_refuses(text):
     with pytest.raises(ValueError):
         json.loads(text)
     with pytest.raises(ValueError):
-        agent._loads(text)
+        frames._loads(text)
 
 
 def test_a_header_nested_past_the_recursion_limit_is_a_frame_error():
@@ -57,9 +60,9 @@ def test_a_header_nested_past_the_recursion_limit_is_a_frame_error():
 
     a, b = socket.socketpair()
     head = b"[" * 100_000
-    a.sendall(agent._HEAD.pack(len(head), 0) + head)
-    with pytest.raises(agent.FrameError):
-        agent.recv_frame(b)
+    a.sendall(frames._HEAD.pack(len(head), 0) + head)
+    with pytest.raises(frames.FrameError):
+        frames.recv_frame(b)
     a.close()
     b.close()
 
@@ -68,15 +71,15 @@ def test_the_codec_falls_back_to_json_where_the_c_encoder_differs(monkeypatch):
     def refuse(*args):
         raise TypeError("make_encoder() takes other arguments here")
 
-    monkeypatch.setattr(agent._json, "make_encoder", refuse)
-    dumps, loads = agent._codec()
+    monkeypatch.setattr(frames._json, "make_encoder", refuse)
+    dumps, loads = frames._codec()
     assert dumps({"a": [1, "é"]}) == '{"a":[1,"\\u00e9"]}'
     assert loads(' {"a": [1]} ') == {"a": [1]}
     assert loads is json.loads
 
 
 def test_condition_wakes_every_waiter_and_times_out_alone():
-    cond = agent.Condition()
+    cond = frames.Condition()
     woken: list[int] = []
 
     def waiter(i: int) -> None:
@@ -101,9 +104,9 @@ def test_condition_wakes_every_waiter_and_times_out_alone():
 
 
 def test_suppress_stops_the_exceptions_given_only():
-    with agent.suppress(KeyError, OSError):
+    with frames.suppress(KeyError, OSError):
         raise FileNotFoundError
-    with pytest.raises(ValueError), agent.suppress(KeyError):
+    with pytest.raises(ValueError), frames.suppress(KeyError):
         raise ValueError
 
 
@@ -111,7 +114,7 @@ def test_suppress_stops_the_exceptions_given_only():
 def serving(tmp_path: Path, prelude: str = "", shell: str = "") -> Iterator[Channel]:
     path = str(tmp_path / "agent" / "agent.sock")
     code = "\n".join(["import runpy, sys", prelude, f"sys.argv = ['agent', {path!r}]",
-                      f"runpy.run_path({agent.__file__!r}, run_name='__main__')"])
+                      f"runpy.run_path({str(agent_file(tmp_path))!r}, run_name='__main__')"])
     argv = [sys.executable, "-c", code]
     if shell:  # the agent started with the shell's redirections (its own stdio closed, say)
         argv = ["/bin/sh", "-c", 'exec "$@" ' + shell, "sh", *argv]

@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.inside import agent
+from agentenv.host.agent_start import agent_file
+from agentenv.inside import frames
 from agentenv.sandbox.channel import Channel, Gate, raise_for
 
 
 @pytest.fixture
 def channel(tmp_path: Path):
     path = str(tmp_path / "agent" / "agent.sock")  # the folder is the agent's own: the file API refuses it
-    proc = subprocess.Popen([sys.executable, agent.__file__, path])
+    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path])
     ch = Channel(lambda: "/", Gate(), path)
     ch.connect(wait=10).close()
     yield ch
@@ -29,11 +30,11 @@ def channel(tmp_path: Path):
 def test_frames_round_trip_binary_blobs():
     a, b = socket.socketpair()
     blob = bytes(range(256)) * 100  # fits the socket buffer: nobody reads while we send
-    agent.send_frame(a, {"op": "x", "n": 1}, blob)
-    assert agent.recv_frame(b) == ({"op": "x", "n": 1}, blob)
+    frames.send_frame(a, {"op": "x", "n": 1}, blob)
+    assert frames.recv_frame(b) == ({"op": "x", "n": 1}, blob)
     a.close()
     with pytest.raises(ConnectionError):
-        agent.recv_frame(b)
+        frames.recv_frame(b)
 
 
 def test_exec_collects_output_and_exit_code(channel):
@@ -56,10 +57,10 @@ def test_exec_resumes_after_the_agent_closes_connections(channel):
     time.sleep(0.15)
     channel.gate.shut()
     s = channel.connect(through_gate=False)
-    agent.send_frame(s, {"op": "quiesce"})
-    assert agent.recv_frame(s)[0] == {"ok": True}
+    frames.send_frame(s, {"op": "quiesce"})
+    assert frames.recv_frame(s)[0] == {"ok": True}
     with pytest.raises(ConnectionError):
-        agent.recv_frame(s)  # the agent closed the control connection too
+        frames.recv_frame(s)  # the agent closed the control connection too
     s.close()
     time.sleep(0.1)
     channel.gate.open()

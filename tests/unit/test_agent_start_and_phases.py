@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import binascii
 import marshal
 import os
@@ -13,8 +14,16 @@ import zlib
 from pathlib import Path
 
 from agentenv import phases
-from agentenv.host.agent_start import AGENT_DEST, CODE_ENV, LOADER, agent_command, agent_env
-from agentenv.inside import agent
+from agentenv.host.agent_start import (
+    AGENT_DEST,
+    CODE_ENV,
+    LOADER,
+    PARTS,
+    agent_command,
+    agent_env,
+    agent_file,
+    agent_source,
+)
 
 PROBE = "import os, sys\nprint(sys.argv[1:], __name__, __file__.endswith('agent.py'), os.environ.get({var!r}))\n"
 
@@ -49,7 +58,47 @@ def test_the_command_is_short_and_the_environment_carries_this_hosts_agent() -> 
     assert name == CODE_ENV and len(agent_env().encode()) < 128 << 10  # the kernel's limit on one string
     code = marshal.loads(zlib.decompress(binascii.a2b_base64(blob)))
     assert code.co_filename == AGENT_DEST
-    assert code.co_consts == compile(Path(agent.__file__).read_text(), AGENT_DEST, "exec").co_consts
+    assert code.co_consts == compile(agent_source(), AGENT_DEST, "exec").co_consts
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module binds at its top level, apart from its imports (and the ``TYPE_CHECKING`` flag)."""
+    names: set[str] = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names - {"TYPE_CHECKING"}
+
+
+def test_the_parts_join_into_one_module_without_a_name_defined_twice() -> None:
+    trees = {part.__name__: ast.parse(Path(str(part.__file__)).read_text()) for part in PARTS}
+    seen: dict[str, str] = {}
+    for name, tree in trees.items():
+        for defined in _defined(tree):
+            assert defined not in seen, f"{defined} is defined in {seen.get(defined)} and {name}: joined, one wins"
+            seen[defined] = name
+    joined = ast.parse(agent_source())
+    project = [n for n in ast.walk(joined) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("agentenv")]
+    assert not project, "the joined agent still imports a part"
+    assert _defined(joined) == set(seen)
+
+
+def test_each_part_uses_only_names_of_the_parts_before_it() -> None:
+    """The order of PARTS is the order the sandbox runs them in: a part imports only from earlier ones."""
+    for i, part in enumerate(PARTS):
+        tree = ast.parse(Path(str(part.__file__)).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("agentenv"):
+                assert node.module in {p.__name__ for p in PARTS[:i]}, f"{part.__name__} imports {node.module}"
+
+
+def test_the_agent_file_is_the_joined_source_named_by_its_content(tmp_path: Path) -> None:
+    path = agent_file(tmp_path)
+    assert path.read_text() == agent_source() and agent_file(tmp_path) == path
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
 def _wait(name: str, seconds: float) -> None:
     with phases.phase(name):
         time.sleep(seconds)

@@ -22,7 +22,9 @@ from pathlib import Path
 import pytest
 
 from agentenv.errors import ConnectionLost
-from agentenv.inside import agent
+from agentenv.host.agent_start import agent_file
+from agentenv.inside import frames
+from agentenv.inside import jobs as agent_jobs
 from agentenv.sandbox import channel as channel_mod
 from agentenv.sandbox.channel import Channel, Gate
 
@@ -138,7 +140,7 @@ def test_accept_and_close_ends_in_a_bounded_number_of_attempts(fake):
 def test_an_exec_that_gets_its_job_id_then_a_close_is_bounded_too(fake):
     def behave(conn: socket.socket) -> None:
         with_request(conn)
-        agent.send_frame(conn, {"job": 1, "beat": 5.0})
+        frames.send_frame(conn, {"job": 1, "beat": 5.0})
     ch = fake(behave)
     with pytest.raises(ConnectionLost, match="closed the connection"):
         ch.exec({"cmd": "true", "timeout": None}, None)
@@ -162,13 +164,13 @@ def test_a_dribbling_agent_meets_the_call_deadline(fake, monkeypatch):
 
 
 def test_exec_output_past_the_agents_own_cap_is_refused(fake, monkeypatch):
-    monkeypatch.setattr(agent, "MAX_OUTPUT", 4096)
+    monkeypatch.setattr(agent_jobs, "MAX_OUTPUT", 4096)  # what the host side reads
 
     def behave(conn: socket.socket) -> None:
         with_request(conn)
-        agent.send_frame(conn, {"job": 1, "beat": 5.0})
+        frames.send_frame(conn, {"job": 1, "beat": 5.0})
         for _ in range(100):
-            agent.send_frame(conn, {"fd": 1}, b"x" * 1000)
+            frames.send_frame(conn, {"fd": 1}, b"x" * 1000)
     ch = fake(behave)
     with pytest.raises(ConnectionLost, match="broke the protocol"):
         ch.exec({"cmd": "yes", "timeout": 10}, None)
@@ -179,8 +181,8 @@ def test_exec_output_past_the_agents_own_cap_is_refused(fake, monkeypatch):
 def test_a_forged_result_frame_is_refused(fake, final):
     def behave(conn: socket.socket) -> None:
         with_request(conn)
-        agent.send_frame(conn, {"job": 1, "beat": 5.0})
-        agent.send_frame(conn, final, b"abc")
+        frames.send_frame(conn, {"job": 1, "beat": 5.0})
+        frames.send_frame(conn, final, b"abc")
     ch = fake(behave)
     with pytest.raises(ConnectionLost, match="broke the protocol"):
         ch.exec({"cmd": "true", "timeout": 10}, None)
@@ -201,7 +203,7 @@ def test_a_snapshot_held_gate_is_bounded_by_the_call_deadline(fake, monkeypatch)
 @pytest.fixture
 def real(tmp_path: Path) -> Iterator[tuple[Channel, subprocess.Popen[bytes]]]:
     path = str(tmp_path / "agent" / "agent.sock")
-    proc = subprocess.Popen([sys.executable, agent.__file__, path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
+    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
     ch = Channel(lambda: "/", Gate(), path)
     ch.connect(wait=10).close()
     yield ch, proc
@@ -239,8 +241,8 @@ def test_the_agent_survives_frames_over_its_caps(real):
                 assert s.recv(1) == b""  # it hangs up on that connection, and only that one
     assert ch.call({"op": "ping"})[0]["ok"]
     with ch.connect() as s:  # a big blob on a request that takes none is read and dropped, not kept
-        agent.send_frame(s, {"op": "ping"}, b"x" * (4 << 20))
-        assert agent.recv_frame(s)[0]["error"] == "BadRequest"
+        frames.send_frame(s, {"op": "ping"}, b"x" * (4 << 20))
+        assert frames.recv_frame(s)[0]["error"] == "BadRequest"
     assert agent_peak(proc) < 40 << 20
 
 
