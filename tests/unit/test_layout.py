@@ -157,9 +157,9 @@ def test_what_runs_inside_a_sandbox_imports_the_standard_library_only():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 tops |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                if room(node.module) != "agentenv.inside" or node.module == "agentenv.inside":
-                    tops.add(node.module.split(".")[0])
+            elif (isinstance(node, ast.ImportFrom) and not node.level and node.module
+                  and (room(node.module) != "agentenv.inside" or node.module == "agentenv.inside")):
+                tops.add(node.module.split(".")[0])
         assert tops - set(sys.stdlib_module_names) - {"__future__"} == set(), (name, tops)
 
 
