@@ -112,3 +112,14 @@ def test_the_e2b_sdk_gets_envds_error_for_an_unknown_user(e2b_sandbox: e2b.Sandb
     with pytest.raises(AuthenticationException, match="invalid username"):
         e2b_sandbox.files.make_dir("/tmp/y", user="nosuch")
     assert not e2b_sandbox.files.exists("/tmp/x", user="root")
+
+
+def test_a_job_as_user_keeps_its_account_through_a_fork(sb: agentenv.Sandbox) -> None:
+    job = sb.as_user("user").start("sleep 1; id -u; echo $HOME")
+    kid = sb.fork(1, memory=True)[0]
+    try:
+        out = b"".join(item.data for item in kid.output(job.pid) if isinstance(item, JobOutput))
+        assert out == b"1000\n/home/user\n"
+        assert kid.as_user("user").exec("id -un").stdout == "user\n"
+    finally:
+        kid.close()
