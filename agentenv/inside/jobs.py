@@ -157,6 +157,8 @@ class Jobs:
         cwd = header.get("cwd") or (acct.home if acct is not None else None)
         if cwd and not isinstance(cwd, str):
             raise TypeError(f"'cwd' must be a path, not {type(cwd).__name__}")
+        if acct is not None and cwd:  # as an account, a relative folder is in its home (as envd's)
+            cwd = os.path.join(acct.home, cwd)
         if acct is not None:
             env.update(acct.env(cwd or "/"))
         env.update(header.get("env") or {})

@@ -123,3 +123,9 @@ def test_a_job_as_user_keeps_its_account_through_a_fork(sb: agentenv.Sandbox) ->
         assert kid.as_user("user").exec("id -un").stdout == "user\n"
     finally:
         kid.close()
+
+
+def test_a_relative_cwd_is_in_the_accounts_home(sb: agentenv.Sandbox) -> None:
+    u = sb.as_user("user")
+    u.make_dir("work")
+    assert u.exec("pwd", cwd="work").stdout == "/home/user/work\n"
