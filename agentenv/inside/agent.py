@@ -274,6 +274,8 @@ def not_dumpable() -> None:
 def main(path: str = SOCKET_PATH) -> None:
     """Serve forever on ``path`` (another path is for running the agent outside a sandbox, in tests)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if path == SOCKET_PATH:  # root's alone: a command run as another account must not reach the agent (root)
+        os.chmod(SOCKET_DIR, 0o700)
     if path == SOCKET_PATH and not os.path.isdir("/dev/shm"):  # POSIX shared memory lives on /dev's tmpfs
         os.makedirs("/dev/shm")
         os.chmod("/dev/shm", 0o1777)

@@ -129,3 +129,11 @@ def test_a_relative_cwd_is_in_the_accounts_home(sb: agentenv.Sandbox) -> None:
     u = sb.as_user("user")
     u.make_dir("work")
     assert u.exec("pwd", cwd="work").stdout == "/home/user/work\n"
+
+
+def test_an_account_cannot_reach_the_agent_which_runs_as_root(sb: agentenv.Sandbox) -> None:
+    probe = ("python3 -c \"import socket; s = socket.socket(socket.AF_UNIX); "
+             "s.connect('/dev/agentenv/agent.sock'); print('CONNECTED')\"")
+    r = sb.as_user("user").exec(probe)
+    assert r.exit_code != 0 and "CONNECTED" not in r.stdout and "Permission denied" in r.stderr
+    assert sb.exec("stat -c %a /dev/agentenv").stdout == "700\n"
