@@ -137,3 +137,15 @@ def test_an_account_cannot_reach_the_agent_which_runs_as_root(sb: agentenv.Sandb
     r = sb.as_user("user").exec(probe)
     assert r.exit_code != 0 and "CONNECTED" not in r.stdout and "Permission denied" in r.stderr
     assert sb.exec("stat -c %a /dev/agentenv").stdout == "700\n"
+
+
+def test_the_code_interpreter_runs_as_user_in_its_home(e2b_url: str) -> None:
+    code_interpreter = pytest.importorskip("e2b_code_interpreter")
+    ci = code_interpreter.Sandbox.create()
+    try:
+        assert ci.run_code("import os\nos.getuid(), os.getcwd()").text == "(1000, '/home/user')"
+        ctx = ci.create_code_context()
+        assert ctx.cwd == "/home/user"
+        assert ci.run_code("import os\nos.getcwd()", context=ctx).text.strip("'") == "/home/user"
+    finally:
+        code_interpreter.Sandbox.kill(ci.sandbox_id)
