@@ -93,7 +93,8 @@ def show_volume() -> None:
 def serve(
     host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you mean otherwise)"),
     port: int = typer.Option(8700, help="TCP port"),
-    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $AGENTENV_TOKEN)")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $AGENTENV_TOKEN); "
+                                                         "made with a new e2b_ token if missing")] = None,
     max_sandboxes: int = typer.Option(64, help="quota: live sandboxes on this server"),
     max_memory: str = typer.Option("64g", help="quota: memory of the live sandboxes together"),
     max_disk: str = typer.Option("640g", help="quota: disk limits of the live sandboxes together"),
