@@ -64,7 +64,7 @@ def collect(
         if where in ("discarded", "lost") and ids:
             console.print(f"{where}: {', '.join(ids)}")
     for sid in Sandbox.reap_expired():
-        console.print(f"paused expired sandbox {sid}")
+        console.print(f"reaped expired sandbox {sid} (paused, or closed where it asked to be)")
     for name in store.gc(max_age):
         console.print(f"removed {name}")
 
