@@ -57,3 +57,93 @@ def test_a_missing_token_file_gets_an_e2b_shaped_key_that_the_sdk_uses(tmp_path:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_timeout_kills_unless_the_caller_asked_for_auto_pause(e2b_url: str) -> None:
+    killed = Sandbox.create(timeout=1)
+    paused = Sandbox.create(timeout=1, lifecycle={"on_timeout": "pause"})
+    try:
+        assert killed.get_info().lifecycle == {"on_timeout": "kill", "auto_resume": False}
+        assert paused.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
+        paused.files.write("/tmp/kept", "still here")
+        _wait(lambda: not killed.is_running() and paused.get_info().state == SandboxState.PAUSED,
+              "the timeouts run out (the reaper looks every few seconds)")
+        with pytest.raises(e2b.NotFoundException):
+            Sandbox.get_info(killed.sandbox_id)
+        assert Sandbox.connect(paused.sandbox_id).files.read("/tmp/kept") == "still here"
+    finally:
+        Sandbox.kill(killed.sandbox_id)
+        Sandbox.kill(paused.sandbox_id)
+    with pytest.raises(e2b.SandboxException, match="autoResume"):  # refused, never ignored
+        Sandbox.create(lifecycle={"on_timeout": "pause", "auto_resume": True})
+    with pytest.raises(e2b.SandboxException, match="autoPauseMemory"):
+        Sandbox.create(lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+
+
+def test_a_paused_sandbox_forks_from_its_pause_snapshot(sandbox: Sandbox) -> None:
+    sandbox.files.write("/tmp/who", "parent")
+    sandbox.commands.run("sleep 600", background=True)
+    assert sandbox.pause() is True
+    kids = [k for k in sandbox.fork(count=2) if isinstance(k, Sandbox)]
+    try:
+        assert len(kids) == 2 and len({k.sandbox_id for k in kids} | {sandbox.sandbox_id}) == 3
+        for kid in kids:
+            assert kid.files.read("/tmp/who") == "parent"
+            assert any("sleep 600" in " ".join([p.cmd, *p.args]) for p in kid.commands.list())  # memory came too
+        kids[0].files.write("/tmp/who", "child")
+        assert kids[1].files.read("/tmp/who") == "parent"
+        assert Sandbox.get_info(sandbox.sandbox_id).state == SandboxState.PAUSED  # the parent stays paused
+        again = Sandbox.connect(sandbox.sandbox_id)
+        assert again.files.read("/tmp/who") == "parent"
+    finally:
+        for kid in kids:
+            kid.kill()
+
+
+def test_listing_orders_filters_and_pages_as_the_sdk_asks(e2b_url: str) -> None:
+    tag = {"suite": f"list-{time.time_ns()}"}
+    first = Sandbox.create(metadata=tag)
+    time.sleep(1.1)
+    second = Sandbox.create(metadata={**tag, "role": "second"})
+    try:
+        second.pause()
+        query = SandboxQuery(metadata=tag)
+        ids = [s.sandbox_id for s in Sandbox.list(query=query).next_items()]
+        assert ids == [second.sandbox_id, first.sandbox_id]  # newest first, as E2B lists
+        asc = [s.sandbox_id for s in Sandbox.list(query=query, order="asc").next_items()]
+        assert asc == [first.sandbox_id, second.sandbox_id]
+        pages = Sandbox.list(query=query, limit=1)
+        assert [s.sandbox_id for s in pages.next_items()] == [second.sandbox_id] and pages.has_next
+        assert [s.sandbox_id for s in pages.next_items()] == [first.sandbox_id] and not pages.has_next
+        running = Sandbox.list(query=SandboxQuery(metadata=tag, state=[SandboxState.RUNNING])).next_items()
+        assert [s.sandbox_id for s in running] == [first.sandbox_id]
+        started = Sandbox.get_info(second.sandbox_id).started_at
+        later = Sandbox.list(query=SandboxQuery(metadata=tag, started_after=started)).next_items()
+        assert [s.sandbox_id for s in later] == [second.sandbox_id]
+        assert Sandbox.list(query=SandboxQuery(metadata=tag, template="base")).next_items() != []
+        assert Sandbox.list(query=SandboxQuery(metadata=tag, template="no-such")).next_items() == []
+        assert [s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"role": "second"})).next_items()
+                if s.sandbox_id in (first.sandbox_id, second.sandbox_id)] == [second.sandbox_id]
+        r = httpx.get(f"{e2b_url}/v2/sandboxes", params={"stat": "running"}, headers={"X-API-KEY": TOKEN})
+        assert r.status_code == 400 and r.json()["code"] == 400 and "stat" in r.json()["message"]
+    finally:
+        first.kill()
+        second.kill()
+
+
+def test_bodies_are_strict_and_timeouts_are_only_extended_where_e2b_extends_them(sandbox: Sandbox,
+                                                                                e2b_url: str) -> None:
+    key = {"X-API-KEY": TOKEN}
+    r = httpx.post(f"{e2b_url}/v2/sandboxes", json={"templateID": "base", "autoPuase": True}, headers=key)
+    assert r.status_code == 400 and r.json()["code"] == 400 and "autoPuase" in r.json()["message"]
+    end = Sandbox.get_info(sandbox.sandbox_id).end_at  # made with timeout=600
+    Sandbox.connect(sandbox.sandbox_id, timeout=30)
+    assert Sandbox.get_info(sandbox.sandbox_id).end_at >= end  # connect never shortens
+    r = httpx.post(f"{e2b_url}/sandboxes/{sandbox.sandbox_id}/refreshes", json={"duration": 3000}, headers=key)
+    assert r.status_code == 204
+    refreshed = Sandbox.get_info(sandbox.sandbox_id).end_at
+    assert refreshed - dt.datetime.now(dt.UTC) > dt.timedelta(seconds=2900)  # duration is read
+    r = httpx.post(f"{e2b_url}/sandboxes/{sandbox.sandbox_id}/refreshes", json={"timeout": 10}, headers=key)
+    assert r.status_code == 400 and "timeout" in r.json()["message"]
+    sandbox.set_timeout(60)  # set_timeout sets, shorter too
+    assert Sandbox.get_info(sandbox.sandbox_id).end_at - dt.datetime.now(dt.UTC) < dt.timedelta(seconds=61)
