@@ -147,3 +147,23 @@ def test_bodies_are_strict_and_timeouts_are_only_extended_where_e2b_extends_them
     assert r.status_code == 400 and "timeout" in r.json()["message"]
     sandbox.set_timeout(60)  # set_timeout sets, shorter too
     assert Sandbox.get_info(sandbox.sandbox_id).end_at - dt.datetime.now(dt.UTC) < dt.timedelta(seconds=61)
+
+
+def test_metrics_read_the_sandboxs_cgroup_and_layer(sandbox: Sandbox, e2b_url: str) -> None:
+    idle = sandbox.get_metrics()
+    assert len(idle) == 1
+    m = idle[0]
+    assert m.cpu_count == 1 and m.mem_total == 1 << 30 and m.disk_total > 0 and 0 < m.mem_used < m.mem_total
+    sandbox.commands.run("head -c 50000000 /dev/urandom > /tmp/blob && sync")
+    sandbox.commands.run("timeout 30 sh -c 'while :; do :; done'", background=True)
+    busy = sandbox.get_metrics()[0]
+    assert busy.cpu_used_pct > 50 > m.cpu_used_pct  # one busy loop fills the sandbox's one CPU
+    assert busy.disk_used >= m.disk_used + 40_000_000
+    now = dt.datetime.now(dt.UTC)
+    assert sandbox.get_metrics(start=now - dt.timedelta(hours=1), end=now - dt.timedelta(minutes=30)) == []
+    r = httpx.get(f"{e2b_url}/sandboxes/metrics", params={"sandbox_ids": f"{sandbox.sandbox_id},sb-nonesuch"},
+                  headers={"X-API-KEY": TOKEN})
+    assert r.status_code == 200 and list(r.json()["sandboxes"]) == [sandbox.sandbox_id]
+    assert r.json()["sandboxes"][sandbox.sandbox_id]["memTotal"] == 1 << 30
+    sandbox.pause()
+    assert sandbox.get_metrics() == []

@@ -23,6 +23,12 @@ PARAMS = frozenset({"state", "metadata", "startedAfter", "template", "order", "l
 STATES = ("running", "paused")
 
 
+def refuse_unknown(request: Request, known: frozenset[str]) -> None:
+    """A 400 naming the query parameters not in ``known`` (never ignored)."""
+    if unknown := sorted(set(request.query_params) - known):
+        raise E2BError(400, f"unknown query parameter(s) {unknown}: this route takes {sorted(known)}")
+
+
 def _metadata(raw: str | None) -> dict[str, str]:
     """The SDK's ``metadata``: ``k=v&...`` with each key and value URL-quoted once more."""
     pairs = urllib.parse.parse_qsl(raw or "", keep_blank_values=True, strict_parsing=bool(raw))
@@ -68,8 +74,7 @@ def list_sandboxes(request: Request, state: str | None = None, metadata: str | N
                    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                    next_token: Annotated[str | None, Query(alias="nextToken")] = None) -> Response:
     """Running and paused sandboxes (or the states asked for) that match every filter, a page of them."""
-    if unknown := sorted(set(request.query_params) - PARAMS):
-        raise E2BError(400, f"unknown query parameter(s) {unknown}: the list takes {sorted(PARAMS)}")
+    refuse_unknown(request, PARAMS)
     states = set(state.split(",")) if state else set(STATES)
     if bad := sorted(states - set(STATES)):
         raise E2BError(400, f"state {bad} is not one of {list(STATES)}")
