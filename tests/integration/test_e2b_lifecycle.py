@@ -167,3 +167,15 @@ def test_metrics_read_the_sandboxs_cgroup_and_layer(sandbox: Sandbox, e2b_url: s
     assert r.json()["sandboxes"][sandbox.sandbox_id]["memTotal"] == 1 << 30
     sandbox.pause()
     assert sandbox.get_metrics() == []
+
+
+def test_files_remove_a_missing_path_quietly_and_give_symlink_targets_resolved(sandbox: Sandbox) -> None:
+    sandbox.files.remove("/tmp/never-was")  # envd gives no error
+    sandbox.files.write("/tmp/real/file.txt", "x")
+    sandbox.commands.run("ln -s file.txt /tmp/real/rel && ln -s /tmp/real /tmp/dirlink && ln -s dirlink/rel /tmp/chain")
+    assert sandbox.files.get_info("/tmp/real/rel").symlink_target == "/tmp/real/file.txt"
+    assert sandbox.files.get_info("/tmp/chain").symlink_target == "/tmp/real/file.txt"  # every hop resolved
+    info = sandbox.files.get_info("/tmp/dirlink")
+    assert info.symlink_target == "/tmp/real" and info.type == e2b.FileType.SYMLINK  # 2.63: is_symlink wins
+    listed = {e.name: e.symlink_target for e in sandbox.files.list("/tmp/real")}
+    assert listed == {"file.txt": None, "rel": "/tmp/real/file.txt"}
