@@ -64,7 +64,7 @@ def collect(
         if where in ("discarded", "lost") and ids:
             console.print(f"{where}: {', '.join(ids)}")
     for sid in Sandbox.reap_expired():
-        console.print(f"paused expired sandbox {sid}")
+        console.print(f"reaped expired sandbox {sid} (paused, or closed where it asked to be)")
     for name in store.gc(max_age):
         console.print(f"removed {name}")
 
@@ -93,7 +93,8 @@ def show_volume() -> None:
 def serve(
     host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you mean otherwise)"),
     port: int = typer.Option(8700, help="TCP port"),
-    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $AGENTENV_TOKEN)")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $AGENTENV_TOKEN); "
+                                                         "made with a new e2b_ token if missing")] = None,
     max_sandboxes: int = typer.Option(64, help="quota: live sandboxes on this server"),
     max_memory: str = typer.Option("64g", help="quota: memory of the live sandboxes together"),
     max_disk: str = typer.Option("640g", help="quota: disk limits of the live sandboxes together"),

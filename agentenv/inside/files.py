@@ -37,17 +37,18 @@ def check_own(path: str, own_dirs: tuple[str, ...], tree: bool = False) -> str:
 
 
 def fs(h: dict[str, Any], own_dirs: tuple[str, ...]) -> dict[str, Any]:
-    """The file system ops: stat, list (down to ``depth`` levels), mkdir, move, remove."""
-    do, path = h["do"], str(h["path"])
+    """The file system ops: stat, list (down to ``depth`` levels), mkdir, move, remove; with ``resolve``, stat
+    and list give a symlink's target resolved and absolute (as E2B's envd does) instead of as written."""
+    do, path, resolve = h["do"], str(h["path"]), bool(h.get("resolve"))
     if do == "stat":
-        return {"info": file_info(path)}
+        return {"info": file_info(path, resolve=resolve)}
     if do == "list":
         depth = int(h.get("depth", 1))
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         if not stat.S_ISDIR(os.stat(path).st_mode):
             raise NotADirectoryError(errno.ENOTDIR, f"Not a directory: {path!r}")
-        return {"entries": _walk(path, depth)}
+        return {"entries": _walk(path, depth, resolve)}
     if do == "mkdir":
         check_own(path, own_dirs)
         if os.path.isdir(path):
@@ -72,13 +73,13 @@ def fs(h: dict[str, Any], own_dirs: tuple[str, ...]) -> dict[str, Any]:
     raise ValueError(f"unknown fs op {do!r}")
 
 
-def file_info(path: str, names: dict[str, dict[int, str]] | None = None) -> dict[str, Any]:
+def file_info(path: str, names: dict[str, dict[int, str]] | None = None, resolve: bool = False) -> dict[str, Any]:
     """What a file is: its own stat (a symlink's target decides only its type); owner and group by name
     when the sandbox's /etc/passwd and /etc/group have them."""
     st = os.lstat(path)
     kind, target = st.st_mode, None
     if stat.S_ISLNK(st.st_mode):
-        target = os.readlink(path)
+        target = os.path.realpath(path) if resolve else os.readlink(path)
         with suppress(OSError):
             kind = os.stat(path).st_mode
     names = {} if names is None else names
@@ -101,7 +102,7 @@ def _id_names(path: str) -> dict[int, str]:
     return found
 
 
-def _walk(top: str, depth: int) -> list[dict[str, Any]]:
+def _walk(top: str, depth: int, resolve: bool = False) -> list[dict[str, Any]]:
     """The entries under ``top`` down to ``depth`` levels, by name, each folder before what is in it
     (symlinks not followed); at most MAX_ENTRIES of them (ValueError past that)."""
     names: dict[str, dict[int, str]] = {}
@@ -122,7 +123,7 @@ def _walk(top: str, depth: int) -> list[dict[str, Any]]:
     while stack:
         path, is_dir, level = stack.pop()
         with suppress(FileNotFoundError):  # gone since the scan
-            found.append(file_info(path, names))
+            found.append(file_info(path, names, resolve))
             if is_dir and level < depth:
                 with suppress(PermissionError, NotADirectoryError):
                     scan(path, level + 1)

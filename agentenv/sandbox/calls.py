@@ -174,13 +174,16 @@ class Calls:
         """Send ``sig`` to the process group of a job (or of a spawned process)."""
         jobs.signal(self._channel, pid, sig)
 
-    def stat(self, path: str) -> FileInfo:
-        """What is at ``path`` (FileNotFoundError if nothing)."""
-        return jobs.stat(self._channel, _own_checked(_abs(path, self._workdir()), False))
+    def stat(self, path: str, *, resolve_links: bool = False) -> FileInfo:
+        """What is at ``path`` (FileNotFoundError if nothing); with ``resolve_links`` a symlink's target is given
+        resolved and absolute (E2B's way) instead of as written."""
+        return jobs.stat(self._channel, _own_checked(_abs(path, self._workdir()), False), resolve_links)
 
-    def list_dir(self, path: str, depth: int = 1) -> builtins.list[FileInfo]:
-        """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed."""
-        return jobs.list_dir(self._channel, _own_checked(_abs(path, self._workdir()), False), depth)
+    def list_dir(self, path: str, depth: int = 1, *, resolve_links: bool = False) -> builtins.list[FileInfo]:
+        """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed;
+        ``resolve_links`` as for ``stat``."""
+        return jobs.list_dir(self._channel, _own_checked(_abs(path, self._workdir()), False), depth,
+                             resolve_links)
 
     def make_dir(self, path: str) -> bool:
         """Make a folder and its parents; False if it already was one (FileExistsError if a file is there)."""

@@ -46,7 +46,6 @@ from agentenv.api import (
 )
 from agentenv.config import crash_point, parse_disk, parse_size, paths
 from agentenv.errors import (
-    AgentEnvError,
     CheckpointError,
     SandboxError,
     SandboxLost,
@@ -60,7 +59,7 @@ from agentenv.host.hostcalls import proc_start_time
 from agentenv.host.runtime import Container, ContainerSpec
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import forking, recovery, snapshotting, store, warm
+from agentenv.sandbox import expiry, forking, recovery, snapshotting, store, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT
@@ -415,21 +414,9 @@ class Sandbox(Calls, Record):
 
     @classmethod
     def reap_expired(cls) -> builtins.list[str]:
-        """Pause every running sandbox past its TTL (its state is kept, not destroyed); returns their ids.
-
-        One sandbox that cannot be paused (its agent stopped, say) is logged and skipped: it neither
-        stalls the others (every step has a deadline) nor ends the round.
-        """
-        paused = []
-        for sb in cls.list():
-            exp = sb.expires_at
-            try:
-                if exp is not None and exp < time.time() and sb.state == "running":
-                    sb.pause()
-                    paused.append(sb.id)
-            except AgentEnvError as e:
-                log.warning("could not pause sandbox %s past its TTL: %s", sb.id, e)
-        return paused
+        """Pause, or close where its ``agentenv.on_expiry`` label says so, every running sandbox past its TTL;
+        returns their ids (``agentenv.sandbox.expiry``)."""
+        return expiry.reap(cls.list())
 
     # --- recovery (the work: agentenv.sandbox.recovery) -----------------------------------------------
 

@@ -198,14 +198,14 @@ def file_info(reply: Any) -> FileInfo:
         raise _broken(frames.FrameError(f"a malformed file info ({e})")) from e
 
 
-def stat(ch: Channel, path: str) -> FileInfo:
-    return file_info(fs(ch, "stat", path).get("info"))
+def stat(ch: Channel, path: str, resolve: bool = False) -> FileInfo:
+    return file_info(fs(ch, "stat", path, **({"resolve": True} if resolve else {})).get("info"))
 
 
-def list_dir(ch: Channel, path: str, depth: int) -> list[FileInfo]:
+def list_dir(ch: Channel, path: str, depth: int, resolve: bool = False) -> list[FileInfo]:
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
         raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
-    entries = fs(ch, "list", path, depth=depth).get("entries")
+    entries = fs(ch, "list", path, depth=depth, **({"resolve": True} if resolve else {})).get("entries")
     if not isinstance(entries, list):
         raise _broken(frames.FrameError("a malformed listing"))
     return [file_info(e) for e in entries]

@@ -55,6 +55,11 @@ class Record:
         return dict(self._rec["labels"])
 
     @property
+    def paused_snapshot(self) -> str | None:
+        """The snapshot a paused sandbox is kept in (None unless paused)."""
+        return self._rec.get("paused_snapshot")
+
+    @property
     def expires_at(self) -> float | None:
         return self._rec.get("expires_at")
 

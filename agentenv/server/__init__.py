@@ -9,8 +9,8 @@ All state lives on disk (sandbox records and the snapshot store), so a server ki
 and started again lists every paused sandbox and snapshot, reattaches to the running sandboxes and
 reports the ones whose processes died as ``lost``; what the kill cut short is mended first (a sandbox
 left frozen is thawed, half-made fork children are removed, a pause is finished or rolled back), in
-the background past a few seconds. A background thread pauses sandboxes past their TTL
-(``Sandbox.reap_expired``); quotas on live sandboxes, memory and disk answer 429 with Retry-After.
+the background past a few seconds. A background thread pauses (or closes, where they asked) sandboxes
+past their TTL (``Sandbox.reap_expired``); quotas on live sandboxes, memory and disk answer 429 with Retry-After.
 
 Its rooms: ``schemas`` (request and response models), ``service`` (sandbox cache, quotas, TTL reaper,
 metrics), ``routing`` (token, msgpack/JSON, typed errors), ``streaming`` (a job's output in a thread of its

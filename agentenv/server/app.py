@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -96,8 +97,20 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     return app
 
 
+def new_token() -> str:
+    """A fresh token in the shape of E2B's API keys (``e2b_`` and 40 hex digits), so that E2B SDKs that check
+    the shape on the client accept it as ``E2B_API_KEY``."""
+    return "e2b_" + secrets.token_hex(20)
+
+
 def load_token(token_file: Path | None) -> str:
-    """The bearer token from ``token_file``, else $AGENTENV_TOKEN; ValueError when there is none."""
+    """The bearer token from ``token_file`` (made with ``new_token``, readable by its owner only, when the file
+    does not exist yet), else $AGENTENV_TOKEN; ValueError when there is none. A token of any other shape works."""
+    if token_file is not None and not token_file.exists():
+        with contextlib.suppress(FileExistsError):  # another process made it first: read theirs
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(new_token() + "\n")
     token = token_file.read_text().strip() if token_file is not None else os.environ.get(TOKEN_ENV, "").strip()
     if not token:
         raise ValueError(f"no token: pass --token-file or set ${TOKEN_ENV} (the server never runs open)")

@@ -179,11 +179,30 @@ class Service:
             return self.remember(Sandbox.restore(snap, labels=labels))
 
     def fork(self, sandbox_id: str, n: int, memory: bool) -> list[Sandbox]:
-        """``n`` children of a sandbox, their room reserved first."""
-        limits = self.sandbox(sandbox_id).limits
+        """``n`` children of a sandbox, their room reserved first; those of a paused one (memory and all) are
+        restored from its pause snapshot, which it keeps."""
+        sb = self.sandbox(sandbox_id)
+        limits = sb.limits
         with self.reserve(n, limits.memory, limits.disk):
-            kids = self.call(sandbox_id, lambda s: s.fork(n, memory=memory))
+            if memory and sb.state == "paused" and (snap_id := sb.paused_snapshot):
+                kids = self._restore_n(Snapshot.get(snap_id), n, sb.labels)
+            else:
+                kids = self.call(sandbox_id, lambda s: s.fork(n, memory=memory))
         return [self.remember(k) for k in kids]
+
+    @staticmethod
+    def _restore_n(snap: Snapshot, n: int, labels: dict[str, str]) -> list[Sandbox]:
+        """``n`` sandboxes restored from ``snap``; none is left if one fails."""
+        kids: list[Sandbox] = []
+        try:
+            for _ in range(n):
+                kids.append(Sandbox.restore(snap, labels=labels))
+        except BaseException:
+            for k in kids:
+                with contextlib.suppress(Exception):
+                    k.close()
+            raise
+        return kids
 
     def resume(self, sandbox_id: str) -> Sandbox:
         """A paused sandbox running again, its room reserved first."""
@@ -223,9 +242,8 @@ class Service:
         def loop() -> None:
             while not self._stop.wait(self.reap_interval):
                 try:
-                    for sid in Sandbox.reap_expired():
+                    for sid in Sandbox.reap_expired():  # each logged as it is paused or closed
                         self.forget(sid)
-                        log.info("paused sandbox %s: its TTL expired", sid)
                 except Exception:  # noqa: BLE001 - the reaper must outlive any one failure
                     log.exception("TTL reaper")
 

@@ -27,7 +27,7 @@ from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv import errors
-from agentenv.server.e2b import bridge, control, interpreter
+from agentenv.server.e2b import bridge, control, interpreter, listing, metrics
 from agentenv.server.e2b.files import FilesystemService, files_routes
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
@@ -43,6 +43,8 @@ MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recen
 
 def install(app: FastAPI, service: Service, token: str) -> None:
     """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware)."""
+    app.include_router(listing.router)
+    app.include_router(metrics.router)  # before control's /sandboxes/{id}, which would take /sandboxes/metrics
     app.include_router(control.router)
     codecs = [bridge.CheckedCodec(proto_binary_codec()), bridge.CheckedCodec(proto_json_codec())]
     process = ProcessASGIApplication(ProcessService(service), compressions=(), codecs=codecs)

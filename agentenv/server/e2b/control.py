@@ -3,8 +3,11 @@ fork and snapshot sandboxes with the JSON bodies and status codes the ``e2b`` SD
 
 What maps to what: a template is an image (``base`` and ``code-interpreter-v1`` are ours, ``agentenv/base``),
 or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snapshots); ``timeout`` is the
-sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox whose TTL runs out is paused,
-never deleted (E2B kills it unless ``autoPause``): nothing is lost, and ``Sandbox.connect`` brings it back.
+sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox whose TTL runs out is killed, as
+in E2B, unless it was made with ``autoPause`` (``lifecycle={"on_timeout": "pause"}``): then it is paused, and
+``Sandbox.connect`` brings it back (the choice is its ``agentenv.on_expiry`` label). ``connect`` and ``refresh``
+never shorten a longer timeout; ``set_timeout`` sets it. A paused sandbox forks too (E2B answers 409): its
+children are restored from its pause snapshot. A key of a body that agentenv does not know is a 400 naming it.
 Errors are ``{code, message}``; a full quota is a 429 with ``Retry-After``, which the SDK retries.
 
 The network: ``allow_internet_access`` absent or true is a sandbox with network (E2B's default), false one with
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import datetime as dt
 import hmac
+import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
@@ -32,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from agentenv import errors, netpolicy
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, MAX_FORK
 from agentenv.config import parse_size
-from agentenv.sandbox import warm
+from agentenv.sandbox import expiry
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
@@ -95,7 +99,12 @@ class E2BRoute(APIRoute):
         return e2b_handler
 
 
-router = APIRouter(tags=["e2b"], dependencies=[Depends(_api_key)], include_in_schema=False, route_class=E2BRoute)
+def router_for() -> APIRouter:
+    """A router of E2B's control plane: under the API key, every failure as E2B's ``{code, message}``."""
+    return APIRouter(tags=["e2b"], dependencies=[Depends(_api_key)], include_in_schema=False, route_class=E2BRoute)
+
+
+router = router_for()
 
 
 def _service(request: Request) -> Service:
@@ -107,7 +116,9 @@ ServiceDep = Annotated[Service, Depends(_service)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    """A request body: a key it does not name is refused (400 naming it), never ignored."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
 
 _NOTHING: tuple[Any, ...] = (None, {}, [])  # an option sent with one of these asks for nothing (dnsServers aside)
@@ -144,6 +155,10 @@ class NetworkUpdate(NetworkConfig):
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
 
 
+class AutoResume(_Body):
+    enabled: bool
+
+
 class NewSandbox(_Body):
     template_id: str = Field(alias="templateID", min_length=1, max_length=256)
     timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=30 * 86400)
@@ -151,6 +166,28 @@ class NewSandbox(_Body):
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     allow_internet_access: bool | None = None
     network: NetworkConfig | None = None
+    auto_pause: bool | None = Field(None, alias="autoPause")
+    auto_pause_memory: bool | None = Field(None, alias="autoPauseMemory")
+    auto_resume: AutoResume | None = Field(None, alias="autoResume")
+    secure: bool | None = None  # E2B ignores it too: access to a sandbox always needs its token
+    mcp: dict[str, Any] | None = None
+    iam: dict[str, Any] | None = None
+    volume_mounts: list[dict[str, Any]] | None = Field(None, alias="volumeMounts")
+
+    def on_expiry(self) -> str:
+        """What the sandbox's timeout does ('kill', E2B's default, or 'pause' with ``autoPause``); a 400 for
+        what agentenv does not offer rather than a sandbox that behaves otherwise."""
+        unoffered = [k for k, v in (("mcp", self.mcp), ("iam", self.iam), ("volumeMounts", self.volume_mounts))
+                     if v]
+        if unoffered:
+            raise E2BError(400, f"{unoffered} are not offered by agentenv (E2B cloud features): leave them out")
+        if self.auto_resume is not None and self.auto_resume.enabled:
+            raise E2BError(400, "autoResume is not offered by agentenv: a paused sandbox resumes on "
+                                "Sandbox.connect, not on traffic; leave lifecycle.auto_resume out or False")
+        if self.auto_pause and self.auto_pause_memory is False:
+            raise E2BError(400, "autoPauseMemory false (a filesystem-only pause) is not offered by agentenv: "
+                                "a pause keeps memory too; leave the pause mode out")
+        return "pause" if self.auto_pause else "kill"
 
     def network_asked(self) -> bool | dict[str, list[str]]:
         """``Sandbox.create``'s ``network``: True when neither is given (E2B's default is internet access), False
@@ -165,6 +202,14 @@ class Timeout(_Body):
     timeout: int | None = Field(None, ge=0, le=30 * 86400)
 
 
+class ConnectBody(Timeout):
+    memory: bool | None = None  # false: reboot from the files (on_resume="reboot"), which agentenv does not offer
+
+
+class Refresh(_Body):
+    duration: int | None = Field(None, ge=0, le=30 * 86400)
+
+
 class ForkBody(_Body):
     timeout: int | None = Field(None, ge=0, le=30 * 86400)
     count: int = Field(1, ge=1, le=MAX_FORK)
@@ -177,6 +222,7 @@ class SnapshotBody(_Body):
 
 class PauseBody(_Body):
     memory: bool | None = None
+    require_healthy_guest: bool | None = Field(None, alias="requireHealthyGuest")  # a pause always needs the agent
 
 
 def _time(t: float | None) -> str:
@@ -197,20 +243,30 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
         body.update(startedAt=_time(sb.created_at), endAt=_time(sb.expires_at), cpuCount=max(1, round(limits.cpus)),
                     memoryMB=limits.memory >> 20, diskSizeMB=(limits.disk or 0) >> 20, state=state or sb.state,
                     metadata={k[len(META_PREFIX):]: v for k, v in labels.items() if k.startswith(META_PREFIX)},
-                    allowInternetAccess=network is not None)
+                    allowInternetAccess=network is not None,
+                    lifecycle={"onTimeout": expiry.action(labels), "autoResume": False})
         if network is not None:
             body["network"] = {"allowOut": list(network.allow_out), "denyOut": list(network.deny_out)}
     return body
 
 
-def _labels(template: str, metadata: dict[str, str] | None) -> dict[str, str]:
-    return {TEMPLATE_LABEL: template, **{META_PREFIX + k: v for k, v in (metadata or {}).items()}}
+def _labels(template: str, metadata: dict[str, str] | None, on_expiry: str) -> dict[str, str]:
+    return {TEMPLATE_LABEL: template, expiry.ON_EXPIRY: on_expiry,
+            **{META_PREFIX + k: v for k, v in (metadata or {}).items()}}
+
+
+def _keep_alive(sb: Sandbox, ttl: float) -> None:
+    """Let the sandbox live ``ttl`` seconds from now, unless it already may live longer (E2B's connect and
+    refresh never shorten a timeout)."""
+    end = sb.expires_at
+    if end is not None and end < time.time() + ttl:
+        sb.set_ttl(ttl)
 
 
 def _create(request: Request, service: Service, body: NewSandbox) -> JSONResponse:
     template = body.template_id
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
-    labels = _labels(template, body.metadata)
+    labels = _labels(template, body.metadata, body.on_expiry())
     image = TEMPLATES.get(template, template)
     snap = _snapshot_or_none(template)
     network = body.network_asked()
@@ -267,19 +323,26 @@ def create(request: Request, service: ServiceDep, body: Annotated[NewSandbox, Bo
 @router.post("/sandboxes/{sandbox_id}/connect")
 @router.post("/sandboxes/{sandbox_id}/resume")
 def connect(request: Request, service: ServiceDep, sandbox_id: str,
-            body: Annotated[Timeout | None, Body()] = None) -> Response:
-    """A running sandbox as it is (200); a paused one resumed (201). Either way its TTL restarts."""
+            body: Annotated[ConnectBody | None, Body()] = None) -> Response:
+    """A running sandbox as it is (200), its timeout extended but never shortened; a paused one resumed (201)
+    with the timeout asked for."""
+    if body is not None and body.memory is False:
+        raise E2BError(400, "on_resume='reboot' (memory false) is not offered by agentenv: a paused sandbox "
+                            "comes back with its processes; leave on_resume out")
     sb = service.sandbox(sandbox_id)
-    status = 200
+    ttl = float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT)
     if sb.state == "paused":
-        sb = service.resume(sandbox_id)
-        status = 201
-    sb.set_ttl(float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT))
-    return JSONResponse(sandbox_json(request, sb, "running"), status)
+        service.resume(sandbox_id).set_ttl(ttl)
+        return JSONResponse(sandbox_json(request, sb, "running"), 201)
+    _keep_alive(sb, ttl)
+    return JSONResponse(sandbox_json(request, sb, "running"), 200)
 
 
 @router.post("/sandboxes/{sandbox_id}/pause")
 def pause(service: ServiceDep, sandbox_id: str, body: Annotated[PauseBody | None, Body()] = None) -> Response:
+    if body is not None and body.memory is False:
+        raise E2BError(400, "a filesystem-only pause (memory false) is not offered by agentenv: a pause keeps "
+                            "memory too; leave the pause mode out")
     sb = service.sandbox(sandbox_id)
     if sb.state == "paused":
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
@@ -315,34 +378,16 @@ def set_timeout(service: ServiceDep, sandbox_id: str, body: Annotated[Timeout, B
 
 
 @router.post("/sandboxes/{sandbox_id}/refreshes")
-def refresh(service: ServiceDep, sandbox_id: str, body: Annotated[Timeout | None, Body()] = None) -> Response:
-    service.sandbox(sandbox_id).set_ttl(float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT))
+def refresh(service: ServiceDep, sandbox_id: str, body: Annotated[Refresh | None, Body()] = None) -> Response:
+    """``duration`` seconds more to live (a longer timeout is kept)."""
+    _keep_alive(service.sandbox(sandbox_id), float(body.duration if body and body.duration else DEFAULT_TIMEOUT))
     return Response(status_code=204)
-
-
-@router.get("/v2/sandboxes")
-@router.get("/sandboxes")
-def list_sandboxes(request: Request, state: str | None = None, metadata: str | None = None,
-                   limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                   next_token: Annotated[str | None, Query(alias="nextToken")] = None) -> Response:
-    """Running and paused sandboxes (or the states asked for), oldest first, ``limit`` a page; the next page
-    starts after the sandbox named in the ``x-next-token`` header."""
-    states = set(state.split(",")) if state else {"running", "paused"}
-    want = dict(p.split("=", 1) for p in (metadata or "").split("&") if "=" in p)
-    rows = [sb for sb in sorted(Sandbox.list(), key=lambda s: (s.created_at, s.id))
-            if sb.state in states and sb.labels.get("agentenv.kind") != warm.KIND]
-    rows = [sb for sb in rows if all(sb.labels.get(META_PREFIX + k) == v for k, v in want.items())]
-    if next_token:
-        ids = [sb.id for sb in rows]
-        rows = rows[ids.index(next_token) + 1:] if next_token in ids else []
-    page, more = rows[:limit], len(rows) > limit
-    headers = {"x-next-token": page[-1].id} if more else {}
-    return JSONResponse([sandbox_json(request, sb, detail=True) for sb in page], headers=headers)
 
 
 @router.post("/sandboxes/{sandbox_id}/fork")
 def fork(request: Request, service: ServiceDep, sandbox_id: str, body: Annotated[ForkBody, Body()]) -> Response:
-    """``count`` children of a live sandbox, memory and all (processes, the interpreter's variables)."""
+    """``count`` children of a sandbox, memory and all (processes, the interpreter's variables); those of a paused
+    one come from its pause snapshot (E2B answers 409 there)."""
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
     out = []
     for kid in service.fork(sandbox_id, body.count, memory=True):

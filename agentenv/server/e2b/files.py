@@ -11,6 +11,7 @@ looks that cancel out (a file made and removed in between) are not seen.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import time
@@ -87,13 +88,13 @@ class FilesystemService(filesystem_connect.Filesystem):
 
     async def stat(self, request: pb.StatRequest, ctx: RequestContext[Any, Any]) -> pb.StatResponse:
         sb = await self._calls(ctx)
-        return pb.StatResponse(entry=entry(await call(sb.stat, request.path)))
+        return pb.StatResponse(entry=entry(await call(sb.stat, request.path, resolve_links=True)))
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext[Any, Any]) -> pb.MakeDirResponse:
         sb = await self._calls(ctx)
         if not await call(sb.make_dir, request.path):
             raise ConnectError(Code.ALREADY_EXISTS, f"directory {request.path} already exists")
-        return pb.MakeDirResponse(entry=entry(await call(sb.stat, request.path)))
+        return pb.MakeDirResponse(entry=entry(await call(sb.stat, request.path, resolve_links=True)))
 
     async def move(self, request: pb.MoveRequest, ctx: RequestContext[Any, Any]) -> pb.MoveResponse:
         sb = await self._calls(ctx)
@@ -101,12 +102,12 @@ class FilesystemService(filesystem_connect.Filesystem):
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext[Any, Any]) -> pb.ListDirResponse:
         sb = await self._calls(ctx)
-        found = await call(sb.list_dir, request.path, depth=max(1, request.depth or 1))
+        found = await call(sb.list_dir, request.path, depth=max(1, request.depth or 1), resolve_links=True)
         return pb.ListDirResponse(entries=[entry(f) for f in found])
 
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext[Any, Any]) -> pb.RemoveResponse:
         sb = await self._calls(ctx)
-        await call(sb.remove, request.path)
+        await call(_remove, sb, request.path)
         return pb.RemoveResponse()
 
     async def _dir(self, sb: Calls, path: str, recursive: bool) -> Listing:
@@ -175,6 +176,12 @@ class FilesystemService(filesystem_connect.Filesystem):
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _HTTP = {Code.UNAUTHENTICATED: 401, Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED: 403, Code.ALREADY_EXISTS: 409,
          Code.UNAVAILABLE: 502, Code.RESOURCE_EXHAUSTED: 429, Code.FAILED_PRECONDITION: 400}
+
+
+def _remove(sb: Calls, path: str) -> None:
+    """``Sandbox.remove``, where removing what is not there is no error (as in envd)."""
+    with contextlib.suppress(FileNotFoundError):
+        sb.remove(path)
 
 
 def http_error(exc: BaseException) -> JSONResponse:

@@ -1,0 +1,80 @@
+"""What a running sandbox uses now: CPU time and memory from its cgroups (v1 ``memory`` / ``cpuacct`` or the
+v2 files, whichever the host has), disk from its layer on the volume. E2B's ``get_metrics`` reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.host import cgroups, volume
+from agentenv.sandbox.parts import Parts
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One reading: ``cpu_seconds`` used since the start, memory in use (page cache apart) and the disk used."""
+
+    at: float
+    cpu_seconds: float
+    mem_used: int
+    mem_cache: int
+    disk_used: int
+
+
+def _number(path: Path) -> int | None:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _stat(path: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                out[key] = int(value)
+    return out
+
+
+def read(sb: Parts) -> Usage | None:
+    """The sandbox's usage now; None when it has no cgroup (it is not running)."""
+    cpu = mem = None
+    cache = 0
+    for d in cgroups.existing(sb._container.cgroup):
+        if (v := _number(d / "cpuacct.usage")) is not None:  # v1: nanoseconds
+            cpu = v / 1e9
+        elif "usage_usec" in (stat := _stat(d / "cpu.stat")):  # v2: microseconds
+            cpu = stat["usage_usec"] / 1e6
+        if (v := _number(d / "memory.usage_in_bytes")) is not None:  # v1: the page cache included
+            mem, cache = v, _stat(d / "memory.stat").get("total_cache", 0)
+        elif (v := _number(d / "memory.current")) is not None:
+            mem, cache = v, _stat(d / "memory.stat").get("file", 0)
+    if cpu is None or mem is None:
+        return None
+    layer = sb._container.layer
+    disk = volume.referenced(layer)
+    return Usage(time.time(), cpu, max(0, mem - cache), cache,
+                 disk if disk is not None else volume.disk_usage(sb._container.upper))
+
+
+def sample(sandboxes: Iterable[Parts], window: float = 0.2) -> dict[str, tuple[Usage, float]]:
+    """Each running sandbox's usage and the share of its CPUs it used (percent) over ``window`` seconds, read
+    for all of them across one wait; a sandbox without a cgroup is left out."""
+    first = {sb.id: (sb, u) for sb in sandboxes if (u := read(sb)) is not None}
+    if first:
+        time.sleep(window)
+    out = {}
+    for sid, (sb, before) in first.items():
+        after = read(sb)
+        if after is None:
+            continue
+        cpus = max(sb._spec().limits.cpus, 0.01)
+        spent = max(0.0, after.cpu_seconds - before.cpu_seconds) / max(after.at - before.at, 1e-6)
+        out[sid] = (after, min(100.0, 100.0 * spent / cpus))
+    return out
