@@ -27,7 +27,7 @@ from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv import errors
-from agentenv.server.e2b import bridge, control, interpreter
+from agentenv.server.e2b import bridge, control, interpreter, templates
 from agentenv.server.e2b.files import FilesystemService, files_routes
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
@@ -44,6 +44,8 @@ MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recen
 def install(app: FastAPI, service: Service, token: str) -> None:
     """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware)."""
     app.include_router(control.router)
+    app.include_router(templates.router)
+    app.include_router(templates.uploads)
     codecs = [bridge.CheckedCodec(proto_binary_codec()), bridge.CheckedCodec(proto_json_codec())]
     process = ProcessASGIApplication(ProcessService(service), compressions=(), codecs=codecs)
     filesystem = FilesystemASGIApplication(FilesystemService(service), compressions=(), codecs=codecs)

@@ -2,7 +2,8 @@
 fork and snapshot sandboxes with the JSON bodies and status codes the ``e2b`` SDK (2.x) expects.
 
 What maps to what: a template is an image (``base`` and ``code-interpreter-v1`` are ours, ``agentenv/base``),
-or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snapshots); ``timeout`` is the
+or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snapshots), or a template built here
+(``templates``: its image, or the snapshot taken once its start command was ready); ``timeout`` is the
 sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox whose TTL runs out is paused,
 never deleted (E2B kills it unless ``autoPause``): nothing is lost, and ``Sandbox.connect`` brings it back.
 Errors are ``{code, message}``; a full quota is a 429 with ``Retry-After``, which the SDK retries.
@@ -35,6 +36,7 @@ from agentenv.config import parse_size
 from agentenv.sandbox import warm
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
+from agentenv.server.e2b import template_store
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
 from agentenv.server.service import Service
 
@@ -211,15 +213,17 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     template = body.template_id
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
     labels = _labels(template, body.metadata)
-    image = TEMPLATES.get(template, template)
-    snap = _snapshot_or_none(template)
+    built = template_store.for_sandbox(template)  # a template built here: its image, or its start snapshot
+    image = built.image if built else TEMPLATES.get(template, template)
+    snap = Snapshot.get(built.snapshot) if built and built.snapshot else _snapshot_or_none(template)
+    cpus, memory = (built.cpus, built.memory) if built else (CPUS, MEMORY)
     network = body.network_asked()
     if snap is not None:
         sb = _restore(service, snap, labels, body, network)
         sb.set_ttl(ttl)
     else:
-        with service.reserve(1, MEMORY, DISK):
-            sb = service.remember(Sandbox.create(image, cpus=CPUS, memory=MEMORY, disk=DISK, env=body.env_vars or {},
+        with service.reserve(1, memory, DISK):
+            sb = service.remember(Sandbox.create(image, cpus=cpus, memory=memory, disk=DISK, env=body.env_vars or {},
                                                  network=network, ttl=ttl, labels=labels))
     return JSONResponse(sandbox_json(request, sb, "running"), 201)
 
@@ -370,7 +374,7 @@ def list_snapshots(sandbox_id: Annotated[str | None, Query(alias="sandboxID")] =
                    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                    next_token: Annotated[str | None, Query(alias="nextToken")] = None) -> Response:
     snaps = [s for s in sorted(Snapshot.list(), key=lambda s: (s.created_at, s.id))
-             if s.labels.get("agentenv.kind") != "pause"
+             if s.labels.get("agentenv.kind") not in ("pause", template_store.TEMPLATE_KIND)
              and (sandbox_id is None or s.sandbox_id == sandbox_id)
              and (name is None or s.labels.get("e2b.name") == name)]
     if next_token:
@@ -379,10 +383,3 @@ def list_snapshots(sandbox_id: Annotated[str | None, Query(alias="sandboxID")] =
     page = snaps[:limit]
     headers = {"x-next-token": page[-1].id} if len(snaps) > limit else {}
     return JSONResponse([_snapshot_json(s) for s in page], headers=headers)
-
-
-@router.delete("/templates/{template_id}")
-def delete_snapshot(template_id: str) -> Response:
-    """Snapshots are deleted as templates, as E2B does."""
-    Snapshot.get(template_id).delete(background=True)
-    return Response(status_code=204)
