@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -116,6 +117,17 @@ class BuildFailed(AgentEnvError):
     def __init__(self, error: str, output: list[str]) -> None:
         self.error, self.output = error, output
         super().__init__(f"docker build failed: {error}")
+
+    def discard(self) -> None:
+        """Remove the images the failed build's finished steps left untagged; a tagged one (the base, another
+        build's image met in the cache) and one that others stand on stay."""
+        import docker.errors
+
+        for line in reversed(self.output):
+            if m := re.fullmatch(r"\s*---> ([0-9a-f]{12})\s*", line):
+                with contextlib.suppress(docker.errors.APIError):
+                    if not _inspect(m.group(1)).get("RepoTags"):
+                        docker_client().images.remove(m.group(1))
 
 
 def build(context: str, tag: str, *, on_output: Callable[[str], None] | None = None, nocache: bool = False,

@@ -24,10 +24,16 @@ from .server_fixtures import TOKEN  # noqa: E402
 @pytest.fixture
 def templates(e2b_url: str) -> Iterator[list[str]]:
     """Names of the templates a test builds; each is deleted after it (its images and snapshots with it)."""
+    before = set(_ours())
     made: list[str] = []
     yield made
     for name in made:
         httpx.delete(f"{e2b_url}/templates/{name}", headers={"X-API-KEY": TOKEN}, timeout=60)
+    assert set(_ours()) <= before, "deleting the templates removed their images"
+
+
+def _ours() -> list[str]:
+    return [t for t in images.available() if t.startswith("agentenv-e2b/")]
 
 
 def _name(made: list[str], prefix: str) -> str:

@@ -242,6 +242,7 @@ def run(service: Service, template_id: str, build_id: str, spec: dict[str, Any])
                 images.build(str(context), tag, on_output=output, nocache=force, network=BUILD_NETWORK,
                              labels={"agentenv.e2b.template": template_id, "agentenv.e2b.build": build_id})
             except images.BuildFailed as e:
+                e.discard()
                 raise failure(p, current[0], e.error) from None
         image_made = tag
         if spec.get("startCmd") or spec.get("readyCmd"):
