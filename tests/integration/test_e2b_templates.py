@@ -74,6 +74,31 @@ def test_build_copy_run_envs_then_a_sandbox_has_them(tmp_path: Path, templates: 
     assert Sandbox.create(f"{name}:default", timeout=60).kill() in (None, True)
 
 
+def test_from_dockerfile_and_a_folder_with_symlinks(tmp_path: Path, templates: list[str]) -> None:
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "test.txt").write_text("a test file")
+    (folder / "rel.txt").symlink_to("test.txt")
+    (folder / "dangling.txt").symlink_to("nothing-there.txt")
+    dockerfile = ("FROM agentenv/base\nUSER root\nWORKDIR /srv\nCOPY folder/* folder/\n"
+                  "RUN cat folder/rel.txt > from-link\nENV MODE=dockerfile\n")
+    name = _name(templates, "t-dockerfile")
+    Template.build(Template(file_context_path=str(tmp_path)).from_dockerfile(dockerfile), name)
+    sb = Sandbox.create(name, timeout=60)
+    try:
+        assert sb.files.read("/srv/from-link") == "a test file"
+        assert sb.commands.run("readlink folder/rel.txt folder/dangling.txt").stdout.split() == [
+            "test.txt", "nothing-there.txt"]  # links copied as links, as E2B does without resolve_symlinks
+        assert sb.commands.run("printenv MODE").stdout.strip() == "dockerfile"
+    finally:
+        sb.kill()
+    # without a USER line, the SDK appends E2B's own user: recorded, and its sandboxes refused, never run as root
+    e2b_user = _name(templates, "t-e2buser")
+    Template.build(Template().from_dockerfile("FROM agentenv/base\nRUN id user || useradd -m user"), e2b_user)
+    with pytest.raises(Exception, match="runs as user 'user'"):
+        Sandbox.create(e2b_user, timeout=60)
+
+
 def test_exists_tags_and_aliases(templates: list[str], e2b_url: str) -> None:
     name = _name(templates, "t-tags")
     assert Template.exists("base") is True

@@ -192,3 +192,25 @@ def test_routes_up_to_the_build(client: TestClient) -> None:
     assert client.delete(f"/templates/{tid}", headers=KEY).status_code == 204
     assert client.get("/templates/aliases/mine", headers=KEY).status_code == 404
     assert client.delete("/templates/nothing-here", headers=KEY).status_code == 404
+
+
+def test_a_glob_copy_is_laid_out_before_docker_and_never_reaches_out(tmp_path: Path) -> None:
+    up, outside = tmp_path / "step-1", tmp_path / "outside"
+    (up / "folder" / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret").write_text("host")
+    (outside / "secret").chmod(0o600)
+    (up / "folder" / "a.txt").write_text("a")
+    (up / "folder" / "sub" / "b.txt").write_text("b")
+    (up / "folder" / "dangling").symlink_to("nowhere")
+    (up / "out").symlink_to(outside)
+    tb._set_mode(up, "out/*", 0o777)
+    assert (outside / "secret").stat().st_mode & 0o777 == 0o600  # a mode never goes through a link out
+    with pytest.raises(tb.StepFailed, match="no files match"):
+        tb._expand(up, "out/*", tmp_path / "staged-out")
+    tb._expand(up, "folder/*", tmp_path / "staged")
+    staged = tmp_path / "staged"
+    assert sorted(p.name for p in staged.iterdir()) == ["a.txt", "b.txt", "dangling"]  # a folder's contents
+    assert (staged / "dangling").is_symlink()
+    p = tb.plan("img", [{"type": "COPY", "args": ["folder/*", "dest"], "filesHash": "ab" * 32}])
+    assert p.lines[1] == 'COPY ["step-1-glob/", "dest/"]'

@@ -47,6 +47,7 @@ _SHELL = 'command -v bash >/dev/null 2>&1 && exec bash -c "$1" || exec sh -c "$1
 _NO_USER = re.compile(r"unable to find user ([^:\s]+)")
 _EXIT = re.compile(r"returned a non-zero code: (\d+)")
 _STEP = re.compile(r"^Step (\d+)/\d+ :")
+GLOB = "-glob"  # the folder of the build context a glob copy's matches are moved to
 _OFFLINE = ("apt-get", "apt ", "pip ", "pip3 ", "npm ", "bun ", "git clone", "curl ", "wget ")
 
 
@@ -93,6 +94,10 @@ def _relative(src: str, step: str) -> str:
     return src
 
 
+def _is_glob(src: str) -> bool:
+    return any(c in src for c in "*?[")
+
+
 def plan(base: str, steps: list[dict[str, Any]], is_dir: Any = None) -> Plan:
     """The Dockerfile of ``steps`` (the SDK's ``TemplateStep`` dicts) on ``base``; ``is_dir(folder, src)`` tells
     whether a copy's source is a folder in its upload (then its destination is one too)."""
@@ -116,11 +121,12 @@ def plan(base: str, steps: list[dict[str, Any]], is_dir: Any = None) -> Plan:
             if not files_hash:
                 raise store.TemplateRefused(f"step {n}: a COPY step needs its filesHash (the SDK sends it)")
             folder = f"step-{n}"
-            if not dest.endswith("/") and (any(c in src for c in "*?[") or src.endswith("/")
+            if not dest.endswith("/") and (_is_glob(src) or src.endswith("/")
                                            or (is_dir is not None and is_dir(folder, src))):
                 dest += "/"
             flag = f"--chown={chown} " if chown else ""
-            p.add(f"COPY {flag}" + json.dumps([f"{folder}/{src}", dest]), n, f"copy '{src}' to '{dest}'")
+            source = f"{folder}{GLOB}/" if _is_glob(src) else f"{folder}/{src}"  # a glob is expanded by prepare()
+            p.add(f"COPY {flag}" + json.dumps([source, dest]), n, f"copy '{src}' to '{dest}'")
             p.copies.append((folder, str(files_hash), src, mode))
         elif kind == "ENV":
             pairs = list(zip(args[::2], args[1::2], strict=False))
@@ -203,6 +209,24 @@ def prepare(context: Path, p: Plan) -> None:
             tar.extractall(dest, filter="tar")  # nothing lands outside dest, nor through a link out of it
         if mode is not None:
             _set_mode(dest, src, mode)
+        if _is_glob(src):
+            _expand(dest, src, context / f"{folder}{GLOB}")
+
+
+def _expand(dest: Path, src: str, staged: Path) -> None:
+    """Move what the glob ``src`` matches in ``dest`` into ``staged``, as Docker's COPY lays it out (a file by its
+    name, a folder's contents), so that COPY meets no glob: Docker's fails on a match that is a dangling link."""
+    staged.mkdir()
+    inside = os.path.realpath(dest) + os.sep
+    matches = [m for m in glob.glob(str(dest / src)) if os.path.realpath(os.path.dirname(m)).startswith(inside[:-1])]
+    if not matches:
+        raise StepFailed(f"failed to copy '{src}': no files match it", dest.name.removeprefix("step-"))
+    for m in sorted(matches):
+        if os.path.isdir(m) and not os.path.islink(m):
+            for child in os.listdir(m):
+                os.replace(os.path.join(m, child), staged / child)
+        else:
+            os.replace(m, staged / os.path.basename(m))
 
 
 def _set_mode(dest: Path, src: str, mode: int) -> None:
