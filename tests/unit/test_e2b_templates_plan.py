@@ -189,7 +189,14 @@ def test_routes_up_to_the_build(client: TestClient) -> None:
     assert client.get(f"/templates/{tid}/tags", headers=KEY).json() == []  # tags come with a ready build
     assert client.get(f"/templates/{tid}/builds/00000000-0000-0000-0000-000000000000/status",
                       headers=KEY).status_code == 404
+    ok = client.post(f"/v2/templates/{tid}/builds/{bid}", headers=KEY,
+                     json={"fromTemplate": "none-such", "steps": [{"type": "COPY", "args": ["a.txt", "/y"],
+                                                                   "filesHash": h}]})
+    assert ok.status_code == 202  # its thread fails at once (no such base template, no Docker asked)
+    assert client.post(f"/v2/templates/{tid}/builds/{bid}", headers=KEY, json={"fromImage": "img"}).status_code == 409
     assert client.delete(f"/templates/{tid}", headers=KEY).status_code == 204
+    assert client.get(f"/templates/{tid}/files/{h}", headers=KEY).status_code == 404  # the template is gone
+    assert not store.file_path(h).exists()  # and the upload it alone copied
     assert client.get("/templates/aliases/mine", headers=KEY).status_code == 404
     assert client.delete("/templates/nothing-here", headers=KEY).status_code == 404
 

@@ -221,10 +221,15 @@ def unassign(name: str, tags: list[str]) -> None:
 
 
 def remove(template_id: str) -> dict[str, Any]:
-    """Drop a template's record (its outputs are the caller's to remove); returns the record."""
+    """Drop a template's record, its logs and the uploads no other template's build copies (its images and
+    snapshots are the caller's to remove); returns the record."""
     with locked():
         rec = get(template_id)
         _path(rec["id"]).unlink()
+        kept = {h for other in all_records() for b in other["builds"].values() for h in b.get("files", [])}
+        for h in {h for b in rec["builds"].values() for h in b.get("files", [])} - kept:
+            with contextlib.suppress(FileNotFoundError):
+                file_path(h).unlink()
     for build_id in rec["builds"]:
         with contextlib.suppress(FileNotFoundError):
             log_path(build_id).unlink()

@@ -142,7 +142,8 @@ def start_build(service: ServiceDep, template_id: str, build_id: str, body: Anno
     template_build.plan("validate", spec.get("steps") or [])  # a step that cannot be built is a 400 now
     if body.ready_cmd is None and body.start_cmd is not None:
         raise E2BError(400, "a start command needs a ready command (set_start_cmd takes both)")
-    if store.update(rec["id"], build_id, status="building") is None:
+    files = sorted({s.files_hash for s in body.steps if s.files_hash})
+    if store.update(rec["id"], build_id, status="building", files=files) is None:
         raise store.TemplateNotFound(f"template '{template_id}' was deleted")
     threading.Thread(target=template_build.run, args=(service, rec["id"], build_id, spec), daemon=True,
                      name=f"e2b-build-{build_id[:8]}").start()
