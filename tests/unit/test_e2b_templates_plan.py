@@ -221,3 +221,19 @@ def test_a_glob_copy_is_laid_out_before_docker_and_never_reaches_out(tmp_path: P
     assert (staged / "dangling").is_symlink()
     p = tb.plan("img", [{"type": "COPY", "args": ["folder/*", "dest"], "filesHash": "ab" * 32}])
     assert p.lines[1] == 'COPY ["step-1-glob/", "dest/"]'
+
+
+def test_an_upload_with_a_device_node_or_an_escape_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    for i, (kind, name) in enumerate(((tarfile.CHRTYPE, "dev"), (tarfile.REGTYPE, "../../escape"))):
+        h = f"{i:02d}" * 32
+        with tarfile.open(store.file_path(h), "w") as tar:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            tar.addfile(info, io.BytesIO(b""))
+        p = tb.plan("img", [{"type": "COPY", "args": [name.lstrip("./") or name, "/x"], "filesHash": h}])
+        context = tmp_path / f"ctx{i}"
+        context.mkdir()
+        with pytest.raises((store.TemplateRefused, tarfile.FilterError)):
+            tb.prepare(context, p)
+    assert not (tmp_path / "escape").exists()

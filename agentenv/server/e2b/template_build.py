@@ -206,7 +206,7 @@ def prepare(context: Path, p: Plan) -> None:
         dest = context / folder
         dest.mkdir()
         with tarfile.open(archive) as tar:
-            tar.extractall(dest, filter="tar")  # nothing lands outside dest, nor through a link out of it
+            tar.extractall(dest, filter=_members)
         if mode is not None:
             _set_mode(dest, src, mode)
         if _is_glob(src):
@@ -227,6 +227,15 @@ def _expand(dest: Path, src: str, staged: Path) -> None:
                 os.replace(os.path.join(m, child), staged / child)
         else:
             os.replace(m, staged / os.path.basename(m))
+
+
+def _members(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
+    """The ``tar`` filter (nothing lands outside the folder, nor through a link out of it), and no device nodes
+    or fifos: what the SDK uploads is files, folders and links."""
+    if member.isdev():
+        raise store.TemplateRefused(f"the upload holds {member.name!r}, a device node or fifo: only files, folders "
+                                    "and links are copied")
+    return tarfile.tar_filter(member, path)
 
 
 def _set_mode(dest: Path, src: str, mode: int) -> None:
