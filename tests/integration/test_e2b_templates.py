@@ -192,6 +192,8 @@ def test_start_cmd_is_running_in_a_new_sandbox_without_being_run_again(templates
     start = "echo started >> /tmp/starts; i=0; while true; do i=$((i+1)); echo $i > /tmp/n; sleep 0.1; done"
     template = Template().from_image("agentenv/base").set_start_cmd(start, wait_for_file("/tmp/n"))
     Template.build(template, name)
+    with pytest.raises(Exception, match="envs cannot reach it"):
+        Sandbox.create(name, envs={"A": "1"}, timeout=60)  # never accepted and ignored
     boxes = [Sandbox.create(name, timeout=120) for _ in range(2)]
     try:
         for sb in boxes:

@@ -217,6 +217,9 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     image = built.image if built else TEMPLATES.get(template, template)
     snap = Snapshot.get(built.snapshot) if built and built.snapshot else _snapshot_or_none(template)
     cpus, memory = (built.cpus, built.memory) if built else (CPUS, MEMORY)
+    if built and built.snapshot and body.env_vars:
+        raise E2BError(400, f"template {template!r} starts restored, its start command already running: envs cannot "
+                            "reach it; set them in the template (set_envs), or pass them to commands.run")
     network = body.network_asked()
     if snap is not None:
         sb = _restore(service, snap, labels, body, network)
