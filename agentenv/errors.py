@@ -83,6 +83,10 @@ class Unauthorized(AgentEnvError, PermissionError):
     """The server refused the bearer token (missing or wrong)."""
 
 
+class UnknownUser(AgentEnvError, LookupError):
+    """The sandbox's image has no account of the name a command or file call asked to run as."""
+
+
 class SandboxLost(SandboxStateError):
     """The sandbox's agent (its PID 1) is gone: its processes died behind our back (state 'lost').
 

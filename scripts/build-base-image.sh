@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the base image agentenv/base offline (no container registry is reachable):
-# a debootstrap rootfs with python3, git, pip and the tools a coding agent needs, imported
+# a debootstrap rootfs with python3, git, pip and the tools a coding agent needs, and E2B's `user` account, imported
 # with `docker import`. Skipped when an image built from the same inputs is present.
 set -euo pipefail
 
@@ -25,6 +25,8 @@ debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$work/rootfs" "$MI
     || { tail -n 30 "$work/debootstrap.log" >&2; echo "[base-image] debootstrap failed" >&2; exit 1; }
 rm -rf "$work/rootfs"/var/cache/apt/archives/*.deb "$work/rootfs"/var/lib/apt/lists/*
 mkdir -p "$work/rootfs/testbed"
+# E2B's account: uid 1000 with its own group and /home/user, what E2B's templates run commands as by default.
+chroot "$work/rootfs" useradd --create-home --uid 1000 --user-group --shell /bin/bash user
 echo "[base-image] docker import -> $IMAGE"
 tar -C "$work/rootfs" -c . | $DOCKER import \
     --change "LABEL agentenv.inputs=$HASH" \

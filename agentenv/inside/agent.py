@@ -5,8 +5,8 @@ image with python3 works. The host reaches it at ``/proc/<pid>/root/dev/agentenv
 which avoids ``docker exec``'s round trip, and because the agent *is* the container's init, a CRIU
 snapshot carries every job, its buffered output and the listening socket along.
 
-The agent is four files, sent into the sandbox as one (``agentenv.host.agent_start`` joins them in this order):
-``frames`` (the wire, shared with the host), ``jobs`` (commands and their output), ``files`` (the file calls)
+The agent is five files, sent into the sandbox as one (``agentenv.host.agent_start`` joins them in this order):
+``frames`` (the wire, shared with the host), ``users`` (the image's accounts), ``jobs`` (commands and their output), ``files`` (the file calls)
 and this one, which answers requests and runs the agent as a sandbox's init.
 
 Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
@@ -30,6 +30,7 @@ import time
 from agentenv.inside.files import check_own, fs, send_file, write_stream
 from agentenv.inside.frames import SMALL_BLOB, _recv_exact, drain, recv_header, send_frame, suppress
 from agentenv.inside.jobs import HEARTBEAT, INPUT_TIMEOUT, Jobs, Starved, close_stdin
+from agentenv.inside.users import AsAccount, UnknownUser, account
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -98,11 +99,18 @@ class Agent(Jobs):
             if op == "write":  # the blob is still on the socket: it streams to the file
                 try:
                     path = check_own(str(h["path"]), self.own_dirs)
+                    who = as_account(h)
+                    who.__enter__()  # before the bytes are read: a refusal drains them
                 except BaseException:
                     drain(conn, blen)
                     raise
-                write_stream(path, conn, blen, int(h.get("mode", 0o644)))
+                try:
+                    write_stream(path, conn, blen, int(h.get("mode", 0o644)))
+                finally:
+                    who.__exit__()
                 send_frame(conn, {"ok": True})
+            elif op == "account":
+                send_frame(conn, {"account": account(str(h["name"])).wire()})
             elif op == "ping":
                 not_dumpable()  # again: a restore from a snapshot may have brought the process back dumpable
                 send_frame(conn, {"ok": True, "pid": os.getpid()})
@@ -163,9 +171,12 @@ class Agent(Jobs):
                     job.stdin_lock.release()
                 send_frame(conn, {"ok": True})
             elif op == "fs":
-                send_frame(conn, fs(h, self.own_dirs))
+                with as_account(h):
+                    reply = fs(h, self.own_dirs)
+                send_frame(conn, reply)
             elif op == "read":
-                send_file(conn, h["path"])
+                with as_account(h):
+                    send_file(conn, h["path"])
             elif op == "reroot":  # a fork gave this (pooled) sandbox another root: run from it, as a new agent
                 if peer_pid(conn) != 0:  # sent from inside: the sandbox's own program would become its agent
                     raise PermissionError(errno.EPERM, "reroot is the host's request alone: refused")
@@ -183,6 +194,9 @@ class Agent(Jobs):
                 send_frame(conn, {"error": "BadRequest", "message": f"unknown op {op!r}"})
         except (ConnectionError, BrokenPipeError):
             raise
+        except UnknownUser as e:
+            send_frame(conn, {"error": "UnknownUser", "message": str(e),
+                              "fix": "name an account of the sandbox's image (its /etc/passwd), or add one"})
         except Starved as e:
             send_frame(conn, {"error": "SandboxError", "message": str(e),
                               "fix": "kill processes in the sandbox (or give it a higher pids limit), then retry"})
@@ -216,6 +230,24 @@ class Agent(Jobs):
             time.sleep(0.001)
 
 
+class _AsRoot:
+    """What a request that names no account (or root) runs as: the agent's own ids, unchanged."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def as_account(h: dict[str, Any]) -> AsAccount | _AsRoot:
+    """The ids a file request runs under: those of the account ``h["user"]`` names (UnknownUser if the
+    image has none), root's for root or no name."""
+    name = h.get("user")
+    acct = None if name is None else account(str(name))
+    return _AsRoot() if acct is None or acct.uid == 0 else AsAccount(acct)
+
+
 def peer_pid(conn: _socket.socket) -> int:
     """The pid of the process that connected ``conn``, as the agent's pid namespace numbers it: 0 for one outside
     that namespace (the host), which no process of the sandbox can be (it may not make pid namespaces)."""
@@ -242,6 +274,8 @@ def not_dumpable() -> None:
 def main(path: str = SOCKET_PATH) -> None:
     """Serve forever on ``path`` (another path is for running the agent outside a sandbox, in tests)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    if path == SOCKET_PATH:  # root's alone: a command run as another account must not reach the agent (root)
+        os.chmod(SOCKET_DIR, 0o700)
     if path == SOCKET_PATH and not os.path.isdir("/dev/shm"):  # POSIX shared memory lives on /dev's tmpfs
         os.makedirs("/dev/shm")
         os.chmod("/dev/shm", 0o1777)

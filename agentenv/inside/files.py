@@ -14,6 +14,7 @@ import select
 import stat
 
 from agentenv.inside.frames import _HEAD, CHUNK, MAX_FILE, _dumps, drain, send_frame, suppress
+from agentenv.inside.users import db_rows
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -92,17 +93,9 @@ def file_info(path: str, names: dict[str, dict[int, str]] | None = None) -> dict
 
 
 def _id_names(path: str) -> dict[int, str]:
-    """uid (or gid) -> name from a passwd (group) file: read as a file, never through NSS (whose modules the
-    sandbox chooses), and at most 1 MiB of it."""
+    """uid (or gid) -> name from a passwd (group) file (``users.db_rows``: read as a file, never through NSS)."""
     found: dict[int, str] = {}
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(1 << 20) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    except OSError:
-        return found
-    for line in data.decode(errors="replace").splitlines():
-        parts = line.split(":")
+    for parts in db_rows(path):
         if len(parts) > 2 and parts[2].isdigit():
             found.setdefault(int(parts[2]), parts[0])
     return found

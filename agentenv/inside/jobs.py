@@ -5,8 +5,9 @@ A job is addressed by id, so a client whose connection was closed (the host clos
 memory snapshot) reconnects and resumes from the byte offsets it already has. A job made by ``start`` is
 addressed by pid instead (``attach``, ``input``, ``discard``, ``kill``) and stays until its end is delivered;
 its output waits in the agent, from absolute offsets, until read (or discarded). Commands start by
-posix_spawn, not subprocess, whose imports would cost every sandbox start (see ``frames``); every process the
-agent starts is the OOM killer's first choice, never the agent.
+posix_spawn, not subprocess, whose imports would cost every sandbox start (see ``frames``), or as another
+account of the image by ``users.spawn_as``; every process the agent starts is the OOM killer's first choice,
+never the agent.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import stat
 import time
 
 from agentenv.inside.frames import Condition, send_frame, send_parts, suppress
+from agentenv.inside.users import account, spawn_as
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -146,17 +148,24 @@ class Jobs:
     def _spawn(self, header: dict[str, Any], job_id: int, output: int | None = None) -> Child:
         """Start the request's command: ``sh -c`` in a new session (its group is the job) with the sandbox's
         environment plus the request's; stdin a pipe if asked for, else /dev/null; stdout and stderr two pipes,
-        or both the file ``output``. posix_spawn (a vfork) rather than subprocess, whose imports cost every start
-        of a sandbox (see the imports); callers hold self.lock."""
+        or both the file ``output``. As root, posix_spawn (a vfork) rather than subprocess, whose imports cost
+        every start of a sandbox (see the imports); as another account of the image (``header["user"]``),
+        ``users.spawn_as``. Callers hold self.lock."""
+        acct = None if header.get("user") is None else account(header["user"])
         env = dict(os.environ)
         env.pop("AGENTENV_AGENT", None)
+        cwd = header.get("cwd") or (acct.home if acct is not None else None)
+        if cwd and not isinstance(cwd, str):
+            raise TypeError(f"'cwd' must be a path, not {type(cwd).__name__}")
+        if acct is not None and cwd:  # as an account, a relative folder is in its home (as envd's)
+            cwd = os.path.join(acct.home, cwd)
+        if acct is not None:
+            env.update(acct.env(cwd or "/"))
         env.update(header.get("env") or {})
         env[JOB_ENV] = str(job_id)
         script = _CHILD_PREFIX + str(header["cmd"])
-        cwd = header.get("cwd")
-        if cwd:  # posix_spawn cannot chdir: the shell does, once it is checked here (an error, as subprocess's)
-            if not isinstance(cwd, str):
-                raise TypeError(f"'cwd' must be a path, not {type(cwd).__name__}")
+        as_root = acct is None or acct.uid == 0
+        if cwd and as_root:  # posix_spawn cannot chdir: the shell does, once it is checked here (an error, as subprocess's)
             if not stat.S_ISDIR(os.stat(cwd).st_mode):
                 raise NotADirectoryError(errno.ENOTDIR, f"Not a directory: {cwd!r}")
             script = "cd -- '" + cwd.replace("'", "'\\''") + "' || exit 126; " + script
@@ -165,6 +174,9 @@ class Jobs:
         piped = ((0,) if header.get("stdin") else ()) + ((1, 2) if output is None else ())
         actions: list[tuple[Any, ...]] = [] if 0 in piped else [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
         try:
+            if 0 not in piped and not as_root:  # the forked child dups it as the others
+                theirs.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+                actions = [(os.POSIX_SPAWN_DUP2, theirs[-1], 0)]
             for fd in piped:
                 r, w = os.pipe()
                 ends[fd], child_end = (w, r) if fd == 0 else (r, w)
@@ -174,10 +186,14 @@ class Jobs:
                 actions += [(os.POSIX_SPAWN_DUP2, output, 1), (os.POSIX_SPAWN_DUP2, output, 2)]
             argv = ["/bin/sh", "-c", script]
             default = (_signal.SIGPIPE, _signal.SIGXFSZ)  # Python ignores these: the command must not
-            try:
-                pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=default)
-            except NotImplementedError:  # a C library without POSIX_SPAWN_SETSID: its own group is what matters
-                pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setpgroup=0, setsigdef=default)
+            if not as_root:
+                assert acct is not None
+                pid = spawn_as(acct, argv, env, cwd or "/", [(a[1], a[2]) for a in actions])
+            else:
+                try:
+                    pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=default)
+                except NotImplementedError:  # a C library without POSIX_SPAWN_SETSID: its own group is what matters
+                    pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setpgroup=0, setsigdef=default)
         except BaseException as e:
             for end in ends:
                 if end is not None:

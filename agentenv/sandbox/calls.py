@@ -16,7 +16,7 @@ import errno
 import posixpath
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from agentenv.api import (
     DEFAULT_EXEC_TIMEOUT,
@@ -84,6 +84,17 @@ class Calls:
 
         def require_running(self) -> None: ...
 
+    def _workdir(self) -> str:
+        """Where relative paths start: the sandbox's working directory."""
+        return self._spec().workdir
+
+    def as_user(self, name: str) -> Calls:
+        """These calls as the account ``name`` of the sandbox's image (E2B's ``user=``; not part of the backend
+        contract): commands run with its uid, gid, groups and environment, in its home by default (where
+        relative paths start too); file calls run with its permissions, and what they make is its own.
+        UnknownUser if the image has no such account."""
+        return AsUser(self, name)
+
     # --- commands and files -------------------------------------------------------------------
 
     def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
@@ -117,7 +128,7 @@ class Calls:
         """A whole file (at most 1 GiB); the agent's own files are refused (PermissionError), its
         process logs excepted."""
         self.require_running()
-        return self._channel.call({"op": "read", "path": _own_checked(_abs(path, self._spec().workdir), False)})[1]
+        return self._channel.call({"op": "read", "path": _own_checked(_abs(path, self._workdir()), False)})[1]
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Write a whole file (at most 1 GiB) atomically, creating parent folders; the agent's own
@@ -126,7 +137,7 @@ class Calls:
         payload = data if isinstance(data, bytes) else data.encode() if isinstance(data, str) else bytes(data)
         if len(payload) > frames.MAX_FILE:
             raise ValueError(f"{len(payload)} bytes is over write_file's limit of {frames.MAX_FILE}")
-        target = _own_checked(_abs(path, self._spec().workdir), True)
+        target = _own_checked(_abs(path, self._workdir()), True)
         self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
 
     # --- jobs and the file system (the host side: agentenv.sandbox.jobs) --------------------------------
@@ -165,23 +176,58 @@ class Calls:
 
     def stat(self, path: str) -> FileInfo:
         """What is at ``path`` (FileNotFoundError if nothing)."""
-        return jobs.stat(self._channel, _own_checked(_abs(path, self._spec().workdir), False))
+        return jobs.stat(self._channel, _own_checked(_abs(path, self._workdir()), False))
 
     def list_dir(self, path: str, depth: int = 1) -> builtins.list[FileInfo]:
         """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed."""
-        return jobs.list_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), False), depth)
+        return jobs.list_dir(self._channel, _own_checked(_abs(path, self._workdir()), False), depth)
 
     def make_dir(self, path: str) -> bool:
         """Make a folder and its parents; False if it already was one (FileExistsError if a file is there)."""
-        return jobs.make_dir(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
+        return jobs.make_dir(self._channel, _own_checked(_abs(path, self._workdir()), True))
 
     def move(self, src: str, dst: str) -> FileInfo:
         """Rename ``src`` to ``dst`` (across file systems too); the info of ``dst``."""
-        return jobs.move(self._channel, *(_own_checked(_abs(p, self._spec().workdir), True) for p in (src, dst)))
+        return jobs.move(self._channel, *(_own_checked(_abs(p, self._workdir()), True) for p in (src, dst)))
 
     def remove(self, path: str) -> None:
         """Remove a file, a symlink or a whole folder (FileNotFoundError if nothing is there)."""
-        jobs.remove(self._channel, _own_checked(_abs(path, self._spec().workdir), True))
+        jobs.remove(self._channel, _own_checked(_abs(path, self._workdir()), True))
+
+
+class AsUser(Calls):
+    """A sandbox's calls as one account of its image (``Calls.as_user``): every request names it."""
+
+    def __init__(self, sandbox: Calls, name: str) -> None:
+        self.sandbox, self.user, self.id = sandbox, name, sandbox.id
+        self._channel = _UserChannel(sandbox._channel, name)  # type: ignore[assignment]
+        reply, _ = sandbox._channel.call({"op": "account", "name": name})
+        self.uid, self.home = int(reply["account"]["uid"]), str(reply["account"]["home"])
+
+    def _spec(self) -> ContainerSpec:
+        return self.sandbox._spec()
+
+    def require_running(self) -> None:
+        self.sandbox.require_running()
+
+    def _workdir(self) -> str:
+        return self.home
+
+
+class _UserChannel:
+    """A sandbox's channel whose requests all carry ``"user"`` (the agent runs each as that account)."""
+
+    def __init__(self, channel: Channel, user: str) -> None:
+        self.channel, self.user = channel, user
+
+    def call(self, header: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        return self.channel.call({**header, "user": self.user}, *args, **kwargs)
+
+    def exec(self, header: dict[str, Any], on_output: OutputCallback | None) -> dict[str, Any]:
+        return self.channel.exec({**header, "user": self.user}, on_output)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.channel, name)
 
 
 def max_output(memory: int) -> int:

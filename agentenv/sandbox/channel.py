@@ -21,7 +21,7 @@ import struct
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from agentenv.api import OutputCallback
@@ -106,15 +106,11 @@ class Channel:
         while True:
             epoch = self.gate.epoch
             try:
-                with self.connect(deadline=deadline) as s:
+                with typed_failures(header["op"], limit), self.connect(deadline=deadline) as s:
                     frames.send_frame(s, header, blob, deadline)
                     reply, data = frames.recv_frame(s, max_blob, deadline)
             except ConnectionLost:
                 raise
-            except frames.FrameError as e:
-                raise _broken(e) from e
-            except TimeoutError as e:
-                raise _silent(header["op"], limit) from e
             except ConnectionError as e:
                 failures = self._retry(failures, epoch, deadline, e)
                 continue
@@ -149,7 +145,7 @@ class Channel:
         while True:
             epoch = self.gate.epoch
             try:
-                with self.connect(deadline=deadline) as s:
+                with typed_failures("exec", CALL_TIMEOUT), self.connect(deadline=deadline) as s:
                     frames.send_frame(s, {**request, "offsets": [len(b) for b in out]}, deadline=_soonest(deadline))
                     first, _ = frames.recv_frame(s, 0, _soonest(deadline))
                     raise_for(first)
@@ -183,10 +179,6 @@ class Channel:
                         return h
             except ConnectionLost:
                 raise
-            except frames.FrameError as e:
-                raise _broken(e) from e
-            except TimeoutError as e:
-                raise _silent("exec", CALL_TIMEOUT) from e
             except ConnectionError as e:  # closed by a snapshot: reconnect once the gate opens, resume from offsets
                 failures = self._retry(failures, epoch, deadline, e)
 
@@ -227,6 +219,18 @@ def _checked_result(h: dict[str, Any], blob_len: int) -> int:
         raise frames.FrameError("a malformed result frame")
     assert isinstance(n, int)
     return n
+
+
+@contextlib.contextmanager
+def typed_failures(op: str, seconds: float) -> Iterator[None]:
+    """A call's wire failures as ``ConnectionLost``: a frame that breaks the protocol, or an agent silent for
+    ``seconds`` (what stays a plain ``ConnectionError`` is a close the caller may retry)."""
+    try:
+        yield
+    except frames.FrameError as e:
+        raise _broken(e) from e
+    except TimeoutError as e:
+        raise _silent(op, seconds) from e
 
 
 def _broken(e: Exception) -> ConnectionLost:

@@ -26,9 +26,9 @@ from agentenv.sandbox.channel import (
     Channel,
     _broken,
     _checked_result,
-    _silent,
     _soonest,
     raise_for,
+    typed_failures,
 )
 
 STREAMS = ("stdout", "stderr")
@@ -113,7 +113,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
     while True:
         epoch = ch.gate.epoch
         try:
-            with reading.connected(ch) as s:
+            with typed_failures("attach", CALL_TIMEOUT), reading.connected(ch) as s:
                 if s is None:
                     return
                 frames.send_frame(s, {"op": "attach", "pid": pid, "offsets": pos, "follow": follow},
@@ -152,10 +152,6 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
                     return
         except ConnectionLost:
             raise
-        except frames.FrameError as e:
-            raise _broken(e) from e
-        except TimeoutError as e:
-            raise _silent("attach", CALL_TIMEOUT) from e
         except ConnectionError as e:  # closed by a snapshot: reconnect once the gate opens, go on from pos
             if reading.interrupted:  # or shut by interrupt: the reader is gone
                 return

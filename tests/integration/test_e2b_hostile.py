@@ -316,7 +316,7 @@ def test_listing_everything_and_watching_root(attacker: Sandbox, victim: Sandbox
             assert any(e.path == "/usr/bin" for e in found)
         except e2b.InvalidArgumentException as e:  # over the agent's entry limit: a clear error
             assert "entries" in str(e)
-        handle = in_time(lambda: attacker.files.watch_dir("/", lambda e: None, recursive=True,
+        handle = in_time(lambda: attacker.files.watch_dir("/", recursive=True,
                                                           request_timeout=60), 75, "watch / recursively")
         time.sleep(1)
         in_time(handle.stop, 10, "stopping the watch")

@@ -1,11 +1,14 @@
-"""What the in-sandbox services share: the sandbox a request is for, errors as Connect codes, and a blocking
-iterator turned into an async one (``agentenv.server.streaming``, shared with the native routes).
+"""What the in-sandbox services share: the sandbox a request is for and the account it runs as, errors as
+Connect codes, and a blocking iterator turned into an async one (``agentenv.server.streaming``, shared with
+the native routes).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -18,11 +21,13 @@ from connectrpc.request import RequestContext
 from protobuf import Oneof
 
 from agentenv import errors
+from agentenv.sandbox.calls import Calls
 from agentenv.sandbox.core import Sandbox
 from agentenv.server import streaming
 from agentenv.server.service import Service
 
 T = TypeVar("T")
+DEFAULT_USER = "user"  # E2B's account: what a call that names none runs as, where the image has it
 THREADS = 16  # blocking calls the requests of one sandbox may have running at once
 threads: ContextVar[CapacityLimiter | None] = ContextVar("agentenv_e2b_threads", default=None)  # set per request
 
@@ -32,6 +37,7 @@ _CODES: list[tuple[type[BaseException], Code]] = [
     (IsADirectoryError, Code.INVALID_ARGUMENT), (BrokenPipeError, Code.FAILED_PRECONDITION),
     (errors.SandboxNotFound, Code.UNAVAILABLE), (errors.SandboxStateError, Code.UNAVAILABLE),
     (errors.ConnectionLost, Code.UNAVAILABLE), (errors.QuotaExceeded, Code.RESOURCE_EXHAUSTED),
+    (errors.UnknownUser, Code.UNAUTHENTICATED),
     (ValueError, Code.INVALID_ARGUMENT), (TimeoutError, Code.DEADLINE_EXCEEDED),
 ]
 
@@ -75,6 +81,34 @@ def sandbox_of(service: Service, ctx: RequestContext[Any, Any]) -> Sandbox:
     """The sandbox a call is for: the ``E2b-Sandbox-Id`` header (checked, with its token, by the dispatcher)."""
     sandbox_id = ctx.request_headers.get("e2b-sandbox-id", "")
     return service.sandbox(sandbox_id)
+
+
+def user_named(headers: Mapping[str, str], query: Mapping[str, str] | None = None) -> str | None:
+    """The account a request names: ``?username=`` (the ``/files`` routes), else envd's ``Authorization: Basic
+    base64(user:)``; None when it names none."""
+    if query is not None and query.get("username"):
+        return query["username"]
+    scheme, _, value = headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        name = base64.b64decode(value, validate=True).decode().partition(":")[0]
+    except (binascii.Error, UnicodeDecodeError):
+        raise ConnectError(Code.UNAUTHENTICATED, "a malformed Authorization header (Basic base64(user:))") from None
+    return name or None
+
+
+def acting(sb: Sandbox, user: str | None) -> Calls:
+    """The calls of ``sb`` as the account ``user`` names (UnknownUser, E2B's unauthenticated "invalid username",
+    if the image has none). A request that names none runs as E2B's ``user`` where the image has that account,
+    and as root (the image's own user) where it has not, as a template built with ``set_user("root")`` would;
+    a named account is never replaced by another."""
+    if user is not None:
+        return sb.as_user(user)
+    try:
+        return sb.as_user(DEFAULT_USER)
+    except errors.UnknownUser:
+        return sb
 
 
 async def run(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

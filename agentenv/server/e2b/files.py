@@ -1,6 +1,7 @@
 """envd's ``filesystem.Filesystem`` service and its ``/files`` and ``/health`` routes, over a sandbox's files.
 
-Stat, list, make, move and remove are the agent's own file calls (``Sandbox.stat`` and friends). Watching a
+Stat, list, make, move and remove are the agent's own file calls (``Sandbox.stat`` and friends), made as the
+account the request names (``bridge.acting``): relative paths start at its home, and what is written is its own. Watching a
 directory compares listings: a watcher keeps the last listing of its folder and reports what appeared
 (create, and write for a non-empty file), changed (write, chmod) or went (remove) since; so it needs no
 inotify descriptor in the sandbox, which CRIU could not carry through a pause or fork. Events between two
@@ -30,8 +31,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
 from agentenv.api import FileInfo
-from agentenv.sandbox.core import Sandbox
-from agentenv.server.e2b.bridge import call, connect_error, one_of, sandbox_of
+from agentenv.sandbox.calls import Calls
+from agentenv.server.e2b.bridge import acting, call, connect_error, one_of, sandbox_of, user_named
 from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service
 
@@ -50,7 +51,7 @@ def entry(info: FileInfo) -> pb.EntryInfo:
         is_symlink=info.symlink_target is not None)
 
 
-def listing(sb: Sandbox, path: str, recursive: bool) -> Listing:
+def listing(sb: Calls, path: str, recursive: bool) -> Listing:
     base = sb.stat(path).path.rstrip("/") + "/"
     return {f.path.removeprefix(base): (f.type, f.size, f.modified, f.mode)
             for f in sb.list_dir(path, depth=WATCH_DEPTH if recursive else 1)}
@@ -80,34 +81,35 @@ class FilesystemService(filesystem_connect.Filesystem):
         self.service = service
         self.watchers: OrderedDict[str, tuple[str, str, bool, Listing]] = OrderedDict()
 
-    async def _sandbox(self, ctx: RequestContext[Any, Any]) -> Sandbox:
-        return await call(sandbox_of, self.service, ctx)
+    async def _calls(self, ctx: RequestContext[Any, Any]) -> Calls:
+        """The request's sandbox, as the account the request names (``bridge.acting``)."""
+        return await call(acting, await call(sandbox_of, self.service, ctx), user_named(ctx.request_headers))
 
     async def stat(self, request: pb.StatRequest, ctx: RequestContext[Any, Any]) -> pb.StatResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         return pb.StatResponse(entry=entry(await call(sb.stat, request.path)))
 
     async def make_dir(self, request: pb.MakeDirRequest, ctx: RequestContext[Any, Any]) -> pb.MakeDirResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         if not await call(sb.make_dir, request.path):
             raise ConnectError(Code.ALREADY_EXISTS, f"directory {request.path} already exists")
         return pb.MakeDirResponse(entry=entry(await call(sb.stat, request.path)))
 
     async def move(self, request: pb.MoveRequest, ctx: RequestContext[Any, Any]) -> pb.MoveResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         return pb.MoveResponse(entry=entry(await call(sb.move, request.source, request.destination)))
 
     async def list_dir(self, request: pb.ListDirRequest, ctx: RequestContext[Any, Any]) -> pb.ListDirResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         found = await call(sb.list_dir, request.path, depth=max(1, request.depth or 1))
         return pb.ListDirResponse(entries=[entry(f) for f in found])
 
     async def remove(self, request: pb.RemoveRequest, ctx: RequestContext[Any, Any]) -> pb.RemoveResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         await call(sb.remove, request.path)
         return pb.RemoveResponse()
 
-    async def _dir(self, sb: Sandbox, path: str, recursive: bool) -> Listing:
+    async def _dir(self, sb: Calls, path: str, recursive: bool) -> Listing:
         info = await call(sb.stat, path)
         if info.type != "dir":
             raise ConnectError(Code.INVALID_ARGUMENT, f"{path} is not a directory")
@@ -115,7 +117,7 @@ class FilesystemService(filesystem_connect.Filesystem):
 
     async def watch_dir(self, request: pb.WatchDirRequest,
                         ctx: RequestContext[Any, Any]) -> AsyncIterator[pb.WatchDirResponse]:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         seen = await self._dir(sb, request.path, request.recursive)
         yield pb.WatchDirResponse(event=one_of("start", pb.WatchDirResponse.StartEvent()))
         quiet = time.monotonic()
@@ -137,7 +139,7 @@ class FilesystemService(filesystem_connect.Filesystem):
 
     async def create_watcher(self, request: pb.CreateWatcherRequest,
                              ctx: RequestContext[Any, Any]) -> pb.CreateWatcherResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         seen = await self._dir(sb, request.path, request.recursive)
         watcher_id = uuid.uuid4().hex
         self.watchers[watcher_id] = (sb.id, request.path, request.recursive, seen)
@@ -145,7 +147,7 @@ class FilesystemService(filesystem_connect.Filesystem):
             self.watchers.popitem(last=False)
         return pb.CreateWatcherResponse(watcher_id=watcher_id)
 
-    def _watcher(self, sb: Sandbox, watcher_id: str) -> tuple[str, str, bool, Listing]:
+    def _watcher(self, sb: Calls, watcher_id: str) -> tuple[str, str, bool, Listing]:
         """A watcher of this sandbox (another sandbox's watchers are not found from here)."""
         found = self.watchers.get(watcher_id)
         if found is None or found[0] != sb.id:
@@ -154,7 +156,7 @@ class FilesystemService(filesystem_connect.Filesystem):
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest,
                                  ctx: RequestContext[Any, Any]) -> pb.GetWatcherEventsResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         _, path, recursive, seen = self._watcher(sb, request.watcher_id)
         now = await call(listing, sb, path, recursive)
         self.watchers[request.watcher_id] = (sb.id, path, recursive, now)
@@ -162,7 +164,7 @@ class FilesystemService(filesystem_connect.Filesystem):
 
     async def remove_watcher(self, request: pb.RemoveWatcherRequest,
                              ctx: RequestContext[Any, Any]) -> pb.RemoveWatcherResponse:
-        sb = await self._sandbox(ctx)
+        sb = await self._calls(ctx)
         self._watcher(sb, request.watcher_id)
         del self.watchers[request.watcher_id]
         return pb.RemoveWatcherResponse()
@@ -171,7 +173,7 @@ class FilesystemService(filesystem_connect.Filesystem):
 # --- /files and /health -------------------------------------------------------------------------
 
 _FULL = (errno.ENOSPC, errno.EDQUOT)
-_HTTP = {Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED: 403, Code.ALREADY_EXISTS: 409,
+_HTTP = {Code.UNAUTHENTICATED: 401, Code.NOT_FOUND: 404, Code.INVALID_ARGUMENT: 400, Code.PERMISSION_DENIED: 403, Code.ALREADY_EXISTS: 409,
          Code.UNAVAILABLE: 502, Code.RESOURCE_EXHAUSTED: 429, Code.FAILED_PRECONDITION: 400}
 
 
@@ -186,8 +188,10 @@ def http_error(exc: BaseException) -> JSONResponse:
 
 
 def files_routes(service: Service) -> Router:
-    def sandbox(request: Request) -> Sandbox:
-        return service.sandbox(request.headers.get("e2b-sandbox-id", ""))
+    def sandbox(request: Request) -> Calls:
+        """The request's sandbox, as the account ``?username=`` names (``bridge.acting``)."""
+        return acting(service.sandbox(request.headers.get("e2b-sandbox-id", "")),
+                      user_named(request.headers, request.query_params))
 
     async def health(request: Request) -> Response:
         return Response(status_code=204)

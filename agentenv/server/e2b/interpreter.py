@@ -1,7 +1,8 @@
 """The code interpreter's port (49999): ``/execute`` streaming NDJSON, and ``/contexts``, over kernels that
 live inside the sandbox.
 
-A context is a persistent Python process (``agentenv.inside.kernel``) run as a job of the sandbox's agent, with its
+A context is a persistent Python process (``agentenv.inside.kernel``) run as a job of the sandbox's agent (as
+E2B's ``user`` where the image has that account, else root: ``bridge.acting``), with its
 stdin fed requests and its stdout read for events; it is found again by its job tag, so the server keeps no
 state of its own. Because the kernel is an ordinary process of the sandbox, a memory snapshot, a pause or a
 fork carries its variables: every child of a fork starts with the interpreter state of the moment it forked.
@@ -26,8 +27,9 @@ from starlette.routing import Route, Router
 
 from agentenv.api import JobEnd, JobOutput
 from agentenv.inside import kernel
+from agentenv.sandbox.calls import AsUser
 from agentenv.sandbox.core import Sandbox
-from agentenv.server.e2b.bridge import iterate, run
+from agentenv.server.e2b.bridge import acting, iterate, run, user_named
 from agentenv.server.e2b.files import http_error
 from agentenv.server.service import Service
 
@@ -48,19 +50,26 @@ def _contexts(sb: Sandbox) -> list[dict[str, Any]]:
             for j in sb.jobs() if j.tag and j.tag.startswith(TAG) and j.exit_code is None]
 
 
-def _start(sb: Sandbox, context_id: str, cwd: str | None = None) -> int:
+def _start(sb: Sandbox, context_id: str, cwd: str | None, user: str | None) -> str:
+    """Start a context's kernel as the account ``user`` names (``bridge.acting``: E2B's ``user`` by default,
+    where the image has it); the folder it starts in (that account's home unless ``cwd``)."""
+    calls = acting(sb, user)
+    cwd = cwd or (calls.home if isinstance(calls, AsUser) else None)
     command, env = kernel.launch()
-    return sb.start(command, cwd=cwd, env=env, stdin=True, tag=TAG + context_id).pid
+    calls.start(command, cwd=cwd, env=env, stdin=True, tag=TAG + context_id)
+    return cwd or "/"
 
 
-def _kernel(sb: Sandbox, context_id: str | None) -> int:
+def _kernel(sb: Sandbox, context_id: str | None, user: str | None) -> int:
     """The pid of a context's kernel; the default context is started on first use."""
     cid = context_id or DEFAULT
     pid = _find(sb, cid)
     if pid is None:
         if cid != DEFAULT:
             raise FileNotFoundError(2, f"no context {cid!r}: create it with create_code_context()")
-        pid = _start(sb, cid)
+        _start(sb, cid, None, user)
+        pid = _find(sb, cid)
+        assert pid is not None
     return pid
 
 
@@ -91,21 +100,22 @@ class Interpreter:
             lock = self.locks.setdefault((sb.id, context_id), asyncio.Lock())
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
-        return StreamingResponse(self._run(sb, context_id, code, env, lock), media_type="application/x-ndjson")
+        return StreamingResponse(self._run(sb, context_id, code, env, lock, user_named(request.headers)),
+                                 media_type="application/x-ndjson")
 
     async def _run(self, sb: Sandbox, context_id: str, code: str, env: dict[str, str],
-                   lock: asyncio.Lock) -> AsyncIterator[bytes]:
+                   lock: asyncio.Lock, user: str | None) -> AsyncIterator[bytes]:
         """The execution's events as NDJSON lines; a failure of the sandbox is the last line, as an error."""
         try:
-            async for line in self._execute(sb, context_id, code, env, lock):
+            async for line in self._execute(sb, context_id, code, env, lock, user):
                 yield line
         except Exception as e:  # noqa: BLE001 - the stream has started: the failure is told in it
             yield _line({"type": "error", "name": type(e).__name__, "value": str(e), "traceback": ""})
 
     async def _execute(self, sb: Sandbox, context_id: str, code: str, env: dict[str, str],
-                       lock: asyncio.Lock) -> AsyncIterator[bytes]:
+                       lock: asyncio.Lock, user: str | None) -> AsyncIterator[bytes]:
         async with lock:
-            pid = await run(_kernel, sb, context_id)
+            pid = await run(_kernel, sb, context_id, user)
             rid = uuid.uuid4().hex
             await run(sb.send_input, pid, kernel.request(rid, code, env))
             done = False
@@ -153,10 +163,10 @@ class Interpreter:
                 raise ValueError("cwd must be a string")
             sb = await run(self._sandbox, request)
             context_id = uuid.uuid4().hex[:16]
-            await run(_start, sb, context_id, cwd)
+            cwd = await run(_start, sb, context_id, cwd, user_named(request.headers))
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
-        return JSONResponse({"id": context_id, "language": "python", "cwd": cwd or "/"})
+        return JSONResponse({"id": context_id, "language": "python", "cwd": cwd})
 
     async def list(self, request: Request) -> Response:
         try:
@@ -182,7 +192,7 @@ class Interpreter:
             cwd = next((c["cwd"] for c in await run(_contexts, sb) if c["id"] == cid), None)
             await run(sb.signal, pid, signal.SIGKILL)
             await run(_drain, sb, pid)
-            await run(_start, sb, cid, cwd)
+            await run(_start, sb, cid, cwd, user_named(request.headers))
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
         return Response(status_code=204)

@@ -5,8 +5,11 @@ until read, so a background command whose handle never reads loses nothing and a
 kill it; ``Connect`` replays what is still buffered and follows. The Start call's deadline
 (``Connect-Timeout-Ms``, the SDK's ``timeout``) is the command's own: past it the agent kills the process
 group and the stream ends with ``deadline_exceeded``, as E2B documents. Jobs live in the agent, PID 1 of
-the sandbox, so pause/resume and fork carry every command along. Not offered: PTYs (``Update`` and PTY
-starts answer ``unimplemented``) and running as another user (everything runs as the sandbox's user).
+the sandbox, so pause/resume and fork carry every command along. A command runs as the account its request
+names (envd's ``Authorization: Basic``; ``bridge.acting``): that account's uid, gid, groups and environment
+from the image's /etc/passwd and /etc/group, in its home unless a cwd is given; an account the image lacks is
+E2B's ``unauthenticated`` "invalid username". Not offered: PTYs (``Update`` and PTY starts answer
+``unimplemented``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from protobuf import Oneof
 
 from agentenv.api import JobEnd, JobInfo, JobOutput
 from agentenv.sandbox.core import Sandbox
-from agentenv.server.e2b.bridge import call, iterate, one_of, sandbox_of
+from agentenv.server.e2b.bridge import acting, call, iterate, one_of, sandbox_of, user_named
 from agentenv.server.service import Service
 
 Event = pb.ProcessEvent
@@ -96,7 +99,8 @@ class ProcessService(process_connect.Process):
         if not cfg.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is empty")
         timeout_ms = ctx.timeout_ms
-        job: JobInfo = await call(sb.start, shlex.join([cfg.cmd, *cfg.args]), cwd=cfg.cwd or None,
+        calls = await call(acting, sb, user_named(ctx.request_headers))
+        job: JobInfo = await call(calls.start, shlex.join([cfg.cmd, *cfg.args]), cwd=cfg.cwd or None,
                                   env=dict(cfg.envs), timeout=timeout_ms / 1000 if timeout_ms else None,
                                   stdin=bool(request.stdin), tag=request.tag or None)
         yield pb.StartResponse(event=_start(job.pid))
