@@ -60,6 +60,7 @@ def test_build_copy_run_envs_then_a_sandbox_has_them(tmp_path: Path, templates: 
     assert any("Step" in e.message for e in seen), "the docker build's output reached the SDK"
     images_made = [t for t in images.available() if info.template_id in t]
     assert images_made, "the build made a local image"
+    assert images.resolve(images_made[0]).workdir == "/opt/app"  # set_workdir is the image's WORKDIR
 
     sb = Sandbox.create(name, timeout=120)
     try:
@@ -67,7 +68,6 @@ def test_build_copy_run_envs_then_a_sandbox_has_them(tmp_path: Path, templates: 
         assert sb.files.read("/opt/app/copied.txt") == "hello from the host\n"
         assert sb.commands.run("/opt/app/run.sh").stdout == "ran\n"
         assert sb.commands.run("stat -c %a /opt/app/run.sh").stdout.strip() == "755"
-        assert sb.commands.run("pwd").stdout.strip() == "/opt/app"
         assert sb.commands.run("printenv GREETING").stdout.strip() == 'say "hi" \\ world'
     finally:
         sb.kill()
@@ -92,11 +92,14 @@ def test_from_dockerfile_and_a_folder_with_symlinks(tmp_path: Path, templates: l
         assert sb.commands.run("printenv MODE").stdout.strip() == "dockerfile"
     finally:
         sb.kill()
-    # without a USER line, the SDK appends E2B's own user: recorded, and its sandboxes refused, never run as root
+    # without a USER line, the SDK appends E2B's own user (and /home/user): the sandbox's commands run as it
     e2b_user = _name(templates, "t-e2buser")
     Template.build(Template().from_dockerfile("FROM agentenv/base\nRUN id user || useradd -m user"), e2b_user)
-    with pytest.raises(Exception, match="runs as user 'user'"):
-        Sandbox.create(e2b_user, timeout=60)
+    sb = Sandbox.create(e2b_user, timeout=60)
+    try:
+        assert sb.commands.run("id -un; pwd").stdout.split() == ["user", "/home/user"]
+    finally:
+        sb.kill()
 
 
 def test_exists_tags_and_aliases(templates: list[str], e2b_url: str) -> None:
@@ -163,12 +166,19 @@ def test_a_missing_image_says_how_to_get_it(templates: list[str]) -> None:
     assert "docker build -t agentenv-missing/nothing:1" in message and "docker" in message and "import" in message
 
 
-def test_set_user_is_recorded_and_refused_at_run_time(templates: list[str]) -> None:
-    """agentenv runs sandbox commands as root: a template asking for another user is refused, never run as root."""
-    name = _name(templates, "t-nobody")
-    Template.build(Template().from_image("agentenv/base").set_user("nobody").run_cmd("id -un > /tmp/who"), name)
-    with pytest.raises(Exception, match="runs as user 'nobody'"):
-        Sandbox.create(name, timeout=60)
+def test_set_user_runs_the_build_steps_and_the_sandboxes_as_that_user(templates: list[str]) -> None:
+    name = _name(templates, "t-runner")
+    Template.build(Template().from_image("agentenv/base").run_cmd("useradd -m runner", user="root")
+                   .set_user("runner").run_cmd("id -un > /tmp/who").set_start_cmd("sleep 600", "true"), name)
+    sb = Sandbox.create(name, timeout=60)
+    try:
+        assert sb.files.read("/tmp/who").strip() == "runner"  # the build step ran as the user
+        assert sb.commands.run("id -un").stdout.strip() == "runner"  # and so do the sandbox's commands
+        assert sb.commands.run("id -un", user="root").stdout.strip() == "root"  # unless they name another
+        owner = sb.commands.run("ps -o user= -C sleep", user="root").stdout.split()
+        assert owner == ["runner"], "the start command ran as the template's user, not root"
+    finally:
+        sb.kill()
     with pytest.raises(BuildException, match="invalid username: 'nosuchuser'"):
         Template.build(Template().from_image("agentenv/base").set_user("nosuchuser"), _name(templates, "t-nouser"))
 

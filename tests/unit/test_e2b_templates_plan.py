@@ -53,6 +53,7 @@ def test_steps_become_a_dockerfile(tmp_path: Path) -> None:
 def test_a_command_with_line_breaks_and_quotes_stays_one_instruction() -> None:
     cmd = "cat <<EOF > /x\nit's \"here\"\nEOF"
     p = tb.plan("img", [{"type": "RUN", "args": [cmd]}])
+    assert p.user is None  # no set_user: the template names no user
     assert len(p.dockerfile.splitlines()) == 2 and json.loads(p.lines[1][4:])[-1] == cmd
 
 
@@ -102,14 +103,13 @@ def test_records_names_tags_and_what_a_sandbox_starts_from(tmp_path: Path, monke
     with pytest.raises(store.TemplateRefused, match="no ready build tagged 'default'"):
         store.for_sandbox("app")
     store.update(rec["id"], b1, status="ready", image="img:1", snapshot=None, user="root")
-    assert store.for_sandbox("app:stable") == store.Target("img:1", None, 1.0, 1 << 30)
+    assert store.for_sandbox("app:stable") == store.Target("img:1", None, 1.0, 1 << 30, "root")
     rec2, b2, _ = store.request("app", ["stable"], 2.0, 2 << 30)
     assert rec2["id"] == rec["id"]
     store.update(rec["id"], b2, status="error", reason={"message": "boom", "step": "1"})
     assert store.for_sandbox("app:stable").image == "img:1"  # a failed rebuild leaves the tags as they were
     store.update(rec["id"], b2, status="ready", image="img:2", snapshot="snap-x", user="nobody")
-    with pytest.raises(store.TemplateRefused, match="runs as user 'nobody'"):
-        store.for_sandbox("app")
+    assert store.for_sandbox("app") == store.Target("img:2", "snap-x", 2.0, 2 << 30, "nobody")
     assert store.assign("app:v1", ["prod"]) == (b1, ["prod"])
     assert store.for_sandbox("app:prod").image == "img:1"
     for bad in (":invalid", "app:"):

@@ -212,8 +212,8 @@ def _labels(template: str, metadata: dict[str, str] | None) -> dict[str, str]:
 def _create(request: Request, service: Service, body: NewSandbox) -> JSONResponse:
     template = body.template_id
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
-    labels = _labels(template, body.metadata)
     built = template_store.for_sandbox(template)  # a template built here: its image, or its start snapshot
+    labels = _labels(template, body.metadata) | ({template_store.USER_LABEL: built.user} if built and built.user else {})
     image = built.image if built else TEMPLATES.get(template, template)
     snap = Snapshot.get(built.snapshot) if built and built.snapshot else _snapshot_or_none(template)
     cpus, memory = (built.cpus, built.memory) if built else (CPUS, MEMORY)

@@ -67,7 +67,7 @@ class Plan:
     origins: list[str] = field(default_factory=list)
     what: list[str] = field(default_factory=list)
     copies: list[tuple[str, str, str, int | None]] = field(default_factory=list)  # (folder, hash, src, mode)
-    user: str | None = None
+    user: str | None = None  # the template's user (its last set_user): what its sandboxes' commands run as
 
     def add(self, line: str, origin: str, what: str) -> None:
         self.lines.append(line)
@@ -103,7 +103,7 @@ def plan(base: str, steps: list[dict[str, Any]], is_dir: Any = None) -> Plan:
     whether a copy's source is a folder in its upload (then its destination is one too)."""
     p = Plan()
     p.add(f"FROM {_one_line(base, 'image', 'base')}", "base", f"base image {base}")
-    user = "root"
+    user, last = "root", None  # the build steps' user (Docker's root until a USER step); the last one asked for
     for i, step in enumerate(steps, 1):
         n, kind, args = str(i), step["type"], [str(a) for a in step.get("args") or []]
         if kind == "RUN":
@@ -141,12 +141,12 @@ def plan(base: str, steps: list[dict[str, Any]], is_dir: Any = None) -> Plan:
         elif kind == "WORKDIR":
             p.add(f"WORKDIR {_one_line(args[0], 'workdir', n)}", n, f"set workdir {args[0]}")
         elif kind == "USER":
-            user = _one_line(args[0], "user", n)
+            user = last = _one_line(args[0], "user", n)
             p.add(f"USER {user}", n, f"set user {user}")
             p.add('RUN ["/bin/sh", "-c", ":"]', n, f"set user {user}")  # fails here when the image lacks the user
         else:
             raise store.TemplateRefused(f"step {n}: unknown step type {kind!r} (COPY, ENV, RUN, WORKDIR, USER are)")
-    p.user = user
+    p.user = last
     return p
 
 
@@ -279,10 +279,7 @@ def run(service: Service, template_id: str, build_id: str, spec: dict[str, Any])
                 raise failure(p, current[0], e.error) from None
         image_made = tag
         if spec.get("startCmd") or spec.get("readyCmd"):
-            if p.user != "root":
-                raise StepFailed(f"the start command would run as '{p.user}' (set_user), but this server runs "
-                                 "sandbox processes as root only: set_user('root') before set_start_cmd", "finalize")
-            snapshot = start_snapshot(service, tag, spec, build, template_id, build_id, say)
+            snapshot = start_snapshot(service, tag, spec, build, p.user, template_id, build_id, say)
         if store.update(template_id, build_id, status="ready", image=tag, snapshot=snapshot,
                         user=p.user) is None:
             raise StepFailed("the template was deleted during its build", "finalize")
@@ -306,15 +303,18 @@ def _upload_is_dir(folder: str, src: str, spec: dict[str, Any]) -> bool:
         return any((m.name == name and m.isdir()) or m.name.startswith(name + "/") for m in tar.getmembers())
 
 
-def start_snapshot(service: Service, image: str, spec: dict[str, Any], build: dict[str, Any], template_id: str,
-                   build_id: str, say: Any) -> str:
-    """Start a sandbox of ``image``, its start command, wait for its ready command; its memory snapshot's id."""
+def start_snapshot(service: Service, image: str, spec: dict[str, Any], build: dict[str, Any], user: str | None,
+                   template_id: str, build_id: str, say: Any) -> str:
+    """Start a sandbox of ``image``, its start command (as the template's ``user``, when it names one), wait for
+    its ready command (as that user too); its memory snapshot's id."""
     start, ready = spec.get("startCmd"), spec.get("readyCmd")
     with service.reserve(1, build["memory"], DISK):
         sb = Sandbox.create(image, cpus=build["cpus"], memory=build["memory"], disk=DISK, network=True,
                             labels={"agentenv.e2b.build": build_id})
     try:
-        proc = sb.spawn(start) if start else None
+        calls = sb.as_user(user) if user else sb
+        workdir = images.resolve(image).workdir  # the template's set_workdir, not the user's home
+        proc = calls.spawn(start, cwd=workdir) if start else None
         if start:
             say(f"Running start command: {start}", step="finalize")
         deadline = time.monotonic() + READY_TIMEOUT
@@ -327,7 +327,7 @@ def start_snapshot(service: Service, image: str, spec: dict[str, Any], build: di
             left = deadline - time.monotonic()
             if left <= 0:
                 raise StepFailed(f"ready command '{ready}' did not succeed within {READY_TIMEOUT:g} s", "finalize")
-            r = sb.exec(ready, timeout=max(1.0, left))
+            r = calls.exec(ready, timeout=max(1.0, left), cwd=workdir)
             if r.exit_code == 0:
                 break
             time.sleep(READY_POLL)

@@ -33,6 +33,7 @@ from agentenv.config import paths
 DEFAULT_TAG = "default"
 BUILTIN = ("base", "code-interpreter-v1", "code-interpreter")  # templates every server has (control.TEMPLATES)
 TEMPLATE_KIND = "e2b-template"  # the agentenv.kind label of a template's start snapshot
+USER_LABEL = "e2b.user"  # a sandbox of a template that names its user: who its calls run as when they name none
 NAME = re.compile(r"^(?:[a-z0-9][a-z0-9_-]{0,63}/)?[a-z0-9][a-z0-9._-]{0,127}$")
 TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 HASH = re.compile(r"^[0-9a-f]{16,128}$")
@@ -244,6 +245,7 @@ class Target:
     snapshot: str | None
     cpus: float
     memory: int
+    user: str | None = None  # its last set_user: the account its sandboxes' calls run as when they name none
 
 
 def for_sandbox(template: str) -> Target | None:
@@ -260,12 +262,8 @@ def for_sandbox(template: str) -> Target | None:
         raise TemplateRefused(f"template '{base}' has no ready build tagged '{tag or DEFAULT_TAG}' (tags: "
                               f"{sorted(rec['tags']) or 'none'}); wait for its build, or build it")
     build = build_of(rec, entry["build"])
-    user = build.get("user")
-    if user not in (None, "root"):
-        raise TemplateRefused(f"template '{base}' runs as user '{user}' (set_user), but this server runs sandbox "
-                              "commands as root only, and will not run them as root in that user's place: "
-                              "rebuild it with set_user('root') last")
-    return Target(image=build["image"], snapshot=build.get("snapshot"), cpus=build["cpus"], memory=build["memory"])
+    return Target(image=build["image"], snapshot=build.get("snapshot"), cpus=build["cpus"], memory=build["memory"],
+                  user=build.get("user"))
 
 
 # logs
