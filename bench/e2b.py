@@ -4,12 +4,14 @@ What, each with the native client (``agentenv.connect``) doing the same on the s
 (1) create -> first command answered; (2) a command's round trip (``commands.run("true")``, envd's Connect
 stream, against ``exec``); (3) a file write + read of 1 KiB; (4) fork(1) and fork(4) of a live sandbox, memory
 and all; (5) pause -> connect (resume) -> first command; and for the code interpreter (6) the first
-``run_code`` of a sandbox (the kernel starts) and (7) a warm one.
+``run_code`` of a sandbox (the kernel starts) and (7) a warm one; (8) a sandbox of a template whose start command
+(a Python HTTP server) is already running, restored from the template's snapshot, against a cold boot that starts
+the command and waits for it (``--only templates`` runs this one alone).
 
 Why: E2B users judge a self-hosted server by these calls; the native path shows what the adapter costs.
 
 The server runs as a child process with a private $AGENTENV_HOME (as in ``bench.server``); results go to
-``bench/results/e2b.json``.
+``bench/results/e2b.json`` (``--only templates``: ``bench/results/e2b-templates.json``).
 
     .venv/bin/python -m bench.e2b [--runs 10]
 """
@@ -21,6 +23,7 @@ import os
 import secrets
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,6 +93,43 @@ def bench_e2b(report: Report, runs: int) -> None:
                 ci.kill()
 
 
+START = ("python3 -c \"import asyncio, email.mime.text, http.server, json, sqlite3, xml.dom.minidom; "
+         "s = http.server.HTTPServer(('127.0.0.1', 8000), http.server.SimpleHTTPRequestHandler); "
+         "open('/tmp/ready', 'w').close(); s.serve_forever()\"")
+READY = "test -f /tmp/ready"
+
+
+def bench_template(report: Report, url: str, token: str, runs: int) -> None:
+    """(8) A sandbox of a template whose start command is a running server: restored from the template's snapshot
+    (built once) against a cold boot of the base image that then starts the command and waits until it is ready."""
+    import httpx
+    from e2b import Sandbox, Template
+
+    name = f"bench-start-{secrets.token_hex(4)}"
+    Template.build(Template().from_image("agentenv/base").set_start_cmd(START, READY), name)
+    try:
+        def restored() -> Any:
+            sb = Sandbox.create(name)
+            sb.commands.run(READY)
+            return sb
+
+        def cold() -> Any:
+            sb = Sandbox.create("base")
+            sb.commands.run(START, background=True)
+            deadline = time.monotonic() + 60
+            while sb.commands.run(f"{READY} && echo y || echo n").stdout.strip() != "y":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the start command was not ready within 60 s of a cold boot")
+            return sb
+
+        timed(report, "template.restored", runs, restored, lambda sb: sb.kill(),
+              "create from a template with a running start command (restored from its snapshot) -> first command")
+        timed(report, "template.cold", runs, cold, lambda sb: sb.kill(),
+              "create from the base image, start the same command, poll until it is ready")
+    finally:
+        httpx.delete(f"{url}/templates/{name}", headers={"X-API-KEY": token}, timeout=60)
+
+
 def bench_native(report: Report, url: str, token: str, runs: int) -> None:
     client = agentenv.connect(url, token)
 
@@ -122,8 +162,11 @@ def bench_native(report: Report, url: str, token: str, runs: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--runs", type=int, default=10, help="runs of each operation (x10 for the quick ones)")
+    ap.add_argument("--only", choices=("all", "templates"), default="all", help="what to run")
     add_output_arg(ap, "e2b")
     args = ap.parse_args(argv)
+    if args.only == "templates" and args.output == ap.get_default("output"):
+        args.output = args.output.with_name("e2b-templates.json")  # the full run's results stay as they were
     report = Report("e2b", {k: v for k, v in vars(args).items() if k != "output"})
     home = Path(tempfile.mkdtemp(prefix="agentenv-bench-e2b-", dir="/var/tmp"))
     token = secrets.token_urlsafe(24)
@@ -131,21 +174,29 @@ def main(argv: list[str] | None = None) -> int:
     try:
         proc, url = start_server(home, token, max_sandboxes=64)
         os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=token)
-        bench_native(report, url, token, args.runs)
-        bench_e2b(report, args.runs)
+        if args.only == "all":
+            bench_native(report, url, token, args.runs)
+            bench_e2b(report, args.runs)
+        bench_template(report, url, token, args.runs)
     except Exception as e:  # noqa: BLE001 - recorded, the report is still written
         report.fatal = f"{type(e).__name__}: {e}"
     finally:
         stop_server(proc)
     record_leaks(report, home)
     rows = []
-    for key, label in PAIRS:
+    for key, label in PAIRS if args.only == "all" else ():
         x = report.add_ratio(f"{key} e2b/native", f"e2b.{key}", f"native.{key}")
         rows.append(Row(label, [report.results.get(f"e2b.{key}"), report.results.get(f"native.{key}")], x))
     rows += [Row("run_code, first (kernel starts)", [report.results.get("e2b.run_code_first"), None]),
-             Row("run_code, warm", [report.results.get("e2b.run_code_warm"), None])]
-    print_table("E2B SDK against agentenv serve, ms (ratio = E2B median / native client median, same server, "
-                "same run)", rows, sides=("e2b", "native"))
+             Row("run_code, warm", [report.results.get("e2b.run_code_warm"), None])] if args.only == "all" else []
+    if rows:
+        print_table("E2B SDK against agentenv serve, ms (ratio = E2B median / native client median, same server, "
+                    "same run)", rows, sides=("e2b", "native"))
+    x = report.add_ratio("template cold/restored", "template.cold", "template.restored")
+    print_table("A template's start command running in a new sandbox, ms (ratio = cold boot + start median / "
+                "restored median)", [Row("create -> start command ready", [report.results.get("template.restored"),
+                                                                             report.results.get("template.cold")], x)],
+                sides=("restored", "cold"))
     report.print_errors()
     report.write(args.output)
     return 1 if report.fatal or report.errors else 0

@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
-from agentenv.host.images import docker_client
+from agentenv.host.images import BuildFailed, build, docker_client
 from envs.task import image_name
 
 DOCS = "README.md, 'Bring your own tasks'"
@@ -261,17 +261,10 @@ def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str]
             excludes="\\n".join(GIT_EXCLUDES) + "\\n", pythonpath=recipe.pythonpath,
             repo=recipe.repo, version=recipe.version))
         labels = {LABEL: digest, "agentenv.repo": recipe.repo, "agentenv.version": recipe.version}
-        lines: list[str] = []
         try:
-            for chunk in client.api.build(path=str(ctx), tag=recipe.tag, rm=True, forcerm=True, decode=True,
-                                          network_mode="none", labels=labels, pull=False):
-                if "error" in chunk:
-                    raise ImageBuildError(f"docker build of {recipe.tag} failed: {chunk['error'].strip()}\n"
-                                          + "".join(lines[-20:]))
-                if "stream" in chunk:
-                    lines.append(chunk["stream"])
-        except docker.errors.APIError as e:
-            raise ImageBuildError(f"docker build of {recipe.tag} failed: {e}") from e
+            build(str(ctx), recipe.tag, labels=labels)
+        except BuildFailed as e:
+            raise ImageBuildError(f"docker build of {recipe.tag} failed: {e.error}\n" + "\n".join(e.output[-20:])) from e
     if image_inputs(recipe.tag) != digest:
         raise ImageBuildError(f"docker build of {recipe.tag} finished but the image is not there")
     if log is not None:  # one more sandbox start (~0.3 s): only when someone reads it

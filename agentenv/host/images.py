@@ -1,4 +1,5 @@
-"""Docker images as sandbox roots: resolve a name to its overlay2 layers through the Docker SDK.
+"""Docker images as sandbox roots: resolve a name to its overlay2 layers through the Docker SDK; and the few
+engine calls that make and drop images (``build``, ``pull``, ``remove``).
 
 A lookup is a round trip to dockerd (milliseconds, more under load); a burst of creates of one image asks
 once: a name resolved less than ``FRESH`` seconds ago is not asked again, and concurrent lookups of one
@@ -7,10 +8,13 @@ name wait for the first (as if they had all asked at that instant).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -105,3 +109,82 @@ def layers_present(layers: list[str]) -> bool:
 def available() -> list[str]:
     """Tags of every local image, sorted."""
     return sorted(tag for img in docker_client().images.list() for tag in img.tags)
+
+
+class BuildFailed(AgentEnvError):
+    """``docker build`` stopped on an error; ``error`` is Docker's message, ``output`` the lines before it."""
+
+    def __init__(self, error: str, output: list[str]) -> None:
+        self.error, self.output = error, output
+        super().__init__(f"docker build failed: {error}")
+
+    def discard(self) -> None:
+        """Remove the images the failed build's finished steps left untagged; a tagged one (the base, another
+        build's image met in the cache) and one that others stand on stay."""
+        import docker.errors
+
+        for line in reversed(self.output):
+            if m := re.fullmatch(r"\s*---> ([0-9a-f]{12})\s*", line):
+                with contextlib.suppress(docker.errors.APIError):
+                    if not _inspect(m.group(1)).get("RepoTags"):
+                        docker_client().images.remove(m.group(1))
+
+
+def build(context: str, tag: str, *, on_output: Callable[[str], None] | None = None, nocache: bool = False,
+          labels: dict[str, str] | None = None, network: str = "none") -> str:
+    """``docker build`` of the folder ``context`` (its ``Dockerfile``) as ``tag``, never pulling, its output line by
+    line to ``on_output``; returns the image id, or raises BuildFailed."""
+    import docker.errors
+
+    lines: list[str] = []
+    image_id = ""
+    try:
+        for chunk in docker_client().api.build(path=context, tag=tag, rm=True, forcerm=True, decode=True, pull=False,
+                                               nocache=nocache, network_mode=network, labels=labels or {}):
+            if "error" in chunk:
+                raise BuildFailed(str(chunk["error"]).strip(), lines)
+            if "aux" in chunk and "ID" in chunk["aux"]:
+                image_id = chunk["aux"]["ID"]
+            for line in str(chunk.get("stream", "")).splitlines():
+                if line.strip():
+                    lines.append(line)
+                    if on_output is not None:
+                        on_output(line)
+    except docker.errors.APIError as e:
+        raise BuildFailed(str(e.explanation or e), lines) from e
+    return image_id or str(_inspect(tag)["Id"])
+
+
+def present(name: str) -> bool:
+    """True when the engine has an image of that name or id."""
+    import docker.errors
+
+    try:
+        _inspect(name)
+    except docker.errors.ImageNotFound:
+        return False
+    except docker.errors.APIError as e:
+        if e.status_code in (400, 404):
+            return False
+        raise
+    return True
+
+
+def pull(name: str) -> str | None:
+    """``docker pull`` of ``name``; None when it worked, else the engine's reason (no registry reachable, say)."""
+    import docker.errors
+
+    try:
+        docker_client().images.pull(name)
+    except docker.errors.APIError as e:
+        return str(e.explanation or e)
+    return None
+
+
+def remove(name: str) -> None:
+    """Untag ``name`` (removing the image when no other tag holds it); nothing when it is already gone."""
+    import docker.errors
+
+    with contextlib.suppress(docker.errors.ImageNotFound):
+        docker_client().images.remove(name)
+    _recent.pop(name, None)

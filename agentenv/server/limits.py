@@ -31,6 +31,7 @@ BODY_IDLE_TIMEOUT = 30.0  # seconds a body being sent may stall
 MAX_HEADER_BYTES = 64 << 10
 MAX_CONNECTIONS = 1024    # uvicorn answers 503 past this many connections and tasks
 _UPLOAD = re.compile(r"^/v1/sandboxes/[^/]+/files$")
+_TEMPLATE_UPLOAD = re.compile(r"^/e2b/template-files/[0-9a-f]+$")  # a template's copy step (e2b.templates)
 
 
 class BodyTooLarge(HTTPException):
@@ -43,8 +44,9 @@ class BodyTooLarge(HTTPException):
 
 
 def body_limit(method: str, path: str, headers: dict[bytes, bytes] | None = None) -> int:
-    """MAX_UPLOAD for file uploads (ours, and E2B's ``POST /files`` into a sandbox), else MAX_BODY."""
-    if method == "PUT" and _UPLOAD.match(path):
+    """MAX_UPLOAD for file uploads (ours, E2B's ``POST /files`` into a sandbox and its template files), else
+    MAX_BODY."""
+    if method == "PUT" and (_UPLOAD.match(path) or _TEMPLATE_UPLOAD.match(path)):
         return MAX_UPLOAD
     if method == "POST" and path == "/files" and headers and b"e2b-sandbox-id" in headers:
         return MAX_UPLOAD

@@ -27,7 +27,7 @@ from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv import errors
-from agentenv.server.e2b import bridge, control, interpreter, listing, metrics
+from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, templates
 from agentenv.server.e2b.files import FilesystemService, files_routes
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
@@ -46,6 +46,8 @@ def install(app: FastAPI, service: Service, token: str) -> None:
     app.include_router(listing.router)
     app.include_router(metrics.router)  # before control's /sandboxes/{id}, which would take /sandboxes/metrics
     app.include_router(control.router)
+    app.include_router(templates.router)
+    app.include_router(templates.uploads)
     codecs = [bridge.CheckedCodec(proto_binary_codec()), bridge.CheckedCodec(proto_json_codec())]
     process = ProcessASGIApplication(ProcessService(service), compressions=(), codecs=codecs)
     filesystem = FilesystemASGIApplication(FilesystemService(service), compressions=(), codecs=codecs)

@@ -24,6 +24,7 @@ from agentenv import errors
 from agentenv.sandbox.calls import Calls
 from agentenv.sandbox.core import Sandbox
 from agentenv.server import streaming
+from agentenv.server.e2b.template_store import USER_LABEL
 from agentenv.server.service import Service
 
 T = TypeVar("T")
@@ -102,7 +103,10 @@ def acting(sb: Sandbox, user: str | None) -> Calls:
     """The calls of ``sb`` as the account ``user`` names (UnknownUser, E2B's unauthenticated "invalid username",
     if the image has none). A request that names none runs as E2B's ``user`` where the image has that account,
     and as root (the image's own user) where it has not, as a template built with ``set_user("root")`` would;
-    a named account is never replaced by another."""
+    a named account is never replaced by another. A sandbox of a template that set its user
+    (``template_store.USER_LABEL``) runs as that one instead (root: as the image's own user, in its workdir)."""
+    if user is None and (user := sb.labels.get(USER_LABEL)) == "root":
+        return sb
     if user is not None:
         return sb.as_user(user)
     try:

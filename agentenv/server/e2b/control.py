@@ -2,7 +2,8 @@
 fork and snapshot sandboxes with the JSON bodies and status codes the ``e2b`` SDK (2.x) expects.
 
 What maps to what: a template is an image (``base`` and ``code-interpreter-v1`` are ours, ``agentenv/base``),
-or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snapshots); ``timeout`` is the
+or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snapshots), or a template built here
+(``templates``: its image, or the snapshot taken once its start command was ready); ``timeout`` is the
 sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox whose TTL runs out is killed, as
 in E2B, unless it was made with ``autoPause`` (``lifecycle={"on_timeout": "pause"}``): then it is paused, and
 ``Sandbox.connect`` brings it back (the choice is its ``agentenv.on_expiry`` label). ``connect`` and ``refresh``
@@ -39,6 +40,7 @@ from agentenv.config import parse_size
 from agentenv.sandbox import expiry
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
+from agentenv.server.e2b import template_store
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
 from agentenv.server.service import Service
 
@@ -266,16 +268,23 @@ def _keep_alive(sb: Sandbox, ttl: float) -> None:
 def _create(request: Request, service: Service, body: NewSandbox) -> JSONResponse:
     template = body.template_id
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
+    built = template_store.for_sandbox(template)  # a template built here: its image, or its start snapshot
     labels = _labels(template, body.metadata, body.on_expiry())
-    image = TEMPLATES.get(template, template)
-    snap = _snapshot_or_none(template)
+    if built and built.user:
+        labels[template_store.USER_LABEL] = built.user
+    image = built.image if built else TEMPLATES.get(template, template)
+    snap = Snapshot.get(built.snapshot) if built and built.snapshot else _snapshot_or_none(template)
+    cpus, memory = (built.cpus, built.memory) if built else (CPUS, MEMORY)
+    if built and built.snapshot and body.env_vars:
+        raise E2BError(400, f"template {template!r} starts restored, its start command already running: envs cannot "
+                            "reach it; set them in the template (set_envs), or pass them to commands.run")
     network = body.network_asked()
     if snap is not None:
         sb = _restore(service, snap, labels, body, network)
         sb.set_ttl(ttl)
     else:
-        with service.reserve(1, MEMORY, DISK):
-            sb = service.remember(Sandbox.create(image, cpus=CPUS, memory=MEMORY, disk=DISK, env=body.env_vars or {},
+        with service.reserve(1, memory, DISK):
+            sb = service.remember(Sandbox.create(image, cpus=cpus, memory=memory, disk=DISK, env=body.env_vars or {},
                                                  network=network, ttl=ttl, labels=labels))
     return JSONResponse(sandbox_json(request, sb, "running"), 201)
 
@@ -415,7 +424,7 @@ def list_snapshots(sandbox_id: Annotated[str | None, Query(alias="sandboxID")] =
                    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                    next_token: Annotated[str | None, Query(alias="nextToken")] = None) -> Response:
     snaps = [s for s in sorted(Snapshot.list(), key=lambda s: (s.created_at, s.id))
-             if s.labels.get("agentenv.kind") != "pause"
+             if s.labels.get("agentenv.kind") not in ("pause", template_store.TEMPLATE_KIND)
              and (sandbox_id is None or s.sandbox_id == sandbox_id)
              and (name is None or s.labels.get("e2b.name") == name)]
     if next_token:
@@ -424,10 +433,3 @@ def list_snapshots(sandbox_id: Annotated[str | None, Query(alias="sandboxID")] =
     page = snaps[:limit]
     headers = {"x-next-token": page[-1].id} if len(snaps) > limit else {}
     return JSONResponse([_snapshot_json(s) for s in page], headers=headers)
-
-
-@router.delete("/templates/{template_id}")
-def delete_snapshot(template_id: str) -> Response:
-    """Snapshots are deleted as templates, as E2B does."""
-    Snapshot.get(template_id).delete(background=True)
-    return Response(status_code=204)

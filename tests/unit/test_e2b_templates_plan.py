@@ -1,0 +1,239 @@
+"""E2B templates without Docker: the SDK's steps as a Dockerfile, E2B's errors for failing steps, the template
+records (names, tags, builds) and the template routes up to the build itself (upload links, signatures)."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("e2b", reason="the E2B SDK is an extra; bootstrap installs it")
+
+from e2b import Template  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from agentenv.server.e2b import template_build as tb  # noqa: E402
+from agentenv.server.e2b import template_store as store  # noqa: E402
+
+from .conftest import TOKEN  # noqa: E402
+
+KEY = {"X-API-KEY": TOKEN}
+
+
+def _steps(template: object) -> list[dict[str, object]]:
+    """The steps the SDK sends for ``template`` (its own serialisation, files hashed)."""
+    data = json.loads(Template.to_json(template))  # type: ignore[arg-type]
+    return list(data["steps"])
+
+
+def test_steps_become_a_dockerfile(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "f.txt").write_text("x")
+    t = (Template(file_context_path=str(tmp_path)).from_image("agentenv/base")
+         .copy("d/f.txt", "/app/", user="nobody", mode=0o600).copy("d", "/data")
+         .set_envs({"A": 'q"uote\\d', "B": "2"}).set_workdir("/app").set_user("nobody")
+         .run_cmd("echo hi", user="root").run_cmd("ls"))
+    p = tb.plan("agentenv/base", _steps(t), is_dir=lambda folder, src: src == "d")
+    lines = p.dockerfile.splitlines()
+    assert lines[0] == "FROM agentenv/base"
+    assert lines[1] == 'COPY --chown=nobody ["step-1/d/f.txt", "/app/"]'
+    assert lines[2] == 'COPY ["step-2/d", "/data/"]'  # a folder's destination is a folder
+    assert lines[3] == 'ENV A="q\\"uote\\\\d" B="2"'
+    assert lines[4] == "WORKDIR /app"
+    assert lines[5:7] == ["USER nobody", 'RUN ["/bin/sh", "-c", ":"]']  # a missing user fails at its own step
+    assert lines[7] == "USER root" and json.loads(lines[8][4:])[-1] == "echo hi" and lines[9] == "USER nobody"
+    assert json.loads(lines[10][4:])[-1] == "ls"
+    assert p.origins == ["base", "1", "2", "3", "4", "5", "5", "6", "6", "6", "7"]
+    assert p.user == "nobody" and [c[3] for c in p.copies] == [0o600, None]
+
+
+def test_a_command_with_line_breaks_and_quotes_stays_one_instruction() -> None:
+    cmd = "cat <<EOF > /x\nit's \"here\"\nEOF"
+    p = tb.plan("img", [{"type": "RUN", "args": [cmd]}])
+    assert p.user is None  # no set_user: the template names no user
+    assert len(p.dockerfile.splitlines()) == 2 and json.loads(p.lines[1][4:])[-1] == cmd
+
+
+@pytest.mark.parametrize("step, message", [
+    ({"type": "COPY", "args": ["../etc/passwd", "/x"], "filesHash": "ab" * 32}, "inside the file context"),
+    ({"type": "COPY", "args": ["/etc/passwd", "/x"], "filesHash": "ab" * 32}, "inside the file context"),
+    ({"type": "COPY", "args": ["a", "/x"]}, "needs its filesHash"),
+    ({"type": "ENV", "args": ["1BAD", "v"]}, "not an environment variable name"),
+    ({"type": "ENV", "args": ["K", "line\nbreak"]}, "line break"),
+    ({"type": "WORKDIR", "args": ["/a\nRUN evil"]}, "line break"),
+    ({"type": "ADD", "args": ["x"]}, "unknown step type"),
+])
+def test_steps_that_cannot_be_built_are_refused(step: dict[str, object], message: str) -> None:
+    with pytest.raises(store.TemplateRefused, match=message):
+        tb.plan("img", [step])
+
+
+def test_failures_name_the_step_as_e2b_does() -> None:
+    t = Template().from_image("img").run_cmd("apt-get update").run_cmd("whoami", user="root123").set_user("ghost")
+    p = tb.plan("img", _steps(t))
+    run = p.origins.index("1")
+    e = tb.failure(p, run, "The command '/bin/sh -c ...' returned a non-zero code: 100")
+    assert e.step == "1" and e.message.startswith("failed to run command 'apt-get update': exit status 100")
+    assert "no package registry is reachable" in e.message
+    as_user = p.origins.index("2")
+    e = tb.failure(p, as_user + 1, "unable to find user root123: no matching entries in passwd file")
+    assert (e.step, e.message) == ("2", "failed to run command 'whoami': command failed: unauthenticated: invalid "
+                                        "username: 'root123'")
+    e = tb.failure(p, p.origins.index("3") + 1, "unable to find user ghost: no matching entries in passwd file")
+    assert e.step == "3" and "invalid username: 'ghost'" in e.message and "useradd" in e.message
+
+
+def test_base_image_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    with pytest.raises(tb.StepFailed, match="registry credentials") as e:
+        tb.base_image({"fromImage": "x", "fromImageRegistry": {"type": "registry"}}, print)
+    assert e.value.step == "base"
+    with pytest.raises(tb.StepFailed, match="template 'nope' not found"):
+        tb.base_image({"fromTemplate": "nope"}, print)
+    assert tb.base_image({"fromTemplate": "base"}, print) == "agentenv/base"
+
+
+def test_records_names_tags_and_what_a_sandbox_starts_from(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    rec, b1, tags = store.request("app:v1", ["stable"], 1.0, 1 << 30)
+    assert tags == ["v1", "stable"] and store.find("app") == store.find(rec["id"])
+    with pytest.raises(store.TemplateRefused, match="no ready build tagged 'default'"):
+        store.for_sandbox("app")
+    store.update(rec["id"], b1, status="ready", image="img:1", snapshot=None, user="root")
+    assert store.for_sandbox("app:stable") == store.Target("img:1", None, 1.0, 1 << 30, "root")
+    rec2, b2, _ = store.request("app", ["stable"], 2.0, 2 << 30)
+    assert rec2["id"] == rec["id"]
+    store.update(rec["id"], b2, status="error", reason={"message": "boom", "step": "1"})
+    assert store.for_sandbox("app:stable").image == "img:1"  # a failed rebuild leaves the tags as they were
+    store.update(rec["id"], b2, status="ready", image="img:2", snapshot="snap-x", user="nobody")
+    assert store.for_sandbox("app") == store.Target("img:2", "snap-x", 2.0, 2 << 30, "nobody")
+    assert store.assign("app:v1", ["prod"]) == (b1, ["prod"])
+    assert store.for_sandbox("app:prod").image == "img:1"
+    for bad in (":invalid", "app:"):
+        with pytest.raises(store.TemplateRefused, match="invalid tag"):
+            store.assign("app:v1", [bad])
+    store.unassign("app", ["prod"])
+    with pytest.raises(store.TemplateNotFound):
+        store.unassign("app", ["prod"])
+    assert store.for_sandbox("agentenv/base") is None and store.for_sandbox("base") is None
+    for name in ("base", "snap-1", "Bad Name"):
+        with pytest.raises(store.TemplateRefused):
+            store.request(name, [], 1.0, 1 << 30)
+    written = json.loads((tmp_path / "e2b-templates" / "templates" / f"{rec['id']}.json").read_text())
+    assert set(written["builds"]) == {b1, b2}
+    assert not list((tmp_path / "e2b-templates" / "templates").glob(".*.tmp"))  # written by rename
+
+
+def test_a_build_of_a_dead_server_reads_as_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    rec, b, _ = store.request("app", [], 1.0, 1 << 30)
+    store.update(rec["id"], b, status="building", pid=2 ** 22 + 1)  # beyond pid_max: no such process
+    assert store.build_of(store.load(rec["id"]), b)["status"] == "error"
+
+
+def test_logs_page_by_offset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    b = "00000000-0000-0000-0000-000000000001"
+    for i in range(150):
+        store.log(b, f"line {i}", "error" if i == 149 else "info")
+    assert [e["message"] for e in store.logs(b, 0)][-1] == "line 99"
+    assert [e["message"] for e in store.logs(b, 100)][0] == "line 100" and len(store.logs(b, 100)) == 50
+    assert store.logs(b, 150) == [] and [e["message"] for e in store.logs(b, 0, level="error")] == ["line 149"]
+
+
+def _archive(name: str, data: bytes) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_routes_up_to_the_build(client: TestClient) -> None:
+    assert client.get("/templates/aliases/base", headers=KEY).status_code == 200
+    assert client.get("/templates/aliases/mine", headers=KEY).status_code == 404
+    assert client.post("/v3/templates", json={"name": "mine"}).status_code == 401
+    r = client.post("/v3/templates", json={"name": "mine:v1", "tags": ["t"], "cpuCount": 1, "memoryMB": 512},
+                    headers=KEY)
+    assert r.status_code == 202, r.text
+    body = r.json()
+    assert body["names"] == ["mine"] and body["tags"] == ["v1", "t"]
+    tid, bid = body["templateID"], body["buildID"]
+    assert client.get("/templates/aliases/mine", headers=KEY).json()["templateID"] == tid
+    assert client.post("/v3/templates", json={"name": "x", "teamID": "t"}, headers=KEY).status_code == 400
+
+    h = "ab" * 32
+    link = client.get(f"/templates/{tid}/files/{h}", headers=KEY)
+    assert link.status_code == 201 and link.json()["present"] is False
+    url = link.json()["url"]
+    assert url.startswith(str(client.base_url)) and "signature=" in url
+    forged = url.replace("signature=", "signature=0")
+    assert client.put(forged, content=_archive("a.txt", b"x")).status_code == 403
+    other = url.replace(h, "cd" * 32)
+    assert client.put(other, content=_archive("a.txt", b"x")).status_code == 403  # signed for one hash only
+    assert client.put(url, content=b"not a tar").status_code == 400
+    assert client.put(url, content=_archive("a.txt", b"x")).status_code == 200
+    assert client.get(f"/templates/{tid}/files/{h}", headers=KEY).json()["present"] is True
+
+    bad = client.post(f"/v2/templates/{tid}/builds/{bid}", headers=KEY,
+                      json={"fromImage": "img", "steps": [{"type": "COPY", "args": ["../x", "/y"], "filesHash": h}]})
+    assert bad.status_code == 400 and "inside the file context" in bad.json()["message"]
+    extra = client.post(f"/v2/templates/{tid}/builds/{bid}", headers=KEY, json={"fromImage": "img", "mcp": 1})
+    assert extra.status_code == 400 and "mcp" in extra.json()["message"]
+    status = client.get(f"/templates/{tid}/builds/{bid}/status", headers=KEY).json()
+    assert status["status"] == "waiting" and status["logEntries"] == []
+    assert client.get(f"/templates/{tid}/tags", headers=KEY).json() == []  # tags come with a ready build
+    assert client.get(f"/templates/{tid}/builds/00000000-0000-0000-0000-000000000000/status",
+                      headers=KEY).status_code == 404
+    ok = client.post(f"/v2/templates/{tid}/builds/{bid}", headers=KEY,
+                     json={"fromTemplate": "none-such", "steps": [{"type": "COPY", "args": ["a.txt", "/y"],
+                                                                   "filesHash": h}]})
+    assert ok.status_code == 202  # its thread fails at once (no such base template, no Docker asked)
+    assert client.post(f"/v2/templates/{tid}/builds/{bid}", headers=KEY, json={"fromImage": "img"}).status_code == 409
+    assert client.delete(f"/templates/{tid}", headers=KEY).status_code == 204
+    assert client.get(f"/templates/{tid}/files/{h}", headers=KEY).status_code == 404  # the template is gone
+    assert not store.file_path(h).exists()  # and the upload it alone copied
+    assert client.get("/templates/aliases/mine", headers=KEY).status_code == 404
+    assert client.delete("/templates/nothing-here", headers=KEY).status_code == 404
+
+
+def test_a_glob_copy_is_laid_out_before_docker_and_never_reaches_out(tmp_path: Path) -> None:
+    up, outside = tmp_path / "step-1", tmp_path / "outside"
+    (up / "folder" / "sub").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "secret").write_text("host")
+    (outside / "secret").chmod(0o600)
+    (up / "folder" / "a.txt").write_text("a")
+    (up / "folder" / "sub" / "b.txt").write_text("b")
+    (up / "folder" / "dangling").symlink_to("nowhere")
+    (up / "out").symlink_to(outside)
+    tb._set_mode(up, "out/*", 0o777)
+    assert (outside / "secret").stat().st_mode & 0o777 == 0o600  # a mode never goes through a link out
+    with pytest.raises(tb.StepFailed, match="no files match"):
+        tb._expand(up, "out/*", tmp_path / "staged-out")
+    tb._expand(up, "folder/*", tmp_path / "staged")
+    staged = tmp_path / "staged"
+    assert sorted(p.name for p in staged.iterdir()) == ["a.txt", "b.txt", "dangling"]  # a folder's contents
+    assert (staged / "dangling").is_symlink()
+    p = tb.plan("img", [{"type": "COPY", "args": ["folder/*", "dest"], "filesHash": "ab" * 32}])
+    assert p.lines[1] == 'COPY ["step-1-glob/", "dest/"]'
+
+
+def test_an_upload_with_a_device_node_or_an_escape_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    for i, (kind, name) in enumerate(((tarfile.CHRTYPE, "dev"), (tarfile.REGTYPE, "../../escape"))):
+        h = f"{i:02d}" * 32
+        with tarfile.open(store.file_path(h), "w") as tar:
+            info = tarfile.TarInfo(name)
+            info.type = kind
+            tar.addfile(info, io.BytesIO(b""))
+        p = tb.plan("img", [{"type": "COPY", "args": [name.lstrip("./") or name, "/x"], "filesHash": h}])
+        context = tmp_path / f"ctx{i}"
+        context.mkdir()
+        with pytest.raises((store.TemplateRefused, tarfile.FilterError)):
+            tb.prepare(context, p)
+    assert not (tmp_path / "escape").exists()
