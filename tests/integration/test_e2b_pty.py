@@ -1,0 +1,134 @@
+"""E2B's PTYs (``sandbox.pty``) with the official ``e2b`` SDK, unchanged, against a real ``agentenv serve``: a
+terminal the sandbox's agent opens, typed at, resized and killed, and carried through pause and fork."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
+
+from e2b import CommandExitException, Sandbox  # noqa: E402
+from e2b.sandbox.commands.command_handle import PtySize  # noqa: E402
+
+
+@pytest.fixture
+def sandbox(e2b_url: str) -> Iterator[Sandbox]:
+    sb = Sandbox.create(timeout=600)
+    try:
+        yield sb
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+class Screen:
+    """What a terminal printed, read by a thread (``handle.wait``) while the test types."""
+
+    def __init__(self, handle: object) -> None:
+        self.data = b""
+        self.result: object = None
+        self.thread = threading.Thread(target=self._read, args=(handle,), daemon=True)
+        self.thread.start()
+
+    def _read(self, handle: object) -> None:
+        try:
+            self.result = handle.wait(on_pty=self._add)  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            self.result = e
+
+    def _add(self, chunk: bytes) -> None:
+        self.data += chunk
+
+    def shows(self, text: bytes, limit: float = 20.0) -> bytes:
+        deadline = time.monotonic() + limit
+        while text not in self.data:
+            assert time.monotonic() < deadline, f"the terminal never showed {text!r}: {self.data[-500:]!r}"
+            time.sleep(0.02)
+        return self.data
+
+    def end(self, limit: float = 20.0) -> object:
+        self.thread.join(limit)
+        assert not self.thread.is_alive(), "the terminal did not end"
+        return self.result
+
+
+def test_a_pty_is_a_terminal_typed_at_resized_and_exited(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(PtySize(rows=24, cols=80), envs={"GREETING": "hi"}, cwd="/tmp")
+    screen = Screen(term)
+    sandbox.pty.send_stdin(term.pid, b"echo $GREETING; tty; pwd; echo $((6*7))\n")
+    out = screen.shows(b"42")
+    assert b"hi\r\n" in out and b"/dev/pts/" in out and b"/tmp\r\n" in out
+    sandbox.pty.send_stdin(term.pid, b"stty size\n")
+    screen.shows(b"24 80")
+    sandbox.pty.resize(term.pid, PtySize(rows=40, cols=132))
+    sandbox.pty.send_stdin(term.pid, b"stty size; tput cols\n")
+    screen.shows(b"40 132")
+    assert term.pid in {p.pid for p in sandbox.commands.list()}
+    sandbox.pty.send_stdin(term.pid, b"exit\n")
+    assert getattr(screen.end(), "exit_code", None) == 0
+
+
+def test_a_killed_pty_is_gone_and_a_missing_one_is_not_found(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(PtySize(rows=24, cols=80))
+    screen = Screen(term)
+    sandbox.pty.send_stdin(term.pid, b"echo ready\n")
+    screen.shows(b"ready\r\n")
+    assert sandbox.pty.kill(term.pid) is True
+    screen.end()
+    with pytest.raises(CommandExitException):
+        sandbox.commands.run(f"kill -0 {term.pid}")
+    assert sandbox.pty.kill(999999) is False
+    sleeper = sandbox.commands.run("sleep 30", background=True)
+    with pytest.raises(e2b.InvalidArgumentException, match="without a terminal"):  # nothing to resize
+        sandbox.pty.resize(sleeper.pid, PtySize(rows=10, cols=10))
+
+
+def test_a_pty_reconnects_after_a_disconnect(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(PtySize(rows=24, cols=80), envs={"FOO": "bar"})
+    sandbox.pty.send_stdin(term.pid, b"echo one-$FOO\n")
+    term.disconnect()
+    again = Screen(sandbox.pty.connect(term.pid))
+    sandbox.pty.send_stdin(term.pid, b"echo two-$FOO\nexit\n")
+    out = again.shows(b"two-bar\r\n")
+    assert b"one-bar\r\n" in out  # what it printed while nobody read waited in the sandbox
+    assert getattr(again.end(), "exit_code", None) == 0
+
+
+def test_a_pty_survives_pause_and_resume(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(PtySize(rows=30, cols=100))
+    sandbox.pty.send_stdin(term.pid, b"KEPT=before-pause\n")
+    term.disconnect()
+    assert sandbox.pause() is True
+    again = Sandbox.connect(sandbox.sandbox_id)
+    screen = Screen(again.pty.connect(term.pid))
+    again.pty.send_stdin(term.pid, b"echo $KEPT-$((1+1)); stty size\n")
+    screen.shows(b"before-pause-2\r\n")
+    screen.shows(b"30 100")
+    again.pty.resize(term.pid, PtySize(rows=12, cols=60))
+    again.pty.send_stdin(term.pid, b"stty size; exit\n")
+    screen.shows(b"12 60")
+    assert getattr(screen.end(), "exit_code", None) == 0
+
+
+def test_a_pty_is_forked_with_its_shell(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(PtySize(rows=24, cols=80))
+    sandbox.pty.send_stdin(term.pid, b"WHO=parent\n")
+    term.disconnect()
+    kids = sandbox.fork(count=2)
+    try:
+        for i, kid in enumerate(kids):
+            screen = Screen(kid.pty.connect(term.pid))
+            kid.pty.send_stdin(term.pid, f"WHO=child{i}; echo was-$WHO; tty\n".encode())
+            out = screen.shows(f"was-child{i}\r\n".encode())
+            assert b"/dev/pts/" in out
+            kid.pty.send_stdin(term.pid, b"exit\n")
+            assert getattr(screen.end(), "exit_code", None) == 0
+        screen = Screen(sandbox.pty.connect(term.pid))
+        sandbox.pty.send_stdin(term.pid, b"echo still-$WHO\n")
+        screen.shows(b"still-parent\r\n")
+    finally:
+        for kid in kids:
+            kid.kill()
