@@ -241,7 +241,8 @@ class Jobs:
             if listed:
                 env = header.get("env") or {}
                 job.info = {"command": str(header["cmd"]), "cwd": header.get("cwd"), "env": dict(env),
-                            "tag": header.get("tag"), "stdin": bool(header.get("stdin") or job.tty)}
+                            "tag": header.get("tag"), "stdin": bool(header.get("stdin") or job.tty),
+                            "pty": job.tty is not None}
                 self.started[proc.pid] = job
             if proc.stdin is not None:
                 os.set_blocking(proc.stdin.fileno(), False)
