@@ -182,6 +182,8 @@ class Jobs:
                 master, slave = open_terminal(tty)
                 ends[1] = master
                 theirs.append(slave)
+                if not as_root:  # the account's own terminal, as a login's: it may open it by its name
+                    os.fchown(slave, acct.uid, -1)  # type: ignore[union-attr]
                 ends[0] = os.dup(master)  # its input end: closing one end leaves the other
                 actions = [(os.POSIX_SPAWN_DUP2, slave, fd) for fd in (0, 1, 2)]
             elif 0 not in piped and not as_root:  # the forked child dups it as the others

@@ -61,8 +61,9 @@ def test_a_pty_is_a_terminal_typed_at_resized_and_exited(sandbox: Sandbox) -> No
     sandbox.pty.send_stdin(term.pid, b"echo $GREETING; tty; pwd; echo $((6*7))\n")
     out = screen.shows(b"42\r\n")  # the last: what came before it is all there
     assert b"hi\r\n/dev/pts/" in out and b"/tmp\r\n42" in out
-    sandbox.pty.send_stdin(term.pid, b"stty size\n")
-    screen.shows(b"24 80")
+    sandbox.pty.send_stdin(term.pid, b"stty size; id -u; stat -c owner-%U $(tty); echo by-name > $(tty)\n")
+    out = screen.shows(b"by-name\r\n")  # as E2B's user, who owns its terminal and can open it by its name
+    assert b"24 80\r\n1000\r\nowner-user\r\n" in out
     sandbox.pty.resize(term.pid, PtySize(rows=40, cols=132))
     sandbox.pty.send_stdin(term.pid, b"stty size; tput cols\n")
     screen.shows(b"40 132")
