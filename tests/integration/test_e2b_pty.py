@@ -67,7 +67,10 @@ def test_a_pty_is_a_terminal_typed_at_resized_and_exited(sandbox: Sandbox) -> No
     sandbox.pty.resize(term.pid, PtySize(rows=40, cols=132))
     sandbox.pty.send_stdin(term.pid, b"stty size; tput cols\n")
     screen.shows(b"40 132")
-    assert term.pid in {p.pid for p in sandbox.commands.list()}
+    listed = {p.pid: p for p in sandbox.commands.list()}
+    assert (listed[term.pid].cmd, listed[term.pid].args) == ("/bin/bash", ["-i", "-l"])  # what pty.create runs
+    sandbox.pty.send_stdin(term.pid, b"echo shell-$$\n")
+    screen.shows(f"shell-{term.pid}\r\n".encode())  # the pid returned is the shell's own
     sandbox.pty.send_stdin(term.pid, b"exit\n")
     assert getattr(screen.end(), "exit_code", None) == 0
 

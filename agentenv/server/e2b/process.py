@@ -54,6 +54,8 @@ def _config(job: JobInfo) -> pb.ProcessConfig:
     """A job as the command line it was started with (Start joined cmd and args into one shell line)."""
     try:
         cmd, *args = shlex.split(job.command) or [""]
+        if cmd == "exec" and args:  # a PTY's program, which Start runs by exec
+            cmd, *args = args
     except ValueError:  # not a line Start made (a kernel, a job started another way)
         cmd, args = "/bin/sh", ["-c", job.command]
     return pb.ProcessConfig(cmd=cmd, args=args, envs=job.env, cwd=job.cwd)
@@ -107,7 +109,8 @@ class ProcessService(process_connect.Process):
         calls = await call(acting, sb, user_named(ctx.request_headers))
         line, timeout = shlex.join([cfg.cmd, *cfg.args]), timeout_ms / 1000 if timeout_ms else None
         if request.pty is not None:
-            job: JobInfo = await call(calls.start_terminal, line, _size(request.pty), cwd=cfg.cwd or None,
+            # exec: the program leads the terminal's session itself, as under envd (its pid is the one returned)
+            job: JobInfo = await call(calls.start_terminal, f"exec {line}", _size(request.pty), cwd=cfg.cwd or None,
                                       env=dict(cfg.envs), timeout=timeout, tag=request.tag or None)
         else:
             job = await call(calls.start, line, cwd=cfg.cwd or None, env=dict(cfg.envs), timeout=timeout,
