@@ -135,3 +135,20 @@ def test_a_pty_is_forked_with_its_shell(sandbox: Sandbox) -> None:
     finally:
         for kid in kids:
             kid.kill()
+
+
+def test_a_pause_criu_cannot_take_names_the_terminal_and_the_sandbox_runs_on(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(PtySize(rows=24, cols=80))
+    screen = Screen(term)
+    sandbox.pty.send_stdin(term.pid, b"sh -i\n")  # dash in the foreground, /dev/tty held open: CRIU cannot save it
+    sandbox.pty.send_stdin(term.pid, b"echo in-$((2+3))\n")
+    screen.shows(b"in-5\r\n")
+    with pytest.raises(e2b.SandboxException, match=f"terminal is open: pid {term.pid}"):
+        sandbox.pause()
+    assert sandbox.is_running()
+    sandbox.pty.send_stdin(term.pid, b"exit\necho back-$((3+4))\n")  # out of dash: bash alone is carried
+    screen.shows(b"back-7\r\n")
+    assert sandbox.pause() is True
+    again = Sandbox.connect(sandbox.sandbox_id)
+    again.pty.send_stdin(term.pid, b"echo resumed-$((4+5)); exit\n")
+    assert Screen(again.pty.connect(term.pid)).shows(b"resumed-9\r\n")
