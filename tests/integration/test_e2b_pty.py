@@ -152,3 +152,11 @@ def test_a_pause_criu_cannot_take_names_the_terminal_and_the_sandbox_runs_on(san
     again = Sandbox.connect(sandbox.sandbox_id)
     again.pty.send_stdin(term.pid, b"echo resumed-$((4+5)); exit\n")
     assert Screen(again.pty.connect(term.pid)).shows(b"resumed-9\r\n")
+
+
+def test_a_pty_as_root_is_roots(sandbox: Sandbox) -> None:
+    term = sandbox.pty.create(PtySize(rows=24, cols=80), user="root")
+    screen = Screen(term)
+    sandbox.pty.send_stdin(term.pid, b"echo uid-$(id -u) home-$HOME; stat -c owner-%U $(tty); exit\n")
+    assert b"uid-0 home-/root\r\nowner-root\r\n" in screen.shows(b"owner-root\r\n")
+    assert getattr(screen.end(), "exit_code", None) == 0
