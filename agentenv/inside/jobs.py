@@ -150,10 +150,11 @@ class Jobs:
     def _spawn(self, header: dict[str, Any], job_id: int, output: int | None = None) -> Child:
         """Start the request's command: ``sh -c`` in a new session (its group is the job) with the sandbox's
         environment plus the request's; stdin a pipe if asked for, else /dev/null; stdout and stderr two pipes,
-        or both the file ``output``; all three a new terminal's slave end for a ``pty`` job (``agentenv.inside.pty``:
-        its stdin and stdout are then the master end), forked so that it is the session's terminal. As root, posix_spawn (a vfork) rather than subprocess, whose imports cost
-        every start of a sandbox (see the imports); as another account of the image (``header["user"]``),
-        ``users.spawn_as``. Callers hold self.lock."""
+        or both the file ``output``; for a ``pty`` job all three are a new terminal's slave end (the agent's stdin
+        and stdout ends its master: ``agentenv.inside.pty``), forked so that it becomes the session's terminal. As
+        root, posix_spawn (a vfork) rather than subprocess, whose imports cost every start of a sandbox (see the
+        imports); as another account of the image (``header["user"]``), ``users.spawn_as``. Callers hold
+        self.lock."""
         acct = None if header.get("user") is None else account(header["user"])
         env = dict(os.environ)
         env.pop("AGENTENV_AGENT", None)

@@ -97,7 +97,7 @@ def test_a_pty_reconnects_after_a_disconnect(sandbox: Sandbox) -> None:
     again = Screen(sandbox.pty.connect(term.pid))
     sandbox.pty.send_stdin(term.pid, b"echo two-$FOO\nexit\n")
     out = again.shows(b"two-bar\r\n")
-    assert out.index(b"one-bar\r\n") < out.index(b"two-bar\r\n")  # what it printed while nobody read waited in the sandbox
+    assert out.index(b"one-bar\r\n") < out.index(b"two-bar\r\n")  # printed unread: kept in the sandbox
     assert getattr(again.end(), "exit_code", None) == 0
 
 
