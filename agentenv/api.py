@@ -155,7 +155,7 @@ class JobInfo(_Value):
 class JobOutput(_Value):
     """A piece of a job's output: ``data`` starts at the absolute byte ``offset`` of its ``stream``."""
 
-    stream: str  # "stdout" | "stderr"
+    stream: str  # "stdout" | "stderr" ("pty": a terminal's one stream, for ``Sandbox.start_terminal``)
     data: bytes
     offset: int
 

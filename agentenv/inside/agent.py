@@ -5,8 +5,9 @@ image with python3 works. The host reaches it at ``/proc/<pid>/root/dev/agentenv
 which avoids ``docker exec``'s round trip, and because the agent *is* the container's init, a CRIU
 snapshot carries every job, its buffered output and the listening socket along.
 
-The agent is five files, sent into the sandbox as one (``agentenv.host.agent_start`` joins them in this order):
-``frames`` (the wire, shared with the host), ``users`` (the image's accounts), ``jobs`` (commands and their output), ``files`` (the file calls)
+The agent is six files, sent into the sandbox as one (``agentenv.host.agent_start`` joins them in this order):
+``frames`` (the wire, shared with the host), ``users`` (the image's accounts), ``pty`` (terminals), ``jobs``
+(commands and their output), ``files`` (the file calls)
 and this one, which answers requests and runs the agent as a sandbox's init.
 
 Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
@@ -30,6 +31,7 @@ import time
 from agentenv.inside.files import check_own, fs, send_file, write_stream
 from agentenv.inside.frames import SMALL_BLOB, _recv_exact, drain, recv_header, send_frame, suppress
 from agentenv.inside.jobs import HEARTBEAT, INPUT_TIMEOUT, Jobs, Starved, close_stdin
+from agentenv.inside.pty import resize
 from agentenv.inside.users import AsAccount, UnknownUser, account
 
 TYPE_CHECKING = False
@@ -143,12 +145,15 @@ class Agent(Jobs):
                 offsets = h.get("offsets")
                 with job.cond:
                     at = list(job.base) if offsets is None else [max(int(offsets[i]), job.base[i]) for i in (0, 1)]
-                send_frame(conn, {"job": job.id, "beat": HEARTBEAT, "offsets": at})
+                send_frame(conn, {"job": job.id, "beat": HEARTBEAT, "offsets": at, "pty": job.tty is not None})
                 self.wait(conn, job.id, at, True, bool(h.get("follow", True)))
             elif op == "jobs":
                 with self.lock:
                     listed = [j.listing() for j in self.started.values() if not j.handing]
                 send_frame(conn, {"jobs": listed})
+            elif op == "resize":  # a job's terminal (``pty``)
+                resize(self.started_job(h), h.get("pty"))
+                send_frame(conn, {"ok": True})
             elif op == "discard":
                 self.discard(self.started_job(h), list(h["offsets"]))
                 send_frame(conn, {"ok": True})

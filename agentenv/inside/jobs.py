@@ -21,6 +21,7 @@ import stat
 import time
 
 from agentenv.inside.frames import Condition, send_frame, send_parts, suppress
+from agentenv.inside.pty import open_terminal, take_terminal
 from agentenv.inside.users import account, spawn_as
 
 TYPE_CHECKING = False
@@ -86,6 +87,7 @@ class Job:
         self.dropped = [0, 0]
         self.held = 0  # bytes of out counted in the agent's output budget
         self.info: dict[str, Any] = {}  # a started job's request, for listing
+        self.tty: dict[str, int] | None = None  # a job on a terminal (``pty``): its size; one output stream
         self.stdin_lock = _thread.allocate_lock()
         self.stdin_done: dict[str, int] = {}  # input request key -> bytes written
         self.exit_code: int | None = None
@@ -148,9 +150,11 @@ class Jobs:
     def _spawn(self, header: dict[str, Any], job_id: int, output: int | None = None) -> Child:
         """Start the request's command: ``sh -c`` in a new session (its group is the job) with the sandbox's
         environment plus the request's; stdin a pipe if asked for, else /dev/null; stdout and stderr two pipes,
-        or both the file ``output``. As root, posix_spawn (a vfork) rather than subprocess, whose imports cost
-        every start of a sandbox (see the imports); as another account of the image (``header["user"]``),
-        ``users.spawn_as``. Callers hold self.lock."""
+        or both the file ``output``; for a ``pty`` job all three are a new terminal's slave end (the agent's stdin
+        and stdout ends its master: ``agentenv.inside.pty``), forked so that it becomes the session's terminal. As
+        root, posix_spawn (a vfork) rather than subprocess, whose imports cost every start of a sandbox (see the
+        imports); as another account of the image (``header["user"]``), ``users.spawn_as``. Callers hold
+        self.lock."""
         acct = None if header.get("user") is None else account(header["user"])
         env = dict(os.environ)
         env.pop("AGENTENV_AGENT", None)
@@ -171,10 +175,19 @@ class Jobs:
             script = "cd -- '" + cwd.replace("'", "'\\''") + "' || exit 126; " + script
         ends: list[int | None] = [None, None, None]  # the agent's ends of the child's stdin, stdout, stderr
         theirs: list[int] = []  # the child's ends, closed here once it runs
-        piped = ((0,) if header.get("stdin") else ()) + ((1, 2) if output is None else ())
+        tty = header.get("pty")
+        piped = () if tty is not None else ((0,) if header.get("stdin") else ()) + ((1, 2) if output is None else ())
         actions: list[tuple[Any, ...]] = [] if 0 in piped else [(os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0)]
         try:
-            if 0 not in piped and not as_root:  # the forked child dups it as the others
+            if tty is not None:
+                master, slave = open_terminal(tty)
+                ends[1] = master
+                theirs.append(slave)
+                if not as_root:  # the account's own terminal, as a login's: it may open it by its name
+                    os.fchown(slave, acct.uid, -1)  # type: ignore[union-attr]
+                ends[0] = os.dup(master)  # its input end: closing one end leaves the other
+                actions = [(os.POSIX_SPAWN_DUP2, slave, fd) for fd in (0, 1, 2)]
+            elif 0 not in piped and not as_root:  # the forked child dups it as the others
                 theirs.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
                 actions = [(os.POSIX_SPAWN_DUP2, theirs[-1], 0)]
             for fd in piped:
@@ -186,9 +199,9 @@ class Jobs:
                 actions += [(os.POSIX_SPAWN_DUP2, output, 1), (os.POSIX_SPAWN_DUP2, output, 2)]
             argv = ["/bin/sh", "-c", script]
             default = (_signal.SIGPIPE, _signal.SIGXFSZ)  # Python ignores these: the command must not
-            if not as_root:
-                assert acct is not None
-                pid = spawn_as(acct, argv, env, cwd or "/", [(a[1], a[2]) for a in actions])
+            if not as_root or tty is not None:
+                pid = spawn_as(None if as_root else acct, argv, env, cwd or os.getcwd(),
+                               [(a[1], a[2]) for a in actions], take_terminal if tty is not None else None)
             else:
                 try:
                     pid = os.posix_spawn(argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=default)
@@ -224,13 +237,15 @@ class Jobs:
             job = Job(job_id, proc, header.get("timeout"),
                       min(MAX_OUTPUT, max(0, cap)) if isinstance(cap, int) else MAX_OUTPUT)
             self.jobs[job_id] = job
+            job.tty = header.get("pty")
             job.key = header.get("key", "")
             self.keys[job.key] = job_id
             self.by_pid[proc.pid] = job
             if listed:
                 env = header.get("env") or {}
                 job.info = {"command": str(header["cmd"]), "cwd": header.get("cwd"), "env": dict(env),
-                            "tag": header.get("tag"), "stdin": bool(header.get("stdin"))}
+                            "tag": header.get("tag"), "stdin": bool(header.get("stdin") or job.tty),
+                            "pty": job.tty is not None}
                 self.started[proc.pid] = job
             if proc.stdin is not None:
                 os.set_blocking(proc.stdin.fileno(), False)
@@ -264,8 +279,8 @@ class Jobs:
 
     def _pump(self, job: Job) -> None:
         """Collect a job's output until it exits (or times out), then mark it done."""
-        assert job.proc.stdout is not None and job.proc.stderr is not None
-        streams = {job.proc.stdout.fileno(): 0, job.proc.stderr.fileno(): 1}  # fd -> index in job.out
+        ends = [e for e in (job.proc.stdout, job.proc.stderr) if e is not None]
+        streams = {e.fileno(): i for i, e in enumerate(ends)}  # fd -> index in job.out
         poll = select.poll()
         for fd in streams:
             os.set_blocking(fd, False)
@@ -285,6 +300,10 @@ class Jobs:
                     data = os.read(fd, 1 << 16)
                 except BlockingIOError:
                     continue
+                except OSError as e:  # EIO: a terminal's master once the last holder of its slave end is gone
+                    if e.errno != errno.EIO:
+                        raise
+                    data = b""
                 if not data:
                     poll.unregister(fd)
                     del streams[fd]
@@ -303,8 +322,8 @@ class Jobs:
                     buf += data[:took]
                     job.dropped[idx] += len(data) - took
                     job.cond.notify_all()
-        job.proc.stdout.close()
-        job.proc.stderr.close()
+        for end in ends:
+            end.close()
         with job.cond:
             while job.exit_code is None:
                 if job.deadline is not None and time.monotonic() > job.deadline and not job.timed_out:

@@ -72,9 +72,11 @@ def account(name: str, etc: str = "/etc") -> Account:
     raise UnknownUser(f"invalid username: '{name}'")
 
 
-def spawn_as(acct: Account, argv: list[str], env: dict[str, str], cwd: str, fds: list[tuple[int, int]]) -> int:
-    """Fork a child that becomes ``acct`` (groups, gid, then uid), enters ``cwd`` as it and execs ``argv`` in a
-    new session, with ``fds`` as (from, to) dups; its pid. A failed step is the child's exit 126 and an
+def spawn_as(acct: Account | None, argv: list[str], env: dict[str, str], cwd: str, fds: list[tuple[int, int]],
+             ctty: Any = None) -> int:
+    """Fork a child that becomes ``acct`` (groups, gid, then uid; None: keeps the agent's), enters ``cwd`` as it
+    and execs ``argv`` in a new session, with ``fds`` as (from, to) dups and, given ``ctty`` (a function run in
+    the child after the dups), a controlling terminal; its pid. A failed step is the child's exit 126 and an
     OSError here, with the step named: the command never runs with more than the account's rights."""
     r, w = os.pipe()  # close-on-exec: EOF here is the exec's success
     try:
@@ -86,16 +88,20 @@ def spawn_as(acct: Account, argv: list[str], env: dict[str, str], cwd: str, fds:
                 step = "dup2"
                 for src, dst in fds:
                     os.dup2(src, dst)
+                if ctty is not None:
+                    step = "TIOCSCTTY"
+                    ctty()
                 for sig in (_signal.SIGPIPE, _signal.SIGXFSZ):  # Python ignores these: the command must not
                     _signal.signal(sig, _signal.SIG_DFL)
-                step = "setgroups"
-                os.setgroups(acct.groups)
-                step = "setgid"
-                os.setgid(acct.gid)
-                step = "setuid"
-                os.setuid(acct.uid)
-                if acct.uid and (os.getuid(), os.geteuid()) != (acct.uid, acct.uid):
-                    raise PermissionError(errno.EPERM, "the uid did not change")
+                if acct is not None:
+                    step = "setgroups"
+                    os.setgroups(acct.groups)
+                    step = "setgid"
+                    os.setgid(acct.gid)
+                    step = "setuid"
+                    os.setuid(acct.uid)
+                    if acct.uid and (os.getuid(), os.geteuid()) != (acct.uid, acct.uid):
+                        raise PermissionError(errno.EPERM, "the uid did not change")
                 step = "chdir"
                 os.chdir(cwd)
                 step = "exec"
@@ -114,7 +120,8 @@ def spawn_as(acct: Account, argv: list[str], env: dict[str, str], cwd: str, fds:
         os.close(r)
     if report:
         failed, num, msg = report.decode(errors="replace").split(":", 2)
-        raise OSError(int(num), f"cannot run as {acct.name!r} (uid {acct.uid}): {failed} failed: {msg}")
+        who = "the command" if acct is None else f"as {acct.name!r} (uid {acct.uid})"
+        raise OSError(int(num), f"cannot run {who}: {failed} failed: {msg}")
     return pid
 
 

@@ -149,6 +149,19 @@ class Calls:
         return jobs.start(self._channel, command, cwd=cwd, env=env, timeout=timeout, stdin=stdin, tag=tag,
                           max_output=max_output(self._spec().limits.memory))
 
+    def start_terminal(self, command: str, size: tuple[int, int], *, cwd: str | None = None,
+                       env: dict[str, str] | None = None, timeout: float | None = None,
+                       tag: str | None = None) -> JobInfo:
+        """``start`` on a new terminal of ``size`` (rows, cols), the session's controlling one (E2B's PTYs; not
+        part of the backend contract): its output comes as the one stream "pty", ``send_input`` types at it."""
+        self.require_running()
+        return jobs.start(self._channel, command, cwd=cwd, env=env, timeout=timeout, stdin=True, tag=tag,
+                          max_output=max_output(self._spec().limits.memory), pty=size)
+
+    def resize(self, pid: int, size: tuple[int, int]) -> None:
+        """Set the (rows, cols) of the terminal of a job ``start_terminal`` made (ValueError for another job)."""
+        jobs.resize(self._channel, pid, size)
+
     def jobs(self) -> builtins.list[JobInfo]:
         """The jobs ``start`` made that run, or ended but whose end ``output`` has not delivered yet."""
         return jobs.listing(self._channel)

@@ -35,12 +35,27 @@ STREAMS = ("stdout", "stderr")
 
 
 def start(ch: Channel, command: str, *, cwd: str | None, env: dict[str, str] | None, timeout: float | None,
-          stdin: bool, tag: str | None, max_output: int) -> JobInfo:
+          stdin: bool, tag: str | None, max_output: int, pty: tuple[int, int] | None = None) -> JobInfo:
+    """Start a job; with ``pty`` (rows, cols) on a new terminal of that size, whose output comes as one stream,
+    "pty", and whose input is typed at it."""
     if timeout is not None and timeout <= 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
-    reply, _ = ch.call({"op": "start", "cmd": command, "cwd": cwd, "env": env or {}, "timeout": timeout,
-                        "stdin": bool(stdin), "tag": tag, "max_output": max_output})
+    header: dict[str, Any] = {"op": "start", "cmd": command, "cwd": cwd, "env": env or {}, "timeout": timeout,
+              "stdin": bool(stdin), "tag": tag, "max_output": max_output}
+    if pty is not None:
+        header["pty"] = _size(pty)
+    reply, _ = ch.call(header)
     return _job(reply)
+
+
+def _size(size: tuple[int, int]) -> dict[str, int]:
+    rows, cols = size
+    return {"rows": int(rows), "cols": int(cols)}
+
+
+def resize(ch: Channel, pid: int, size: tuple[int, int]) -> None:
+    """Set the (rows, cols) of the terminal of a job started with ``pty``."""
+    ch.call({"op": "resize", "pid": pid, "pty": _size(size)})
 
 
 def listing(ch: Channel) -> list[JobInfo]:
@@ -121,6 +136,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
                 first, _ = frames.recv_frame(s, 0, _soonest(None))
                 raise_for(first)
                 pos = _offsets(first.get("offsets"), pos)
+                names = ("pty", "stderr") if first.get("pty") is True else STREAMS
                 while True:
                     h, data = frames.recv_frame(s, MAX_EXEC_BLOB, _soonest(None))
                     raise_for(h)
@@ -137,7 +153,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
                         pos[i] = at + len(data)
                         if data:
                             failures = 0  # progress: a later close is not the same failure again
-                            yield JobOutput(stream=STREAMS[i], data=data, offset=at)
+                            yield JobOutput(stream=names[i], data=data, offset=at)
                         continue
                     at = _offsets(h.get("at"), pos)
                     if h.get("running"):
@@ -147,7 +163,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
                         raise frames.FrameError("a result without an exit code")
                     for i, tail in ((0, data[:n]), (1, data[n:])):
                         if tail:
-                            yield JobOutput(stream=STREAMS[i], data=tail, offset=at[i])
+                            yield JobOutput(stream=names[i], data=tail, offset=at[i])
                     yield JobEnd(exit_code=h["exit_code"], timed_out=h["timed_out"], duration=float(h["duration"]))
                     return
         except ConnectionLost:

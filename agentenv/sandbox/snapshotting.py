@@ -47,6 +47,7 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
         uids = sb._spec().uids
         if uids is not None:  # the snapshot holds its family's uid range: its files are those uids
             userns.hold(uids, folder)
+        failed: CheckpointError | None = None
         for attempt in range(DUMP_ATTEMPTS):
             with frozen(sb, quiesce=memory):
                 with phase("fs"):
@@ -63,12 +64,36 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
                 except CheckpointError as e:
                     # a host connection that another process opened in the meantime: quiesce again
                     if "unix" not in str(e).lower() or attempt == DUMP_ATTEMPTS - 1:
-                        raise
-            shutil.rmtree(folder / "criu", ignore_errors=True)
+                        failed = e
+                        break
+            shutil.rmtree(folder / "criu", ignore_errors=True)  # a failed try's images, before the next
+        if failed is not None:
+            raise _terminals_named(sb, failed)  # once thawed, the gate open: the agent can answer
         crash_point(f"{op}:dumped")
         snap = meta(sb, snap_id, folder, memory, labels, owner)
         store.write_meta(folder, snap)
     return snap
+
+
+def _terminals_named(sb: Parts, e: CheckpointError) -> CheckpointError:
+    """A dump that CRIU refused over a terminal, with the sandbox's open terminals (``start_terminal``) named."""
+    if "tty" not in str(e):
+        return e
+    try:
+        reply, _ = sb._channel.call({"op": "jobs"})
+        open_ttys = [j for j in reply.get("jobs", []) if isinstance(j, dict) and j.get("pty") is True]
+    except (OSError, ConnectionLost):
+        return e
+    if not open_ttys:
+        return e
+    criu_said = str(e).split(" \u2014 ")[0]  # without its fix: this error gives its own
+    named = ", ".join(f"pid {j.get('pid')} ({str(j.get('command'))[:60]!r})" for j in open_ttys)
+    return CheckpointError(
+        f"a memory snapshot cannot be taken while this terminal is open: {named}; a process on it uses the "
+        f"terminal in a way CRIU cannot save (as /dev/tty held open: dash -i, vim, less). Nothing was saved and "
+        f"the sandbox runs on. ({criu_said})",
+        fix="exit or kill the terminal's program (or the process holding /dev/tty), then retry; a terminal "
+            "running bash is carried through pause, snapshots and fork")
 
 
 def meta(sb: Parts, snap_id: str, folder: Path, memory: bool, labels: dict[str, str] | None,

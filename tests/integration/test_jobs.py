@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 import agentenv
+import agentenv.errors
 from agentenv.api import JobEnd, JobOutput
 
 pytestmark = pytest.mark.integration
@@ -137,3 +138,62 @@ def test_jobs_go_on_across_pause_snapshot_and_fork(sb):
         for kid in kids:
             kid.close()
 
+
+
+def screen(sb: agentenv.Sandbox, pid: int, want: bytes, limit: float = 20.0) -> bytes:
+    """A terminal's output so far, once ``want`` is in it (read without following: the job goes on)."""
+    deadline = time.monotonic() + limit
+    while True:
+        seen = b"".join(i.data for i in sb.output(pid, follow=False) if isinstance(i, JobOutput))
+        if want in seen:
+            return seen
+        assert time.monotonic() < deadline, f"no {want!r} in {seen[-300:]!r}"
+        time.sleep(0.05)
+
+
+def terminal_end(sb: agentenv.Sandbox, pid: int) -> tuple[bytes, JobEnd]:
+    """A terminal's whole output (its one stream, "pty") and its end."""
+    items = list(sb.output(pid))
+    assert {i.stream for i in items if isinstance(i, JobOutput)} <= {"pty"} and isinstance(items[-1], JobEnd)
+    return b"".join(i.data for i in items if isinstance(i, JobOutput)), items[-1]
+
+
+def test_terminals_go_on_across_a_memory_snapshot_restored_elsewhere(sb):
+    shell = sb.start_terminal("/bin/bash --norc -i", (20, 70), env={"PS1": "$ "}).pid
+    sb.send_input(shell, b"MARK=kept; sleep 1000 &\n")
+    ended = sb.start_terminal("echo gone", (10, 10)).pid  # its shell exited: the agent's end has no peer left
+    deadline = time.monotonic() + 20
+    while [j.exit_code for j in sb.jobs() if j.pid == ended] != [0]:  # ended, its output unread
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    screen(sb, shell, b"$ ")
+    snap = sb.snapshot(memory=True)
+    try:
+        with agentenv.Sandbox.restore(snap) as copy:
+            copy.send_input(shell, b"echo $MARK; stty size; tty\n")
+            screen(copy, shell, b"kept\r\n20 70\r\n/dev/pts/")  # its variable, its size, still a tty
+            copy.resize(shell, (33, 99))
+            copy.send_input(shell, b"stty size\n")
+            screen(copy, shell, b"33 99")
+            assert terminal_end(copy, ended)[0] == b"gone\r\n"
+            copy.send_input(shell, b"kill %1; exit 4\n")
+            assert terminal_end(copy, shell)[1].exit_code == 4
+        sb.send_input(shell, b"echo here-$MARK\n")
+        screen(sb, shell, b"here-kept\r\n")  # the original's terminal is its own
+    finally:
+        snap.delete()
+
+
+def test_a_terminal_criu_cannot_save_fails_the_snapshot_by_name_and_the_sandbox_runs_on(sb):
+    shell = sb.start_terminal("/bin/sh -i", (20, 70), env={"PS1": "$ "}).pid  # dash holds /dev/tty open
+    sb.send_input(shell, b"ONE=1\n")
+    screen(sb, shell, b"$ ")
+    for take in (lambda: sb.snapshot(memory=True), sb.pause, lambda: sb.fork(1, memory=True)):
+        with pytest.raises(agentenv.errors.CheckpointError, match=f"terminal is open: pid {shell} .*/bin/sh -i"):
+            take()
+        assert sb.state == "running"
+    sb.send_input(shell, b"echo still-$ONE\n")
+    screen(sb, shell, b"still-1\r\n")  # the terminal and its shell were left as they were
+    sb.signal(shell, signal.SIGKILL)
+    assert terminal_end(sb, shell)[1].exit_code == 137
+    sb.snapshot(memory=True).delete()  # with the terminal gone, memory snapshots work again

@@ -8,8 +8,9 @@ group and the stream ends with ``deadline_exceeded``, as E2B documents. Jobs liv
 the sandbox, so pause/resume and fork carry every command along. A command runs as the account its request
 names (envd's ``Authorization: Basic``; ``bridge.acting``): that account's uid, gid, groups and environment
 from the image's /etc/passwd and /etc/group, in its home unless a cwd is given; an account the image lacks is
-E2B's ``unauthenticated`` "invalid username". Not offered: PTYs (``Update`` and PTY starts answer
-``unimplemented``).
+E2B's ``unauthenticated`` "invalid username". A Start with ``pty`` runs the command on a terminal the agent
+opens (``Sandbox.start_terminal``): its output comes as ``pty`` data, ``pty`` input is typed at it, ``Update``
+resizes it, and a kill ends it as any command.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def _start(pid: int) -> Event:
 
 
 def _data(out: JobOutput) -> Event:
-    chunk = one_of("stdout", out.data) if out.stream == "stdout" else one_of("stderr", out.data)
+    chunk = one_of(out.stream, out.data)  # "stdout", "stderr" or "pty": the DataEvent's fields
     return Event(event=one_of("data", Event.DataEvent(output=chunk)))
 
 
@@ -53,14 +54,22 @@ def _config(job: JobInfo) -> pb.ProcessConfig:
     """A job as the command line it was started with (Start joined cmd and args into one shell line)."""
     try:
         cmd, *args = shlex.split(job.command) or [""]
+        if cmd == "exec" and args:  # a PTY's program, which Start runs by exec
+            cmd, *args = args
     except ValueError:  # not a line Start made (a kernel, a job started another way)
         cmd, args = "/bin/sh", ["-c", job.command]
     return pb.ProcessConfig(cmd=cmd, args=args, envs=job.env, cwd=job.cwd)
 
 
+def _size(pty: pb.PTY) -> tuple[int, int]:
+    """A PTY message's size as (rows, cols); one without a size is refused, not given a default."""
+    if pty.size is None:
+        raise ConnectError(Code.INVALID_ARGUMENT, "pty.size (rows and cols) is required")
+    return pty.size.rows, pty.size.cols
+
+
 class ProcessService(process_connect.Process):
-    """The envd process service of every sandbox (the sandbox comes from the request's headers); ``Update``
-    (PTY resizing) is left to the generated default, ``unimplemented``."""
+    """The envd process service of every sandbox (the sandbox comes from the request's headers)."""
 
     def __init__(self, service: Service) -> None:
         self.service = service
@@ -92,17 +101,20 @@ class ProcessService(process_connect.Process):
                 return
 
     async def start(self, request: pb.StartRequest, ctx: RequestContext[Any, Any]) -> AsyncIterator[pb.StartResponse]:
-        if request.has_field("pty"):
-            raise ConnectError(Code.UNIMPLEMENTED, "agentenv sandboxes have no PTYs: run the command without one")
         sb = await self._sandbox(ctx)
         cfg = request.process or pb.ProcessConfig()
         if not cfg.cmd:
             raise ConnectError(Code.INVALID_ARGUMENT, "process.cmd is empty")
         timeout_ms = ctx.timeout_ms
         calls = await call(acting, sb, user_named(ctx.request_headers))
-        job: JobInfo = await call(calls.start, shlex.join([cfg.cmd, *cfg.args]), cwd=cfg.cwd or None,
-                                  env=dict(cfg.envs), timeout=timeout_ms / 1000 if timeout_ms else None,
-                                  stdin=bool(request.stdin), tag=request.tag or None)
+        line, timeout = shlex.join([cfg.cmd, *cfg.args]), timeout_ms / 1000 if timeout_ms else None
+        if request.pty is not None:
+            # exec: the program leads the terminal's session itself, as under envd (its pid is the one returned)
+            job: JobInfo = await call(calls.start_terminal, f"exec {line}", _size(request.pty), cwd=cfg.cwd or None,
+                                      env=dict(cfg.envs), timeout=timeout, tag=request.tag or None)
+        else:
+            job = await call(calls.start, line, cwd=cfg.cwd or None, env=dict(cfg.envs), timeout=timeout,
+                             stdin=bool(request.stdin), tag=request.tag or None)
         yield pb.StartResponse(event=_start(job.pid))
         async for event in self._follow(sb, job.pid, deadline_kills=True):
             yield pb.StartResponse(event=event)
@@ -122,6 +134,13 @@ class ProcessService(process_connect.Process):
         jobs = [j for j in await call(sb.jobs) if j.exit_code is None]
         return pb.ListResponse(processes=[pb.ProcessInfo(pid=j.pid, tag=j.tag, config=_config(j)) for j in jobs])
 
+    async def update(self, request: pb.UpdateRequest, ctx: RequestContext[Any, Any]) -> pb.UpdateResponse:
+        if request.pty is None:
+            raise ConnectError(Code.INVALID_ARGUMENT, "an update names the pty's new size (pty.size)")
+        sb = await self._sandbox(ctx)
+        await call(sb.resize, await self._pid(sb, request.process), _size(request.pty))
+        return pb.UpdateResponse()
+
     async def send_input(self, request: pb.SendInputRequest, ctx: RequestContext[Any, Any]) -> pb.SendInputResponse:
         sb = await self._sandbox(ctx)
         await self._write(sb, await self._pid(sb, request.process), request.input)
@@ -129,10 +148,8 @@ class ProcessService(process_connect.Process):
 
     async def _write(self, sb: Sandbox, pid: int, given: pb.ProcessInput | None) -> None:
         match given.input if given is not None else None:
-            case Oneof(field="stdin", value=data):
+            case Oneof(field="stdin" | "pty", value=data):  # a terminal's input end is its job's stdin
                 await call(sb.send_input, pid, bytes(data))
-            case Oneof(field="pty"):
-                raise ConnectError(Code.UNIMPLEMENTED, "agentenv sandboxes have no PTYs")
 
     async def stream_input(self, request: AsyncIterator[pb.StreamInputRequest],
                            ctx: RequestContext[Any, Any]) -> pb.StreamInputResponse:
