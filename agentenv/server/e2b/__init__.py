@@ -15,7 +15,6 @@ protocol (envelopes, JSON codec, error codes, deadlines) is the one the SDK spea
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 
 from anyio import CapacityLimiter
@@ -27,37 +26,38 @@ from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv import errors
-from agentenv.server.e2b import bridge, control, interpreter
+from agentenv.server.e2b import bridge, control, interpreter, ports
 from agentenv.server.e2b.files import FilesystemService, files_routes
+from agentenv.server.e2b.ports import ROUTING, host_route, reply
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
 from agentenv.server.service import Service
 
 __all__ = ["install"]
 
-# the headers that say which sandbox, port and token a request is for: each may come once (the checks here read
-# one value, the services behind another, so a second copy could name a sandbox whose token was never checked)
-ROUTING = (b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-access-token", b"e2b-traffic-access-token")
 MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recently used goes first
 
 
-def install(app: FastAPI, service: Service, token: str) -> None:
-    """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware)."""
+def install(app: FastAPI, service: Service, token: str, domain: str | None = None) -> None:
+    """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware);
+    ``domain``: the one ``get_host`` names (``{port}-{id}.{domain}``), routed on the ``Host`` header."""
+    app.state.e2b_domain = domain
     app.include_router(control.router)
     codecs = [bridge.CheckedCodec(proto_binary_codec()), bridge.CheckedCodec(proto_json_codec())]
     process = ProcessASGIApplication(ProcessService(service), compressions=(), codecs=codecs)
     filesystem = FilesystemASGIApplication(FilesystemService(service), compressions=(), codecs=codecs)
     envd = Router(routes=[Mount(process.path, app=process), Mount(filesystem.path, app=filesystem),
                           Mount("", app=files_routes(service))])
-    app.add_middleware(SandboxPorts, service=service, token=token,
+    app.add_middleware(SandboxPorts, service=service, token=token, domain=domain,
                        ports={ENVD_PORT: envd, INTERPRETER_PORT: interpreter.routes(service)})
 
 
 class SandboxPorts:
     """ASGI middleware: requests naming a sandbox in their headers go to that sandbox's port (see above)."""
 
-    def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp]) -> None:
-        self.app, self.service, self.token, self.ports = app, service, token, ports
+    def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp],
+                 domain: str | None = None) -> None:
+        self.app, self.service, self.token, self.ports, self.domain = app, service, token, ports, domain
         self.limiters: OrderedDict[str, CapacityLimiter] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -65,35 +65,48 @@ class SandboxPorts:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        sandbox_id = headers.get(b"e2b-sandbox-id")
-        if sandbox_id is None:
+        route = self.route(headers)
+        if route is None:
             await self.app(scope, receive, send)
             return
         names = [k.lower() for k, _ in scope["headers"]]
         repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
         if repeated:
-            await _reply(send, 400, f"the header {repeated[0]} is given more than once")
+            await reply(send, 400, f"the header {repeated[0]} is given more than once")
             return
-        sid = sandbox_id.decode("latin-1")
-        port = headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode()).decode("latin-1")
+        sid, port = route
         given = (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
         if not valid(self.token, sid, given):
-            await _reply(send, 401, f"missing or wrong access token for sandbox {sid} (X-Access-Token)")
+            await reply(send, 401, f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token "
+                                   "or X-Access-Token: the trafficAccessToken of create/connect)")
             return
-        target = self.ports.get(int(port)) if port.isascii() and port.isdigit() and len(port) <= 5 else None
-        if target is None:
-            await _reply(send, 502, f"The sandbox {sid} is running but port {port[:16]} is not open (port is not open)")
+        if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+            await reply(send, 502, f"The sandbox {sid} is running but port {port[:16]} is not open (not a TCP port)")
             return
+        if b"e2b-sandbox-id" not in headers:  # routed on Host: the services behind read the id from this header
+            scope = {**scope, "headers": [*scope["headers"], (b"e2b-sandbox-id", sid.encode())]}
         reset = bridge.threads.set(self._limiter(sid))
         try:
             state = await bridge.run(self._state, sid)
             if state != "running":
-                await _reply(send, 502, f"The sandbox {sid} was not found" if state is None else
-                             f"The sandbox {sid} is {state}, so it was not found running: connect to it to resume it")
+                await reply(send, 502, f"The sandbox {sid} was not found" if state is None else
+                            f"The sandbox {sid} is {state}, so it was not found running: connect to it to resume it")
                 return
-            await target(scope, receive, send)
+            target = self.ports.get(int(port))
+            if target is not None:
+                await target(scope, receive, send)
+            else:
+                await ports.proxy(self.service.sandbox(sid), int(port), scope, receive, send)
         finally:
             bridge.threads.reset(reset)
+
+    def route(self, headers: dict[bytes, bytes]) -> tuple[str, str] | None:
+        """The (sandbox id, port) a request is for: its ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers (envd's
+        port by default), else its ``Host`` as ``get_host`` builds it; None for a request of the server's own."""
+        sandbox_id = headers.get(b"e2b-sandbox-id")
+        if sandbox_id is not None:
+            return sandbox_id.decode("latin-1"), headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode()).decode("latin-1")
+        return host_route(headers.get(b"host", b""), self.domain)
 
     def _limiter(self, sandbox_id: str) -> CapacityLimiter:
         """The threads this sandbox's requests may hold (``bridge.run``), made on its first request."""
@@ -110,10 +123,3 @@ class SandboxPorts:
             return self.service.sandbox(sandbox_id).recorded_state
         except (errors.SandboxNotFound, ValueError):
             return None
-
-
-async def _reply(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"code": status, "message": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})
