@@ -4,6 +4,8 @@ E2B's 502, the traffic token is required, and the connection is made inside the 
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import socket
 import time
@@ -49,6 +51,48 @@ class H(http.server.BaseHTTPRequestHandler):
 http.server.ThreadingHTTPServer(("127.0.0.1", 8001), H).serve_forever()
 """
 
+WS_ECHO = r"""
+import base64, hashlib, socket, threading
+def exact(c, n):
+    b = b""
+    while len(b) < n:
+        d = c.recv(n - len(b))
+        if not d:
+            raise EOFError
+        b += d
+    return b
+def frame(op, data):
+    n = len(data)
+    size = bytes([n]) if n < 126 else b"\x7e" + n.to_bytes(2, "big") if n < 65536 else b"\x7f" + n.to_bytes(8, "big")
+    return bytes([0x80 | op]) + size + data
+def serve(c):
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += c.recv(4096)
+    lines = head.split(b"\r\n\r\n")[0].decode().split("\r\n")
+    key = [l.split(":", 1)[1].strip() for l in lines if l.lower().startswith("sec-websocket-key:")][0]
+    accept = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+              b"Sec-WebSocket-Accept: " + accept + b"\r\nX-Path: " + lines[0].split()[1].encode() + b"\r\n\r\n")
+    while True:
+        h = exact(c, 2)
+        op, n = h[0] & 15, h[1] & 127
+        n = int.from_bytes(exact(c, 2 if n == 126 else 8), "big") if n >= 126 else n
+        mask = exact(c, 4)
+        data = bytes(b ^ mask[i % 4] for i, b in enumerate(exact(c, n)))
+        if op == 8:
+            c.sendall(frame(8, b""))
+            break
+        c.sendall(frame(op, b"echo:" + data))
+    c.close()
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8002))
+s.listen()
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+"""
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -80,7 +124,9 @@ def web(server: str) -> Iterator[Sandbox]:
         sb.files.write("/tmp/slow.py", SLOW_SERVER)
         sb.commands.run("cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1", background=True)
         sb.commands.run("exec python3 /tmp/slow.py", background=True)
-        for port in (8000, 8001):
+        sb.files.write("/tmp/ws.py", WS_ECHO)
+        sb.commands.run("exec python3 /tmp/ws.py", background=True)
+        for port in (8000, 8001, 8002):
             deadline = time.monotonic() + 20
             while not _listening(sb, port):
                 assert time.monotonic() < deadline, f"port {port} never opened"
@@ -187,3 +233,71 @@ def test_the_port_is_the_sandboxs_never_the_hosts(server: str, web: Sandbox, tmp
         assert r.status_code == 502
     finally:
         host_listener.close()
+
+
+def _frame(op: int, data: bytes) -> bytes:
+    """A client's (masked) WebSocket frame."""
+    n = len(data)
+    size = bytes([0x80 | n]) if n < 126 else bytes([0x80 | 126]) + n.to_bytes(2, "big") if n < 65536 else \
+        bytes([0x80 | 127]) + n.to_bytes(8, "big")
+    mask = os.urandom(4)
+    return bytes([0x80 | op]) + size + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+
+def _read_frame(s: socket.socket) -> tuple[int, bytes]:
+    def exact(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = s.recv(n - len(out))
+            assert chunk, "the connection closed mid-frame"
+            out += chunk
+        return out
+    h = exact(2)
+    n = h[1] & 127
+    n = int.from_bytes(exact(2 if n == 126 else 8), "big") if n >= 126 else n
+    return h[0] & 15, exact(n)
+
+
+def _upgrade(server: str, headers: dict[str, str], path: str = "/chat") -> tuple[socket.socket, bytes]:
+    host, port = server.removeprefix("http://").split(":")
+    s = socket.create_connection((host, int(port)), timeout=15)
+    key = base64.b64encode(os.urandom(16)).decode()
+    lines = [f"GET {path} HTTP/1.1", "Upgrade: websocket", "Connection: Upgrade", f"Sec-WebSocket-Key: {key}",
+             "Sec-WebSocket-Version: 13", *(f"{k}: {v}" for k, v in headers.items())]
+    s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(4096)
+        if not chunk:
+            break
+        head += chunk
+    return s, head
+
+
+def test_a_websocket_passes_through_on_the_headers_and_on_get_host(server: str, web: Sandbox) -> None:
+    token = str(web.traffic_access_token)
+    for headers in (routed(web, 8002), {"Host": web.get_host(8002), "e2b-traffic-access-token": token}):
+        s, head = _upgrade(server, headers)
+        try:
+            assert head.startswith(b"HTTP/1.1 101"), head
+            assert b"x-path: /chat" in head.lower()
+            s.sendall(_frame(1, b"hello"))
+            assert _read_frame(s) == (1, b"echo:hello")
+            big = os.urandom(100_000)
+            s.sendall(_frame(2, big))
+            assert _read_frame(s) == (2, b"echo:" + big)
+            s.sendall(_frame(8, b""))
+            assert _read_frame(s) == (8, b"")
+        finally:
+            s.close()
+
+
+def test_a_refused_websocket_gets_e2bs_error(server: str, web: Sandbox) -> None:
+    s, head = _upgrade(server, routed(web, 8002, "0" * 64))
+    s.close()
+    assert head.startswith(b"HTTP/1.1 401")
+    s, head = _upgrade(server, routed(web, 8998))
+    s.close()
+    assert head.startswith(b"HTTP/1.1 502")
+    body = json.loads(head.split(b"\r\n\r\n", 1)[1])
+    assert body["code"] == 502 and "port is not open" in body["message"] and body["port"] == 8998

@@ -25,12 +25,11 @@ from fastapi import FastAPI
 from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentenv import errors
-from agentenv.server.e2b import bridge, control, interpreter, ports
+from agentenv.server.e2b import bridge, control, interpreter, ports, upgrade
 from agentenv.server.e2b.files import FilesystemService, files_routes
-from agentenv.server.e2b.ports import ROUTING, host_route, reply
+from agentenv.server.e2b.ports import Refused, admitted, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
-from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
+from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
 
 __all__ = ["install"]
@@ -42,6 +41,7 @@ def install(app: FastAPI, service: Service, token: str, domain: str | None = Non
     """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware);
     ``domain``: the one ``get_host`` names (``{port}-{id}.{domain}``), routed on the ``Host`` header."""
     app.state.e2b_domain = domain
+    app.state.raw_upgrade = upgrade.Upgrades(service, token, domain).take  # WebSockets: GuardedHttpProtocol
     app.include_router(control.router)
     codecs = [bridge.CheckedCodec(proto_binary_codec()), bridge.CheckedCodec(proto_json_codec())]
     process = ProcessASGIApplication(ProcessService(service), compressions=(), codecs=codecs)
@@ -69,44 +69,30 @@ class SandboxPorts:
         if route is None:
             await self.app(scope, receive, send)
             return
-        names = [k.lower() for k, _ in scope["headers"]]
-        repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
-        if repeated:
-            await reply(send, 400, f"the header {repeated[0]} is given more than once")
-            return
-        sid, port = route
-        given = (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
-        if not valid(self.token, sid, given):
-            await reply(send, 401, f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token "
-                                   "or X-Access-Token: the trafficAccessToken of create/connect)")
-            return
-        if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
-            await reply(send, 502, f"The sandbox {sid} is running but port {port[:16]} is not open (not a TCP port)")
+        try:
+            sid, port = admitted(scope["headers"], route, self.token)
+        except Refused as e:
+            await reply(send, e.status, e.message)
             return
         if b"e2b-sandbox-id" not in headers:  # routed on Host: the services behind read the id from this header
             scope = {**scope, "headers": [*scope["headers"], (b"e2b-sandbox-id", sid.encode())]}
         reset = bridge.threads.set(self._limiter(sid))
         try:
-            state = await bridge.run(self._state, sid)
-            if state != "running":
-                await reply(send, 502, f"The sandbox {sid} was not found" if state is None else
-                            f"The sandbox {sid} is {state}, so it was not found running: connect to it to resume it")
+            try:
+                await running(self.service, sid)
+            except Refused as e:
+                await reply(send, e.status, e.message)
                 return
-            target = self.ports.get(int(port))
+            target = self.ports.get(port)
             if target is not None:
                 await target(scope, receive, send)
             else:
-                await ports.proxy(self.service.sandbox(sid), int(port), scope, receive, send)
+                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send)
         finally:
             bridge.threads.reset(reset)
 
     def route(self, headers: dict[bytes, bytes]) -> tuple[str, str] | None:
-        """The (sandbox id, port) a request is for: its ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers (envd's
-        port by default), else its ``Host`` as ``get_host`` builds it; None for a request of the server's own."""
-        sandbox_id = headers.get(b"e2b-sandbox-id")
-        if sandbox_id is not None:
-            return sandbox_id.decode("latin-1"), headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode()).decode("latin-1")
-        return host_route(headers.get(b"host", b""), self.domain)
+        return route_of(headers, self.domain)
 
     def _limiter(self, sandbox_id: str) -> CapacityLimiter:
         """The threads this sandbox's requests may hold (``bridge.run``), made on its first request."""
@@ -115,11 +101,3 @@ class SandboxPorts:
         while len(self.limiters) > MAX_LIMITERS:
             self.limiters.popitem(last=False)
         return limiter
-
-    def _state(self, sandbox_id: str) -> str | None:
-        """The sandbox's recorded state (no ``runc state`` per request: a sandbox whose processes died behind
-        the record fails its call with a typed error instead)."""
-        try:
-            return self.service.sandbox(sandbox_id).recorded_state
-        except (errors.SandboxNotFound, ValueError):
-            return None

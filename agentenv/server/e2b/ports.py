@@ -20,6 +20,8 @@ from starlette.types import Receive, Scope, Send
 from agentenv import errors
 from agentenv.sandbox.core import Sandbox
 from agentenv.server.e2b import bridge
+from agentenv.server.e2b.tokens import ENVD_PORT, valid
+from agentenv.server.service import Service
 
 # the headers that say which sandbox, port and token a request is for: each may come once (the checks here read
 # one value, the services behind another, so a second copy could name a sandbox whose token was never checked)
@@ -54,6 +56,55 @@ def host_route(host: bytes, domain: str | None) -> tuple[str, str] | None:
     return (sid, port) if sid and port.isdigit() and "." not in sid else None
 
 
+def route_of(headers: dict[bytes, bytes], domain: str | None) -> tuple[str, str] | None:
+    """The (sandbox id, port) a request is for: its ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers (envd's port
+    by default), else its ``Host`` as ``get_host`` builds it; None for a request of the server's own."""
+    sandbox_id = headers.get(b"e2b-sandbox-id")
+    if sandbox_id is not None:
+        return sandbox_id.decode("latin-1"), headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode()).decode("latin-1")
+    return host_route(headers.get(b"host", b""), domain)
+
+
+class Refused(Exception):
+    """A request for a sandbox's port that is answered ``status`` with E2B's body instead."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str) -> tuple[str, int]:
+    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not)."""
+    names = [k.lower() for k, _ in headers]
+    repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
+    if repeated:
+        raise Refused(400, f"the header {repeated[0]} is given more than once")
+    sid, port = route
+    values = dict(headers)
+    given = (values.get(b"x-access-token") or values.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
+    if not valid(token, sid, given):
+        raise Refused(401, f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token or "
+                           "X-Access-Token: the trafficAccessToken of create/connect)")
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise Refused(502, f"The sandbox {sid} is running but port {port[:16]} is not open (not a TCP port)")
+    return sid, int(port)
+
+
+async def running(service: Service, sandbox_id: str) -> None:
+    """``Refused`` (502, as E2B) unless the sandbox is recorded running (no ``runc state`` per request: a sandbox
+    whose processes died behind the record fails its call with a typed error instead)."""
+    def state() -> str | None:
+        try:
+            return service.sandbox(sandbox_id).recorded_state
+        except (errors.SandboxNotFound, ValueError):
+            return None
+
+    now = await bridge.run(state)
+    if now != "running":
+        raise Refused(502, f"The sandbox {sandbox_id} was not found" if now is None else
+                      f"The sandbox {sandbox_id} is {now}, so it was not found running: connect to it to resume it")
+
+
 def forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """The request headers the listener gets: not the hop-by-hop ones, not E2B's routing ones."""
     return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in ROUTING]
@@ -64,21 +115,22 @@ def closed(sandbox_id: str, port: int) -> dict[str, Any]:
     return {"message": "The sandbox is running but port is not open", "sandboxId": sandbox_id, "port": port}
 
 
-async def open_port(sb: Sandbox, port: int, send: Send) -> socket.socket | None:
-    """A connection to ``port`` in ``sb``, or None once the 502 that says why is sent."""
+async def open_port(sb: Sandbox, port: int) -> socket.socket:
+    """A connection to ``port`` in ``sb``; ``Refused`` (E2B's 502) when nothing listens or the sandbox is gone."""
     try:
         return await bridge.run(sb.open_port, port, OPEN_TIMEOUT)
     except (errors.ConnectionLost, errors.SandboxStateError, errors.SandboxNotFound) as e:
-        await reply(send, 502, f"The sandbox {sb.id} cannot be reached: {e}", sandboxId=sb.id, port=port)
-    except OSError:
-        await reply(send, 502, **closed(sb.id, port))
-    return None
+        raise Refused(502, f"The sandbox {sb.id} cannot be reached: {e}", sandboxId=sb.id, port=port) from e
+    except OSError as e:
+        raise Refused(502, **closed(sb.id, port)) from e
 
 
 async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Send) -> None:
     """Send the request to ``port`` of ``sb`` and stream its response back (a 502 when nothing listens)."""
-    sock = await open_port(sb, port, send)
-    if sock is None:
+    try:
+        sock = await open_port(sb, port)
+    except Refused as e:
+        await reply(send, e.status, e.message, **e.extra)
         return
     reader, writer = await asyncio.open_connection(sock=sock)
     started = False
