@@ -42,14 +42,14 @@ async def reply(send: Send, status: int, message: str, **extra: Any) -> None:
 
 
 def host_route(host: bytes, domain: str | None) -> tuple[str, str] | None:
-    """The (sandbox id, port) a ``Host`` header names as ``get_host`` builds it, ``{port}-{id}.{domain}``; None
-    for any other host (or no domain set)."""
+    """The (sandbox id, port) a ``Host`` header names as ``get_host`` builds it, ``{port}-{id}.{domain}`` (the
+    domain may carry the server's port, which ``get_host`` then names too); None for any other host."""
     if not domain:
         return None
     name = host.decode("latin-1").lower()
-    if not name.startswith("["):
-        name = name.rpartition(":")[0] or name if name.count(":") == 1 else name
     suffix = "." + domain.lower()
+    if not name.endswith(suffix) and name.count(":") == 1:  # a domain with no port: the Host's own port goes
+        name = name.partition(":")[0]
     if not name.endswith(suffix):
         return None
     port, _, sid = name[:-len(suffix)].partition("-")
