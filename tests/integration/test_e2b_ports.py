@@ -301,3 +301,43 @@ def test_a_refused_websocket_gets_e2bs_error(server: str, web: Sandbox) -> None:
     assert head.startswith(b"HTTP/1.1 502")
     body = json.loads(head.split(b"\r\n\r\n", 1)[1])
     assert body["code"] == 502 and "port is not open" in body["message"] and body["port"] == 8998
+
+
+def test_a_sandbox_without_a_network_serves_its_ports_across_a_pause(server: str) -> None:
+    """The agent connects inside, so loopback alone is enough; an open WebSocket does not stop a pause (the tunnel
+    is shut for the snapshot), and the listeners answer again once the sandbox is resumed."""
+    sb = Sandbox.create(timeout=300, allow_internet_access=False)
+    try:
+        sb.files.write("/tmp/www/a.txt", "offline")
+        sb.files.write("/tmp/ws.py", WS_ECHO)
+        sb.commands.run("cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1", background=True)
+        sb.commands.run("exec python3 /tmp/ws.py", background=True)
+        for port in (8000, 8002):
+            deadline = time.monotonic() + 20
+            while not _listening(sb, port):
+                assert time.monotonic() < deadline, f"port {port} never opened"
+                time.sleep(0.1)
+        assert httpx.get(f"{server}/a.txt", headers=routed(sb, 8000)).text == "offline"
+        ws, head = _upgrade(server, routed(sb, 8002))
+        try:
+            assert head.startswith(b"HTTP/1.1 101")
+            ws.sendall(_frame(1, b"before"))
+            assert _read_frame(ws) == (1, b"echo:before")
+            assert sb.pause() is True
+            ws.settimeout(10)
+            assert ws.recv(100) == b""  # the pause closed the spliced connection
+        finally:
+            ws.close()
+        r = httpx.get(f"{server}/a.txt", headers=routed(sb, 8000))
+        assert r.status_code == 502 and "paused" in r.json()["message"]
+        Sandbox.connect(sb.sandbox_id)
+        assert httpx.get(f"{server}/a.txt", headers=routed(sb, 8000), timeout=30).text == "offline"
+        ws, head = _upgrade(server, routed(sb, 8002))
+        try:
+            assert head.startswith(b"HTTP/1.1 101")
+            ws.sendall(_frame(1, b"after"))
+            assert _read_frame(ws) == (1, b"echo:after")
+        finally:
+            ws.close()
+    finally:
+        Sandbox.kill(sb.sandbox_id)
