@@ -13,6 +13,7 @@ import _thread
 import errno
 
 from agentenv.inside.frames import send_frame, suppress
+from agentenv.inside.jobs import Starved
 
 TUNNEL_CONNECT_TIMEOUT = 5.0  # seconds for the sandbox's listener to accept
 TUNNEL_CHUNK = 1 << 16
@@ -29,17 +30,25 @@ def open_tunnel(conn: _socket.socket, port: int, active: set[_socket.socket]) ->
         tcp.settimeout(TUNNEL_CONNECT_TIMEOUT)
         try:
             tcp.connect(("127.0.0.1", port))
-        except TimeoutError as e:
-            raise OSError(errno.ETIMEDOUT, f"port {port} did not accept within {TUNNEL_CONNECT_TIMEOUT:g} s") from e
-        except OSError as e:  # a plain OSError: a ConnectionError would end the connection without an answer
-            raise OSError(e.errno, f"nothing accepts on port {port} in the sandbox ({e.strerror})") from e
+        except OSError as e:  # answered here: raised, a ConnectionError would end the connection without a word
+            why = f"did not accept within {TUNNEL_CONNECT_TIMEOUT:g} s" if isinstance(e, TimeoutError) else e.strerror
+            send_frame(conn, {"error": "OSError", "errno": e.errno or errno.ETIMEDOUT,
+                              "message": f"nothing accepts on port {port} in the sandbox ({why})"})
+            return
         tcp.settimeout(None)
         conn.settimeout(None)
-        send_frame(conn, {"ok": True})
-        active.add(tcp)
-        done = _thread.allocate_lock()
+        go, done = _thread.allocate_lock(), _thread.allocate_lock()
+        go.acquire()
         done.acquire()
-        _thread.start_new_thread(_pump_then_release, (tcp, conn, done))
+        try:  # before the answer, so that a refusal can still be one; it sends nothing until the answer is out
+            _thread.start_new_thread(_pump_after, (tcp, conn, go, done))
+        except RuntimeError as e:
+            raise Starved(f"cannot open the port: the sandbox is out of threads ({e})") from None
+        try:
+            send_frame(conn, {"ok": True})
+            active.add(tcp)
+        finally:
+            go.release()
         _pump(conn, tcp)
         done.acquire()
     finally:
@@ -47,8 +56,10 @@ def open_tunnel(conn: _socket.socket, port: int, active: set[_socket.socket]) ->
         tcp.close()
 
 
-def _pump_then_release(src: _socket.socket, dst: _socket.socket, done: _thread.LockType) -> None:
+def _pump_after(src: _socket.socket, dst: _socket.socket, go: _thread.LockType, done: _thread.LockType) -> None:
+    """``_pump`` once ``go`` is released (the answer sent); releases ``done`` at the end."""
     try:
+        go.acquire()
         _pump(src, dst)
     finally:
         done.release()

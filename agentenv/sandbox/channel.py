@@ -134,15 +134,21 @@ class Channel:
         this returns, its bytes are the port's both ways (blocking; the caller sets its own deadlines and closes
         it). ``ConnectionRefusedError`` (or another ``OSError``) when nothing accepts there; not retried."""
         deadline = time.monotonic() + timeout
-        with typed_failures("tunnel", timeout):
-            s = self.connect(deadline=deadline)
+        s = self.connect(deadline=deadline)
+        try:
             try:
-                frames.send_frame(s, {"op": "tunnel", "port": port}, deadline=deadline)
-                reply, _ = frames.recv_frame(s, 0, deadline)
-                raise_for(reply)
-            except BaseException:
-                s.close()
+                with typed_failures("tunnel", timeout):
+                    frames.send_frame(s, {"op": "tunnel", "port": port}, deadline=deadline)
+                    reply, _ = frames.recv_frame(s, 0, deadline)
+            except ConnectionLost:
                 raise
+            except ConnectionError as e:  # closed without an answer: the agent's failure, not the port's
+                raise ConnectionLost(f"the sandbox agent closed the connection instead of opening port {port} ({e})",
+                                     fix="the sandbox may be out of memory or processes; check its state") from e
+            raise_for(reply)  # nothing listens: an OSError (ConnectionRefusedError, mostly)
+        except BaseException:
+            s.close()
+            raise
         s.settimeout(None)
         return s
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -88,6 +89,8 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
         app.include_router(module.router)
     if e2b is None:
         e2b = importlib.util.find_spec("e2b") is not None
+    if domain is not None and not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?", domain):
+        raise ValueError(f"--domain {domain!r} is not a host name (as sandbox.test, or sandbox.test:8700)")
     if domain and not e2b:
         raise ValueError("--domain names E2B's sandbox hosts: it needs the E2B API (--e2b)")
     if e2b:

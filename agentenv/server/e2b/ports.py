@@ -119,7 +119,7 @@ async def open_port(sb: Sandbox, port: int) -> socket.socket:
     """A connection to ``port`` in ``sb``; ``Refused`` (E2B's 502) when nothing listens or the sandbox is gone."""
     try:
         return await bridge.run(sb.open_port, port, OPEN_TIMEOUT)
-    except (errors.ConnectionLost, errors.SandboxStateError, errors.SandboxNotFound) as e:
+    except errors.AgentEnvError as e:  # the agent's failure (gone, starved, paused under the call), not the port's
         raise Refused(502, f"The sandbox {sb.id} cannot be reached: {e}", sandboxId=sb.id, port=port) from e
     except OSError as e:
         raise Refused(502, **closed(sb.id, port)) from e

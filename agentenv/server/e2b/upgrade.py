@@ -1,5 +1,5 @@
-"""WebSocket (and any other ``Upgrade``) requests for a sandbox's port: the request goes to the listener as it came
-(less E2B's routing headers), and from then on the bytes of the two connections are spliced, unread.
+"""WebSocket upgrade requests for a sandbox's port: the request goes to the listener as it came (less E2B's routing
+headers), and from then on the bytes of the two connections are spliced, unread (frames, pings and closes alike).
 
 ASGI has no raw connection, so this hooks in under it: ``GuardedHttpProtocol`` hands an upgrade request's
 connection to ``Upgrades.take`` (``app.state.raw_upgrade``) instead of running the app; admission (route, token,
