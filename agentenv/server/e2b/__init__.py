@@ -5,7 +5,9 @@ token.
 With ``E2B_SANDBOX_URL`` set, the SDK sends everything meant for inside a sandbox (envd on port 49983, the code
 interpreter on 49999) to that one URL, naming the sandbox and port in the ``E2b-Sandbox-Id`` and
 ``E2b-Sandbox-Port`` headers. So ``SandboxPorts`` routes on those headers before the path: such a request goes
-to the port's app once its per-sandbox access token checks out and the sandbox is running; every other request
+to the port's app once its per-sandbox access token checks out and the sandbox is running. Any other port is
+proxied to what listens on it inside the sandbox (``ports``; WebSockets in ``upgrade``), and is also reached on
+the Host names ``get_host`` builds (``{port}-{id}.{domain}``, with ``serve --domain``). Every other request
 is the control plane's (``control``, under ``X-API-KEY``) or the native API's. Each part is an adapter over the
 same ``Service`` and ``Sandbox`` as the native routes: there is no second sandbox model.
 
@@ -53,7 +55,7 @@ def install(app: FastAPI, service: Service, token: str, domain: str | None = Non
 
 
 class SandboxPorts:
-    """ASGI middleware: requests naming a sandbox in their headers go to that sandbox's port (see above)."""
+    """ASGI middleware: requests naming a sandbox in their headers or Host go to that sandbox's port (see above)."""
 
     def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp],
                  domain: str | None = None) -> None:
@@ -65,7 +67,7 @@ class SandboxPorts:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        route = self.route(headers)
+        route = route_of(headers, self.domain)
         if route is None:
             await self.app(scope, receive, send)
             return
@@ -90,9 +92,6 @@ class SandboxPorts:
                 await ports.proxy(self.service.sandbox(sid), port, scope, receive, send)
         finally:
             bridge.threads.reset(reset)
-
-    def route(self, headers: dict[bytes, bytes]) -> tuple[str, str] | None:
-        return route_of(headers, self.domain)
 
     def _limiter(self, sandbox_id: str) -> CapacityLimiter:
         """The threads this sandbox's requests may hold (``bridge.run``), made on its first request."""

@@ -15,6 +15,7 @@ from http import HTTPStatus
 from agentenv.server.e2b import ports
 from agentenv.server.service import Service
 
+MAX_SPLICES = 1024  # spliced connections at once (uvicorn's connection limit no longer counts them)
 MAX_PENDING = 1 << 20  # bytes the client may send before the sandbox's side is open (then its reading pauses)
 
 
@@ -29,6 +30,9 @@ class Upgrades:
         """The connection's from now on: splice it to the port its request names, or answer why not."""
         splice = Splice(transport)
         transport.set_protocol(splice)
+        if len(self.tasks) >= MAX_SPLICES:
+            splice.refuse(503, f"the server splices {MAX_SPLICES} WebSockets at most: close some, then retry")
+            return
         task = asyncio.get_running_loop().create_task(self._open(splice, method, url, headers))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
