@@ -341,3 +341,22 @@ def test_a_sandbox_without_a_network_serves_its_ports_across_a_pause(server: str
             ws.close()
     finally:
         Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_fork_child_serves_the_ports_its_parent_listened_on(server: str, web: Sandbox) -> None:
+    """The listening sockets are copied with the processes: each child answers on its own host name and token."""
+    kids = web.fork(count=1)
+    try:
+        (kid,) = kids
+        assert kid.sandbox_id != web.sandbox_id
+        r = httpx.get(f"{server}/hello.txt", headers={"Host": kid.get_host(8000),
+                                                      "e2b-traffic-access-token": str(kid.traffic_access_token)})
+        assert r.status_code == 200 and r.text == "hello from inside"
+        kid.files.write("/tmp/www/hello.txt", "hello from the child")
+        assert httpx.get(f"{server}/hello.txt", headers=routed(kid, 8000)).text == "hello from the child"
+        assert httpx.get(f"{server}/hello.txt", headers=routed(web, 8000)).text == "hello from inside"
+        r = httpx.get(f"{server}/hello.txt", headers=routed(kid, 8000, str(web.traffic_access_token)))
+        assert r.status_code == 401  # the parent's token is not the child's
+    finally:
+        for kid in kids:
+            Sandbox.kill(kid.sandbox_id)
