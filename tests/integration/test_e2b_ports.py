@@ -360,3 +360,18 @@ def test_a_fork_child_serves_the_ports_its_parent_listened_on(server: str, web: 
     finally:
         for kid in kids:
             Sandbox.kill(kid.sandbox_id)
+
+
+def test_a_listener_that_breaks_http_is_a_502_not_a_hang(server: str, web: Sandbox) -> None:
+    garbage = ("import socket\ns = socket.socket()\ns.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+               "s.bind(('127.0.0.1', 8003))\ns.listen()\nwhile True:\n    c = s.accept()[0]\n    c.recv(65536)\n"
+               "    c.sendall(b'NOT HTTP AT ALL' + b'x' * 100000 + b'\\r\\n\\r\\n')\n    c.close()\n")
+    web.files.write("/tmp/garbage.py", garbage)
+    web.commands.run("exec python3 /tmp/garbage.py", background=True)
+    deadline = time.monotonic() + 20
+    while not _listening(web, 8003):
+        assert time.monotonic() < deadline, "port 8003 never opened"
+        time.sleep(0.1)
+    r = httpx.get(f"{server}/", headers=routed(web, 8003), timeout=30)
+    assert r.status_code == 502 and "did not answer HTTP" in r.json()["message"], r.text
+    assert httpx.get(f"{server}/hello.txt", headers=routed(web, 8000)).status_code == 200  # the server goes on
