@@ -105,6 +105,8 @@ def serve(
                                                                      "package is installed)")] = None,
     warm_pool: int = typer.Option(0, min=0, help="sandboxes of the default image and limits kept started, so "
                                                  "that a burst of creates gets them at once (0: none)"),
+    domain: str | None = typer.Option(None, help="the domain E2B's get_host names ({port}-{id}.DOMAIN): requests "
+                                                 "with such a Host reach that sandbox port (docs/e2b.md)"),
 ) -> None:
     """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token.
 
@@ -121,7 +123,8 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
-                 max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b, warm_pool=warm_pool)
+                 max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
+                 warm_pool=warm_pool, domain=domain)
 
 
 @snapshots_app.command("ls")

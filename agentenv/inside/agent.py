@@ -5,10 +5,10 @@ image with python3 works. The host reaches it at ``/proc/<pid>/root/dev/agentenv
 which avoids ``docker exec``'s round trip, and because the agent *is* the container's init, a CRIU
 snapshot carries every job, its buffered output and the listening socket along.
 
-The agent is six files, sent into the sandbox as one (``agentenv.host.agent_start`` joins them in this order):
+The agent is seven files, sent into the sandbox as one (``agentenv.host.agent_start`` joins them in this order):
 ``frames`` (the wire, shared with the host), ``users`` (the image's accounts), ``pty`` (terminals), ``jobs``
-(commands and their output), ``files`` (the file calls)
-and this one, which answers requests and runs the agent as a sandbox's init.
+(commands and their output), ``files`` (the file calls),
+``tunnel`` (ports reached from the host) and this one, which answers requests and runs the agent as a sandbox's init.
 
 Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
 server, or connect to the agent itself (so ``reroot``, which re-executes the agent with the argv it is
@@ -32,6 +32,7 @@ from agentenv.inside.files import check_own, fs, send_file, write_stream
 from agentenv.inside.frames import SMALL_BLOB, _recv_exact, drain, recv_header, send_frame, suppress
 from agentenv.inside.jobs import HEARTBEAT, INPUT_TIMEOUT, Jobs, Starved, close_stdin
 from agentenv.inside.pty import resize
+from agentenv.inside.tunnel import open_tunnel
 from agentenv.inside.users import AsAccount, UnknownUser, account
 
 TYPE_CHECKING = False
@@ -56,6 +57,7 @@ class Agent(Jobs):
         self.own_dirs = own_dirs
         self.conns: set[_socket.socket] = set()
         self.socket_path = ""  # where main listens
+        self.tunnels: set[_socket.socket] = set()  # the sandbox ends of the host's tunnels to its ports
 
     def serve(self, conn: _socket.socket, starved: bool = False) -> None:
         """Answer requests on one connection until the host closes it (registered by ``accept``).
@@ -75,7 +77,7 @@ class Agent(Jobs):
                     send_frame(conn, {"error": "BadRequest", "message": f"a {header.get('op')!r} request "
                                                                          "carries no data"})
                     continue
-                if starved and header.get("op") in ("exec", "spawn", "start"):
+                if starved and header.get("op") in ("exec", "spawn", "start", "tunnel"):
                     drain(conn, blen)
                     self._refuse_starved(conn, "cannot start a thread to serve it")
                     return
@@ -191,6 +193,11 @@ class Agent(Jobs):
                 os.unlink(self.socket_path)  # a connect from now on reaches the new agent, or waits for it
                 send_frame(conn, {"ok": True})
                 os.execve(sys.executable, argv, env)  # what ran from the old root (interpreter, modules) is gone
+            elif op == "tunnel":  # the host's connection to a port of the sandbox: raw bytes after the answer
+                if peer_pid(conn) != 0:
+                    raise PermissionError(errno.EPERM, "tunnel is the host's request alone: refused")
+                open_tunnel(conn, int(h["port"]), self.tunnels)
+                raise ConnectionError("tunnel closed")  # the connection carried raw bytes: no frame may follow
             elif op == "quiesce":
                 self.quiesce(conn)
                 send_frame(conn, {"ok": True})
@@ -221,7 +228,7 @@ class Agent(Jobs):
             others = [c for c in self.conns if c is not keep]
             self.closing.update(others)
             jobs = list(self.jobs.values())
-        for c in others:
+        for c in others + list(self.tunnels):
             with suppress(OSError):
                 c.shutdown(_socket.SHUT_RDWR)
         for job in jobs:

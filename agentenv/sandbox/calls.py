@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import errno
 import posixpath
+import socket
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -123,6 +124,12 @@ class Calls:
         self.require_running()
         reply, _ = self._channel.call({"op": "procs"})
         return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
+
+    def open_port(self, port: int, timeout: float = 10.0) -> socket.socket:
+        """A connection to what listens on TCP ``port`` of the sandbox's loopback (through its agent, so a sandbox
+        without a network serves it too); ``ConnectionRefusedError`` when nothing does."""
+        self.require_running()
+        return self._channel.tunnel(port, timeout)
 
     def read_file(self, path: str) -> bytes:
         """A whole file (at most 1 GiB); the agent's own files are refused (PermissionError), its

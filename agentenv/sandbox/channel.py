@@ -129,6 +129,29 @@ class Channel:
             with contextlib.suppress(ConnectionError):
                 frames.recv_frame(s, 0, deadline)  # returns only when the agent closed its end
 
+    def tunnel(self, port: int, timeout: float) -> socket.socket:
+        """A connection to ``127.0.0.1:port`` inside the sandbox, made by its agent in the sandbox's namespace: once
+        this returns, its bytes are the port's both ways (blocking; the caller sets its own deadlines and closes
+        it). ``ConnectionRefusedError`` (or another ``OSError``) when nothing accepts there; not retried."""
+        deadline = time.monotonic() + timeout
+        s = self.connect(deadline=deadline)
+        try:
+            try:
+                with typed_failures("tunnel", timeout):
+                    frames.send_frame(s, {"op": "tunnel", "port": port}, deadline=deadline)
+                    reply, _ = frames.recv_frame(s, 0, deadline)
+            except ConnectionLost:
+                raise
+            except ConnectionError as e:  # closed without an answer: the agent's failure, not the port's
+                raise ConnectionLost(f"the sandbox agent closed the connection instead of opening port {port} ({e})",
+                                     fix="the sandbox may be out of memory or processes; check its state") from e
+            raise_for(reply)  # nothing listens: an OSError (ConnectionRefusedError, mostly)
+        except BaseException:
+            s.close()
+            raise
+        s.settimeout(None)
+        return s
+
     def exec(self, header: dict[str, Any], on_output: OutputCallback | None) -> dict[str, Any]:
         """Run a command to completion; the final header carries 'stdout'/'stderr' as bytes.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import re
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -37,7 +38,8 @@ TOKEN_ENV = "AGENTENV_TOKEN"
 
 def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "64g", max_disk: str | int = "640g",
                max_store: str | int | None = None, unlimited_disk: bool = False,
-               reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0) -> FastAPI:
+               reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0,
+               domain: str | None = None) -> FastAPI:
     """The environment server's app; ``token`` guards every route but /health and /metrics.
 
     Quotas: ``max_sandboxes`` live sandboxes, ``max_memory`` and ``max_disk`` bytes of their limits added up;
@@ -45,6 +47,8 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     sandboxes without a disk limit (``disk: null``); ``e2b`` serves E2B's API too (``agentenv.server.e2b``):
     None = when the ``e2b`` package is installed. ``warm_pool`` sandboxes of the default image and limits (what
     E2B's creates and plain creates ask for) are kept started, so that a burst of creates gets them at once.
+    ``domain``: what E2B's ``get_host`` names (``{port}-{id}.{domain}``): requests with such a ``Host`` reach
+    that port of the sandbox (a wildcard DNS name to this server makes them work, see docs/e2b.md).
     """
     if not token:
         raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
@@ -86,12 +90,16 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
         app.include_router(module.router)
     if e2b is None:
         e2b = importlib.util.find_spec("e2b") is not None
+    if domain is not None and not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?", domain):
+        raise ValueError(f"--domain {domain!r} is not a host name (as sandbox.test, or sandbox.test:8700)")
+    if domain and not e2b:
+        raise ValueError("--domain names E2B's sandbox hosts: it needs the E2B API (--e2b)")
     if e2b:
         try:
             from agentenv.server import e2b as e2b_api
         except ImportError as e:
             raise ValueError(f"the E2B API needs the e2b package ({e}): pip install 'agentenv[e2b]'") from e
-        e2b_api.install(app, service, token)
+        e2b_api.install(app, service, token, domain)
     app.add_middleware(BodyLimit)
     complete_openapi(app)
     return app
@@ -127,9 +135,9 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PO
 def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_sandboxes: int = 64,
           max_memory: str | int = "64g", max_disk: str | int = "640g", max_store: str | int | None = None,
           unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info",
-          e2b: bool | None = None, warm_pool: int = 0) -> None:
+          e2b: bool | None = None, warm_pool: int = 0, domain: str | None = None) -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                     warm_pool=warm_pool)
+                     warm_pool=warm_pool, domain=domain)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

@@ -160,3 +160,20 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._in_body = False
         self._disarm()
         super().on_message_complete()
+
+    def _raw_upgrade(self) -> Any:
+        """What takes the connection of an upgrade request (``app.state.raw_upgrade``: E2B's sandbox ports), if any."""
+        return getattr(getattr(self.config.app, "state", None), "raw_upgrade", None)
+
+    def _should_upgrade_to_ws(self) -> bool:
+        return self.ws_protocol_class is not None or self._raw_upgrade() is not None
+
+    def handle_websocket_upgrade(self) -> None:
+        take = self._raw_upgrade()
+        if take is None:
+            super().handle_websocket_upgrade()
+            return
+        self._disarm()
+        self._in_body = False
+        self.connections.discard(self)
+        take(self.transport, self.scope["method"], self.url, list(self.scope["headers"]))

@@ -138,3 +138,20 @@ def test_a_silent_agent_is_an_error_not_a_hang(tmp_path, monkeypatch):
     with pytest.raises(ConnectionLost, match="did not answer"):
         ch.exec({"cmd": "true", "timeout": 0.2}, None)
     mute.close()
+
+
+def test_a_tunnel_is_the_hosts_request_alone(channel):
+    """A process in the agent's own pid namespace (here: this test, as a command of the sandbox would be) is refused
+    a tunnel to a port; the agent answers, and keeps serving."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    try:
+        with pytest.raises(PermissionError, match="host's request alone"):
+            channel.tunnel(listener.getsockname()[1], 5.0)
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing was connected to it
+    finally:
+        listener.close()
+    assert channel.call({"op": "ping"})[0]["ok"] is True

@@ -5,7 +5,9 @@ token.
 With ``E2B_SANDBOX_URL`` set, the SDK sends everything meant for inside a sandbox (envd on port 49983, the code
 interpreter on 49999) to that one URL, naming the sandbox and port in the ``E2b-Sandbox-Id`` and
 ``E2b-Sandbox-Port`` headers. So ``SandboxPorts`` routes on those headers before the path: such a request goes
-to the port's app once its per-sandbox access token checks out and the sandbox is running; every other request
+to the port's app once its per-sandbox access token checks out and the sandbox is running. Any other port is
+proxied to what listens on it inside the sandbox (``ports``; WebSockets in ``upgrade``), and is also reached on
+the Host names ``get_host`` builds (``{port}-{id}.{domain}``, with ``serve --domain``). Every other request
 is the control plane's (``control``, under ``X-API-KEY``) or the native API's. Each part is an adapter over the
 same ``Service`` and ``Sandbox`` as the native routes: there is no second sandbox model.
 
@@ -15,7 +17,6 @@ protocol (envelopes, JSON codec, error codes, deadlines) is the one the SDK spea
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 
 from anyio import CapacityLimiter
@@ -26,23 +27,23 @@ from fastapi import FastAPI
 from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from agentenv import errors
-from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, templates
+from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, ports, templates, upgrade
 from agentenv.server.e2b.files import FilesystemService, files_routes
+from agentenv.server.e2b.ports import Refused, admitted, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
-from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
+from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
 
 __all__ = ["install"]
 
-# the headers that say which sandbox, port and token a request is for: each may come once (the checks here read
-# one value, the services behind another, so a second copy could name a sandbox whose token was never checked)
-ROUTING = (b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-access-token", b"e2b-traffic-access-token")
 MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recently used goes first
 
 
-def install(app: FastAPI, service: Service, token: str) -> None:
-    """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware)."""
+def install(app: FastAPI, service: Service, token: str, domain: str | None = None) -> None:
+    """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware);
+    ``domain``: the one ``get_host`` names (``{port}-{id}.{domain}``), routed on the ``Host`` header."""
+    app.state.e2b_domain = domain
+    app.state.raw_upgrade = upgrade.Upgrades(service, token, domain).take  # WebSockets: GuardedHttpProtocol
     app.include_router(listing.router)
     app.include_router(metrics.router)  # before control's /sandboxes/{id}, which would take /sandboxes/metrics
     app.include_router(control.router)
@@ -53,15 +54,16 @@ def install(app: FastAPI, service: Service, token: str) -> None:
     filesystem = FilesystemASGIApplication(FilesystemService(service), compressions=(), codecs=codecs)
     envd = Router(routes=[Mount(process.path, app=process), Mount(filesystem.path, app=filesystem),
                           Mount("", app=files_routes(service))])
-    app.add_middleware(SandboxPorts, service=service, token=token,
+    app.add_middleware(SandboxPorts, service=service, token=token, domain=domain,
                        ports={ENVD_PORT: envd, INTERPRETER_PORT: interpreter.routes(service)})
 
 
 class SandboxPorts:
-    """ASGI middleware: requests naming a sandbox in their headers go to that sandbox's port (see above)."""
+    """ASGI middleware: requests naming a sandbox in their headers or Host go to that sandbox's port (see above)."""
 
-    def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp]) -> None:
-        self.app, self.service, self.token, self.ports = app, service, token, ports
+    def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp],
+                 domain: str | None = None) -> None:
+        self.app, self.service, self.token, self.ports, self.domain = app, service, token, ports, domain
         self.limiters: OrderedDict[str, CapacityLimiter] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -69,33 +71,29 @@ class SandboxPorts:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        sandbox_id = headers.get(b"e2b-sandbox-id")
-        if sandbox_id is None:
+        route = route_of(headers, self.domain)
+        if route is None:
             await self.app(scope, receive, send)
             return
-        names = [k.lower() for k, _ in scope["headers"]]
-        repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
-        if repeated:
-            await _reply(send, 400, f"the header {repeated[0]} is given more than once")
+        try:
+            sid, port = admitted(scope["headers"], route, self.token)
+        except Refused as e:
+            await reply(send, e.status, e.message)
             return
-        sid = sandbox_id.decode("latin-1")
-        port = headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode()).decode("latin-1")
-        given = (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
-        if not valid(self.token, sid, given):
-            await _reply(send, 401, f"missing or wrong access token for sandbox {sid} (X-Access-Token)")
-            return
-        target = self.ports.get(int(port)) if port.isascii() and port.isdigit() and len(port) <= 5 else None
-        if target is None:
-            await _reply(send, 502, f"The sandbox {sid} is running but port {port[:16]} is not open (port is not open)")
-            return
+        if b"e2b-sandbox-id" not in headers:  # routed on Host: the services behind read the id from this header
+            scope = {**scope, "headers": [*scope["headers"], (b"e2b-sandbox-id", sid.encode())]}
         reset = bridge.threads.set(self._limiter(sid))
         try:
-            state = await bridge.run(self._state, sid)
-            if state != "running":
-                await _reply(send, 502, f"The sandbox {sid} was not found" if state is None else
-                             f"The sandbox {sid} is {state}, so it was not found running: connect to it to resume it")
+            try:
+                await running(self.service, sid)
+            except Refused as e:
+                await reply(send, e.status, e.message)
                 return
-            await target(scope, receive, send)
+            target = self.ports.get(port)
+            if target is not None:
+                await target(scope, receive, send)
+            else:
+                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send)
         finally:
             bridge.threads.reset(reset)
 
@@ -106,18 +104,3 @@ class SandboxPorts:
         while len(self.limiters) > MAX_LIMITERS:
             self.limiters.popitem(last=False)
         return limiter
-
-    def _state(self, sandbox_id: str) -> str | None:
-        """The sandbox's recorded state (no ``runc state`` per request: a sandbox whose processes died behind
-        the record fails its call with a typed error instead)."""
-        try:
-            return self.service.sandbox(sandbox_id).recorded_state
-        except (errors.SandboxNotFound, ValueError):
-            return None
-
-
-async def _reply(send: Send, status: int, message: str) -> None:
-    body = json.dumps({"code": status, "message": message}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-    await send({"type": "http.response.body", "body": body})

@@ -240,6 +240,8 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
     body: dict[str, Any] = {"templateID": labels.get(TEMPLATE_LABEL, sb.image), "sandboxID": sb.id,
                             "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "envdAccessToken": token,
                             "trafficAccessToken": token}
+    if getattr(request.app.state, "e2b_domain", None):
+        body["domain"] = request.app.state.e2b_domain  # the SDK's sandbox_domain: what get_host names
     if detail:
         limits, network = sb.limits, sb.network
         body.update(startedAt=_time(sb.created_at), endAt=_time(sb.expires_at), cpuCount=max(1, round(limits.cpus)),

@@ -1,0 +1,180 @@
+"""Every other port of a sandbox: an HTTP request for it is proxied to what listens there, through the sandbox's
+agent (``Sandbox.open_port``: the connection is made inside the sandbox, so one without a network serves too).
+
+The request goes on as it came (method, path, headers, streamed body) less the hop-by-hop headers and E2B's
+routing ones (the sandbox's token never reaches its programs), and the response streams back as the listener
+sends it (chunked stays chunked: a slow writer's bytes arrive as written). A WebSocket upgrade is spliced as raw
+bytes in ``agentenv.server.e2b.upgrade``. Nothing listening is E2B's 502 ``port is not open``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import h11
+from starlette.types import Receive, Scope, Send
+
+from agentenv import errors
+from agentenv.sandbox.core import Sandbox
+from agentenv.server.e2b import bridge
+from agentenv.server.e2b.tokens import ENVD_PORT, valid
+from agentenv.server.service import Service
+
+# the headers that say which sandbox, port and token a request is for: each may come once (the checks here read
+# one value, the services behind another, so a second copy could name a sandbox whose token was never checked)
+ROUTING = (b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-access-token", b"e2b-traffic-access-token")
+HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+                        b"trailer", b"transfer-encoding", b"upgrade", b"proxy-connection"})
+OPEN_TIMEOUT = 10.0   # seconds for the sandbox's agent to connect to the port
+IDLE_TIMEOUT = 300.0  # seconds the listener (or the client, sending a body) may stay silent mid-request
+CHUNK = 1 << 16
+
+
+async def reply(send: Send, status: int, message: str, **extra: Any) -> None:
+    """E2B's error body: ``{"code", "message"}`` and whatever else E2B adds (``sandboxId``, ``port``)."""
+    body = json.dumps({"code": status, "message": message, **extra}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def host_route(host: bytes, domain: str | None) -> tuple[str, str] | None:
+    """The (sandbox id, port) a ``Host`` header names as ``get_host`` builds it, ``{port}-{id}.{domain}`` (the
+    domain may carry the server's port, which ``get_host`` then names too); None for any other host."""
+    if not domain:
+        return None
+    name = host.decode("latin-1").lower()
+    suffix = "." + domain.lower()
+    if not name.endswith(suffix) and name.count(":") == 1:  # a domain with no port: the Host's own port goes
+        name = name.partition(":")[0]
+    if not name.endswith(suffix):
+        return None
+    port, _, sid = name[:-len(suffix)].partition("-")
+    return (sid, port) if sid and port.isdigit() and "." not in sid else None
+
+
+def route_of(headers: dict[bytes, bytes], domain: str | None) -> tuple[str, str] | None:
+    """The (sandbox id, port) a request is for: its ``E2b-Sandbox-Id`` / ``E2b-Sandbox-Port`` headers (envd's port
+    by default), else its ``Host`` as ``get_host`` builds it; None for a request of the server's own."""
+    sandbox_id = headers.get(b"e2b-sandbox-id")
+    if sandbox_id is not None:
+        return sandbox_id.decode("latin-1"), headers.get(b"e2b-sandbox-port", str(ENVD_PORT).encode()).decode("latin-1")
+    return host_route(headers.get(b"host", b""), domain)
+
+
+class Refused(Exception):
+    """A request for a sandbox's port that is answered ``status`` with E2B's body instead."""
+
+    def __init__(self, status: int, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra
+
+
+def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str) -> tuple[str, int]:
+    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not)."""
+    names = [k.lower() for k, _ in headers]
+    repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
+    if repeated:
+        raise Refused(400, f"the header {repeated[0]} is given more than once")
+    sid, port = route
+    values = dict(headers)
+    given = (values.get(b"x-access-token") or values.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
+    if not valid(token, sid, given):
+        raise Refused(401, f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token or "
+                           "X-Access-Token: the trafficAccessToken of create/connect)")
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise Refused(502, f"The sandbox {sid} is running but port {port[:16]} is not open (not a TCP port)")
+    return sid, int(port)
+
+
+async def running(service: Service, sandbox_id: str) -> None:
+    """``Refused`` (502, as E2B) unless the sandbox is recorded running (no ``runc state`` per request: a sandbox
+    whose processes died behind the record fails its call with a typed error instead)."""
+    def state() -> str | None:
+        try:
+            return service.sandbox(sandbox_id).recorded_state
+        except (errors.SandboxNotFound, ValueError):
+            return None
+
+    now = await bridge.run(state)
+    if now != "running":
+        raise Refused(502, f"The sandbox {sandbox_id} was not found" if now is None else
+                      f"The sandbox {sandbox_id} is {now}, so it was not found running: connect to it to resume it")
+
+
+def forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The request headers the listener gets: not the hop-by-hop ones, not E2B's routing ones."""
+    return [(k, v) for k, v in headers if k.lower() not in HOP_BY_HOP and k.lower() not in ROUTING]
+
+
+def closed(sandbox_id: str, port: int) -> dict[str, Any]:
+    """E2B's body for a port nothing listens on (its client proxy's words)."""
+    return {"message": "The sandbox is running but port is not open", "sandboxId": sandbox_id, "port": port}
+
+
+async def open_port(sb: Sandbox, port: int) -> socket.socket:
+    """A connection to ``port`` in ``sb``; ``Refused`` (E2B's 502) when nothing listens or the sandbox is gone."""
+    try:
+        return await bridge.run(sb.open_port, port, OPEN_TIMEOUT)
+    except errors.AgentEnvError as e:  # the agent's failure (gone, starved, paused under the call), not the port's
+        raise Refused(502, f"The sandbox {sb.id} cannot be reached: {e}", sandboxId=sb.id, port=port) from e
+    except OSError as e:
+        raise Refused(502, **closed(sb.id, port)) from e
+
+
+async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Send) -> None:
+    """Send the request to ``port`` of ``sb`` and stream its response back (a 502 when nothing listens)."""
+    try:
+        sock = await open_port(sb, port)
+    except Refused as e:
+        await reply(send, e.status, e.message, **e.extra)
+        return
+    reader, writer = await asyncio.open_connection(sock=sock)
+    started = False
+    try:
+        conn = h11.Connection(h11.CLIENT)
+        headers = forwarded(scope["headers"])
+        first = await receive()
+        body, more = first.get("body", b""), first.get("more_body", False)
+        if not any(k.lower() == b"content-length" for k, _ in headers) and (body or more):
+            headers.append((b"transfer-encoding", b"chunked"))
+        if not any(k.lower() == b"host" for k, _ in headers):
+            headers.append((b"host", f"127.0.0.1:{port}".encode()))
+        headers.append((b"connection", b"close"))
+        target = scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+        writer.write(conn.send(h11.Request(method=scope["method"], target=target, headers=headers)))
+        while True:
+            if body:
+                writer.write(conn.send(h11.Data(data=body)) or b"")
+                await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT)
+            if not more:
+                break
+            message = await asyncio.wait_for(receive(), IDLE_TIMEOUT)
+            if message["type"] == "http.disconnect":
+                return
+            body, more = message.get("body", b""), message.get("more_body", False)
+        writer.write(conn.send(h11.EndOfMessage()) or b"")
+        await asyncio.wait_for(writer.drain(), IDLE_TIMEOUT)
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await asyncio.wait_for(reader.read(CHUNK), IDLE_TIMEOUT))
+            elif isinstance(event, h11.Response):
+                started = True
+                await send({"type": "http.response.start", "status": event.status_code,
+                            "headers": [(k, v) for k, v in event.headers if k.lower() not in HOP_BY_HOP]})
+            elif isinstance(event, h11.Data):
+                await send({"type": "http.response.body", "body": bytes(event.data), "more_body": True})
+            elif isinstance(event, h11.EndOfMessage):
+                await send({"type": "http.response.body", "body": b""})
+                return
+    except (h11.ProtocolError, TimeoutError, ConnectionError) as e:
+        if started:
+            raise  # mid-response: the client's connection is cut, so it sees a truncated answer
+        await reply(send, 502, f"port {port} of sandbox {sb.id} did not answer HTTP ({type(e).__name__}: {e})",
+                    sandboxId=sb.id, port=port)
+    finally:
+        writer.close()
