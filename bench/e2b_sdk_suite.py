@@ -58,6 +58,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "sandbox": ("sync/sandbox_sync/*", "async/sandbox_async/*"),
     "offline": ("test_*.py", "shared/*"),  # SDK-internal unit tests: no server involved
 }
+REAP_INTERVAL = 0.5  # their timeout tests expect a sandbox past its end to be paused within a second or so
 DEFAULT_HOME = Path("/var/tmp/agentenv-e2b-suite-home")
 DEFAULT_EXCLUDED = ("offline",)  # the brief's yardstick is the sync and async tests, which talk to a server
 
@@ -288,7 +289,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         started = time.monotonic()
         proc = None
         try:
-            proc, url = start_server(home, token, max_sandboxes=args.max_sandboxes, log=work / "server.log")
+            proc, url = start_server(home, token, max_sandboxes=args.max_sandboxes, log=work / "server.log",
+                                     reap_interval=REAP_INTERVAL)
             rc = run_pytest(sdk_dir, sorted(files), junit, pytest_env(url, token), args.k, log)
         finally:
             stop_server(proc)
