@@ -10,7 +10,7 @@ import pytest
 
 from bench import e2b_sdk_suite as suite
 
-JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="6">
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" tests="7">
 <testcase classname="tests.sync.sandbox_sync.test_kill" name="test_kill" time="0.1"/>
 <testcase classname="tests.async.sandbox_async.commands.test_run" name="test_run[x]" time="0.2">
   <failure message="AssertionError: assert 1 == 2&#10;second line">trace</failure></testcase>
@@ -21,6 +21,8 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 <testcase classname="tests.sync.sandbox_sync.pty.test_pty.TestPty" name="test_teardown" time="0.0">
   <failure message="boom"/><error message="teardown too"/></testcase>
 <testcase classname="tests.gone.test_nowhere" name="test_lost" time="0.0"/>
+<testcase classname="" name="tests.sync.sandbox_sync.test_kill" time="0.0">
+  <error message="collection failure">ImportError: cannot import name 'x'</error></testcase>
 </testsuite></testsuites>"""
 
 FILES = {"sync/sandbox_sync/test_kill.py": "kill", "async/sandbox_async/commands/test_run.py": "commands",
@@ -55,6 +57,7 @@ def test_junit_cases_go_to_their_files_groups_with_the_first_line_of_the_message
         ("pty", "sync/sandbox_sync/pty/test_pty.py::test_in_class", "skipped", "no pty here"),
         ("pty", "sync/sandbox_sync/pty/test_pty.py::test_teardown", "failed", "boom"),  # failure wins over error
         ("?", "tests.gone.test_nowhere::test_lost", "passed", ""),
+        ("kill", "sync/sandbox_sync/test_kill.py::<collection>", "errors", "collection failure"),  # not importable
     ]
 
 
@@ -65,7 +68,7 @@ def test_summary_counts_per_group_in_the_order_asked_and_lists_the_problems() ->
         {"passed": 0, "failed": 1, "errors": 1, "skipped": 0}
     assert [p["outcome"] for p in groups["commands"]["problems"]] == ["failed", "errors"]
     assert groups["fork"] == {"passed": 0, "failed": 0, "skipped": 0, "errors": 0, "problems": []}
-    assert suite.totals(groups) == {"passed": 2, "failed": 2, "skipped": 1, "errors": 1, "total": 6}
+    assert suite.totals(groups) == {"passed": 2, "failed": 2, "skipped": 1, "errors": 2, "total": 7}
 
 
 def _git(cwd: Path, *args: str) -> str:
