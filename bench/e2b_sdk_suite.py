@@ -56,6 +56,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "metrics": ("*/test_metrics.py",),
     "network": ("*/test_network.py", "*/test_internet_access.py", "*/test_host.py"),
     "sandbox": ("sync/sandbox_sync/*", "async/sandbox_async/*"),
+    "git": ("shared/git/*",),  # sandbox.git.* in real sandboxes
     "offline": ("test_*.py", "shared/*"),  # SDK-internal unit tests: no server involved
 }
 REAP_INTERVAL = 0.5  # their timeout tests expect a sandbox past its end to be paused within a second or so
@@ -219,11 +220,14 @@ def sdk_version(sdk_dir: Path) -> str | None:
     return str(tomllib.loads(p.read_text()).get("project", {}).get("version"))
 
 
-def pytest_env(url: str, token: str) -> dict[str, str]:
-    """The environment of the pytest child: the SDK pointed at our server as docs/e2b.md says; nothing of our
-    own tree on PYTHONPATH (their ``tests`` package must not meet ours)."""
+def pytest_env(url: str | None, token: str | None) -> dict[str, str]:
+    """The environment of the pytest child: the SDK pointed at our server as docs/e2b.md says (with ``url``;
+    without, for the offline tests, no ``E2B_*`` at all, as their own defaults assume); nothing of our own tree
+    on PYTHONPATH (their ``tests`` package must not meet ours)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("E2B_") and k != "PYTHONPATH"}
-    env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=token, PYTHONDONTWRITEBYTECODE="1")
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    if url is not None and token is not None:
+        env.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=token)
     return env
 
 
@@ -287,18 +291,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         home = Path(args.home)
         home.mkdir(parents=True, exist_ok=True)
         token = secrets.token_urlsafe(24)
-        junit, log = work / "junit.xml", work / "pytest.log"
+        log = work / "pytest.log"
         started = time.monotonic()
         proc = None
+        cases: list[Case] = []
+        rc = 0
         try:
             proc, url = start_server(home, token, max_sandboxes=args.max_sandboxes, log=work / "server.log",
                                      reap_interval=REAP_INTERVAL)
-            rc = run_pytest(sdk_dir, sorted(files), junit, pytest_env(url, token), args.k, log)
+            for offline in (False, True):  # the offline tests in a run of their own, without our E2B_* settings
+                batch = sorted(f for f, g in files.items() if (g in DEFAULT_EXCLUDED) == offline)
+                if not batch:
+                    continue
+                junit = work / f"junit{'-offline' if offline else ''}.xml"
+                env = pytest_env(None, None) if offline else pytest_env(url, token)
+                rc = max(rc, run_pytest(sdk_dir, batch, junit, env, args.k, log))
+                if not junit.exists():
+                    raise SuiteError(f"pytest wrote no junit XML (exit {rc}); its output: {log.read_text()[-1500:]}")
+                cases += read_junit(junit.read_bytes(), files)
         finally:
             stop_server(proc)
-        if not junit.exists():
-            raise SuiteError(f"pytest wrote no junit XML (exit {rc}); its output: {log.read_text()[-1500:]}")
-        per_group = summarize(read_junit(junit.read_bytes(), files), groups)
+        per_group = summarize(cases, groups)
         left = leaks(home, home_mounts=False)
         doc = {"e2b_commit": commit, "tests_version": sdk_version(sdk_dir), "sdk_installed": version("e2b"),
                "groups_run": groups, "k": args.k, "pytest_exit": rc, "seconds": round(time.monotonic() - started, 1),

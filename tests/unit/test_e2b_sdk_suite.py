@@ -40,7 +40,8 @@ FILES = {"sync/sandbox_sync/test_kill.py": "kill", "async/sandbox_async/commands
     ("sync/sandbox_sync/test_host.py", "network"),
     ("sync/sandbox_sync/test_config_propagation.py", "sandbox"),
     ("test_paginator.py", "offline"),
-    ("shared/git/test_add.py", "offline"),
+    ("shared/git/test_add.py", "git"),
+    ("shared/sandbox/test_network_transform.py", "offline"),
     ("elsewhere/test_x.py", None),
 ])
 def test_group_of_a_file_is_the_first_pattern_that_matches(rel: str, group: str | None) -> None:
@@ -171,6 +172,8 @@ def test_the_pytest_child_sees_our_server_and_none_of_the_callers_e2b_settings(m
     env = suite.pytest_env("http://127.0.0.1:1", "tok")
     assert (env["E2B_API_URL"], env["E2B_SANDBOX_URL"], env["E2B_API_KEY"]) == ("http://127.0.0.1:1",) * 2 + ("tok",)
     assert "E2B_DOMAIN" not in env and "E2B_DEBUG" not in env and "PYTHONPATH" not in env
+    offline = suite.pytest_env(None, None)  # the SDK's own unit tests assume its defaults
+    assert not [k for k in offline if k.startswith("E2B_")] and "PYTHONPATH" not in offline
 
 
 def test_list_groups_prints_every_group(capsys: pytest.CaptureFixture[str]) -> None:
