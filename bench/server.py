@@ -47,7 +47,11 @@ FORK8_RUNS = 3
 LOAD_OPS = ("create", "exec", "snapshot", "fork1", "delete")
 
 
-def start_server(home: Path, token: str, max_sandboxes: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(home: Path, token: str, max_sandboxes: int, log: Path | None = None,
+                 reap_interval: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+    """``agentenv serve`` on a free loopback port with ``home`` as $AGENTENV_HOME, waited for until it answers.
+    Its stderr goes to ``log`` when given (a long run would fill an unread pipe and stall the server);
+    ``reap_interval``: seconds between its TTL checks (tests of timeouts need a short one)."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         port = s.getsockname()[1]
@@ -55,9 +59,13 @@ def start_server(home: Path, token: str, max_sandboxes: int) -> tuple[subprocess
     tok.write_text(token)
     env = {**os.environ, "AGENTENV_HOME": str(home)}
     code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"  # the console script
-    proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--host", HOST, "--port", str(port),
-                             "--token-file", str(tok), "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g",
-                             "--reap-interval", "60"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = [sys.executable, "-c", code, "serve", "--host", HOST, "--port", str(port), "--token-file", str(tok),
+            "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g", "--reap-interval", str(reap_interval)]
+    if log is None:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    else:
+        with log.open("ab") as err_file:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err_file)
     url = f"http://{HOST}:{port}"
     for _ in range(600):
         try:
@@ -69,6 +77,8 @@ def start_server(home: Path, token: str, max_sandboxes: int) -> tuple[subprocess
             break
     proc.kill()
     _, err = proc.communicate()
+    if log is not None:
+        err = log.read_bytes()
     raise RuntimeError(f"the server did not start: {err.decode(errors='replace').strip()[-800:]}")
 
 
@@ -99,10 +109,14 @@ def docker_networks() -> int:
     return len(r.stdout.split())
 
 
-def leaks(home: Path) -> dict[str, int]:
+def leaks(home: Path, home_mounts: bool = True) -> dict[str, int]:
+    """Containers, mounts, snapshot files and sandbox records left under ``home``; ``home_mounts=False`` leaves
+    out the home's own volume and uid-namespace pins, which a home kept for the next run holds by design."""
     runc = subprocess.run(["runc", "--root", str(home / "runc"), "list", "-q"], capture_output=True, text=True,
                           check=False).stdout.split()
-    mounts = [ln for ln in Path("/proc/self/mounts").read_text().splitlines() if str(home) in ln.split()[1]]
+    mounts = [ln.split()[1] for ln in Path("/proc/self/mounts").read_text().splitlines() if str(home) in ln.split()[1]]
+    if not home_mounts:
+        mounts = [m for m in mounts if m != str(home / "volume") and not m.startswith(str(home / "uids") + "/")]
     snaps = list((home / "snapshots").iterdir()) if (home / "snapshots").exists() else []
     sbs = list((home / "sandboxes").iterdir()) if (home / "sandboxes").exists() else []
     return {"containers": len(runc), "mounts": len(mounts), "snapshot_files": len(snaps), "sandbox_records": len(sbs)}

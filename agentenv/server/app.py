@@ -77,8 +77,13 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     app.state.expected_auth = f"Bearer {token}".encode()
     app.state.token = token
 
+    app.state.e2b_errors = None  # E2B's error reply for its own paths, once its API is installed
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        e2b_errors = request.app.state.e2b_errors
+        if e2b_errors is not None and (reply := e2b_errors(request, exc)) is not None:
+            return reply
         return http_error_response(exc, request)
 
     @app.exception_handler(RequestValidationError)

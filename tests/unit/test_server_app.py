@@ -173,3 +173,18 @@ def test_the_server_refuses_to_run_without_a_token(monkeypatch, tmp_path):
     assert server.load_token(good) == "s3cret"
     monkeypatch.setenv(server.TOKEN_ENV, "from-env")
     assert server.load_token(None) == "from-env"
+
+
+def test_unknown_e2b_routes_are_404_in_e2b_shape_and_native_ones_keep_theirs(client):
+    from e2b.api.client.models.error import Error  # the SDK's own model of an error body
+
+    for method, path in (("GET", "/sandboxes/sb-x/metrics"), ("POST", "/v3/templates"), ("GET", "/teams")):
+        r = client.request(method, path, headers={"X-API-KEY": TOKEN})
+        assert r.status_code == 404, (method, path)
+        err = Error.from_dict(r.json())
+        assert err.code == 404 and path in err.message
+    for path in ("/v1/nothing", "/v1", "/health/x"):
+        r = client.get(path, headers=AUTH)
+        assert r.status_code == 404 and r.json()["error"] == "HTTPError" and "code" not in r.json(), path
+    r = client.get("/v1/sandboxes/sb-nothere", headers=AUTH)  # a route's own 404 is untouched
+    assert r.json()["error"] == "SandboxNotFound"

@@ -23,7 +23,9 @@ from anyio import CapacityLimiter
 from connectrpc.codec import proto_binary_codec, proto_json_codec
 from e2b.envd.filesystem.filesystem_connect import FilesystemASGIApplication
 from e2b.envd.process.process_connect import ProcessASGIApplication
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
 from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -37,6 +39,7 @@ from agentenv.server.service import Service
 __all__ = ["install"]
 
 MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recently used goes first
+NATIVE_PATHS = ("/v1", "/health", "/metrics", "/openapi.json", "/docs", "/redoc")  # the rest is E2B's
 
 
 def install(app: FastAPI, service: Service, token: str, domain: str | None = None) -> None:
@@ -56,6 +59,17 @@ def install(app: FastAPI, service: Service, token: str, domain: str | None = Non
                           Mount("", app=files_routes(service))])
     app.add_middleware(SandboxPorts, service=service, token=token, domain=domain,
                        ports={ENVD_PORT: envd, INTERPRETER_PORT: interpreter.routes(service)})
+    app.state.e2b_errors = unknown_route
+
+
+def unknown_route(request: Request, exc: StarletteHTTPException) -> JSONResponse | None:
+    """A 404 for a path of E2B's control plane that no route serves, in E2B's ``{code, message}`` (which the
+    SDK parses; the native body would fail it with a KeyError); None for the native API's paths and other errors."""
+    path = request.url.path
+    if exc.status_code != 404 or any(path == p or path.startswith(p + "/") for p in NATIVE_PATHS):
+        return None
+    return JSONResponse({"code": 404, "message": f"{request.method} {path} is not served here (no such route)"},
+                        404)
 
 
 class SandboxPorts:
