@@ -178,7 +178,7 @@ def test_the_server_refuses_to_run_without_a_token(monkeypatch, tmp_path):
 def test_unknown_e2b_routes_are_404_in_e2b_shape_and_native_ones_keep_theirs(client):
     from e2b.api.client.models.error import Error  # the SDK's own model of an error body
 
-    for method, path in (("GET", "/sandboxes/sb-x/metrics"), ("POST", "/v3/templates"), ("GET", "/teams")):
+    for method, path in (("GET", "/volumes"), ("POST", "/volumes/v-x"), ("GET", "/teams")):
         r = client.request(method, path, headers={"X-API-KEY": TOKEN})
         assert r.status_code == 404, (method, path)
         err = Error.from_dict(r.json())
