@@ -289,7 +289,8 @@ def write_meta(folder: Path, snap: Snapshot) -> None:
     os.replace(tmp, folder / "meta.json")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process of this pid runs (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -333,7 +334,7 @@ def gc(max_age: float | None = None) -> list[str]:
             if d.name.startswith((".tmp-", ".del-")):
                 head, _, tail = d.name.rpartition("-")
                 pid = int(tail) if tail.isdigit() else 0
-                if (d.name.startswith(".tmp-") and head[len(".tmp-"):] in keep) or _pid_alive(pid):
+                if (d.name.startswith(".tmp-") and head[len(".tmp-"):] in keep) or pid_alive(pid):
                     continue
             elif root == p.snapshot_files and not d.name.startswith("."):
                 # files without their snapshot: a crash between the two renames of a publish, or of a delete

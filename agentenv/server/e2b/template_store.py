@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.config import paths
+from agentenv.sandbox.store import pid_alive
 
 DEFAULT_TAG = "default"
 BUILTIN = ("base", "code-interpreter-v1", "code-interpreter")  # templates every server has (control.TEMPLATES)
@@ -158,22 +159,11 @@ def build_of(rec: dict[str, Any], build_id: str) -> dict[str, Any]:
     build = rec["builds"].get(build_id)
     if build is None:
         raise TemplateNotFound(f"build '{build_id}' of template '{rec['id']}' not found")
-    if build["status"] not in FINAL and build.get("pid") != os.getpid() and not _alive(build.get("pid")):
+    pid = build.get("pid")
+    if build["status"] not in FINAL and pid != os.getpid() and not (pid and pid_alive(pid)):
         build = {**build, "status": "error", "reason": {"message": "the server that ran this build stopped "
                                                         "before it ended: build it again", "step": "finalize"}}
     return dict(build)
-
-
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def update(template_id: str, build_id: str, **changes: Any) -> dict[str, Any] | None:
