@@ -9,6 +9,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -123,3 +124,15 @@ def e2b_url() -> Iterator[str]:
 
     with e2b_server() as url:
         yield url
+
+
+@pytest.fixture
+def sandbox(e2b_url: str) -> Iterator[Any]:
+    """An ``e2b.Sandbox`` on the module's E2B server, killed after the test (the E2B test files' sandbox)."""
+    from e2b import Sandbox
+
+    sb = Sandbox.create(timeout=600)
+    try:
+        yield sb
+    finally:
+        Sandbox.kill(sb.sandbox_id)

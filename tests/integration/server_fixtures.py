@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -111,3 +111,11 @@ def k3_mini_server(token: str, ep: int = 1, max_model_len: int = 256, timeout: f
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def wait_for(check: Callable[[], object], what: str, limit: float = 30.0) -> None:
+    """Wait on state: until ``check()`` is true, failing with ``what`` after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not check():
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.05)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -17,22 +16,7 @@ from e2b import AsyncSandbox, CommandExitException, FileType, NotFoundException,
 from e2b.exceptions import AuthenticationException, FileNotFoundException  # noqa: E402
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType  # noqa: E402
 
-
-@pytest.fixture
-def sandbox(e2b_url: str) -> Iterator[Sandbox]:
-    sb = Sandbox.create(timeout=600)
-    try:
-        yield sb
-    finally:
-        Sandbox.kill(sb.sandbox_id)
-
-
-def wait_for(check: object, what: str, limit: float = 20.0) -> None:
-    deadline = time.monotonic() + limit
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.05)
+from .server_fixtures import wait_for  # noqa: E402
 
 
 def test_commands_in_the_foreground(sandbox: Sandbox) -> None:

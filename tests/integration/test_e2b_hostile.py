@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .server_fixtures import TOKEN
+from .server_fixtures import TOKEN, wait_for
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 code_interpreter = pytest.importorskip("e2b_code_interpreter")
@@ -121,13 +121,6 @@ def came_back(sandbox_id: str) -> bool:
     """Whether a closed sandbox's folder is there again (once, a runc call racing close() brought it back with
     only runc's log in it: ``Container._runc`` now logs outside the bundle)."""
     return (Path(os.environ["AGENTENV_HOME"]) / "sandboxes" / sandbox_id).exists()
-
-
-def wait_for(check: Callable[[], bool], what: str, limit: float = 20.0) -> None:
-    deadline = time.monotonic() + limit
-    while not check():
-        assert time.monotonic() < deadline, f"never happened: {what}"
-        time.sleep(0.1)
 
 
 # --- (1) clients with the wrong token, or odd headers -------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime as dt
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -16,24 +15,7 @@ e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap 
 
 from e2b import Sandbox, SandboxQuery, SandboxState  # noqa: E402
 
-from .server_fixtures import TOKEN, free_port, start_server_process  # noqa: E402
-
-
-@pytest.fixture
-def sandbox(e2b_url: str) -> Iterator[Sandbox]:
-    sb = Sandbox.create(timeout=600)
-    try:
-        yield sb
-    finally:
-        Sandbox.kill(sb.sandbox_id)
-
-
-def _wait(check: object, what: str, limit: float = 30.0) -> None:
-    deadline = time.monotonic() + limit
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        time.sleep(0.1)
+from .server_fixtures import TOKEN, free_port, start_server_process, wait_for  # noqa: E402
 
 
 def test_a_missing_token_file_gets_an_e2b_shaped_key_that_the_sdk_uses(tmp_path: Path) -> None:
@@ -66,7 +48,7 @@ def test_a_timeout_kills_unless_the_caller_asked_for_auto_pause(e2b_url: str) ->
         assert killed.get_info().lifecycle == {"on_timeout": "kill", "auto_resume": False}
         assert paused.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": False}
         paused.files.write("/tmp/kept", "still here")
-        _wait(lambda: not killed.is_running() and paused.get_info().state == SandboxState.PAUSED,
+        wait_for(lambda: not killed.is_running() and paused.get_info().state == SandboxState.PAUSED,
               "the timeouts run out (the reaper looks every few seconds)")
         with pytest.raises(e2b.NotFoundException):
             Sandbox.get_info(killed.sandbox_id)

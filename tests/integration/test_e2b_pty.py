@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -13,15 +12,6 @@ e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap 
 
 from e2b import CommandExitException, Sandbox  # noqa: E402
 from e2b.sandbox.commands.command_handle import PtySize  # noqa: E402
-
-
-@pytest.fixture
-def sandbox(e2b_url: str) -> Iterator[Sandbox]:
-    sb = Sandbox.create(timeout=600)
-    try:
-        yield sb
-    finally:
-        Sandbox.kill(sb.sandbox_id)
 
 
 class Screen:

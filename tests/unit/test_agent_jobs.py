@@ -6,30 +6,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from agentenv.api import JobEnd, JobOutput
-from agentenv.host.agent_start import agent_file
 from agentenv.inside import frames
 from agentenv.sandbox import jobs
-from agentenv.sandbox.channel import Channel, Gate, raise_for
-
-
-@pytest.fixture
-def ch(tmp_path: Path) -> Iterator[Channel]:
-    path = str(tmp_path / "agent" / "agent.sock")  # the folder is the agent's own: the file API refuses it
-    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
-    channel = Channel(lambda: "/", Gate(), path)
-    channel.connect(wait=10).close()
-    yield channel
-    proc.kill()
-    proc.wait()
+from agentenv.sandbox.channel import Channel, raise_for
 
 
 def start(ch: Channel, cmd: str, **kw) -> int:

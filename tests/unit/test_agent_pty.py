@@ -3,30 +3,13 @@ container), driven through the host end (``agentenv.sandbox.jobs``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from agentenv.api import JobEnd, JobOutput
-from agentenv.host.agent_start import agent_file
 from agentenv.sandbox import jobs
-from agentenv.sandbox.channel import Channel, Gate
-
-
-@pytest.fixture
-def ch(tmp_path: Path) -> Iterator[Channel]:
-    path = str(tmp_path / "agent" / "agent.sock")
-    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
-    channel = Channel(lambda: "/", Gate(), path)
-    channel.connect(wait=10).close()
-    yield channel
-    proc.kill()
-    proc.wait()
+from agentenv.sandbox.channel import Channel
 
 
 def terminal(ch: Channel, cmd: str = "/bin/sh -i", size: tuple[int, int] = (24, 80)) -> int:
