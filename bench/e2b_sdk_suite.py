@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import io
+import json
 import os
 import secrets
 import shutil
@@ -313,9 +314,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stop_server(proc)
         per_group = summarize(cases, groups)
         left = leaks(home, home_mounts=False)
+        kept = template_snapshots(home)
+        left["snapshot_files"] -= kept
         doc = {"e2b_commit": commit, "tests_version": sdk_version(sdk_dir), "sdk_installed": version("e2b"),
                "groups_run": groups, "k": args.k, "pytest_exit": rc, "seconds": round(time.monotonic() - started, 1),
-               "leaks": left, "summary": totals(per_group), "groups": per_group}
+               "leaks": left, "template_snapshots": kept, "summary": totals(per_group), "groups": per_group}
         return doc
     finally:
         # the logs are kept when something leaked or when asked
@@ -323,6 +326,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             shutil.rmtree(work, ignore_errors=True)
         else:
             console.log(f"kept {work}")
+
+
+def template_snapshots(home: Path) -> int:
+    """Snapshots of the templates the tests built that are still recorded: kept by design, not leaks (E2B's tests
+    build templates and never delete them; a template with a start command owns its snapshot)."""
+    count = 0
+    for meta in (home / "snapshots").glob("*/meta.json"):
+        labels = json.loads(meta.read_text()).get("labels") or {}
+        template = labels.get("e2b.template")
+        if labels.get("agentenv.kind") == "e2b-template" and template and \
+                (home / "e2b-templates" / "templates" / f"{template}.json").exists():
+            count += 1
+    return count
 
 
 def main(argv: list[str] | None = None) -> int:

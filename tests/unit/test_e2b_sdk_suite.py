@@ -3,6 +3,7 @@ errors. The repositories here are tiny ones made in tmp_path with real git."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -180,3 +181,16 @@ def test_list_groups_prints_every_group(capsys: pytest.CaptureFixture[str]) -> N
     assert suite.main(["--list-groups"]) == 0
     out = capsys.readouterr().out
     assert all(g in out for g in suite.GROUPS)
+
+
+def test_only_snapshots_of_recorded_templates_are_kept_by_design(tmp_path: Path) -> None:
+    def snapshot(name: str, labels: dict[str, str]) -> None:
+        (tmp_path / "snapshots" / name).mkdir(parents=True)
+        (tmp_path / "snapshots" / name / "meta.json").write_text(json.dumps({"id": name, "labels": labels}))
+
+    (tmp_path / "e2b-templates" / "templates").mkdir(parents=True)
+    (tmp_path / "e2b-templates" / "templates" / "t1.json").write_text("{}")
+    snapshot("snap-a", {"agentenv.kind": "e2b-template", "e2b.template": "t1"})   # its template is recorded
+    snapshot("snap-b", {"agentenv.kind": "e2b-template", "e2b.template": "gone"})  # its template is not: a leak
+    snapshot("snap-c", {"e2b.template": "t1"})                                       # not a template's snapshot
+    assert suite.template_snapshots(tmp_path) == 1
