@@ -358,8 +358,11 @@ class Container:
     def freeze(self, frozen: bool) -> None:
         """Stop or resume every process of the sandbox at once, for a consistent filesystem copy.
 
-        The v1 freezer can stick in FREEZING (a task in vfork, say): like CRIU, thaw and try again,
-        and never leave the sandbox half-frozen when giving up.
+        The v1 freezer can stick in FREEZING, and it counts a parent waiting for its vfork child to exec as
+        frozen, a task CRIU then cannot seize ("Unseizable non-zombie state D": a snapshot taken while a process
+        spawns one). Either way, like CRIU, thaw and try again (the child execs once thawed), and never leave the
+        sandbox half-frozen when giving up; one frozen with such a waiter after the last attempt (a child that
+        never execs) is left frozen, and a memory dump of it (``checkpoint``) is then refused.
         """
         f = self.freezer()
         if f is None:
@@ -370,12 +373,14 @@ class Container:
         if not frozen:
             f.write_text("THAWED")
             return
-        for _attempt in range(FREEZE_ATTEMPTS):
+        for attempt in range(FREEZE_ATTEMPTS):
             f.write_text("FROZEN")
             deadline = time.monotonic() + 0.1
             while time.monotonic() < deadline:
                 if f.read_text().strip() == "FROZEN":
-                    return
+                    if attempt == FREEZE_ATTEMPTS - 1 or not vfork_waiters(f.parent / "tasks"):
+                        return
+                    break
                 time.sleep(0.0005)
             f.write_text("THAWED")
             time.sleep(0.01)
@@ -395,6 +400,13 @@ class Container:
     def checkpoint(self, images: Path, work: Path, leave_running: bool, criu: str | None = None) -> None:
         """Dump every process of the container with CRIU into ``images``, in the form ``runc restore`` takes
         (CRIU run directly, with runc's options and fewer costs: see ``agentenv.host.criu``)."""
+        f = self.freezer()
+        waiting = vfork_waiters(f.parent / "tasks") if f is not None and self.frozen() else []
+        if waiting:  # CRIU would try to seize them for its whole timeout, then fail
+            raise CheckpointError(f"process(es) {', '.join(map(str, waiting))} of the sandbox wait for a vfork child "
+                                  "that has not run its program yet: CRIU cannot save a process in that state. "
+                                  "Nothing was saved and the sandbox runs on",
+                                  fix="retry once the child has started its program (or exited)")
         try:
             if self.link_file.exists():  # what a restore compares its own address with (criu.tcp_mode)
                 images.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -444,3 +456,22 @@ def copy_tree(src: Path, dst: Path) -> None:
         if "quota exceeded" in msg.lower():
             raise OSError(errno.EDQUOT, f"disk quota exceeded copying to {dst}: {msg}")
         raise SandboxError(f"copying {src} failed: {msg}")
+
+
+VFORK_WAITS = ("kernel_clone", "wait_for_vfork_done")  # where a vfork parent sleeps (/proc/TID/wchan; inlined or not)
+
+
+def vfork_waiters(tasks: Path) -> list[int]:
+    """The threads listed in a cgroup's ``tasks`` file that wait for a vfork child to exec or exit."""
+    try:
+        tids = [int(t) for t in tasks.read_text().split()]
+    except (OSError, ValueError):
+        return []
+    waiting = []
+    for tid in tids:
+        try:
+            if Path(f"/proc/{tid}/wchan").read_text().strip() in VFORK_WAITS:
+                waiting.append(tid)
+        except OSError:
+            continue  # gone meanwhile
+    return waiting

@@ -294,3 +294,38 @@ def test_a_sandbox_left_frozen_by_a_dead_snapshotter_is_thawed():
         snap.delete()
         assert not sb._container.frozen()
         assert sb.exec("echo alive", timeout=10).stdout == "alive\n"
+
+
+def test_a_process_waiting_on_its_vfork_child_is_not_dumped_mid_spawn():
+    """A parent waiting for its vfork child to exec counts as frozen for the v1 freezer, yet CRIU cannot seize
+    it ("Unseizable non-zombie state D", once a random failure of fork tests). The freeze thaws and retries while
+    such a waiter exists; a child that never execs (here: blocked opening a FIFO from posix_spawn's file actions,
+    which glibc runs between clone(CLONE_VFORK) and exec) makes the memory snapshot fail clearly (before CRIU tries), the sandbox runs
+    on, and once the child execs the snapshot succeeds."""
+    from agentenv.errors import CheckpointError
+    from agentenv.host.runtime import vfork_waiters
+
+    spawn = ("import os\nos.mkfifo('/tmp/gate')\n"
+             "pid = os.posix_spawn('/bin/true', ['true'], {}, file_actions=[(os.POSIX_SPAWN_OPEN, 3, '/tmp/gate', "
+             "os.O_RDONLY, 0)])\nos.waitpid(pid, 0)\nopen('/tmp/spawned', 'w').close()\n")
+    with agentenv.Sandbox.create(image="agentenv/base", network=False) as sb:
+        sb.write_file("/tmp/spawn.py", spawn.encode())
+        sb.spawn("python3 /tmp/spawn.py")
+        tasks = sb._container.freezer().parent / "tasks"
+        deadline = time.monotonic() + 30
+        while not vfork_waiters(tasks):  # the parent sits in vfork until its child opens the FIFO
+            assert time.monotonic() < deadline, "the spawning process never waited on its vfork child"
+            time.sleep(0.01)
+        with pytest.raises(CheckpointError, match="vfork"):
+            sb.snapshot(memory=True)
+        assert not sb._container.frozen()
+        assert sb.exec(": > /tmp/gate && while [ ! -e /tmp/spawned ]; do sleep 0.01; done; echo ok",
+                       timeout=30).stdout.strip() == "ok"
+        assert not vfork_waiters(tasks)
+        snap = sb.snapshot(memory=True)
+        kid = agentenv.Sandbox.restore(snap)
+        try:
+            assert kid.exec("echo alive").stdout.strip() == "alive"
+        finally:
+            kid.close()
+            snap.delete()
