@@ -198,10 +198,12 @@ def ruleset(rules: Rules, dns: Sequence[str], address: str, replace: bool = Fals
     nothing leaves but from the sandbox's own ``address`` (a socket bound elsewhere with IP_FREEBIND, which needs no
     capability, would impersonate another sandbox), DNS to ``dns`` (port 53), then allowed, denied, private; IPv6
     is refused outright. A refused connection is
-    rejected (the caller sees ECONNREFUSED at once, not a timeout). With ``replace``, the table there is flushed and
-    filled anew in the same transaction (atomic; deleting it instead costs the kernel an RCU grace period, 5-25 ms
+    rejected (the caller sees ECONNREFUSED at once, not a timeout). With ``replace``, the table there (its chain and its
+    sets) is flushed and filled anew in the same transaction (atomic; deleting it instead costs the kernel an RCU grace period, 5-25 ms
     against 0.5 ms here)."""
-    lines = ["flush table inet agentenv"] if replace else []
+    # a table flush empties its chains but not its sets: their elements are flushed too, or an update could only add
+    lines = ["flush table inet agentenv", "flush set inet agentenv allow", "flush set inet agentenv deny"] \
+        if replace else []
     lines.append("table inet agentenv {")
     for name, nets in (("allow", rules.nets("allow_out")), ("deny", rules.nets("deny_out")),
                        ("private", [ipaddress.IPv4Network(p) for p in PRIVATE])):

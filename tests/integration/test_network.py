@@ -106,6 +106,8 @@ def test_deny_and_allow_lists_and_their_update_on_a_running_sandbox(outside):
             sb.update_network(deny_out=["::/0"])
         assert reached(probe(sb, [allowed, denied])) == [denied]
         assert agentenv.Sandbox.get(sb.id).network.allow_out == (outside.denied,)
+        sb.update_network(deny_out=[outside.denied])  # entries go too: the allowlist and its 0.0.0.0/0 are gone
+        assert reached(probe(sb, [allowed, denied])) == [allowed]
     with agentenv.Sandbox.create() as plain, pytest.raises(SandboxStateError, match="without network"):
         plain.update_network(deny_out=["0.0.0.0/0"])
 

@@ -83,8 +83,9 @@ def test_the_sandboxs_ruleset_orders_dns_allow_deny_private():
     assert [lines.index(x) for x in order] == sorted(lines.index(x) for x in order)
     assert lines[0] == "table inet agentenv {"  # a new namespace's table
     replacing = netpolicy.ruleset(rules, ["10.255.255.53"], "10.213.0.9", replace=True).splitlines()
-    assert replacing[0] == "flush table inet agentenv" and replacing[1:] == netpolicy.ruleset(
-        rules, ["10.255.255.53"], "10.213.0.9").splitlines()  # replaced whole, in one transaction
+    flushes = ["flush table inet agentenv", "flush set inet agentenv allow", "flush set inet agentenv deny"]
+    assert replacing[:3] == flushes and replacing[3:] == netpolicy.ruleset(
+        rules, ["10.255.255.53"], "10.213.0.9").splitlines()  # replaced whole (sets too), in one transaction
     no_rules = netpolicy.ruleset(netpolicy.Rules(), [], "10.213.0.9")
     assert "udp dport 53" not in no_rules and no_rules.count("elements") == 1  # only the private ranges
 
