@@ -4,6 +4,7 @@ calls it, with a persistent bash session per session name."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
 
 import pytest
 from swerex.exceptions import (
@@ -98,3 +99,30 @@ def test_sessions_keep_cd_and_export_and_the_runtime_calls_work(tmp_path):
         assert dep.sandbox is None and not await dep.is_alive()
 
     asyncio.run(main())
+
+
+def test_swe_agents_env_runs_on_the_deployment(tmp_path):
+    """SWE-agent 1.x's own ``SWEEnv`` (not on PyPI, whose ``sweagent`` is a 2024 0.0.1 without deployments: it
+    runs where SWE-agent is installed from its repository) copies a local repository in, resets it and talks to it."""
+    swe_env = pytest.importorskip("sweagent.environment.swe_env", reason="SWE-agent 1.x is installed from GitHub only")
+    from sweagent.environment.repo import LocalRepoConfig
+
+    repo = tmp_path / "proj"
+    repo.mkdir()
+    (repo / "hello.py").write_text("print('hello')\n")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], check=True)
+    env = swe_env.SWEEnv(deployment=AgentenvDeployment(image="agentenv/base"), repo=LocalRepoConfig(path=repo),
+                         post_startup_commands=["export FROM_STARTUP=1"])
+    env.start()
+    try:
+        assert env.communicate("pwd; echo $FROM_STARTUP $PAGER; python3 hello.py", check="raise") == \
+            "/proj\n1 cat\nhello\n"
+        env.write_file("/proj/new.txt", "written\n")
+        assert env.read_file("/proj/new.txt") == "written\n"
+        env.reset()  # git restore, reset --hard, clean: the untracked file goes
+        assert env.communicate("ls", check="raise") == "hello.py\n"
+    finally:
+        env.close()
