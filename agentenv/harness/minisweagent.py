@@ -39,6 +39,7 @@ import agentenv
 from agentenv.api import DEFAULT_IMAGE, Backend, SandboxLike, SnapshotLike
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+SANDBOX_FIELDS = ("image", "cpus", "memory", "pids", "network", "sandbox_ttl")  # what making a sandbox takes
 UNAME_FIELDS = ("system", "node", "release", "version", "machine")  # platform.uname()'s, as mini's templates use
 
 
@@ -59,7 +60,8 @@ class AgentenvEnvironmentConfig(BaseModel):
     user: str | None = None
     """An account of the image that runs every command (None: the image's default, root)."""
     cpus: float = 1.0
-    memory: str = "1g"
+    memory: str | int = "1g"
+    """Bytes, or a size such as '2g'."""
     pids: int = 512
     network: bool = False
     """False: loopback only."""
@@ -84,10 +86,16 @@ class AgentenvEnvironment:
         if sandbox is not None and snapshot is not None:
             raise ValueError("give sandbox= or snapshot=, not both")
         self._owned = sandbox is None
-        if sandbox is not None:
-            self.sandbox = sandbox
-        elif snapshot is not None:
-            self.sandbox = self.api.Sandbox.restore(snapshot)
+        if sandbox is not None or snapshot is not None:
+            given = sorted(self.config.model_fields_set & set(SANDBOX_FIELDS))
+            if given:  # a running sandbox or a snapshot has these already: never accepted and ignored
+                raise ValueError(f"{', '.join(given)}: set when a sandbox is created; a sandbox given as sandbox= or "
+                                 "restored from snapshot= keeps its own (they are read back into the config)")
+            self.sandbox = sandbox if sandbox is not None else self.api.Sandbox.restore(snapshot)  # type: ignore[arg-type]
+            limits = self.sandbox.limits
+            self.config = self.config.model_copy(update={
+                "image": self.sandbox.image, "cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids,
+                "network": self.sandbox.network is not None, "sandbox_ttl": None})
         else:
             self.sandbox = self.api.Sandbox.create(
                 self.config.image, cpus=self.config.cpus, memory=self.config.memory, pids=self.config.pids,
@@ -160,7 +168,7 @@ class AgentenvEnvironment:
         out = []
         for sb in copies:
             child = AgentenvEnvironment(config_class=type(self.config), logger=self.logger, sandbox=sb, api=self.api,
-                                        **self.config.model_dump())
+                                        **self.config.model_dump(exclude=set(SANDBOX_FIELDS)))
             child._owned = True
             out.append(child)
         return out

@@ -310,16 +310,21 @@ class AgentenvDeployment(AbstractDeployment):
     """SWE-ReX's deployment as an agentenv sandbox: ``start`` creates it (or uses ``sandbox=``, which ``stop`` then
     leaves open), with the sandbox's limits (``cpus``, ``memory``, ``pids``, ``network``; enforced)."""
 
-    def __init__(self, *, image: str = DEFAULT_IMAGE, cpus: float = 1.0, memory: str = "1g", pids: int = 512,
-                 network: bool = False, workdir: str | None = None, sandbox: SandboxLike | None = None,
-                 snapshot: SnapshotLike | str | None = None, api: Backend | None = None,
-                 logger: logging.Logger | None = None) -> None:
+    def __init__(self, *, image: str | None = None, cpus: float | None = None, memory: str | int | None = None,
+                 pids: int | None = None, network: bool | None = None, workdir: str | None = None,
+                 sandbox: SandboxLike | None = None, snapshot: SnapshotLike | str | None = None,
+                 api: Backend | None = None, logger: logging.Logger | None = None) -> None:
         self.logger = logger or logging.getLogger("rex-deploy")
         self.api: Backend = api if api is not None else agentenv
         if sandbox is not None and snapshot is not None:
             raise ValueError("give sandbox= or snapshot=, not both")
-        self.image, self.cpus, self.memory, self.pids, self.network, self.workdir = (
-            image, cpus, memory, pids, network, workdir)
+        asked = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "network": network, "workdir": workdir}
+        if (sandbox is not None or snapshot is not None) and (given := [k for k, v in asked.items() if v is not None]):
+            raise ValueError(f"{', '.join(given)}: set when a sandbox is created; a sandbox given as sandbox= or "
+                             "restored from snapshot= keeps its own")
+        self.image = image or DEFAULT_IMAGE
+        self.cpus, self.memory = 1.0 if cpus is None else cpus, "1g" if memory is None else memory
+        self.pids, self.network, self.workdir = 512 if pids is None else pids, bool(network), workdir
         self.sandbox: SandboxLike | None = sandbox
         self._snapshot, self._owned = snapshot, sandbox is None
         self._runtime: AgentenvRuntime | None = None

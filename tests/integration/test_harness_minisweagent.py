@@ -66,6 +66,8 @@ def test_the_protocol_by_dotted_path_timeout_user_and_strict_config():
         nobody.cleanup()
     with pytest.raises(ValueError, match="no_such_option"):
         AgentenvEnvironment(no_such_option=1)
+    with pytest.raises(ValueError, match="cpus, memory"):  # a given sandbox keeps its limits: never ignored
+        AgentenvEnvironment(sandbox=nobody.sandbox, cpus=4, memory="8g")
 
 
 def test_default_agent_submits_and_our_grader_scores_the_sandbox(swe):
@@ -76,6 +78,7 @@ def test_default_agent_submits_and_our_grader_scores_the_sandbox(swe):
         result = agent(fixer, write_patch(task.patch), "git apply /tmp/fix.patch && git status --short", SUBMIT).run(
             task.problem_statement)
         assert result["exit_status"] == "Submitted" and "return len(seq) == len(set(seq))" in result["submission"]
+        assert fixer.serialize()["info"]["config"]["environment"]["image"] == task.image  # the sandbox's own
         assert grade(fixer.sandbox, pristine.task, pristine=pristine.snapshot).reward == 1.0
         result = agent(noop, SUBMIT).run(task.problem_statement)
         assert result == {"exit_status": "Submitted", "submission": ""}

@@ -36,6 +36,8 @@ def test_sessions_keep_cd_and_export_and_the_runtime_calls_work(tmp_path):
         try:
             rt = dep.runtime
             assert await rt.is_alive()
+            with pytest.raises(ValueError, match="image, memory"):  # a given sandbox keeps its own: never ignored
+                AgentenvDeployment(sandbox=dep.sandbox, image="agentenv/base", memory="8g")
             await rt.create_session(CreateBashSessionRequest(session="a"))
             await rt.create_session(CreateBashSessionRequest(session="b"))
 
