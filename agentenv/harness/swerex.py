@@ -93,6 +93,7 @@ class _Shell:
         self.sandbox, self.name = sandbox, name
         self.job = sandbox.start("exec bash --norc --noprofile", stdin=True, tag=f"swerex-session-{name}")
         self.out, self.err = bytearray(), bytearray()  # what has come and no call has taken yet
+        self.read_to = [0, 0]  # absolute offsets (stdout, stderr) read so far: the agent may drop what lies below
         self.ended: JobEnd | None = None
         self.cond = threading.Condition()
         self.reading = sandbox.output(self.job.pid)
@@ -105,6 +106,8 @@ class _Shell:
                 with self.cond:
                     if isinstance(item, JobOutput):
                         (self.out if item.stream == "stdout" else self.err).extend(item.data)
+                        i = 0 if item.stream == "stdout" else 1
+                        self.read_to[i] = max(self.read_to[i], item.offset + len(item.data))
                     elif isinstance(item, JobEnd):
                         self.ended = item
                     self.cond.notify_all()
@@ -131,6 +134,10 @@ class _Shell:
             if self._wait(end_out, end_err, time.monotonic() + KILL_GRACE) is None:
                 self.close()
             raise TimeoutError
+        with self.cond:
+            read_to = (self.read_to[0], self.read_to[1])
+        with contextlib.suppress(Exception):  # a long session's output must not pile up in the sandbox's agent
+            self.sandbox.discard(self.job.pid, read_to)
         return got
 
     def _wait(self, end_out: bytes, marker: bytes, deadline: float | None) -> tuple[str, int] | None:

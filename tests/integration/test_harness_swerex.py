@@ -96,6 +96,20 @@ def test_sessions_keep_cd_and_export_and_the_runtime_calls_work(tmp_path):
             await rt.upload(UploadRequest(source_path=str(tmp_path / "one.txt"), target_path="/opt/tree"))
             r = await rt.execute(Command(command="/opt/tree/sub/run.sh && cat /opt/tree/one.txt", shell=True))
             assert r.stdout == "uploaded\none\n"
+            # beyond SWE-ReX: a fork and a snapshot of the deployment's sandbox, each with its own sessions
+            snap = dep.snapshot()
+            (fork,) = dep.fork(1)
+            again = AgentenvDeployment(snapshot=snap)
+            try:
+                for d in (fork, again):
+                    await d.start()
+                    await d.runtime.create_session(CreateBashSessionRequest(session="a"))
+                    obs = await d.runtime.run_in_session(BashAction(command="cat /opt/tree/one.txt", session="a"))
+                    assert obs.output == "one\n"
+            finally:
+                await fork.stop()
+                await again.stop()
+                snap.delete()
         finally:
             await dep.stop()
         assert dep.sandbox is None and not await dep.is_alive()
