@@ -24,6 +24,7 @@ state there. Whatever the config asks for is enforced (``user``: the image's acc
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -180,8 +181,15 @@ class AgentenvEnvironment:
 
     def cleanup(self) -> None:
         """Close the sandbox if this environment made it (one passed in as ``sandbox=`` stays open)."""
-        if self._owned and self.sandbox.state not in ("closed", "lost"):
-            self.sandbox.close()
+        sandbox = getattr(self, "sandbox", None)  # None when __init__ failed before it had one
+        if getattr(self, "_owned", False) and sandbox is not None and sandbox.state not in ("closed", "lost"):
+            sandbox.close()
+
+    def __del__(self) -> None:
+        """mini-swe-agent's runners (``mini-extra swebench``, ...) never call ``cleanup``: they drop the environment,
+        and its own environments close their container here. So does this one, its sandbox."""
+        with contextlib.suppress(Exception):
+            self.cleanup()
 
     def __enter__(self) -> AgentenvEnvironment:
         return self

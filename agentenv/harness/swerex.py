@@ -17,9 +17,11 @@ starts reading after this call's marker, so nothing carries over.
 Syntax is checked first (``bash -n`` in the sandbox: ``BashIncorrectSyntaxError``, as SWE-ReX). Past the action's
 ``timeout`` the command's processes are killed, the shell (with its state) goes on, and ``CommandTimeoutError`` is
 raised, SWE-ReX's error; a command that loops in the shell itself (a builtin ``while`` loop) leaves no process to
-kill: the session is then ended too, and a later call on it raises ``SessionDoesNotExistError``. ``check`` is
-honoured (``raise``: ``NonZeroExitCodeError``); interactive actions (``is_interactive_command``, ``expect``) need a
-terminal this adapter does not emulate and are refused with ``NotImplementedError``, never run half-way.
+kill: the session is then ended too, and a later call on it raises ``SessionDoesNotExistError``. Between calls
+nothing of a call runs any more, so SWE-agent's ``BashInterruptAction`` after a timeout has nothing left to stop and
+answers at once. ``check`` is honoured (``raise``: ``NonZeroExitCodeError``); interactive actions
+(``is_interactive_command``, ``expect``) need a terminal this adapter does not emulate and are refused with
+``NotImplementedError``, never run half-way.
 
 Beyond SWE-ReX: ``deployment.fork(n)`` and ``deployment.snapshot()`` branch the sandbox (its files and processes);
 a fork's runtime starts with no sessions.

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
@@ -68,6 +69,11 @@ def test_the_protocol_by_dotted_path_timeout_user_and_strict_config():
         AgentenvEnvironment(no_such_option=1)
     with pytest.raises(ValueError, match="cpus, memory"):  # a given sandbox keeps its limits: never ignored
         AgentenvEnvironment(sandbox=nobody.sandbox, cpus=4, memory="8g")
+    dropped = AgentenvEnvironment()  # mini's runners drop an environment without cleanup(): it closes on deletion
+    sandbox = dropped.sandbox
+    del dropped
+    gc.collect()
+    assert sandbox.state == "closed"
 
 
 def test_default_agent_submits_and_our_grader_scores_the_sandbox(swe):
