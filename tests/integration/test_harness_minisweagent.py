@@ -117,6 +117,12 @@ def test_best_of_4_from_a_forked_state(swe):
         assert rewards == [0.0, 0.0, 1.0, 0.0]
         assert max(range(4), key=rewards.__getitem__) == 2
         assert root.execute({"command": "git status --short"})["output"] == ""  # the root did not move
+        snap = root.snapshot()  # the branch point, kept: a later search starts from it again
+        try:
+            with AgentenvEnvironment(snapshot=snap, cwd="/testbed") as again:
+                assert again.execute({"command": "git apply --check /tmp/fix.patch && echo ok"})["output"] == "ok\n"
+        finally:
+            snap.delete()
     finally:
         for b in branches:
             b.cleanup()
