@@ -93,3 +93,18 @@ def test_folder_size_and_symlink_type_as_envd(sandbox: Sandbox) -> None:
     link = sandbox.files.get_info("d/link")
     assert link.type == FileType.FILE and link.symlink_target is not None
     assert link.symlink_target.endswith("/d/t.txt")
+
+
+def test_metadata_survives_pause_and_fork(sandbox: Sandbox) -> None:
+    sandbox.files.write("kept.txt", "x", metadata={"stage": "before"})
+    assert sandbox.pause() is True
+    again = Sandbox.connect(sandbox.sandbox_id)
+    assert again.files.get_info("kept.txt").metadata == {"stage": "before"}
+    kids = again.fork(count=1)
+    try:
+        assert kids[0].files.get_info("kept.txt").metadata == {"stage": "before"}  # the layer's clone has it
+        kids[0].files.write("kept.txt", "y", metadata={"stage": "child"})
+        assert again.files.get_info("kept.txt").metadata == {"stage": "before"}
+    finally:
+        for kid in kids:
+            kid.kill()
