@@ -5,7 +5,8 @@ token.
 With ``E2B_SANDBOX_URL`` set, the SDK sends everything meant for inside a sandbox (envd on port 49983, the code
 interpreter on 49999) to that one URL, naming the sandbox and port in the ``E2b-Sandbox-Id`` and
 ``E2b-Sandbox-Port`` headers. So ``SandboxPorts`` routes on those headers before the path: such a request goes
-to the port's app once its per-sandbox access token checks out and the sandbox is running. Any other port is
+to the port's app once its per-sandbox access token checks out and the sandbox is running (a signed ``/files``
+URL carries no token and may name no sandbox: ``signed`` finds the sandbox its signature is of). Any other port is
 proxied to what listens on it inside the sandbox (``ports``; WebSockets in ``upgrade``), and is also reached on
 the Host names ``get_host`` builds (``{port}-{id}.{domain}``, with ``serve --domain``). Every other request
 is the control plane's (``control``, under ``X-API-KEY``) or the native API's. Each part is an adapter over the

@@ -5,7 +5,9 @@ account the request names (``bridge.acting``): relative paths start at its home,
 directory compares listings: a watcher keeps the last listing of its folder and reports what appeared
 (create, and write for a non-empty file), changed (write, chmod) or went (remove) since; so it needs no
 inotify descriptor in the sandbox, which CRIU could not carry through a pause or fork. Events between two
-looks that cancel out (a file made and removed in between) are not seen.
+looks that cancel out (a file made and removed in between) are not seen. A file ``/files`` wrote gets envd's
+CHMOD too (``Uploads``). An upload's ``X-Metadata-*`` headers become the file's ``user.e2b.*`` xattrs, set by
+the agent inside the sandbox as the account (``agentenv.inside.files.write_metadata``).
 """
 
 from __future__ import annotations
