@@ -183,6 +183,7 @@ class FileInfo(_Value):
     group: str
     modified: float  # epoch seconds
     symlink_target: str | None = None  # set when the path itself is a symlink
+    metadata: dict[str, str] | None = None  # its ``user.e2b.*`` extended attributes (E2B's file metadata), if any
 
 
 def info_of(obj: Any, cls: type[_V]) -> _V:

@@ -109,7 +109,7 @@ class Agent(Jobs):
                     drain(conn, blen)
                     raise
                 try:
-                    write_stream(path, conn, blen, int(h.get("mode", 0o644)))
+                    write_stream(path, conn, blen, int(h.get("mode", 0o644)), h.get("metadata"))
                 finally:
                     who.__exit__()
                 send_frame(conn, {"ok": True})

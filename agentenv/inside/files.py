@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 MAX_UNSIZED = 8 << 20  # bytes read from a file whose size stat does not tell (/proc, /sys): held in memory
 MAX_ENTRIES = 100_000  # entries of one directory listing
+META_PREFIX = "user.e2b."  # the extended attributes that are a file's metadata (E2B's ``X-Metadata-*`` uploads)
 
 
 def check_own(path: str, own_dirs: tuple[str, ...], tree: bool = False) -> str:
@@ -90,7 +91,52 @@ def file_info(path: str, names: dict[str, dict[int, str]] | None = None, resolve
             "type": "dir" if stat.S_ISDIR(kind) else "file", "size": st.st_size, "mode": st.st_mode & 0o7777,
             "permissions": stat.filemode(st.st_mode), "owner": names["passwd"].get(st.st_uid, str(st.st_uid)),
             "group": names["group"].get(st.st_gid, str(st.st_gid)), "modified": st.st_mtime,
-            "symlink_target": target}
+            "symlink_target": target, "metadata": read_metadata(path)}
+
+
+def read_metadata(path: str | int) -> dict[str, str] | None:
+    """The file's ``user.e2b.*`` extended attributes, the prefix dropped (None if it has none, or its file
+    system has no xattrs, or they cannot be read as this account); a symlink's are its target's, as in envd.
+    Names or values that are not UTF-8 are left out."""
+    found: dict[str, str] = {}
+    try:
+        names = os.listxattr(path)
+    except OSError:
+        return None
+    for name in names:
+        if not name.startswith(META_PREFIX):
+            continue
+        try:
+            found[name[len(META_PREFIX):]] = os.getxattr(path, name).decode()
+        except (OSError, UnicodeDecodeError):
+            continue
+    return found or None
+
+
+def write_metadata(fd: int, metadata: dict[str, str]) -> None:
+    """Make ``metadata`` the whole set of ``user.e2b.*`` xattrs of the open file ``fd`` (others of that prefix go).
+    A file system without xattrs is an error that says so when metadata is asked for: never dropped."""
+    if not isinstance(metadata, dict):
+        raise ValueError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    try:
+        stale = [n for n in os.listxattr(fd) if n.startswith(META_PREFIX) and n[len(META_PREFIX):] not in metadata]
+    except OSError as e:
+        if not metadata and e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            return
+        stale = []
+    for name in stale:
+        with suppress(FileNotFoundError, OSError):
+            os.removexattr(fd, name)
+    for key, value in metadata.items():
+        if not isinstance(key, str) or not isinstance(value, str) or not key:
+            raise ValueError(f"metadata must map non-empty strings to strings, got {key!r}: {value!r}")
+        try:
+            os.setxattr(fd, META_PREFIX + key, value.encode())
+        except OSError as e:
+            if e.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise OSError(e.errno, "the sandbox's file system here has no extended attributes: "
+                                       "file metadata cannot be stored") from None
+            raise
 
 
 def _id_names(path: str) -> dict[int, str]:
@@ -148,9 +194,10 @@ def move(src: str, dst: str) -> None:
             os.unlink(src)
 
 
-def write_stream(path: str, conn: _socket.socket, n: int, mode: int) -> None:
+def write_stream(path: str, conn: _socket.socket, n: int, mode: int, metadata: dict[str, str] | None = None) -> None:
     """Write the next ``n`` bytes of ``conn`` to ``path`` atomically (temporary file and rename), creating
-    parent folders, a ``CHUNK`` at a time: an upload never sits in the agent's memory.
+    parent folders, a ``CHUNK`` at a time: an upload never sits in the agent's memory. ``metadata`` becomes
+    the new file's ``user.e2b.*`` xattrs; the file replaced takes its own with it (an overwrite clears them).
 
     On a failure (disk full, say) the rest of the bytes are read and dropped, so the connection stays
     in step, and the error is raised.
@@ -172,6 +219,7 @@ def write_stream(path: str, conn: _socket.socket, n: int, mode: int) -> None:
                     done = 0
                     while done < got:
                         done += f.write(view[done:got])
+                write_metadata(f.fileno(), metadata or {})
             os.chmod(tmp, mode)
             os.replace(tmp, path)
         except BaseException:

@@ -137,15 +137,18 @@ class Calls:
         self.require_running()
         return self._channel.call({"op": "read", "path": _own_checked(_abs(path, self._workdir()), False)})[1]
 
-    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644, *,
+                   metadata: dict[str, str] | None = None) -> None:
         """Write a whole file (at most 1 GiB) atomically, creating parent folders; the agent's own
-        folders are refused (PermissionError)."""
+        folders are refused (PermissionError). ``metadata``: the new file's ``user.e2b.*`` xattrs (those of
+        the file it replaces go with it)."""
         self.require_running()
         payload = data if isinstance(data, bytes) else data.encode() if isinstance(data, str) else bytes(data)
         if len(payload) > frames.MAX_FILE:
             raise ValueError(f"{len(payload)} bytes is over write_file's limit of {frames.MAX_FILE}")
         target = _own_checked(_abs(path, self._workdir()), True)
-        self._channel.call({"op": "write", "path": target, "mode": mode}, payload)
+        self._channel.call({"op": "write", "path": target, "mode": mode, **({"metadata": dict(metadata)} if metadata else {})},
+                           payload)
 
     # --- jobs and the file system (the host side: agentenv.sandbox.jobs) --------------------------------
 

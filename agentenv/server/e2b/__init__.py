@@ -5,7 +5,8 @@ token.
 With ``E2B_SANDBOX_URL`` set, the SDK sends everything meant for inside a sandbox (envd on port 49983, the code
 interpreter on 49999) to that one URL, naming the sandbox and port in the ``E2b-Sandbox-Id`` and
 ``E2b-Sandbox-Port`` headers. So ``SandboxPorts`` routes on those headers before the path: such a request goes
-to the port's app once its per-sandbox access token checks out and the sandbox is running. Any other port is
+to the port's app once its per-sandbox access token checks out and the sandbox is running (a signed ``/files``
+URL carries no token and may name no sandbox: ``signed`` finds the sandbox its signature is of). Any other port is
 proxied to what listens on it inside the sandbox (``ports``; WebSockets in ``upgrade``), and is also reached on
 the Host names ``get_host`` builds (``{port}-{id}.{domain}``, with ``serve --domain``). Every other request
 is the control plane's (``control``, under ``X-API-KEY``) or the native API's. Each part is an adapter over the
@@ -30,9 +31,10 @@ from starlette.routing import Mount, Router
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, ports, templates, upgrade
-from agentenv.server.e2b.files import FilesystemService, files_routes
-from agentenv.server.e2b.ports import Refused, admitted, reply, route_of, running
+from agentenv.server.e2b.files import FilesystemService, Uploads, files_routes
+from agentenv.server.e2b.ports import Refused, admitted, admitted_headers, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
+from agentenv.server.e2b.signed import sandbox_of, signed
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
 
@@ -54,9 +56,10 @@ def install(app: FastAPI, service: Service, token: str, domain: str | None = Non
     app.include_router(templates.uploads)
     codecs = [bridge.CheckedCodec(proto_binary_codec()), bridge.CheckedCodec(proto_json_codec())]
     process = ProcessASGIApplication(ProcessService(service), compressions=(), codecs=codecs)
-    filesystem = FilesystemASGIApplication(FilesystemService(service), compressions=(), codecs=codecs)
+    uploads = Uploads()
+    filesystem = FilesystemASGIApplication(FilesystemService(service, uploads), compressions=(), codecs=codecs)
     envd = Router(routes=[Mount(process.path, app=process), Mount(filesystem.path, app=filesystem),
-                          Mount("", app=files_routes(service))])
+                          Mount("", app=files_routes(service, uploads))])
     app.add_middleware(SandboxPorts, service=service, token=token, domain=domain,
                        ports={ENVD_PORT: envd, INTERPRETER_PORT: interpreter.routes(service)})
     app.state.e2b_errors = unknown_route
@@ -86,15 +89,19 @@ class SandboxPorts:
             return
         headers = dict(scope["headers"])
         route = route_of(headers, self.domain)
-        if route is None:
+        is_signed = signed(scope["path"], scope.get("query_string", b""))
+        if route is None and not is_signed:
             await self.app(scope, receive, send)
             return
         try:
-            sid, port = admitted(scope["headers"], route, self.token)
+            if is_signed and not (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token")):
+                sid, port = await self._signed(scope, route)
+            else:
+                sid, port = admitted(scope["headers"], route or ("", str(ENVD_PORT)), self.token)
         except Refused as e:
             await reply(send, e.status, e.message)
             return
-        if b"e2b-sandbox-id" not in headers:  # routed on Host: the services behind read the id from this header
+        if b"e2b-sandbox-id" not in headers:  # routed on Host or a signature: the services behind read this header
             scope = {**scope, "headers": [*scope["headers"], (b"e2b-sandbox-id", sid.encode())]}
         reset = bridge.threads.set(self._limiter(sid))
         try:
@@ -110,6 +117,16 @@ class SandboxPorts:
                 await ports.proxy(self.service.sandbox(sid), port, scope, receive, send)
         finally:
             bridge.threads.reset(reset)
+
+    async def _signed(self, scope: Scope, route: tuple[str, str] | None) -> tuple[str, int]:
+        """The sandbox of a signed ``/files`` URL (``signed``): only envd's port, and only the one sandbox
+        where the request names it."""
+        admitted_headers(scope["headers"])
+        if route is not None and route[1] != str(ENVD_PORT):
+            raise Refused(401, f"a signed URL opens envd's /files (port {ENVD_PORT}) alone, not port {route[1][:16]}")
+        sid = await bridge.run(sandbox_of, scope["method"], scope.get("query_string", b""), self.token,
+                               None if route is None else route[0])
+        return sid, ENVD_PORT
 
     def _limiter(self, sandbox_id: str) -> CapacityLimiter:
         """The threads this sandbox's requests may hold (``bridge.run``), made on its first request."""

@@ -5,20 +5,24 @@ account the request names (``bridge.acting``): relative paths start at its home,
 directory compares listings: a watcher keeps the last listing of its folder and reports what appeared
 (create, and write for a non-empty file), changed (write, chmod) or went (remove) since; so it needs no
 inotify descriptor in the sandbox, which CRIU could not carry through a pause or fork. Events between two
-looks that cancel out (a file made and removed in between) are not seen.
+looks that cancel out (a file made and removed in between) are not seen. A file ``/files`` wrote gets envd's
+CHMOD too (``Uploads``). An upload's ``X-Metadata-*`` headers become the file's ``user.e2b.*`` xattrs, set by
+the agent inside the sandbox as the account (``agentenv.inside.files.write_metadata``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
+import functools
 import os
 import time
 import uuid
 import zlib
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from connectrpc.code import Code
@@ -38,49 +42,105 @@ from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service
 
 MAX_WATCHERS = 1024  # watchers kept per server; the oldest goes first
+MAX_UPLOADS = 4096  # files written through /files remembered for the watchers (``Uploads``)
 WATCH_DEPTH = 16  # levels a recursive watch looks down
 WATCH_POLL = 0.25  # seconds between looks of a streamed watch
-Listing = dict[str, tuple[str, int, float, int]]  # path relative to the folder -> (type, size, mtime, mode)
+DIR_BLOCK = 4096  # a folder's size is given in whole blocks of this, as ext4 (envd's file system) reports it
+Listing = dict[str, FileInfo]  # path relative to the folder -> what is there
 
 
 def entry(info: FileInfo) -> pb.EntryInfo:
+    """envd's EntryInfo of a file. As envd, ``type`` is a symlink's target's and ``is_symlink`` is left unset
+    (the SDK would then say SYMLINK where envd's callers see the target's type); a folder's size is in whole
+    ``DIR_BLOCK`` blocks, at least one, as on envd's ext4 (btrfs and overlay give 0 for an empty one)."""
     seconds, frac = divmod(info.modified, 1.0)
+    size = -(-max(info.size, 1) // DIR_BLOCK) * DIR_BLOCK if info.type == "dir" else info.size
     return pb.EntryInfo(
-        name=info.name, path=info.path, size=info.size, mode=info.mode, permissions=info.permissions,
+        name=info.name, path=info.path, size=size, mode=info.mode, permissions=info.permissions,
         owner=info.owner, group=info.group, type=pb.FileType.DIRECTORY if info.type == "dir" else pb.FileType.FILE,
         modified_time=Timestamp(seconds=int(seconds), nanos=int(frac * 1e9)), symlink_target=info.symlink_target,
-        is_symlink=info.symlink_target is not None)
+        metadata=dict(info.metadata or {}))
 
 
 def listing(sb: Calls, path: str, recursive: bool) -> Listing:
     base = sb.stat(path).path.rstrip("/") + "/"
-    return {f.path.removeprefix(base): (f.type, f.size, f.modified, f.mode)
-            for f in sb.list_dir(path, depth=WATCH_DEPTH if recursive else 1)}
+    return {f.path.removeprefix(base): f
+            for f in sb.list_dir(path, depth=WATCH_DEPTH if recursive else 1, resolve_links=True)}
 
 
-def changes(old: Listing, new: Listing) -> list[pb.FilesystemEvent]:
-    """What happened between two listings, as envd's events."""
+class Uploads:
+    """The files this server last wrote through ``/files`` (sandbox id and path -> mtime), so that a watcher
+    reports them as envd reports its own uploads: envd chowns the file it writes to the account (a CHMOD
+    event between the CREATE and the WRITE), which a file written by a command in the sandbox does not get."""
+
+    def __init__(self) -> None:
+        self.written: OrderedDict[tuple[str, str], float] = OrderedDict()
+
+    def add(self, sandbox_id: str, info: FileInfo) -> None:
+        self.written.pop((sandbox_id, info.path), None)
+        self.written[(sandbox_id, info.path)] = info.modified
+        while len(self.written) > MAX_UPLOADS:
+            self.written.popitem(last=False)
+
+    def made(self, sandbox_id: str, info: FileInfo) -> bool:
+        """Whether ``info`` is the file as an upload left it (not changed since)."""
+        return self.written.get((sandbox_id, info.path)) == info.modified
+
+
+def _state(info: FileInfo) -> tuple[str, int, float]:
+    return info.type, info.size, info.modified
+
+
+def changes(old: Listing, new: Listing, uploaded: Callable[[FileInfo], bool] = lambda _: False,
+            with_entry: bool = False) -> list[pb.FilesystemEvent]:
+    """What happened between two listings, as envd's events (``uploaded``: whether a file is one ``/files``
+    wrote, see ``Uploads``; ``with_entry``: CREATE, WRITE and CHMOD carry the entry, as envd's include_entry)."""
     out: list[pb.FilesystemEvent] = []
+
+    def add(name: str, kind: pb.EventType, info: FileInfo | None = None) -> None:
+        event = pb.FilesystemEvent(name=name, type=kind)
+        if with_entry and info is not None:
+            event.entry = entry(info)
+        out.append(event)
+
     for name, now in new.items():
         was = old.get(name)
+        by_upload = now.type == "file" and uploaded(now)
         if was is None:
-            out.append(pb.FilesystemEvent(name=name, type=pb.EventType.CREATE))
-            if now[0] == "file" and now[1] > 0:
-                out.append(pb.FilesystemEvent(name=name, type=pb.EventType.WRITE))
-        elif was[:3] != now[:3] and now[0] == "file":
-            out.append(pb.FilesystemEvent(name=name, type=pb.EventType.WRITE))
-        elif was[3] != now[3]:
-            out.append(pb.FilesystemEvent(name=name, type=pb.EventType.CHMOD))
-    out += [pb.FilesystemEvent(name=name, type=pb.EventType.REMOVE) for name in old if name not in new]
+            add(name, pb.EventType.CREATE, now)
+            if by_upload:
+                add(name, pb.EventType.CHMOD, now)
+            if now.type == "file" and now.size > 0:
+                add(name, pb.EventType.WRITE, now)
+        elif _state(was) != _state(now) and now.type == "file":
+            if by_upload:
+                add(name, pb.EventType.CHMOD, now)
+            add(name, pb.EventType.WRITE, now)
+        elif was.mode != now.mode or (was.metadata or {}) != (now.metadata or {}):  # xattrs: inotify's ATTRIB too
+            add(name, pb.EventType.CHMOD, now)
+    for name in old:
+        if name not in new:
+            add(name, pb.EventType.REMOVE)
     return out
+
+
+@dataclasses.dataclass
+class Watcher:
+    """A watcher made by CreateWatcher: its sandbox and folder, and the listing it last reported from."""
+
+    sandbox_id: str
+    path: str
+    recursive: bool
+    with_entry: bool
+    seen: Listing
 
 
 class FilesystemService(filesystem_connect.Filesystem):
     """The envd filesystem service of every sandbox (the sandbox comes from the request's headers)."""
 
-    def __init__(self, service: Service) -> None:
-        self.service = service
-        self.watchers: OrderedDict[str, tuple[str, str, bool, Listing]] = OrderedDict()
+    def __init__(self, service: Service, uploads: Uploads) -> None:
+        self.service, self.uploads = service, uploads
+        self.watchers: OrderedDict[str, Watcher] = OrderedDict()
 
     async def _calls(self, ctx: RequestContext[Any, Any]) -> Calls:
         """The request's sandbox, as the account the request names (``bridge.acting``)."""
@@ -130,7 +190,8 @@ class FilesystemService(filesystem_connect.Filesystem):
                 if e.code == Code.NOT_FOUND:  # the folder itself went
                     return
                 raise
-            events, seen = changes(seen, now), now
+            events = changes(seen, now, functools.partial(self.uploads.made, sb.id), request.include_entry)
+            seen = now
             for event in events:
                 yield pb.WatchDirResponse(event=one_of("filesystem", event))
             if events or time.monotonic() - quiet > 5:
@@ -143,25 +204,26 @@ class FilesystemService(filesystem_connect.Filesystem):
         sb = await self._calls(ctx)
         seen = await self._dir(sb, request.path, request.recursive)
         watcher_id = uuid.uuid4().hex
-        self.watchers[watcher_id] = (sb.id, request.path, request.recursive, seen)
+        self.watchers[watcher_id] = Watcher(sb.id, request.path, request.recursive, request.include_entry, seen)
         while len(self.watchers) > MAX_WATCHERS:
             self.watchers.popitem(last=False)
         return pb.CreateWatcherResponse(watcher_id=watcher_id)
 
-    def _watcher(self, sb: Calls, watcher_id: str) -> tuple[str, str, bool, Listing]:
+    def _watcher(self, sb: Calls, watcher_id: str) -> Watcher:
         """A watcher of this sandbox (another sandbox's watchers are not found from here)."""
         found = self.watchers.get(watcher_id)
-        if found is None or found[0] != sb.id:
+        if found is None or found.sandbox_id != sb.id:
             raise ConnectError(Code.NOT_FOUND, f"watcher {watcher_id} not found")
         return found
 
     async def get_watcher_events(self, request: pb.GetWatcherEventsRequest,
                                  ctx: RequestContext[Any, Any]) -> pb.GetWatcherEventsResponse:
         sb = await self._calls(ctx)
-        _, path, recursive, seen = self._watcher(sb, request.watcher_id)
-        now = await call(listing, sb, path, recursive)
-        self.watchers[request.watcher_id] = (sb.id, path, recursive, now)
-        return pb.GetWatcherEventsResponse(events=changes(seen, now))
+        watcher = self._watcher(sb, request.watcher_id)
+        now = await call(listing, sb, watcher.path, watcher.recursive)
+        seen, watcher.seen = watcher.seen, now
+        return pb.GetWatcherEventsResponse(
+            events=changes(seen, now, functools.partial(self.uploads.made, sb.id), watcher.with_entry))
 
     async def remove_watcher(self, request: pb.RemoveWatcherRequest,
                              ctx: RequestContext[Any, Any]) -> pb.RemoveWatcherResponse:
@@ -194,7 +256,32 @@ def http_error(exc: BaseException) -> JSONResponse:
     return JSONResponse({"code": status, "message": err.message}, status)
 
 
-def files_routes(service: Service) -> Router:
+META_HEADER = "x-metadata-"  # an upload's ``X-Metadata-<key>: <value>`` headers: the files' metadata
+MAX_META_KEY = 255 - len("user.e2b.")  # an xattr name is at most 255 bytes
+MAX_META_TOTAL = 4096  # bytes of names and values of one file's metadata, as envd allows
+
+
+def upload_metadata(request: Request) -> dict[str, str]:
+    """The metadata an upload's ``X-Metadata-*`` headers give (keys lowercased, as envd); a ValueError (400)
+    names what envd would refuse: an empty or over-long key, a byte that is not printable ASCII, too much."""
+    found: dict[str, str] = {}
+    for raw_name, raw_value in request.headers.raw:
+        name = raw_name.decode("latin-1").lower()
+        if not name.startswith(META_HEADER):
+            continue
+        key, value = name[len(META_HEADER):], raw_value.decode("latin-1")
+        if not key or len(key) > MAX_META_KEY:
+            raise ValueError(f"invalid metadata: a key must be 1 to {MAX_META_KEY} bytes, got {len(key)}")
+        for label, text in (("key", key), (f"value for key {key!r}", value)):
+            if bad := next((c for c in text if not " " <= c <= "~"), None):
+                raise ValueError(f"invalid metadata: the {label} holds {bad!r}, not printable ASCII")
+        found.setdefault(key, value)
+    if (total := sum(len("user.e2b.") + len(k) + len(v) for k, v in found.items())) > MAX_META_TOTAL:
+        raise ValueError(f"invalid metadata: {total} bytes in all, over {MAX_META_TOTAL}")
+    return found
+
+
+def files_routes(service: Service, uploads: Uploads) -> Router:
     def sandbox(request: Request) -> Calls:
         """The request's sandbox, as the account ``?username=`` names (``bridge.acting``)."""
         return acting(service.sandbox(request.headers.get("e2b-sandbox-id", "")),
@@ -216,12 +303,18 @@ def files_routes(service: Service) -> Router:
 
     async def upload(request: Request) -> Response:
         try:
+            metadata = upload_metadata(request)
             sb = await call(sandbox, request)
             written = []
             for path, data in await _uploads(request):
-                await call(sb.write_file, path, data)
+                await call(functools.partial(sb.write_file, path, data, metadata=metadata))
                 info = await call(sb.stat, path)
-                written.append({"name": info.name, "type": "file", "path": info.path})
+                if (info.metadata or {}) != metadata:  # an agent from before metadata, say: never dropped silently
+                    raise ValueError(f"the metadata of {info.path} was not stored (the sandbox's agent or file "
+                                     "system does not keep it)")
+                uploads.add(sb.id, info)
+                written.append({"name": info.name, "type": "file", "path": info.path,
+                                **({"metadata": info.metadata} if info.metadata else {})})
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
         return JSONResponse(written)

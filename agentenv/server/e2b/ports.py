@@ -73,12 +73,17 @@ class Refused(Exception):
         self.status, self.message, self.extra = status, message, extra
 
 
-def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str) -> tuple[str, int]:
-    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not)."""
+def admitted_headers(headers: list[tuple[bytes, bytes]]) -> None:
+    """``Refused`` (400) where a routing header comes more than once."""
     names = [k.lower() for k, _ in headers]
     repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
     if repeated:
         raise Refused(400, f"the header {repeated[0]} is given more than once")
+
+
+def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str) -> tuple[str, int]:
+    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not)."""
+    admitted_headers(headers)
     sid, port = route
     values = dict(headers)
     given = (values.get(b"x-access-token") or values.get(b"e2b-traffic-access-token") or b"").decode("latin-1")

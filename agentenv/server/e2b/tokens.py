@@ -12,7 +12,9 @@ import hashlib
 import hmac
 
 CLIENT_ID = "agentenv"
-ENVD_VERSION = "0.5.7"  # what the SDK keys features on: 0.5.7 = stdin control, octet-stream uploads, recursive watch
+# what the SDK keys features on: 0.5.7 = stdin control, octet-stream uploads, recursive watch; 0.6.2 = file
+# metadata (``user.e2b.*`` xattrs); 0.6.3 = watch events with their entry; 0.6.4 = watching network mounts
+ENVD_VERSION = "0.6.4"
 ENVD_PORT, INTERPRETER_PORT = 49983, 49999
 
 
