@@ -29,7 +29,6 @@ from typing import Any, ClassVar, Literal
 
 import gymnasium
 import verifiers.v1 as vf
-from pydantic_config import BaseConfig
 from verifiers.v1.utils.score import read_answer_file_or_last_reply
 
 import agentenv
@@ -42,7 +41,7 @@ from envs.task import resolve_task
 ANSWER_PATH = "/tmp/answer"  # where a Lookup-v0 agent may leave its answer (else its last reply is read)
 
 
-class AgentenvConfig(BaseConfig):
+class AgentenvConfig(vf.BaseConfig):
     """The sandbox an ``AgentenvRuntime`` starts (``agentenv.Sandbox.create``'s settings)."""
 
     type: Literal["agentenv"] = "agentenv"

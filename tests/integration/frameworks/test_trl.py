@@ -1,6 +1,7 @@
-"""TRL: SWE-v0 and Lookup-v0 rollouts through the ``environment_factory`` contract of ``GRPOTrainer`` (TRL 1.16)
-on real sandboxes: the tools TRL finds on the class and their schemas (transformers' ``get_json_schema``, which
-TRL's chat templating uses), ``reset(**row)``, tool calls by name with the model's arguments, ``get_reward()``."""
+"""TRL: SWE-v0 and Lookup-v0 rollouts on real sandboxes through ``GRPOTrainer(environment_factory=...)`` (TRL 1.16):
+one real training step each with a scripted tiny model (``trl_scripted``: a group of two, one rollout right and one
+wrong, rewarded 1 and 0 by our grader through ``get_reward``), and the contract piece by piece: the tools TRL finds
+on the class and their schemas (transformers' ``get_json_schema``), ``reset(**row)``, tool calls by name."""
 
 from __future__ import annotations
 
@@ -80,3 +81,63 @@ def test_an_instance_is_reused_across_rollouts_and_a_stray_column_is_refused(loo
             env.reset(task=lookup_task.id, solution="x")
     finally:
         env._close()
+
+
+def train_one_step(tmp_path: Any, factory: Any, task: str, scripts: list[list[str]]) -> tuple[list[Any], dict]:
+    """One step of TRL's real ``GRPOTrainer`` (a group of ``len(scripts)`` rollouts of ``task``) on CPU."""
+    import os
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from . import trl_scripted
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    tok = trl_scripted.tokenizer()
+    made: list[Any] = []
+
+    def make() -> Any:
+        made.append(factory())
+        return made[-1]
+
+    n = len(scripts)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=n, num_generations=n, max_steps=1,
+                      max_completion_length=8192, use_cpu=True, report_to=[], save_strategy="no", logging_steps=1,
+                      max_tool_calling_iterations=4, learning_rate=1e-2)
+    rows = Dataset.from_list([{"prompt": [{"role": "user", "content": "Use the tools."}], "task": task}] * n)
+    trainer = GRPOTrainer(model=trl_scripted.model(tok, scripts), args=args, train_dataset=rows,
+                          processing_class=tok, environment_factory=make)
+    try:
+        trainer.train()
+    finally:
+        for env in made:
+            env._close()
+    (logs, *_) = trainer.state.log_history
+    return made, logs
+
+
+def test_grpo_trainer_step_on_lookup_v0_rewards_from_our_grader(tmp_path: Any, lookup_task: Any) -> None:
+    from .trl_scripted import tool_call
+
+    wrong = next(w for w in ("python", "project") if w != lookup_task.answer)
+    read = tool_call("bash", command=f"cat {lookup_task.key}")
+    made, logs = train_one_step(tmp_path, LookupEnvironment, lookup_task.id,
+                                [[read, tool_call("answer", answer=lookup_task.answer), "Done.<|im_end|>"],
+                                 [read, tool_call("answer", answer=wrong), "Done.<|im_end|>"]])
+    assert len(made) == 2  # TRL's probe instance is pooled and runs one of the two rollouts
+    assert sorted(e.get_reward() for e in made) == [0.0, 1.0]
+    assert logs["rewards/LookupEnvironment/mean"] == 0.5 and logs["tools/call_frequency"] == 2.0
+    assert logs["tools/failure_frequency"] == 0.0 and logs["grad_norm"] > 0
+
+
+def test_grpo_trainer_step_on_swe_v0_gold_patch_1_no_fix_0(tmp_path: Any, swe_task: Task) -> None:
+    from .trl_scripted import tool_call
+
+    made, logs = train_one_step(tmp_path, SWEEnvironment, swe_task.instance_id, [
+        [tool_call("create", path=GOLD_PATH, file_text=swe_task.patch),
+         tool_call("bash", command=f"git apply {GOLD_PATH} && rm {GOLD_PATH}"), tool_call("submit"), "Done.<|im_end|>"],
+        [tool_call("create", path="/tmp/notes", file_text="nothing"), tool_call("bash", command="true"),
+         tool_call("submit"), "Done.<|im_end|>"]])
+    assert sorted(e.get_reward() for e in made) == [0.0, 1.0]
+    assert logs["rewards/SWEEnvironment/mean"] == 0.5 and logs["tools/call_frequency"] == 3.0
+    assert logs["tools/failure_frequency"] == 0.0
