@@ -150,9 +150,11 @@ if [ "$SKIP_VENV" = 0 ]; then
         pip install -q --upgrade pip
         # Pin the CPU build that the package registries here serve; a bare 'torch' pulls CUDA wheels.
         "$VENV/bin/python" -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
-        pip install -q -e "$ROOT[all,test,docs]"
+        pip install -q -e "$ROOT[all,test,docs,frameworks]"
         # the official SWE-bench log parser, for a test that cross-checks ours (its own dependencies are not needed)
         pip install -q --no-deps "swebench==5.0.2"
+        # verifiers for envs.frameworks.verifiers: its own pins clash with agentenv[e2b]'s (see pyproject's verifiers extra)
+        pip install -q --no-deps "verifiers==0.4.0" "prime-sandboxes==0.5.1"
         echo "$WANT" >"$STAMP"
     fi
     # CRIU's Python bindings: the packaged ones (Debian 13) or the ones built above.
