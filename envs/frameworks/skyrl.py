@@ -10,8 +10,9 @@ SkyRL makes an env per trajectory with ``skyrl_gym.make(env_class, env_config=..
 the dataset row. Its ``task`` is the agentenv task of the episode (an id, a record, or for SWE-v0 a ``Task``);
 without one the env draws a task as ``gymnasium.make(id).reset()`` does. ``env_config`` holds the agentenv env's
 constructor arguments (``max_steps``, ``levels``, ``api``, sandbox settings...), passed to ``gymnasium.make``.
-Nothing else is read from ``extras`` (SkyRL's own fields, ``reward_spec`` and the like, are its business: the
-reward is our grader's), so a row without ``task`` is a draw, said in ``metadata["task"]``.
+Nothing else is read from ``extras`` (SkyRL's own fields are its business: the reward is our grader's, so a
+``reward_spec`` with a ``ground_truth``, which would not be used, is refused), and a row without ``task`` is a
+draw, said in ``metadata["task"]``.
 
 ``init(prompt)`` resets the env (a fresh sandbox) and returns ``prompt`` (SkyRL's system messages, say) followed
 by a user message holding the env's first observation: the question or issue lives in the env, which made the
@@ -47,6 +48,10 @@ class AgentenvTextEnv(BaseTextEnv):
         self.env_id = env_id
         kwargs = dict(env_config or {})
         self.env = gymnasium.make(env_id, **kwargs)
+        spec = (extras or {}).get("reward_spec")
+        if isinstance(spec, Mapping) and spec.get("ground_truth") is not None:
+            raise ValueError(f"{env_id} is graded by agentenv's grader, which never reads a row's reward_spec: a "
+                             "ground_truth there would be ignored; drop it from the dataset (or give it no ground_truth)")
         self.task = (extras or {}).get("task")
         limit = getattr(self.env.unwrapped, "max_steps", None)
         self.max_turns = int(limit) if limit is not None else 0  # 0: the env sets no step limit

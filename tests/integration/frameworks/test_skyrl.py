@@ -52,6 +52,9 @@ def test_lookup_v0_through_skyrl_gym_right_code_1_wrong_0(lookup_task) -> None:
 def test_an_unknown_env_id_and_a_non_text_action_are_refused() -> None:
     with pytest.raises(ValueError, match="env_id is one of"):
         envs.frameworks.skyrl.AgentenvTextEnv(env_id="agentenv/Shell-v0")
+    with pytest.raises(ValueError, match="reward_spec"):  # a ground truth our grader would never read
+        skyrl_gym.make("agentenv/Lookup-v0", env_config={},
+                       extras={"task": "lookup-0-1", "reward_spec": {"method": "rule", "ground_truth": "42"}})
     env = skyrl_gym.make("agentenv/Lookup-v0", env_config={}, extras={"task": "lookup-0-1"})
     try:
         env.init([])
