@@ -31,12 +31,15 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+from agentenv.inside.magics import MAGIC, Magics, Shell, transform
+
 ENV_NAME = "AGENTENV_KERNEL"  # carries the source; the loader pops it, so user code never inherits it
 MAX_LINE = 64 << 20  # bytes of one request line; a longer one is answered with an error and skipped
 MAX_ENV = 128 << 10  # the kernel's limit on one environment string (MAX_ARG_STRLEN)
 READ_CHUNK = 1 << 20  # bytes read from stdin at a time
 PIPE_READ = 1 << 16  # bytes of one stdout/stderr event at most
 MAX_DRAIN = 1024  # reads of one drain: a process writing without pause cannot hold a request open forever
+LANGUAGES = ("python", "bash")  # what a request may ask for: Python cells, or bash scripts (``magics.Shell``)
 _CO_COROUTINE = 0x80  # a cell with top-level await compiles to a coroutine
 _LOADER = f'import os;exec(compile(os.environ.pop("{ENV_NAME}"),"<kernel>","exec"))'
 _ID = re.compile(rb'^\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}")')  # the id of a line too long to parse
@@ -54,19 +57,29 @@ _write, _dumps, _loads = os.write, json.dumps, json.loads  # bound once: user co
 
 # ---- host side ----
 
+def source() -> str:
+    """The kernel as one module: ``magics.py`` then this file, their import of each other and ``from __future__``
+    lines taken out (the sandbox has no agentenv package to import from)."""
+    parts = []
+    for path in (os.path.join(os.path.dirname(__file__), "magics.py"), __file__):
+        with open(path, encoding="utf-8") as f:
+            text = f.read().replace("from __future__ import annotations\n", "")
+        parts.append(re.sub(r"^from agentenv\.inside\.\w+ import [^\n]*\n", "", text, flags=re.M))
+    return "from __future__ import annotations\n" + "\n".join(parts)
+
+
 def launch() -> tuple[str, dict[str, str]]:
     """The ``/bin/sh -c`` command line that starts the kernel in a sandbox, and the variables it needs."""
-    with open(__file__, encoding="utf-8") as f:
-        source = f.read()
-    if len(ENV_NAME) + 1 + len(source.encode()) >= MAX_ENV:
-        raise RuntimeError(f"kernel.py does not fit in one environment variable ({MAX_ENV} bytes)")
+    source_ = source()
+    if len(ENV_NAME) + 1 + len(source_.encode()) >= MAX_ENV:
+        raise RuntimeError(f"the kernel does not fit in one environment variable ({MAX_ENV} bytes)")
     # SIGINT ignored from the start (python then installs no handler of its own) until the kernel's is in
-    return f"trap '' INT; exec python3 -u -c '{_LOADER}'", {ENV_NAME: source}
+    return f"trap '' INT; exec python3 -u -c '{_LOADER}'", {ENV_NAME: source_}
 
 
-def request(id: str, code: str, env_vars: dict[str, str] | None = None) -> bytes:
-    """The stdin line that runs ``code`` (``env_vars`` set for this request only)."""
-    return _dumps({"id": id, "code": code, "env_vars": env_vars}).encode() + b"\n"
+def request(id: str, code: str, env_vars: dict[str, str] | None = None, language: str = "python") -> bytes:
+    """The stdin line that runs ``code`` (``env_vars`` set for this request only) as ``language`` (``LANGUAGES``)."""
+    return _dumps({"id": id, "code": code, "env_vars": env_vars, "language": language}).encode() + b"\n"
 
 
 def split_events(buf: bytes) -> tuple[list[dict[str, Any]], int]:
@@ -183,6 +196,7 @@ class Kernel:
         module.__dict__["__builtins__"] = builtins
         sys.modules["__main__"] = module
         self.ns = module.__dict__
+        self.magics, self.shell = Magics(self.ns), Shell()
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (lives as long as the kernel)
         os.environ.setdefault("MPLBACKEND", "agg")  # no GUI; figures are shown as png results
         self.rebind()
@@ -201,6 +215,7 @@ class Kernel:
             sys.stderr = self.err = _writer(2)
         signal.signal(signal.SIGINT, self.on_sigint)
         builtins.display = self.display  # type: ignore[attr-defined]
+        setattr(builtins, MAGIC, self.magics)
 
     def on_sigint(self, signum: int, frame: Any) -> None:
         if not self.running:
@@ -298,6 +313,7 @@ class Kernel:
         name = f"<cell-{self.count}>"
         linecache.cache[name] = (len(code), None, code.splitlines(True), name)
         flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
+        code = transform(code)  # IPython's lines (!cmd, %magic), line for line: the traceback shows the cell's
         tree = compile(code, name, "exec", ast.PyCF_ONLY_AST | flags)
         last = None
         node = tree.body[-1] if tree.body else None
@@ -358,7 +374,14 @@ class Kernel:
             self.emit({"type": "number_of_executions", "execution_count": self.count})
             for k, v in env.items():
                 os.environ[k] = v
-            self.run_cell(req["code"])
+            if req.get("language") == "bash":
+                status = self.shell.run(req["code"], env)
+                if status:
+                    self.sync()
+                    self.emit({"type": "error", "name": "CalledProcessError", "value": f"exit status {status}",
+                               "traceback": f"bash exited with status {status}\n"})
+            else:
+                self.run_cell(req["code"])
         except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the kernel keeps serving
             self.running = False
             self.report(exc)
@@ -384,9 +407,10 @@ class Kernel:
                 raise ValueError(f"request line over {MAX_LINE} bytes")
             req = _loads(line)
             if not (isinstance(req, dict) and isinstance(req.get("id"), str) and isinstance(req.get("code"), str)
-                    and isinstance(req.get("env_vars") or {}, dict)
+                    and isinstance(req.get("env_vars") or {}, dict) and req.get("language", "python") in LANGUAGES
                     and all(isinstance(v, str) for v in (req.get("env_vars") or {}).values())):
-                raise ValueError("a request is {id: str, code: str, env_vars: {str: str} | null}")
+                raise ValueError("a request is {id: str, code: str, env_vars: {str: str} | null, language: "
+                                 "'python' | 'bash'}")
             self.id = req["id"]
         except Exception as exc:
             self.emit({"type": "error", "name": "InvalidRequest", "value": str(exc), "traceback": ""})
