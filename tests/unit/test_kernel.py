@@ -229,10 +229,12 @@ def test_split_events_keeps_partial_lines_and_skips_garbage():
 def test_request_line_round_trips():
     line = kernel.request("i\n", "print('\\n')\n", {"A": "b"})
     assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert json.loads(line) == {"id": "i\n", "code": "print('\\n')\n", "env_vars": {"A": "b"}}
+    assert json.loads(line) == {"id": "i\n", "code": "print('\\n')\n", "env_vars": {"A": "b"}, "language": "python"}
+    assert json.loads(kernel.request("j", "ls", None, "bash"))["language"] == "bash"
     cmd, extra = kernel.launch()
     assert "python3" in cmd and " -I" not in cmd and " -S" not in cmd
     assert len(extra[kernel.ENV_NAME].encode()) < 128 << 10
+    assert "class Magics" in extra[kernel.ENV_NAME] and "\nfrom agentenv" not in extra[kernel.ENV_NAME]  # joined
 
 
 def test_events_parse_with_the_sdks_own_parser(k):
@@ -250,3 +252,84 @@ def test_events_parse_with_the_sdks_own_parser(k):
     assert execution.error is not None and execution.error.name == "ZeroDivisionError"
     assert execution.error.value == "division by zero" and "1 / 0" in execution.error.traceback
     assert execution.execution_count == 3
+
+
+def test_shell_lines_stream_capture_and_expand(k):
+    evs = k.run("!echo out; echo err >&2\nx = 5\nif x:\n    !echo {x + 1} $x '$$HOME'\n!exit 3\n_exit_code")
+    assert text(evs, "stdout") == "out\n6 5 $HOME\n" and text(evs, "stderr") == "err\n"
+    assert of(evs, "result")[0]["text"] == "3" and of(evs, "error") == []  # as IPython: a failing !cmd is no error
+    evs = k.run("lines = !printf 'a\\nb\\n'; echo gone >&2\n(lines, lines.s, lines.n)")
+    assert of(evs, "result")[0]["text"] == "(['a', 'b'], 'a b', 'a\\nb')" and text(evs, "stderr") == "gone\n"
+    assert of(k.run("!!echo c"), "result")[0]["text"] == "['c']"
+
+
+def test_percent_and_bang_inside_strings_brackets_and_comments_are_python(k):
+    code = "s = '''\n%pip install x\n!rm -rf /\n'''\nt = (10\n% 4)\n# %cd /\nu = 7 %\\\n 4\n(s, t, u)"
+    (res,) = of(k.run(code), "result")
+    assert res["text"] == "('\\n%pip install x\\n!rm -rf /\\n', 2, 3)"
+    assert of(k.run("x = 1\nx %= 1\nx"), "result")[0]["text"] == "0"
+
+
+def test_cd_pwd_and_env_magics(k, tmp_path):
+    evs = k.run(f"%cd {tmp_path}\nimport os\nos.getcwd()")
+    assert text(evs, "stdout") == f"{tmp_path}\n" and of(evs, "result")[0]["text"] == str(tmp_path)
+    assert of(k.run("%pwd"), "result")[0]["text"] == str(tmp_path)
+    k.run("%cd /")
+    assert of(k.run("%cd -\n%pwd"), "result")[0]["text"] == str(tmp_path)  # back where it was
+    assert of(k.run("%cd /no/such/folder"), "error")[0]["name"] == "FileNotFoundError"
+    evs = k.run("%env AGENTENV_M=v 1\n%env AGENTENV_M")
+    assert text(evs, "stdout") == "env: AGENTENV_M=v 1\n" and of(evs, "result")[0]["text"] == "v 1"
+    assert text(k.run("!echo $AGENTENV_M"), "stdout") == "v 1\n"  # commands inherit it
+    assert "AGENTENV_M" in of(k.run("%env"), "result")[0]["text"]
+    (err,) = of(k.run("%env AGENTENV_NOT_SET"), "error")
+    assert (err["name"], err["value"]) == ("UsageError", "Environment does not have key: AGENTENV_NOT_SET")
+
+
+def test_pip_runs_the_kernels_python_and_its_failure_is_an_error(k):
+    evs = k.run("%pip --version", timeout=60)
+    assert text(evs, "stdout").startswith("pip ") and of(evs, "error") == []
+    evs = k.run("%pip install --no-index /no/such/pkg.whl", timeout=60)
+    (err,) = of(evs, "error")
+    assert err["name"] == "CalledProcessError" and "pip install --no-index" in err["value"]
+    assert text(evs, "stderr")  # pip's own message streamed before the error
+
+
+def test_unknown_magics_are_usage_errors_after_the_lines_before_them(k):
+    evs = k.run("print('before')\n%timeit 1")
+    (err,) = of(evs, "error")
+    assert err["name"] == "UsageError" and "`%timeit` not found" in err["value"]
+    assert text(evs, "stdout") == "before\n" and "<cell-" in err["traceback"] and "<kernel>" not in err["traceback"]
+    (err,) = of(k.run("%%capture\nprint(1)"), "error")
+    assert err["name"] == "UsageError" and "`%%capture` not found" in err["value"]
+
+
+def test_cell_magics_bash_sh_and_writefile(k, tmp_path):
+    evs = k.run("\n%%bash\nread -r line || echo 'stdin is empty'\necho $((6 * 7))\necho err >&2")
+    assert text(evs, "stdout") == "stdin is empty\n42\n" and text(evs, "stderr") == "err\n" and of(evs, "error") == []
+    (err,) = of(k.run("%%sh\necho partial\nexit 4"), "error")
+    assert err["name"] == "CalledProcessError" and "status 4" in err["value"]
+    f = tmp_path / "w.txt"
+    assert text(k.run(f"%%writefile {f}\nline 1\n"), "stdout") == f"Writing {f}\n"
+    assert text(k.run(f"%%writefile -a {f}\nline 2\n"), "stdout") == f"Appending to {f}\n"
+    assert f.read_text() == "line 1\nline 2\n"
+
+
+def bash(k: Kernel, code: str, env_vars: dict[str, str] | None = None) -> list[dict]:
+    n = k.n = k.n + 1
+    assert k.proc.stdin is not None
+    k.proc.stdin.write(kernel.request(f"b{n}", code, env_vars, "bash"))
+    k.proc.stdin.flush()
+    return k.until_end(f"b{n}")
+
+
+def test_bash_requests_keep_folder_variables_and_functions(k, tmp_path):
+    evs = bash(k, f"cd {tmp_path}; X='a b'; f() {{ echo \"fn $X\"; }}; export E=2; echo $R", {"R": "once"})
+    assert text(evs, "stdout") == "once\n" and of(evs, "error") == []
+    evs = bash(k, "pwd; f; echo $E ${R-unset}; bash -c 'echo $E'")  # R was for that request only
+    assert text(evs, "stdout") == f"{tmp_path}\nfn a b\n2 unset\n2\n"
+    evs = bash(k, "echo partial; ls /no/such/path; exit 2")
+    (err,) = of(evs, "error")
+    assert (err["name"], err["value"]) == ("CalledProcessError", "exit status 2") and text(evs, "stdout") == "partial\n"
+    assert text(evs, "stderr").startswith("ls: ")
+    assert text(bash(k, "echo $X"), "stdout") == "a b\n"  # an exit keeps the state too
+    assert of(k.run("import os\nos.getcwd() != ''"), "result")[0]["text"] == "True"  # python requests still run
