@@ -84,5 +84,5 @@ def test_javascript_is_refused_where_node_is_not_in_the_image(ci: Sandbox) -> No
     assert "400" in repr(e.value) or type(e.value).__name__ == "InvalidArgumentException"
     with pytest.raises(Exception, match="needs node"):
         ci.create_code_context(language="js")
-    with pytest.raises(Exception, match="only python and bash"):
+    with pytest.raises(Exception, match="only python, bash and javascript"):
         ci.run_code("1", language="r")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -333,3 +334,28 @@ def test_bash_requests_keep_folder_variables_and_functions(k, tmp_path):
     assert text(evs, "stderr").startswith("ls: ")
     assert text(bash(k, "echo $X"), "stdout") == "a b\n"  # an exit keeps the state too
     assert of(k.run("import os\nos.getcwd() != ''"), "result")[0]["text"] == "True"  # python requests still run
+
+
+def test_javascript_requests_keep_their_globals_where_node_exists(k):
+    if shutil.which("node") is None:
+        pytest.skip("no node on this machine")
+
+    def js(code: str, env_vars: dict[str, str] | None = None) -> list[dict]:
+        n = k.n = k.n + 1
+        assert k.proc.stdin is not None
+        k.proc.stdin.write(kernel.request(f"j{n}", code, env_vars, "javascript"))
+        k.proc.stdin.flush()
+        return k.until_end(f"j{n}", timeout=20)
+
+    evs = js("var x = 20; let y = 1; function f(a) { return a * 2; }\nconsole.log('hi'); console.error('e')")
+    assert text(evs, "stdout") == "hi\n" and text(evs, "stderr") == "e\n" and of(evs, "result") == []
+    (res,) = of(js("f(x) + y"), "result")
+    assert res["text"] == "41" and res["is_main_result"] is True
+    assert of(js("'s'"), "result")[0]["text"] == "s" and of(js("({a: [1]})"), "result")[0]["text"] == "{ a: [ 1 ] }"
+    assert of(js("Promise.resolve(5)"), "result")[0]["text"] == "5"  # awaited
+    assert of(js("process.env.AGENTENV_J", {"AGENTENV_J": "once"}), "result")[0]["text"] == "once"
+    assert of(js("typeof process.env.AGENTENV_J"), "result")[0]["text"] == "undefined"  # for that request only
+    (err,) = of(js("nope()"), "error")
+    assert err["name"] == "ReferenceError" and "nope is not defined" in err["value"] and "<cell>" in err["traceback"]
+    assert of(js("require('path').basename('/a/b')"), "result")[0]["text"] == "b"
+    assert of(k.run("1 + 1"), "result")[0]["text"] == "2"  # Python requests still run in the same kernel

@@ -1,7 +1,8 @@
 """The code interpreter's port (49999): ``/execute`` streaming NDJSON, and ``/contexts``, over kernels that
 live inside the sandbox.
 
-A context is a persistent Python process (``agentenv.inside.kernel``) run as a job of the sandbox's agent (as
+A context is a persistent Python process (``agentenv.inside.kernel``; of ``language`` python, bash, or
+javascript where the image has node: the kernel's request kinds) run as a job of the sandbox's agent (as
 E2B's ``user`` where the image has that account, else root: ``bridge.acting``), with its
 stdin fed requests and its stdout read for events; it is found again by its job tag, so the server keeps no
 state of its own. Because the kernel is an ordinary process of the sandbox, a memory snapshot, a pause or a
@@ -33,11 +34,11 @@ from agentenv.server.e2b.bridge import acting, iterate, run, user_named
 from agentenv.server.e2b.files import http_error
 from agentenv.server.service import Service
 
-TAG = "e2b-context:"  # a kernel job's tag: TAG + context id, then "/bash" for a bash context
-DEFAULT = "default"  # the default context of Python; of bash, "default-bash"
+TAG = "e2b-context:"  # a kernel job's tag: TAG + context id, then "/bash" or "/javascript" for those contexts
+DEFAULT = "default"  # the default context of Python; of bash, "default-bash", of javascript "default-javascript"
 # the names E2B's SDKs send for a language, and the kernel's language (kernel.LANGUAGES) they run as
 LANGUAGES = {"": "python", "python": "python", "py": "python", "python3": "python", "bash": "bash", "sh": "bash"}
-NODE = ("javascript", "js", "typescript", "ts")
+NODE = ("javascript", "js")  # run by node (agentenv.inside.nodejs), where the image has it
 
 
 def _language(sb: Sandbox | None, name: Any) -> str:
@@ -48,9 +49,8 @@ def _language(sb: Sandbox | None, name: Any) -> str:
     if isinstance(name, str) and name.lower() in NODE and sb is not None:
         if sb.exec("command -v node", timeout=30).exit_code != 0:
             raise ValueError(f"language {name!r} needs node, which is not in this sandbox's image")
-        raise ValueError(f"language {name!r}: node is in this image, but agentenv's interpreter runs only python "
-                         "and bash")
-    raise ValueError(f"language {name!r} is not supported here: only python and bash")
+        return "javascript"
+    raise ValueError(f"language {name!r} is not supported here: only python, bash and javascript (with node)")
 
 
 def _split(tag: str) -> tuple[str, str]:
