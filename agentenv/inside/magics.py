@@ -60,21 +60,38 @@ class SList(list[str]):
         return list(self)
 
 
-def _continues(source: str) -> bool:
-    """Whether ``source`` ends inside a string, a bracket or after a backslash (its logical line goes on)."""
+def _starts(source: str) -> set[int]:
+    """The rows (from 1) whose first token starts a logical line: not in a string, a bracket or a backslash's
+    continuation. Where tokenize gives up, what it read so far stands (the parser reports the rest)."""
+    rows: set[int] = set()
+    depth, fresh = 0, True
+    skip = (tokenize.NL, tokenize.COMMENT, tokenize.INDENT, tokenize.DEDENT)
     try:
-        for _ in tokenize.generate_tokens(io.StringIO(source).readline):
-            pass
-    except tokenize.TokenError as e:
-        message = str(e.args[0]) if e.args else ""
-        return "multi-line" in message or "triple-quoted" in message
-    except (SyntaxError, ValueError):  # let the parser report it
-        return False
-    return False
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type in skip:
+                continue
+            if tok.type == tokenize.NEWLINE:
+                fresh = True
+                continue
+            if fresh and depth == 0:
+                rows.add(tok.start[0])
+            fresh = False
+            if tok.type == tokenize.OP and tok.string in ("(", "[", "{"):
+                depth += 1
+            elif tok.type == tokenize.OP and tok.string in (")", "]", "}"):
+                depth = max(0, depth - 1)
+    except (tokenize.TokenError, SyntaxError, ValueError):
+        pass
+    return rows
 
 
 def transform(code: str) -> str:
-    """``code`` with its IPython lines as calls of ``MAGIC`` (``code`` itself where it has none)."""
+    """``code`` with its IPython lines as calls of ``MAGIC`` (``code`` itself where it has none).
+
+    A line that looks like one may be inside a string or a bracket: each candidate is first replaced by ``pass``
+    (a whole statement, as its call will be) and the cell tokenized once; the first candidate found not to
+    start a logical line is put back as written, and the cell tokenized again, until every one left starts one
+    (a pass per candidate inside a string, at most)."""
     lines = code.splitlines(keepends=True)
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is not None and lines[first].lstrip().startswith("%%"):
@@ -82,21 +99,20 @@ def transform(code: str) -> str:
         return f"{MAGIC}('%%', {head!r}, {''.join(lines[first + 1:])!r})\n"
     if not _ANY.search(code):
         return code
-    out: list[str] = []
-    pending = ""  # the Python of the logical line in progress
-    for line in lines:
-        match = None if pending else _ESCAPED.match(line.rstrip("\n"))
-        if match is None:
-            out.append(line)
-            pending += line
-            if not _continues(pending):
-                pending = ""
-            continue
+    found = {i: m for i, line in enumerate(lines) if (m := _ESCAPED.match(line.rstrip("\n")))}
+    while found:
+        starts = _starts("".join(f"{found[i].group(1)}pass\n" if i in found else line for i, line in enumerate(lines)))
+        inside = [i for i in sorted(found) if i + 1 not in starts]
+        if not inside:
+            break
+        del found[inside[0]]
+    out = list(lines)
+    for i, match in found.items():
         indent, target, escape, rest = match.groups()
         if target and escape == "!":
             escape = "!!"  # x = !cmd captures
         call = f"{MAGIC}({escape!r}, {rest!r})"
-        out.append(f"{indent}{target} = {call}\n" if target else f"{indent}{call}\n")
+        out[i] = f"{indent}{target} = {call}\n" if target else f"{indent}{call}\n"
     return "".join(out)
 
 

@@ -359,3 +359,37 @@ def test_javascript_requests_keep_their_globals_where_node_exists(k):
     assert err["name"] == "ReferenceError" and "nope is not defined" in err["value"] and "<cell>" in err["traceback"]
     assert of(js("require('path').basename('/a/b')"), "result")[0]["text"] == "b"
     assert of(k.run("1 + 1"), "result")[0]["text"] == "2"  # Python requests still run in the same kernel
+
+
+def test_transform_finds_logical_line_starts_only():
+    from agentenv.inside import magics
+
+    code = 's = """\n%x """\n%env A\nt = [1,\n!no]\nu = 1 + \\\n%2\nif u:\n    v = !ls\n'
+    out = magics.transform(code).splitlines()
+    assert out[1] == '%x """' and out[4] == "!no]" and out[6] == "%2"  # in a string, a bracket, a continuation
+    assert out[2] == f"{magics.MAGIC}('%', 'env A')" and out[8] == f"    v = {magics.MAGIC}('!!', 'ls')"
+    assert len(out) == len(code.splitlines())  # line for line: tracebacks keep their numbers
+    plain = "x = 1 % 2\ny = not x != 3\n"
+    assert magics.transform(plain) is plain
+    big = "d = {\n" + "    'k': 1,\n" * 5000 + "}\n!echo\n"  # one tokenize pass, not one per line
+    assert magics.transform(big).endswith(f"{magics.MAGIC}('!', 'echo')\n")
+
+
+def test_the_joined_parts_define_no_name_twice():
+    """kernel.source() runs magics, nodejs and kernel as one module: a name defined in two would be overwritten."""
+    import ast
+    from pathlib import Path
+
+    seen: dict[str, str] = {}
+    for name in ("magics", "nodejs", "kernel"):
+        tree = ast.parse((Path(kernel.__file__).parent / f"{name}.py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            for n in names:
+                assert n not in seen or n == "__all__", f"{n} is defined in {seen.get(n)} and {name}"
+                seen[n] = name
