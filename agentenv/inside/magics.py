@@ -321,4 +321,5 @@ class Shell:
             for name in ("state", "cell.sh", "run.sh"):
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(folder, name))
-            os.rmdir(folder)
+            with contextlib.suppress(OSError):  # the script may have left files of its own there
+                os.rmdir(folder)
