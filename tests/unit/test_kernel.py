@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -229,10 +230,12 @@ def test_split_events_keeps_partial_lines_and_skips_garbage():
 def test_request_line_round_trips():
     line = kernel.request("i\n", "print('\\n')\n", {"A": "b"})
     assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert json.loads(line) == {"id": "i\n", "code": "print('\\n')\n", "env_vars": {"A": "b"}}
+    assert json.loads(line) == {"id": "i\n", "code": "print('\\n')\n", "env_vars": {"A": "b"}, "language": "python"}
+    assert json.loads(kernel.request("j", "ls", None, "bash"))["language"] == "bash"
     cmd, extra = kernel.launch()
     assert "python3" in cmd and " -I" not in cmd and " -S" not in cmd
     assert len(extra[kernel.ENV_NAME].encode()) < 128 << 10
+    assert "class Magics" in extra[kernel.ENV_NAME] and "\nfrom agentenv" not in extra[kernel.ENV_NAME]  # joined
 
 
 def test_events_parse_with_the_sdks_own_parser(k):
@@ -250,3 +253,143 @@ def test_events_parse_with_the_sdks_own_parser(k):
     assert execution.error is not None and execution.error.name == "ZeroDivisionError"
     assert execution.error.value == "division by zero" and "1 / 0" in execution.error.traceback
     assert execution.execution_count == 3
+
+
+def test_shell_lines_stream_capture_and_expand(k):
+    evs = k.run("!echo out; echo err >&2\nx = 5\nif x:\n    !echo {x + 1} $x '$$HOME'\n!exit 3\n_exit_code")
+    assert text(evs, "stdout") == "out\n6 5 $HOME\n" and text(evs, "stderr") == "err\n"
+    assert of(evs, "result")[0]["text"] == "3" and of(evs, "error") == []  # as IPython: a failing !cmd is no error
+    evs = k.run("lines = !printf 'a\\nb\\n'; echo gone >&2\n(lines, lines.s, lines.n)")
+    assert of(evs, "result")[0]["text"] == "(['a', 'b'], 'a b', 'a\\nb')" and text(evs, "stderr") == "gone\n"
+    assert of(k.run("!!echo c"), "result")[0]["text"] == "['c']"
+
+
+def test_percent_and_bang_inside_strings_brackets_and_comments_are_python(k):
+    code = "s = '''\n%pip install x\n!rm -rf /\n'''\nt = (10\n% 4)\n# %cd /\nu = 7 %\\\n 4\n(s, t, u)"
+    (res,) = of(k.run(code), "result")
+    assert res["text"] == "('\\n%pip install x\\n!rm -rf /\\n', 2, 3)"
+    assert of(k.run("x = 1\nx %= 1\nx"), "result")[0]["text"] == "0"
+
+
+def test_cd_pwd_and_env_magics(k, tmp_path):
+    evs = k.run(f"%cd {tmp_path}\nimport os\nos.getcwd()")
+    assert text(evs, "stdout") == f"{tmp_path}\n" and of(evs, "result")[0]["text"] == str(tmp_path)
+    assert of(k.run("%pwd"), "result")[0]["text"] == str(tmp_path)
+    k.run("%cd /")
+    assert of(k.run("%cd -\n%pwd"), "result")[0]["text"] == str(tmp_path)  # back where it was
+    assert of(k.run("%cd /no/such/folder"), "error")[0]["name"] == "FileNotFoundError"
+    evs = k.run("%env AGENTENV_M=v 1\n%env AGENTENV_M")
+    assert text(evs, "stdout") == "env: AGENTENV_M=v 1\n" and of(evs, "result")[0]["text"] == "v 1"
+    assert text(k.run("!echo $AGENTENV_M"), "stdout") == "v 1\n"  # commands inherit it
+    assert "AGENTENV_M" in of(k.run("%env"), "result")[0]["text"]
+    (err,) = of(k.run("%env AGENTENV_NOT_SET"), "error")
+    assert (err["name"], err["value"]) == ("UsageError", "Environment does not have key: AGENTENV_NOT_SET")
+
+
+def test_pip_runs_the_kernels_python_and_its_failure_is_an_error(k):
+    evs = k.run("%pip --version", timeout=60)
+    assert text(evs, "stdout").startswith("pip ") and of(evs, "error") == []
+    evs = k.run("%pip install --no-index /no/such/pkg.whl", timeout=60)
+    (err,) = of(evs, "error")
+    assert err["name"] == "CalledProcessError" and "pip install --no-index" in err["value"]
+    assert text(evs, "stderr")  # pip's own message streamed before the error
+
+
+def test_unknown_magics_are_usage_errors_after_the_lines_before_them(k):
+    evs = k.run("print('before')\n%timeit 1")
+    (err,) = of(evs, "error")
+    assert err["name"] == "UsageError" and "`%timeit` not found" in err["value"]
+    assert text(evs, "stdout") == "before\n" and "<cell-" in err["traceback"] and "<kernel>" not in err["traceback"]
+    (err,) = of(k.run("%%capture\nprint(1)"), "error")
+    assert err["name"] == "UsageError" and "`%%capture` not found" in err["value"]
+
+
+def test_cell_magics_bash_sh_and_writefile(k, tmp_path):
+    evs = k.run("\n%%bash\nread -r line || echo 'stdin is empty'\necho $((6 * 7))\necho err >&2")
+    assert text(evs, "stdout") == "stdin is empty\n42\n" and text(evs, "stderr") == "err\n" and of(evs, "error") == []
+    (err,) = of(k.run("%%sh\necho partial\nexit 4"), "error")
+    assert err["name"] == "CalledProcessError" and "status 4" in err["value"]
+    f = tmp_path / "w.txt"
+    assert text(k.run(f"%%writefile {f}\nline 1\n"), "stdout") == f"Writing {f}\n"
+    assert text(k.run(f"%%writefile -a {f}\nline 2\n"), "stdout") == f"Appending to {f}\n"
+    assert f.read_text() == "line 1\nline 2\n"
+
+
+def bash(k: Kernel, code: str, env_vars: dict[str, str] | None = None) -> list[dict]:
+    n = k.n = k.n + 1
+    assert k.proc.stdin is not None
+    k.proc.stdin.write(kernel.request(f"b{n}", code, env_vars, "bash"))
+    k.proc.stdin.flush()
+    return k.until_end(f"b{n}")
+
+
+def test_bash_requests_keep_folder_variables_and_functions(k, tmp_path):
+    evs = bash(k, f"cd {tmp_path}; X='a b'; f() {{ echo \"fn $X\"; }}; export E=2; echo $R", {"R": "once"})
+    assert text(evs, "stdout") == "once\n" and of(evs, "error") == []
+    evs = bash(k, "pwd; f; echo $E ${R-unset}; bash -c 'echo $E'")  # R was for that request only
+    assert text(evs, "stdout") == f"{tmp_path}\nfn a b\n2 unset\n2\n"
+    evs = bash(k, "echo partial; ls /no/such/path; exit 2")
+    (err,) = of(evs, "error")
+    assert (err["name"], err["value"]) == ("CalledProcessError", "exit status 2") and text(evs, "stdout") == "partial\n"
+    assert text(evs, "stderr").startswith("ls: ")
+    assert text(bash(k, "echo $X"), "stdout") == "a b\n"  # an exit keeps the state too
+    assert of(k.run("import os\nos.getcwd() != ''"), "result")[0]["text"] == "True"  # python requests still run
+
+
+def test_javascript_requests_keep_their_globals_where_node_exists(k):
+    if shutil.which("node") is None:
+        pytest.skip("no node on this machine")
+
+    def js(code: str, env_vars: dict[str, str] | None = None) -> list[dict]:
+        n = k.n = k.n + 1
+        assert k.proc.stdin is not None
+        k.proc.stdin.write(kernel.request(f"j{n}", code, env_vars, "javascript"))
+        k.proc.stdin.flush()
+        return k.until_end(f"j{n}", timeout=20)
+
+    evs = js("var x = 20; let y = 1; function f(a) { return a * 2; }\nconsole.log('hi'); console.error('e')")
+    assert text(evs, "stdout") == "hi\n" and text(evs, "stderr") == "e\n" and of(evs, "result") == []
+    (res,) = of(js("f(x) + y"), "result")
+    assert res["text"] == "41" and res["is_main_result"] is True
+    assert of(js("'s'"), "result")[0]["text"] == "s" and of(js("({a: [1]})"), "result")[0]["text"] == "{ a: [ 1 ] }"
+    assert of(js("Promise.resolve(5)"), "result")[0]["text"] == "5"  # awaited
+    assert of(js("process.env.AGENTENV_J", {"AGENTENV_J": "once"}), "result")[0]["text"] == "once"
+    assert of(js("typeof process.env.AGENTENV_J"), "result")[0]["text"] == "undefined"  # for that request only
+    (err,) = of(js("nope()"), "error")
+    assert err["name"] == "ReferenceError" and "nope is not defined" in err["value"] and "<cell>" in err["traceback"]
+    assert of(js("require('path').basename('/a/b')"), "result")[0]["text"] == "b"
+    assert of(k.run("1 + 1"), "result")[0]["text"] == "2"  # Python requests still run in the same kernel
+
+
+def test_transform_finds_logical_line_starts_only():
+    from agentenv.inside import magics
+
+    code = 's = """\n%x """\n%env A\nt = [1,\n!no]\nu = 1 + \\\n%2\nif u:\n    v = !ls\n'
+    out = magics.transform(code).splitlines()
+    assert out[1] == '%x """' and out[4] == "!no]" and out[6] == "%2"  # in a string, a bracket, a continuation
+    assert out[2] == f"{magics.MAGIC}('%', 'env A')" and out[8] == f"    v = {magics.MAGIC}('!!', 'ls')"
+    assert len(out) == len(code.splitlines())  # line for line: tracebacks keep their numbers
+    plain = "x = 1 % 2\ny = not x != 3\n"
+    assert magics.transform(plain) is plain
+    big = "d = {\n" + "    'k': 1,\n" * 5000 + "}\n!echo\n"  # one tokenize pass, not one per line
+    assert magics.transform(big).endswith(f"{magics.MAGIC}('!', 'echo')\n")
+
+
+def test_the_joined_parts_define_no_name_twice():
+    """kernel.source() runs magics, nodejs and kernel as one module: a name defined in two would be overwritten."""
+    import ast
+    from pathlib import Path
+
+    seen: dict[str, str] = {}
+    for name in ("magics", "nodejs", "kernel"):
+        tree = ast.parse((Path(kernel.__file__).parent / f"{name}.py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef | ast.ClassDef):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            else:
+                continue
+            for n in names:
+                assert n not in seen or n == "__all__", f"{n} is defined in {seen.get(n)} and {name}"
+                seen[n] = name

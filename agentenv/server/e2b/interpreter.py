@@ -1,7 +1,8 @@
 """The code interpreter's port (49999): ``/execute`` streaming NDJSON, and ``/contexts``, over kernels that
 live inside the sandbox.
 
-A context is a persistent Python process (``agentenv.inside.kernel``) run as a job of the sandbox's agent (as
+A context is a persistent Python process (``agentenv.inside.kernel``; of ``language`` python, bash, or
+javascript where the image has node: the kernel's request kinds) run as a job of the sandbox's agent (as
 E2B's ``user`` where the image has that account, else root: ``bridge.acting``), with its
 stdin fed requests and its stdout read for events; it is found again by its job tag, so the server keeps no
 state of its own. Because the kernel is an ordinary process of the sandbox, a memory snapshot, a pause or a
@@ -33,44 +34,75 @@ from agentenv.server.e2b.bridge import acting, iterate, run, user_named
 from agentenv.server.e2b.files import http_error
 from agentenv.server.service import Service
 
-TAG = "e2b-context:"
-DEFAULT = "default"
-LANGUAGES = ("python", "py", "")
+TAG = "e2b-context:"  # a kernel job's tag: TAG + context id, then "/bash" or "/javascript" for those contexts
+DEFAULT = "default"  # the default context of Python; of bash, "default-bash", of javascript "default-javascript"
+# the names E2B's SDKs send for a language, and the kernel's language (kernel.LANGUAGES) they run as
+LANGUAGES = {"": "python", "python": "python", "py": "python", "python3": "python", "bash": "bash", "sh": "bash"}
+NODE = ("javascript", "js")  # run by node (agentenv.inside.nodejs), where the image has it
 
 
-def _find(sb: Sandbox, context_id: str) -> int | None:
+def _language(sb: Sandbox | None, name: Any) -> str:
+    """The kernel language of a request's ``language``; a clear refusal (400) of any other. JavaScript is
+    looked for in the sandbox (``node``), so that the refusal says what is missing."""
+    if name is None or (isinstance(name, str) and name.lower() in LANGUAGES):
+        return LANGUAGES[(name or "").lower()]
+    if isinstance(name, str) and name.lower() in NODE and sb is not None:
+        if sb.exec("command -v node", timeout=30).exit_code != 0:
+            raise ValueError(f"language {name!r} needs node, which is not in this sandbox's image")
+        return "javascript"
+    raise ValueError(f"language {name!r} is not supported here: only python, bash and javascript (with node)")
+
+
+def _split(tag: str) -> tuple[str, str]:
+    cid, _, language = tag.removeprefix(TAG).partition("/")
+    return cid, language or "python"
+
+
+def _find(sb: Sandbox, context_id: str) -> tuple[int, str] | None:
+    """The pid and language of a context's running kernel."""
     for job in sb.jobs():
-        if job.tag == TAG + context_id and job.exit_code is None:
-            return job.pid
+        if job.tag and job.tag.startswith(TAG) and job.exit_code is None:
+            cid, language = _split(job.tag)
+            if cid == context_id:
+                return job.pid, language
     return None
 
 
 def _contexts(sb: Sandbox) -> list[dict[str, Any]]:
-    return [{"id": j.tag.removeprefix(TAG), "language": "python", "cwd": j.cwd or "/"}
+    return [{"id": _split(j.tag)[0], "language": _split(j.tag)[1], "cwd": j.cwd or "/"}
             for j in sb.jobs() if j.tag and j.tag.startswith(TAG) and j.exit_code is None]
 
 
-def _start(sb: Sandbox, context_id: str, cwd: str | None, user: str | None) -> str:
+def _start(sb: Sandbox, context_id: str, cwd: str | None, user: str | None, language: str = "python") -> str:
     """Start a context's kernel as the account ``user`` names (``bridge.acting``: E2B's ``user`` by default,
     where the image has it); the folder it starts in (that account's home unless ``cwd``)."""
     calls = acting(sb, user)
     cwd = cwd or (calls.home if isinstance(calls, AsUser) else None)
     command, env = kernel.launch()
-    calls.start(command, cwd=cwd, env=env, stdin=True, tag=TAG + context_id)
+    calls.start(command, cwd=cwd, env=env, stdin=True,
+                tag=TAG + context_id + ("" if language == "python" else "/" + language))
     return cwd or "/"
 
 
-def _kernel(sb: Sandbox, context_id: str | None, user: str | None) -> int:
-    """The pid of a context's kernel; the default context is started on first use."""
-    cid = context_id or DEFAULT
-    pid = _find(sb, cid)
-    if pid is None:
-        if cid != DEFAULT:
+def _default(language: str | None) -> str:
+    return DEFAULT if language in (None, "python") else f"{DEFAULT}-{language}"
+
+
+def _kernel(sb: Sandbox, cid: str, language: str | None, user: str | None, start: bool = True) -> tuple[int, str]:
+    """The pid and language of context ``cid``'s kernel (a language's default context is started on first use,
+    where ``start``; else its pid is 0). A ``language`` asked for besides a context must be the context's."""
+    found = _find(sb, cid)
+    if found is None:
+        if cid != _default(language):
             raise FileNotFoundError(2, f"no context {cid!r}: create it with create_code_context()")
-        _start(sb, cid, None, user)
-        pid = _find(sb, cid)
-        assert pid is not None
-    return pid
+        if not start:
+            return 0, language or "python"
+        _start(sb, cid, None, user, language or "python")
+        found = _find(sb, cid)
+        assert found is not None
+    if language is not None and found[1] != language:
+        raise ValueError(f"context {cid!r} runs {found[1]}, not {language}: give a context or a language")
+    return found
 
 
 class Interpreter:
@@ -87,37 +119,39 @@ class Interpreter:
     async def execute(self, request: Request) -> Response:
         try:
             body = _object(await request.json())
-            code, language = body.get("code"), body.get("language") or ""
+            code = body.get("code")
             if not isinstance(code, str):
                 raise ValueError("code must be a string")
-            if language not in LANGUAGES:
-                raise ValueError(f"language {language!r} is not supported here: only python")
-            env_vars, context_id = body.get("env_vars") or {}, body.get("context_id") or DEFAULT
-            if not isinstance(env_vars, dict) or not isinstance(context_id, str):
+            env_vars, context_id = body.get("env_vars") or {}, body.get("context_id") or None
+            if not isinstance(env_vars, dict) or not isinstance(context_id, str | None):
                 raise ValueError("env_vars must be an object and context_id a string")
             env = {str(k): str(v) for k, v in env_vars.items()}
             sb = await run(self._sandbox, request)
-            lock = self.locks.setdefault((sb.id, context_id), asyncio.Lock())
+            asked = await run(_language, sb, body.get("language")) if body.get("language") else None
+            user = user_named(request.headers)
+            cid = context_id or _default(asked)
+            _, language = await run(_kernel, sb, cid, asked, user, False)  # a missing context is a 404 ...
+            lock = self.locks.setdefault((sb.id, cid), asyncio.Lock())
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
-        return StreamingResponse(self._run(sb, context_id, code, env, lock, user_named(request.headers)),
+        return StreamingResponse(self._run(sb, cid, language, code, env, lock, user),
                                  media_type="application/x-ndjson")
 
-    async def _run(self, sb: Sandbox, context_id: str, code: str, env: dict[str, str],
+    async def _run(self, sb: Sandbox, cid: str, language: str, code: str, env: dict[str, str],
                    lock: asyncio.Lock, user: str | None) -> AsyncIterator[bytes]:
         """The execution's events as NDJSON lines; a failure of the sandbox is the last line, as an error."""
         try:
-            async for line in self._execute(sb, context_id, code, env, lock, user):
+            async for line in self._execute(sb, cid, language, code, env, lock, user):
                 yield line
         except Exception as e:  # noqa: BLE001 - the stream has started: the failure is told in it
             yield _line({"type": "error", "name": type(e).__name__, "value": str(e), "traceback": ""})
 
-    async def _execute(self, sb: Sandbox, context_id: str, code: str, env: dict[str, str],
+    async def _execute(self, sb: Sandbox, cid: str, language: str, code: str, env: dict[str, str],
                        lock: asyncio.Lock, user: str | None) -> AsyncIterator[bytes]:
         async with lock:
-            pid = await run(_kernel, sb, context_id, user)
+            pid, language = await run(_kernel, sb, cid, language, user)  # ... and here, where it may have died since
             rid = uuid.uuid4().hex
-            await run(sb.send_input, pid, kernel.request(rid, code, env))
+            await run(sb.send_input, pid, kernel.request(rid, code, env, language))
             done = False
             buf, base, err_end = bytearray(), None, 0
             try:
@@ -156,17 +190,16 @@ class Interpreter:
     async def create(self, request: Request) -> Response:
         try:
             body = _object(await request.json() if await request.body() else {})
-            if (body.get("language") or "python") not in LANGUAGES[:2]:
-                raise ValueError(f"language {body.get('language')!r} is not supported here: only python")
             cwd = body.get("cwd") or None
             if not isinstance(cwd, str | None):
                 raise ValueError("cwd must be a string")
             sb = await run(self._sandbox, request)
+            language = await run(_language, sb, body.get("language"))
             context_id = uuid.uuid4().hex[:16]
-            cwd = await run(_start, sb, context_id, cwd, user_named(request.headers))
+            cwd = await run(_start, sb, context_id, cwd, user_named(request.headers), language)
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
-        return JSONResponse({"id": context_id, "language": "python", "cwd": cwd})
+        return JSONResponse({"id": context_id, "language": language, "cwd": cwd})
 
     async def list(self, request: Request) -> Response:
         try:
@@ -189,10 +222,10 @@ class Interpreter:
             sb = await run(self._sandbox, request)
             cid = request.path_params["context_id"]
             pid = await run(_kernel_or_404, sb, cid)
-            cwd = next((c["cwd"] for c in await run(_contexts, sb) if c["id"] == cid), None)
+            ctx = next((c for c in await run(_contexts, sb) if c["id"] == cid), {})
             await run(sb.signal, pid, signal.SIGKILL)
             await run(_drain, sb, pid)
-            await run(_start, sb, cid, cwd, user_named(request.headers))
+            await run(_start, sb, cid, ctx.get("cwd"), user_named(request.headers), ctx.get("language", "python"))
         except Exception as e:  # noqa: BLE001 - an error body the SDK maps
             return http_error(e)
         return Response(status_code=204)
@@ -205,10 +238,10 @@ def _object(body: Any) -> dict[str, Any]:
 
 
 def _kernel_or_404(sb: Sandbox, context_id: str) -> int:
-    pid = _find(sb, context_id)
-    if pid is None:
+    found = _find(sb, context_id)
+    if found is None:
         raise FileNotFoundError(2, f"no context {context_id!r}")
-    return pid
+    return found[0]
 
 
 def _interrupt(sb: Sandbox, pid: int) -> None:

@@ -1,0 +1,88 @@
+"""The code interpreter as Jupyter users expect it, through the official ``e2b_code_interpreter`` SDK against a real
+``agentenv serve`` and real sandboxes: IPython lines (``!cmd``, ``%pip``, ``%cd``), rich results, bash contexts
+(through a fork too), and JavaScript refused where the image has no node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+code_interpreter = pytest.importorskip("e2b_code_interpreter")
+
+from e2b_code_interpreter import Sandbox  # noqa: E402
+
+
+@pytest.fixture
+def ci(e2b_url: str) -> Iterator[Sandbox]:
+    sb = Sandbox.create(timeout=600)
+    try:
+        yield sb
+    finally:
+        sb.kill()
+
+
+def test_ipython_lines(ci: Sandbox) -> None:
+    run = ci.run_code("!echo shell $USER\nn = 3\n!echo {n * 2}")
+    assert run.logs.stdout == ["shell user\n", "6\n"] and run.error is None  # as E2B's user, expanded as IPython
+    assert ci.run_code("%pip --version").logs.stdout[0].startswith("pip ")
+    listed = ci.run_code("%pip list")
+    assert listed.error is None and "pip" in "".join(listed.logs.stdout)
+    failed = ci.run_code("%pip install --no-index no-such-package-agentenv")
+    assert failed.error is not None and failed.error.name == "CalledProcessError" and failed.logs.stderr
+    run = ci.run_code("%cd /tmp\nimport os\nos.getcwd()")
+    assert run.text == "/tmp" and run.logs.stdout == ["/tmp\n"]
+    assert ci.run_code("os.getcwd()").text == "/tmp"  # the next execution is still there
+    err = ci.run_code("%timeit 1").error
+    assert err is not None and err.name == "UsageError" and "%timeit" in err.value
+
+
+def test_rich_results(ci: Sandbox) -> None:
+    has_mpl = ci.run_code("import importlib.util\nimportlib.util.find_spec('matplotlib') is not None").text == "True"
+    if has_mpl:
+        run = ci.run_code("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()")
+        assert run.results and run.results[0].png
+    run = ci.run_code(
+        "import base64\nclass R:\n    def _repr_png_(self): return base64.b64decode('iVBORw0KGgo=')\n"
+        "    def _repr_html_(self): return '<b>r</b>'\n    def _repr_markdown_(self): return '*r*'\n"
+        "    def _repr_json_(self): return {'r': 1}\n"
+        "    def _repr_svg_(self): return '<svg xmlns=\"http://www.w3.org/2000/svg\"/>'\n"
+        "    def __repr__(self): return 'R()'\nR()")
+    (res,) = run.results
+    assert (res.text, res.png, res.html, res.markdown, res.json) == ("R()", "iVBORw0KGgo=", "<b>r</b>", "*r*", {"r": 1})
+    assert res.svg is not None and res.svg.startswith("<svg") and res.is_main_result
+    assert set(res.formats()) >= {"png", "html", "markdown", "json", "svg"}
+
+
+def test_bash_contexts_keep_their_folder_and_variables_through_a_fork(e2b_url: str, ci: Sandbox) -> None:
+    ctx = ci.create_code_context(language="bash", cwd="/tmp")
+    assert ctx.language == "bash" and ctx.cwd == "/tmp"
+    assert ci.run_code("pwd; mkdir -p d && cd d; X=kept", context=ctx).logs.stdout == ["/tmp\n"]
+    run = ci.run_code("pwd; echo $X; whoami", context=ctx)
+    assert "".join(run.logs.stdout) == "/tmp/d\nkept\nuser\n" and run.error is None
+    failed = ci.run_code("echo before; false", context=ctx)
+    assert failed.logs.stdout == ["before\n"] and failed.error is not None and failed.error.value == "exit status 1"
+    assert "bash" in [c.language for c in ci.list_code_contexts()]
+    assert "".join(ci.run_code("echo $0 | grep -c bash", language="bash").logs.stdout) == "1\n"  # its default one
+    (kid,) = ci.fork(count=1)
+    try:
+        assert "".join(kid.run_code("pwd; echo $X", context=ctx).logs.stdout) == "/tmp/d\nkept\n"
+    finally:
+        kid.kill()
+    # the SDK sends a context or a language; a server asked for both answers 400 where they disagree
+    headers = {"E2b-Sandbox-Id": ci.sandbox_id, "X-Access-Token": ci._envd_access_token or "",  # noqa: SLF001
+               "E2b-Sandbox-Port": "49999"}
+    r = httpx.post(f"{e2b_url}/execute", headers=headers, json={"code": "1", "context_id": ctx.id, "language": "py"})
+    assert r.status_code == 400 and "runs bash" in r.json()["message"]
+
+
+def test_javascript_is_refused_where_node_is_not_in_the_image(ci: Sandbox) -> None:
+    assert ci.commands.run("command -v node || echo none").stdout == "none\n"
+    with pytest.raises(Exception, match="needs node, which is not in this sandbox's image") as e:
+        ci.run_code("1 + 1", language="javascript")
+    assert "400" in repr(e.value) or type(e.value).__name__ == "InvalidArgumentException"
+    with pytest.raises(Exception, match="needs node"):
+        ci.create_code_context(language="js")
+    with pytest.raises(Exception, match="only python, bash and javascript"):
+        ci.run_code("1", language="r")
