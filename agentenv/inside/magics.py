@@ -24,6 +24,7 @@ import os
 import re
 import shlex
 import signal
+import site
 import subprocess
 import sys
 import tempfile
@@ -150,11 +151,12 @@ def _flush() -> None:
             stream.flush()
 
 
-def _spawn(args: Any, *, shell: bool = False, capture: bool = False) -> tuple[int, str]:
+def _spawn(args: Any, *, shell: bool = False, capture: bool = False,
+           env: dict[str, str] | None = None) -> tuple[int, str]:
     """Run a command with the kernel's fds 1 and 2 (its output streams), or its stdout captured."""
     _flush()
     proc = subprocess.Popen(args, shell=shell, stdin=subprocess.DEVNULL, start_new_session=True,
-                            stdout=subprocess.PIPE if capture else None)
+                            stdout=subprocess.PIPE if capture else None, env=env)
     out = ""
     if capture:
         assert proc.stdout is not None
@@ -215,7 +217,13 @@ class Magics:
         return self.system(arg, True)
 
     def line_pip(self, arg: str) -> None:
-        code, _ = _spawn([sys.executable, "-m", "pip", *shlex.split(arg)])
+        # the sandbox's Python is its own to change, as in E2B's images: Debian marks it externally managed
+        # (PEP 668), which would refuse every install; a caller's own setting of the variable wins
+        env = {"PIP_BREAK_SYSTEM_PACKAGES": "1", **os.environ}
+        code, _ = _spawn([sys.executable, "-m", "pip", *shlex.split(arg)], env=env)
+        user_site = site.getusersitepackages()  # an account's first install makes it (site skips it when absent)
+        if site.ENABLE_USER_SITE and os.path.isdir(user_site) and user_site not in sys.path:
+            site.addsitedir(user_site)
         importlib.invalidate_caches()  # what was installed can be imported now
         if code:
             raise subprocess.CalledProcessError(code, f"pip {arg}".strip())

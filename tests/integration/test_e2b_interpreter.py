@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import io
+import zipfile
 from collections.abc import Iterator
 
 import httpx
@@ -12,6 +14,19 @@ import pytest
 code_interpreter = pytest.importorskip("e2b_code_interpreter")
 
 from e2b_code_interpreter import Sandbox  # noqa: E402
+
+
+def _wheel(name: str, source: str) -> bytes:
+    """A pure-Python wheel of one module, made by hand (no build tools in the sandbox, no index to fetch from)."""
+    dist = f"{name}-0.1.dist-info"
+    files = {f"{name}.py": source, f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: agentenv-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{path},,\n" for path in files) + f"{dist}/RECORD,,\n"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for path, text in {**files, f"{dist}/RECORD": record}.items():
+            z.writestr(path, text)
+    return buf.getvalue()
 
 
 @pytest.fixture
@@ -31,6 +46,10 @@ def test_ipython_lines(ci: Sandbox) -> None:
     assert listed.error is None and "pip" in "".join(listed.logs.stdout)
     failed = ci.run_code("%pip install --no-index no-such-package-agentenv")
     assert failed.error is not None and failed.error.name == "CalledProcessError" and failed.logs.stderr
+    ci.files.write("/tmp/wheels/tiny_agentenv-0.1-py3-none-any.whl", _wheel("tiny_agentenv", "VALUE = 7\n"))
+    installed = ci.run_code("%pip install --no-index --no-deps /tmp/wheels/tiny_agentenv-0.1-py3-none-any.whl\n"
+                            "import tiny_agentenv\ntiny_agentenv.VALUE")
+    assert installed.error is None and installed.text == "7"  # Debian's externally-managed mark does not refuse it
     run = ci.run_code("%cd /tmp\nimport os\nos.getcwd()")
     assert run.text == "/tmp" and run.logs.stdout == ["/tmp\n"]
     assert ci.run_code("os.getcwd()").text == "/tmp"  # the next execution is still there
