@@ -31,9 +31,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
+from agentenv import errors
 from agentenv.api import FileInfo
 from agentenv.sandbox.calls import Calls
-from agentenv.server.e2b.bridge import acting, call, connect_error, one_of, sandbox_of, user_named
+from agentenv.server.e2b.bridge import acting, call, connect_error, one_of, run, sandbox_of, user_named
 from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service
 
@@ -201,6 +202,18 @@ def files_routes(service: Service) -> Router:
                       user_named(request.headers, request.query_params))
 
     async def health(request: Request) -> Response:
+        """204 while the sandbox's processes run, else the 502 ``was not found`` of E2B's proxy. Asked of runc,
+        not the record: the SDK probes here when a stream breaks, and a kill under way still reads 'running'
+        in the record after the agent is gone; this answer is what lets it say the sandbox was killed."""
+        sid = request.headers.get("e2b-sandbox-id", "")
+
+        def state() -> str | None:
+            with contextlib.suppress(errors.SandboxNotFound, ValueError):
+                return service.sandbox(sid).state
+            return None
+
+        if await run(state) != "running":
+            return JSONResponse({"code": 502, "message": f"The sandbox {sid} was not found", "sandboxId": sid}, 502)
         return Response(status_code=204)
 
     async def download(request: Request) -> Response:
