@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, ports, templates, upgrade
 from agentenv.server.e2b.files import FilesystemService, files_routes
-from agentenv.server.e2b.ports import Refused, admitted, reply, route_of, running
+from agentenv.server.e2b.ports import Refused, admit, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
@@ -90,7 +90,7 @@ class SandboxPorts:
             await self.app(scope, receive, send)
             return
         try:
-            sid, port = admitted(scope["headers"], route, self.token)
+            sid, port = await admit(self.service, scope["headers"], route, self.token)
         except Refused as e:
             await reply(send, e.status, e.message)
             return
@@ -107,7 +107,8 @@ class SandboxPorts:
             if target is not None:
                 await target(scope, receive, send)
             else:
-                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send)
+                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send,
+                                  await ports.host_mask(self.service, sid))
         finally:
             bridge.threads.reset(reset)
 

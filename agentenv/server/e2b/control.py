@@ -40,7 +40,7 @@ from agentenv.config import parse_size
 from agentenv.sandbox import expiry
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
-from agentenv.server.e2b import template_store
+from agentenv.server.e2b import ports, template_store
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
 from agentenv.server.service import Service
 
@@ -134,19 +134,29 @@ class NetworkConfig(BaseModel):
     allow_out: list[str] | None = Field(None, alias="allowOut", max_length=netpolicy.MAX_ENTRIES)
     deny_out: list[str] | None = Field(None, alias="denyOut", max_length=netpolicy.MAX_ENTRIES)
     allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
+    # the Host header its ports' requests carry (``${PORT}``: the port); printable ASCII, no spaces
+    mask_request_host: str | None = Field(None, alias="maskRequestHost", min_length=1, max_length=512,
+                                          pattern=r"^[\x21-\x7e]+$")
 
     def unenforced(self) -> list[str]:
-        """The options asked for that agentenv does not enforce: a public sandbox URL, and every other key but an
-        empty one (``dnsServers: []`` asks for no DNS server, which is not enforced either)."""
-        out = ["allowPublicTraffic"] if self.allow_public_traffic else []
-        return out + sorted(k for k, v in (self.model_extra or {}).items()
-                            if k in ("dnsServers", "dns_servers") or not any(v == n for n in _NOTHING))
+        """The options asked for that agentenv does not enforce: every key but an empty one and those it does
+        (``dnsServers: []`` asks for no DNS server, which is not enforced either)."""
+        return sorted(k for k, v in (self.model_extra or {}).items()
+                      if k in ("dnsServers", "dns_servers") or not any(v == n for n in _NOTHING))
+
+    def labels(self) -> dict[str, str]:
+        """The sandbox labels that carry ``allowPublicTraffic`` and ``maskRequestHost`` (``ports`` reads them, on
+        every request and after restarts; forks keep their parent's labels, so these too)."""
+        out = {ports.PUBLIC_LABEL: "true"} if self.allow_public_traffic else {}
+        if self.mask_request_host is not None:
+            out[ports.MASK_LABEL] = self.mask_request_host
+        return out
 
     def rules(self, internet: bool | None) -> tuple[list[str], list[str]]:
         """``(allow_out, deny_out)``: E2B's ``allow_internet_access: false`` is ``denyOut`` ``0.0.0.0/0``."""
         if bad := self.unenforced():
-            raise E2BError(400, f"network option(s) {bad} are not enforced by agentenv: only allowOut and denyOut "
-                                "are (and allowPublicTraffic false); leave the others out")
+            raise E2BError(400, f"network option(s) {bad} are not enforced by agentenv: only allowOut, denyOut, "
+                                "allowPublicTraffic and maskRequestHost are; leave the others out")
         allow, deny = list(self.allow_out or []), list(self.deny_out or [])
         if internet is False and netpolicy.ALL_TRAFFIC not in deny:
             deny.append(netpolicy.ALL_TRAFFIC)
@@ -155,6 +165,12 @@ class NetworkConfig(BaseModel):
 
 class NetworkUpdate(NetworkConfig):
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
+
+    def unenforced(self) -> list[str]:
+        """As at create, and the two options E2B only takes at create (its update config has neither)."""
+        fixed = [k for k, v in (("allowPublicTraffic", self.allow_public_traffic),
+                                ("maskRequestHost", self.mask_request_host)) if v is not None]
+        return fixed + super().unenforced()
 
 
 class AutoResume(_Body):
@@ -251,6 +267,10 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
                     lifecycle={"onTimeout": expiry.action(labels), "autoResume": False})
         if network is not None:
             body["network"] = {"allowOut": list(network.allow_out), "denyOut": list(network.deny_out)}
+        if labels.get(ports.PUBLIC_LABEL) == "true":
+            body.setdefault("network", {})["allowPublicTraffic"] = True
+        if ports.MASK_LABEL in labels:
+            body.setdefault("network", {})["maskRequestHost"] = labels[ports.MASK_LABEL]
     return body
 
 
@@ -271,7 +291,7 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     template = body.template_id
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
     built = template_store.for_sandbox(template)  # a template built here: its image, or its start snapshot
-    labels = _labels(template, body.metadata, body.on_expiry())
+    labels = {**_labels(template, body.metadata, body.on_expiry()), **(body.network or NetworkConfig.model_validate({})).labels()}
     if built and built.user:
         labels[template_store.USER_LABEL] = built.user
     image = built.image if built else TEMPLATES.get(template, template)

@@ -31,6 +31,8 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"p
 OPEN_TIMEOUT = 10.0   # seconds for the sandbox's agent to connect to the port
 IDLE_TIMEOUT = 300.0  # seconds the listener (or the client, sending a body) may stay silent mid-request
 CHUNK = 1 << 16
+PUBLIC_LABEL = "e2b.allow_public_traffic"  # "true": network.allowPublicTraffic, its ports open without the token
+MASK_LABEL = "e2b.mask_request_host"  # network.maskRequestHost: the Host its ports' requests carry
 
 
 async def reply(send: Send, status: int, message: str, **extra: Any) -> None:
@@ -73,8 +75,10 @@ class Refused(Exception):
         self.status, self.message, self.extra = status, message, extra
 
 
-def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str) -> tuple[str, int]:
-    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not)."""
+def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str,
+             public: bool = False) -> tuple[str, int]:
+    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not);
+    ``public``: the sandbox was made with ``allowPublicTraffic``, so its ports need no token (envd's still does)."""
     names = [k.lower() for k, _ in headers]
     repeated = [k.decode() for k in ROUTING if names.count(k) > 1]
     if repeated:
@@ -82,12 +86,45 @@ def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: 
     sid, port = route
     values = dict(headers)
     given = (values.get(b"x-access-token") or values.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
-    if not valid(token, sid, given):
+    if not valid(token, sid, given) and not (public and port != str(ENVD_PORT)):
         raise Refused(401, f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token or "
                            "X-Access-Token: the trafficAccessToken of create/connect)")
     if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
         raise Refused(502, f"The sandbox {sid} is running but port {port[:16]} is not open (not a TCP port)")
     return sid, int(port)
+
+
+def _labels(service: Service, sandbox_id: str) -> dict[str, str]:
+    try:
+        return service.sandbox(sandbox_id).labels
+    except (errors.SandboxNotFound, ValueError):
+        return {}
+
+
+async def admit(service: Service, headers: list[tuple[bytes, bytes]], route: tuple[str, str],
+                token: str) -> tuple[str, int]:
+    """``admitted``, where a request without the token is let through to a port of a sandbox made with
+    ``allowPublicTraffic`` (its label, read only then: a request with the token costs no record read)."""
+    try:
+        return admitted(headers, route, token)
+    except Refused as e:
+        if e.status != 401 or (await bridge.run(_labels, service, route[0])).get(PUBLIC_LABEL) != "true":
+            raise
+    return admitted(headers, route, token, public=True)
+
+
+async def host_mask(service: Service, sandbox_id: str) -> str | None:
+    """The ``maskRequestHost`` the sandbox was made with (its label), or None."""
+    return (await bridge.run(_labels, service, sandbox_id)).get(MASK_LABEL)
+
+
+def masked(headers: list[tuple[bytes, bytes]], mask: str | None, port: int) -> list[tuple[bytes, bytes]]:
+    """The headers with ``Host`` as ``maskRequestHost`` says (``${PORT}`` is the port asked for), as E2B's proxy
+    sends them on; unchanged without a mask."""
+    if mask is None:
+        return headers
+    host = mask.replace("${PORT}", str(port)).encode("latin-1")
+    return [*((k, v) for k, v in headers if k.lower() != b"host"), (b"host", host)]
 
 
 async def running(service: Service, sandbox_id: str) -> None:
@@ -125,8 +162,9 @@ async def open_port(sb: Sandbox, port: int) -> socket.socket:
         raise Refused(502, **closed(sb.id, port)) from e
 
 
-async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Send) -> None:
-    """Send the request to ``port`` of ``sb`` and stream its response back (a 502 when nothing listens)."""
+async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Send, mask: str | None = None) -> None:
+    """Send the request to ``port`` of ``sb`` and stream its response back (a 502 when nothing listens); ``mask``:
+    the sandbox's ``maskRequestHost``, the Host the request carries on."""
     try:
         sock = await open_port(sb, port)
     except Refused as e:
@@ -136,7 +174,7 @@ async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Se
     started = False
     try:
         conn = h11.Connection(h11.CLIENT)
-        headers = forwarded(scope["headers"])
+        headers = masked(forwarded(scope["headers"]), mask, port)
         first = await receive()
         body, more = first.get("body", b""), first.get("more_body", False)
         if not any(k.lower() == b"content-length" for k, _ in headers) and (body or more):
