@@ -113,3 +113,46 @@ def test_a_host_mask_is_the_host_the_listener_sees(server: str, masked: Sandbox)
     info = masked.get_info()
     assert info.network is not None and info.network.get("mask_request_host") == "custom-host.example.com:${PORT}"
     assert masked.get_host(8003) == f"8003-{masked.sandbox_id}.{DOMAIN}"
+
+
+def test_a_paused_auto_resume_sandbox_wakes_once_for_concurrent_requests(server: str) -> None:
+    """Its port's requests, all at once, find it paused: one resume, every request answered, the timeout its
+    first one again but five minutes at least (E2B's)."""
+    sb = Sandbox.create(timeout=30, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
+        sb.files.write("/tmp/headers.py", HEADERS_SERVER)
+        sb.commands.run("exec python3 /tmp/headers.py", background=True)
+        deadline = time.monotonic() + 20
+        while not _listening(sb, 8003):
+            assert time.monotonic() < deadline, "port 8003 never opened"
+            time.sleep(0.1)
+        sb.pause()
+        assert sb.get_info().state.value == "paused"
+
+        async def hit() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as c:
+                rs = await asyncio.gather(*(c.get(f"{server}/", headers=routed(sb, 8003)) for _ in range(6)))
+            return [r.status_code for r in rs]
+
+        assert asyncio.run(hit()) == [200] * 6
+        info = sb.get_info()
+        assert info.state.value == "running"
+        assert (info.end_at - info.started_at).total_seconds() > 200  # not the 30 s it was made with
+        assert sb.is_running() and sb.commands.run("echo awake").stdout == "awake\n"
+        sb.pause()  # envd's own requests wake it too
+        assert sb.commands.run("cat /tmp/headers.py").exit_code == 0
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_paused_sandbox_without_auto_resume_stays_paused(server: str) -> None:
+    sb = Sandbox.create(timeout=60, lifecycle={"on_timeout": "pause"})
+    try:
+        sb.pause()
+        r = httpx.get(f"{server}/health", headers={"E2b-Sandbox-Id": sb.sandbox_id,
+                                                   "X-Access-Token": str(sb.traffic_access_token)})
+        assert r.status_code == 502 and "paused" in r.json()["message"]
+        assert sb.get_info().state.value == "paused"
+    finally:
+        Sandbox.kill(sb.sandbox_id)

@@ -199,9 +199,9 @@ class NewSandbox(_Body):
                      if v]
         if unoffered:
             raise E2BError(400, f"{unoffered} are not offered by agentenv (E2B cloud features): leave them out")
-        if self.auto_resume is not None and self.auto_resume.enabled:
-            raise E2BError(400, "autoResume is not offered by agentenv: a paused sandbox resumes on "
-                                "Sandbox.connect, not on traffic; leave lifecycle.auto_resume out or False")
+        if self.auto_resume is not None and self.auto_resume.enabled and not self.auto_pause:
+            raise E2BError(400, "autoResume needs the timeout to pause the sandbox (lifecycle.on_timeout 'pause'): "
+                                "a killed sandbox has nothing to resume")
         if self.auto_pause and self.auto_pause_memory is False:
             raise E2BError(400, "autoPauseMemory false (a filesystem-only pause) is not offered by agentenv: "
                                 "a pause keeps memory too; leave the pause mode out")
@@ -264,7 +264,8 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
                     memoryMB=limits.memory >> 20, diskSizeMB=(limits.disk or 0) >> 20, state=state or sb.state,
                     metadata={k[len(META_PREFIX):]: v for k, v in labels.items() if k.startswith(META_PREFIX)},
                     allowInternetAccess=network is not None,
-                    lifecycle={"onTimeout": expiry.action(labels), "autoResume": False})
+                    lifecycle={"onTimeout": expiry.action(labels),
+                               "autoResume": labels.get(ports.AUTO_RESUME_LABEL) == "true"})
         if network is not None:
             body["network"] = {"allowOut": list(network.allow_out), "denyOut": list(network.deny_out)}
         if labels.get(ports.PUBLIC_LABEL) == "true":
@@ -292,6 +293,8 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
     built = template_store.for_sandbox(template)  # a template built here: its image, or its start snapshot
     labels = {**_labels(template, body.metadata, body.on_expiry()), **(body.network or NetworkConfig.model_validate({})).labels()}
+    if body.auto_resume is not None and body.auto_resume.enabled:  # ports wakes it on a request, with this timeout
+        labels.update({ports.AUTO_RESUME_LABEL: "true", ports.TIMEOUT_LABEL: str(int(ttl))})
     if built and built.user:
         labels[template_store.USER_LABEL] = built.user
     image = built.image if built else TEMPLATES.get(template, template)

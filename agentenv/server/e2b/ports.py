@@ -33,6 +33,9 @@ IDLE_TIMEOUT = 300.0  # seconds the listener (or the client, sending a body) may
 CHUNK = 1 << 16
 PUBLIC_LABEL = "e2b.allow_public_traffic"  # "true": network.allowPublicTraffic, its ports open without the token
 MASK_LABEL = "e2b.mask_request_host"  # network.maskRequestHost: the Host its ports' requests carry
+AUTO_RESUME_LABEL = "e2b.auto_resume"  # "true": lifecycle.auto_resume, a request for it resumes it when paused
+TIMEOUT_LABEL = "e2b.timeout"  # the timeout (s) it was made with: an auto-resume gives it again (5 min at least)
+AUTO_RESUME_MIN_TTL = 300.0  # E2B: an auto-resumed sandbox gets its first timeout, but never under five minutes
 
 
 async def reply(send: Send, status: int, message: str, **extra: Any) -> None:
@@ -127,9 +130,42 @@ def masked(headers: list[tuple[bytes, bytes]], mask: str | None, port: int) -> l
     return [*((k, v) for k, v in headers if k.lower() != b"host"), (b"host", host)]
 
 
+# the resumes under way, (service, sandbox id) -> its task: concurrent requests for one paused sandbox wait on
+# the one resume (the event loop's own; each server has one loop)
+_waking: dict[tuple[int, str], asyncio.Future[str | None]] = {}
+
+
+def _resume(service: Service, sandbox_id: str) -> str | None:
+    """Resume the paused sandbox as connect does (``Service.resume``), its timeout its first one (five minutes at
+    least); the state it is in after. A sandbox resumed meanwhile (by a connect) is left as it is."""
+    sb = service.sandbox(sandbox_id)
+    if sb.state != "paused":
+        return sb.state
+    try:
+        service.resume(sandbox_id)
+    except errors.SandboxStateError:
+        return sb.state  # a connect or another server's request resumed it first
+    except errors.AgentEnvError as e:
+        raise Refused(502, f"The sandbox {sandbox_id} is paused and could not be resumed: {e}") from e
+    sb.set_ttl(max(AUTO_RESUME_MIN_TTL, float(sb.labels.get(TIMEOUT_LABEL) or 0)))
+    return "running"
+
+
+async def wake(service: Service, sandbox_id: str) -> str | None:
+    """Resume a paused sandbox for a request that came for it, once for all the requests that wait on it."""
+    key = (id(service), sandbox_id)
+    task = _waking.get(key)
+    if task is None:
+        task = asyncio.ensure_future(bridge.run(_resume, service, sandbox_id))
+        _waking[key] = task
+        task.add_done_callback(lambda _: _waking.pop(key, None))
+    return await asyncio.shield(task)  # a client that leaves does not cut the resume short for the others
+
+
 async def running(service: Service, sandbox_id: str) -> None:
     """``Refused`` (502, as E2B) unless the sandbox is recorded running (no ``runc state`` per request: a sandbox
-    whose processes died behind the record fails its call with a typed error instead)."""
+    whose processes died behind the record fails its call with a typed error instead); a paused one made with
+    ``lifecycle.auto_resume`` is resumed first (``wake``)."""
     def state() -> str | None:
         try:
             return service.sandbox(sandbox_id).recorded_state
@@ -137,6 +173,8 @@ async def running(service: Service, sandbox_id: str) -> None:
             return None
 
     now = await bridge.run(state)
+    if now == "paused" and (await bridge.run(_labels, service, sandbox_id)).get(AUTO_RESUME_LABEL) == "true":
+        now = await wake(service, sandbox_id)
     if now != "running":
         raise Refused(502, f"The sandbox {sandbox_id} was not found" if now is None else
                       f"The sandbox {sandbox_id} is {now}, so it was not found running: connect to it to resume it")
