@@ -15,8 +15,9 @@ The network: ``allow_internet_access`` absent or true is a sandbox with network 
 loopback only; ``network.allowOut`` / ``denyOut`` are the sandbox's outbound rules (``agentenv.netpolicy``: an
 allowed destination wins, as in E2B), and ``allow_internet_access: false`` with an ``allowOut`` list adds
 ``0.0.0.0/0`` to ``denyOut``, as E2B reads it. ``PUT /sandboxes/{id}/network`` (``Sandbox.update_network``)
-replaces the rules; a sandbox made with loopback only has none to replace (409). What agentenv does not enforce
-(``allowPublicTraffic: true``, ``maskRequestHost``, ``dnsServers``, ``egressProxy``, per-host ``rules``,
+replaces the rules; a sandbox made with loopback only has none to replace (409). ``allowPublicTraffic`` and
+``maskRequestHost`` become labels that ``ports`` enforces; ``lifecycle.autoResume`` one that ``ports`` wakes the
+paused sandbox on. What agentenv does not enforce (``dnsServers``, ``egressProxy``, per-host ``rules``,
 ``httpsPorts``, any other key) is refused with a 400 that names it, never accepted and ignored.
 """
 
