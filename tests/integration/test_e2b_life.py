@@ -1,6 +1,6 @@
 """A sandbox's life as E2B's SDK (2.63) sees it, against a real ``agentenv serve``: what a command stream ends
 with when its sandbox is killed under it, the network options that govern its ports (``allowPublicTraffic``,
-``maskRequestHost``), and what wakes a paused sandbox (``autoResume``)."""
+``maskRequestHost``), what wakes a paused sandbox (``autoResume``) and a pause that keeps the files only."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap 
 from e2b import AsyncSandbox, Sandbox  # noqa: E402
 from e2b.exceptions import SandboxNotRunningException  # noqa: E402
 
-from .server_fixtures import e2b_domain_server  # noqa: E402
+from .server_fixtures import e2b_domain_server, wait_for  # noqa: E402
 from .test_e2b_ports import DOMAIN, _listening, routed  # noqa: E402
 
 HEADERS_SERVER = r"""
@@ -156,3 +156,42 @@ def test_a_paused_sandbox_without_auto_resume_stays_paused(server: str) -> None:
         assert sb.get_info().state.value == "paused"
     finally:
         Sandbox.kill(sb.sandbox_id)
+
+
+def _gone(sb: Sandbox) -> bool:
+    """True when no ``sleep`` runs in the sandbox (the one the test started is gone)."""
+    return sb.commands.run("pgrep -x sleep >/dev/null && echo running || echo gone").stdout.strip() == "gone"
+
+
+def test_a_files_only_pause_boots_afresh_from_the_disk_and_never_wakes_on_traffic(server: str) -> None:
+    sb = Sandbox.create(timeout=300, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sb.files.write("/home/user/marker.txt", "persisted")
+        sb.commands.run("sleep 600", background=True)
+        assert not _gone(sb)
+        assert sb.pause(keep_memory=False)
+        assert not sb.is_running()  # auto_resume: yet a files-only pause waits for connect, as in E2B
+        assert sb.get_info().state.value == "paused"
+        again = Sandbox.connect(sb.sandbox_id)
+        assert again.files.read("/home/user/marker.txt") == "persisted"
+        assert _gone(again) and again.commands.run("echo fresh").stdout == "fresh\n"
+    finally:
+        Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_timeout_pauses_files_only_when_asked_and_reboot_drops_a_memory_pause(server: str) -> None:
+    timed = Sandbox.create(timeout=2, lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    full = Sandbox.create(timeout=300, lifecycle={"on_timeout": "pause"})
+    try:
+        for sb in (timed, full):
+            sb.files.write("/tmp/marker.txt", "kept")
+            sb.commands.run("sleep 600", background=True)
+        wait_for(lambda: timed.get_info().state.value == "paused", "the timeout pauses it (the reaper looks often)")
+        back = Sandbox.connect(timed.sandbox_id)
+        assert back.files.read("/tmp/marker.txt") == "kept" and _gone(back)
+        full.pause()
+        rebooted = Sandbox.connect(full.sandbox_id, on_resume="reboot")  # memory false: boot from the files
+        assert rebooted.files.read("/tmp/marker.txt") == "kept" and _gone(rebooted)
+    finally:
+        Sandbox.kill(timed.sandbox_id)
+        Sandbox.kill(full.sandbox_id)

@@ -203,9 +203,9 @@ class NewSandbox(_Body):
         if self.auto_resume is not None and self.auto_resume.enabled and not self.auto_pause:
             raise E2BError(400, "autoResume needs the timeout to pause the sandbox (lifecycle.on_timeout 'pause'): "
                                 "a killed sandbox has nothing to resume")
-        if self.auto_pause and self.auto_pause_memory is False:
-            raise E2BError(400, "autoPauseMemory false (a filesystem-only pause) is not offered by agentenv: "
-                                "a pause keeps memory too; leave the pause mode out")
+        if self.auto_resume is not None and self.auto_resume.enabled and self.auto_pause_memory is False:
+            raise E2BError(400, "autoResume cannot go with a filesystem-only pause (autoPauseMemory false): such a "
+                                "sandbox boots afresh on Sandbox.connect, not on traffic")
         return "pause" if self.auto_pause else "kill"
 
     def network_asked(self) -> bool | dict[str, list[str]]:
@@ -222,7 +222,7 @@ class Timeout(_Body):
 
 
 class ConnectBody(Timeout):
-    memory: bool | None = None  # false: reboot from the files (on_resume="reboot"), which agentenv does not offer
+    memory: bool | None = None  # false: boot a paused sandbox afresh from its files (on_resume="reboot")
 
 
 class Refresh(_Body):
@@ -296,6 +296,8 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     labels = {**_labels(template, body.metadata, body.on_expiry()), **(body.network or NetworkConfig.model_validate({})).labels()}
     if body.auto_resume is not None and body.auto_resume.enabled:  # ports wakes it on a request, with this timeout
         labels.update({ports.AUTO_RESUME_LABEL: "true", ports.TIMEOUT_LABEL: str(int(ttl))})
+    if body.auto_pause and body.auto_pause_memory is False:  # the reaper's pause keeps the files only
+        labels[expiry.PAUSE_MEMORY] = "false"
     if built and built.user:
         labels[template_store.USER_LABEL] = built.user
     image = built.image if built else TEMPLATES.get(template, template)
@@ -361,13 +363,10 @@ def connect(request: Request, service: ServiceDep, sandbox_id: str,
             body: Annotated[ConnectBody | None, Body()] = None) -> Response:
     """A running sandbox as it is (200), its timeout extended but never shortened; a paused one resumed (201)
     with the timeout asked for."""
-    if body is not None and body.memory is False:
-        raise E2BError(400, "on_resume='reboot' (memory false) is not offered by agentenv: a paused sandbox "
-                            "comes back with its processes; leave on_resume out")
     sb = service.sandbox(sandbox_id)
     ttl = float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT)
-    if sb.state == "paused":
-        service.resume(sandbox_id).set_ttl(ttl)
+    if sb.state == "paused":  # on_resume="reboot" (memory false): booted from its files, as a files-only pause is
+        service.resume(sandbox_id, memory=not (body is not None and body.memory is False)).set_ttl(ttl)
         return JSONResponse(sandbox_json(request, sb, "running"), 201)
     _keep_alive(sb, ttl)
     return JSONResponse(sandbox_json(request, sb, "running"), 200)
@@ -375,13 +374,11 @@ def connect(request: Request, service: ServiceDep, sandbox_id: str,
 
 @router.post("/sandboxes/{sandbox_id}/pause")
 def pause(service: ServiceDep, sandbox_id: str, body: Annotated[PauseBody | None, Body()] = None) -> Response:
-    if body is not None and body.memory is False:
-        raise E2BError(400, "a filesystem-only pause (memory false) is not offered by agentenv: a pause keeps "
-                            "memory too; leave the pause mode out")
+    memory = not (body is not None and body.memory is False)  # false: the files only, a boot afresh on resume
     sb = service.sandbox(sandbox_id)
     if sb.state == "paused":
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
-    service.call(sandbox_id, lambda s: s.pause())
+    service.call(sandbox_id, lambda s: s.pause(memory=memory))
     return Response(status_code=204)
 
 

@@ -19,6 +19,7 @@ from starlette.types import Receive, Scope, Send
 
 from agentenv import errors
 from agentenv.sandbox.core import Sandbox
+from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import bridge
 from agentenv.server.e2b.tokens import ENVD_PORT, valid
 from agentenv.server.service import Service
@@ -141,6 +142,9 @@ def _resume(service: Service, sandbox_id: str) -> str | None:
     sb = service.sandbox(sandbox_id)
     if sb.state != "paused":
         return sb.state
+    snap_id = sb.paused_snapshot
+    if snap_id is None or not Snapshot.get(snap_id).has_memory:
+        return "paused"  # a files-only pause boots afresh, on Sandbox.connect only (as in E2B)
     try:
         service.resume(sandbox_id)
     except errors.SandboxStateError:
