@@ -5,6 +5,10 @@ The request goes on as it came (method, path, headers, streamed body) less the h
 routing ones (the sandbox's token never reaches its programs), and the response streams back as the listener
 sends it (chunked stays chunked: a slow writer's bytes arrive as written). A WebSocket upgrade is spliced as raw
 bytes in ``agentenv.server.e2b.upgrade``. Nothing listening is E2B's 502 ``port is not open``.
+
+Three of the sandbox's labels, set at create, govern its traffic: ``allowPublicTraffic`` (its ports need no
+token; envd's port still does), ``maskRequestHost`` (the Host its listeners get) and ``lifecycle.autoResume``
+(a request for it while it is paused resumes it first, once for every request that waits: ``wake``).
 """
 
 from __future__ import annotations
