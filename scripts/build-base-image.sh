@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Builds the base image agentenv/base offline (no container registry is reachable):
-# a debootstrap rootfs with python3, git, pip and the tools a coding agent needs, and E2B's `user` account, imported
+# a debootstrap rootfs with python3 (also as `python`, as in E2B's base image), git, pip and the tools a coding agent
+# needs, and E2B's `user` account, imported
 # with `docker import`. Skipped when an image built from the same inputs is present.
 set -euo pipefail
 
 IMAGE="${AGENTENV_BASE_IMAGE:-agentenv/base}"
 SUITE="$(. /etc/os-release && echo "$VERSION_CODENAME")"
 MIRROR="${AGENTENV_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-PACKAGES="python3,python3-pip,python3-venv,python3-pytest,git,ca-certificates,procps,psmisc,less,patch,diffutils,findutils,grep,sed,gawk,curl,make,file,tree,ripgrep,jq,xz-utils,bzip2,unzip"
+PACKAGES="python3,python-is-python3,python3-pip,python3-venv,python3-pytest,git,ca-certificates,procps,psmisc,less,patch,diffutils,findutils,grep,sed,gawk,curl,make,file,tree,ripgrep,jq,xz-utils,bzip2,unzip"
 # The hash of every input: a change to this script or the package list rebuilds the image.
 HASH="$( { echo "$SUITE $PACKAGES"; cat "${BASH_SOURCE[0]}"; } | sha256sum | cut -c1-16)"
 DOCKER=/usr/bin/docker

@@ -151,12 +151,13 @@ class Sandbox(Calls, Record):
             raise
 
     @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.host.admission)
-    def _start(self, snap: Snapshot | None, op: str) -> None:
-        """Make the layer and the bundle, start the agent (or restore every process) and wait until it answers.
-        On failure the container is torn down but the record stays: the caller decides its fate."""
+    def _start(self, snap: Snapshot | None, op: str, memory: bool = True) -> None:
+        """Make the layer and the bundle, start the agent (or restore every process, unless ``memory`` is False)
+        and wait until it answers. On failure the container is torn down but the record stays: the caller
+        decides its fate."""
         restoring = None
         try:
-            if snap is not None and snap.has_memory:  # begun now: a lazy restore's daemon starts as the root is made
+            if snap is not None and snap.has_memory and memory:  # begun now: a lazy restore's daemon starts as the root is made
                 restoring = lazy_pages.Restore(snap.criu_dir, self._container.bundle, os.environ.get("AGENTENV_CRIU"))
             spec = self._spec()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
@@ -260,10 +261,11 @@ class Sandbox(Calls, Record):
 
     @property
     def state(self) -> State:
-        """'running', 'paused', 'closed', or 'lost' when its processes died behind our back."""
+        """'running', 'paused', 'closed', or 'lost' when its processes died behind our back (not while a pause is
+        under way: its container goes before the record says paused, and a pause cut short is recovered)."""
         self._reload()
         st = self.recorded_state
-        if st == "running":
+        if st == "running" and not self._rec.get("pausing"):
             runc = self._container.state()
             if runc is None or runc.get("status") not in ("running", "paused", "created"):
                 return "lost"
@@ -322,8 +324,9 @@ class Sandbox(Calls, Record):
             raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
         return forking.fork(self, n, memory)
 
-    def pause(self) -> Snapshot:
-        """Free the sandbox's CPU and memory; its whole state goes to the snapshot store.
+    def pause(self, memory: bool = True) -> Snapshot:
+        """Free the sandbox's CPU and memory; its whole state goes to the snapshot store (with ``memory=False``
+        its files only, as at the instant they were saved: its processes end, and ``resume`` boots it afresh).
 
         The record names the snapshot being written (``pausing``) until the pause is done, so that if this
         process dies midway, ``recover`` finishes the pause (CRIU had dumped the processes) or rolls it
@@ -335,8 +338,8 @@ class Sandbox(Calls, Record):
             self._rec.update(pausing=snap_id, owner=store.owner())
             self._save()
             try:
-                snap = snapshotting.take(self, True, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause",
-                                        snap_id=snap_id)
+                snap = snapshotting.take(self, memory, leave_running=False, labels={"agentenv.kind": "pause"},
+                                         op="pause", snap_id=snap_id)
             except BaseException:
                 self._rec.update(pausing=None, owner=None)
                 self._save()
@@ -354,15 +357,16 @@ class Sandbox(Calls, Record):
         self._agent = None
         self._save()
 
-    def resume(self) -> None:
-        """Bring a paused sandbox back where it was."""
+    def resume(self, memory: bool = True) -> None:
+        """Bring a paused sandbox back where it was; with ``memory=False`` (or from a files-only pause) boot it
+        afresh from its files instead: its processes are gone, the agent starts anew."""
         with self._locked():
             if self._rec["state"] != "paused":
                 raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}, not paused")
             snap = Snapshot.get(self._rec["paused_snapshot"])
             self._drop_layer()
             try:
-                self._start(snap, "resume")
+                self._start(snap, "resume", memory)
             except BaseException:
                 self._rec.update(state="paused", init_pid=None, init_start=None)
                 self._agent = None

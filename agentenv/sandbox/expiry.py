@@ -1,6 +1,6 @@
 """What happens to a sandbox when its TTL runs out: paused (its state kept, the default of the native API) or
 closed, as its ``agentenv.on_expiry`` label says (E2B's API kills on timeout unless the caller asked for
-auto-pause, and records that choice here). ``Sandbox.reap_expired`` runs ``reap`` over every sandbox.
+auto-pause, and records that choice here); ``agentenv.pause_memory`` "false" pauses it with its files only. ``Sandbox.reap_expired`` runs ``reap`` over every sandbox.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Protocol
 from agentenv.errors import AgentEnvError
 
 ON_EXPIRY = "agentenv.on_expiry"  # label: "pause" (also when absent) or "kill"
+PAUSE_MEMORY = "agentenv.pause_memory"  # label: "false": the expiry's pause keeps the files only (E2B's filesystem)
 ACTIONS = ("pause", "kill")
 log = logging.getLogger("agentenv")
 
@@ -32,7 +33,7 @@ class Expiring(Protocol):
     @property
     def state(self) -> str: ...
 
-    def pause(self) -> object: ...
+    def pause(self, memory: bool = True) -> object: ...
 
     def close(self) -> None: ...
 
@@ -57,7 +58,7 @@ def reap(sandboxes: Iterable[Expiring]) -> builtins.list[str]:
                     sb.close()
                     log.info("closed sandbox %s: its TTL expired", sb.id)
                 else:
-                    sb.pause()
+                    sb.pause(memory=sb.labels.get(PAUSE_MEMORY) != "false")
                     log.info("paused sandbox %s: its TTL expired", sb.id)
                 done.append(sb.id)
         except AgentEnvError as e:

@@ -204,12 +204,12 @@ class Service:
             raise
         return kids
 
-    def resume(self, sandbox_id: str) -> Sandbox:
-        """A paused sandbox running again, its room reserved first."""
+    def resume(self, sandbox_id: str, memory: bool = True) -> Sandbox:
+        """A paused sandbox running again, its room reserved first (``memory=False``: booted from its files)."""
         sb = self.sandbox(sandbox_id)
         limits = sb.limits
         with self.reserve(1, limits.memory, limits.disk):
-            sb.resume()
+            sb.resume(memory=memory)
         return sb
 
     # lifecycle

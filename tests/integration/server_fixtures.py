@@ -84,6 +84,27 @@ def e2b_server() -> Iterator[str]:
                     os.environ[k] = v
 
 
+@contextmanager
+def e2b_domain_server(folder: Path, domain: str) -> Iterator[str]:
+    """``agentenv serve --domain`` as a process (``get_host`` names route), the SDK's variables pointing at it."""
+    port = free_port()
+    proc = start_server_process(port, write_token_file(folder), "--domain", domain)
+    url = f"http://127.0.0.1:{port}"
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DEBUG")}
+    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=TOKEN)
+    os.environ.pop("E2B_DEBUG", None)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def start_server_process(port: int, token_file: Path, *extra: str,
                          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``agentenv serve`` as a child process (same $AGENTENV_HOME, plus ``env``), waited for until it answers."""

@@ -56,10 +56,12 @@ def test_a_timeout_kills_unless_the_caller_asked_for_auto_pause(e2b_url: str) ->
     finally:
         Sandbox.kill(killed.sandbox_id)
         Sandbox.kill(paused.sandbox_id)
-    with pytest.raises(e2b.SandboxException, match="autoResume"):  # refused, never ignored
-        Sandbox.create(lifecycle={"on_timeout": "pause", "auto_resume": True})
-    with pytest.raises(e2b.SandboxException, match="autoPauseMemory"):
-        Sandbox.create(lifecycle={"on_timeout": {"action": "pause", "mode": "filesystem"}})
+    r = httpx.post(f"{e2b_url}/v2/sandboxes", json={"templateID": "base", "autoResume": {"enabled": True}},
+                   headers={"X-API-KEY": TOKEN})  # a timeout that kills leaves nothing to resume
+    assert r.status_code == 400 and "autoResume" in r.json()["message"], r.text
+    r = httpx.post(f"{e2b_url}/v2/sandboxes", json={"templateID": "base", "autoPause": True, "autoPauseMemory": False,
+                                                     "autoResume": {"enabled": True}}, headers={"X-API-KEY": TOKEN})
+    assert r.status_code == 400 and "autoResume" in r.json()["message"], r.text  # a files-only pause never wakes
 
 
 def test_a_paused_sandbox_forks_from_its_pause_snapshot(sandbox: Sandbox) -> None:

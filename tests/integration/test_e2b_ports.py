@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .server_fixtures import TOKEN, free_port, start_server_process, write_token_file
+from .server_fixtures import e2b_domain_server
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 
@@ -97,22 +97,8 @@ while True:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``agentenv serve --domain sandbox.test`` as a process, the SDK's variables pointing at it."""
-    port = free_port()
-    proc = start_server_process(port, write_token_file(tmp_path_factory.mktemp("ports")), "--domain", DOMAIN)
-    url = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY", "E2B_DEBUG")}
-    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=TOKEN)
-    os.environ.pop("E2B_DEBUG", None)
-    try:
+    with e2b_domain_server(tmp_path_factory.mktemp("ports"), DOMAIN) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @pytest.fixture(scope="module")

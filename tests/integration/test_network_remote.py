@@ -145,8 +145,7 @@ def test_e2b_default_is_internet_access_without_rules(client: Client) -> None:
 
 
 @pytest.mark.parametrize(("network", "named"), [
-    ({"allow_public_traffic": True}, "allowPublicTraffic"),
-    ({"mask_request_host": "${PORT}-mine.example.com"}, "maskRequestHost"),
+    ({"rules": {"api.example.com": [{"transform": {"headers": {"X-A": "1"}}}]}}, "rules"),  # needs an egress proxy
     ({"allow_out": [ALLOWED], "dns_servers": ["192.0.2.53"]}, "dnsServers"),
     ({"allow_out": ["2001:db8::1"]}, "IPv6"),
 ])

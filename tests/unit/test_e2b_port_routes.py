@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 
-from agentenv.server.e2b.ports import Refused, admitted, forwarded, host_route, route_of  # noqa: E402
+from agentenv.server.e2b.ports import Refused, admitted, forwarded, host_route, masked, route_of  # noqa: E402
 from agentenv.server.e2b.tokens import access_token  # noqa: E402
 
 
@@ -45,3 +45,20 @@ def test_neither_hop_by_hop_nor_routing_headers_go_on() -> None:
     headers = [(b"host", b"h"), (b"connection", b"keep-alive"), (b"x-access-token", b"t"), (b"e2b-sandbox-id", b"s"),
                (b"transfer-encoding", b"chunked"), (b"x-mine", b"1")]
     assert forwarded(headers) == [(b"host", b"h"), (b"x-mine", b"1")]
+
+
+def test_a_public_sandbox_opens_its_ports_without_the_token_but_never_envds() -> None:
+    assert admitted([], ("sb-1", "8000"), "T", public=True) == ("sb-1", 8000)
+    with pytest.raises(Refused) as e:
+        admitted([], ("sb-1", "49983"), "T", public=True)  # envd's own token still guards the sandbox's insides
+    assert e.value.status == 401
+    with pytest.raises(Refused) as e:
+        admitted([], ("sb-1", "0"), "T", public=True)
+    assert e.value.status == 502
+
+
+def test_a_host_mask_replaces_the_host_with_the_port_put_in() -> None:
+    headers = [(b"host", b"8000-sb-1.d"), (b"x-mine", b"1")]
+    assert masked(headers, "custom.example.com:${PORT}", 8000) == [(b"x-mine", b"1"), (b"host", b"custom.example.com:8000")]
+    assert masked([(b"x-mine", b"1")], "${PORT}-a.example", 3000) == [(b"x-mine", b"1"), (b"host", b"3000-a.example")]
+    assert masked(headers, None, 8000) == headers

@@ -82,6 +82,7 @@ def test_the_remote_client_sends_a_bool_or_the_two_lists() -> None:
 
 
 e2b_control = pytest.importorskip("agentenv.server.e2b.control", reason="the E2B SDK is an extra")
+ports = pytest.importorskip("agentenv.server.e2b.ports", reason="the E2B SDK is an extra")
 
 
 def _asked(body: dict) -> object:
@@ -102,8 +103,6 @@ def test_e2b_create_maps_internet_access_and_rules() -> None:
 
 
 @pytest.mark.parametrize(("network", "named"), [
-    ({"allowPublicTraffic": True}, "allowPublicTraffic"),
-    ({"maskRequestHost": "${PORT}-x.example.com"}, "maskRequestHost"),
     ({"dnsServers": []}, "dnsServers"), ({"dnsServers": ["1.1.1.1"]}, "dnsServers"),
     ({"egressProxy": {"address": "p.example:1080"}}, "egressProxy"),
     ({"rules": {"api.example.com": [{}]}}, "rules"), ({"httpsPorts": [3000]}, "httpsPorts"),
@@ -115,14 +114,26 @@ def test_e2b_network_options_agentenv_does_not_enforce_are_refused_by_name(netwo
     assert e.value.code == 400 and named in e.value.message
 
 
+def test_e2b_public_traffic_and_host_mask_become_the_sandboxs_labels() -> None:
+    asked = e2b_control.NetworkConfig.model_validate({"allowPublicTraffic": True, "maskRequestHost": "${PORT}-a.example"})
+    assert asked.labels() == {ports.PUBLIC_LABEL: "true", ports.MASK_LABEL: "${PORT}-a.example"}
+    assert e2b_control.NetworkConfig.model_validate({"allowPublicTraffic": False}).labels() == {}
+    assert _asked({"network": {"allowPublicTraffic": True, "maskRequestHost": "h:${PORT}"}}) is True  # no rules
+
+
 def test_e2b_routes_refuse_unenforced_options_before_touching_a_sandbox(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
     with TestClient(server.create_app(TOKEN, max_sandboxes=0, reap_interval=60, e2b=True)) as c:
         key = {"X-API-KEY": TOKEN}
         r = c.put("/sandboxes/sb-x/network", json={"allowOut": [], "dnsServers": ["1.1.1.1"]}, headers=key)
         assert r.status_code == 400 and "dnsServers" in r.json()["message"], r.text
-        r = c.post("/v2/sandboxes", json={"templateID": "base", "network": {"maskRequestHost": "h"}}, headers=key)
-        assert r.status_code == 400 and "maskRequestHost" in r.json()["message"], r.text
+        r = c.post("/v2/sandboxes", json={"templateID": "base", "network": {"rules": {"h": [{}]}}}, headers=key)
+        assert r.status_code == 400 and "rules" in r.json()["message"], r.text
+        for only_at_create in ({"maskRequestHost": "h"}, {"allowPublicTraffic": True}):  # E2B's update has neither
+            r = c.put("/sandboxes/sb-x/network", json=only_at_create, headers=key)
+            assert r.status_code == 400 and next(iter(only_at_create)) in r.json()["message"], r.text
+        r = c.post("/v2/sandboxes", json={"templateID": "base", "network": {"maskRequestHost": "a b"}}, headers=key)
+        assert r.status_code == 400, r.text  # a Host with a space is no Host
         r = c.put("/sandboxes/sb-x/network", json={"allowOut": "1.2.3.4"}, headers=key)
         assert r.status_code == 400, r.text
         r = c.put("/sandboxes/sb-x/network", json={"denyOut": ["0.0.0.0/0"]}, headers=key)

@@ -32,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, ports, templates, upgrade
 from agentenv.server.e2b.files import FilesystemService, Uploads, files_routes
-from agentenv.server.e2b.ports import Refused, admitted, admitted_headers, reply, route_of, running
+from agentenv.server.e2b.ports import Refused, admit, admitted_headers, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.signed import sandbox_of, signed
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
@@ -97,7 +97,7 @@ class SandboxPorts:
             if is_signed and not (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token")):
                 sid, port = await self._signed(scope, route)
             else:
-                sid, port = admitted(scope["headers"], route or ("", str(ENVD_PORT)), self.token)
+                sid, port = await admit(self.service, scope["headers"], route or ("", str(ENVD_PORT)), self.token)
         except Refused as e:
             await reply(send, e.status, e.message)
             return
@@ -114,7 +114,8 @@ class SandboxPorts:
             if target is not None:
                 await target(scope, receive, send)
             else:
-                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send)
+                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send,
+                                  await ports.host_mask(self.service, sid))
         finally:
             bridge.threads.reset(reset)
 

@@ -15,8 +15,9 @@ The network: ``allow_internet_access`` absent or true is a sandbox with network 
 loopback only; ``network.allowOut`` / ``denyOut`` are the sandbox's outbound rules (``agentenv.netpolicy``: an
 allowed destination wins, as in E2B), and ``allow_internet_access: false`` with an ``allowOut`` list adds
 ``0.0.0.0/0`` to ``denyOut``, as E2B reads it. ``PUT /sandboxes/{id}/network`` (``Sandbox.update_network``)
-replaces the rules; a sandbox made with loopback only has none to replace (409). What agentenv does not enforce
-(``allowPublicTraffic: true``, ``maskRequestHost``, ``dnsServers``, ``egressProxy``, per-host ``rules``,
+replaces the rules; a sandbox made with loopback only has none to replace (409). ``allowPublicTraffic`` and
+``maskRequestHost`` become labels that ``ports`` enforces; ``lifecycle.autoResume`` one that ``ports`` wakes the
+paused sandbox on. What agentenv does not enforce (``dnsServers``, ``egressProxy``, per-host ``rules``,
 ``httpsPorts``, any other key) is refused with a 400 that names it, never accepted and ignored.
 """
 
@@ -40,7 +41,7 @@ from agentenv.config import parse_size
 from agentenv.sandbox import expiry
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
-from agentenv.server.e2b import template_store
+from agentenv.server.e2b import ports, template_store
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
 from agentenv.server.service import Service
 
@@ -134,19 +135,29 @@ class NetworkConfig(BaseModel):
     allow_out: list[str] | None = Field(None, alias="allowOut", max_length=netpolicy.MAX_ENTRIES)
     deny_out: list[str] | None = Field(None, alias="denyOut", max_length=netpolicy.MAX_ENTRIES)
     allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
+    # the Host header its ports' requests carry (``${PORT}``: the port); printable ASCII, no spaces
+    mask_request_host: str | None = Field(None, alias="maskRequestHost", min_length=1, max_length=512,
+                                          pattern=r"^[\x21-\x7e]+$")
 
     def unenforced(self) -> list[str]:
-        """The options asked for that agentenv does not enforce: a public sandbox URL, and every other key but an
-        empty one (``dnsServers: []`` asks for no DNS server, which is not enforced either)."""
-        out = ["allowPublicTraffic"] if self.allow_public_traffic else []
-        return out + sorted(k for k, v in (self.model_extra or {}).items()
-                            if k in ("dnsServers", "dns_servers") or not any(v == n for n in _NOTHING))
+        """The options asked for that agentenv does not enforce: every key but an empty one and those it does
+        (``dnsServers: []`` asks for no DNS server, which is not enforced either)."""
+        return sorted(k for k, v in (self.model_extra or {}).items()
+                      if k in ("dnsServers", "dns_servers") or not any(v == n for n in _NOTHING))
+
+    def labels(self) -> dict[str, str]:
+        """The sandbox labels that carry ``allowPublicTraffic`` and ``maskRequestHost`` (``ports`` reads them, on
+        every request and after restarts; forks keep their parent's labels, so these too)."""
+        out = {ports.PUBLIC_LABEL: "true"} if self.allow_public_traffic else {}
+        if self.mask_request_host is not None:
+            out[ports.MASK_LABEL] = self.mask_request_host
+        return out
 
     def rules(self, internet: bool | None) -> tuple[list[str], list[str]]:
         """``(allow_out, deny_out)``: E2B's ``allow_internet_access: false`` is ``denyOut`` ``0.0.0.0/0``."""
         if bad := self.unenforced():
-            raise E2BError(400, f"network option(s) {bad} are not enforced by agentenv: only allowOut and denyOut "
-                                "are (and allowPublicTraffic false); leave the others out")
+            raise E2BError(400, f"network option(s) {bad} are not enforced by agentenv: only allowOut, denyOut, "
+                                "allowPublicTraffic and maskRequestHost are; leave the others out")
         allow, deny = list(self.allow_out or []), list(self.deny_out or [])
         if internet is False and netpolicy.ALL_TRAFFIC not in deny:
             deny.append(netpolicy.ALL_TRAFFIC)
@@ -155,6 +166,12 @@ class NetworkConfig(BaseModel):
 
 class NetworkUpdate(NetworkConfig):
     allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
+
+    def unenforced(self) -> list[str]:
+        """As at create, and the two options E2B only takes at create (its update config has neither)."""
+        fixed = [k for k, v in (("allowPublicTraffic", self.allow_public_traffic),
+                                ("maskRequestHost", self.mask_request_host)) if v is not None]
+        return fixed + super().unenforced()
 
 
 class AutoResume(_Body):
@@ -183,12 +200,12 @@ class NewSandbox(_Body):
                      if v]
         if unoffered:
             raise E2BError(400, f"{unoffered} are not offered by agentenv (E2B cloud features): leave them out")
-        if self.auto_resume is not None and self.auto_resume.enabled:
-            raise E2BError(400, "autoResume is not offered by agentenv: a paused sandbox resumes on "
-                                "Sandbox.connect, not on traffic; leave lifecycle.auto_resume out or False")
-        if self.auto_pause and self.auto_pause_memory is False:
-            raise E2BError(400, "autoPauseMemory false (a filesystem-only pause) is not offered by agentenv: "
-                                "a pause keeps memory too; leave the pause mode out")
+        if self.auto_resume is not None and self.auto_resume.enabled and not self.auto_pause:
+            raise E2BError(400, "autoResume needs the timeout to pause the sandbox (lifecycle.on_timeout 'pause'): "
+                                "a killed sandbox has nothing to resume")
+        if self.auto_resume is not None and self.auto_resume.enabled and self.auto_pause_memory is False:
+            raise E2BError(400, "autoResume cannot go with a filesystem-only pause (autoPauseMemory false): such a "
+                                "sandbox boots afresh on Sandbox.connect, not on traffic")
         return "pause" if self.auto_pause else "kill"
 
     def network_asked(self) -> bool | dict[str, list[str]]:
@@ -205,7 +222,7 @@ class Timeout(_Body):
 
 
 class ConnectBody(Timeout):
-    memory: bool | None = None  # false: reboot from the files (on_resume="reboot"), which agentenv does not offer
+    memory: bool | None = None  # false: boot a paused sandbox afresh from its files (on_resume="reboot")
 
 
 class Refresh(_Body):
@@ -248,9 +265,14 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
                     memoryMB=limits.memory >> 20, diskSizeMB=(limits.disk or 0) >> 20, state=state or sb.state,
                     metadata={k[len(META_PREFIX):]: v for k, v in labels.items() if k.startswith(META_PREFIX)},
                     allowInternetAccess=network is not None,
-                    lifecycle={"onTimeout": expiry.action(labels), "autoResume": False})
+                    lifecycle={"onTimeout": expiry.action(labels),
+                               "autoResume": labels.get(ports.AUTO_RESUME_LABEL) == "true"})
         if network is not None:
             body["network"] = {"allowOut": list(network.allow_out), "denyOut": list(network.deny_out)}
+        if labels.get(ports.PUBLIC_LABEL) == "true":
+            body.setdefault("network", {})["allowPublicTraffic"] = True
+        if ports.MASK_LABEL in labels:
+            body.setdefault("network", {})["maskRequestHost"] = labels[ports.MASK_LABEL]
     return body
 
 
@@ -271,7 +293,11 @@ def _create(request: Request, service: Service, body: NewSandbox) -> JSONRespons
     template = body.template_id
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
     built = template_store.for_sandbox(template)  # a template built here: its image, or its start snapshot
-    labels = _labels(template, body.metadata, body.on_expiry())
+    labels = {**_labels(template, body.metadata, body.on_expiry()), **(body.network or NetworkConfig.model_validate({})).labels()}
+    if body.auto_resume is not None and body.auto_resume.enabled:  # ports wakes it on a request, with this timeout
+        labels.update({ports.AUTO_RESUME_LABEL: "true", ports.TIMEOUT_LABEL: str(int(ttl))})
+    if body.auto_pause and body.auto_pause_memory is False:  # the reaper's pause keeps the files only
+        labels[expiry.PAUSE_MEMORY] = "false"
     if built and built.user:
         labels[template_store.USER_LABEL] = built.user
     image = built.image if built else TEMPLATES.get(template, template)
@@ -337,13 +363,10 @@ def connect(request: Request, service: ServiceDep, sandbox_id: str,
             body: Annotated[ConnectBody | None, Body()] = None) -> Response:
     """A running sandbox as it is (200), its timeout extended but never shortened; a paused one resumed (201)
     with the timeout asked for."""
-    if body is not None and body.memory is False:
-        raise E2BError(400, "on_resume='reboot' (memory false) is not offered by agentenv: a paused sandbox "
-                            "comes back with its processes; leave on_resume out")
     sb = service.sandbox(sandbox_id)
     ttl = float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT)
-    if sb.state == "paused":
-        service.resume(sandbox_id).set_ttl(ttl)
+    if sb.state == "paused":  # on_resume="reboot" (memory false): booted from its files, as a files-only pause is
+        service.resume(sandbox_id, memory=not (body is not None and body.memory is False)).set_ttl(ttl)
         return JSONResponse(sandbox_json(request, sb, "running"), 201)
     _keep_alive(sb, ttl)
     return JSONResponse(sandbox_json(request, sb, "running"), 200)
@@ -351,13 +374,11 @@ def connect(request: Request, service: ServiceDep, sandbox_id: str,
 
 @router.post("/sandboxes/{sandbox_id}/pause")
 def pause(service: ServiceDep, sandbox_id: str, body: Annotated[PauseBody | None, Body()] = None) -> Response:
-    if body is not None and body.memory is False:
-        raise E2BError(400, "a filesystem-only pause (memory false) is not offered by agentenv: a pause keeps "
-                            "memory too; leave the pause mode out")
+    memory = not (body is not None and body.memory is False)  # false: the files only, a boot afresh on resume
     sb = service.sandbox(sandbox_id)
     if sb.state == "paused":
         raise E2BError(409, f"sandbox {sandbox_id} is already paused")
-    service.call(sandbox_id, lambda s: s.pause())
+    service.call(sandbox_id, lambda s: s.pause(memory=memory))
     return Response(status_code=204)
 
 

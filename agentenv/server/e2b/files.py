@@ -35,12 +35,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, Router
 
+from agentenv import errors
 from agentenv.api import FileInfo
 from agentenv.sandbox.calls import Calls
-from agentenv.server.e2b.bridge import acting, call, connect_error, one_of, sandbox_of, user_named
+from agentenv.server.e2b.bridge import acting, call, connect_error, one_of, run, sandbox_of, user_named
 from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service
 
+HEALTH_PING_TIMEOUT = 5.0  # seconds /health waits for the agent's answer
 MAX_WATCHERS = 1024  # watchers kept per server; the oldest goes first
 MAX_UPLOADS = 4096  # files written through /files remembered for the watchers (``Uploads``)
 WATCH_DEPTH = 16  # levels a recursive watch looks down
@@ -288,6 +290,29 @@ def files_routes(service: Service, uploads: Uploads) -> Router:
                       user_named(request.headers, request.query_params))
 
     async def health(request: Request) -> Response:
+        """204 while the sandbox's agent runs, else the 502 ``was not found`` of E2B's proxy. Asked of runc and
+        the agent, not the record: the SDK probes here when a stream breaks, and a kill under way still reads
+        'running' in the record (and, for an instant, in runc: an exiting init is no zombie until the rest of
+        its namespace is gone) after the agent's connections closed; this answer lets it say the sandbox was
+        killed. An agent that is slow to answer is still running (a gone one is SandboxLost)."""
+        sid = request.headers.get("e2b-sandbox-id", "")
+
+        def state() -> str | None:
+            with contextlib.suppress(errors.SandboxNotFound, ValueError):
+                sb = service.sandbox(sid)
+                now = sb.state
+                if now == "running":
+                    try:
+                        sb.ping(timeout=HEALTH_PING_TIMEOUT)
+                    except errors.SandboxStateError:  # its agent gone (SandboxLost), or closed meanwhile
+                        return "lost"
+                    except errors.AgentEnvError:
+                        pass  # busy, not gone: the SDK is told it runs
+                return now
+            return None
+
+        if await run(state) != "running":
+            return JSONResponse({"code": 502, "message": f"The sandbox {sid} was not found", "sandboxId": sid}, 502)
         return Response(status_code=204)
 
     async def download(request: Request) -> Response:

@@ -5,6 +5,10 @@ The request goes on as it came (method, path, headers, streamed body) less the h
 routing ones (the sandbox's token never reaches its programs), and the response streams back as the listener
 sends it (chunked stays chunked: a slow writer's bytes arrive as written). A WebSocket upgrade is spliced as raw
 bytes in ``agentenv.server.e2b.upgrade``. Nothing listening is E2B's 502 ``port is not open``.
+
+Three of the sandbox's labels, set at create, govern its traffic: ``allowPublicTraffic`` (its ports need no
+token; envd's port still does), ``maskRequestHost`` (the Host its listeners get) and ``lifecycle.autoResume``
+(a request for it while it is paused resumes it first, once for every request that waits: ``wake``).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from agentenv import errors
 from agentenv.sandbox.core import Sandbox
+from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import bridge
 from agentenv.server.e2b.tokens import ENVD_PORT, valid
 from agentenv.server.service import Service
@@ -31,6 +36,11 @@ HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"p
 OPEN_TIMEOUT = 10.0   # seconds for the sandbox's agent to connect to the port
 IDLE_TIMEOUT = 300.0  # seconds the listener (or the client, sending a body) may stay silent mid-request
 CHUNK = 1 << 16
+PUBLIC_LABEL = "e2b.allow_public_traffic"  # "true": network.allowPublicTraffic, its ports open without the token
+MASK_LABEL = "e2b.mask_request_host"  # network.maskRequestHost: the Host its ports' requests carry
+AUTO_RESUME_LABEL = "e2b.auto_resume"  # "true": lifecycle.auto_resume, a request for it resumes it when paused
+TIMEOUT_LABEL = "e2b.timeout"  # the timeout (s) it was made with: an auto-resume gives it again (5 min at least)
+AUTO_RESUME_MIN_TTL = 300.0  # E2B: an auto-resumed sandbox gets its first timeout, but never under five minutes
 
 
 async def reply(send: Send, status: int, message: str, **extra: Any) -> None:
@@ -81,13 +91,15 @@ def admitted_headers(headers: list[tuple[bytes, bytes]]) -> None:
         raise Refused(400, f"the header {repeated[0]} is given more than once")
 
 
-def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str) -> tuple[str, int]:
-    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not)."""
+def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str,
+             public: bool = False) -> tuple[str, int]:
+    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not);
+    ``public``: the sandbox was made with ``allowPublicTraffic``, so its ports need no token (envd's still does)."""
     admitted_headers(headers)
     sid, port = route
     values = dict(headers)
     given = (values.get(b"x-access-token") or values.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
-    if not valid(token, sid, given):
+    if not valid(token, sid, given) and not (public and port != str(ENVD_PORT)):
         raise Refused(401, f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token or "
                            "X-Access-Token: the trafficAccessToken of create/connect)")
     if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
@@ -95,9 +107,78 @@ def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: 
     return sid, int(port)
 
 
+def _labels(service: Service, sandbox_id: str) -> dict[str, str]:
+    try:
+        return service.sandbox(sandbox_id).labels
+    except (errors.SandboxNotFound, ValueError):
+        return {}
+
+
+async def admit(service: Service, headers: list[tuple[bytes, bytes]], route: tuple[str, str],
+                token: str) -> tuple[str, int]:
+    """``admitted``, where a request without the token is let through to a port of a sandbox made with
+    ``allowPublicTraffic`` (its label, read only then: a request with the token costs no record read)."""
+    try:
+        return admitted(headers, route, token)
+    except Refused as e:
+        if e.status != 401 or (await bridge.run(_labels, service, route[0])).get(PUBLIC_LABEL) != "true":
+            raise
+    return admitted(headers, route, token, public=True)
+
+
+async def host_mask(service: Service, sandbox_id: str) -> str | None:
+    """The ``maskRequestHost`` the sandbox was made with (its label), or None."""
+    return (await bridge.run(_labels, service, sandbox_id)).get(MASK_LABEL)
+
+
+def masked(headers: list[tuple[bytes, bytes]], mask: str | None, port: int) -> list[tuple[bytes, bytes]]:
+    """The headers with ``Host`` as ``maskRequestHost`` says (``${PORT}`` is the port asked for), as E2B's proxy
+    sends them on; unchanged without a mask."""
+    if mask is None:
+        return headers
+    host = mask.replace("${PORT}", str(port)).encode("latin-1")
+    return [*((k, v) for k, v in headers if k.lower() != b"host"), (b"host", host)]
+
+
+# the resumes under way, (service, sandbox id) -> its task: concurrent requests for one paused sandbox wait on
+# the one resume (the event loop's own; each server has one loop)
+_waking: dict[tuple[int, str], asyncio.Future[str | None]] = {}
+
+
+def _resume(service: Service, sandbox_id: str) -> str | None:
+    """Resume the paused sandbox as connect does (``Service.resume``), its timeout its first one (five minutes at
+    least); the state it is in after. A sandbox resumed meanwhile (by a connect) is left as it is."""
+    sb = service.sandbox(sandbox_id)
+    if sb.state != "paused":
+        return sb.state
+    snap_id = sb.paused_snapshot
+    if snap_id is None or not Snapshot.get(snap_id).has_memory:
+        return "paused"  # a files-only pause boots afresh, on Sandbox.connect only (as in E2B)
+    try:
+        service.resume(sandbox_id)
+    except errors.SandboxStateError:
+        return sb.state  # a connect or another server's request resumed it first
+    except errors.AgentEnvError as e:
+        raise Refused(502, f"The sandbox {sandbox_id} is paused and could not be resumed: {e}") from e
+    sb.set_ttl(max(AUTO_RESUME_MIN_TTL, float(sb.labels.get(TIMEOUT_LABEL) or 0)))
+    return "running"
+
+
+async def wake(service: Service, sandbox_id: str) -> str | None:
+    """Resume a paused sandbox for a request that came for it, once for all the requests that wait on it."""
+    key = (id(service), sandbox_id)
+    task = _waking.get(key)
+    if task is None:
+        task = asyncio.ensure_future(bridge.run(_resume, service, sandbox_id))
+        _waking[key] = task
+        task.add_done_callback(lambda _: _waking.pop(key, None))
+    return await asyncio.shield(task)  # a client that leaves does not cut the resume short for the others
+
+
 async def running(service: Service, sandbox_id: str) -> None:
     """``Refused`` (502, as E2B) unless the sandbox is recorded running (no ``runc state`` per request: a sandbox
-    whose processes died behind the record fails its call with a typed error instead)."""
+    whose processes died behind the record fails its call with a typed error instead); a paused one made with
+    ``lifecycle.auto_resume`` is resumed first (``wake``)."""
     def state() -> str | None:
         try:
             return service.sandbox(sandbox_id).recorded_state
@@ -105,6 +186,8 @@ async def running(service: Service, sandbox_id: str) -> None:
             return None
 
     now = await bridge.run(state)
+    if now == "paused" and (await bridge.run(_labels, service, sandbox_id)).get(AUTO_RESUME_LABEL) == "true":
+        now = await wake(service, sandbox_id)
     if now != "running":
         raise Refused(502, f"The sandbox {sandbox_id} was not found" if now is None else
                       f"The sandbox {sandbox_id} is {now}, so it was not found running: connect to it to resume it")
@@ -130,8 +213,9 @@ async def open_port(sb: Sandbox, port: int) -> socket.socket:
         raise Refused(502, **closed(sb.id, port)) from e
 
 
-async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Send) -> None:
-    """Send the request to ``port`` of ``sb`` and stream its response back (a 502 when nothing listens)."""
+async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Send, mask: str | None = None) -> None:
+    """Send the request to ``port`` of ``sb`` and stream its response back (a 502 when nothing listens); ``mask``:
+    the sandbox's ``maskRequestHost``, the Host the request carries on."""
     try:
         sock = await open_port(sb, port)
     except Refused as e:
@@ -141,7 +225,7 @@ async def proxy(sb: Sandbox, port: int, scope: Scope, receive: Receive, send: Se
     started = False
     try:
         conn = h11.Connection(h11.CLIENT)
-        headers = forwarded(scope["headers"])
+        headers = masked(forwarded(scope["headers"]), mask, port)
         first = await receive()
         body, more = first.get("body", b""), first.get("more_body", False)
         if not any(k.lower() == b"content-length" for k, _ in headers) and (body or more):

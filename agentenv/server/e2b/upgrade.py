@@ -43,8 +43,9 @@ class Upgrades:
             splice.refuse(404, "no WebSocket is served here but a sandbox's ports (E2b-Sandbox-Id or get_host's host)")
             return
         try:
-            sid, port = ports.admitted(headers, route, self.token)
+            sid, port = await ports.admit(self.service, headers, route, self.token)
             await ports.running(self.service, sid)
+            mask = await ports.host_mask(self.service, sid)
         except ports.Refused as e:
             splice.refuse(e.status, e.message)
             return
@@ -54,7 +55,7 @@ class Upgrades:
             splice.refuse(e.status, e.message, e.extra)
             return
         reader, writer = await asyncio.open_connection(sock=sock)
-        kept = [(k, v) for k, v in headers if k.lower() not in ports.ROUTING]
+        kept = ports.masked([(k, v) for k, v in headers if k.lower() not in ports.ROUTING], mask, port)
         head = b"".join([method.encode(), b" ", url, b" HTTP/1.1\r\n",
                          *(k + b": " + v + b"\r\n" for k, v in kept), b"\r\n"])
         splice.attach(writer, head)
