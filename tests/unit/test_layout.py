@@ -22,7 +22,9 @@ SHARED_LEAVES = {"policy.chat": {"envs"}}
 CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "agentenv.phases", "agentenv.netpolicy"}
 ROOMS = {"agentenv.inside": set(), "agentenv.host": {"agentenv.inside"},
          "agentenv.sandbox": {"agentenv.inside", "agentenv.host"},
-         "agentenv.remote": {"agentenv.sandbox", "agentenv.inside", "agentenv.host"}}
+         "agentenv.remote": {"agentenv.sandbox", "agentenv.inside", "agentenv.host"},
+         # sandbox providers for agent harnesses: above the sandbox (and the remote API a provider may serve from)
+         "agentenv.harness": {"agentenv.remote", "agentenv.sandbox", "agentenv.inside", "agentenv.host"}}
 
 
 def modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
