@@ -23,10 +23,11 @@ VENV="${1:-}"
 harbor_venv() {  # the venv of harbor and agentenv; pycriu as the main venv finds it (bootstrap builds it in CACHE)
     [ -n "$VENV" ] || return 0
     if [ -x "$VENV/bin/harbor" ] && "$VENV/bin/python" -c "import agentenv, harbor, importlib.metadata as m; \
-assert m.version('harbor') == '$HARBOR_VERSION'" 2>/dev/null; then return 0; fi
+import dockerfile_parse; assert m.version('harbor') == '$HARBOR_VERSION'" 2>/dev/null; then return 0; fi
     log "making $VENV: harbor $HARBOR_VERSION and agentenv (editable)"
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-    "$VENV/bin/pip" install -q "harbor==$HARBOR_VERSION" -e "$ROOT" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    # dockerfile-parse: harbor reads a Dockerfile's WORKDIR with it (a dependency of its cloud extras only)
+    "$VENV/bin/pip" install -q "harbor==$HARBOR_VERSION" "dockerfile-parse>=2.0.1" -e "$ROOT" 2>&1 | { grep -v "is ignored: it is neither" || true; }
     site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     [ -d "$CACHE/pycriu" ] && echo "$CACHE" >"$site/agentenv-pycriu.pth"
     "$VENV/bin/python" -c "import agentenv, harbor" || die "harbor or agentenv does not import in $VENV"

@@ -52,3 +52,21 @@ def test_the_oracle_earns_reward_1_and_the_nop_agent_0(built_images: None, tmp_p
     assert (tmp_path / "oracle" / "verifier" / "reward.txt").read_text().strip() == "1"  # downloaded back
     nop = trial("nop", tmp_path)
     assert nop["verifier_result"]["rewards"] == {"reward": 0}
+
+
+def test_what_harbor_asks_of_the_environment_is_enforced_or_refused(built_images: None) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([str(VENV / "bin" / "python"), str(Path(__file__).with_name("harbor_probe.py")), str(TASK)],
+                         capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    seen = json.loads(run.stdout.strip().splitlines()[-1])
+    assert seen["refused_gpus"] == "RuntimeError" and seen["refused_compose"] == "ValueError"
+    assert seen["whoami"] == ["root\n", "agent\n", "agent\n", "nobody\n"]
+    assert seen["ghost"] == "UnknownUser"
+    assert seen["pwd"] == "/app\n" and seen["cwd_env"] == "/tmp\ny z\n"
+    assert seen["timeout"] == "Command timed out after 1 seconds"
+    assert seen["limits"] == [1.0, 256 * 1024 * 1024]
+    assert seen["rules_before"] is True  # a later phase needs a network: started with one, everything denied
+    assert seen["allow_out_after"] == ["192.0.2.7"]
+    assert seen["uploaded_runs"] == "ran\n" and seen["downloaded"] == "deep\n"
+    assert seen["is_dir"] == [True, False, False]
