@@ -5,8 +5,8 @@
 # source package): this builds it into a prefix of its own, beside the system's Python, touching nothing else.
 # Idempotent: a prefix whose interpreter already runs is left as it is, and so is a venv already holding harbor.
 #   usage: scripts/python312.sh [VENV]     (root; PREFIX=/opt/agentenv-python3.13, CACHE=/var/cache/agentenv)
-# With VENV (e.g. "$ROOT/.venv-harbor"), also a virtual environment of that interpreter holding harbor (pinned as
-# HARBOR_VERSION) and this checkout's agentenv, editable, for agentenv.harness.harbor. Prints the interpreter last.
+# With VENV (e.g. "$ROOT/.venv-harbor"), also a virtual environment of that interpreter holding this checkout's
+# agentenv, editable, with its harbor extra (harbor pinned), for agentenv.harness.harbor. Prints the interpreter last.
 set -euo pipefail
 VERSION=3.13.5
 SHA256=93e583f243454e6e9e4588ca2c2662206ad961659863277afcdb96801647d640  # python3.13_3.13.5.orig.tar.xz
@@ -16,7 +16,7 @@ PY="$PREFIX/bin/python3.13"
 log() { printf '\033[1m[python3.13]\033[0m %s\n' "$*" >&2; }
 die() { printf '[python3.13] error: %s\n' "$*" >&2; exit 1; }
 
-HARBOR_VERSION=0.25.0
+HARBOR_VERSION=0.25.0  # as pyproject.toml's harbor extra pins it
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 VENV="${1:-}"
 
@@ -26,8 +26,7 @@ harbor_venv() {  # the venv of harbor and agentenv; pycriu as the main venv find
 import dockerfile_parse; assert m.version('harbor') == '$HARBOR_VERSION'" 2>/dev/null; then return 0; fi
     log "making $VENV: harbor $HARBOR_VERSION and agentenv (editable)"
     [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-    # dockerfile-parse: harbor reads a Dockerfile's WORKDIR with it (a dependency of its cloud extras only)
-    "$VENV/bin/pip" install -q "harbor==$HARBOR_VERSION" "dockerfile-parse>=2.0.1" -e "$ROOT" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+    "$VENV/bin/pip" install -q -e "$ROOT[harbor]" 2>&1 | { grep -v "is ignored: it is neither" || true; }
     site="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     [ -d "$CACHE/pycriu" ] && echo "$CACHE" >"$site/agentenv-pycriu.pth"
     "$VENV/bin/python" -c "import agentenv, harbor" || die "harbor or agentenv does not import in $VENV"
