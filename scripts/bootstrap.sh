@@ -102,14 +102,7 @@ build_criu() {
             libgnutls28-dev libnftables-dev uuid-dev libdrm-dev dpkg-dev
         local tarball="$CACHE/criu_$CRIU_VERSION.orig.tar.xz"
         if [ ! -f "$tarball" ] || ! echo "$CRIU_SHA256  $tarball" | sha256sum -c --status; then
-            # Only a deb-src line for trixie: a deb line would let later installs pull trixie's libc6.
-            cat >/etc/apt/sources.list.d/agentenv-trixie-src.sources <<'SRC'
-Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: trixie
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SRC
+            install -m 644 "$ROOT/scripts/trixie-src.sources" /etc/apt/sources.list.d/agentenv-trixie-src.sources
             apt-get update -qq
             # The .dsc and .debian.tar.xz may answer 404 while the upstream tarball arrives: check it, go on.
             (cd "$CACHE" && apt-get source --download-only criu/trixie >/dev/null 2>&1) || true

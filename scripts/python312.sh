@@ -46,14 +46,7 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 tarball="$CACHE/python3.13_$VERSION.orig.tar.xz"
 if [ ! -f "$tarball" ] || ! echo "$SHA256  $tarball" | sha256sum -c --status; then
-    # Only a deb-src line for trixie (the one bootstrap's CRIU step writes): a deb line would pull trixie's libc6.
-    [ -f /etc/apt/sources.list.d/agentenv-trixie-src.sources ] || cat >/etc/apt/sources.list.d/agentenv-trixie-src.sources <<'SRC'
-Types: deb-src
-URIs: http://deb.debian.org/debian
-Suites: trixie
-Components: main
-Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
-SRC
+    install -m 644 "$ROOT/scripts/trixie-src.sources" /etc/apt/sources.list.d/agentenv-trixie-src.sources
     apt-get update -qq
     (cd "$CACHE" && apt-get source --download-only "python3.13=$VERSION-2+deb13u5" >/dev/null 2>&1 \
         || apt-get source --download-only python3.13/trixie >/dev/null 2>&1) || true

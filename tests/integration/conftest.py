@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -126,13 +127,20 @@ def e2b_url() -> Iterator[str]:
         yield url
 
 
-@pytest.fixture
-def sandbox(e2b_url: str) -> Iterator[Any]:
-    """An ``e2b.Sandbox`` on the module's E2B server, killed after the test (the E2B test files' sandbox)."""
-    from e2b import Sandbox
-
-    sb = Sandbox.create(timeout=600)
+@contextlib.contextmanager
+def e2b_sandbox(cls: Any = None) -> Iterator[Any]:
+    """A sandbox of the E2B SDK's ``cls`` (``e2b.Sandbox`` or a subclass, as the code interpreter's), killed after."""
+    if cls is None:
+        from e2b import Sandbox as cls
+    sb = cls.create(timeout=600)
     try:
         yield sb
     finally:
-        Sandbox.kill(sb.sandbox_id)
+        cls.kill(sb.sandbox_id)
+
+
+@pytest.fixture
+def sandbox(e2b_url: str) -> Iterator[Any]:
+    """An ``e2b.Sandbox`` on the module's E2B server, killed after the test (the E2B test files' sandbox)."""
+    with e2b_sandbox() as sb:
+        yield sb

@@ -15,6 +15,8 @@ code_interpreter = pytest.importorskip("e2b_code_interpreter")
 
 from e2b_code_interpreter import Sandbox  # noqa: E402
 
+from .conftest import e2b_sandbox  # noqa: E402
+
 
 def _wheel(name: str, source: str) -> bytes:
     """A pure-Python wheel of one module, made by hand (no build tools in the sandbox, no index to fetch from)."""
@@ -31,11 +33,8 @@ def _wheel(name: str, source: str) -> bytes:
 
 @pytest.fixture
 def ci(e2b_url: str) -> Iterator[Sandbox]:
-    sb = Sandbox.create(timeout=600)
-    try:
+    with e2b_sandbox(Sandbox) as sb:
         yield sb
-    finally:
-        sb.kill()
 
 
 def test_ipython_lines(ci: Sandbox) -> None:

@@ -5,7 +5,6 @@ with when its sandbox is killed under it, the network options that govern its po
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -17,7 +16,7 @@ from e2b import AsyncSandbox, Sandbox  # noqa: E402
 from e2b.exceptions import SandboxNotRunningException  # noqa: E402
 
 from .server_fixtures import e2b_domain_server, wait_for  # noqa: E402
-from .test_e2b_ports import DOMAIN, _listening, routed  # noqa: E402
+from .test_e2b_ports import DOMAIN, routed, wait_listening  # noqa: E402
 
 HEADERS_SERVER = r"""
 import http.server, json
@@ -45,10 +44,7 @@ def _serving(**create: object) -> Iterator[Sandbox]:
     try:
         sb.files.write("/tmp/headers.py", HEADERS_SERVER)
         sb.commands.run("exec python3 /tmp/headers.py", background=True)
-        deadline = time.monotonic() + 20
-        while not _listening(sb, 8003):
-            assert time.monotonic() < deadline, "port 8003 never opened"
-            time.sleep(0.1)
+        wait_listening(sb, 8003)
         yield sb
     finally:
         Sandbox.kill(sb.sandbox_id)
@@ -123,10 +119,7 @@ def test_a_paused_auto_resume_sandbox_wakes_once_for_concurrent_requests(server:
         assert sb.get_info().lifecycle == {"on_timeout": "pause", "auto_resume": True}
         sb.files.write("/tmp/headers.py", HEADERS_SERVER)
         sb.commands.run("exec python3 /tmp/headers.py", background=True)
-        deadline = time.monotonic() + 20
-        while not _listening(sb, 8003):
-            assert time.monotonic() < deadline, "port 8003 never opened"
-            time.sleep(0.1)
+        wait_listening(sb, 8003)
         sb.pause()
         assert sb.get_info().state.value == "paused"
 

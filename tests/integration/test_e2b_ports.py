@@ -112,11 +112,7 @@ def web(server: str) -> Iterator[Sandbox]:
         sb.commands.run("exec python3 /tmp/slow.py", background=True)
         sb.files.write("/tmp/ws.py", WS_ECHO)
         sb.commands.run("exec python3 /tmp/ws.py", background=True)
-        for port in (8000, 8001, 8002):
-            deadline = time.monotonic() + 20
-            while not _listening(sb, port):
-                assert time.monotonic() < deadline, f"port {port} never opened"
-                time.sleep(0.1)
+        wait_listening(sb, 8000, 8001, 8002)
         yield sb
     finally:
         Sandbox.kill(sb.sandbox_id)
@@ -126,6 +122,15 @@ def _listening(sb: Sandbox, port: int) -> bool:
     r = sb.commands.run(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}))\" "
                         "2>/dev/null && echo up || echo down")
     return r.stdout.strip() == "up"
+
+
+def wait_listening(sb: Sandbox, *ports: int) -> None:
+    """Until something listens on each of ``ports`` inside ``sb`` (a state, polled; 20 s each at most)."""
+    for port in ports:
+        deadline = time.monotonic() + 20
+        while not _listening(sb, port):
+            assert time.monotonic() < deadline, f"port {port} never opened"
+            time.sleep(0.1)
 
 
 def routed(sb: Sandbox, port: int, token: str | None = None) -> dict[str, str]:
@@ -298,11 +303,7 @@ def test_a_sandbox_without_a_network_serves_its_ports_across_a_pause(server: str
         sb.files.write("/tmp/ws.py", WS_ECHO)
         sb.commands.run("cd /tmp/www && exec python3 -m http.server 8000 --bind 127.0.0.1", background=True)
         sb.commands.run("exec python3 /tmp/ws.py", background=True)
-        for port in (8000, 8002):
-            deadline = time.monotonic() + 20
-            while not _listening(sb, port):
-                assert time.monotonic() < deadline, f"port {port} never opened"
-                time.sleep(0.1)
+        wait_listening(sb, 8000, 8002)
         assert httpx.get(f"{server}/a.txt", headers=routed(sb, 8000)).text == "offline"
         ws, head = _upgrade(server, routed(sb, 8002))
         try:
@@ -354,10 +355,7 @@ def test_a_listener_that_breaks_http_is_a_502_not_a_hang(server: str, web: Sandb
                "    c.sendall(b'NOT HTTP AT ALL' + b'x' * 100000 + b'\\r\\n\\r\\n')\n    c.close()\n")
     web.files.write("/tmp/garbage.py", garbage)
     web.commands.run("exec python3 /tmp/garbage.py", background=True)
-    deadline = time.monotonic() + 20
-    while not _listening(web, 8003):
-        assert time.monotonic() < deadline, "port 8003 never opened"
-        time.sleep(0.1)
+    wait_listening(web, 8003)
     r = httpx.get(f"{server}/", headers=routed(web, 8003), timeout=30)
     assert r.status_code == 502 and "did not answer HTTP" in r.json()["message"], r.text
     assert httpx.get(f"{server}/hello.txt", headers=routed(web, 8000)).status_code == 200  # the server goes on
