@@ -97,7 +97,7 @@ def test_a_public_sandboxs_ports_need_no_token_and_its_forks_stay_public(server:
 
 def test_a_private_sandboxs_ports_still_need_the_token(server: str, masked: Sandbox) -> None:
     r = httpx.get(f"{server}/", headers={"E2b-Sandbox-Id": masked.sandbox_id, "E2b-Sandbox-Port": "8003"})
-    assert r.status_code == 401
+    assert r.status_code == 403
 
 
 def test_a_host_mask_is_the_host_the_listener_sees(server: str, masked: Sandbox) -> None:

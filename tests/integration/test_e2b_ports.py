@@ -191,18 +191,18 @@ def test_a_closed_port_is_e2bs_502(server: str, web: Sandbox) -> None:
     assert body["sandboxId"] == web.sandbox_id and body["port"] == 8999
 
 
-def test_a_missing_or_wrong_token_is_401(server: str, web: Sandbox) -> None:
+def test_a_missing_or_wrong_token_is_e2bs_403(server: str, web: Sandbox) -> None:
     for token in ("", "0" * 64, str(web.traffic_access_token)[:-1] + "x"):
         r = httpx.get(f"{server}/hello.txt", headers=routed(web, 8000, token))
-        assert r.status_code == 401, (token, r.text)
+        assert r.status_code == 403, (token, r.text)
         r = httpx.get(f"{server}/hello.txt", headers={"Host": web.get_host(8000), "e2b-traffic-access-token": token})
-        assert r.status_code == 401
+        assert r.status_code == 403
     r = httpx.get(f"{server}/hello.txt", headers={"Host": web.get_host(8000)})
-    assert r.status_code == 401
+    assert r.status_code == 403
     other = Sandbox.create(timeout=120)
     try:  # one sandbox's token opens no other sandbox's ports
         r = httpx.get(f"{server}/hello.txt", headers=routed(web, 8000, str(other.traffic_access_token)))
-        assert r.status_code == 401
+        assert r.status_code == 403
     finally:
         Sandbox.kill(other.sandbox_id)
 
@@ -286,7 +286,7 @@ def test_a_websocket_passes_through_on_the_headers_and_on_get_host(server: str, 
 def test_a_refused_websocket_gets_e2bs_error(server: str, web: Sandbox) -> None:
     s, head = _upgrade(server, routed(web, 8002, "0" * 64))
     s.close()
-    assert head.startswith(b"HTTP/1.1 401")
+    assert head.startswith(b"HTTP/1.1 403")
     s, head = _upgrade(server, routed(web, 8998))
     s.close()
     assert head.startswith(b"HTTP/1.1 502")
@@ -343,7 +343,7 @@ def test_a_fork_child_serves_the_ports_its_parent_listened_on(server: str, web: 
         assert httpx.get(f"{server}/hello.txt", headers=routed(kid, 8000)).text == "hello from the child"
         assert httpx.get(f"{server}/hello.txt", headers=routed(web, 8000)).text == "hello from inside"
         r = httpx.get(f"{server}/hello.txt", headers=routed(kid, 8000, str(web.traffic_access_token)))
-        assert r.status_code == 401  # the parent's token is not the child's
+        assert r.status_code == 403  # the parent's token is not the child's
     finally:
         for kid in kids:
             Sandbox.kill(kid.sandbox_id)

@@ -33,8 +33,9 @@ def test_the_routing_headers_come_first_and_default_to_envd() -> None:
 def test_admission_checks_the_token_and_the_port() -> None:
     ok = [(b"e2b-traffic-access-token", access_token("T", "sb-1").encode())]
     assert admitted(ok, ("sb-1", "8000"), "T") == ("sb-1", 8000)
-    for headers, port, status in ((ok, "0", 502), (ok, "65536", 502), (ok, "8e3", 502), ([], "8000", 401),
-                                  ([(b"x-access-token", access_token("T", "sb-2").encode())], "8000", 401),
+    for headers, port, status in ((ok, "0", 502), (ok, "65536", 502), (ok, "8e3", 502), ([], "8000", 403),
+                                  ([(b"x-access-token", access_token("T", "sb-2").encode())], "8000", 403),
+                                  ([], "49983", 401), ([], "49999", 401),  # envd's and the interpreter's own 401
                                   (ok + ok, "8000", 400)):
         with pytest.raises(Refused) as e:
             admitted(headers, ("sb-1", port), "T")

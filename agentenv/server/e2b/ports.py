@@ -25,7 +25,7 @@ from agentenv import errors
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import bridge
-from agentenv.server.e2b.tokens import ENVD_PORT, valid
+from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
 from agentenv.server.service import Service
 
 # the headers that say which sandbox, port and token a request is for: each may come once (the checks here read
@@ -100,8 +100,11 @@ def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: 
     values = dict(headers)
     given = (values.get(b"x-access-token") or values.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
     if not valid(token, sid, given) and not (public and port != str(ENVD_PORT)):
-        raise Refused(401, f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token or "
-                           "X-Access-Token: the trafficAccessToken of create/connect)")
+        # envd and the interpreter answer 401 themselves in E2B (the SDK's AuthenticationException); any other port
+        # is refused by E2B's proxy, with a 403
+        raise Refused(401 if port in (str(ENVD_PORT), str(INTERPRETER_PORT)) else 403,
+                      f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token or X-Access-Token: "
+                      "the trafficAccessToken of create/connect)")
     if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
         raise Refused(502, f"The sandbox {sid} is running but port {port[:16]} is not open (not a TCP port)")
     return sid, int(port)
@@ -121,7 +124,7 @@ async def admit(service: Service, headers: list[tuple[bytes, bytes]], route: tup
     try:
         return admitted(headers, route, token)
     except Refused as e:
-        if e.status != 401 or (await bridge.run(_labels, service, route[0])).get(PUBLIC_LABEL) != "true":
+        if e.status != 403 or (await bridge.run(_labels, service, route[0])).get(PUBLIC_LABEL) != "true":
             raise
     return admitted(headers, route, token, public=True)
 
