@@ -2,7 +2,7 @@
 (harbor loads an environment class by import path) runs each trial's task in an agentenv sandbox, its image built
 locally from the task's ``environment/Dockerfile`` (never pulled) or named by ``docker_image``.
 
-harbor needs Python >= 3.12, so this module runs in the interpreter ``scripts/python312.sh`` builds, with agentenv
+harbor needs Python >= 3.12, so this module runs in the interpreter ``scripts/python3.13.sh`` builds, with agentenv
 installed there too. What a task asks for is enforced or refused at construction (harbor's own validators read
 ``capabilities``): cpus, memory and storage become the sandbox's limits; no-network, allowlist and public network
 policies agentenv's outbound rules, changeable after start; users (a name or a uid of the image) ``as_user``.

@@ -1,4 +1,4 @@
-"""harbor (the real package, unmodified, in its own Python >= 3.12 venv: scripts/python312.sh builds it) running a
+"""harbor (the real package, unmodified, in its own Python >= 3.12 venv: scripts/python3.13.sh builds it) running a
 hand-written task of its own format (tests/integration/harbor_task) in an agentenv sandbox, the environment
 loaded by import path (``--env agentenv.harness.harbor:AgentenvEnvironment``): its Dockerfile built locally, the
 oracle agent's solution earns reward 1 from the task's verifier, the nop agent 0."""
@@ -19,7 +19,8 @@ VENV = Path(os.environ.get("AGENTENV_HARBOR_VENV", ROOT / ".venv-harbor"))
 ENV = "agentenv.harness.harbor:AgentenvEnvironment"
 
 if not (VENV / "bin" / "harbor").exists():
-    pytest.skip(f"harbor's venv is not at {VENV}: make it with scripts/python312.sh {VENV}", allow_module_level=True)
+    pytest.skip(f"harbor's venv is not at {VENV}: make it with AGENTENV_HARBOR=1 scripts/bootstrap.sh (or "
+                f"scripts/python3.13.sh {VENV})", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@
 # releases, which this machine cannot reach. Debian's own registry has CPython 3.13's source (trixie's python3.13
 # source package): this builds it into a prefix of its own, beside the system's Python, touching nothing else.
 # Idempotent: a prefix whose interpreter already runs is left as it is, and so is a venv already holding harbor.
-#   usage: scripts/python312.sh [VENV]     (root; PREFIX=/opt/agentenv-python3.13, CACHE=/var/cache/agentenv)
+#   usage: scripts/python3.13.sh [VENV]     (root; PREFIX=/opt/agentenv-python3.13, CACHE=/var/cache/agentenv)
 # With VENV (e.g. "$ROOT/.venv-harbor"), also a virtual environment of that interpreter holding this checkout's
 # agentenv, editable, with its harbor extra (harbor pinned), for agentenv.harness.harbor. Prints the interpreter last.
 set -euo pipefail
