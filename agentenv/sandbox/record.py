@@ -38,6 +38,12 @@ class Record:
         """The state in the sandbox's record, without asking runc whether its processes still live."""
         return self._rec["state"]
 
+    def settled_state(self) -> State:
+        """The recorded state once a change under way is done (a pause, resume, snapshot or fork holds the lock
+        meanwhile, and a sandbox being paused still reads 'running'): what a caller acting on the state reads."""
+        with self._locked(allow_closed=True):
+            return self._rec["state"]
+
     def exists(self) -> bool:
         """True while the sandbox is on this host (running or paused); False once closed."""
         return self._container.bundle.exists()

@@ -163,3 +163,25 @@ def test_files_remove_a_missing_path_quietly_and_give_symlink_targets_resolved(s
     assert info.symlink_target == "/tmp/real" and info.type == e2b.FileType.SYMLINK  # 2.63: is_symlink wins
     listed = {e.name: e.symlink_target for e in sandbox.files.list("/tmp/real")}
     assert listed == {"file.txt": None, "rel": "/tmp/real/file.txt"}
+
+
+def test_a_connect_during_a_pause_waits_for_it_and_resumes(sandbox: Sandbox) -> None:
+    """A sandbox being paused still reads 'running' until its pause is done: a connect then (E2B's test_create does
+    it after a timeout's auto-pause began) waits for the pause and resumes the sandbox, instead of answering 200 for
+    one that is paused a moment later."""
+    import threading
+
+    import agentenv
+
+    sandbox.files.write("/tmp/kept", "before")
+    native = agentenv.Sandbox.get(sandbox.sandbox_id)
+    pausing = threading.Thread(target=native.pause)
+    pausing.start()
+    try:
+        wait_for(lambda: agentenv.Sandbox.get(sandbox.sandbox_id)._rec.get("pausing") is not None
+                 or agentenv.Sandbox.get(sandbox.sandbox_id).recorded_state == "paused", "the pause to begin")
+        resumed = sandbox.connect()
+    finally:
+        pausing.join(60)
+    assert agentenv.Sandbox.get(sandbox.sandbox_id).recorded_state == "running"
+    assert resumed.files.read("/tmp/kept") == "before"

@@ -365,7 +365,8 @@ def connect(request: Request, service: ServiceDep, sandbox_id: str,
     with the timeout asked for."""
     sb = service.sandbox(sandbox_id)
     ttl = float(body.timeout if body and body.timeout else DEFAULT_TIMEOUT)
-    if sb.state == "paused":  # on_resume="reboot" (memory false): booted from its files, as a files-only pause is
+    if sb.settled_state() == "paused":  # after a pause under way (the timeout's, say); on_resume="reboot" (memory
+        # false): booted from its files, as a files-only pause is
         service.resume(sandbox_id, memory=not (body is not None and body.memory is False)).set_ttl(ttl)
         return JSONResponse(sandbox_json(request, sb, "running"), 201)
     _keep_alive(sb, ttl)
