@@ -160,7 +160,7 @@ def test_files_remove_a_missing_path_quietly_and_give_symlink_targets_resolved(s
     assert sandbox.files.get_info("/tmp/real/rel").symlink_target == "/tmp/real/file.txt"
     assert sandbox.files.get_info("/tmp/chain").symlink_target == "/tmp/real/file.txt"  # every hop resolved
     info = sandbox.files.get_info("/tmp/dirlink")
-    assert info.symlink_target == "/tmp/real" and info.type == e2b.FileType.SYMLINK  # 2.63: is_symlink wins
+    assert info.symlink_target == "/tmp/real" and info.type == e2b.FileType.DIR  # envd: the target's type
     listed = {e.name: e.symlink_target for e in sandbox.files.list("/tmp/real")}
     assert listed == {"file.txt": None, "rel": "/tmp/real/file.txt"}
 
