@@ -3,6 +3,7 @@
     agentenv rollout --env agentenv/SWE-v0 --tasks envs/tasks/swe_tasks.jsonl --policy-url URL \\
                      --group-size 8 --workers 4 --out runs/NAME
     agentenv rollout show runs/NAME [--index N]
+    agentenv rollout export runs/NAME --format parquet --schema verl --out NAME.parquet   # for other RL stacks
     agentenv rollout cleanup runs/NAME          # sandboxes a killed driver's run left behind
 
 The run shows a live progress bar (episodes, reward mean, generated tokens/s, environment vs policy time) and
@@ -19,6 +20,7 @@ import os
 import re
 import time
 import uuid
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -311,3 +313,43 @@ def cleanup(
 
     swept = sweep_run(run, env_url or [], env_token)
     console.print(f"closed {len(swept['sandboxes'])} sandboxes, deleted {len(swept['snapshots'])} snapshots")
+
+
+class ExportFormat(StrEnum):
+    jsonl = "jsonl"
+    parquet = "parquet"
+
+
+class ExportSchema(StrEnum):
+    neutral = "neutral"
+    verl = "verl"
+    trl = "trl"
+    slime = "slime"
+
+
+@app.command("export")
+def export_cmd(
+    run: Annotated[Path, typer.Argument(help="a rollout run folder, a train run (its trajectories/), or one shard")],
+    out: Annotated[Path, typer.Option(help="the file to write")],
+    fmt: Annotated[ExportFormat, typer.Option("--format", help="jsonl or parquet")] = ExportFormat.jsonl,
+    schema: Annotated[ExportSchema, typer.Option(help="column names for this reader (docs/rollouts.md)")
+                      ] = ExportSchema.neutral,
+    text: Annotated[bool, typer.Option(help="add the prompt and response as text (k3-mini's tokenizer)")] = False,
+    keep_errors: Annotated[bool, typer.Option(help="keep env_error / policy_error episodes (null reward)")] = False,
+) -> None:
+    """Write a run's trajectories (prompt / response ids, loss mask, logprobs, reward) for verl, TRL or slime."""
+    from rollout import export, trajectory
+
+    decode = None
+    if text:
+        from rollout.agent import LocalTokenizer
+
+        decode = LocalTokenizer().decode
+    try:
+        done = export.export(run, out, fmt.value, schema.value, decode=decode, keep_errors=keep_errors)
+    except (export.ExportError, trajectory.TrajectoryError) as e:
+        console.print(f"[red]error:[/] {escape(str(e))}")
+        raise typer.Exit(1) from None
+    left = f", {done['skipped_infra_errors']} infrastructure-error episodes left out" \
+        if done["skipped_infra_errors"] else ""
+    console.print(f"{done['rows']} trajectories -> {out} ({fmt.value}, {schema.value} schema{left})")

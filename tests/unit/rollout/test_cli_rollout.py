@@ -71,3 +71,24 @@ def test_options_parse():
     assert _kv(["max_steps=5", "image=agentenv/base"], "--env-arg") == {"max_steps": 5, "image": "agentenv/base"}
     assert split_messages("<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>") == [
         ("user", "hi"), ("assistant", "")]
+
+
+def test_export_of_a_real_run_masks_the_tool_outputs(run, tmp_path):
+    """``rollout export`` of the run above: the masked-out spans of each response are the tool outputs (the
+    calculator's return), the generated spans are the policy's calls; the text columns decode the same ids."""
+    import pyarrow.parquet as pq
+
+    out, _ = run
+    r = runner.invoke(app, ["export", str(out), "--format", "parquet", "--text", "--out", str(tmp_path / "r.parquet")])
+    assert r.exit_code == 0, r.output
+    rows = pq.read_table(tmp_path / "r.parquet").to_pylist()
+    assert len(rows) == 6 and {x["reward"] for x in rows} == {1.0}
+    for row in rows:
+        ids, mask = row["response_ids"], row["loss_mask"]
+        generated = TOK.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        fed = TOK.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+        assert "calculator" in generated and "answer" in generated
+        assert "Return of functions.calculator" in fed and "39980" in fed
+        assert "Return of functions.calculator" not in generated
+        assert row["prompt_text"] == TOK.decode(row["prompt_ids"]) and "What is 37 * 1234 - 5678?" in row["prompt_text"]
+        assert all(lp == 0.0 for lp, m in zip(row["logprobs"], mask, strict=True) if not m)
