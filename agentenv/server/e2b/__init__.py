@@ -34,7 +34,7 @@ from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, 
 from agentenv.server.e2b.files import FilesystemService, Uploads, files_routes
 from agentenv.server.e2b.ports import Refused, admit, admitted_headers, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
-from agentenv.server.e2b.signed import sandbox_of, signed
+from agentenv.server.e2b.signed import SCOPE_KEY, sandbox_of, signed
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
 
@@ -96,6 +96,7 @@ class SandboxPorts:
         try:
             if is_signed and not (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token")):
                 sid, port = await self._signed(scope, route)
+                scope = {**scope, SCOPE_KEY: True}
             else:
                 sid, port = await admit(self.service, scope["headers"], route or ("", str(ENVD_PORT)), self.token)
         except Refused as e:
@@ -123,6 +124,9 @@ class SandboxPorts:
         """The sandbox of a signed ``/files`` URL (``signed``): only envd's port, and only the one sandbox
         where the request names it."""
         admitted_headers(scope["headers"])
+        if any(k.lower() == b"authorization" for k, _ in scope["headers"]):
+            raise Refused(401, "a signed URL acts as the account it was signed for: send it with no Authorization "
+                               "header (which names another)")
         if route is not None and route[1] != str(ENVD_PORT):
             raise Refused(401, f"a signed URL opens envd's /files (port {ENVD_PORT}) alone, not port {route[1][:16]}")
         sid = await bridge.run(sandbox_of, scope["method"], scope.get("query_string", b""), self.token,

@@ -39,6 +39,7 @@ from agentenv import errors
 from agentenv.api import FileInfo
 from agentenv.sandbox.calls import Calls
 from agentenv.server.e2b.bridge import acting, call, connect_error, one_of, run, sandbox_of, user_named
+from agentenv.server.e2b.signed import SCOPE_KEY
 from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service
 
@@ -367,6 +368,9 @@ async def _uploads(request: Request) -> list[tuple[str, bytes]]:
     files = [v for k, v in form.multi_items() if k == "file" and not isinstance(v, str)]
     if not files:
         raise ValueError("a multipart upload needs 'file' fields")
+    if request.scope.get(SCOPE_KEY) and not (path and len(files) == 1):
+        raise ValueError(f"a signed upload writes the one path it was signed for ({(path or '')[:256]!r}), as one "
+                         f"'file' field: this one has {len(files)}" + ("" if path else " and the signature names no path"))
     out = []
     for f in files:
         name = path if path and len(files) == 1 else f.filename
