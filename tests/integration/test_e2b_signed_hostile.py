@@ -4,14 +4,60 @@ may read or write another path or act as another account."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
 import httpx
 import pytest
+
+from .server_fixtures import e2b_domain_server
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 
 from e2b import Sandbox  # noqa: E402
 
+DOMAIN = "signed.test"
+
 ROOT_BASIC = "Basic cm9vdDo="  # base64("root:"): envd's way of naming the account of a call
+
+
+@pytest.fixture(scope="module")
+def e2b_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The module's server routes ``get_host`` names too (conftest's ``sandbox`` is made on it)."""
+    with e2b_domain_server(tmp_path_factory.mktemp("signed"), DOMAIN) as url:
+        yield url
+
+
+def _raw(url: str, request: bytes) -> bytes:
+    """The first bytes the server answers a request sent as written (a WebSocket upgrade: not httpx's to send)."""
+    where = urlsplit(url)
+    with socket.create_connection((where.hostname or "", where.port or 80), timeout=60) as s:
+        s.sendall(request)
+        return s.recv(65536)
+
+
+def test_no_request_without_a_credential_wakes_a_paused_auto_resume_sandbox(e2b_url: str) -> None:
+    """Auto-resume comes after admission: a request with no token, a wrong one or a bogus signature is refused
+    (on every route: headers, get_host's Host, WebSocket, signed /files) and the sandbox stays paused."""
+    sb = Sandbox.create(timeout=120, lifecycle={"on_timeout": "pause", "auto_resume": True})
+    try:
+        sb.pause()
+        sid, host = sb.sandbox_id, f"8003-{sb.sandbox_id}.{DOMAIN}"
+        assert httpx.get(f"{e2b_url}/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8003"}).status_code == 403
+        assert httpx.get(f"{e2b_url}/", headers={"E2b-Sandbox-Id": sid, "E2b-Sandbox-Port": "8003",
+                                                 "e2b-traffic-access-token": "wrong"}).status_code == 403
+        assert httpx.get(f"{e2b_url}/health", headers={"E2b-Sandbox-Id": sid}).status_code == 401
+        assert httpx.get(f"{e2b_url}/", headers={"Host": host}).status_code == 403
+        bogus = {"path": "/etc/hostname", "signature": "v1_" + "A" * 43}
+        assert httpx.get(f"{e2b_url}/files", params=bogus).status_code == 401
+        assert httpx.get(f"{e2b_url}/files", params=bogus, headers={"E2b-Sandbox-Id": sid}).status_code == 401
+        upgrade = (f"GET / HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+        assert _raw(e2b_url, upgrade).startswith(b"HTTP/1.1 403")
+        assert Sandbox.get_info(sid).state.value == "paused"
+    finally:
+        Sandbox.kill(sb.sandbox_id)
 
 
 def test_a_url_signed_for_the_default_user_cannot_be_turned_into_roots(sandbox: Sandbox) -> None:
