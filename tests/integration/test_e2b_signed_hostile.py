@@ -12,6 +12,8 @@ import httpx
 import pytest
 
 from .server_fixtures import e2b_domain_server
+from .test_e2b_life import HEADERS_SERVER
+from .test_e2b_ports import wait_listening
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 
@@ -82,3 +84,19 @@ def test_a_write_url_signed_for_one_path_writes_that_path_alone(sandbox: Sandbox
     assert renamed.status_code == 200, renamed.text  # one file: the signed path names it, as envd
     assert sandbox.files.read("/home/user/up.txt") == "three"
     assert not sandbox.files.exists("/home/user/elsewhere.txt")
+
+
+def test_a_public_ports_own_files_path_with_a_signature_query_is_its_listeners(e2b_url: str) -> None:
+    """``/files?signature=`` is envd's signed URL only on envd's port: on another port of a sandbox made with
+    ``allowPublicTraffic`` it is the listener's, reached with no token like any other path of that port."""
+    sb = Sandbox.create(timeout=120, network={"allow_public_traffic": True})
+    try:
+        sb.files.write("/tmp/headers.py", HEADERS_SERVER)
+        sb.commands.run("exec python3 /tmp/headers.py", background=True)
+        wait_listening(sb, 8003)
+        r = httpx.get(f"{e2b_url}/files", params={"path": "x", "signature": "v1_app"},
+                      headers={"Host": f"8003-{sb.sandbox_id}.{DOMAIN}"})
+        assert r.status_code == 200, r.text
+        assert r.json()["host"] == f"8003-{sb.sandbox_id}.{DOMAIN}"
+    finally:
+        Sandbox.kill(sb.sandbox_id)
