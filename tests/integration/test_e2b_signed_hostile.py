@@ -100,3 +100,14 @@ def test_a_public_ports_own_files_path_with_a_signature_query_is_its_listeners(e
         assert r.json()["host"] == f"8003-{sb.sandbox_id}.{DOMAIN}"
     finally:
         Sandbox.kill(sb.sandbox_id)
+
+
+def test_a_symlink_planted_at_an_uploads_temporary_name_does_not_redirect_roots_write(sandbox: Sandbox) -> None:
+    """An upload goes to a temporary file beside its path, then is renamed: the sandbox's user, who can write
+    that folder, plants a symlink where the temporary file would be, aimed at a root-only place. The write as
+    root must not follow it (no file made there, nor chmodded), and the path ends up the regular file sent."""
+    sandbox.commands.run("ln -s /etc/planted-by-user /home/user/t.txt.agentenv-tmp")
+    sandbox.files.write("/home/user/t.txt", "from the harness", user="root")
+    assert not sandbox.files.exists("/etc/planted-by-user", user="root")
+    assert sandbox.commands.run("stat -c %F /home/user/t.txt").stdout.strip() == "regular file"
+    assert sandbox.files.read("/home/user/t.txt") == "from the harness"
