@@ -98,6 +98,10 @@ def test_a_public_ports_own_files_path_with_a_signature_query_is_its_listeners(e
                       headers={"Host": f"8003-{sb.sandbox_id}.{DOMAIN}"})
         assert r.status_code == 200, r.text
         assert r.json()["host"] == f"8003-{sb.sandbox_id}.{DOMAIN}"
+        for port, path in (("49983", "/health"), ("49999", "/contexts"), ("049983", "/health")):
+            closed = httpx.get(f"{e2b_url}{path}", headers={"Host": f"{port}-{sb.sandbox_id}.{DOMAIN}"})
+            assert closed.status_code in (401, 502), (port, closed.text)  # envd and the interpreter keep the token
+            assert "not open" in closed.text if closed.status_code == 502 else "token" in closed.text
     finally:
         Sandbox.kill(sb.sandbox_id)
 
