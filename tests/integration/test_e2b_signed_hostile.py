@@ -115,3 +115,24 @@ def test_a_symlink_planted_at_an_uploads_temporary_name_does_not_redirect_roots_
     assert not sandbox.files.exists("/etc/planted-by-user", user="root")
     assert sandbox.commands.run("stat -c %F /home/user/t.txt").stdout.strip() == "regular file"
     assert sandbox.files.read("/home/user/t.txt") == "from the harness"
+
+
+def test_one_sandboxs_watchers_cannot_push_out_another_sandboxs(sandbox: Sandbox) -> None:
+    """Watchers are kept per server, the oldest dropped past a bound: a client of sandbox A creating watchers
+    without end must be refused once A holds its share, and B's watcher must go on answering."""
+    theirs = sandbox.files.watch_dir("/tmp")
+    other = Sandbox.create(timeout=300)
+    try:
+        other.files.make_dir("/tmp/w")
+        refused = None
+        for _ in range(1100):  # past the server's whole bound (1024)
+            try:
+                other.files.watch_dir("/tmp/w")
+            except e2b.SandboxException as e:
+                refused = e
+                break
+        sandbox.files.write("/tmp/after.txt", "x")
+        assert any(e.name == "after.txt" for e in theirs.get_new_events())
+        assert refused is not None and "watchers" in str(refused)
+    finally:
+        Sandbox.kill(other.sandbox_id)
