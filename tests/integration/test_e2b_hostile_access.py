@@ -1,6 +1,7 @@
-"""Signed file URLs (``Sandbox.download_url`` / ``upload_url``) in the hands of someone who holds the URL and
-nothing else: the signature fixes the path, the operation and the account, so no header or body the holder adds
-may read or write another path or act as another account."""
+"""The E2B surface attacked by whoever holds less than the whole: a signed file URL and nothing else (the
+signature fixes the path, the operation and the account), no credential at all (a paused autoResume sandbox stays
+paused), the sandbox's own user (a symlink planted where a root upload would write), and one sandbox's client
+against another sandbox (shared watcher bounds)."""
 
 from __future__ import annotations
 
