@@ -8,7 +8,8 @@ compared in constant time). Where the request names its sandbox (headers, or a `
 one is checked. A signature opens ``/files`` alone: GET with a ``read`` signature, POST with a ``write`` one;
 never the Connect services or another port. The signature fixes the account too, so a signed request may carry
 no ``Authorization`` header (which would name another), and an upload writes the one path signed (``SCOPE_KEY``
-marks the request for the ``/files`` routes, which then take neither a second file nor a file's own name). As envd: a wrong signature is ``invalid signature`` (401), a right
+marks the request for the ``/files`` routes, which then take neither a second file nor a file's own name).
+As envd: a wrong signature is ``invalid signature`` (401), a right
 one past its expiration ``signature is already expired`` (401).
 """
 
