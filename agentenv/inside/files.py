@@ -203,10 +203,12 @@ def write_stream(path: str, conn: _socket.socket, n: int, mode: int, metadata: d
     in step, and the error is raised.
     """
     left = n
-    tmp = f"{path}.agentenv-tmp"
+    # a fresh name, made only if nothing is there (O_EXCL: never through a symlink that the sandbox's code
+    # planted at a name it could guess, which would send a root write and chmod wherever it points)
+    tmp = os.path.join(os.path.dirname(path), f".agentenv-tmp-{os.urandom(8).hex()}")  # short, whatever the name
     try:
         os.makedirs(os.path.dirname(path) or "/", exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
         try:
             with os.fdopen(fd, "wb", buffering=0) as f:
                 buf = bytearray(min(n, CHUNK))
@@ -220,7 +222,7 @@ def write_stream(path: str, conn: _socket.socket, n: int, mode: int, metadata: d
                     while done < got:
                         done += f.write(view[done:got])
                 write_metadata(f.fileno(), metadata or {})
-            os.chmod(tmp, mode)
+                os.fchmod(f.fileno(), mode)  # the file written, not what the name may lead to by now
             os.replace(tmp, path)
         except BaseException:
             with suppress(OSError):

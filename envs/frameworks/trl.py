@@ -57,6 +57,8 @@ class _AgentenvEnvironment:
 
     def _step(self, name: str, arguments: dict[str, Any]) -> str:
         obs, reward, terminated, truncated, info = self._env.step({"name": name, "arguments": arguments})
+        if self._done:  # a call after the end (TRL goes on while the model calls tools): told so, reward kept
+            return obs
         self._info = dict(info)
         if terminated or truncated:
             self._done, self._reward = True, float(reward)

@@ -34,7 +34,7 @@ from agentenv.server.e2b import bridge, control, interpreter, listing, metrics, 
 from agentenv.server.e2b.files import FilesystemService, Uploads, files_routes
 from agentenv.server.e2b.ports import Refused, admit, admitted_headers, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
-from agentenv.server.e2b.signed import sandbox_of, signed
+from agentenv.server.e2b.signed import SCOPE_KEY, sandbox_of, signed
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
 
@@ -89,13 +89,16 @@ class SandboxPorts:
             return
         headers = dict(scope["headers"])
         route = route_of(headers, self.domain)
-        is_signed = signed(scope["path"], scope.get("query_string", b""))
+        # a signature is envd's only: another port's /files?signature= is its listener's (a public port's, say)
+        is_signed = signed(scope["path"], scope.get("query_string", b"")) and (route is None or
+                                                                             route[1] == str(ENVD_PORT))
         if route is None and not is_signed:
             await self.app(scope, receive, send)
             return
         try:
             if is_signed and not (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token")):
                 sid, port = await self._signed(scope, route)
+                scope = {**scope, SCOPE_KEY: True}
             else:
                 sid, port = await admit(self.service, scope["headers"], route or ("", str(ENVD_PORT)), self.token)
         except Refused as e:
@@ -120,11 +123,12 @@ class SandboxPorts:
             bridge.threads.reset(reset)
 
     async def _signed(self, scope: Scope, route: tuple[str, str] | None) -> tuple[str, int]:
-        """The sandbox of a signed ``/files`` URL (``signed``): only envd's port, and only the one sandbox
-        where the request names it."""
+        """The sandbox of a signed ``/files`` URL for envd's port (``signed``): only the one sandbox where the
+        request names it."""
         admitted_headers(scope["headers"])
-        if route is not None and route[1] != str(ENVD_PORT):
-            raise Refused(401, f"a signed URL opens envd's /files (port {ENVD_PORT}) alone, not port {route[1][:16]}")
+        if any(k.lower() == b"authorization" for k, _ in scope["headers"]):
+            raise Refused(401, "a signed URL acts as the account it was signed for: send it with no Authorization "
+                               "header (which names another)")
         sid = await bridge.run(sandbox_of, scope["method"], scope.get("query_string", b""), self.token,
                                None if route is None else route[0])
         return sid, ENVD_PORT

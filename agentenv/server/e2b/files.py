@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -39,11 +39,13 @@ from agentenv import errors
 from agentenv.api import FileInfo
 from agentenv.sandbox.calls import Calls
 from agentenv.server.e2b.bridge import acting, call, connect_error, one_of, run, sandbox_of, user_named
+from agentenv.server.e2b.signed import SCOPE_KEY
 from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service
 
 HEALTH_PING_TIMEOUT = 5.0  # seconds /health waits for the agent's answer
-MAX_WATCHERS = 1024  # watchers kept per server; the oldest goes first
+MAX_WATCHERS = 1024  # watchers kept per server; past it, the oldest of the sandbox that holds the most goes
+MAX_SANDBOX_WATCHERS = 64  # watchers one sandbox may hold: one more is refused, so no sandbox pushes out another's
 MAX_UPLOADS = 4096  # files written through /files remembered for the watchers (``Uploads``)
 WATCH_DEPTH = 16  # levels a recursive watch looks down
 WATCH_POLL = 0.25  # seconds between looks of a streamed watch
@@ -205,10 +207,17 @@ class FilesystemService(filesystem_connect.Filesystem):
                              ctx: RequestContext[Any, Any]) -> pb.CreateWatcherResponse:
         sb = await self._calls(ctx)
         seen = await self._dir(sb, request.path, request.recursive)
+        held = Counter(w.sandbox_id for w in self.watchers.values())
+        if held[sb.id] >= MAX_SANDBOX_WATCHERS:
+            raise ConnectError(Code.RESOURCE_EXHAUSTED, f"sandbox {sb.id} holds {MAX_SANDBOX_WATCHERS} watchers, "
+                                                        "the most one sandbox may: stop some, then retry")
         watcher_id = uuid.uuid4().hex
         self.watchers[watcher_id] = Watcher(sb.id, request.path, request.recursive, request.include_entry, seen)
-        while len(self.watchers) > MAX_WATCHERS:
-            self.watchers.popitem(last=False)
+        held[sb.id] += 1
+        while len(self.watchers) > MAX_WATCHERS:  # many sandboxes at their share: the biggest holder gives one up
+            top = max(held, key=held.__getitem__)
+            del self.watchers[next(k for k, w in self.watchers.items() if w.sandbox_id == top)]
+            held[top] -= 1
         return pb.CreateWatcherResponse(watcher_id=watcher_id)
 
     def _watcher(self, sb: Calls, watcher_id: str) -> Watcher:
@@ -367,6 +376,9 @@ async def _uploads(request: Request) -> list[tuple[str, bytes]]:
     files = [v for k, v in form.multi_items() if k == "file" and not isinstance(v, str)]
     if not files:
         raise ValueError("a multipart upload needs 'file' fields")
+    if request.scope.get(SCOPE_KEY) and not (path and len(files) == 1):
+        raise ValueError(f"a signed upload writes the one path it was signed for ({(path or '')[:256]!r}), as one "
+                         f"'file' field: this one has {len(files)}" + ("" if path else " and the signature names no path"))
     out = []
     for f in files:
         name = path if path and len(files) == 1 else f.filename

@@ -6,7 +6,10 @@ naming the sandbox, and the access token is per sandbox (``tokens.access_token``
 whose token makes the signature: each sandbox of this host is tried (at most ``MAX_SCAN`` of them, every one
 compared in constant time). Where the request names its sandbox (headers, or a ``get_host`` name), only that
 one is checked. A signature opens ``/files`` alone: GET with a ``read`` signature, POST with a ``write`` one;
-never the Connect services or another port. As envd: a wrong signature is ``invalid signature`` (401), a right
+never the Connect services or another port. The signature fixes the account too, so a signed request may carry
+no ``Authorization`` header (which would name another), and an upload writes the one path signed (``SCOPE_KEY``
+marks the request for the ``/files`` routes, which then take neither a second file nor a file's own name).
+As envd: a wrong signature is ``invalid signature`` (401), a right
 one past its expiration ``signature is already expired`` (401).
 """
 
@@ -22,6 +25,7 @@ from agentenv.config import paths
 from agentenv.server.e2b.ports import Refused
 from agentenv.server.e2b.tokens import access_token
 
+SCOPE_KEY = "agentenv.e2b_signed"  # in the ASGI scope of a request admitted by its signature (``files`` reads it)
 MAX_SCAN = 10_000  # sandboxes tried for a signature that names none; past that the request must name its sandbox
 OPERATIONS = {"GET": "read", "POST": "write"}
 FIELDS = ("path", "username", "signature", "signature_expiration")

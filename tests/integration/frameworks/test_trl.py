@@ -68,6 +68,15 @@ def test_lookup_v0_rollouts_right_code_1_wrong_0_none_0(lookup_task: Any) -> Non
     assert rollout(LookupEnvironment, row, [read])[2] == 0.0  # no answer
 
 
+def test_a_tool_call_after_the_episode_ended_leaves_its_reward(lookup_task: Any) -> None:
+    """TRL goes on calling tools while the model emits calls: one after the answer is told the episode is over
+    (the env's step gives 0.0 and terminated then) and must not replace the reward the answer earned."""
+    row = {"prompt": [], "task": lookup_task.id}
+    _, outs, reward = rollout(LookupEnvironment, row, [("answer", {"answer": lookup_task.answer}),
+                                                       ("bash", {"command": "true"}), ("answer", {"answer": "x"})])
+    assert reward == 1.0, outs
+
+
 
 
 def test_an_instance_is_reused_across_rollouts_and_a_stray_column_is_refused(lookup_task: Any) -> None:
