@@ -104,3 +104,19 @@ def test_javascript_is_refused_where_node_is_not_in_the_image(ci: Sandbox) -> No
         ci.create_code_context(language="js")
     with pytest.raises(Exception, match="only python, bash and javascript"):
         ci.run_code("1", language="r")
+
+
+def test_a_context_never_runs_code_as_another_account_than_asked(e2b_url: str, ci: Sandbox) -> None:
+    """The default context runs as the account that started it (E2B's ``user``); a request naming another account
+    (envd's ``Authorization: Basic``) is a 400, never a run as the context's account."""
+    import base64
+
+    assert ci.run_code("import os\nos.getuid()").text == "1000"
+    headers = {"E2b-Sandbox-Id": ci.sandbox_id, "X-Access-Token": ci._envd_access_token or "",  # noqa: SLF001
+               "E2b-Sandbox-Port": "49999", "Authorization": "Basic " + base64.b64encode(b"root:").decode()}
+    r = httpx.post(f"{e2b_url}/execute", headers=headers, json={"code": "import os\nos.getuid()"})
+    assert r.status_code == 400 and "runs as user, not root" in r.json()["message"], r.text
+    r = httpx.post(f"{e2b_url}/contexts", headers=headers, json={"language": "python"})
+    ctx = r.json()["id"]  # a context made as root runs as root
+    r = httpx.post(f"{e2b_url}/execute", headers=headers, json={"code": "import os\nos.getuid()", "context_id": ctx})
+    assert r.status_code == 200 and '"text": "0"' in r.text, r.text

@@ -34,7 +34,8 @@ from agentenv.server.e2b.bridge import acting, iterate, run, user_named
 from agentenv.server.e2b.files import http_error
 from agentenv.server.service import Service
 
-TAG = "e2b-context:"  # a kernel job's tag: TAG + context id, then "/bash" or "/javascript" for those contexts
+TAG = "e2b-context:"  # a kernel job's tag: TAG + context id, then "/bash" or "/javascript" for those contexts,
+# then "@" and the account it runs as
 DEFAULT = "default"  # the default context of Python; of bash, "default-bash", of javascript "default-javascript"
 # the names E2B's SDKs send for a language, and the kernel's language (kernel.LANGUAGES) they run as
 LANGUAGES = {"": "python", "python": "python", "py": "python", "python3": "python", "bash": "bash", "sh": "bash"}
@@ -53,18 +54,20 @@ def _language(sb: Sandbox | None, name: Any) -> str:
     raise ValueError(f"language {name!r} is not supported here: only python, bash and javascript (with node)")
 
 
-def _split(tag: str) -> tuple[str, str]:
-    cid, _, language = tag.removeprefix(TAG).partition("/")
-    return cid, language or "python"
+def _split(tag: str) -> tuple[str, str, str | None]:
+    """A kernel tag's context id, language and account (None in a tag of an older server)."""
+    rest, _, account = tag.removeprefix(TAG).partition("@")
+    cid, _, language = rest.partition("/")
+    return cid, language or "python", account or None
 
 
-def _find(sb: Sandbox, context_id: str) -> tuple[int, str] | None:
-    """The pid and language of a context's running kernel."""
+def _find(sb: Sandbox, context_id: str) -> tuple[int, str, str | None] | None:
+    """The pid, language and account of a context's running kernel."""
     for job in sb.jobs():
         if job.tag and job.tag.startswith(TAG) and job.exit_code is None:
-            cid, language = _split(job.tag)
+            cid, language, account = _split(job.tag)
             if cid == context_id:
-                return job.pid, language
+                return job.pid, language, account
     return None
 
 
@@ -79,8 +82,9 @@ def _start(sb: Sandbox, context_id: str, cwd: str | None, user: str | None, lang
     calls = acting(sb, user)
     cwd = cwd or (calls.home if isinstance(calls, AsUser) else None)
     command, env = kernel.launch()
+    account = calls.user if isinstance(calls, AsUser) else "root"
     calls.start(command, cwd=cwd, env=env, stdin=True,
-                tag=TAG + context_id + ("" if language == "python" else "/" + language))
+                tag=TAG + context_id + ("" if language == "python" else "/" + language) + "@" + account)
     return cwd or "/"
 
 
@@ -102,7 +106,10 @@ def _kernel(sb: Sandbox, cid: str, language: str | None, user: str | None, start
         assert found is not None
     if language is not None and found[1] != language:
         raise ValueError(f"context {cid!r} runs {found[1]}, not {language}: give a context or a language")
-    return found
+    if user is not None and found[2] is not None and found[2] != user:  # never run as another account than asked
+        raise ValueError(f"context {cid!r} runs as {found[2]}, not {user}: create a context as {user} "
+                         "(create_code_context) to run code as that account")
+    return found[0], found[1]
 
 
 class Interpreter:
