@@ -1,17 +1,17 @@
 """agentenv's envs as OpenRLHF agents (OpenRLHF 0.11.2, ``openrlhf.utils.agent``): ``SWEAgentExecutor`` runs
 ``agentenv/SWE-v0`` episodes, ``LookupAgentExecutor`` ``agentenv/Lookup-v0`` ones.
 
-OpenRLHF loads ``--agent_func_path FILE.py`` and makes its ``AgentExecutor`` class (no arguments); a
+OpenRLHF loads ``--train.agent_func_path FILE.py`` and makes its ``AgentExecutor`` class (no arguments); a
 ``MultiTurnAgentExecutor`` makes one ``AgentInstanceBase`` per prompt and calls ``reset(states)`` once, then
 ``step(states)`` after each generation until ``done``. The agent file is one line::
 
     from envs.frameworks.openrlhf import SWEAgentExecutor as AgentExecutor
 
 Each instance owns ONE agentenv env (one sandbox) for its prompt. ``reset`` takes the task from the row's label
-(OpenRLHF's ``--label_key`` column: a task id, or empty to draw one), resets the env, and returns as the
+(OpenRLHF's ``--data.label_key`` column: a task id, or empty to draw one), resets the env, and returns as the
 observation the prompt as given followed by the env's first observation as a K3 user message with the env's tool
 declarations and the assistant header (the envs read K3 tool-call text, so the policy must speak K3's format;
-give prompts already rendered, without ``--apply_chat_template``, or empty). ``step`` passes the generated text
+give prompts already rendered, without ``--data.apply_chat_template``, or empty). ``step`` passes the generated text
 (without a trailing ``<|im_end|>``) to the env as its action; its ``environment_feedback`` is the tool output as a
 K3 tool message and the next assistant header (OpenRLHF masks feedback tokens out of the loss: only
 ``action_ranges`` train). ``rewards``/``scores`` are 0 until the episode ends, then our grader's reward (SWE-v0:
