@@ -55,7 +55,11 @@ class _AgentenvAgentLoop(AgentLoopBase):
         self.response_length = int(self.rollout_config.response_length)
 
     def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        """``text``'s ids with no BOS/EOS added (a Hugging Face tokenizer would add them to every piece)."""
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        except TypeError:  # a plain encode(text) (the project's tokenizer adds nothing)
+            return list(self.tokenizer.encode(text))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         given = [k for k in MULTIMODAL if kwargs.get(k)]
