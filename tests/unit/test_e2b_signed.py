@@ -50,3 +50,25 @@ def test_a_repeated_field_is_refused() -> None:
     with pytest.raises(Refused) as e:
         sandbox_of("GET", _query("sb-1", "x", "read", "user") + b"&path=y", TOKEN, "sb-1")
     assert e.value.status == 400
+
+
+def test_signature_scans_run_in_threads_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A signed URL needs no token, so its scan (a hash per sandbox) must not take the threads of the control
+    plane or of a sandbox: ``SandboxPorts`` runs it under a limiter of its own, of ``SCAN_THREADS`` threads."""
+    import anyio
+
+    import agentenv.server.e2b as e2b_server
+    from agentenv.server.e2b import bridge
+
+    seen: list[object] = []
+
+    def scan(*_: object) -> str:
+        seen.append(bridge.threads.get())
+        return "sb-1"
+
+    monkeypatch.setattr(e2b_server, "sandbox_of", scan)
+    ports = e2b_server.SandboxPorts(app=None, service=None, token=TOKEN, ports={})  # type: ignore[arg-type]
+    scope = {"type": "http", "method": "GET", "path": "/files", "headers": [], "query_string": b"path=a&signature=v1_x"}
+    assert anyio.run(ports._signed, scope, None) == ("sb-1", e2b_server.ENVD_PORT)
+    assert seen == [ports.scans] and ports.scans.total_tokens == e2b_server.SCAN_THREADS
+    assert bridge.threads.get() is None  # reset after the scan

@@ -40,6 +40,7 @@ from agentenv.server.service import Service
 
 __all__ = ["install"]
 
+SCAN_THREADS = 2  # threads the signature scans of signed URLs may hold at once, over all sandboxes
 MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recently used goes first
 NATIVE_PATHS = ("/v1", "/health", "/metrics", "/openapi.json", "/docs", "/redoc")  # the rest is E2B's
 
@@ -82,6 +83,9 @@ class SandboxPorts:
                  domain: str | None = None) -> None:
         self.app, self.service, self.token, self.ports, self.domain = app, service, token, ports, domain
         self.limiters: OrderedDict[str, CapacityLimiter] = OrderedDict()
+        # signed URLs name no sandbox: their scans (a hash per sandbox) run in threads of their own, so a flood of
+        # bogus signatures, which needs no token, takes neither the control plane's threads nor a sandbox's
+        self.scans = CapacityLimiter(SCAN_THREADS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -129,8 +133,12 @@ class SandboxPorts:
         if any(k.lower() == b"authorization" for k, _ in scope["headers"]):
             raise Refused(401, "a signed URL acts as the account it was signed for: send it with no Authorization "
                                "header (which names another)")
-        sid = await bridge.run(sandbox_of, scope["method"], scope.get("query_string", b""), self.token,
-                               None if route is None else route[0])
+        reset = bridge.threads.set(self.scans)
+        try:
+            sid = await bridge.run(sandbox_of, scope["method"], scope.get("query_string", b""), self.token,
+                                   None if route is None else route[0])
+        finally:
+            bridge.threads.reset(reset)
         return sid, ENVD_PORT
 
     def _limiter(self, sandbox_id: str) -> CapacityLimiter:
