@@ -113,7 +113,7 @@ class SandboxPorts:
         reset = bridge.threads.set(self._limiter(sid))
         try:
             try:
-                await running(self.service, sid)
+                labels = await running(self.service, sid)
             except Refused as e:
                 await reply(send, e.status, e.message)
                 return
@@ -121,8 +121,7 @@ class SandboxPorts:
             if target is not None:
                 await target(scope, receive, send)
             else:
-                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send,
-                                  await ports.host_mask(self.service, sid))
+                await ports.proxy(self.service.sandbox(sid), port, scope, receive, send, labels.get(ports.MASK_LABEL))
         finally:
             bridge.threads.reset(reset)
 

@@ -129,11 +129,6 @@ async def admit(service: Service, headers: list[tuple[bytes, bytes]], route: tup
     return admitted(headers, route, token, public=True)
 
 
-async def host_mask(service: Service, sandbox_id: str) -> str | None:
-    """The ``maskRequestHost`` the sandbox was made with (its label), or None."""
-    return (await bridge.run(_labels, service, sandbox_id)).get(MASK_LABEL)
-
-
 def masked(headers: list[tuple[bytes, bytes]], mask: str | None, port: int) -> list[tuple[bytes, bytes]]:
     """The headers with ``Host`` as ``maskRequestHost`` says (``${PORT}`` is the port asked for), as E2B's proxy
     sends them on; unchanged without a mask."""
@@ -178,22 +173,24 @@ async def wake(service: Service, sandbox_id: str) -> str | None:
     return await asyncio.shield(task)  # a client that leaves does not cut the resume short for the others
 
 
-async def running(service: Service, sandbox_id: str) -> None:
-    """``Refused`` (502, as E2B) unless the sandbox is recorded running (no ``runc state`` per request: a sandbox
-    whose processes died behind the record fails its call with a typed error instead); a paused one made with
-    ``lifecycle.auto_resume`` is resumed first (``wake``)."""
-    def state() -> str | None:
+async def running(service: Service, sandbox_id: str) -> dict[str, str]:
+    """The labels of the sandbox once it is recorded running, else ``Refused`` (502, as E2B); no ``runc state`` per
+    request: a sandbox whose processes died behind the record fails its call with a typed error instead. A paused
+    one made with ``lifecycle.auto_resume`` is resumed first (``wake``)."""
+    def state() -> tuple[str | None, dict[str, str]]:
         try:
-            return service.sandbox(sandbox_id).recorded_state
+            sb = service.sandbox(sandbox_id)
+            return sb.recorded_state, sb.labels
         except (errors.SandboxNotFound, ValueError):
-            return None
+            return None, {}
 
-    now = await bridge.run(state)
-    if now == "paused" and (await bridge.run(_labels, service, sandbox_id)).get(AUTO_RESUME_LABEL) == "true":
+    now, labels = await bridge.run(state)
+    if now == "paused" and labels.get(AUTO_RESUME_LABEL) == "true":
         now = await wake(service, sandbox_id)
     if now != "running":
         raise Refused(502, f"The sandbox {sandbox_id} was not found" if now is None else
                       f"The sandbox {sandbox_id} is {now}, so it was not found running: connect to it to resume it")
+    return labels
 
 
 def forwarded(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -44,8 +44,7 @@ class Upgrades:
             return
         try:
             sid, port = await ports.admit(self.service, headers, route, self.token)
-            await ports.running(self.service, sid)
-            mask = await ports.host_mask(self.service, sid)
+            mask = (await ports.running(self.service, sid)).get(ports.MASK_LABEL)
         except ports.Refused as e:
             splice.refuse(e.status, e.message)
             return
