@@ -53,6 +53,7 @@ from pathlib import Path
 from agentenv.config import Paths, parse_size, paths
 from agentenv.errors import DiskLimitUnsupported, SandboxError
 from agentenv.host.hostcalls import mountinfo
+from agentenv.host.trees import remove_tree
 
 log = logging.getLogger("agentenv")
 
@@ -474,7 +475,7 @@ def drop_layer(path: Path) -> None:
             return
         except OSError as e:
             log.warning("could not delete the subvolume %s (%s); removing its files", path, e)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
 
 
 def limit_store(nbytes: int | None) -> None:

@@ -27,7 +27,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -57,6 +56,7 @@ from agentenv.host import network as hostnet
 from agentenv.host.agent_process import AgentProcess, protect_agent
 from agentenv.host.hostcalls import proc_start_time
 from agentenv.host.runtime import Container, ContainerSpec
+from agentenv.host.trees import remove_tree
 from agentenv.inside import frames
 from agentenv.phases import phase
 from agentenv.sandbox import expiry, forking, recovery, snapshotting, store, warm
@@ -395,7 +395,7 @@ class Sandbox(Calls, Record):
         self._agent = None
         self._rec["state"] = "closed"
         self._drop_layer()  # before the record goes: a close cut short is closed again
-        shutil.rmtree(self._container.bundle, ignore_errors=True)
+        remove_tree(self._container.bundle)  # never through a layer mount a start cut short left there
 
     def _has_own_layer(self) -> bool:
         """True if the sandbox's layer is its own folder on the volume (not its bundle, as in older sandboxes)."""
@@ -408,7 +408,7 @@ class Sandbox(Calls, Record):
                 volume.drop_layer(paths().layers / name)
         else:
             for d in (self._container.upper, self._container.work):
-                shutil.rmtree(d, ignore_errors=True)
+                remove_tree(d)
 
     def __enter__(self) -> Sandbox:
         return self

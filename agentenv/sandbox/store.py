@@ -25,7 +25,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import threading
 import time
 import uuid
@@ -40,6 +39,7 @@ from agentenv.errors import CheckpointError, SnapshotNotFound, StoreFullError
 from agentenv.host import volume
 from agentenv.host.hostcalls import proc_start_time
 from agentenv.host.runtime import copy_tree
+from agentenv.host.trees import remove_tree
 
 FORK_KIND = "fork"  # the ``agentenv.kind`` label of a fork's snapshot (deleted when the fork is done)
 
@@ -131,7 +131,7 @@ def remove(folders: list[Path]) -> None:
         if volume.is_subvolume(f):
             volume.drop_layer(f)
         else:
-            shutil.rmtree(f, ignore_errors=True)
+            remove_tree(f)
 
 
 def save_files(layer: Path, upper: Path, dest: Path) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from agentenv.host.trees import remove_tree
+
 DOCKERD_LOG = "/var/log/agentenv-dockerd.log"
 
 
@@ -42,6 +44,31 @@ def agentenv_home() -> Iterator[Path]:
         else:
             os.environ["AGENTENV_HOME"] = old
         cleanup(home)
+
+
+def _layer_census(image: str) -> dict[str, int]:
+    """How many entries each of ``image``'s Docker layer folders holds (empty if the image is missing)."""
+    from agentenv.errors import AgentEnvError
+    from agentenv.host import images
+
+    try:
+        layers = images.resolve(image).layers
+    except AgentEnvError:
+        return {}
+    return {d: sum(len(dirs) + len(files) for _, dirs, files in os.walk(d)) for d in layers}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def base_layers_intact() -> Iterator[None]:
+    """Fail the module during which the default image's layers lost files on the Docker host: a delete that went
+    through a mount into an image layer once did that unseen, and every later sandbox lacked python3."""
+    from agentenv.api import DEFAULT_IMAGE
+
+    before = _layer_census(DEFAULT_IMAGE)
+    yield
+    after = _layer_census(DEFAULT_IMAGE)
+    lost = {d: (n, after.get(d, 0)) for d, n in before.items() if after.get(d, 0) < n}
+    assert not lost, f"{DEFAULT_IMAGE}'s layers lost files during this module (entries before, after): {lost}"
 
 
 def leaked(home: Path) -> dict[str, list[str]]:
@@ -86,7 +113,7 @@ def cleanup(home: Path) -> None:
 
     for veth in network.links(f"{home}/"):
         network.detach({"veth": veth})
-    shutil.rmtree(home, ignore_errors=True)
+    remove_tree(home)  # never through a mount the unmounts above missed (an image layer's)
 
 
 def restart_dockerd() -> None:
