@@ -60,7 +60,9 @@ def start_server(home: Path, token: str, max_sandboxes: int, log: Path | None = 
     env = {**os.environ, "AGENTENV_HOME": str(home)}
     code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"  # the console script
     argv = [sys.executable, "-c", code, "serve", "--host", HOST, "--port", str(port), "--token-file", str(tok),
-            "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g", "--reap-interval", str(reap_interval)]
+            "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g",
+            "--max-disk", f"{10 * max_sandboxes}g",  # each sandbox's default disk limit is 10 GiB: the count bounds
+            "--reap-interval", str(reap_interval)]
     if log is None:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     else:
