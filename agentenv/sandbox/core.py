@@ -333,20 +333,23 @@ class Sandbox(Calls, Record):
         back (they still run): the sandbox ends up paused or running, never lost.
         """
         with self._locked():
-            self.require_running()
-            snap_id = store.new_id("snap")
-            self._rec.update(pausing=snap_id, owner=store.owner())
+            return self._pause(memory)
+
+    def _pause(self, memory: bool) -> Snapshot:
+        self.require_running()
+        snap_id = store.new_id("snap")
+        self._rec.update(pausing=snap_id, owner=store.owner())
+        self._save()
+        try:
+            snap = snapshotting.take(self, memory, leave_running=False, labels={"agentenv.kind": "pause"},
+                                     op="pause", snap_id=snap_id)
+        except BaseException:
+            self._rec.update(pausing=None, owner=None)
             self._save()
-            try:
-                snap = snapshotting.take(self, memory, leave_running=False, labels={"agentenv.kind": "pause"},
-                                         op="pause", snap_id=snap_id)
-            except BaseException:
-                self._rec.update(pausing=None, owner=None)
-                self._save()
-                raise
-            crash_point("pause:published")
-            self._paused(snap_id)
-            return snap
+            raise
+        crash_point("pause:published")
+        self._paused(snap_id)
+        return snap
 
     def _paused(self, snap_id: str) -> None:
         """The end of a pause whose snapshot is in the store: the container and its layer go."""
@@ -415,6 +418,19 @@ class Sandbox(Calls, Record):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def expire(self) -> str | None:
+        """Pause or close the sandbox (``expiry.action``) if, checked under its lock, it runs past its TTL: a
+        connect may have just extended it. Returns what was done ('pause', 'kill'), or None."""
+        with self._locked():
+            if not expiry.due(self._rec.get("expires_at"), self._rec["state"]):
+                return None
+            done = expiry.action(self.labels)
+            if done == "kill":
+                self._destroy()
+            else:
+                self._pause(memory=self.labels.get(expiry.PAUSE_MEMORY) != "false")
+            return done
 
     @classmethod
     def reap_expired(cls) -> builtins.list[str]:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from agentenv.errors import AgentEnvError
+from agentenv.errors import AgentEnvError, SandboxNotFound, SandboxStateError
 
 ON_EXPIRY = "agentenv.on_expiry"  # label: "pause" (also when absent) or "kill"
 PAUSE_MEMORY = "agentenv.pause_memory"  # label: "false": the expiry's pause keeps the files only (E2B's filesystem)
@@ -28,14 +28,9 @@ class Expiring(Protocol):
     def expires_at(self) -> float | None: ...
 
     @property
-    def labels(self) -> dict[str, str]: ...
-
-    @property
     def state(self) -> str: ...
 
-    def pause(self, memory: bool = True) -> object: ...
-
-    def close(self) -> None: ...
+    def expire(self) -> str | None: ...
 
 
 def action(labels: dict[str, str]) -> str:
@@ -43,24 +38,30 @@ def action(labels: dict[str, str]) -> str:
     return "kill" if labels.get(ON_EXPIRY) == "kill" else "pause"
 
 
+def due(expires_at: float | None, state: str, now: float | None = None) -> bool:
+    """Whether a sandbox in ``state`` whose TTL ends at ``expires_at`` is to be reaped now."""
+    return state == "running" and expires_at is not None and expires_at < (time.time() if now is None else now)
+
+
 def reap(sandboxes: Iterable[Expiring]) -> builtins.list[str]:
     """Pause or close (``action``) every running sandbox past its TTL; returns their ids.
 
-    One sandbox that cannot be paused (its agent stopped, say) is logged and skipped: it neither stalls the
-    others (every step has a deadline) nor ends the round.
+    Each is checked again under its lock (``expire``), so one whose TTL a connect has just extended stays. One
+    that cannot be paused (its agent stopped, say) is logged and skipped: it neither stalls the others (every
+    step has a deadline) nor ends the round.
     """
     done = []
     for sb in sandboxes:
-        exp = sb.expires_at
         try:
-            if exp is not None and exp < time.time() and sb.state == "running":
-                if action(sb.labels) == "kill":
-                    sb.close()
-                    log.info("closed sandbox %s: its TTL expired", sb.id)
-                else:
-                    sb.pause(memory=sb.labels.get(PAUSE_MEMORY) != "false")
-                    log.info("paused sandbox %s: its TTL expired", sb.id)
-                done.append(sb.id)
+            if not due(sb.expires_at, sb.state):  # the cheap look first: most sandboxes are not due
+                continue
+            what = sb.expire()
+        except (SandboxNotFound, SandboxStateError):  # closed by its user since it was listed
+            continue
         except AgentEnvError as e:
             log.warning("could not reap sandbox %s past its TTL: %s", sb.id, e)
+            continue
+        if what is not None:
+            log.info("%s sandbox %s: its TTL expired", "closed" if what == "kill" else "paused", sb.id)
+            done.append(sb.id)
     return done

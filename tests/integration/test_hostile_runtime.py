@@ -32,7 +32,7 @@ from agentenv.errors import (
 )
 from agentenv.host import volume
 from agentenv.inside import agent
-from agentenv.sandbox import channel, snapshotting, store
+from agentenv.sandbox import channel, expiry, snapshotting, store
 
 from .conftest import cleanup
 
@@ -321,6 +321,25 @@ def test_one_stopped_sandbox_does_not_stall_the_ttl_reaper(monkeypatch):
         os.kill(pid, signal.SIGCONT)
         stuck.close()
         fine.close()
+
+
+def test_the_reaper_spares_a_sandbox_whose_ttl_was_extended_after_it_looked():
+    """The reaper lists the sandboxes, then a connect extends one's TTL, then the reaper reaches it: it checks
+    again under the sandbox's lock, and the sandbox keeps running."""
+    sb = agentenv.Sandbox.create(ttl=600)
+    try:
+        sb.set_ttl(0.001)
+        time.sleep(0.01)  # past the TTL by the clock (not a wait for any state)
+        stale = [s for s in agentenv.Sandbox.list() if s.id == sb.id]  # what the reaper read: due
+        assert stale and stale[0].expires_at is not None and stale[0].expires_at < time.time()
+        sb.set_ttl(600)  # the connect, between the reaper's look and its pause
+        assert expiry.reap(stale) == []
+        assert sb.state == "running" and sb.exec("echo alive").stdout == "alive\n"
+        sb.set_ttl(0.001)
+        time.sleep(0.01)
+        assert expiry.reap(agentenv.Sandbox.list()) == [sb.id] and sb.state == "paused"  # due still means reaped
+    finally:
+        sb.close()
 
 
 # --- 5. the agent survives what its sandbox throws at it -----------------------------------------
