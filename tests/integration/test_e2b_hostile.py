@@ -403,3 +403,44 @@ def test_unread_output_of_many_jobs_does_not_kill_the_agent(spent: Sandbox) -> N
     finally:
         for h in handles:
             h.disconnect()
+
+
+def test_one_sandboxs_websockets_cannot_take_every_splice(e2b_url: str, monkeypatch: pytest.MonkeyPatch,
+                                                          attacker: Sandbox, victim: Sandbox) -> None:
+    """A sandbox whose port draws WebSockets (its public traffic, say) holds at most its share of the server's
+    splices: past it, a 429 that says so; another sandbox's WebSocket still opens, and a closed one frees a place."""
+    from agentenv.server.e2b import upgrade
+
+    from .test_e2b_ports import WS_ECHO, _upgrade, routed, wait_listening
+
+    monkeypatch.setattr(upgrade, "PER_SANDBOX", 2)
+    for sb in (attacker, victim):
+        sb.files.write("/tmp/ws.py", WS_ECHO)
+        sb.commands.run("exec python3 /tmp/ws.py", background=True)
+        wait_listening(sb, 8002)
+    held = []
+    try:
+        for _ in range(2):
+            s, head = _upgrade(e2b_url, routed(attacker, 8002))
+            held.append(s)
+            assert head.startswith(b"HTTP/1.1 101"), head
+        s, head = _upgrade(e2b_url, routed(attacker, 8002))
+        s.close()
+        assert head.startswith(b"HTTP/1.1 429") and b"its share" in head, head
+        s, head = _upgrade(e2b_url, routed(victim, 8002))
+        s.close()
+        assert head.startswith(b"HTTP/1.1 101"), head
+        held.pop().close()
+
+        def reopened() -> bool:  # the server sees the close when its splice ends: wait for that state
+            s, head = _upgrade(e2b_url, routed(attacker, 8002))
+            if head.startswith(b"HTTP/1.1 101"):
+                held.append(s)
+                return True
+            s.close()
+            return False
+
+        wait_for(reopened, "a place freed by a closed WebSocket")
+    finally:
+        for s in held:
+            s.close()

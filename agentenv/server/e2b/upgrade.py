@@ -9,6 +9,7 @@ state) is the same as for plain requests (``agentenv.server.e2b.ports``). A refu
 from __future__ import annotations
 
 import asyncio
+import collections
 import json
 from http import HTTPStatus
 
@@ -16,6 +17,7 @@ from agentenv.server.e2b import ports
 from agentenv.server.service import Service
 
 MAX_SPLICES = 1024  # spliced connections at once (uvicorn's connection limit no longer counts them)
+PER_SANDBOX = MAX_SPLICES // 4  # one sandbox's share: the traffic of one cannot take every other's WebSockets
 MAX_PENDING = 1 << 20  # bytes the client may send before the sandbox's side is open (then its reading pauses)
 
 
@@ -25,6 +27,7 @@ class Upgrades:
     def __init__(self, service: Service, token: str, domain: str | None) -> None:
         self.service, self.token, self.domain = service, token, domain
         self.tasks: set[asyncio.Task[None]] = set()
+        self.spliced: collections.Counter[str] = collections.Counter()  # per sandbox
 
     def take(self, transport: asyncio.Transport, method: str, url: bytes, headers: list[tuple[bytes, bytes]]) -> None:
         """The connection's from now on: splice it to the port its request names, or answer why not."""
@@ -48,6 +51,20 @@ class Upgrades:
         except ports.Refused as e:
             splice.refuse(e.status, e.message)
             return
+        if self.spliced[sid] >= PER_SANDBOX:
+            splice.refuse(429, f"sandbox {sid} has {PER_SANDBOX} WebSockets open, its share of the server's "
+                               f"{MAX_SPLICES}: close some, then retry")
+            return
+        self.spliced[sid] += 1
+        try:
+            await self._splice(splice, sid, port, method, url, headers, mask)
+        finally:
+            self.spliced[sid] -= 1
+            if not self.spliced[sid]:
+                del self.spliced[sid]
+
+    async def _splice(self, splice: Splice, sid: str, port: int, method: str, url: bytes,
+                      headers: list[tuple[bytes, bytes]], mask: str | None) -> None:
         try:
             sock = await ports.open_port(self.service.sandbox(sid), port)
         except ports.Refused as e:
