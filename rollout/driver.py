@@ -88,6 +88,23 @@ def _ray_errors() -> tuple[type[BaseException], ...]:
     return tuple(errs)
 
 
+def init_ray(address: str | None, **overrides: Any) -> bool:
+    """Join the Ray cluster at ``address``, or start a Ray of our own sized to this machine (None); nothing if
+    this process already joined one. True if it joined here (then the caller shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                          "logging_level": logging.WARNING, "configure_logging": False}
+    if address is None:
+        kw["num_cpus"] = os.cpu_count() or 1
+        kw["object_store_memory"] = 256 << 20
+    # "local": a new Ray of our own, even when another one runs on this machine (None would join it)
+    ray.init(address=address or "local", **{**kw, **overrides})
+    return True
+
+
 @dataclass
 class _Slot:
     """One worker as the driver sees it."""
@@ -184,15 +201,7 @@ class Rollout:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        if not ray.is_initialized():
-            kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                  "logging_level": logging.WARNING, "configure_logging": False}
-            if self.ray_address is None:
-                kw["num_cpus"] = os.cpu_count() or 1
-                kw["object_store_memory"] = 256 << 20
-            # "local": a new Ray of our own, even when another one runs on this machine (None would join it)
-            ray.init(address=self.ray_address or "local", **{**kw, **self.ray_init_kwargs})
-            self._started_ray = True
+        self._started_ray = init_ray(self.ray_address, **self.ray_init_kwargs)
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if not nodes:
             raise RolloutError("the Ray cluster has no live node with CPUs")

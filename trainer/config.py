@@ -172,6 +172,8 @@ class TrainerConfig:
 
     world: int = doc(1, "training ranks (processes)")
     ep: int = doc(1, "expert-parallel ranks per group (divides world)")
+    placement: str = doc("local", "where ranks 1..world-1 run: local (processes on this machine) or ray (actors "
+                                  "spread over the nodes of the Ray cluster, ray.address)")
     device: str = doc("cpu", "cpu, or cuda (one GPU per rank)")
     dtype: str = doc("float32", "parameter dtype")
     threads: int = doc(0, "torch threads of this process (0: leave torch's default)")
@@ -257,6 +259,7 @@ class RunConfig:
              "set env.top_p = 1 (evaluation samples with top_p = 1 anyway)"),
             (self.trainer.world >= 1 and self.trainer.world % self.trainer.ep == 0,
              "trainer.ep must divide trainer.world"),
+            (self.trainer.placement in ("local", "ray"), "trainer.placement must be local or ray"),
             (self.progress in ("auto", "on", "off"), "progress must be auto, on or off"),
             (self.env.max_turns >= 1, "env.max_turns must be at least 1"),
             (self.sft.steps >= 0 and self.sft.batch_size >= 1, "sft.steps >= 0 and sft.batch_size >= 1"),

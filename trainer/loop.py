@@ -93,6 +93,7 @@ class Loop:
         self.task_cursor = cfg.sft.demonstrations if cfg.sft.enabled else 0   # training tasks handed out (demos first)
         self.counts: Counter[str] = Counter()
         self.partial = PartialRollouts(cfg.rl.max_resumes, cfg.ray.env_url, counts=self.counts)   # paused groups
+        self._own_ray = False  # this run joined Ray for its trainer's ranks (trainer.placement "ray")
         self.trained_cursor: int | None = None   # the task cursor as the newest trained batch left it
         self.evals: dict[str, dict[str, Any]] = {}
         self.train_src = TaskSource(cfg.env.train_tasks, cfg.seed)
@@ -131,6 +132,10 @@ class Loop:
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.toml").write_text(describe(self.cfg))
         try:
+            if self.cfg.trainer.placement == "ray" and self.cfg.trainer.world > 1:  # the ranks are Ray actors
+                from rollout.driver import init_ray
+
+                self._own_ray = init_ray(self.cfg.ray.address or None)
             weights = self._warm_start()
             self._start_trainer(weights)
             self._start_policy()
@@ -151,6 +156,10 @@ class Loop:
         if self.server is not None:
             self.say("stopping the policy server")
             self.server.stop()
+        if self._own_ray:
+            import ray
+
+            ray.shutdown()
 
     # -- 1. SFT warm start --
     def _warm_start(self) -> str | None:
@@ -183,7 +192,8 @@ class Loop:
                            dtype=cfg.trainer.dtype, loss=loss, seed=cfg.seed)
         with self.timed("trainer_start"):
             self.trainer = Trainer(model_config(cfg.policy.preset), tcfg, world=cfg.trainer.world,
-                                   ep_size=cfg.trainer.ep, weights=weights, device=cfg.trainer.device)
+                                   ep_size=cfg.trainer.ep, weights=weights, device=cfg.trainer.device,
+                                   placement=cfg.trainer.placement)
         self.start_weights = weights
         meta = self.trainer.resume(self.dir / "checkpoints") if self.resume else None
         if meta is not None:

@@ -314,10 +314,13 @@ def _threads(world: int) -> int:
 
 
 def _worker(rank: int, world: int, ep_size: int, port: int, model_cfg: dict[str, Any], cfg: dict[str, Any],
-            weights: str | None, device: str, backend: str) -> None:
+            weights: str | None, device: str, backend: str, host: str = "127.0.0.1",
+            local_rank: int | None = None) -> None:
+    """Rank ``rank``'s loop: join the group on ``host:port``, then run rank 0's calls until it says stop;
+    ``local_rank``: its GPU's index on its machine (default: ``rank``, every rank on one machine)."""
     torch.set_num_threads(_threads(world))
-    dev = _rank_device(device, rank)
-    layout = init_layout(rank, world, ep_size, port, backend)
+    dev = _rank_device(device, rank if local_rank is None else local_rank)
+    layout = init_layout(rank, world, ep_size, port, backend, host)
     r = _Rank(layout, K3Config.from_dict(model_cfg), TrainConfig.from_dict(cfg), weights, dev)
     while True:
         box: list[Any] = [None]

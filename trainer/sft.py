@@ -170,7 +170,8 @@ def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: 
                        micro_batch_tokens=cfg.rl.micro_batch_tokens)
     t0 = time.perf_counter()
     with Trainer(model_config(cfg.policy.preset), tcfg, world=cfg.trainer.world, ep_size=cfg.trainer.ep,
-                 weights=cfg.sft.init_weights or None, device=cfg.trainer.device) as t:
+                 weights=cfg.sft.init_weights or None, device=cfg.trainer.device,
+                 placement=cfg.trainer.placement) as t:
         rows = run_sft(t, samples, steps=cfg.sft.steps, batch_size=cfg.sft.batch_size, out=run_dir / "sft",
                        ckpt_every=0, resume=resume, seed=cfg.seed, progress=progress,
                        plot_every=max(1, cfg.sft.steps))

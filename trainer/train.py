@@ -53,6 +53,9 @@ log = logging.getLogger(__name__)
 
 # --- the controller ------------------------------------------------------------------------------------------------
 
+PLACEMENTS = ("local", "ray")
+
+
 class TrainerError(RuntimeError):
     """A training rank failed a call."""
 
@@ -61,28 +64,58 @@ class Trainer:
     """The training job (see the module docstring); methods are called on rank 0 and run on every rank."""
 
     def __init__(self, model_cfg: K3Config, cfg: TrainConfig | None = None, *, world: int = 1, ep_size: int = 1,
-                 weights: str | None = None, device: str = "cpu", backend: str | None = None) -> None:
+                 weights: str | None = None, device: str = "cpu", backend: str | None = None,
+                 placement: str = "local") -> None:
         """``weights``: a full safetensors file to start from (e.g. the SFT warm start); otherwise the weights of
-        ``K3Model(model_cfg)`` after ``torch.manual_seed(cfg.seed)``, the same as a policy server with that seed."""
+        ``K3Model(model_cfg)`` after ``torch.manual_seed(cfg.seed)``, the same as a policy server with that seed.
+        ``placement``: where ranks 1..world-1 run: "local" (processes spawned here) or "ray" (actors spread over
+        the Ray cluster the caller joined: ``trainer.ray_ranks``)."""
         if world % ep_size:
             raise ValueError(f"ep_size {ep_size} does not divide world {world}")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"trainer placement must be one of {PLACEMENTS}, got {placement!r}")
         cfg = cfg or TrainConfig()
         self.model_cfg, self.cfg, self.world, self.ep_size = model_cfg.validate(), cfg, world, ep_size
         self.procs: list[Any] = []
+        self.ray_ranks: Any = None
         backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
-        port = free_port()
-        if world > 1:
+        host = self._ray_host() if world > 1 and placement == "ray" else "127.0.0.1"
+        port = free_port(host)
+        if world > 1 and placement == "ray":
+            from trainer import ray_ranks
+
+            try:
+                self.ray_ranks = ray_ranks.start_ranks(world, ep_size, host, port, model_cfg.to_dict(),
+                                                       cfg.to_dict(), weights, device, backend)
+            except TimeoutError as e:
+                raise TrainerError(str(e)) from e
+        elif world > 1:
             ctx = mp.get_context("spawn")
             for r in range(1, world):
                 p = ctx.Process(target=_worker, args=(r, world, ep_size, port, model_cfg.to_dict(), cfg.to_dict(),
                                                       weights, device, backend), daemon=True)
                 p.start()
                 self.procs.append(p)
+        if world > 1:
             torch.set_num_threads(_threads(world))
         dev = _rank_device(device, 0)         # before the process group: NCCL binds the current device
-        layout = init_layout(0, world, ep_size, port, backend)
+        layout = init_layout(0, world, ep_size, port, backend, host)
         self._rank = _Rank(layout, model_cfg, cfg, weights, dev)
         self._closed = False
+
+    @staticmethod
+    def _ray_host() -> str:
+        """This node's address in the Ray cluster the caller joined, where every rank meets rank 0."""
+        import ray
+
+        from trainer import ray_ranks
+
+        if not ray.is_initialized():
+            raise TrainerError("trainer placement 'ray' needs a Ray cluster: ray.init(address=...) first "
+                               "(agentenv train --ray-address joins one)")
+        host = ray_ranks.node_address()
+        ray_ranks.use_interface_of(host)
+        return host
 
     # -- plumbing --
     def _call(self, op: str, per_rank: list[Any] | None = None, **kw: Any) -> list[Any]:
@@ -234,6 +267,8 @@ class Trainer:
             dist.broadcast_object_list([{"op": "stop"}], src=0)
             for p in self.procs:
                 p.join(timeout=30)
+            if self.ray_ranks is not None:
+                self.ray_ranks.join()
             dist.destroy_process_group()
 
     def __enter__(self) -> Trainer:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import subprocess
@@ -69,6 +70,25 @@ def base_layers_intact() -> Iterator[None]:
     after = _layer_census(DEFAULT_IMAGE)
     lost = {d: (n, after.get(d, 0)) for d, n in before.items() if after.get(d, 0) < n}
     assert not lost, f"{DEFAULT_IMAGE}'s layers lost files during this module (entries before, after): {lost}"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(agentenv_home: Path) -> Iterator[Any]:
+    """A head node and a second node (2 CPUs each) on this machine; the test process is a Ray driver of it.
+    Started after ``agentenv_home`` so every Ray process shares the test session's sandbox home."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 128 << 20,
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=2, object_store_memory=128 << 20)
+    ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def leaked(home: Path) -> dict[str, list[str]]:

@@ -1,15 +1,13 @@
-"""Fixtures of the rollout integration tests: one two-node Ray cluster (ray.cluster_utils.Cluster on this machine)
-shared by every test, scripted OpenAI-compatible policies served over HTTP, task files."""
+"""Fixtures of the rollout integration tests: scripted OpenAI-compatible policies served over HTTP, task files (the
+two-node Ray cluster, ``ray_cluster``, is the whole suite's: ../conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,25 +17,6 @@ from rollout import scripted
 from rollout.agent import LocalTokenizer
 
 TOK = LocalTokenizer()
-
-
-@pytest.fixture(scope="session")
-def ray_cluster(agentenv_home: Path) -> Iterator[Any]:
-    """A head node and a second node (2 CPUs each) on this machine; the test process is a Ray driver of it.
-    Started after ``agentenv_home`` so every Ray process shares the test session's sandbox home."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "object_store_memory": 128 << 20,
-                                                            "include_dashboard": False})
-    cluster.add_node(num_cpus=2, object_store_memory=128 << 20)
-    ray.init(address=cluster.address, log_to_driver=False, logging_level=logging.WARNING, configure_logging=False)
-    cluster.wait_for_nodes()
-    try:
-        yield cluster
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
 
 
 def _free_port() -> int:
