@@ -4,6 +4,9 @@ rollout workers use their own node's server through Ray, and ``down`` leaves no 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +24,7 @@ from rollout.driver import Rollout
 from rollout.workers import RolloutConfig, load_task_refs
 
 from ..conftest import cleanup, leaked
-from ..server_fixtures import TOKEN
+from ..server_fixtures import TOKEN, write_token_file
 from .helpers import python_script, tool_tasks
 
 pytestmark = pytest.mark.integration
@@ -102,4 +105,28 @@ def test_up_refuses_what_it_cannot_do(ray_cluster):
         fleet.up("")
     with pytest.raises(found.FleetError, match="unknown server option"):
         fleet.up(TOKEN, server={"max_sandbox": 3})
+    assert _fleet_names() == []
+
+
+def _cli(*args: str) -> str:
+    code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"
+    r = subprocess.run([sys.executable, "-c", code, "cluster", *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "COLUMNS": "200"}, check=False)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_the_cli_joins_the_cluster_and_its_servers_outlive_it(ray_cluster, homes, tmp_path):
+    token_file = write_token_file(tmp_path)
+    args = ("--ray-address", ray_cluster.address, "--token-file", str(token_file), "--port", "0", "--home", homes)
+    assert _cli("up", *args).count("started") == 2
+    assert _cli("up", *args).count("kept") == 2  # again: the same servers, and still there after the CLI exited
+    urls = found.urls()
+    assert len(urls) == 2
+    with agentenv.Pool.from_ray(TOKEN) as pool:
+        sb = pool.Sandbox.create(ttl=300)
+        node = next(n for n, u in urls.items() if u == sb.client.url)
+    out = _cli("down", "--ray-address", ray_cluster.address, "--close-sandboxes")
+    assert out.count("stopped") == 2 and "closed 1 sandboxes" in out  # the one left open, closed on its node
+    assert not (Path(homes.replace("{node}", node)) / "sandboxes" / sb.id).exists()
     assert _fleet_names() == []
