@@ -10,6 +10,7 @@ its whole EP group through the all-to-all.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -40,21 +41,22 @@ class Layout:
         return self.world // self.ep_size
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
-def init_layout(rank: int, world: int, ep_size: int, port: int, backend: str) -> Layout:
-    """Join the ``world``-rank default group on 127.0.0.1:``port`` and make the EP and expert-DP subgroups (every rank
+def init_layout(rank: int, world: int, ep_size: int, port: int, backend: str, addr: str = "127.0.0.1") -> Layout:
+    """Join the ``world``-rank default group at rank 0's ``addr``:``port`` and make the EP and expert-DP subgroups (every rank
     creates every subgroup, in the same order, as torch.distributed requires)."""
     if world % ep_size:
         raise ValueError(f"ep_size {ep_size} does not divide the world size {world}")
     if world == 1:
         return Layout()
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if ipaddress.ip_address(addr).is_loopback:   # else gloo picks the interface ($GLOO_SOCKET_IFNAME to choose)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
     ep_group: Any = None
     if 1 < ep_size < world:
         for g in range(world // ep_size):

@@ -314,10 +314,10 @@ def _threads(world: int) -> int:
 
 
 def _worker(rank: int, world: int, ep_size: int, port: int, model_cfg: dict[str, Any], cfg: dict[str, Any],
-            weights: str | None, device: str, backend: str) -> None:
+            weights: str | None, device: str, backend: str, addr: str = "127.0.0.1") -> None:
     torch.set_num_threads(_threads(world))
     dev = _rank_device(device, rank)
-    layout = init_layout(rank, world, ep_size, port, backend)
+    layout = init_layout(rank, world, ep_size, port, backend, addr)
     r = _Rank(layout, K3Config.from_dict(model_cfg), TrainConfig.from_dict(cfg), weights, dev)
     while True:
         box: list[Any] = [None]

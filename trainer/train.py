@@ -1,8 +1,8 @@
 """The Trainer: the served model (``policy.model.K3Model``) trained with expert + data parallelism.
 
 One ``Trainer`` object is the whole training job. Rank 0 runs in the caller's process; with ``world > 1`` ranks
-1..world-1 are worker processes (spawned, like the policy engine's), and every call is broadcast to all ranks, which
-run it together (gloo on CPU, NCCL on GPU). A loop calls, in order::
+1..world-1 are worker processes (spawned, like the policy engine's; or Ray actors on a cluster, ``ranks="ray"``),
+and every call is broadcast to all ranks, which run it together (gloo on CPU, NCCL on GPU). A loop calls, in order::
 
     trainer = Trainer(model_cfg, TrainConfig(...), world=2, ep_size=2)
     batch = rl_batch(trajectories, AdvantageConfig(...), current_version=v)     # trainer/batch.py
@@ -61,26 +61,49 @@ class Trainer:
     """The training job (see the module docstring); methods are called on rank 0 and run on every rank."""
 
     def __init__(self, model_cfg: K3Config, cfg: TrainConfig | None = None, *, world: int = 1, ep_size: int = 1,
-                 weights: str | None = None, device: str = "cpu", backend: str | None = None) -> None:
+                 weights: str | None = None, device: str = "cpu", backend: str | None = None,
+                 ranks: str = "local") -> None:
         """``weights``: a full safetensors file to start from (e.g. the SFT warm start); otherwise the weights of
-        ``K3Model(model_cfg)`` after ``torch.manual_seed(cfg.seed)``, the same as a policy server with that seed."""
+        ``K3Model(model_cfg)`` after ``torch.manual_seed(cfg.seed)``, the same as a policy server with that seed.
+        ``ranks``: ``"local"`` spawns ranks 1..world-1 here; ``"ray"`` runs them as Ray actors in a placement
+        group on the cluster this process joined (``trainer.ray_ranks``; CPU and gloo)."""
         if world % ep_size:
             raise ValueError(f"ep_size {ep_size} does not divide world {world}")
+        if ranks not in ("local", "ray"):
+            raise ValueError(f"ranks={ranks!r}: 'local' (processes here) or 'ray' (Ray actors)")
+        if ranks == "ray" and device != "cpu":
+            raise ValueError("ranks='ray' trains on CPU (gloo) only so far: use device='cpu', or ranks='local'")
         cfg = cfg or TrainConfig()
         self.model_cfg, self.cfg, self.world, self.ep_size = model_cfg.validate(), cfg, world, ep_size
         self.procs: list[Any] = []
+        self.ray_ranks: Any = None
         backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
-        port = free_port()
+        addr = "127.0.0.1"
+        if world > 1 and ranks == "ray":
+            from trainer.ray_ranks import RayRanks
+
+            self.ray_ranks = RayRanks(world)
+            addr = self.ray_ranks.addr
+        port = free_port(addr)
         if world > 1:
-            ctx = mp.get_context("spawn")
-            for r in range(1, world):
-                p = ctx.Process(target=_worker, args=(r, world, ep_size, port, model_cfg.to_dict(), cfg.to_dict(),
-                                                      weights, device, backend), daemon=True)
-                p.start()
-                self.procs.append(p)
+            args = [(r, world, ep_size, port, model_cfg.to_dict(), cfg.to_dict(), weights, device, backend, addr)
+                    for r in range(1, world)]
+            if self.ray_ranks is not None:
+                self.ray_ranks.start(args)
+            else:
+                ctx = mp.get_context("spawn")
+                for a in args:
+                    p = ctx.Process(target=_worker, args=a, daemon=True)
+                    p.start()
+                    self.procs.append(p)
             torch.set_num_threads(_threads(world))
         dev = _rank_device(device, 0)         # before the process group: NCCL binds the current device
-        layout = init_layout(0, world, ep_size, port, backend)
+        try:
+            layout = init_layout(0, world, ep_size, port, backend, addr)
+        except BaseException:
+            if self.ray_ranks is not None:
+                self.ray_ranks.close()
+            raise
         self._rank = _Rank(layout, model_cfg, cfg, weights, dev)
         self._closed = False
 
@@ -234,6 +257,8 @@ class Trainer:
             dist.broadcast_object_list([{"op": "stop"}], src=0)
             for p in self.procs:
                 p.join(timeout=30)
+            if self.ray_ranks is not None:
+                self.ray_ranks.join(timeout=30)
             dist.destroy_process_group()
 
     def __enter__(self) -> Trainer:
