@@ -98,16 +98,6 @@ def test_up_pool_from_ray_rollout_and_down(ray_cluster, homes, serve_policy, tmp
             httpx.get(f"{url}/health", timeout=5)
 
 
-def test_up_refuses_what_it_cannot_do(ray_cluster):
-    with pytest.raises(found.FleetError, match="neither loopback"):
-        fleet.up(TOKEN, host="0.0.0.0")
-    with pytest.raises(Unauthorized):
-        fleet.up("")
-    with pytest.raises(found.FleetError, match="unknown server option"):
-        fleet.up(TOKEN, server={"max_sandbox": 3})
-    assert _fleet_names() == []
-
-
 def _cli(*args: str) -> str:
     code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"
     r = subprocess.run([sys.executable, "-c", code, "cluster", *args], capture_output=True, text=True, timeout=300,

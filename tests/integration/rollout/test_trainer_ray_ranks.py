@@ -49,9 +49,3 @@ def test_ep2_dp2_ranks_on_two_ray_nodes_equal_one_rank(ray_cluster):
     assert ray.util.placement_group_table() == {} or all(
         p["state"] == "REMOVED" for p in ray.util.placement_group_table().values())
 
-
-def test_ranks_on_ray_refuse_what_they_do_not_do(ray_cluster):
-    with pytest.raises(ValueError, match="CPU"):
-        Trainer(tiny_cfg(), CFG, world=2, ranks="ray", device="cuda")
-    with pytest.raises(ValueError, match="ranks="):
-        Trainer(tiny_cfg(), CFG, world=2, ranks="slurm")
