@@ -65,6 +65,8 @@ class EnvServer:
 
         ctx = ray.get_runtime_context()
         self.node_id, self.node_ip = ctx.get_node_id(), ray.util.get_node_ip_address()
+        app = create_app(token, **server)  # bad settings fail here, before a port is taken
+        self.service = app.state.service
         bind = self.node_ip if host == NODE else host
         family = socket.AF_INET6 if ":" in bind else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -79,8 +81,6 @@ class EnvServer:
         self.url = f"http://{f'[{bind}]' if family == socket.AF_INET6 else bind}:{self.port}"
         self.token_ref = fingerprint(token)
         self.settings = dict(settings)
-        app = create_app(token, **server)
-        self.service = app.state.service
         self.server = uvicorn.Server(uvicorn_config(app, bind, self.port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="agentenv-fleet-server", daemon=True)
@@ -103,7 +103,7 @@ class EnvServer:
         sandbox of this node after; returns the ids closed."""
         self.server.should_exit = True
         self.thread.join(ANSWER_TIMEOUT)
-        closed = []
+        closed: list[str] = []
         if close_sandboxes:
             from agentenv import Sandbox
 
