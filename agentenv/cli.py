@@ -15,6 +15,9 @@ from rich.table import Table
 app = typer.Typer(help="agentenv: sandboxes that snapshot, fork and resume fast.", no_args_is_help=True)
 snapshots_app = typer.Typer(help="The snapshot store.", no_args_is_help=True)
 app.add_typer(snapshots_app, name="snapshots")
+cluster_app = typer.Typer(help="The env-server fleet on a Ray cluster: one `agentenv serve` per node.",
+                          no_args_is_help=True)
+app.add_typer(cluster_app, name="cluster")
 console = Console()
 
 
@@ -147,6 +150,70 @@ def remove_snapshots(ids: list[str]) -> None:
     for sid in ids:
         Snapshot.get(sid).delete()
         console.print(f"deleted {sid}")
+
+
+RayAddress = Annotated[str | None, typer.Option(help="the Ray cluster (default: the one on this machine)")]
+
+
+def _fleet_table(rows: list[dict[str, object]]) -> Table:
+    t = Table("node", "url", "free sandboxes", "free memory GB", "token", "state")
+    for i in rows:
+        cap = i["capacity"]
+        assert isinstance(cap, dict)
+        state = ("started" if i["started"] else "kept") if "started" in i else "serving"
+        t.add_row(str(i["node_id"])[:12], str(i["url"]), str(cap["free_sandboxes"]),
+                  f"{int(cap['free_memory']) / 1e9:.1f}", str(i["token"]), state)
+    return t
+
+
+@cluster_app.command("up")
+def cluster_up(
+    ray_address: RayAddress = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding the servers' bearer token (else "
+                                                         "$AGENTENV_TOKEN); made with a new token if missing")] = None,
+    host: str = typer.Option("127.0.0.1", help="address each server binds: loopback, or 'node' (each node's own "
+                                               "address, for clients on other hosts)"),
+    port: int = typer.Option(8700, help="TCP port on each node (0: any free port)"),
+    cpus: float = typer.Option(0.0, help="CPUs Ray reserves for each server"),
+    home: str | None = typer.Option(None, help="agentenv home on each node ({node}: the node id); default: the "
+                                               "node's own $AGENTENV_HOME"),
+    max_sandboxes: int = typer.Option(64, help="quota per server: live sandboxes"),
+    max_memory: str = typer.Option("64g", help="quota per server: memory of the live sandboxes together"),
+    max_disk: str = typer.Option("640g", help="quota per server: disk limits of the live sandboxes together"),
+) -> None:
+    """Start an env server on every alive Ray node that has none (again: keeps those up); each a detached
+    Ray actor pinned to its node, found by `agentenv.Pool.from_ray()` and `agentenv rollout --env-fleet`."""
+    from agentenv.server import fleet, load_token
+
+    try:
+        token = load_token(token_file)
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
+    rows = fleet.up(token, address=ray_address, host=host, port=port, cpus=cpus, home=home,
+                    server={"max_sandboxes": max_sandboxes, "max_memory": max_memory, "max_disk": max_disk})
+    console.print(_fleet_table(list(rows)))
+
+
+@cluster_app.command("down")
+def cluster_down(
+    ray_address: RayAddress = None,
+    close_sandboxes: bool = typer.Option(False, help="close every sandbox on each node too (snapshots stay)"),
+) -> None:
+    """Stop the fleet's env servers and remove their actors."""
+    from agentenv.server import fleet
+
+    for row in fleet.down(address=ray_address, close_sandboxes=close_sandboxes):
+        console.print(f"stopped {row['url'] or '(not answering)'} on node {row['node_id'][:12]}"
+                      + (f", closed {len(row['closed'])} sandboxes" if row["closed"] else ""))
+
+
+@cluster_app.command("ls")
+def cluster_ls(ray_address: RayAddress = None) -> None:
+    """The fleet's env servers that answer, with their free capacity."""
+    from agentenv.remote import fleet
+
+    console.print(_fleet_table(list(fleet.servers(address=ray_address))))
 
 
 def _mount_plugins() -> None:

@@ -119,6 +119,8 @@ def rollout(
         help="agentenv serve for the workers' sandboxes: URL, or NODE=URL per Ray node id/IP (repeatable); "
              "default: $AGENTENV_URL on each node, else local sandboxes")] = None,
     env_token: Annotated[str | None, typer.Option(help="env server token (else $AGENTENV_TOKEN)")] = None,
+    env_fleet: Annotated[bool, typer.Option(help="each worker uses its node's server of the Ray cluster's fleet "
+                                                 "(agentenv cluster up)")] = False,
     env_arg: Annotated[list[str] | None, typer.Option(help="KEY=VALUE passed to gymnasium.make (JSON values)")] = None,
     memory_fork: Annotated[bool, typer.Option(help="fork processes too (CRIU), not only files")] = False,
     max_turns: Annotated[int, typer.Option(help="policy calls per episode")] = 30,
@@ -167,7 +169,7 @@ def rollout(
                         context_limit=context_limit, temperature=temperature)
     cfg = RolloutConfig(env, policy_url, policy_token=token, policy_model=model, group_size=group_size,
                         memory_fork=memory_fork, agent=agent, env_kwargs=_kv(env_arg, "--env-arg"),
-                        env_urls=_env_urls(env_url), env_token=env_token, max_retries=retries,
+                        env_urls=_env_urls(env_url), env_token=env_token, env_fleet=env_fleet, max_retries=retries,
                         groups_per_worker=groups_per_worker, worker_cpus=worker_cpus, seed=seed,
                         keep_messages=keep_messages)
     run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]

@@ -190,6 +190,8 @@ class Rollout:
                     await asyncio.to_thread(sweep_run, self.out, urls, self.config.env_token, self.keep_snapshots)
             self._write_run_file()
         if self.n_workers == 0:
+            if self.config.env_fleet:
+                raise RolloutError("env_fleet finds each node's server through Ray: it needs workers >= 1")
             w = self.worker_class(self.config, f"{self.run_id}-w0", self.run_id)
             self.slots = [_Slot(w.key, w)]
         else:
@@ -202,6 +204,14 @@ class Rollout:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         self._started_ray = init_ray(self.ray_address, **self.ray_init_kwargs)
+        if self.config.env_fleet:  # the fleet's server of each node, before the workers take the config
+            from agentenv.remote import fleet
+
+            found = fleet.urls()
+            if not found:
+                raise RolloutError("env_fleet: no env server of the fleet answers on this Ray cluster; run "
+                                   "`agentenv cluster up` first")
+            self.config.env_urls = {**found, **(self.config.env_urls or {})}
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         if not nodes:
             raise RolloutError("the Ray cluster has no live node with CPUs")

@@ -6,7 +6,8 @@
 once on one asyncio loop (``rollout.groups.run_group``: reset once, ``fork(G)``, G episodes of the token-in /
 token-out loop); env calls run in its threads, policy calls share one ``PolicyClient``. Each makes its envs in
 its own process (``gymnasium.make(env_id, api=...)``) against its node's sandboxes: the ``agentenv serve`` that
-``env_urls`` names for its node (by Ray node id, node IP, or ``"*"``), else the one ``$AGENTENV_URL`` names on
+``env_urls`` names for its node (by Ray node id, node IP, or ``"*"``; ``env_fleet``: the fleet's server of
+its node, ``agentenv.remote.fleet``), else the one ``$AGENTENV_URL`` names on
 that node (token: ``env_token`` or ``$AGENTENV_TOKEN``), else local sandboxes on the node itself. Everything it
 makes carries the run's labels (``rollout.ownership``).
 """
@@ -64,6 +65,7 @@ class RolloutConfig:
     env_kwargs: dict[str, Any] = field(default_factory=dict)   # gymnasium.make(env_id, **env_kwargs)
     env_urls: dict[str, str] | None = None    # node id / node IP / "*" -> agentenv serve URL (or "local")
     env_token: str | None = None
+    env_fleet: bool = False                   # env_urls from the Ray cluster's fleet (agentenv cluster up)
     max_retries: int = 2                      # per episode, and per group for a worker that died
     groups_per_worker: int = 4                # backpressure: groups in flight per worker
     worker_cpus: float = 0.5
@@ -115,6 +117,9 @@ class RolloutWorker:
         if config.backend_factory is not None:
             base = config.backend_factory()
         else:
+            if config.env_fleet and self.node_id not in (config.env_urls or {}):
+                raise RolloutError(f"node {self.node_id} has no env server of the fleet: run `agentenv cluster "
+                                   "up` again (it starts one on every node)")
             url = node_env_url(config.env_urls, self.node_id, self.node_ip)
             base = connect(url, config.env_token)
             self.env_url = url or LOCAL

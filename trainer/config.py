@@ -67,6 +67,8 @@ class RayConfig:
     worker_cpus: float = doc(0.5, "CPUs Ray reserves per worker")
     groups_per_worker: int = doc(32, "groups in flight per worker (backpressure)")
     env_url: str = doc("", "agentenv serve URL the workers make sandboxes on (empty: $AGENTENV_URL, else local)")
+    env_fleet: bool = doc(False, "each worker uses its node's server of the cluster's fleet (agentenv cluster up); "
+                                 "token: $AGENTENV_TOKEN")
     memory_fork: bool = doc(False, "fork processes too (CRIU) when a group forks, not only files")
 
 

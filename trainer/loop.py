@@ -92,7 +92,8 @@ class Loop:
         self.iteration = 0                    # RL iterations done
         self.task_cursor = cfg.sft.demonstrations if cfg.sft.enabled else 0   # training tasks handed out (demos first)
         self.counts: Counter[str] = Counter()
-        self.partial = PartialRollouts(cfg.rl.max_resumes, cfg.ray.env_url, counts=self.counts)   # paused groups
+        remote = cfg.ray.env_url or ("fleet" if cfg.ray.env_fleet else "")   # paused groups (remote: swept)
+        self.partial = PartialRollouts(cfg.rl.max_resumes, remote, counts=self.counts)
         self._own_ray = False  # this run joined Ray for its trainer's ranks (trainer.placement "ray")
         self.trained_cursor: int | None = None   # the task cursor as the newest trained batch left it
         self.evals: dict[str, dict[str, Any]] = {}
@@ -246,6 +247,7 @@ class Loop:
 
         rc = RolloutConfig(cfg.env.id, self.url, policy_token=self.token, policy_model=cfg.policy.model or None,
                            agent=AgentConfig(), env_urls={"*": cfg.ray.env_url} if cfg.ray.env_url else None,
+                           env_fleet=cfg.ray.env_fleet,
                            groups_per_worker=cfg.ray.groups_per_worker, worker_cpus=cfg.ray.worker_cpus,
                            memory_fork=cfg.ray.memory_fork, seed=cfg.seed)
         return LoopRollout(rc, workers=cfg.ray.workers, out=self.dir / "trajectories",

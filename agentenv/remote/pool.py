@@ -5,18 +5,27 @@ forks stay on their source's server (``fork`` is a call on the sandbox, which kn
 restore goes to the server holding the snapshot. A server that stops answering is marked down: new
 sandboxes skip it, its sandboxes are reported lost (``Pool.lost()``, and ``state == 'lost'``), and
 the other servers keep working. A down server is probed again at most every ``reprobe`` seconds.
+``Pool.from_ray()`` finds the servers of a Ray cluster's fleet (``agentenv.remote.fleet``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from agentenv.api import DEFAULT_IMAGE, SnapshotLike
-from agentenv.errors import AgentEnvError, ConnectionLost, QuotaExceeded, SandboxNotFound, SnapshotNotFound
+from agentenv.errors import (
+    AgentEnvError,
+    ConnectionLost,
+    QuotaExceeded,
+    SandboxNotFound,
+    SnapshotNotFound,
+    Unauthorized,
+)
 from agentenv.remote.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
 
 T = TypeVar("T")
@@ -41,6 +50,22 @@ class Pool:
             c.on_sandbox = self._seen
         self.Sandbox = PoolSandboxAPI(self)
         self.Snapshot = PoolSnapshotAPI(self)
+
+    @classmethod
+    def from_ray(cls, token: str | None = None, *, address: str | None = None, **kwargs: Any) -> Pool:
+        """The env servers ``agentenv cluster up`` started on the Ray cluster (the one this process is a driver
+        of, else ``address``, else this machine's); ``token`` (else $AGENTENV_TOKEN) must be theirs."""
+        from agentenv.remote import fleet
+
+        token = token or os.environ.get("AGENTENV_TOKEN")
+        if not token:
+            raise Unauthorized("a pool of the fleet's servers needs their token", fix="pass token= or set $AGENTENV_TOKEN")
+        infos = fleet.servers(address=address)
+        if not infos:
+            raise fleet.FleetError("no env server of the fleet answers on this Ray cluster",
+                                   fix="run `agentenv cluster up` first")
+        fleet.check_token(infos, token)
+        return cls([i["url"] for i in infos], token, **kwargs)
 
     def __enter__(self) -> Pool:
         return self
