@@ -21,21 +21,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 import agentenv
 from bench.harness import Report, Result, Row, add_output_arg, console, percentile, print_table
-from bench.server import record_leaks, start_server, stop_server
+from bench.server import e2b_serving
 
 MODES = ("sequential", "staggered", "burst")
 COMMAND = "echo benchmark"
@@ -153,22 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad or args.n < 1:
         ap.error(f"unknown mode(s) {bad}; choose from {MODES}" if bad else "--n must be at least 1")
     report = Report("burst", {k: v for k, v in vars(args).items() if k != "output"})
-    home = Path(tempfile.mkdtemp(prefix="agentenv-bench-burst-", dir="/var/tmp"))
-    token = secrets.token_urlsafe(24)
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        proc, url = start_server(home, token, max_sandboxes=args.n + 16, log=home / "server.log")
-        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=token)
+    with e2b_serving(report, "burst", max_sandboxes=args.n + 16) as (url, token):
         native = native_iteration(agentenv.connect(url, token))
         for mode in modes:
             for side, iteration in (("native", native), ("e2b", e2b_iteration)):
                 console.print(f"{mode}: {args.n} x create -> '{COMMAND}' through the {side} client", highlight=False)
                 run_mode(report.result(f"{side}.{mode}"), iteration, mode, args.n, args.stagger_ms / 1e3)
-    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
-        report.fatal = f"{type(e).__name__}: {e}"
-    finally:
-        stop_server(proc)
-    record_leaks(report, home)
     rows = []
     for mode in modes:
         x = report.add_ratio(f"{mode} e2b/native", f"e2b.{mode}", f"native.{mode}")

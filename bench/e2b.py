@@ -21,16 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import agentenv
 from bench.harness import Report, Row, Timer, add_output_arg, print_table, recording
-from bench.server import record_leaks, start_server, stop_server
+from bench.server import e2b_serving
 
 PAIRS = (("create_first_command", "create -> first command"), ("command", "command round trip"),
          ("file_write_read", "write + read 1 KiB"), ("fork1", "fork(1), memory"), ("fork4", "fork(4), memory"),
@@ -168,21 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.only == "templates" and args.output == ap.get_default("output"):
         args.output = args.output.with_name("e2b-templates.json")  # the full run's results stay as they were
     report = Report("e2b", {k: v for k, v in vars(args).items() if k != "output"})
-    home = Path(tempfile.mkdtemp(prefix="agentenv-bench-e2b-", dir="/var/tmp"))
-    token = secrets.token_urlsafe(24)
-    proc: subprocess.Popen[bytes] | None = None
-    try:
-        proc, url = start_server(home, token, max_sandboxes=64)
-        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=token)
+    with e2b_serving(report, "e2b", max_sandboxes=64) as (url, token):
         if args.only == "all":
             bench_native(report, url, token, args.runs)
             bench_e2b(report, args.runs)
         bench_template(report, url, token, args.runs)
-    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
-        report.fatal = f"{type(e).__name__}: {e}"
-    finally:
-        stop_server(proc)
-    record_leaks(report, home)
     rows = []
     for key, label in PAIRS if args.only == "all" else ():
         x = report.add_ratio(f"{key} e2b/native", f"e2b.{key}", f"native.{key}")

@@ -20,6 +20,7 @@ so nothing else on the machine is touched; only 127.0.0.1 is ever contacted. Res
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import secrets
@@ -32,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,24 @@ def stop_server(proc: subprocess.Popen[bytes] | None) -> None:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@contextlib.contextmanager
+def e2b_serving(report: Report, name: str, max_sandboxes: int) -> Iterator[tuple[str, str]]:
+    """A server in a private home for one benchmark run, the E2B SDK's variables pointing at it: yields (url,
+    token). An error in the body is the report's ``fatal``; the server stops and its leaks are recorded after."""
+    home = Path(tempfile.mkdtemp(prefix=f"agentenv-bench-{name}-", dir="/var/tmp"))
+    token = secrets.token_urlsafe(24)
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        proc, url = start_server(home, token, max_sandboxes=max_sandboxes, log=home / "server.log")
+        os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=token)
+        yield url, token
+    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
+        report.fatal = f"{type(e).__name__}: {e}"
+    finally:
+        stop_server(proc)
+    record_leaks(report, home)
 
 
 def record_leaks(report: Report, home: Path, **more: int) -> dict[str, int]:

@@ -3,32 +3,22 @@ three of them actors spread over the nodes, gives the one-process run's losses, 
 
 from __future__ import annotations
 
-import random
 import sys
 from pathlib import Path
 
 import pytest
 
-from trainer.batch import rl_batch
-from trainer.losses import LossConfig
-from trainer.train import TrainConfig, Trainer, TrainerError
+from trainer.train import Trainer, TrainerError
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "unit" / "trainer"))
-from trainer_helpers import make_traj, tiny_cfg  # noqa: E402
+from trainer_helpers import ep_batches, ep_config, tiny_cfg  # noqa: E402
 
 pytestmark = pytest.mark.integration
-CFG = TrainConfig(lr=1e-3, micro_batch_tokens=40, dtype="float64", mini_batches=2, routing_replay=True,
-                  loss=LossConfig(kl_coef=0.1, tis_cap=2.0))
+CFG = ep_config()
 
 
 def _batches():
-    rng = random.Random(0)
-    out = []
-    for b in range(2):
-        trajs = [make_traj(rng, f"g{b}-{g}", i, float(rng.random() < 0.5), gen=rng.randint(2, 7),
-                           turns=rng.randint(1, 3), routing=(3, 2)) for g in range(4) for i in range(2)]
-        out.append(rl_batch(trajs))
-    return out
+    return ep_batches(4, 2)
 
 
 def _run(world: int, ep: int, placement: str):

@@ -1,32 +1,22 @@
 """Expert + data parallelism: a training run over two gloo processes (EP=2, and pure DP=2) equals the one-process
 run, in float64 to 1e-9: losses, grad norms, the updated (full, gathered) weights, scoring, checkpoint and resume."""
 
-import random
 import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
-from trainer.batch import rl_batch
-from trainer.losses import LossConfig
-from trainer.train import TrainConfig, Trainer
+from trainer.train import Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))
-from trainer_helpers import make_traj, tiny_cfg  # noqa: E402
+from trainer_helpers import ep_batches, ep_config, tiny_cfg  # noqa: E402
 
-CFG = TrainConfig(lr=1e-3, micro_batch_tokens=40, dtype="float64", mini_batches=2, routing_replay=True,
-                  loss=LossConfig(kl_coef=0.1, tis_cap=2.0))
+CFG = ep_config()
 
 
 def _batches():
-    rng = random.Random(0)
-    out = []
-    for b in range(2):
-        trajs = [make_traj(rng, f"g{b}-{g}", i, float(rng.random() < 0.5), gen=rng.randint(2, 7),
-                           turns=rng.randint(1, 3), routing=(3, 2)) for g in range(3) for i in range(3)]
-        out.append(rl_batch(trajs))
-    return out
+    return ep_batches(3, 3)
 
 
 def _run(world, ep, tmp):

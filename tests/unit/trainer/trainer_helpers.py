@@ -39,3 +39,25 @@ def make_traj(rng: random.Random, group: str = "", index: int = 0, reward: float
         layers, k = routing
         t.routing = [[rng.sample(range(8), k) for _ in range(layers)] for _ in range(len(t.token_ids) - 1)]
     return t.check()
+
+
+def ep_config():
+    """The float64 training settings of the parallelism tests (mini-batches, routing replay, KL, TIS)."""
+    from trainer.losses import LossConfig
+    from trainer.train import TrainConfig
+
+    return TrainConfig(lr=1e-3, micro_batch_tokens=40, dtype="float64", mini_batches=2, routing_replay=True,
+                       loss=LossConfig(kl_coef=0.1, tis_cap=2.0))
+
+
+def ep_batches(groups: int, size: int, n: int = 2):
+    """``n`` RL batches of ``groups`` groups of ``size`` episodes (seeded), routing recorded for 3 layers x 2."""
+    from trainer.batch import rl_batch
+
+    rng = random.Random(0)
+    out = []
+    for b in range(n):
+        trajs = [make_traj(rng, f"g{b}-{g}", i, float(rng.random() < 0.5), gen=rng.randint(2, 7),
+                           turns=rng.randint(1, 3), routing=(3, 2)) for g in range(groups) for i in range(size)]
+        out.append(rl_batch(trajs))
+    return out
