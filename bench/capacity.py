@@ -25,11 +25,12 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agentenv.config import parse_size
-from bench.harness import Report, Row, add_output_arg, console, print_table
+from bench.harness import Report, Result, Row, add_output_arg, console, print_table
 
 IMAGE = "agentenv/base"
 
@@ -64,30 +65,38 @@ def free_disk(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def idle(report: Report, cap: int, floor: int) -> list[Any]:
-    """Idle sandboxes until a refusal, the memory floor or ``cap``; returns them (still running)."""
+def fill(r: Result, what: str, cap: int, then: Callable[[Any], object],
+         floor_reached: Callable[[], str | None]) -> tuple[list[Any], str]:
+    """Sandboxes made one after another (each timed into ``r`` with ``then(sb)``) until ``floor_reached`` says
+    why to stop, agentenv refuses one, or ``cap``; returns them and where it stopped."""
     import agentenv
 
     made: list[Any] = []
-    r = report.result("idle.create", "create -> exec answered, one after another")
-    base = mem_available()
-    stop = f"the cap of {cap}"
-    t0 = time.monotonic()
     while len(made) < cap:
-        if mem_available() < floor:
-            stop = f"the benchmark's memory floor ({floor >> 20} MiB available left)"
-            break
+        why = floor_reached()
+        if why is not None:
+            return made, why
         t = time.perf_counter()
         try:
             sb = agentenv.Sandbox.create(IMAGE)
             made.append(sb)
-            sb.exec("true")
+            then(sb)
         except Exception as e:  # noqa: BLE001 - where agentenv stopped is the result
-            stop = f"agentenv refused sandbox {len(made) + 1}: {type(e).__name__}: {str(e)[:300]}"
-            break
+            return made, f"agentenv refused {what} {len(made) + 1}: {type(e).__name__}: {str(e)[:300]}"
         r.add(time.perf_counter() - t)
         if len(made) % 100 == 0:
-            console.print(f"  {len(made)} idle sandboxes, {mem_available() >> 20} MiB available", highlight=False)
+            console.print(f"  {len(made)} {what}s, {mem_available() >> 20} MiB available", highlight=False)
+    return made, f"the cap of {cap}"
+
+
+def idle(report: Report, cap: int, floor: int) -> list[Any]:
+    """Idle sandboxes until a refusal, the memory floor or ``cap``; returns them (still running)."""
+    r = report.result("idle.create", "create -> exec answered, one after another")
+    base = mem_available()
+    t0 = time.monotonic()
+    made, stop = fill(r, "idle sandbox", cap, lambda sb: sb.exec("true"),
+                      lambda: f"the benchmark's memory floor ({floor >> 20} MiB available left)"
+                      if mem_available() < floor else None)
     t_end = time.monotonic()
     used = base - mem_available()
     asked = made[::10]
@@ -133,31 +142,20 @@ def docker_idle(report: Report, n: int) -> None:
 
 def paused(report: Report, home: Path, cap: int, disk_floor: int) -> None:
     """Files-only paused sandboxes until a refusal, the disk floor or ``cap``; one is resumed at the end."""
-    import agentenv
-
     r = report.result("paused.create_pause", "create -> pause(memory=False), one after another")
     vol = home / "volume"
-    start = None
-    made: list[Any] = []
-    stop = f"the cap of {cap}"
-    while len(made) < cap:
-        if start is None and vol.exists():
-            start = free_disk(vol)
-        if vol.exists() and free_disk(vol) < disk_floor:
-            stop = f"the benchmark's disk floor ({disk_floor >> 20} MiB free left on the volume)"
-            break
-        t = time.perf_counter()
-        try:
-            sb = agentenv.Sandbox.create(IMAGE)
-            made.append(sb)
-            sb.pause(memory=False)
-        except Exception as e:  # noqa: BLE001 - where agentenv stopped is the result
-            stop = f"agentenv refused paused sandbox {len(made)}: {type(e).__name__}: {str(e)[:300]}"
-            break
-        r.add(time.perf_counter() - t)
-        if len(made) % 100 == 0:
-            console.print(f"  {len(made)} paused sandboxes", highlight=False)
-    used = (start or 0) - (free_disk(vol) if vol.exists() else 0)
+    start: list[int] = []
+
+    def disk_floor_reached() -> str | None:
+        if not vol.exists():
+            return None
+        free = free_disk(vol)
+        start[:] = start or [free]
+        return f"the benchmark's disk floor ({disk_floor >> 20} MiB free left on the volume)" \
+            if free < disk_floor else None
+
+    made, stop = fill(r, "paused sandbox", cap, lambda sb: sb.pause(memory=False), disk_floor_reached)
+    used = (start[0] if start else 0) - (free_disk(vol) if vol.exists() else 0)
     resumed = report.result("paused.resume", "resume of a files-only paused sandbox -> exec answered")
     if made:
         t = time.perf_counter()
