@@ -52,14 +52,14 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
-from agentenv.host import admission, images, lazy_pages, userns, volume
+from agentenv.host import admission, images, ksm, lazy_pages, userns, volume
 from agentenv.host import network as hostnet
 from agentenv.host.agent_process import AgentProcess, protect_agent
 from agentenv.host.hostcalls import proc_start_time
 from agentenv.host.runtime import Container, ContainerSpec
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import expiry, forking, recovery, snapshotting, store, warm
+from agentenv.sandbox import expiry, forking, recovery, sharing, snapshotting, store, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT
@@ -100,17 +100,23 @@ class Sandbox(Calls, Record):
     def create(cls, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
                disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
                env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
-               labels: dict[str, str] | None = None) -> Sandbox:
+               labels: dict[str, str] | None = None, share_memory: bool = False) -> Sandbox:
         """Start a sandbox from a Docker image: CPU/memory/pids limits, a disk limit (``disk`` bytes, e.g. '10g';
         None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it. ``network``: False
         (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
-        ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced)."""
+        ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
+        memory forks share the pages none of them wrote (KSM; a timing side channel across every sharing
+        sandbox of the host, hence opt-in: ``agentenv.sandbox.sharing``); MemorySharingUnsupported where not."""
         if not isinstance(cpus, int | float) or cpus <= 0:
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
         if not isinstance(pids, int) or pids < 8:
             raise ValueError(f"pids must be an integer >= 8, got {pids!r}")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
+        if not isinstance(share_memory, bool):
+            raise ValueError(f"share_memory must be True or False, got {share_memory!r}")
+        if share_memory:
+            ksm.require()
         disk_bytes = parse_disk(disk)
         rules = netpolicy.requested(network, never=(str(hostnet.subnet()),))
         limits = Limits(cpus=float(cpus), memory=parse_size(memory), pids=pids, disk=disk_bytes)
@@ -120,7 +126,8 @@ class Sandbox(Calls, Record):
         merged.update(env or {})
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
                              workdir=workdir or info.workdir, limits=limits, network=rules is not None,
-                             rules=rules.to_json() if rules is not None else None, uids=warm.family())
+                             rules=rules.to_json() if rules is not None else None, uids=warm.family(),
+                             share_memory=share_memory)
         if (sb := warm.take(image, spec, ttl, labels, cls)) is None:  # a started one, where a warm pool has it
             sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
             sb._boot(None, "create")
@@ -205,8 +212,12 @@ class Sandbox(Calls, Record):
                     self.wait_started(START_TIMEOUT)
             finally:
                 self._starting = False
+            if spec.share_memory:
+                sharing.check_flag(self.id, pid)
             volume.wait_accounted(self._container.layer, txn)
             self._save()
+            if spec.share_memory:
+                sharing.sync()
         except BaseException:
             if restoring is not None:
                 restoring.cancel()
@@ -356,6 +367,7 @@ class Sandbox(Calls, Record):
                          init_start=None)
         self._agent = None
         self._save()
+        self._unshare()
 
     def resume(self, memory: bool = True) -> None:
         """Bring a paused sandbox back where it was; with ``memory=False`` (or from a files-only pause) boot it
@@ -396,6 +408,12 @@ class Sandbox(Calls, Record):
         self._rec["state"] = "closed"
         self._drop_layer()  # before the record goes: a close cut short is closed again
         shutil.rmtree(self._container.bundle, ignore_errors=True)
+        self._unshare()
+
+    def _unshare(self) -> None:
+        """After a sharing sandbox stopped running: KSM off if it was the host's last (``sharing.sync``)."""
+        if self._rec.get("spec", {}).get("share_memory"):
+            sharing.sync()
 
     def _has_own_layer(self) -> bool:
         """True if the sandbox's layer is its own folder on the volume (not its bundle, as in older sandboxes)."""

@@ -1,0 +1,160 @@
+"""The host's KSM switch for sandboxes that share memory (``Sandbox.create(share_memory=True)``).
+
+KSM (kernel samepage merging) merges identical pages of the processes that asked for it: a sandbox's agent
+sets ``PR_SET_MEMORY_MERGE`` on itself (every process it starts inherits it, CRIU restores it), so the
+children of one memory fork share the pages they have not written. Host processes never set it, so nothing
+of theirs is scanned. ksmd costs CPU while it runs, so it runs only while a sharing sandbox lives:
+``switch(True)`` saves the settings it finds and applies throttled ones, ``switch(False)`` puts back what it
+found (``run=0`` on a host that had KSM off). The callers count the sharing sandboxes
+(``agentenv.sandbox.sharing``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.errors import MemorySharingUnsupported
+
+KSM = Path("/sys/kernel/mm/ksm")
+PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
+MERGE_ENV = "AGENTENV_SHARE_MEMORY"  # in the agent's environment: set the flag on itself (the agent pops it)
+# While on: the kernel's advisor tunes pages_to_scan so that a full scan takes about TARGET_SCAN_S, never
+# using more than MAX_CPU_PCT of one CPU; where there is no advisor, a fixed rate (~80 MB/s at most).
+TARGET_SCAN_S = 2
+MAX_CPU_PCT = 40
+FIXED = {"pages_to_scan": "2000", "sleep_millisecs": "20"}
+ADVISED = {"advisor_mode": "scan-time", "advisor_target_scan_time": str(TARGET_SCAN_S),
+           "advisor_max_cpu": str(MAX_CPU_PCT), "sleep_millisecs": "20"}
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What KSM does now: whether it runs, pages shared (deduplicated) and the references that share them,
+    full scans so far, and ksmd's CPU seconds since boot (None where ksmd is not found)."""
+
+    run: bool
+    pages_shared: int
+    pages_sharing: int
+    full_scans: int
+    ksmd_cpu_s: float | None
+
+    @property
+    def saved_bytes(self) -> int:
+        """Memory KSM saves now: each sharing reference is a page not held twice."""
+        return self.pages_sharing * os.sysconf("SC_PAGE_SIZE")
+
+
+def _read(name: str) -> str:
+    return (KSM / name).read_text().strip()
+
+
+def _write(name: str, value: str) -> None:
+    (KSM / name).write_text(value)
+
+
+def require() -> None:
+    """Raise MemorySharingUnsupported unless this host can merge a sandbox's pages (KSM present, writable
+    by this process, and a kernel with PR_SET_MEMORY_MERGE: 6.4 or later)."""
+    if not (KSM / "run").is_file():
+        raise MemorySharingUnsupported("this kernel has no KSM (/sys/kernel/mm/ksm is missing)",
+                                       fix="build the kernel with CONFIG_KSM=y, or create the sandbox without "
+                                           "share_memory")
+    if not os.access(KSM / "run", os.W_OK):
+        raise MemorySharingUnsupported("this process may not switch KSM on (/sys/kernel/mm/ksm/run is not "
+                                       "writable)", fix="run agentenv as root, or create the sandbox without "
+                                                        "share_memory")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0) < 0:
+        raise MemorySharingUnsupported(f"this kernel lacks PR_SET_MEMORY_MERGE ({os.strerror(ctypes.get_errno())})",
+                                       fix="use kernel 6.4 or later, or create the sandbox without share_memory")
+
+
+def merge_any(pid: int) -> bool:
+    """True if process ``pid`` has every page of its own mergeable (PR_SET_MEMORY_MERGE), read from its
+    ``/proc/<pid>/ksm_stat`` (kernel 6.7+; older ones: its ksm_merging_pages file exists but says less)."""
+    with contextlib.suppress(FileNotFoundError):
+        for line in Path(f"/proc/{pid}/ksm_stat").read_text().splitlines():
+            if line.startswith("ksm_merge_any:"):
+                return line.split(":", 1)[1].strip() == "yes"
+    return False
+
+
+def merging_pages(pid: int) -> int:
+    """Pages of process ``pid`` that KSM has merged now (0 for a gone process)."""
+    try:
+        return int(Path(f"/proc/{pid}/ksm_merging_pages").read_text())
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return 0
+
+
+def ksmd_pid() -> int | None:
+    """The pid of the ksmd kernel thread, or None."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(entry.path, "comm").read_text().strip() == "ksmd":
+                    return int(entry.name)
+    return None
+
+
+def ksmd_cpu_seconds(pid: int | None = None) -> float | None:
+    """ksmd's CPU time (user + system) since boot, in seconds, from /proc/<pid>/stat; None where not found."""
+    pid = pid or ksmd_pid()
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
+def stats() -> Stats:
+    """KSM's counters now."""
+    return Stats(run=_read("run") == "1", pages_shared=int(_read("pages_shared")),
+                 pages_sharing=int(_read("pages_sharing")), full_scans=int(_read("full_scans")),
+                 ksmd_cpu_s=ksmd_cpu_seconds())
+
+
+def _settings(names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        value = _read(name)
+        if "[" in value:  # a choice file ("[none] scan-time"): the chosen one
+            value = value[value.index("[") + 1:value.index("]")]
+        out[name] = value
+    return out
+
+
+def switch(on: bool, saved: Path) -> None:
+    """KSM on (throttled; the settings found are kept in ``saved``) or back to what was found (off: run=0
+    on a host that had it off). Idempotent; the caller serialises calls (a lock shared by every process)."""
+    if on:
+        if saved.exists():
+            return
+        tuned = ADVISED if (KSM / "advisor_mode").is_file() else FIXED
+        found = _settings(["run", *tuned, "pages_to_scan"])  # in the order they go back: advisor first
+        tmp = saved.with_name(saved.name + ".tmp")
+        tmp.write_text(json.dumps(found))
+        os.replace(tmp, saved)
+        if found["run"] == "1":  # the host runs KSM itself: leave its settings alone
+            return
+        for name, value in tuned.items():
+            _write(name, value)
+        _write("run", "1")
+        return
+    if not saved.exists():
+        return
+    found = json.loads(saved.read_text())
+    if found.get("run") != "1":
+        _write("run", "0")  # 0, not 2: merged pages stay merged until their owners exit or write them
+        for name, value in found.items():
+            if name != "run":
+                with contextlib.suppress(OSError):
+                    _write(name, value)
+    saved.unlink()
