@@ -5,23 +5,29 @@ sets ``PR_SET_MEMORY_MERGE`` on itself (every process it starts inherits it, CRI
 children of one memory fork share the pages they have not written. Host processes never set it, so nothing
 of theirs is scanned. ksmd costs CPU while it runs, so it runs only while a sharing sandbox lives:
 ``switch(True)`` saves the settings it finds and applies throttled ones, ``switch(False)`` puts back what it
-found (``run=0`` on a host that had KSM off). The callers count the sharing sandboxes
-(``agentenv.sandbox.sharing``).
+found (``run=0`` on a host that had KSM off). ``sync`` decides, host-wide (whatever agentenv home or process
+made the sandboxes): KSM runs while any process of the host has mergeable memory, which only a sharing
+sandbox's processes have unless the host's own software asked for KSM too.
+
+Opt-in because KSM merges every flagged process of the host alike: a write to a merged page takes longer
+(copy-on-write), which tells one flagged sandbox whether another holds the same page (docs/security.md).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.errors import MemorySharingUnsupported
+from agentenv.errors import MemorySharingUnsupported, SandboxError
 
 KSM = Path("/sys/kernel/mm/ksm")
 PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
+STATE = Path(os.environ.get("AGENTENV_KSM_STATE", "/run/agentenv-ksm"))  # host-wide: .lock, .json (found settings)
 MERGE_ENV = "AGENTENV_SHARE_MEMORY"  # in the agent's environment: set the flag on itself (the agent pops it)
 # While on: the kernel's advisor tunes pages_to_scan so that a full scan takes about TARGET_SCAN_S, never
 # using more than MAX_CPU_PCT of one CPU; where there is no advisor, a fixed rate (~80 MB/s at most).
@@ -74,14 +80,48 @@ def require() -> None:
                                        fix="use kernel 6.4 or later, or create the sandbox without share_memory")
 
 
+def _ksm_stat(pid: int | str) -> dict[str, str]:
+    try:
+        text = Path(f"/proc/{pid}/ksm_stat").read_text()
+    except OSError:  # gone, or a kernel before 6.7
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
 def merge_any(pid: int) -> bool:
     """True if process ``pid`` has every page of its own mergeable (PR_SET_MEMORY_MERGE), read from its
-    ``/proc/<pid>/ksm_stat`` (kernel 6.7+; older ones: its ksm_merging_pages file exists but says less)."""
-    with contextlib.suppress(FileNotFoundError):
-        for line in Path(f"/proc/{pid}/ksm_stat").read_text().splitlines():
-            if line.startswith("ksm_merge_any:"):
-                return line.split(":", 1)[1].strip() == "yes"
+    ``/proc/<pid>/ksm_stat`` (kernel 6.7+)."""
+    return _ksm_stat(pid).get("ksm_merge_any") == "yes"
+
+
+def check_flag(sandbox_id: str, pid: int) -> None:
+    """SandboxError unless the agent ``pid`` of a sharing sandbox has its pages mergeable (an image's python3
+    without ctypes cannot set the flag): sharing is never promised and then silently missing."""
+    if not merge_any(pid):
+        raise SandboxError(f"the agent of sandbox {sandbox_id} could not mark its memory mergeable "
+                           "(PR_SET_MEMORY_MERGE)", fix="use an image whose python3 has ctypes, or create the "
+                                                        "sandbox without share_memory")
+
+
+def wanted() -> bool:
+    """True if a process of the host has mergeable memory (the flag, or a mapping madvise'd MADV_MERGEABLE)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            st = _ksm_stat(entry.name)
+            if st.get("ksm_merge_any") == "yes" or st.get("ksm_mergeable") == "yes":
+                return True
     return False
+
+
+def sync() -> bool:
+    """KSM on while a process of the host wants it (``wanted``), back to what was found once none does; called
+    after a sharing sandbox starts, pauses or closes. True if it runs for sandboxes now."""
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    with open(STATE.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        on = wanted()
+        switch(on, STATE.with_suffix(".json"))
+        return on
 
 
 def merging_pages(pid: int) -> int:

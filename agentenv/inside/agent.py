@@ -289,7 +289,7 @@ def not_dumpable() -> None:
 def merge_memory() -> None:
     """PR_SET_MEMORY_MERGE 1 where the host asked for it (a sandbox made with ``share_memory``): KSM may merge any
     page of the agent and of every process it starts with identical pages of other flagged processes. The host
-    checks the flag took (``agentenv.sandbox.sharing``), so a failure here is not silent. Again on every ping:
+    checks the flag took (``agentenv.host.ksm``), so a failure here is not silent. Again on every ping:
     CRIU restores each mapping's mergeable bit but not the process's flag, which new mappings need."""
     if os.environ.pop("AGENTENV_SHARE_MEMORY", None) == "1":
         _merging.append(True)

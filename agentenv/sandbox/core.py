@@ -59,7 +59,7 @@ from agentenv.host.hostcalls import proc_start_time
 from agentenv.host.runtime import Container, ContainerSpec
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import expiry, forking, recovery, sharing, snapshotting, store, warm
+from agentenv.sandbox import expiry, forking, recovery, snapshotting, store, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT
@@ -106,7 +106,7 @@ class Sandbox(Calls, Record):
         (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
         ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
         memory forks share the pages none of them wrote (KSM; a timing side channel across every sharing
-        sandbox of the host, hence opt-in: ``agentenv.sandbox.sharing``); MemorySharingUnsupported where not."""
+        sandbox of the host, hence opt-in: ``agentenv.host.ksm``); MemorySharingUnsupported where not."""
         if not isinstance(cpus, int | float) or cpus <= 0:
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
         if not isinstance(pids, int) or pids < 8:
@@ -213,11 +213,11 @@ class Sandbox(Calls, Record):
             finally:
                 self._starting = False
             if spec.share_memory:
-                sharing.check_flag(self.id, pid)
+                ksm.check_flag(self.id, pid)
             volume.wait_accounted(self._container.layer, txn)
             self._save()
             if spec.share_memory:
-                sharing.sync()
+                ksm.sync()
         except BaseException:
             if restoring is not None:
                 restoring.cancel()
@@ -411,9 +411,9 @@ class Sandbox(Calls, Record):
         self._unshare()
 
     def _unshare(self) -> None:
-        """After a sharing sandbox stopped running: KSM off if it was the host's last (``sharing.sync``)."""
+        """After a sharing sandbox stopped running: KSM off if it was the host's last (``ksm.sync``)."""
         if self._rec.get("spec", {}).get("share_memory"):
-            sharing.sync()
+            ksm.sync()
 
     def _has_own_layer(self) -> bool:
         """True if the sandbox's layer is its own folder on the volume (not its bundle, as in older sandboxes)."""
