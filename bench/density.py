@@ -5,13 +5,17 @@ Workload (``python -m bench.density``):
 - family: a parent sandbox whose one Python process holds ``--mb`` (256) MB of random bytes (``os.urandom``)
   and reads one byte of each page every second, then ``fork(--forks)`` (16) with memory. Host memory used
   (MemTotal - MemAvailable, minus its value before the parent) and the sum of the 1 + N sandboxes' cgroup
-  memory are sampled each second for ``--window`` (30) s after the fork returns, ending early once both (and
-  KSM's pages_sharing) hold within 2% for 5 samples. Once with plain sandboxes, once with share_memory=True.
+  memory are sampled each second for ``--window`` (30) s after the fork returns (plain: ending early once the
+  family's memory held within 2% for 5 samples; sharing: the whole window, noting when KSM had saved 90% of the
+  children's copies). Once with plain sandboxes, once with share_memory=True.
   Ratios: overcommit (1 + N times one sandbox's memory / the family's), family / one sandbox, private / shared;
   ksmd CPU seconds per GB merged (its /proc stat), and its CPU share while scanning after the merge.
 - fork(1) and fork(8) of a sandbox holding 100 MB (bench.sandbox's MEM_CODE), ``--runs`` each, plain and
   sharing: median, p90, and where the time went (``agentenv.phases``, summed over the children).
 - idle overhead: agent RSS / PSS and cgroup memory of idle sandboxes (``--runs`` of them), and host used / N.
+
+Host used is the whole machine's, so other load moves it; the cgroup sum (KSM charges a merged page to one
+of its sharers) and anon = the family's RssAnon minus KSM's savings (pages_sharing) are the family's own.
 
 KSM's settings are put back as they were found (``agentenv.host.ksm``) when the sharing sandboxes close.
 """
@@ -53,6 +57,17 @@ def cgroup_memory(sb: agentenv.Sandbox) -> int:
             with contextlib.suppress(OSError, ValueError):
                 return int((d / name).read_text())
     return 0
+
+
+def anon_rss(sbs: list[agentenv.Sandbox]) -> int:
+    """The anonymous resident memory of the sandboxes' processes (a page KSM merged counts in each), bytes."""
+    total = 0
+    for sb in sbs:
+        for pid in sb._container.pids():
+            with contextlib.suppress(OSError, StopIteration):
+                total += 1024 * next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text()
+                                     .splitlines() if ln.startswith("RssAnon:"))
+    return total
 
 
 def agent_memory(sb: agentenv.Sandbox) -> tuple[int, int]:
@@ -97,6 +112,7 @@ def family(report: Report, cleanup: Cleanup, share: bool, mb: int, forks: int, w
         parent = holding(cleanup, HOLDER.format(mb=mb), mb, share, "1g")
         out["one_sandbox_host_mb"] = (host_used() - base) / MIB
         out["one_sandbox_cgroup_mb"] = cgroup_memory(parent) / MIB
+        out["one_sandbox_anon_mb"] = anon_rss([parent]) / MIB
         cpu0, ks0 = ksm.ksmd_cpu_seconds(), ksm.stats()
         with phases.recording() as found, Timer() as t:
             kids = parent.fork(forks)
@@ -111,13 +127,16 @@ def family(report: Report, cleanup: Cleanup, share: bool, mb: int, forks: int, w
             s = ksm.stats()
             series.append({"t_s": round(time.monotonic() - start, 2), "host_mb": (host_used() - base) / MIB,
                            "cgroups_mb": sum(cgroup_memory(sb) for sb in every) / MIB,
+                           "anon_minus_merged_mb": (anon_rss(every) - s.saved_bytes) / MIB,
                            "ksm_saved_mb": s.saved_bytes / MIB, "ksmd_cpu_s": (s.ksmd_cpu_s or 0) - (cpu0 or 0)})
-            keys = ("host_mb", "cgroups_mb") + (("ksm_saved_mb",) if share else ())
-            if all(_steady([x[k] for x in series]) for k in keys) and (not share or series[-1]["ksm_saved_mb"] > 0):
-                break
+            if share and "merged_90pct_after_s" not in out and series[-1]["ksm_saved_mb"] >= 0.9 * forks * mb:
+                out["merged_90pct_after_s"] = series[-1]["t_s"]  # 90% of the children's copies merged
+            if not share and all(_steady([x[k] for x in series]) for k in ("cgroups_mb", "anon_minus_merged_mb")):
+                break  # every child's pages are in (a lazy restore brings them as they are read)
             time.sleep(1)
         last = series[-1]
         out.update(family_host_mb=last["host_mb"], family_cgroups_mb=last["cgroups_mb"],
+                   family_anon_minus_merged_mb=last["anon_minus_merged_mb"],
                    ksm_saved_mb=last["ksm_saved_mb"], settled_after_s=last["t_s"], samples=series)
         if share:
             merged_gb = (last["ksm_saved_mb"] - ks0.saved_bytes / MIB) / 1024
@@ -180,6 +199,10 @@ def idle(report: Report, cleanup: Cleanup, runs: int) -> None:
         rss.fields["host_used_per_sandbox_mib"] = round(per, 2)
 
 
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}x"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--mb", type=int, default=256, help="MB of random data in the family's parent (default 256)")
@@ -195,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     report = Report("density", vars(args))
-    found = ksm._settings(["run", *ksm.ADVISED, "pages_to_scan"])
-    report.info.update(run_id=run_id, image=IMAGE, ksm_found=found, ksm_tuning=ksm.ADVISED, label=LABEL)
+    found = ksm._settings(["run", *ksm.TUNED])
+    report.info.update(run_id=run_id, image=IMAGE, ksm_found=found, ksm_tuning=ksm.TUNED, label=LABEL)
     cleanup = Cleanup(run_id)
     fam: dict[str, dict[str, Any]] = {}
     steps: list[tuple[str, Callable[[], object]]] = [
@@ -215,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cleanup.all(None)
         ksm.sync()  # none of this run's sharing sandboxes is left: KSM back as found (unless others run)
-    report.info["ksm_after"] = ksm._settings(["run", *ksm.ADVISED, "pages_to_scan"])
+    report.info["ksm_after"] = ksm._settings(["run", *ksm.TUNED])
     summarize(report, fam, args)
     report.print_errors()
     report.write(args.output)
@@ -227,20 +250,24 @@ def summarize(report: Report, fam: dict[str, dict[str, Any]], args: argparse.Nam
     n = args.forks + 1
     p, s = fam.get("private"), fam.get("shared")
     if p and s and "family_host_mb" in p and "family_host_mb" in s:
-        one = s["one_sandbox_host_mb"]
-        d = {"overcommit_host": n * one / s["family_host_mb"], "overcommit_cgroups":
-             n * s["one_sandbox_cgroup_mb"] / s["family_cgroups_mb"], "family_over_one_sandbox":
-             s["family_host_mb"] / one, "private_over_shared_host": p["family_host_mb"] / s["family_host_mb"],
-             "private_over_shared_cgroups": p["family_cgroups_mb"] / s["family_cgroups_mb"]}
-        report.info["density"] = {k: round(v, 2) for k, v in d.items()}
-        console.print(f"{args.mb} MB + {args.forks} forks: host used private {p['family_host_mb']:.0f} MB, shared "
-                      f"{s['family_host_mb']:.0f} MB (one sandbox {one:.0f} MB, settled after "
-                      f"{s['settled_after_s']} s); cgroups {p['family_cgroups_mb']:.0f} / {s['family_cgroups_mb']:.0f}"
-                      f" MB; overcommit {d['overcommit_host']:.1f}x (target >= 8x), family / one sandbox "
-                      f"{d['family_over_one_sandbox']:.2f}x (target <= 2x), private / shared "
-                      f"{d['private_over_shared_host']:.1f}x; ksmd {s.get('ksmd_cpu_s_per_gb_merged') or 0:.2f} "
-                      f"CPU s per GB merged, {100 * s.get('ksmd_cpu_share_after_merge', 0):.0f}% of a CPU after",
-                      highlight=False)
+        d: dict[str, float | None] = {}
+        for kind, one_key, fam_key in (("host", "one_sandbox_host_mb", "family_host_mb"),
+                                       ("cgroups", "one_sandbox_cgroup_mb", "family_cgroups_mb"),
+                                       ("anon", "one_sandbox_anon_mb", "family_anon_minus_merged_mb")):
+            one, shared, private = s[one_key], s[fam_key], p[fam_key]
+            d[f"overcommit_{kind}"] = n * one / shared if shared > 0 else None
+            d[f"family_over_one_sandbox_{kind}"] = shared / one if one > 0 else None
+            d[f"private_over_shared_{kind}"] = private / shared if shared > 0 else None
+            console.print(f"{args.mb} MB + {args.forks} forks, {kind}: one sandbox {one:.0f} MB, family private "
+                          f"{private:.0f} MB, shared {shared:.0f} MB -> overcommit {_x(d[f'overcommit_{kind}'])} "
+                          f"(target >= 8x), family / one sandbox {_x(d[f'family_over_one_sandbox_{kind}'])} "
+                          f"(target <= 2x), private / shared {_x(d[f'private_over_shared_{kind}'])}", highlight=False)
+        report.info["density"] = {k: None if v is None else round(v, 2) for k, v in d.items()}
+        console.print(f"KSM: 90% merged {s.get('merged_90pct_after_s', '-')} s after the fork; at "
+                      f"{s['settled_after_s']} s saved {s['ksm_saved_mb']:.0f} MB; ksmd "
+                      f"{s.get('ksmd_cpu_s_to_merge', 0):.1f} CPU s to merge, "
+                      f"{s.get('ksmd_cpu_s_per_gb_merged') or 0:.2f} CPU s per GB merged, "
+                      f"{100 * s.get('ksmd_cpu_share_after_merge', 0):.0f}% of a CPU in the 5 s after", highlight=False)
     rows = []
     for k in ("1", "8"):
         a, b = report.results.get(f"fork{k}_private"), report.results.get(f"fork{k}_shared")

@@ -29,13 +29,13 @@ KSM = Path("/sys/kernel/mm/ksm")
 PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
 STATE = Path(os.environ.get("AGENTENV_KSM_STATE", "/run/agentenv-ksm"))  # host-wide: .lock, .json (found settings)
 MERGE_ENV = "AGENTENV_SHARE_MEMORY"  # in the agent's environment: set the flag on itself (the agent pops it)
-# While on: the kernel's advisor tunes pages_to_scan so that a full scan takes about TARGET_SCAN_S, never
-# using more than MAX_CPU_PCT of one CPU; where there is no advisor, a fixed rate (~80 MB/s at most).
-TARGET_SCAN_S = 2
-MAX_CPU_PCT = 40
-FIXED = {"pages_to_scan": "2000", "sleep_millisecs": "20"}
-ADVISED = {"advisor_mode": "scan-time", "advisor_target_scan_time": str(TARGET_SCAN_S),
-           "advisor_max_cpu": str(MAX_CPU_PCT), "sleep_millisecs": "20"}
+# While on: a fixed rate, PAGES per SLEEP_MS wake (up to ~1 GB/s; ksmd then takes at most one CPU, less once
+# smart_scan skips pages that never merge). Not the kernel's scan-time advisor: it re-tunes only at the end of a
+# full scan and refuses pages_to_scan meanwhile, so after a scan of little memory it wakes for a handful of pages
+# and a fork family arriving then waited minutes to merge (measured: 18 pages per wake, nothing merged in 45 s).
+PAGES = os.environ.get("AGENTENV_KSM_PAGES", "5000")
+SLEEP_MS = os.environ.get("AGENTENV_KSM_SLEEP_MS", "20")
+TUNED = {"advisor_mode": "none", "pages_to_scan": PAGES, "sleep_millisecs": SLEEP_MS}
 
 
 @dataclass(frozen=True)
@@ -177,8 +177,8 @@ def switch(on: bool, saved: Path) -> None:
     if on:
         if saved.exists():
             return
-        tuned = ADVISED if (KSM / "advisor_mode").is_file() else FIXED
-        found = _settings(["run", *tuned, "pages_to_scan"])  # in the order they go back: advisor first
+        tuned = {k: v for k, v in TUNED.items() if (KSM / k).is_file()}  # no advisor before kernel 6.7
+        found = _settings(["run", *tuned])  # in the order they go back: the advisor's mode first
         tmp = saved.with_name(saved.name + ".tmp")
         tmp.write_text(json.dumps(found))
         os.replace(tmp, saved)

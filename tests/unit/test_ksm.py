@@ -34,14 +34,15 @@ def test_switch_on_throttles_and_off_puts_back_what_it_found(sysfs: Path, tmp_pa
     saved = tmp_path / "found.json"
     ksm.switch(True, saved)
     now = read(sysfs)
-    assert now["run"] == "1" and now["advisor_mode"] == "scan-time"
-    assert now["advisor_max_cpu"] == str(ksm.MAX_CPU_PCT)
-    assert json.loads(saved.read_text())["advisor_mode"] == "none"
+    assert now["run"] == "1" and now["advisor_mode"] == "none"
+    assert now["pages_to_scan"] == ksm.PAGES and now["sleep_millisecs"] == ksm.SLEEP_MS
+    assert json.loads(saved.read_text())["pages_to_scan"] == "100"
     ksm.switch(True, saved)  # idempotent: the settings found stay the first ones
     assert json.loads(saved.read_text())["run"] == "0"
     ksm.switch(False, saved)
     back = read(sysfs)
     assert back["run"] == "0" and back["advisor_mode"] == "none" and back["advisor_max_cpu"] == "70"
+    assert back["sleep_millisecs"] == "20"
     assert back["pages_to_scan"] == "100" and not saved.exists()
 
 
@@ -50,7 +51,7 @@ def test_a_host_that_runs_ksm_itself_keeps_its_settings(sysfs: Path, tmp_path: P
     saved = tmp_path / "found.json"
     ksm.switch(True, saved)
     ksm.switch(False, saved)
-    assert read(sysfs)["run"] == "1" and read(sysfs)["advisor_max_cpu"] == "70"
+    assert read(sysfs)["run"] == "1" and read(sysfs)["pages_to_scan"] == "100"
 
 
 def test_no_ksm_is_refused_with_what_to_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
