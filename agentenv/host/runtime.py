@@ -142,7 +142,7 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
             },
             "maskedPaths": _MASKED,
             "readonlyPaths": _READONLY,
-            "seccomp": seccomp_profile(caps),
+            "seccomp": seccomp_profile(caps, share_memory=spec.share_memory),
         },
     }
 

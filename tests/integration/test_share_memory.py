@@ -55,10 +55,17 @@ def holder_host_pid(sb: agentenv.Sandbox) -> int:
     return max(pids, key=lambda p: int(open(f"/proc/{p}/statm").read().split()[1]))
 
 
-def test_a_sandbox_without_the_opt_in_has_no_mergeable_memory():
+ASK_MERGE = ("python3 -c 'import ctypes, mmap; c = ctypes.CDLL(None, use_errno=True); m = mmap.mmap(-1, 1 << 16); "
+             "a = ctypes.addressof(ctypes.c_char.from_buffer(m)); "
+             "print(c.prctl(67, 1, 0, 0, 0), c.madvise(ctypes.c_void_p(a), 1 << 16, 12), ctypes.get_errno())'")
+
+
+def test_a_sandbox_without_the_opt_in_has_no_mergeable_memory_and_cannot_ask_for_it():
     with agentenv.Sandbox.create() as sb:
         assert not flagged(sb)
-        assert ksm.Stats is not None and ksm.merging_pages(sb._rec["init_pid"]) == 0
+        r = sb.exec(ASK_MERGE)  # its code asks itself (seccomp: EPERM), and still has no mergeable memory
+        assert r.stdout.split() == ["-1", "-1", "1"], (r.stdout, r.stderr)
+        assert not flagged(sb) and ksm.merging_pages(sb._rec["init_pid"]) == 0
 
 
 def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged():
