@@ -105,8 +105,7 @@ class Sandbox(Calls, Record):
         None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it. ``network``: False
         (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
         ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
-        memory forks share the pages none of them wrote (KSM; a timing side channel across every sharing
-        sandbox of the host, hence opt-in: ``agentenv.host.ksm``); MemorySharingUnsupported where not."""
+        memory forks share unwritten pages (KSM, opt-in: ``agentenv.host.ksm``); MemorySharingUnsupported where not."""
         if not isinstance(cpus, int | float) or cpus <= 0:
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
         if not isinstance(pids, int) or pids < 8:
