@@ -10,6 +10,8 @@ import pytest
 import agentenv
 from agentenv.host import ksm
 
+from .server_fixtures import TOKEN, threaded_server
+
 pytestmark = pytest.mark.integration
 
 GET_MERGE = "python3 -c 'import ctypes; print(ctypes.CDLL(None).prctl(68, 0, 0, 0, 0))'"  # PR_GET_MEMORY_MERGE
@@ -108,3 +110,12 @@ def test_a_memory_snapshot_of_a_sharing_sandbox_restores_sharing():
             assert ksm.stats().run
     finally:
         snap.delete()
+
+
+def test_the_remote_api_carries_the_opt_in():
+    with threaded_server() as url, agentenv.connect(url, TOKEN) as client:
+        with client.Sandbox.create(memory="256m", share_memory=True) as sb:
+            assert sb.exec(GET_MERGE).stdout.strip() == "1"
+            assert ksm.merge_any(agentenv.Sandbox.get(sb.id)._rec["init_pid"])
+        with client.Sandbox.create(memory="256m") as sb:
+            assert sb.exec(GET_MERGE).stdout.strip() == "0"

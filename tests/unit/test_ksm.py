@@ -7,10 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 import agentenv
 from agentenv.errors import MemorySharingUnsupported
 from agentenv.host import ksm
+from agentenv.server.schemas import CreateRequest
 
 FOUND = {"run": "0", "advisor_mode": "[none] scan-time", "advisor_target_scan_time": "200",
          "advisor_max_cpu": "70", "sleep_millisecs": "20", "pages_to_scan": "100"}
@@ -67,3 +69,10 @@ def test_share_memory_must_be_a_bool() -> None:
     with pytest.raises(ValueError, match="share_memory"):
         agentenv.Sandbox.create(share_memory="yes")  # type: ignore[arg-type]
 
+
+
+def test_the_server_takes_share_memory_as_a_strict_bool() -> None:
+    assert CreateRequest().share_memory is False
+    assert CreateRequest.model_validate({"share_memory": True}).share_memory is True
+    with pytest.raises(ValidationError):
+        CreateRequest.model_validate({"share_memory": "yes"})
