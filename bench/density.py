@@ -255,7 +255,7 @@ def summarize(report: Report, fam: dict[str, dict[str, Any]], args: argparse.Nam
                                        ("cgroups", "one_sandbox_cgroup_mb", "family_cgroups_mb"),
                                        ("anon", "one_sandbox_anon_mb", "family_anon_minus_merged_mb")):
             one, shared, private = s[one_key], s[fam_key], p[fam_key]
-            d[f"overcommit_{kind}"] = n * one / shared if shared > 0 else None
+            d[f"overcommit_{kind}"] = n * one / shared if shared > 0 and one > 0 else None  # host: other load moves it
             d[f"family_over_one_sandbox_{kind}"] = shared / one if one > 0 else None
             d[f"private_over_shared_{kind}"] = private / shared if shared > 0 else None
             console.print(f"{args.mb} MB + {args.forks} forks, {kind}: one sandbox {one:.0f} MB, family private "
