@@ -1,9 +1,10 @@
 """The host's KSM switch for sandboxes that share memory (``Sandbox.create(share_memory=True)``).
 
 KSM (kernel samepage merging) merges identical pages of the processes that asked for it: a sandbox's agent
-sets ``PR_SET_MEMORY_MERGE`` on itself (every process it starts inherits it, CRIU restores it), so the
-children of one memory fork share the pages they have not written. Host processes never set it, so nothing
-of theirs is scanned. ksmd costs CPU while it runs, so it runs only while a sharing sandbox lives:
+sets ``PR_SET_MEMORY_MERGE`` on itself (every process it starts inherits it; CRIU restores each mapping's
+mergeable bit, and a restored agent sets its flag again), so the children of one memory fork share the pages
+they have not written. Host processes do not set it, and sandboxes without the opt-in may not (seccomp), so
+nothing of theirs is scanned. ksmd costs CPU while it runs, so it runs only while a sharing sandbox lives:
 ``switch(True)`` saves the settings it finds and applies throttled ones, ``switch(False)`` puts back what it
 found (``run=0`` on a host that had KSM off). ``sync`` decides, host-wide (whatever agentenv home or process
 made the sandboxes): KSM runs while any process of the host has mergeable memory, which only a sharing
