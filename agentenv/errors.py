@@ -52,6 +52,11 @@ class DiskLimitUnsupported(AgentEnvError):
     """A disk limit (``disk=``) was asked for where this host cannot enforce one; the message says why."""
 
 
+class MemorySharingUnsupported(AgentEnvError):
+    """``share_memory=True`` was asked for where this host cannot merge pages (no KSM, no PR_SET_MEMORY_MERGE, or
+    not allowed to switch KSM on); the message says which."""
+
+
 class DiskLimitRequired(AgentEnvError, PermissionError):
     """A server refused a sandbox without a disk limit (``disk=None``): it was not started with
     ``--unlimited-disk``."""
@@ -104,7 +109,7 @@ _STATUS: list[tuple[type[BaseException], int]] = [
     (SandboxStateError, 409),
     (QuotaExceeded, 429),
     (StoreFullError, 507),
-    (DiskLimitUnsupported, 501), (NetworkUnavailable, 501),
+    (DiskLimitUnsupported, 501), (NetworkUnavailable, 501), (MemorySharingUnsupported, 501),
     (ConnectionLost, 502),
     (AgentEnvError, 500),
     (FileNotFoundError, 404), (ProcessLookupError, 404), (PermissionError, 403),

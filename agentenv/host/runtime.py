@@ -28,7 +28,7 @@ from agentenv import netpolicy
 from agentenv.api import Limits
 from agentenv.config import paths
 from agentenv.errors import CheckpointError, SandboxError
-from agentenv.host import cgroups, criu, lazy_pages, network, userns
+from agentenv.host import cgroups, criu, ksm, lazy_pages, network, userns
 from agentenv.host.agent_process import AgentProcess
 from agentenv.host.agent_start import AGENT_DEST, agent_command, agent_env, agent_file
 from agentenv.host.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
@@ -71,6 +71,7 @@ class ContainerSpec:
     caps: list[str] = field(default_factory=lambda: list(DEFAULT_CAPS))
     rules: dict[str, Any] | None = None  # with network: its outbound rules (netpolicy.Rules.to_json())
     uids: int | None = None  # the host uid of the sandbox's root (agentenv.host.userns): its fork family's range
+    share_memory: bool = False  # its agent marks its pages mergeable (agentenv.host.ksm); kept by forks and snapshots
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -120,7 +121,7 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
             "args": agent_command(),
-            "env": spec.env + ["AGENTENV_AGENT=1", agent_env()],
+            "env": spec.env + ["AGENTENV_AGENT=1", agent_env()] + ([f"{ksm.MERGE_ENV}=1"] if spec.share_memory else []),
             "cwd": spec.workdir or "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
@@ -141,7 +142,7 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
             },
             "maskedPaths": _MASKED,
             "readonlyPaths": _READONLY,
-            "seccomp": seccomp_profile(caps),
+            "seccomp": seccomp_profile(caps, share_memory=spec.share_memory),
         },
     }
 

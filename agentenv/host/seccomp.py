@@ -30,12 +30,12 @@ getsockname getsockopt get_thread_area gettid gettimeofday getuid getuid32 getxa
 inotify_init inotify_init1 inotify_rm_watch io_cancel ioctl io_destroy io_getevents io_pgetevents
 io_pgetevents_time64 ioprio_get ioprio_set io_setup io_submit ipc kill landlock_add_rule
 landlock_create_ruleset landlock_restrict_self lchown lchown32 lgetxattr link linkat listen listxattr
-llistxattr _llseek lremovexattr lseek lsetxattr lstat lstat64 madvise membarrier memfd_create memfd_secret
+llistxattr _llseek lremovexattr lseek lsetxattr lstat lstat64 membarrier memfd_create memfd_secret
 mincore mkdir mkdirat mknod mknodat mlock mlock2 mlockall mmap mmap2 mprotect mq_getsetattr mq_notify
 mq_open mq_timedreceive mq_timedreceive_time64 mq_timedsend mq_timedsend_time64 mq_unlink mremap msgctl
 msgget msgrcv msgsnd msync munlock munlockall munmap name_to_handle_at nanosleep newfstatat _newselect open
 openat openat2 pause pidfd_open pidfd_send_signal pipe pipe2 pkey_alloc pkey_free pkey_mprotect poll ppoll
-ppoll_time64 prctl pread64 preadv preadv2 prlimit64 process_mrelease pselect6 pselect6_time64 pwrite64
+ppoll_time64 pread64 preadv preadv2 prlimit64 process_mrelease pselect6 pselect6_time64 pwrite64
 pwritev pwritev2 read readahead readlink readlinkat readv recv recvfrom recvmmsg recvmmsg_time64 recvmsg
 remap_file_pages removexattr rename renameat renameat2 restart_syscall rmdir rseq rt_sigaction
 rt_sigpending rt_sigprocmask rt_sigqueueinfo rt_sigreturn rt_sigsuspend rt_sigtimedwait
@@ -79,10 +79,23 @@ _CLONE_NAMESPACE_FLAGS = 0x7E020000  # CLONE_NEWNS|NEWCGROUP|NEWUTS|NEWIPC|NEWUS
 _AF_VSOCK = 40
 _PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)  # PER_LINUX, UNAME26 and the query value
 _ENOSYS = 38
+_PR_SET_MEMORY_MERGE = 67
+_MADV_MERGEABLE = 12
 
 
-def seccomp_profile(caps: list[str], machine: str | None = None) -> dict[str, Any]:
-    """The OCI ``linux.seccomp`` section of a sandbox holding ``caps``, for this machine's architecture."""
+def _allow_unless(name: str, index: int, value: int) -> list[dict[str, Any]]:
+    """Allow ``name`` unless the low 32 bits of its argument ``index`` (an int to the kernel) are ``value``: one rule
+    per bit, each allowing the calls whose bit differs from ``value``'s (an ERRNO rule beside the plain allow
+    would be ignored by libseccomp, and a 64-bit "not equal" lets value + 2**32 through)."""
+    return [{"names": [name], "action": "SCMP_ACT_ALLOW",
+             "args": [{"index": index, "value": 1 << b, "valueTwo": ~value & (1 << b), "op": "SCMP_CMP_MASKED_EQ"}]}
+            for b in range(32)]
+
+
+def seccomp_profile(caps: list[str], machine: str | None = None, share_memory: bool = False) -> dict[str, Any]:
+    """The OCI ``linux.seccomp`` section of a sandbox holding ``caps``, for this machine's architecture. Without
+    ``share_memory`` its processes may not ask KSM to merge their pages (prctl PR_SET_MEMORY_MERGE, madvise
+    MADV_MERGEABLE: EPERM), so they never meet a sharing sandbox's pages nor keep ksmd running."""
     arches, arch_calls = _SECCOMP_ARCHES.get(machine or platform.machine(), ([], []))
     allowed = _SYSCALLS_ALLOWED.split() + arch_calls
     for cap, names in _SYSCALLS_BY_CAP.items():
@@ -100,4 +113,8 @@ def seccomp_profile(caps: list[str], machine: str | None = None) -> dict[str, An
                       "args": [{"index": 0, "value": _CLONE_NAMESPACE_FLAGS, "valueTwo": 0,
                                 "op": "SCMP_CMP_MASKED_EQ"}]})
         rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": _ENOSYS})
+    if not share_memory:
+        rules += _allow_unless("prctl", 0, _PR_SET_MEMORY_MERGE) + _allow_unless("madvise", 2, _MADV_MERGEABLE)
+    else:
+        rules.append({"names": ["prctl", "madvise"], "action": "SCMP_ACT_ALLOW"})
     return {"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 1, "architectures": arches, "syscalls": rules}

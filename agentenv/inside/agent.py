@@ -47,6 +47,7 @@ SOCKET_PATH = SOCKET_DIR + "/agent.sock"
 LOG_DIR = SOCKET_DIR + "/proc"
 OWN_DIRS = (SOCKET_DIR, "/.agentenv")  # the agent's own files: the file API refuses to write there
 _PR_SET_DUMPABLE = 4
+_PR_SET_MEMORY_MERGE = 67
 
 
 class Agent(Jobs):
@@ -117,6 +118,7 @@ class Agent(Jobs):
                 send_frame(conn, {"account": account(str(h["name"])).wire()})
             elif op == "ping":
                 not_dumpable()  # again: a restore from a snapshot may have brought the process back dumpable
+                merge_memory()  # and without its PR_SET_MEMORY_MERGE
                 send_frame(conn, {"ok": True, "pid": os.getpid()})
             elif op == "exec":  # start the job, or attach to the one a closed connection left behind
                 with self.lock:
@@ -268,6 +270,7 @@ def peer_pid(conn: _socket.socket) -> int:
 
 
 _prctl: list[Any] = []
+_merging: list[bool] = []  # [True] in a sandbox made with share_memory (kept through a CRIU restore)
 
 
 def not_dumpable() -> None:
@@ -281,6 +284,23 @@ def not_dumpable() -> None:
 
             _prctl.append(ctypes.CDLL(None, use_errno=True).prctl)
         _prctl[0](_PR_SET_DUMPABLE, 0, 0, 0, 0)
+
+
+def merge_memory() -> None:
+    """PR_SET_MEMORY_MERGE 1 where the host asked for it (a sandbox made with ``share_memory``): KSM may merge any
+    page of the agent and of every process it starts with identical pages of other flagged processes. The host
+    checks the flag took (``agentenv.host.ksm``), so a failure here is not silent. Again on every ping:
+    CRIU restores each mapping's mergeable bit but not the process's flag, which new mappings need."""
+    if os.environ.pop("AGENTENV_SHARE_MEMORY", None) == "1":
+        _merging.append(True)
+    if not _merging:
+        return
+    with suppress(Exception):
+        if not _prctl:
+            import ctypes
+
+            _prctl.append(ctypes.CDLL(None, use_errno=True).prctl)
+        _prctl[0](_PR_SET_MEMORY_MERGE, 1, 0, 0, 0)
 
 
 def main(path: str = SOCKET_PATH) -> None:
@@ -301,6 +321,7 @@ def main(path: str = SOCKET_PATH) -> None:
     here = os.path.dirname(path)
     agent = Agent(log_dir=os.path.join(here, "proc"), own_dirs=OWN_DIRS if path == SOCKET_PATH else (here,))
     not_dumpable()
+    merge_memory()
     # PID 1 of its namespace gets only the signals it handles from inside: handle these, and do nothing.
     # (A handler, not SIG_IGN: handlers are reset by exec, an ignored signal would stay ignored in every
     # command.) The host stops a sandbox with SIGKILL, through runc.

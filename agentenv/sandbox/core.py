@@ -51,7 +51,7 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
-from agentenv.host import admission, images, lazy_pages, userns, volume
+from agentenv.host import admission, images, ksm, lazy_pages, userns, volume
 from agentenv.host import network as hostnet
 from agentenv.host.agent_process import AgentProcess, protect_agent
 from agentenv.host.hostcalls import proc_start_time
@@ -100,17 +100,22 @@ class Sandbox(Calls, Record):
     def create(cls, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
                disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
                env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
-               labels: dict[str, str] | None = None) -> Sandbox:
+               labels: dict[str, str] | None = None, share_memory: bool = False) -> Sandbox:
         """Start a sandbox from a Docker image: CPU/memory/pids limits, a disk limit (``disk`` bytes, e.g. '10g';
         None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it. ``network``: False
         (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
-        ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced)."""
+        ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
+        memory forks share unwritten pages (KSM, opt-in: ``agentenv.host.ksm``); MemorySharingUnsupported where not."""
         if not isinstance(cpus, int | float) or cpus <= 0:
             raise ValueError(f"cpus must be a positive number, got {cpus!r}")
         if not isinstance(pids, int) or pids < 8:
             raise ValueError(f"pids must be an integer >= 8, got {pids!r}")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
+        if not isinstance(share_memory, bool):
+            raise ValueError(f"share_memory must be True or False, got {share_memory!r}")
+        if share_memory:
+            ksm.require()
         disk_bytes = parse_disk(disk)
         rules = netpolicy.requested(network, never=(str(hostnet.subnet()),))
         limits = Limits(cpus=float(cpus), memory=parse_size(memory), pids=pids, disk=disk_bytes)
@@ -120,7 +125,8 @@ class Sandbox(Calls, Record):
         merged.update(env or {})
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
                              workdir=workdir or info.workdir, limits=limits, network=rules is not None,
-                             rules=rules.to_json() if rules is not None else None, uids=warm.family())
+                             rules=rules.to_json() if rules is not None else None, uids=warm.family(),
+                             share_memory=share_memory)
         if (sb := warm.take(image, spec, ttl, labels, cls)) is None:  # a started one, where a warm pool has it
             sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
             sb._boot(None, "create")
@@ -205,8 +211,12 @@ class Sandbox(Calls, Record):
                     self.wait_started(START_TIMEOUT)
             finally:
                 self._starting = False
+            if spec.share_memory:
+                ksm.check_flag(self.id, pid)
             volume.wait_accounted(self._container.layer, txn)
             self._save()
+            if spec.share_memory:
+                ksm.sync()
         except BaseException:
             if restoring is not None:
                 restoring.cancel()
@@ -333,23 +343,7 @@ class Sandbox(Calls, Record):
         back (they still run): the sandbox ends up paused or running, never lost.
         """
         with self._locked():
-            return self._pause(memory)
-
-    def _pause(self, memory: bool) -> Snapshot:
-        self.require_running()
-        snap_id = store.new_id("snap")
-        self._rec.update(pausing=snap_id, owner=store.owner())
-        self._save()
-        try:
-            snap = snapshotting.take(self, memory, leave_running=False, labels={"agentenv.kind": "pause"},
-                                     op="pause", snap_id=snap_id)
-        except BaseException:
-            self._rec.update(pausing=None, owner=None)
-            self._save()
-            raise
-        crash_point("pause:published")
-        self._paused(snap_id)
-        return snap
+            return snapshotting.pause(self, memory)
 
     def _paused(self, snap_id: str) -> None:
         """The end of a pause whose snapshot is in the store: the container and its layer go."""
@@ -359,6 +353,7 @@ class Sandbox(Calls, Record):
                          init_start=None)
         self._agent = None
         self._save()
+        self._unshare()
 
     def resume(self, memory: bool = True) -> None:
         """Bring a paused sandbox back where it was; with ``memory=False`` (or from a files-only pause) boot it
@@ -399,6 +394,12 @@ class Sandbox(Calls, Record):
         self._rec["state"] = "closed"
         self._drop_layer()  # before the record goes: a close cut short is closed again
         remove_tree(self._container.bundle)  # never through a layer mount a start cut short left there
+        self._unshare()
+
+    def _unshare(self) -> None:
+        """After a sharing sandbox stopped running: KSM off if it was the host's last (``ksm.sync``)."""
+        if self._rec.get("spec", {}).get("share_memory"):
+            ksm.sync()
 
     def _has_own_layer(self) -> bool:
         """True if the sandbox's layer is its own folder on the volume (not its bundle, as in older sandboxes)."""
@@ -420,17 +421,8 @@ class Sandbox(Calls, Record):
         self.close()
 
     def expire(self) -> str | None:
-        """Pause or close the sandbox (``expiry.action``) if, checked under its lock, it runs past its TTL: a
-        connect may have just extended it. Returns what was done ('pause', 'kill'), or None."""
-        with self._locked():
-            if not expiry.due(self._rec.get("expires_at"), self._rec["state"]):
-                return None
-            done = expiry.action(self.labels)
-            if done == "kill":
-                self._destroy()
-            else:
-                self._pause(memory=self.labels.get(expiry.PAUSE_MEMORY) != "false")
-            return done
+        """Pause or close the sandbox if, checked under its lock, it runs past its TTL (``expiry.expire``)."""
+        return expiry.expire(self)
 
     @classmethod
     def reap_expired(cls) -> builtins.list[str]:

@@ -9,9 +9,13 @@ import builtins
 import logging
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from agentenv.errors import AgentEnvError, SandboxNotFound, SandboxStateError
+from agentenv.sandbox import snapshotting
+
+if TYPE_CHECKING:
+    from agentenv.sandbox.parts import Parts
 
 ON_EXPIRY = "agentenv.on_expiry"  # label: "pause" (also when absent) or "kill"
 PAUSE_MEMORY = "agentenv.pause_memory"  # label: "false": the expiry's pause keeps the files only (E2B's filesystem)
@@ -41,6 +45,20 @@ def action(labels: dict[str, str]) -> str:
 def due(expires_at: float | None, state: str, now: float | None = None) -> bool:
     """Whether a sandbox in ``state`` whose TTL ends at ``expires_at`` is to be reaped now."""
     return state == "running" and expires_at is not None and expires_at < (time.time() if now is None else now)
+
+
+def expire(sb: Parts) -> str | None:
+    """Pause or close ``sb`` (``action``) if, checked again under its lock, it runs past its TTL: a connect may
+    have just extended it. Returns what was done ('pause', 'kill'), or None."""
+    with sb._locked():
+        if not due(sb._rec.get("expires_at"), sb._rec["state"]):
+            return None
+        done = action(sb.labels)
+        if done == "kill":
+            sb._destroy()
+        else:
+            snapshotting.pause(sb, memory=sb.labels.get(PAUSE_MEMORY) != "false")
+        return done
 
 
 def reap(sandboxes: Iterable[Expiring]) -> builtins.list[str]:

@@ -137,3 +137,21 @@ def _quiesce(sb: Parts) -> None:
                              "nothing was saved and the sandbox was left running",
                              fix="the agent may be stopped (traced) or starved of CPU; retry, or close the "
                                  "sandbox") from None
+
+
+def pause(sb: Parts, memory: bool) -> Snapshot:
+    """``Sandbox.pause`` under its lock: the record names the snapshot being written (``pausing``) until the
+    sandbox is down, so that ``recover`` can finish or roll back a pause its process did not live to end."""
+    sb.require_running()
+    snap_id = store.new_id("snap")
+    sb._rec.update(pausing=snap_id, owner=store.owner())
+    sb._save()
+    try:
+        snap = take(sb, memory, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause", snap_id=snap_id)
+    except BaseException:
+        sb._rec.update(pausing=None, owner=None)
+        sb._save()
+        raise
+    crash_point("pause:published")
+    sb._paused(snap_id)
+    return snap

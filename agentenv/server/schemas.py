@@ -144,6 +144,8 @@ class CreateRequest(_Body):
     workdir: Workdir = None
     ttl: Annotated[float, Field(ge=1e-3, le=1e7, strict=True)] | None = None
     labels: Labels = Field(default_factory=dict)
+    share_memory: StrictBool = Field(False, description="its memory forks share the pages none of them wrote (KSM): "
+                                                        "a timing side channel across sharing sandboxes, hence opt-in")
 
     @field_validator("memory")
     @classmethod

@@ -54,7 +54,8 @@ def test_seccomp_profile_is_an_allowlist_modelled_on_dockers():
     prof = c["linux"]["seccomp"]
     assert prof["defaultAction"] == "SCMP_ACT_ERRNO" and prof["defaultErrnoRet"] == 1
     allowed = {n for r in prof["syscalls"] if r["action"] == "SCMP_ACT_ALLOW" and "args" not in r for n in r["names"]}
-    assert {"read", "write", "execve", "wait4", "prctl", "chroot"} <= allowed
+    assert {"read", "write", "execve", "wait4", "chroot"} <= allowed
+    assert "prctl" not in allowed and "madvise" not in allowed  # allowed unless they ask KSM to merge (below)
     for denied in ("ptrace", "process_vm_readv", "mount", "unshare", "setns", "bpf", "keyctl", "io_uring_setup",
                    "kexec_load", "init_module", "perf_event_open", "clone3", "userfaultfd"):
         assert denied not in allowed, denied
@@ -63,6 +64,23 @@ def test_seccomp_profile_is_an_allowlist_modelled_on_dockers():
     assert [r["errnoRet"] for r in prof["syscalls"] if r["names"] == ["clone3"]] == [38]  # ENOSYS: libc falls back
     assert "ptrace" in seccomp_profile([*DEFAULT_CAPS, "CAP_SYS_PTRACE"])["syscalls"][0]["names"]
     assert seccomp_profile(DEFAULT_CAPS, machine="x86_64")["architectures"] == ["SCMP_ARCH_X86_64"]  # native ABI only
+
+
+def _allows(prof: dict, name: str, arg: int, value: int) -> bool:
+    """Whether the profile's rules for ``name`` allow a call whose argument ``arg`` is ``value`` (as libseccomp
+    reads them: any allow rule matching)."""
+    return any(name in r["names"] and r["action"] == "SCMP_ACT_ALLOW"
+               and all(value & a["value"] == a["valueTwo"] for a in r.get("args", []) if a["index"] == arg)
+               for r in prof["syscalls"])
+
+
+def test_only_a_sharing_sandbox_may_ask_ksm_to_merge_its_pages():
+    plain, sharing = seccomp_profile(DEFAULT_CAPS), seccomp_profile(DEFAULT_CAPS, share_memory=True)
+    for name, arg, merge in (("prctl", 0, 67), ("madvise", 2, 12)):
+        assert not _allows(plain, name, arg, merge) and not _allows(plain, name, arg, merge + (1 << 32))
+        assert _allows(sharing, name, arg, merge)
+        for other in (0, 1, 3, 4, 66, 68, 0x59616D61):  # PR_GET_DUMPABLE, MADV_DONTNEED, PR_GET_MEMORY_MERGE...
+            assert _allows(plain, name, arg, other), (name, other)
 
 
 def test_dev_tmpfs_is_at_most_half_the_memory():

@@ -31,7 +31,8 @@ def create_sandbox(service: ServiceDep, req: Annotated[CreateRequest, Body()]) -
     network = req.network if isinstance(req.network, bool) else req.network.model_dump()
     with service.reserve(1, memory, disk):
         sb = Sandbox.create(req.image, cpus=req.cpus, memory=memory, pids=req.pids, disk=disk, network=network,
-                            env=req.env, workdir=req.workdir, ttl=req.ttl, labels=req.labels)
+                            env=req.env, workdir=req.workdir, ttl=req.ttl, labels=req.labels,
+                            share_memory=req.share_memory)
     return WireResponse(service.remember(sb).info("running").to_wire())
 
 

@@ -1,0 +1,201 @@
+"""The host's KSM switch for sandboxes that share memory (``Sandbox.create(share_memory=True)``).
+
+KSM (kernel samepage merging) merges identical pages of the processes that asked for it: a sandbox's agent
+sets ``PR_SET_MEMORY_MERGE`` on itself (every process it starts inherits it; CRIU restores each mapping's
+mergeable bit, and a restored agent sets its flag again), so the children of one memory fork share the pages
+they have not written. Host processes do not set it, and sandboxes without the opt-in may not (seccomp), so
+nothing of theirs is scanned. ksmd costs CPU while it runs, so it runs only while a sharing sandbox lives:
+``switch(True)`` saves the settings it finds and applies throttled ones, ``switch(False)`` puts back what it
+found (``run=0`` on a host that had KSM off). ``sync`` decides, host-wide (whatever agentenv home or process
+made the sandboxes): KSM runs while any process of the host has mergeable memory, which only a sharing
+sandbox's processes have unless the host's own software asked for KSM too.
+
+Opt-in because KSM merges every flagged process of the host alike: a write to a merged page takes longer
+(copy-on-write), which tells one flagged sandbox whether another holds the same page (docs/security.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from agentenv.errors import MemorySharingUnsupported, SandboxError
+
+KSM = Path("/sys/kernel/mm/ksm")
+PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
+STATE = Path(os.environ.get("AGENTENV_KSM_STATE", "/run/agentenv-ksm"))  # host-wide: .lock, .json (found settings)
+MERGE_ENV = "AGENTENV_SHARE_MEMORY"  # in the agent's environment: set the flag on itself (the agent pops it)
+# While on: a fixed rate, PAGES per SLEEP_MS wake (up to ~1 GB/s; ksmd then takes at most one CPU, less once
+# smart_scan skips pages that never merge). Not the kernel's scan-time advisor: it re-tunes only at the end of a
+# full scan and refuses pages_to_scan meanwhile, so after a scan of little memory it wakes for a handful of pages
+# and a fork family arriving then waited minutes to merge (measured: 18 pages per wake, nothing merged in 45 s).
+PAGES = os.environ.get("AGENTENV_KSM_PAGES", "5000")
+SLEEP_MS = os.environ.get("AGENTENV_KSM_SLEEP_MS", "20")
+TUNED = {"advisor_mode": "none", "pages_to_scan": PAGES, "sleep_millisecs": SLEEP_MS}
+
+
+@dataclass(frozen=True)
+class Stats:
+    """What KSM does now: whether it runs, pages shared (deduplicated) and the references that share them,
+    full scans so far, and ksmd's CPU seconds since boot (None where ksmd is not found)."""
+
+    run: bool
+    pages_shared: int
+    pages_sharing: int
+    full_scans: int
+    ksmd_cpu_s: float | None
+
+    @property
+    def saved_bytes(self) -> int:
+        """Memory KSM saves now: each sharing reference is a page not held twice."""
+        return self.pages_sharing * os.sysconf("SC_PAGE_SIZE")
+
+
+def _read(name: str) -> str:
+    return (KSM / name).read_text().strip()
+
+
+def _write(name: str, value: str) -> None:
+    (KSM / name).write_text(value)
+
+
+def require() -> None:
+    """Raise MemorySharingUnsupported unless this host can merge a sandbox's pages (KSM present, writable
+    by this process, and a kernel with PR_SET_MEMORY_MERGE: 6.4 or later)."""
+    if not (KSM / "run").is_file():
+        raise MemorySharingUnsupported("this kernel has no KSM (/sys/kernel/mm/ksm is missing)",
+                                       fix="build the kernel with CONFIG_KSM=y, or create the sandbox without "
+                                           "share_memory")
+    if not os.access(KSM / "run", os.W_OK):
+        raise MemorySharingUnsupported("this process may not switch KSM on (/sys/kernel/mm/ksm/run is not "
+                                       "writable)", fix="run agentenv as root, or create the sandbox without "
+                                                        "share_memory")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_GET_MEMORY_MERGE, 0, 0, 0, 0) < 0:
+        raise MemorySharingUnsupported(f"this kernel lacks PR_SET_MEMORY_MERGE ({os.strerror(ctypes.get_errno())})",
+                                       fix="use kernel 6.4 or later, or create the sandbox without share_memory")
+
+
+def _ksm_stat(pid: int | str) -> dict[str, str]:
+    try:
+        text = Path(f"/proc/{pid}/ksm_stat").read_text()
+    except OSError:  # gone, or a kernel before 6.7
+        return {}
+    return {k.strip(): v.strip() for k, _, v in (line.partition(":") for line in text.splitlines())}
+
+
+def merge_any(pid: int) -> bool:
+    """True if process ``pid`` has every page of its own mergeable (PR_SET_MEMORY_MERGE), read from its
+    ``/proc/<pid>/ksm_stat`` (kernel 6.7+)."""
+    return _ksm_stat(pid).get("ksm_merge_any") == "yes"
+
+
+def check_flag(sandbox_id: str, pid: int) -> None:
+    """SandboxError unless the agent ``pid`` of a sharing sandbox has its pages mergeable (an image's python3
+    without ctypes cannot set the flag): sharing is never promised and then silently missing."""
+    if not merge_any(pid):
+        raise SandboxError(f"the agent of sandbox {sandbox_id} could not mark its memory mergeable "
+                           "(PR_SET_MEMORY_MERGE)", fix="use an image whose python3 has ctypes, or create the "
+                                                        "sandbox without share_memory")
+
+
+def wanted() -> bool:
+    """True if a process of the host has mergeable memory (the flag, or a mapping madvise'd MADV_MERGEABLE)."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            st = _ksm_stat(entry.name)
+            if st.get("ksm_merge_any") == "yes" or st.get("ksm_mergeable") == "yes":
+                return True
+    return False
+
+
+def sync() -> bool:
+    """KSM on while a process of the host wants it (``wanted``), back to what was found once none does; called
+    after a sharing sandbox starts, pauses or closes. True if it runs for sandboxes now."""
+    STATE.parent.mkdir(parents=True, exist_ok=True)
+    with open(STATE.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        on = wanted()
+        switch(on, STATE.with_suffix(".json"))
+        return on
+
+
+def merging_pages(pid: int) -> int:
+    """Pages of process ``pid`` that KSM has merged now (0 for a gone process)."""
+    try:
+        return int(Path(f"/proc/{pid}/ksm_merging_pages").read_text())
+    except (FileNotFoundError, ProcessLookupError, ValueError):
+        return 0
+
+
+def ksmd_pid() -> int | None:
+    """The pid of the ksmd kernel thread, or None."""
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if Path(entry.path, "comm").read_text().strip() == "ksmd":
+                    return int(entry.name)
+    return None
+
+
+def ksmd_cpu_seconds(pid: int | None = None) -> float | None:
+    """ksmd's CPU time (user + system) since boot, in seconds, from /proc/<pid>/stat; None where not found."""
+    pid = pid or ksmd_pid()
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
+def stats() -> Stats:
+    """KSM's counters now."""
+    return Stats(run=_read("run") == "1", pages_shared=int(_read("pages_shared")),
+                 pages_sharing=int(_read("pages_sharing")), full_scans=int(_read("full_scans")),
+                 ksmd_cpu_s=ksmd_cpu_seconds())
+
+
+def _settings(names: list[str]) -> dict[str, str]:
+    out = {}
+    for name in names:
+        value = _read(name)
+        if "[" in value:  # a choice file ("[none] scan-time"): the chosen one
+            value = value[value.index("[") + 1:value.index("]")]
+        out[name] = value
+    return out
+
+
+def switch(on: bool, saved: Path) -> None:
+    """KSM on (throttled; the settings found are kept in ``saved``) or back to what was found (off: run=0
+    on a host that had it off). Idempotent; the caller serialises calls (a lock shared by every process)."""
+    if on:
+        if saved.exists():
+            return
+        tuned = {k: v for k, v in TUNED.items() if (KSM / k).is_file()}  # no advisor before kernel 6.7
+        found = _settings(["run", *tuned])  # in the order they go back: the advisor's mode first
+        tmp = saved.with_name(saved.name + ".tmp")
+        tmp.write_text(json.dumps(found))
+        os.replace(tmp, saved)
+        if found["run"] == "1":  # the host runs KSM itself: leave its settings alone
+            return
+        for name, value in tuned.items():
+            _write(name, value)
+        _write("run", "1")
+        return
+    if not saved.exists():
+        return
+    found = json.loads(saved.read_text())
+    if found.get("run") != "1":
+        _write("run", "0")  # 0, not 2: merged pages stay merged until their owners exit or write them
+        for name, value in found.items():
+            if name != "run":
+                with contextlib.suppress(OSError):
+                    _write(name, value)
+    saved.unlink()

@@ -1,0 +1,121 @@
+"""share_memory (agentenv.host.ksm): opt-in, carried to forks, copy-on-write kept after KSM merged the children's
+pages, and KSM back as it was found once no sharing sandbox runs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import agentenv
+from agentenv.host import ksm
+
+from .server_fixtures import TOKEN, threaded_server
+
+pytestmark = pytest.mark.integration
+
+GET_MERGE = "python3 -c 'import ctypes; print(ctypes.CDLL(None).prctl(68, 0, 0, 0, 0))'"  # PR_GET_MEMORY_MERGE
+# 16 MB of pages, distinct from each other (KSM merges across processes, not within one): SIGUSR1 writes the
+# digest to /tmp/sum, SIGUSR2 writes into every page
+HOLDER = b"""
+import hashlib, os, signal, time
+b = bytearray(os.urandom(16 << 20))
+def digest(*_):
+    with open("/tmp/sum.tmp", "w") as f:
+        f.write(hashlib.sha256(b).hexdigest())
+    os.rename("/tmp/sum.tmp", "/tmp/sum")
+def scribble(*_):
+    b[::4096] = bytes(len(b) // 4096)
+    digest()
+signal.signal(signal.SIGUSR1, digest)
+signal.signal(signal.SIGUSR2, scribble)
+digest()
+while True:
+    time.sleep(1)
+"""
+
+
+def flagged(sb: agentenv.Sandbox) -> bool:
+    """The sandbox's agent has the flag (host view), and a command it starts inherits it (the sandbox's view)."""
+    inside = sb.exec(GET_MERGE)
+    assert inside.exit_code == 0, inside.stderr
+    host = ksm.merge_any(sb._rec["init_pid"])
+    assert host == (inside.stdout.strip() == "1")
+    return host
+
+
+def signal_digest(sb: agentenv.Sandbox, pid: int, sig: str) -> str:
+    r = sb.exec(f"rm -f /tmp/sum; kill -{sig} {pid}; for i in $(seq 400); do test -f /tmp/sum && break; "
+                "sleep 0.05; done; cat /tmp/sum")
+    assert r.exit_code == 0 and r.stdout.strip(), r.stderr
+    return r.stdout.strip()
+
+
+def holder_host_pid(sb: agentenv.Sandbox) -> int:
+    """The host pid of the holder (the sandbox's process with the most merged or resident pages)."""
+    pids = [p for p in sb._container.pids() if p != sb._rec["init_pid"]]
+    return max(pids, key=lambda p: int(open(f"/proc/{p}/statm").read().split()[1]))
+
+
+ASK_MERGE = ("python3 -c 'import ctypes, mmap; c = ctypes.CDLL(None, use_errno=True); m = mmap.mmap(-1, 1 << 16); "
+             "a = ctypes.addressof(ctypes.c_char.from_buffer(m)); "
+             "print(c.prctl(67, 1, 0, 0, 0), c.madvise(ctypes.c_void_p(a), 1 << 16, 12), ctypes.get_errno())'")
+
+
+def test_a_sandbox_without_the_opt_in_has_no_mergeable_memory_and_cannot_ask_for_it():
+    with agentenv.Sandbox.create() as sb:
+        assert not flagged(sb)
+        r = sb.exec(ASK_MERGE)  # its code asks itself (seccomp: EPERM), and still has no mergeable memory
+        assert r.stdout.split() == ["-1", "-1", "1"], (r.stdout, r.stderr)
+        assert not flagged(sb) and ksm.merging_pages(sb._rec["init_pid"]) == 0
+
+
+def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged():
+    found = ksm._read("run")
+    sb = agentenv.Sandbox.create(share_memory=True)
+    kids: list[agentenv.Sandbox] = []
+    try:
+        assert flagged(sb)
+        assert ksm.stats().run
+        sb.write_file("/opt/holder.py", HOLDER)
+        proc = sb.spawn("exec python3 /opt/holder.py")
+        up = sb.exec("for i in $(seq 400); do test -f /tmp/sum && break; sleep 0.05; done; cat /tmp/sum")
+        assert up.exit_code == 0, "the holder did not start"  # its handlers are set: a signal no longer kills it
+        first = signal_digest(sb, proc.pid, "USR1")
+        kids = sb.fork(2)
+        assert all(flagged(k) for k in kids)  # the restored agent flagged again, and what it starts
+        # KSM merges in its own time: wait on the state (the children's holders have merged pages), generously
+        deadline = time.monotonic() + 120
+        while not all(ksm.merging_pages(holder_host_pid(k)) > 1000 for k in kids):
+            assert time.monotonic() < deadline, f"KSM merged nothing in 120 s: {ksm.stats()}"
+            time.sleep(0.2)
+        scribbled = signal_digest(kids[0], proc.pid, "USR2")
+        assert scribbled != first
+        assert signal_digest(kids[1], proc.pid, "USR1") == first  # the other child and the parent kept theirs
+        assert signal_digest(sb, proc.pid, "USR1") == first
+        assert signal_digest(kids[0], proc.pid, "USR1") == scribbled
+    finally:
+        for k in [*kids, sb]:
+            k.close()
+    if not ksm.wanted():  # another sharing sandbox of this host (another test session) keeps it on
+        assert ksm._read("run") == found
+
+
+def test_a_memory_snapshot_of_a_sharing_sandbox_restores_sharing():
+    with agentenv.Sandbox.create(share_memory=True) as sb:
+        snap = sb.snapshot(memory=True)
+    try:
+        with agentenv.Sandbox.restore(snap) as r:
+            assert flagged(r)
+            assert ksm.stats().run
+    finally:
+        snap.delete()
+
+
+def test_the_remote_api_carries_the_opt_in():
+    with threaded_server() as url, agentenv.connect(url, TOKEN) as client:
+        with client.Sandbox.create(memory="256m", share_memory=True) as sb:
+            assert sb.exec(GET_MERGE).stdout.strip() == "1"
+            assert ksm.merge_any(agentenv.Sandbox.get(sb.id)._rec["init_pid"])
+        with client.Sandbox.create(memory="256m") as sb:
+            assert sb.exec(GET_MERGE).stdout.strip() == "0"
