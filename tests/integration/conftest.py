@@ -47,15 +47,19 @@ def agentenv_home() -> Iterator[Path]:
         cleanup(home)
 
 
-def _layer_census(image: str) -> dict[str, int]:
-    """How many entries each of ``image``'s Docker layer folders holds (empty if the image is missing)."""
-    from agentenv.errors import AgentEnvError
+def _image_layers(image: str) -> list[str]:
+    """``image``'s Docker layer folders (none if the image or the engine is missing right now)."""
     from agentenv.host import images
 
     try:
-        layers = images.resolve(image).layers
-    except AgentEnvError:
-        return {}
+        return images.resolve(image).layers
+    except Exception:  # noqa: BLE001 - missing, or the engine restarting (a test does that): no census then
+        return []
+
+
+def _census(layers: list[str]) -> dict[str, int]:
+    """How many entries each layer folder holds, read from the disk (not through the engine, which a test may be
+    restarting)."""
     return {d: sum(len(dirs) + len(files) for _, dirs, files in os.walk(d)) for d in layers}
 
 
@@ -65,9 +69,10 @@ def base_layers_intact() -> Iterator[None]:
     through a mount into an image layer once did that unseen, and every later sandbox lacked python3."""
     from agentenv.api import DEFAULT_IMAGE
 
-    before = _layer_census(DEFAULT_IMAGE)
+    layers = _image_layers(DEFAULT_IMAGE)
+    before = _census(layers)
     yield
-    after = _layer_census(DEFAULT_IMAGE)
+    after = _census(layers)
     lost = {d: (n, after.get(d, 0)) for d, n in before.items() if after.get(d, 0) < n}
     assert not lost, f"{DEFAULT_IMAGE}'s layers lost files during this module (entries before, after): {lost}"
 
