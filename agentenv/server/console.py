@@ -40,7 +40,7 @@ COOKIE = "agentenv_console"
 SESSION_SECONDS = 12 * 3600
 MAX_SESSIONS = 256  # the oldest session is dropped past this many logins
 TICK = 1.0  # seconds between two readings on an event stream
-STREAM_SECONDS = 60.0  # an event stream ends after this long (the browser reconnects), so none holds a shutdown up
+STREAM_SECONDS = 15.0  # an event stream ends after this long (the browser reconnects), so none holds a shutdown up
 MAX_STREAMS = 16  # event streams open at once
 ACTION_HEADER = "x-agentenv-console"
 STATIC = Path(__file__).with_name("console_static")
@@ -86,6 +86,7 @@ class Sessions:
 def install(app: Any) -> None:
     """Serve the console on ``app`` (made by ``create_app``, whose state holds the token and the service)."""
     app.state.console_sessions = Sessions()
+    app.state.console_readings = Readings()
     app.include_router(router)
 
 
@@ -166,6 +167,7 @@ def page(request: Request, page: str = "") -> Response:
 def _reading(last: dict[str, usage.Usage]) -> dict[str, Any]:
     """Every sandbox (with its usage when it runs: CPU share since ``last``'s reading of it) and every snapshot."""
     rows = []
+    seen = {}
     for sb in Sandbox.list():
         info = sb.info()
         row = info.to_wire() | {"parent_snapshot": sb.parent_snapshot, "cpu_pct": None, "mem_used": None,
@@ -175,17 +177,35 @@ def _reading(last: dict[str, usage.Usage]) -> dict[str, Any]:
             before = last.get(sb.id)
             row.update(mem_used=now.mem_used, disk_used=now.disk_used,
                        cpu_pct=None if before is None else round(usage.cpu_share(before, now, info.limits.cpus), 1))
-            last[sb.id] = now
+            seen[sb.id] = now
         rows.append(row)
+    last.clear()
+    last.update(seen)
     return {"now": time.time(), "sandboxes": rows, "snapshots": [s.info().to_wire() for s in Snapshot.list()]}
+
+
+class Readings:
+    """One reading shared by every open page: taken at most once a TICK however many streams ask (each costs a
+    runc call per sandbox), off the event loop."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, usage.Usage] = {}
+        self._latest: tuple[float, dict[str, Any]] | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> dict[str, Any]:
+        async with self._lock:
+            if self._latest is None or time.monotonic() - self._latest[0] >= TICK * 0.9:
+                self._latest = (time.monotonic(), await run_in_threadpool(_reading, self._last))
+            return self._latest[1]
 
 
 @router.get("/api/state")
 async def state(request: Request) -> Response:
-    """One reading, as the event stream sends them (CPU shares are None: there is no earlier reading)."""
+    """The latest reading, as the event stream sends them (a CPU share is None until a second reading)."""
     if not _logged_in(request):
         return _unauthorized()
-    return JSONResponse(await run_in_threadpool(_reading, {}), headers=HEADERS)
+    return JSONResponse(await request.app.state.console_readings.get(), headers=HEADERS)
 
 
 @router.get("/api/events")
@@ -197,15 +217,15 @@ async def events(request: Request) -> Response:
     if sessions.streams >= MAX_STREAMS:
         return JSONResponse({"error": "TooManyStreams", "message": f"{MAX_STREAMS} console streams are open",
                              "fix": "close other console tabs", "id": None}, 429, HEADERS)
-    sessions.streams += 1
+    readings: Readings = request.app.state.console_readings
 
     async def stream() -> AsyncIterator[str]:
-        last: dict[str, usage.Usage] = {}
+        sessions.streams += 1  # counted here, where the finally is sure to run
         ends = time.monotonic() + STREAM_SECONDS
         try:
             yield "retry: 1000\n\n"
             while time.monotonic() < ends and _logged_in(request):
-                yield f"event: state\ndata: {json.dumps(await run_in_threadpool(_reading, last))}\n\n"
+                yield f"event: state\ndata: {json.dumps(await readings.get())}\n\n"
                 await asyncio.sleep(TICK)  # the pace of the readings (nothing waits on it)
         finally:
             sessions.streams -= 1

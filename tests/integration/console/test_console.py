@@ -183,8 +183,15 @@ def test_a_fork_shows_as_two_children_of_one_snapshot(browser, url, client):
         forked = parent.fork(2)  # a memory fork: its own snapshot is deleted once the children run
         kids += forked
         jar = {c["name"]: c["value"] for c in browser.get_cookies()}
-        rows = {r["id"]: r for r in httpx.get(f"{url}/console/api/state", cookies=jar).json()["sandboxes"]}
+        rows: dict[str, Any] = {}
+
+        def listed() -> bool:  # the console's readings are shared: wait for one taken after the fork
+            rows.update({r["id"]: r for r in httpx.get(f"{url}/console/api/state", cookies=jar).json()["sandboxes"]})
+            return all(k.id in rows for k in forked)
+
+        wait_for(listed, "the fork's children in the console's reading")
         (fork_snap,) = {rows[k.id]["parent_snapshot"] for k in forked}
+        assert fork_snap is not None
         group = f'li[data-kind="snapshot"][data-id="{fork_snap}"]'
         wait_for(lambda: all(present(browser, f'{group} > ul > li[data-id="{k.id}"]') for k in forked),
                  "the fork's two children under the fork's snapshot")
