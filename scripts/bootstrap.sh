@@ -37,6 +37,9 @@ apt_install docker.io runc containerd iptables iproute2 nftables util-linux debo
 # The sandbox volume (agentenv/host/volume.py): a sparse btrfs image on a loop device, with quotas, that agentenv
 # makes under each AGENTENV_HOME on first use. This kernel has no XFS quotas and no ext4 quota format.
 apt_install btrfs-progs
+# The web console's browser tests (tests/integration/console): headless Chromium driven through Debian's own
+# chromedriver (Selenium is pointed at /usr/bin/chromedriver, so it never downloads a browser).
+apt_install chromium chromium-driver
 modprobe -q loop 2>/dev/null || true
 modprobe -q btrfs 2>/dev/null || true
 # Sandboxes run in user namespaces (agentenv/host/userns.py). A lazy restore's CRIU opens a userfaultfd from inside

@@ -66,6 +66,12 @@ class Record:
         return self._rec.get("paused_snapshot")
 
     @property
+    def parent_snapshot(self) -> str | None:
+        """The snapshot this sandbox was restored or forked from (None for one created from an image); it may
+        have been deleted since (a fork's own snapshot is)."""
+        return self._rec.get("parent_snapshot")
+
+    @property
     def expires_at(self) -> float | None:
         return self._rec.get("expires_at")
 

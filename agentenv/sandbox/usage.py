@@ -74,7 +74,12 @@ def sample(sandboxes: Iterable[Parts], window: float = 0.2) -> dict[str, tuple[U
         after = read(sb)
         if after is None:
             continue
-        cpus = max(sb._spec().limits.cpus, 0.01)
-        spent = max(0.0, after.cpu_seconds - before.cpu_seconds) / max(after.at - before.at, 1e-6)
-        out[sid] = (after, min(100.0, 100.0 * spent / cpus))
+        out[sid] = (after, cpu_share(before, after, sb._spec().limits.cpus))
     return out
+
+
+def cpu_share(before: Usage, after: Usage, cpus: float) -> float:
+    """The share of its ``cpus`` (percent) a sandbox used between two readings (the console's live view keeps
+    the last one instead of waiting)."""
+    spent = max(0.0, after.cpu_seconds - before.cpu_seconds) / max(after.at - before.at, 1e-6)
+    return min(100.0, 100.0 * spent / max(cpus, 0.01))

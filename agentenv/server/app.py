@@ -20,6 +20,7 @@ from agentenv import __version__
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
 from agentenv.sandbox import store, warm
+from agentenv.server import console
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, jobs, sandboxes, server, snapshots
 from agentenv.server.routing import (
@@ -93,6 +94,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
 
     for module in (server, sandboxes, commands, jobs, files, snapshots):
         app.include_router(module.router)
+    console.install(app)  # the web console under /console (its own login: agentenv.server.console)
     if e2b is None:
         e2b = importlib.util.find_spec("e2b") is not None
     if domain is not None and not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?(:[0-9]{1,5})?", domain):
