@@ -1,6 +1,6 @@
 """The web console in a real browser (headless Chromium through Debian's chromedriver) against a real server and
 real sandboxes: its login, the live sandboxes table, the fork tree, an action, and what its cookie does not open.
-Each page's screenshot goes to docs/console/."""
+Each page's screenshot goes to docs/console/ with AGENTENV_SCREENSHOTS=1."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ from ..server_fixtures import TOKEN, threaded_server, wait_for
 
 pytestmark = pytest.mark.integration
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
-SHOTS = Path(__file__).resolve().parents[3] / "docs" / "console"
+DOCS_SHOTS = Path(__file__).resolve().parents[3] / "docs" / "console"
+# the docs' screenshots are retaken with AGENTENV_SCREENSHOTS=1; otherwise they go to a scratch folder (a test run
+# leaves the checkout as it was)
+SHOTS = DOCS_SHOTS if os.environ.get("AGENTENV_SCREENSHOTS") == "1" else \
+    Path(tempfile.gettempdir()) / "agentenv-console-shots"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 if not (os.path.exists(CHROMIUM) and os.path.exists(CHROMEDRIVER)) and not os.environ.get("CI"):
