@@ -1,0 +1,248 @@
+"""Snapshots that move between hosts: packed once into an archive, sent in chunks that each carry a sha256,
+unpacked into the receiving store atomically.
+
+The sending side (``export``) packs a snapshot's record and CRIU images (its store folder) and its files (its
+folder on the volume) as two tar archives, one after the other in ``<home>/exports/<id>/archive`` (numeric
+owners, xattrs, device nodes: an overlay's whiteouts and opaque folders survive), and lists the sha256 of every
+chunk in a manifest. The receiving side (``receive``) writes each chunk, once its digest matches, to a hidden
+part file under ``<home>/imports/``: a dropped connection leaves the chunks already checked, and the next try
+asks from the first one missing. A chunk that does not match is refused (TransferError) and never written.
+Only once every chunk is in is the archive unpacked, in the store's own staging folders (``store.writing``),
+renamed into place at the end: nothing half-made is ever listed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from agentenv.config import paths
+from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
+from agentenv.host import userns, volume
+from agentenv.sandbox import store
+from agentenv.sandbox.store import FORK_KIND, Snapshot
+
+CHUNK = 8 << 20  # bytes per chunk unless the receiver asks otherwise
+MIN_CHUNK, MAX_CHUNK = 64 << 10, 16 << 20  # the server answers bodies up to 32 MiB
+ORIGIN = "agentenv.imported_from"  # label of an imported snapshot: the url of the server it came from
+_TAR = ["--numeric-owner", "--xattrs", "--xattrs-include=*"]
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _folder(kind: str) -> Path:
+    d = paths().home / kind
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def check_chunk(chunk: int) -> int:
+    if not MIN_CHUNK <= chunk <= MAX_CHUNK:
+        raise ValueError(f"a chunk of {chunk} bytes is outside {MIN_CHUNK}..{MAX_CHUNK}; ask for one in that range")
+    return chunk
+
+
+def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
+    """The manifest of a snapshot's archive (packed on first use): its size, chunk size, every chunk's sha256,
+    and where its two tar archives (``meta``, ``files``) begin and end."""
+    check_chunk(chunk)
+    snap = Snapshot.get(snapshot_id)
+    if snap.labels.get("agentenv.kind") == FORK_KIND:
+        raise ValueError(f"{snap.id} is a fork's working snapshot (deleted when the fork is done); "
+                         "take a snapshot of a child to move it")
+    folder = _folder("exports") / snap.id
+    if not (folder / "parts.json").exists():
+        _pack(snap, folder)
+    manifest = folder / f"manifest-{chunk}.json"
+    with contextlib.suppress(FileNotFoundError):
+        return dict(json.loads(manifest.read_text()))
+    digests = []
+    with open(folder / "archive", "rb") as f:
+        while piece := f.read(chunk):
+            digests.append(hashlib.sha256(piece).hexdigest())
+    out = {"id": snap.id, "size": (folder / "archive").stat().st_size, "chunk": chunk, "digests": digests,
+           **json.loads((folder / "parts.json").read_text())}
+    tmp = manifest.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, manifest)
+    return out
+
+
+def _pack(snap: Snapshot, folder: Path) -> None:
+    """Write ``archive`` (the store folder's tar, then the files' tar) and ``parts.json`` into ``folder``,
+    built in a hidden folder and renamed into place."""
+    tmp = folder.parent / f".tmp-{snap.id}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        parts: dict[str, Any] = {"layer": snap.layer, "files": None}
+        with open(tmp / "archive", "wb") as out:
+            _tar_create(snap.path, out, exclude=userns.LEASE)
+            parts["meta"] = [0, out.tell()]
+            if snap.files.is_dir():
+                start = out.tell()
+                _tar_create(snap.files, out)
+                parts["files"] = [start, out.tell() - start]
+        (tmp / "parts.json").write_text(json.dumps(parts))
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another request packed it meanwhile: theirs is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _tar_create(src: Path, out: Any, exclude: str | None = None) -> None:
+    out.flush()
+    # deterministic: packed again (the sender restarted, its archive was dropped) it has the same digests, so
+    # a receiver's chunks stay good; pax headers without tar's pid, atime or ctime
+    args = ["tar", "--create", "--file=-", "--format=posix", "--sparse", *_TAR, "-C", str(src),
+            "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime"]
+    if exclude:
+        args.append(f"--exclude=./{exclude}")
+    r = subprocess.run([*args, "."], stdout=out, stderr=subprocess.PIPE, check=False)
+    if r.returncode != 0:
+        raise SandboxError(f"could not pack {src}: {r.stderr.decode(errors='replace')[-500:]}")
+
+
+def read_chunk(snapshot_id: str, index: int, chunk: int = CHUNK) -> bytes:
+    """Chunk ``index`` of a snapshot's archive (``export`` packs it first)."""
+    check_chunk(chunk)
+    blob = paths().home / "exports" / os.path.basename(snapshot_id) / "archive"
+    try:
+        with open(blob, "rb") as f:
+            f.seek(index * chunk)
+            return f.read(chunk)
+    except FileNotFoundError:
+        raise SnapshotNotFound(f"no export of {snapshot_id!r} here", fix="ask for its manifest first") from None
+
+
+def drop_export(snapshot_id: str) -> bool:
+    """Remove a snapshot's packed archive (once a receiver has it all); False if there was none."""
+    folder = paths().home / "exports" / os.path.basename(snapshot_id)
+    if not folder.exists():
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True
+
+
+def _checked(manifest: Any) -> dict[str, Any]:
+    """The manifest, its fields checked (bad input from the sender is a TransferError, not a crash)."""
+    try:
+        sid, size, chunk, digests = manifest["id"], manifest["size"], manifest["chunk"], manifest["digests"]
+        ok = (isinstance(sid, str) and _ID.match(sid) and isinstance(size, int) and isinstance(chunk, int)
+              and MIN_CHUNK <= chunk <= MAX_CHUNK and isinstance(digests, list)
+              and len(digests) == -(-size // chunk) and all(isinstance(d, str) and _HEX.match(d) for d in digests))
+        for part in ("meta", "files"):
+            p = manifest[part]
+            ok = ok and (p is None and part == "files" or isinstance(p, list) and len(p) == 2
+                         and all(isinstance(v, int) and 0 <= v <= size for v in p))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise TransferError("the sending server's manifest is malformed; nothing was kept",
+                            fix="check that both servers run the same agentenv version")
+    return dict(manifest)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[Snapshot, dict[str, int]]:
+    """Bring the snapshot of ``manifest`` into this store, ``fetch(i)`` giving chunk ``i``; resumes from the
+    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``."""
+    m = _checked(manifest)
+    sid, chunk, digests = m["id"], m["chunk"], m["digests"]
+    with contextlib.suppress(SnapshotNotFound):
+        return Snapshot.get(sid), {"chunks": len(digests), "fetched": 0, "resumed_at": len(digests)}
+    staging = _folder("imports")
+    part, key = staging / f".part-{sid}", staging / f".part-{sid}.json"
+    with _locked(staging / f".lock-{sid}"):
+        same = key.exists() and json.loads(key.read_text()) == {"size": m["size"], "chunk": chunk, "digests": digests}
+        have = min(part.stat().st_size // chunk, len(digests)) if same and part.exists() else 0
+        if not same:
+            key.write_text(json.dumps({"size": m["size"], "chunk": chunk, "digests": digests}))
+        with open(part, "ab" if have else "wb") as f:
+            f.truncate(have * chunk)
+            for i in range(have, len(digests)):
+                data = fetch(i)
+                want = min(chunk, m["size"] - i * chunk)
+                if len(data) != want or hashlib.sha256(data).hexdigest() != digests[i]:
+                    raise TransferError(f"chunk {i} of snapshot {sid} arrived damaged ({len(data)} bytes, sha256 "
+                                        f"{hashlib.sha256(data).hexdigest()[:12]}..., not {digests[i][:12]}...); "
+                                        "it was refused and nothing was kept",
+                                        fix="retry: the chunks before it are kept and the next try resumes there")
+                f.write(data)
+        snap = _unpack(part, m, origin)
+        part.unlink()
+        key.unlink()
+    return snap, {"chunks": len(digests), "fetched": len(digests) - have, "resumed_at": have}
+
+
+def _unpack(archive: Path, m: dict[str, Any], origin: str) -> Snapshot:
+    """Unpack a complete archive into the store, published atomically (``store.writing``)."""
+    with store.writing(m["id"]) as tmp:
+        files = store.files_of(tmp)
+        _tar_extract(archive, m["meta"][0], tmp)
+        (tmp / userns.LEASE).unlink(missing_ok=True)
+        try:
+            rec = json.loads((tmp / "meta.json").read_text())
+            snap = Snapshot(**rec)
+        except (OSError, ValueError, TypeError) as e:
+            raise TransferError(f"the archive of {m['id']} holds no valid snapshot record ({e}); nothing was kept",
+                                fix="check that both servers run the same agentenv version") from e
+        if snap.id != m["id"]:
+            raise TransferError(f"the archive of {m['id']} holds snapshot {snap.id}; nothing was kept")
+        if m["files"] is not None:
+            if m.get("layer"):  # a subvolume again, so that restores clone it whole
+                files.rmdir()
+                volume.make_layer(files, None)
+            _tar_extract(archive, m["files"][0], files)
+        uids = snap.spec.get("uids")
+        if uids is not None:
+            _claim(int(uids), origin, tmp)
+        snap = dataclasses.replace(snap, layer=volume.is_subvolume(files), owner=None, size_bytes=store.size_of(tmp),
+                                   labels={**snap.labels, ORIGIN: origin})
+        store.write_meta(tmp, snap)
+    return snap
+
+
+def _tar_extract(archive: Path, offset: int, dest: Path) -> None:
+    with open(archive, "rb") as f:
+        f.seek(offset)
+        r = subprocess.run(["tar", "--extract", "--file=-", *_TAR, "--same-owner", "--same-permissions",
+                            "-C", str(dest)], stdin=f, stderr=subprocess.PIPE, check=False)
+    if r.returncode != 0:
+        raise TransferError(f"could not unpack into {dest.name}: {r.stderr.decode(errors='replace')[-500:]}; "
+                            "nothing was kept")
+
+
+def _claim(uids: int, origin: str, holder: Path) -> None:
+    """Hold the snapshot's uid range here (its files are those uids); refused when a family of this host holds
+    it (its owners are not re-mapped on import: CRIU's images name the same ids)."""
+    userns.index_of(uids)
+    if userns.held(uids) and not any(s.spec.get("uids") == uids and s.labels.get(ORIGIN) == origin
+                                     for s in Snapshot.list()):
+        raise SandboxError(f"the snapshot's uid range {uids} is held by another sandbox family on this server; "
+                           "nothing was kept",
+                           fix="restore it on another server, or once the sandboxes and snapshots of that range "
+                               "here are gone")
+    userns.hold(uids, holder)
