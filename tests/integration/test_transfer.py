@@ -4,6 +4,7 @@ refused with nothing kept; a cut-off import resumes where it stopped."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -92,7 +93,9 @@ class Proxy:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
+            for s in (src, dst):  # shutdown first: it wakes the other direction's recv (close alone would not)
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
                 s.close()
 
     def close(self) -> None:
