@@ -191,7 +191,12 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[
                                         "it was refused and nothing was kept",
                                         fix="retry: the chunks before it are kept and the next try resumes there")
                 f.write(data)
-        snap = _unpack(part, m, origin)
+        try:
+            snap = _unpack(part, m, origin)
+        except TransferError:  # every chunk matched yet it is no snapshot: start afresh next time
+            part.unlink()
+            key.unlink()
+            raise
         part.unlink()
         key.unlink()
     return snap, {"chunks": len(digests), "fetched": len(digests) - have, "resumed_at": have}

@@ -89,7 +89,9 @@ def export_manifest(snapshot_id: SnapshotId, chunk: Chunk = transfer.CHUNK) -> R
     return WireResponse(transfer.export(snapshot_id, chunk))
 
 
-@router.get("/v1/snapshots/{snapshot_id}/export/{index}", responses=error_responses(400, 401, 404, 422))
+@router.get("/v1/snapshots/{snapshot_id}/export/{index}", response_class=Response,
+            responses={**error_responses(400, 401, 404, 422),
+                       200: {"content": {"application/octet-stream": {}}, "description": "the chunk's bytes"}})
 def export_chunk(snapshot_id: SnapshotId, index: Annotated[int, PathParam(ge=0, le=1 << 24)],
                  chunk: Chunk = transfer.CHUNK) -> Response:
     return Response(transfer.read_chunk(snapshot_id, index, chunk), media_type="application/octet-stream")
