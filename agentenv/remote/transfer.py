@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import httpx
+
 from agentenv.errors import AgentEnvError, TransferError
 from agentenv.remote.client import Client
 from agentenv.sandbox import transfer
@@ -23,7 +25,11 @@ def pull(source: str, token: str, snapshot_id: str, *, chunk: int = transfer.CHU
          retries: int = 3) -> tuple[Snapshot, dict[str, int]]:
     """Import ``snapshot_id`` from the server at ``source``; returns it and the transfer's counts."""
     transfer.check_chunk(chunk)
-    with Client(source, token, retries=retries) as c:
+    try:
+        client = Client(source, token, retries=retries)
+    except httpx.InvalidURL as e:
+        raise ValueError(f"the source {source!r} is not a server url ({e}); give one like http://10.0.0.2:8700") from e
+    with client as c:
         path = f"/v1/snapshots/{snapshot_id}/export"
         manifest = c.request("GET", path, params={"chunk": chunk}, idempotent=True, timeout=PACK_TIMEOUT)
 
