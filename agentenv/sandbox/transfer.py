@@ -7,8 +7,9 @@ owners, xattrs, device nodes: an overlay's whiteouts and opaque folders survive)
 chunk in a manifest. The receiving side (``receive``) writes each chunk, once its digest matches, to a hidden
 part file under ``<home>/imports/``: a dropped connection leaves the chunks already checked, and the next try
 asks from the first one missing. A chunk that does not match is refused (TransferError) and never written.
-Only once every chunk is in is the archive unpacked, in the store's own staging folders (``store.writing``),
-renamed into place at the end: nothing half-made is ever listed.
+Checked chunks are unpacked as they come (a tar process per part, so unpacking overlaps the download), into
+the store's own staging folders (``store.writing``), renamed into place once the last is in: nothing
+half-made is ever listed.
 """
 
 from __future__ import annotations
@@ -168,76 +169,145 @@ def _locked(path: Path) -> Iterator[None]:
 
 def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[Snapshot, dict[str, int]]:
     """Bring the snapshot of ``manifest`` into this store, ``fetch(i)`` giving chunk ``i``; resumes from the
-    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``."""
+    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``.
+
+    The chunks are unpacked as they come (two tar processes fed the checked bytes), into the store's staging
+    folders: a damaged chunk or a cut stops it and the staging folders go; the part file keeps what was checked."""
     m = _checked(manifest)
     sid, chunk, digests = m["id"], m["chunk"], m["digests"]
     with contextlib.suppress(SnapshotNotFound):
         return Snapshot.get(sid), {"chunks": len(digests), "fetched": 0, "resumed_at": len(digests)}
     staging = _folder("imports")
     part, key = staging / f".part-{sid}", staging / f".part-{sid}.json"
+    mine = {"size": m["size"], "chunk": chunk, "digests": digests}
     with _locked(staging / f".lock-{sid}"):
-        same = key.exists() and json.loads(key.read_text()) == {"size": m["size"], "chunk": chunk, "digests": digests}
+        same = key.exists() and json.loads(key.read_text()) == mine
         have = min(part.stat().st_size // chunk, len(digests)) if same and part.exists() else 0
         if not same:
-            key.write_text(json.dumps({"size": m["size"], "chunk": chunk, "digests": digests}))
-        with open(part, "ab" if have else "wb") as f:
-            f.truncate(have * chunk)
-            for i in range(have, len(digests)):
-                data = fetch(i)
-                want = min(chunk, m["size"] - i * chunk)
-                if len(data) != want or hashlib.sha256(data).hexdigest() != digests[i]:
-                    raise TransferError(f"chunk {i} of snapshot {sid} arrived damaged ({len(data)} bytes, sha256 "
-                                        f"{hashlib.sha256(data).hexdigest()[:12]}..., not {digests[i][:12]}...); "
-                                        "it was refused and nothing was kept",
-                                        fix="retry: the chunks before it are kept and the next try resumes there")
-                f.write(data)
+            key.write_text(json.dumps(mine))
         try:
-            snap = _unpack(part, m, origin)
-        except TransferError:  # every chunk matched yet it is no snapshot: start afresh next time
-            part.unlink()
-            key.unlink()
+            with store.writing(sid) as tmp, _Unpacker(m, tmp) as unpack, open(part, "ab" if have else "wb") as f:
+                f.truncate(have * chunk)
+                with open(part, "rb") as kept:  # what an earlier try checked in, unpacked first
+                    for i in range(have):
+                        unpack.feed(i * chunk, kept.read(chunk))
+                for i in range(have, len(digests)):
+                    data = fetch(i)
+                    _verify(data, i, m)
+                    f.write(data)
+                    unpack.feed(i * chunk, data)
+                unpack.close()
+                snap = _finish(tmp, m, origin)
+        except TransferError as e:
+            if unpack_failed(e):  # every chunk matched yet it is no snapshot: start afresh next time
+                part.unlink(missing_ok=True)
+                key.unlink(missing_ok=True)
             raise
         part.unlink()
         key.unlink()
     return snap, {"chunks": len(digests), "fetched": len(digests) - have, "resumed_at": have}
 
 
-def _unpack(archive: Path, m: dict[str, Any], origin: str) -> Snapshot:
-    """Unpack a complete archive into the store, published atomically (``store.writing``)."""
-    with store.writing(m["id"]) as tmp:
-        files = store.files_of(tmp)
-        _tar_extract(archive, m["meta"][0], tmp)
-        (tmp / userns.LEASE).unlink(missing_ok=True)
-        try:
-            rec = json.loads((tmp / "meta.json").read_text())
-            snap = Snapshot(**rec)
-        except (OSError, ValueError, TypeError) as e:
-            raise TransferError(f"the archive of {m['id']} holds no valid snapshot record ({e}); nothing was kept",
-                                fix="check that both servers run the same agentenv version") from e
-        if snap.id != m["id"]:
-            raise TransferError(f"the archive of {m['id']} holds snapshot {snap.id}; nothing was kept")
-        if m["files"] is not None:
-            if m.get("layer"):  # a subvolume again, so that restores clone it whole
-                files.rmdir()
-                volume.make_layer(files, None)
-            _tar_extract(archive, m["files"][0], files)
-        uids = snap.spec.get("uids")
-        if uids is not None:
-            _claim(int(uids), origin, tmp)
-        snap = dataclasses.replace(snap, layer=volume.is_subvolume(files), owner=None, size_bytes=store.size_of(tmp),
-                                   labels={**snap.labels, ORIGIN: origin})
-        store.write_meta(tmp, snap)
+def _verify(data: bytes, i: int, m: dict[str, Any]) -> None:
+    want, digest = min(m["chunk"], m["size"] - i * m["chunk"]), hashlib.sha256(data).hexdigest()
+    if len(data) != want or digest != m["digests"][i]:
+        raise TransferError(f"chunk {i} of snapshot {m['id']} arrived damaged ({len(data)} bytes, sha256 "
+                            f"{digest[:12]}..., not {m['digests'][i][:12]}...); it was refused and nothing was kept",
+                            fix="retry: the chunks before it are kept and the next try resumes there")
+
+
+_NOT_A_SNAPSHOT = "holds no valid snapshot"
+
+
+def unpack_failed(e: TransferError) -> bool:
+    """True for an archive whose chunks all matched but which is no snapshot (not a damaged chunk)."""
+    return "could not unpack" in str(e) or _NOT_A_SNAPSHOT in str(e)
+
+
+class _Unpacker:
+    """Two tar processes, one per part of the archive (the store folder into ``tmp``, the files into
+    ``files_of(tmp)``), fed the archive's bytes in order."""
+
+    def __init__(self, m: dict[str, Any], tmp: Path) -> None:
+        self.m, self.tmp = m, tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def __enter__(self) -> _Unpacker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for pipe in (p.stdin, p.stderr):
+                if pipe is not None:
+                    pipe.close()
+
+    def _tar(self, part: str) -> subprocess.Popen[bytes]:
+        if part not in self.procs:
+            dest = self.tmp
+            if part == "files":
+                dest = store.files_of(self.tmp)
+                if self.m.get("layer"):  # a subvolume again, so that restores clone it whole
+                    dest.rmdir()
+                    volume.make_layer(dest, None)
+            self.procs[part] = subprocess.Popen(
+                ["tar", "--extract", "--file=-", *_TAR, "--same-owner", "--same-permissions", "-C", str(dest)],
+                stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        return self.procs[part]
+
+    def feed(self, offset: int, data: bytes) -> None:
+        for part in ("meta", "files"):
+            span = self.m[part]
+            if span is None:
+                continue
+            lo, hi = max(offset, span[0]), min(offset + len(data), span[0] + span[1])
+            if lo < hi:
+                p = self._tar(part)
+                assert p.stdin is not None
+                try:
+                    p.stdin.write(data[lo - offset:hi - offset])
+                except BrokenPipeError:
+                    self._failed(part)
+
+    def close(self) -> None:
+        for part in ("meta", "files"):
+            if self.m[part] is not None:
+                p = self._tar(part)
+                assert p.stdin is not None
+                with contextlib.suppress(BrokenPipeError):
+                    p.stdin.close()
+                if p.wait() != 0:
+                    self._failed(part)
+
+    def _failed(self, part: str) -> None:
+        p = self.procs[part]
+        p.kill()
+        p.wait()
+        err = p.stderr.read().decode(errors="replace")[-500:] if p.stderr else ""
+        raise TransferError(f"could not unpack the {part} of {self.m['id']}: {err}; nothing was kept")
+
+
+def _finish(tmp: Path, m: dict[str, Any], origin: str) -> Snapshot:
+    """The record of the unpacked snapshot in ``tmp``, checked, its uid range held here, written last."""
+    files = store.files_of(tmp)
+    (tmp / userns.LEASE).unlink(missing_ok=True)
+    try:
+        snap = Snapshot(**json.loads((tmp / "meta.json").read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise TransferError(f"the archive of {m['id']} {_NOT_A_SNAPSHOT} record ({e}); nothing was kept",
+                            fix="check that both servers run the same agentenv version") from e
+    if snap.id != m["id"]:
+        raise TransferError(f"the archive of {m['id']} {_NOT_A_SNAPSHOT} record: it names {snap.id}; nothing "
+                            "was kept")
+    uids = snap.spec.get("uids")
+    if uids is not None:
+        _claim(int(uids), origin, tmp)
+    snap = dataclasses.replace(snap, layer=volume.is_subvolume(files), owner=None, size_bytes=store.size_of(tmp),
+                               labels={**snap.labels, ORIGIN: origin})
+    store.write_meta(tmp, snap)
     return snap
-
-
-def _tar_extract(archive: Path, offset: int, dest: Path) -> None:
-    with open(archive, "rb") as f:
-        f.seek(offset)
-        r = subprocess.run(["tar", "--extract", "--file=-", *_TAR, "--same-owner", "--same-permissions",
-                            "-C", str(dest)], stdin=f, stderr=subprocess.PIPE, check=False)
-    if r.returncode != 0:
-        raise TransferError(f"could not unpack into {dest.name}: {r.stderr.decode(errors='replace')[-500:]}; "
-                            "nothing was kept")
 
 
 def _claim(uids: int, origin: str, holder: Path) -> None:
