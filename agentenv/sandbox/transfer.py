@@ -14,18 +14,21 @@ half-made is ever listed.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import fcntl
 import hashlib
+import itertools
 import json
 import os
 import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from agentenv.config import paths
 from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
@@ -35,6 +38,7 @@ from agentenv.sandbox.store import FORK_KIND, Snapshot
 
 CHUNK = 8 << 20  # bytes per chunk unless the receiver asks otherwise
 MIN_CHUNK, MAX_CHUNK = 64 << 10, 16 << 20  # the server answers bodies up to 32 MiB
+AHEAD = 3  # chunk requests a receiver keeps in flight
 ORIGIN = "agentenv.imported_from"  # label of an imported snapshot: the url of the server it came from
 _TAR = ["--numeric-owner", "--xattrs", "--xattrs-include=*"]
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -191,11 +195,7 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[
                 with open(part, "rb") as kept:  # what an earlier try checked in, unpacked first
                     for i in range(have):
                         unpack.feed(i * chunk, kept.read(chunk))
-                for i in range(have, len(digests)):
-                    data = fetch(i)
-                    _verify(data, i, m)
-                    f.write(data)
-                    unpack.feed(i * chunk, data)
+                _pipeline(fetch, range(have, len(digests)), m, f, unpack)
                 unpack.close()
                 snap = _finish(tmp, m, origin)
         except TransferError as e:
@@ -206,6 +206,34 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[
         part.unlink()
         key.unlink()
     return snap, {"chunks": len(digests), "fetched": len(digests) - have, "resumed_at": have}
+
+
+def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO,
+              unpack: _Unpacker) -> None:
+    """Fetch ``indices`` (AHEAD requests in flight), check each in order, append it to the part file and hand it
+    to the tar processes in a thread of their own: the download, the checks and the unpacking overlap."""
+    pending: collections.deque[Future[bytes]] = collections.deque()
+    fed: Future[None] | None = None
+    with ThreadPoolExecutor(AHEAD, thread_name_prefix="agentenv-pull") as pool, \
+            ThreadPoolExecutor(1, thread_name_prefix="agentenv-unpack") as feeder:
+        try:
+            ahead = iter(indices)
+            for i in itertools.islice(ahead, AHEAD):
+                pending.append(pool.submit(fetch, i))
+            for i in indices:
+                data = pending.popleft().result()
+                for j in itertools.islice(ahead, 1):
+                    pending.append(pool.submit(fetch, j))
+                _verify(data, i, m)
+                part.write(data)
+                if fed is not None:
+                    fed.result()
+                fed = feeder.submit(unpack.feed, i * m["chunk"], data)
+            if fed is not None:
+                fed.result()
+        finally:
+            for p in pending:
+                p.cancel()
 
 
 def _verify(data: bytes, i: int, m: dict[str, Any]) -> None:
