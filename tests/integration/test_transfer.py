@@ -56,12 +56,13 @@ def servers() -> Iterator[tuple[list[str], list[Path]]]:
 
 
 class Proxy:
-    """A loopback TCP proxy that damages the first reply stream past ``after`` bytes: ``cut`` closes it there,
-    ``flip`` inverts that byte."""
+    """A loopback TCP proxy that damages the replies once ``after`` bytes of them (all connections together) have
+    passed: ``cut`` closes that connection there, ``flip`` inverts that byte."""
 
     def __init__(self, target: str, after: int, mode: str) -> None:
         self.port = int(target.rsplit(":", 1)[1])
         self.after, self.mode, self.done = after, mode, threading.Event()
+        self.seen, self.lock = 0, threading.Lock()
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
@@ -77,18 +78,17 @@ class Proxy:
             threading.Thread(target=self._pipe, args=(upstream, client, True), daemon=True).start()
 
     def _pipe(self, src: socket.socket, dst: socket.socket, reply: bool) -> None:
-        seen = 0
         try:
             while data := src.recv(65536):
-                if reply and not self.done.is_set() and seen + len(data) > self.after:
-                    at = self.after - seen
-                    if self.mode == "cut":
-                        dst.sendall(data[:at])
+                if reply:
+                    with self.lock:  # the reply bytes of every connection, counted together
+                        at, self.seen = self.after - self.seen, self.seen + len(data)
+                    if not self.done.is_set() and 0 <= at < len(data):
                         self.done.set()
-                        break
-                    data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
-                    self.done.set()
-                seen += len(data)
+                        if self.mode == "cut":
+                            dst.sendall(data[:at])
+                            break
+                        data = data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1:]
                 dst.sendall(data)
         except OSError:
             pass
