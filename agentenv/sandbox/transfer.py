@@ -210,8 +210,8 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[
 
 def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO,
               unpack: _Unpacker) -> None:
-    """Fetch ``indices`` (AHEAD requests in flight), check each in order, append it to the part file and hand it
-    to the tar processes in a thread of their own: the download, the checks and the unpacking overlap."""
+    """Fetch ``indices`` (AHEAD requests in flight), check each in order, and hand it to a thread of its own that
+    appends it to the part file and feeds the tar processes: the download, the checks and the unpacking overlap."""
     pending: collections.deque[Future[bytes]] = collections.deque()
     fed: Future[None] | None = None
     with ThreadPoolExecutor(AHEAD, thread_name_prefix="agentenv-pull") as pool, \
@@ -225,15 +225,20 @@ def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], 
                 for j in itertools.islice(ahead, 1):
                     pending.append(pool.submit(fetch, j))
                 _verify(data, i, m)
-                part.write(data)
                 if fed is not None:
                     fed.result()
-                fed = feeder.submit(unpack.feed, i * m["chunk"], data)
+                fed = feeder.submit(_keep, part, unpack, i * m["chunk"], data)
             if fed is not None:
                 fed.result()
         finally:
             for p in pending:
                 p.cancel()
+
+
+def _keep(part: BinaryIO, unpack: _Unpacker, offset: int, data: bytes) -> None:
+    """A checked chunk: appended to the part file (what a later try resumes from), then unpacked."""
+    part.write(data)
+    unpack.feed(offset, data)
 
 
 def _verify(data: bytes, i: int, m: dict[str, Any]) -> None:
