@@ -65,7 +65,8 @@ def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     if snap.labels.get("agentenv.kind") == FORK_KIND:
         raise ValueError(f"{snap.id} is a fork's working snapshot (deleted when the fork is done); "
                          "take a snapshot of a child to move it")
-    folder = _folder("exports") / snap.id
+    store.exports().mkdir(mode=0o700, exist_ok=True)
+    folder = store.exports() / snap.id
     if not (folder / "parts.json").exists():
         _pack(snap, folder)
     manifest = folder / f"manifest-{chunk}.json"
@@ -124,7 +125,7 @@ def _tar_create(src: Path, out: Any, exclude: str | None = None) -> None:
 def read_chunk(snapshot_id: str, index: int, chunk: int = CHUNK) -> bytes:
     """Chunk ``index`` of a snapshot's archive (``export`` packs it first)."""
     check_chunk(chunk)
-    blob = paths().home / "exports" / os.path.basename(snapshot_id) / "archive"
+    blob = store.exports() / os.path.basename(snapshot_id) / "archive"
     try:
         with open(blob, "rb") as f:
             f.seek(index * chunk)
@@ -135,7 +136,7 @@ def read_chunk(snapshot_id: str, index: int, chunk: int = CHUNK) -> bytes:
 
 def drop_export(snapshot_id: str) -> bool:
     """Remove a snapshot's packed archive (once a receiver has it all); False if there was none."""
-    folder = paths().home / "exports" / os.path.basename(snapshot_id)
+    folder = store.exports() / os.path.basename(snapshot_id)
     if not folder.exists():
         return False
     shutil.rmtree(folder, ignore_errors=True)

@@ -63,3 +63,15 @@ def test_the_routes_refuse_bad_chunk_sizes_and_unknown_snapshots(client):
     r = client.post("/v1/snapshots/import", json={"id": "snap-x", "source": "file:///etc", "token": "t"}, headers=auth)
     assert r.status_code == 422
     assert client.get("/v1/snapshots/snap-none/export").status_code == 401
+
+
+def test_gc_drops_the_packed_archives_of_snapshots_gone_and_keeps_the_others(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    from agentenv.sandbox import store
+
+    for sid in ("snap-kept", "snap-gone"):
+        (store.exports() / sid).mkdir(parents=True)
+        (store.exports() / sid / "archive").write_bytes(b"x")
+    (tmp_path / "snapshots" / "snap-kept").mkdir(parents=True)
+    assert "snap-gone" in store.gc()
+    assert sorted(d.name for d in store.exports().iterdir()) == ["snap-kept"]

@@ -68,8 +68,7 @@ def get_snapshot(snapshot_id: SnapshotId) -> Response:
 def delete_snapshot(snapshot_id: SnapshotId,
                     background: Annotated[bool, Query(description="remove the files off the request")] = False,
                     ) -> Response:
-    Snapshot.get(snapshot_id).delete(background=background)
-    transfer.drop_export(snapshot_id)
+    Snapshot.get(snapshot_id).delete(background=background)  # its packed archive too, if any
     return WireResponse({"id": snapshot_id, "state": "deleted"})
 
 
