@@ -44,6 +44,10 @@ class CheckpointError(AgentEnvError):
     """A memory snapshot or restore failed in CRIU; the message names the cause and the fix."""
 
 
+class TransferError(AgentEnvError):
+    """A snapshot sent between servers arrived damaged (a chunk whose sha256 differs); nothing was kept."""
+
+
 class StoreFullError(AgentEnvError, OSError):
     """The snapshot store ran out of space (or reached its configured limit); nothing partial was kept."""
 
@@ -110,7 +114,7 @@ _STATUS: list[tuple[type[BaseException], int]] = [
     (QuotaExceeded, 429),
     (StoreFullError, 507),
     (DiskLimitUnsupported, 501), (NetworkUnavailable, 501), (MemorySharingUnsupported, 501),
-    (ConnectionLost, 502),
+    (ConnectionLost, 502), (TransferError, 502),
     (AgentEnvError, 500),
     (FileNotFoundError, 404), (ProcessLookupError, 404), (PermissionError, 403),
     (IsADirectoryError, 409), (NotADirectoryError, 409), (FileExistsError, 409), (BrokenPipeError, 409),

@@ -57,6 +57,7 @@ class Client:
 
     def __init__(self, url: str, token: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3) -> None:
         self.url = url.rstrip("/")
+        self.token = token  # handed to another server only to pull a snapshot from this one (Pool.restore)
         self.timeout, self.retries = timeout, retries
         self.down = False
         self.on_sandbox: Callable[[RemoteSandbox], None] | None = None  # told of every sandbox it hands out

@@ -6,6 +6,10 @@ restore goes to the server holding the snapshot. A server that stops answering i
 sandboxes skip it, its sandboxes are reported lost (``Pool.lost()``, and ``state == 'lost'``), and
 the other servers keep working. A down server is probed again at most every ``reprobe`` seconds.
 ``Pool.from_ray()`` finds the servers of a Ray cluster's fleet (``agentenv.remote.fleet``).
+
+A restore runs on the server holding the snapshot while it has room, else (or with ``server=``) on another,
+which first pulls the snapshot from its owner (``POST /v1/snapshots/import``: chunks checked by sha256,
+resumable); ``move`` takes a sandbox to another server that way (pause, pull, restore there, close here).
 """
 
 from __future__ import annotations
@@ -123,10 +127,18 @@ class Pool:
         ranked = sorted(self._each(lambda c: c.server_info()), key=key, reverse=True)
         return [c for c, info in ranked if info["capacity"]["free_sandboxes"] > 0]
 
-    def place(self, fn: Callable[[Client], T]) -> T:
-        """Run ``fn`` on the server with the most free capacity, falling back to the next when one is full or down."""
+    def client(self, url: str) -> Client:
+        """The pool's client of the server at ``url``; ValueError if the pool has none."""
+        for c in self.clients:
+            if c.url == url.rstrip("/"):
+                return c
+        raise ValueError(f"{url} is not a server of this pool; pass one of {[c.url for c in self.clients]}")
+
+    def place(self, fn: Callable[[Client], T], order: list[Client] | None = None) -> T:
+        """Run ``fn`` on the server with the most free capacity (or the first of ``order``), falling back to the
+        next when one is full or down."""
         last: AgentEnvError | None = None
-        for c in self._by_free_capacity():
+        for c in self._by_free_capacity() if order is None else order:
             try:
                 return fn(c)
             except (QuotaExceeded, ConnectionLost) as e:
@@ -134,6 +146,15 @@ class Pool:
         if last is not None:
             raise last
         raise QuotaExceeded("no server in the pool has room for a sandbox (or none answers)", retry_after=5.0)
+
+
+def import_snapshot(target: Client, owner: Client, snapshot_id: str, *, chunk_size: int | None = None,
+                    retries: int = 3) -> dict[str, Any]:
+    """Have ``target`` pull ``snapshot_id`` from ``owner``; the reply's counts (chunks, fetched, resumed_at)."""
+    body: dict[str, Any] = {"id": snapshot_id, "source": owner.url, "token": owner.token, "retries": retries}
+    if chunk_size is not None:
+        body["chunk_size"] = chunk_size
+    return dict(target.request("POST", "/v1/snapshots/import", body, timeout=max(target.timeout, 600.0)))
 
 
 class PoolSandboxAPI:
@@ -145,11 +166,40 @@ class PoolSandboxAPI:
     def create(self, image: str = DEFAULT_IMAGE, **kwargs: Any) -> RemoteSandbox:
         return self._pool.place(lambda c: c.Sandbox.create(image, **kwargs))
 
-    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
+    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None,
+                server: str | None = None) -> RemoteSandbox:
+        """A sandbox from ``snapshot`` on ``server`` (a url of the pool), else on its owner while that has room,
+        else on the freest server; one that lacks the snapshot pulls it from the owner first."""
         if not isinstance(snapshot, RemoteSnapshot) or snapshot.client is None:
             snapshot = self._pool.Snapshot.get(snapshot if isinstance(snapshot, str) else snapshot.id)
-        assert snapshot.client is not None  # a snapshot the pool found names its server
-        return snapshot.client.Sandbox.restore(snapshot, labels=labels)
+        owner = snapshot.client
+        assert owner is not None  # a snapshot the pool found names its server
+        if server is not None:
+            return self._restore_on(self._pool.client(server), owner, snapshot.id, labels)
+        ranked = self._pool._by_free_capacity()
+        if owner in ranked:
+            ranked.remove(owner)
+            ranked.insert(0, owner)
+        return self._pool.place(lambda c: self._restore_on(c, owner, snapshot.id, labels), ranked)
+
+    def _restore_on(self, target: Client, owner: Client, snapshot_id: str,
+                    labels: dict[str, str] | None) -> RemoteSandbox:
+        if target is not owner:
+            try:
+                target.Snapshot.get(snapshot_id)
+            except SnapshotNotFound:
+                import_snapshot(target, owner, snapshot_id)
+        return target.Sandbox.restore(snapshot_id, labels=labels)
+
+    def move(self, sandbox: RemoteSandbox, server: str) -> RemoteSandbox:
+        """``sandbox`` carried to ``server``: paused here, pulled and restored there (a new id, the same files,
+        processes and memory), then closed here. What it had is the snapshot's: a copy, not a live migration."""
+        if sandbox.state == "paused":  # its pause snapshot is not named by the API: take a fresh one
+            sandbox.resume()
+        snap = sandbox.pause()
+        moved = self._restore_on(self._pool.client(server), sandbox.client, snap.id, dict(sandbox.labels))
+        sandbox.close()
+        return moved
 
     def get(self, sandbox_id: str) -> RemoteSandbox:
         return self._pool.first(lambda c: c.Sandbox.get(sandbox_id), SandboxNotFound,

@@ -119,10 +119,18 @@ class Snapshot(SnapshotInfo):
             raise SnapshotNotFound(f"no snapshot {self.id!r} in the store") from None
         with contextlib.suppress(FileNotFoundError):
             os.rename(p.snapshot_files / self.id, trash[1])
+        with contextlib.suppress(FileNotFoundError):  # its archive packed for another server (sandbox.transfer)
+            os.rename(exports() / self.id, exports() / f".del-{self.id}-{os.getpid()}")
+            trash.append(exports() / f".del-{self.id}-{os.getpid()}")
         if background:
             threading.Thread(target=remove, args=(trash,), name="agentenv-discard").start()
         else:
             remove(trash)
+
+
+def exports() -> Path:
+    """Where snapshots packed for another server lie (``agentenv.sandbox.transfer``): ``<home>/exports/<id>/``."""
+    return paths().home / "exports"
 
 
 def remove(folders: list[Path]) -> None:
@@ -325,7 +333,7 @@ def gc(max_age: float | None = None) -> list[str]:
     removed: list[str] = []
     now = time.time()
     keep = pausing()
-    for root in (p.snapshots, p.snapshot_files):  # the folders with meta.json first: their files may follow
+    for root in (p.snapshots, p.snapshot_files, exports()):  # the folders with meta.json first: files may follow
         try:
             entries = list(root.iterdir())
         except FileNotFoundError:
@@ -335,6 +343,9 @@ def gc(max_age: float | None = None) -> list[str]:
                 head, _, tail = d.name.rpartition("-")
                 pid = int(tail) if tail.isdigit() else 0
                 if (d.name.startswith(".tmp-") and head[len(".tmp-"):] in keep) or pid_alive(pid):
+                    continue
+            elif root == exports() and not d.name.startswith("."):  # an archive of a snapshot gone since
+                if (p.snapshots / d.name).exists():
                     continue
             elif root == p.snapshot_files and not d.name.startswith("."):
                 # files without their snapshot: a crash between the two renames of a publish, or of a delete

@@ -221,6 +221,30 @@ class RestoreRequest(_Body):
     labels: Labels = Field(default_factory=dict)
 
 
+_PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
+_SOURCE = (r"^https?://[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # a host name or IPv4 address, a port
+           r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*(?::" + _PORT + r")?$")
+
+
+class ImportRequest(_Body):
+    """Pull a snapshot from another server (``agentenv.remote.transfer``)."""
+
+    id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="the snapshot's id on the source")
+    source: str = Field(pattern=_SOURCE, max_length=200,
+                        description="the source server's base url, e.g. http://10.0.0.2:8700")
+    token: str = Field(min_length=1, max_length=4096, pattern=r"^[\x21-\x7e]+$",
+                       description="the source server's bearer token")
+    chunk_size: Int = Field(8 << 20, ge=64 << 10, le=16 << 20, description="bytes per chunk (each has a sha256)")
+    retries: Int = Field(3, ge=0, le=5, description="tries again per chunk after a dropped connection")
+
+
+class ImportResult(BaseModel):
+    snapshot: dict[str, Any]
+    chunks: int
+    fetched: int  # chunks this call brought
+    resumed_at: int  # chunks an earlier, cut-off import had already brought
+
+
 class KillRequest(_Body):
     signal: Int = Field(9, ge=1, le=64)
 
@@ -280,7 +304,8 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     """The OpenAPI ``responses`` of a route that can fail with these statuses (each an ``ErrorBody``)."""
     text = {401: "missing or wrong bearer token", 404: "no such sandbox, snapshot, file or process",
             409: "the operation does not fit the sandbox's state", 422: "the request does not match the schema",
-            429: "quota exceeded: see Retry-After", 507: "the snapshot store is full",
+            429: "quota exceeded: see Retry-After",
+            502: "the other server does not answer (ConnectionLost) or sent a damaged chunk (TransferError)", 507: "the snapshot store is full",
             403: "refused: by the server's policy (a sandbox without a disk limit: DiskLimitRequired), or a path "
                  "the file API does not touch (PermissionError)",
             501: "this host cannot enforce the disk limit (DiskLimitUnsupported) or give the network "

@@ -190,6 +190,15 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403",
 [[operations]]
 include-name = "POST /v1/sandboxes"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429", "5xx"]
+
+# an import pulls from the url it is given: one where no server answers is a documented 502 ConnectionLost
+# (a Bad Gateway), after the pull's connect timeout and retries; a well-formed host can still be no address
+# (all-digit labels that are no IPv4 address): a documented 400
+[[operations]]
+include-name = "POST /v1/snapshots/import"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429", "5xx"]
+checks.not_a_server_error.expected-statuses = ["2xx", "3xx", "4xx", "502"]
+checks.max_response_time = 60
 """
 
 

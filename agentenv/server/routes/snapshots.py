@@ -1,18 +1,24 @@
-"""Snapshots: take one, fork, pause and resume a sandbox; list, get, delete and restore snapshots."""
+"""Snapshots: take one, fork, pause and resume a sandbox; list, get, delete and restore snapshots; export one in
+chunks and import one from another server (``agentenv.sandbox.transfer``)."""
 
 from __future__ import annotations
 
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Response
+from fastapi import Path as PathParam
 
 from agentenv.api import SandboxInfo, SnapshotInfo
+from agentenv.remote.transfer import pull
+from agentenv.sandbox import transfer
 from agentenv.sandbox.store import Snapshot
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import (
     Deleted,
     ForkRequest,
+    ImportRequest,
+    ImportResult,
     RestoreRequest,
     SandboxId,
     SnapshotId,
@@ -62,7 +68,7 @@ def get_snapshot(snapshot_id: SnapshotId) -> Response:
 def delete_snapshot(snapshot_id: SnapshotId,
                     background: Annotated[bool, Query(description="remove the files off the request")] = False,
                     ) -> Response:
-    Snapshot.get(snapshot_id).delete(background=background)
+    Snapshot.get(snapshot_id).delete(background=background)  # its packed archive too, if any
     return WireResponse({"id": snapshot_id, "state": "deleted"})
 
 
@@ -71,3 +77,35 @@ def delete_snapshot(snapshot_id: SnapshotId,
 def restore(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[RestoreRequest, Body()]) -> Response:
     sb = service.restore(Snapshot.get(snapshot_id), labels=req.labels)
     return WireResponse(sb.info("running").to_wire())
+
+
+Chunk = Annotated[int, Query(ge=transfer.MIN_CHUNK, le=transfer.MAX_CHUNK, description="bytes per chunk")]
+
+
+@router.get("/v1/snapshots/{snapshot_id}/export", responses=error_responses(400, 401, 404, 422))
+def export_manifest(snapshot_id: SnapshotId, chunk: Chunk = transfer.CHUNK) -> Response:
+    """The snapshot packed for another server: its size and every chunk's sha256 (packed on the first call)."""
+    return WireResponse(transfer.export(snapshot_id, chunk))
+
+
+@router.get("/v1/snapshots/{snapshot_id}/export/{index}", response_class=Response,
+            responses={**error_responses(400, 401, 404, 422),
+                       200: {"content": {"application/octet-stream": {}}, "description": "the chunk's bytes"}})
+def export_chunk(snapshot_id: SnapshotId, index: Annotated[int, PathParam(ge=0, le=1 << 24)],
+                 chunk: Chunk = transfer.CHUNK) -> Response:
+    return Response(transfer.read_chunk(snapshot_id, index, chunk), media_type="application/octet-stream")
+
+
+@router.delete("/v1/snapshots/{snapshot_id}/export", response_model=Deleted, responses=error_responses(401, 422))
+def drop_export(snapshot_id: SnapshotId) -> Response:
+    """Remove the packed archive (the receiver calls this once it has every chunk)."""
+    transfer.drop_export(snapshot_id)
+    return WireResponse({"id": snapshot_id, "state": "deleted"})
+
+
+@router.post("/v1/snapshots/import", response_model=ImportResult,
+             responses=error_responses(400, 401, 404, 409, 422, 502, 507))
+def import_snapshot(req: Annotated[ImportRequest, Body()]) -> Response:
+    """Pull a snapshot from the server at ``source``; a cut-off import resumes from the chunks it had."""
+    snap, counts = pull(req.source, req.token, req.id, chunk=req.chunk_size, retries=req.retries)
+    return WireResponse({"snapshot": snap.info().to_wire(), **counts})

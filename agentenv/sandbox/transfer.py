@@ -1,0 +1,367 @@
+"""Snapshots that move between hosts: packed once into an archive, sent in chunks that each carry a sha256,
+unpacked into the receiving store atomically.
+
+The sending side (``export``) packs a snapshot's record and CRIU images (its store folder) and its files (its
+folder on the volume) as two tar archives, one after the other in ``<home>/exports/<id>/archive`` (numeric
+owners, xattrs, device nodes: an overlay's whiteouts and opaque folders survive), and lists the sha256 of every
+chunk in a manifest. The receiving side (``receive``) writes each chunk, once its digest matches, to a hidden
+part file under ``<home>/imports/``: a dropped connection leaves the chunks already checked, and the next try
+asks from the first one missing. A chunk that does not match is refused (TransferError) and never written.
+Checked chunks are unpacked as they come (a tar process per part, so unpacking overlaps the download), into
+the store's own staging folders (``store.writing``), renamed into place once the last is in: nothing
+half-made is ever listed.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from agentenv.config import paths
+from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
+from agentenv.host import userns, volume
+from agentenv.sandbox import store
+from agentenv.sandbox.store import FORK_KIND, Snapshot
+
+CHUNK = 8 << 20  # bytes per chunk unless the receiver asks otherwise
+MIN_CHUNK, MAX_CHUNK = 64 << 10, 16 << 20  # the server answers bodies up to 32 MiB
+AHEAD = 3  # chunk requests a receiver keeps in flight
+ORIGIN = "agentenv.imported_from"  # label of an imported snapshot: the url of the server it came from
+_TAR = ["--numeric-owner", "--xattrs", "--xattrs-include=*"]
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _folder(kind: str) -> Path:
+    d = paths().home / kind
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def check_chunk(chunk: int) -> int:
+    if not MIN_CHUNK <= chunk <= MAX_CHUNK:
+        raise ValueError(f"a chunk of {chunk} bytes is outside {MIN_CHUNK}..{MAX_CHUNK}; ask for one in that range")
+    return chunk
+
+
+def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
+    """The manifest of a snapshot's archive (packed on first use): its size, chunk size, every chunk's sha256,
+    and where its two tar archives (``meta``, ``files``) begin and end."""
+    check_chunk(chunk)
+    snap = Snapshot.get(snapshot_id)
+    if snap.labels.get("agentenv.kind") == FORK_KIND:
+        raise ValueError(f"{snap.id} is a fork's working snapshot (deleted when the fork is done); "
+                         "take a snapshot of a child to move it")
+    store.exports().mkdir(mode=0o700, exist_ok=True)
+    folder = store.exports() / snap.id
+    if not (folder / "parts.json").exists():
+        _pack(snap, folder)
+    manifest = folder / f"manifest-{chunk}.json"
+    with contextlib.suppress(FileNotFoundError):
+        return dict(json.loads(manifest.read_text()))
+    digests = []
+    with open(folder / "archive", "rb") as f:
+        while piece := f.read(chunk):
+            digests.append(hashlib.sha256(piece).hexdigest())
+    out = {"id": snap.id, "size": (folder / "archive").stat().st_size, "chunk": chunk, "digests": digests,
+           **json.loads((folder / "parts.json").read_text())}
+    tmp = manifest.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, manifest)
+    return out
+
+
+def _pack(snap: Snapshot, folder: Path) -> None:
+    """Write ``archive`` (the store folder's tar, then the files' tar) and ``parts.json`` into ``folder``,
+    built in a hidden folder and renamed into place."""
+    tmp = folder.parent / f".tmp-{snap.id}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        parts: dict[str, Any] = {"layer": snap.layer, "files": None}
+        with open(tmp / "archive", "wb") as out:
+            _tar_create(snap.path, out, exclude=userns.LEASE)
+            parts["meta"] = [0, out.tell()]
+            if snap.files.is_dir():
+                start = out.tell()
+                _tar_create(snap.files, out)
+                parts["files"] = [start, out.tell() - start]
+        (tmp / "parts.json").write_text(json.dumps(parts))
+        try:
+            os.rename(tmp, folder)
+        except OSError:  # another request packed it meanwhile: theirs is as good
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _tar_create(src: Path, out: Any, exclude: str | None = None) -> None:
+    out.flush()
+    # deterministic: packed again (the sender restarted, its archive was dropped) it has the same digests, so
+    # a receiver's chunks stay good; pax headers without tar's pid, atime or ctime
+    args = ["tar", "--create", "--file=-", "--format=posix", "--sparse", *_TAR, "-C", str(src),
+            "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime"]
+    if exclude:
+        args.append(f"--exclude=./{exclude}")
+    r = subprocess.run([*args, "."], stdout=out, stderr=subprocess.PIPE, check=False)
+    if r.returncode != 0:
+        raise SandboxError(f"could not pack {src}: {r.stderr.decode(errors='replace')[-500:]}")
+
+
+def read_chunk(snapshot_id: str, index: int, chunk: int = CHUNK) -> bytes:
+    """Chunk ``index`` of a snapshot's archive (``export`` packs it first)."""
+    check_chunk(chunk)
+    blob = store.exports() / os.path.basename(snapshot_id) / "archive"
+    try:
+        with open(blob, "rb") as f:
+            f.seek(index * chunk)
+            return f.read(chunk)
+    except FileNotFoundError:
+        raise SnapshotNotFound(f"no export of {snapshot_id!r} here", fix="ask for its manifest first") from None
+
+
+def drop_export(snapshot_id: str) -> bool:
+    """Remove a snapshot's packed archive (once a receiver has it all); False if there was none."""
+    folder = store.exports() / os.path.basename(snapshot_id)
+    if not folder.exists():
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    return True
+
+
+def _checked(manifest: Any) -> dict[str, Any]:
+    """The manifest, its fields checked (bad input from the sender is a TransferError, not a crash)."""
+    try:
+        sid, size, chunk, digests = manifest["id"], manifest["size"], manifest["chunk"], manifest["digests"]
+        ok = (isinstance(sid, str) and _ID.match(sid) and isinstance(size, int) and isinstance(chunk, int)
+              and MIN_CHUNK <= chunk <= MAX_CHUNK and isinstance(digests, list)
+              and len(digests) == -(-size // chunk) and all(isinstance(d, str) and _HEX.match(d) for d in digests))
+        for part in ("meta", "files"):
+            p = manifest[part]
+            ok = ok and (p is None and part == "files" or isinstance(p, list) and len(p) == 2
+                         and all(isinstance(v, int) and 0 <= v <= size for v in p))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise TransferError("the sending server's manifest is malformed; nothing was kept",
+                            fix="check that both servers run the same agentenv version")
+    return dict(manifest)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[Snapshot, dict[str, int]]:
+    """Bring the snapshot of ``manifest`` into this store, ``fetch(i)`` giving chunk ``i``; resumes from the
+    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``.
+
+    The chunks are unpacked as they come (two tar processes fed the checked bytes), into the store's staging
+    folders: a damaged chunk or a cut stops it and the staging folders go; the part file keeps what was checked."""
+    m = _checked(manifest)
+    sid, chunk, digests = m["id"], m["chunk"], m["digests"]
+    if (done := _present(sid, len(digests))) is not None:
+        return done
+    staging = _folder("imports")
+    part, key = staging / f".part-{sid}", staging / f".part-{sid}.json"
+    mine = {"size": m["size"], "chunk": chunk, "digests": digests}
+    with _locked(staging / f".lock-{sid}"):
+        if (done := _present(sid, len(digests))) is not None:  # a concurrent import finished while this waited
+            return done
+        same = key.exists() and json.loads(key.read_text()) == mine
+        have = min(part.stat().st_size // chunk, len(digests)) if same and part.exists() else 0
+        if not same:
+            key.write_text(json.dumps(mine))
+        try:
+            with store.writing(sid) as tmp, _Unpacker(m, tmp) as unpack, open(part, "ab" if have else "wb") as f:
+                f.truncate(have * chunk)
+                with open(part, "rb") as kept:  # what an earlier try checked in, unpacked first
+                    for i in range(have):
+                        unpack.feed(i * chunk, kept.read(chunk))
+                _pipeline(fetch, range(have, len(digests)), m, f, unpack)
+                unpack.close()
+                snap = _finish(tmp, m, origin)
+        except TransferError as e:
+            if unpack_failed(e):  # every chunk matched yet it is no snapshot: start afresh next time
+                part.unlink(missing_ok=True)
+                key.unlink(missing_ok=True)
+            raise
+        part.unlink()
+        key.unlink()
+    return snap, {"chunks": len(digests), "fetched": len(digests) - have, "resumed_at": have}
+
+
+def _present(sid: str, chunks: int) -> tuple[Snapshot, dict[str, int]] | None:
+    """The snapshot if this store has it already (then nothing is fetched), else None."""
+    try:
+        return Snapshot.get(sid), {"chunks": chunks, "fetched": 0, "resumed_at": chunks}
+    except SnapshotNotFound:
+        return None
+
+
+def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO,
+              unpack: _Unpacker) -> None:
+    """Fetch ``indices`` (AHEAD requests in flight), check each in order, and hand it to a thread of its own that
+    appends it to the part file and feeds the tar processes: the download, the checks and the unpacking overlap."""
+    pending: collections.deque[Future[bytes]] = collections.deque()
+    fed: Future[None] | None = None
+    with ThreadPoolExecutor(AHEAD, thread_name_prefix="agentenv-pull") as pool, \
+            ThreadPoolExecutor(1, thread_name_prefix="agentenv-unpack") as feeder:
+        try:
+            ahead = iter(indices)
+            for i in itertools.islice(ahead, AHEAD):
+                pending.append(pool.submit(fetch, i))
+            for i in indices:
+                data = pending.popleft().result()
+                for j in itertools.islice(ahead, 1):
+                    pending.append(pool.submit(fetch, j))
+                _verify(data, i, m)
+                if fed is not None:
+                    fed.result()
+                fed = feeder.submit(_keep, part, unpack, i * m["chunk"], data)
+            if fed is not None:
+                fed.result()
+        finally:
+            for p in pending:
+                p.cancel()
+
+
+def _keep(part: BinaryIO, unpack: _Unpacker, offset: int, data: bytes) -> None:
+    """A checked chunk: appended to the part file (what a later try resumes from), then unpacked."""
+    part.write(data)
+    unpack.feed(offset, data)
+
+
+def _verify(data: bytes, i: int, m: dict[str, Any]) -> None:
+    want, digest = min(m["chunk"], m["size"] - i * m["chunk"]), hashlib.sha256(data).hexdigest()
+    if len(data) != want or digest != m["digests"][i]:
+        raise TransferError(f"chunk {i} of snapshot {m['id']} arrived damaged ({len(data)} bytes, sha256 "
+                            f"{digest[:12]}..., not {m['digests'][i][:12]}...); it was refused and nothing was kept",
+                            fix="retry: the chunks before it are kept and the next try resumes there")
+
+
+_NOT_A_SNAPSHOT = "holds no valid snapshot"
+
+
+def unpack_failed(e: TransferError) -> bool:
+    """True for an archive whose chunks all matched but which is no snapshot (not a damaged chunk)."""
+    return "could not unpack" in str(e) or _NOT_A_SNAPSHOT in str(e)
+
+
+class _Unpacker:
+    """Two tar processes, one per part of the archive (the store folder into ``tmp``, the files into
+    ``files_of(tmp)``), fed the archive's bytes in order."""
+
+    def __init__(self, m: dict[str, Any], tmp: Path) -> None:
+        self.m, self.tmp = m, tmp
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def __enter__(self) -> _Unpacker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            for pipe in (p.stdin, p.stderr):
+                if pipe is not None:
+                    pipe.close()
+
+    def _tar(self, part: str) -> subprocess.Popen[bytes]:
+        if part not in self.procs:
+            dest = self.tmp
+            if part == "files":
+                dest = store.files_of(self.tmp)
+                if self.m.get("layer"):  # a subvolume again, so that restores clone it whole
+                    dest.rmdir()
+                    volume.make_layer(dest, None)
+            self.procs[part] = subprocess.Popen(
+                ["tar", "--extract", "--file=-", *_TAR, "--same-owner", "--same-permissions", "-C", str(dest)],
+                stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        return self.procs[part]
+
+    def feed(self, offset: int, data: bytes) -> None:
+        for part in ("meta", "files"):
+            span = self.m[part]
+            if span is None:
+                continue
+            lo, hi = max(offset, span[0]), min(offset + len(data), span[0] + span[1])
+            if lo < hi:
+                p = self._tar(part)
+                assert p.stdin is not None
+                try:
+                    p.stdin.write(data[lo - offset:hi - offset])
+                except BrokenPipeError:
+                    self._failed(part)
+
+    def close(self) -> None:
+        for part in ("meta", "files"):
+            if self.m[part] is not None:
+                p = self._tar(part)
+                assert p.stdin is not None
+                with contextlib.suppress(BrokenPipeError):
+                    p.stdin.close()
+                if p.wait() != 0:
+                    self._failed(part)
+
+    def _failed(self, part: str) -> None:
+        p = self.procs[part]
+        p.kill()
+        p.wait()
+        err = p.stderr.read().decode(errors="replace")[-500:] if p.stderr else ""
+        raise TransferError(f"could not unpack the {part} of {self.m['id']}: {err}; nothing was kept")
+
+
+def _finish(tmp: Path, m: dict[str, Any], origin: str) -> Snapshot:
+    """The record of the unpacked snapshot in ``tmp``, checked, its uid range held here, written last."""
+    files = store.files_of(tmp)
+    (tmp / userns.LEASE).unlink(missing_ok=True)
+    try:
+        snap = Snapshot(**json.loads((tmp / "meta.json").read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise TransferError(f"the archive of {m['id']} {_NOT_A_SNAPSHOT} record ({e}); nothing was kept",
+                            fix="check that both servers run the same agentenv version") from e
+    if snap.id != m["id"]:
+        raise TransferError(f"the archive of {m['id']} {_NOT_A_SNAPSHOT} record: it names {snap.id}; nothing "
+                            "was kept")
+    uids = snap.spec.get("uids")
+    if uids is not None:
+        _claim(int(uids), origin, tmp)
+    snap = dataclasses.replace(snap, layer=volume.is_subvolume(files), owner=None, size_bytes=store.size_of(tmp),
+                               labels={**snap.labels, ORIGIN: origin})
+    store.write_meta(tmp, snap)
+    return snap
+
+
+def _claim(uids: int, origin: str, holder: Path) -> None:
+    """Hold the snapshot's uid range here (its files are those uids); refused when a family of this host holds
+    it (its owners are not re-mapped on import: CRIU's images name the same ids)."""
+    userns.index_of(uids)
+    if userns.held(uids) and not any(s.spec.get("uids") == uids and s.labels.get(ORIGIN) == origin
+                                     for s in Snapshot.list()):
+        raise SandboxError(f"the snapshot's uid range {uids} is held by another sandbox family on this server; "
+                           "nothing was kept",
+                           fix="restore it on another server, or once the sandboxes and snapshots of that range "
+                               "here are gone")
+    userns.hold(uids, holder)
