@@ -151,7 +151,8 @@ def sft(
     ckpt_every: Annotated[int, typer.Option(help="checkpoint every N steps (0: only at the end)")] = 1,
     resume: Annotated[bool, typer.Option(help="continue from the newest checkpoint under OUT")] = False,
     progress: Annotated[bool | None, typer.Option(help="live display (default: when on a terminal)")] = None,
-    tensorboard: Annotated[bool, typer.Option(help="also write TensorBoard events (needs tensorboard)")] = False,
+    tracker: Annotated[str, typer.Option(help="also log to wandb (offline), tensorboard or mlflow (trainer.trackers)")]
+    = "",
 ) -> None:
     """Supervised warm start on demonstrations: masked NLL over the generated tokens."""
     from policy.config import model_config
@@ -171,7 +172,7 @@ def sft(
     with Trainer(model_config(preset, model_config_file), cfg, world=world, ep_size=ep, weights=init_weights,
                  device=device) as trainer:
         run_sft(trainer, samples, steps=steps, batch_size=batch_size, out=out, ckpt_every=ckpt_every,
-                resume=resume, seed=seed, progress=progress, tensorboard=tensorboard)
+                resume=resume, seed=seed, progress=progress, tracker=tracker)
         trainer.save_weights(out / "weights.safetensors")
     print(f"weights: {out / 'weights.safetensors'}  metrics: {out / 'metrics.jsonl'}")
 

@@ -215,6 +215,16 @@ class SWEConfig:
 
 
 @dataclass
+class MetricsConfig:
+    """Experiment trackers the run also logs to (``trainer.trackers``), beside metrics.jsonl and the plots."""
+
+    tracker: str = doc("", "wandb (an offline run in the run folder), tensorboard or mlflow (a local file store, or "
+                           "metrics.uri); empty: none")
+    project: str = doc("agentenv", "the W&B project / MLflow experiment")
+    uri: str = doc("", "mlflow: a tracking server's URI instead of the run folder's file store")
+
+
+@dataclass
 class RunConfig:
     """A whole `agentenv train` run."""
 
@@ -222,8 +232,7 @@ class RunConfig:
     out_dir: str = doc("runs", "where run folders go")
     seed: int = doc(0, "initial weights, task order, sampling seeds (also --seed)")
     progress: str = doc("auto", "live display: auto (on a terminal), on, off")
-    tensorboard: bool = doc(False, "also write TensorBoard event files to out_dir/name/tensorboard (needs the "
-                                   "tensorboard package)")
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -262,6 +271,8 @@ class RunConfig:
             (self.trainer.world >= 1 and self.trainer.world % self.trainer.ep == 0,
              "trainer.ep must divide trainer.world"),
             (self.trainer.placement in ("local", "ray"), "trainer.placement must be local or ray"),
+            (self.metrics.tracker in ("", "wandb", "tensorboard", "mlflow"),
+             "metrics.tracker must be wandb, tensorboard, mlflow or empty"),
             (self.progress in ("auto", "on", "off"), "progress must be auto, on or off"),
             (self.env.max_turns >= 1, "env.max_turns must be at least 1"),
             (self.sft.steps >= 0 and self.sft.batch_size >= 1, "sft.steps >= 0 and sft.batch_size >= 1"),

@@ -114,6 +114,11 @@ async def evaluate(loop: Any, tag: str, split: str = "heldout") -> dict[str, Any
            "per_task": per_task}
     loop.add_time("eval", elapsed)
     loop.evals[tag] = res
+    tracker = getattr(getattr(loop, "metrics", None), "tracker", None)  # a sample table per evaluation
+    if tracker is not None:
+        from trainer.trackers import episode_table
+
+        tracker.table(loop.iteration, f"samples/{split}", *episode_table(trajs))
     lo, hi = stats["mean_at_k_ci"]
     loop.say(f"{split} eval ({tag}): mean@{stats['k']} {stats['mean_at_k']:.3f} [{lo:.3f}, {hi:.3f}], "
              f"pass@{stats['k']} {stats['pass_at_k']:.3f} on {stats['tasks']} tasks, weights "

@@ -307,6 +307,17 @@ class Loop:
         return await rollout_batch(self)
 
     # -- 4. evaluation --
+    def _tracker(self) -> Any:
+        """The run's experiment tracker (``[metrics] tracker``), or None."""
+        if not self.cfg.metrics.tracker:
+            return None
+        import dataclasses
+
+        from trainer.trackers import open_tracker
+
+        m = self.cfg.metrics
+        return open_tracker(m.tracker, self.dir, self.cfg.name, dataclasses.asdict(self.cfg), m.project, m.uri)
+
     async def evaluate(self, tag: str, split: str = "heldout") -> dict[str, Any]:
         """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (trainer/evaluation.py)."""
         from trainer.evaluation import evaluate
@@ -328,7 +339,7 @@ class Loop:
         self.rollout = self._rollout()
         self.rollout.keep_snapshots = set(self.partial.referenced)   # a resumed checkpoint's paused episodes
         self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume_step=self.iteration if self.resume else None,
-                                  tensorboard=self.dir / "tensorboard" if cfg.tensorboard else None)
+                                  tracker=self._tracker())
         try:
             with self.timed("workers_start"):
                 await self.rollout.start()

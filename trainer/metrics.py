@@ -1,4 +1,4 @@
-"""Training metrics: one JSON line per iteration, PNG plots, a live progress display, optional TensorBoard.
+"""Training metrics: one JSON line per iteration, PNG plots, a live progress display, an optional tracker.
 
 ``MetricsLog`` appends ``{"step": N, "time": ..., <metric>: value, ...}`` lines (flushed and fsynced). On resume it
 is opened with the checkpoint's step and drops the lines of later steps (steps a killed run logged but did not
@@ -23,7 +23,10 @@ import statistics
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.trackers import Tracker
 
 PANELS: list[tuple[str, list[str]]] = [
     ("reward", ["reward/train", "reward/validation"]),
@@ -47,15 +50,14 @@ def _clean(v: Any) -> Any:
 
 
 class MetricsLog:
-    """Per-iteration JSONL; ``resume_step`` drops lines of steps after it (rewritten atomically). With
-    ``tensorboard`` (a folder), every row also goes to TensorBoard event files there (when tensorboard is
-    installed)."""
+    """Per-iteration JSONL; ``resume_step`` drops lines of steps after it (rewritten atomically). With a
+    ``tracker`` (``trainer.trackers``: W&B, TensorBoard, MLflow), every row also goes there."""
 
     def __init__(self, path: str | os.PathLike[str], resume_step: int | None = None,
-                 tensorboard: str | os.PathLike[str] | None = None) -> None:
+                 tracker: Tracker | None = None) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tb = TensorBoard(tensorboard)
+        self.tracker = tracker
         if self.path.exists():
             keep = [r for r in read_jsonl(self.path) if resume_step is not None and r.get("step", 0) <= resume_step]
             tmp = self.path.with_name(f".{self.path.name}.tmp")
@@ -72,11 +74,13 @@ class MetricsLog:
             f.write(json.dumps(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
-        self.tb.write(step, metrics)
+        if self.tracker is not None:
+            self.tracker.log(step, metrics)
         return row
 
     def close(self) -> None:
-        self.tb.close()
+        if self.tracker is not None:
+            self.tracker.close()
 
     def rows(self) -> list[dict[str, Any]]:
         return read_jsonl(self.path)
@@ -152,37 +156,6 @@ def save_figure(fig: Any, out: str | os.PathLike[str]) -> Path:
     plt.close(fig)
     os.replace(tmp, out)
     return out
-
-
-class TensorBoard:
-    """TensorBoard event files when ``torch.utils.tensorboard`` can be used (the ``tensorboard`` package is
-    installed); otherwise every call does nothing."""
-
-    def __init__(self, folder: str | os.PathLike[str] | None) -> None:
-        self.writer: Any = None
-        if folder is None:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            return
-        self.writer = SummaryWriter(str(folder))
-
-    @property
-    def enabled(self) -> bool:
-        return self.writer is not None
-
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
-        if self.writer is None:
-            return
-        for k, v in metrics.items():
-            if isinstance(v, int | float) and math.isfinite(float(v)):
-                self.writer.add_scalar(k, float(v), step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 DISPLAY_KEYS = ["loss", "reward/train", "pass_rate/train", "entropy", "kl", "clip_frac", "grad_norm",

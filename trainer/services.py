@@ -289,6 +289,10 @@ def preflight(cfg: RunConfig, *, resume: bool, build: bool = True) -> list[str]:
         run("policy port", lambda: _check_port(cfg.policy.port))
     if cfg.ray.address and cfg.ray.workers > 0:
         run("ray cluster", lambda: _check_ray(cfg.ray.address))
+    if cfg.metrics.tracker:
+        from trainer.trackers import require
+
+        run("tracker", lambda: require(cfg.metrics.tracker))
     run("env", lambda: _check_env(cfg.env.id))
     run("train tasks", lambda: _check_tasks(cfg.env.train_tasks, "env.train_tasks"))
     run("held-out tasks", lambda: _check_tasks(cfg.env.heldout_tasks, "env.heldout_tasks"))

@@ -25,6 +25,7 @@ import torch
 
 from trainer.batch import Batch, Sample
 from trainer.metrics import MetricsLog, Progress, plot
+from trainer.trackers import open_tracker
 
 if TYPE_CHECKING:
     from trainer.config import RunConfig
@@ -84,9 +85,9 @@ class DataCursor:
 
 def run_sft(trainer: Trainer, samples: Sequence[Sample], *, steps: int, batch_size: int,
             out: str | os.PathLike[str], ckpt_every: int = 1, keep: int = 2, resume: bool = True, seed: int = 0,
-            progress: bool | None = None, plot_every: int = 10, tensorboard: bool = False) -> list[dict[str, Any]]:
+            progress: bool | None = None, plot_every: int = 10, tracker: str = "") -> list[dict[str, Any]]:
     """Train ``steps`` SFT steps of ``batch_size`` samples; under ``out``: ``checkpoints/``, ``metrics.jsonl``,
-    ``metrics.png`` (and ``tensorboard/``). With ``resume``, continue from the newest checkpoint. Returns the
+    ``metrics.png`` (and the ``tracker``'s files: ``trainer.trackers``). With ``resume``, continue from the newest checkpoint. Returns the
     metrics rows of the steps this call ran."""
     out = Path(out)
     ckpt_dir = out / "checkpoints"
@@ -95,7 +96,8 @@ def run_sft(trainer: Trainer, samples: Sequence[Sample], *, steps: int, batch_si
     if meta is not None:
         cursor.load(meta["data"])
     log = MetricsLog(out / "metrics.jsonl", resume_step=trainer.step_count if meta is not None else None,
-                     tensorboard=out / "tensorboard" if tensorboard else None)
+                     tracker=open_tracker(tracker, out, "sft", {"steps": steps, "batch_size": batch_size})
+                     if tracker else None)
     rows = []
     with Progress(steps, "SFT", enabled=progress) as bar:
         bar.update(trainer.step_count, {})

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from policy.config import k3_mini
-from trainer.metrics import MetricsLog, Progress, TensorBoard, plot, read_jsonl
+from trainer.metrics import MetricsLog, Progress, plot, read_jsonl
 from trainer.sync import Endpoint, SyncError, WeightSync
 
 
@@ -39,15 +39,11 @@ def test_plot_draws_the_panels_it_has(tmp_path):
     assert plot([{"step": 1}], tmp_path / "none.png") is None
 
 
-def test_progress_and_tensorboard_are_optional(tmp_path):
+def test_progress_is_optional(tmp_path):
     with Progress(3, enabled=False) as p:
         p.update(1, {"loss": 0.5, "time/train": 1.0})
     with Progress(3, enabled=True) as p:
         p.update(2, {"loss": 0.5, "reward/train": 1.0, "time/env": 2.0, "time/train": 1.0})
-    tb = TensorBoard(None)
-    assert not tb.enabled
-    tb.write(1, {"loss": 1.0})
-    tb.close()
 
 
 class FakeTrainer:
