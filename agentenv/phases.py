@@ -45,6 +45,16 @@ def phase(name: str) -> Iterator[None]:
                 rec.append(done)
 
 
+def note(name: str, seconds: float) -> None:
+    """Record a step timed by someone else (CRIU's own account of a dump) as the phase ``name``, ending now."""
+    if not _recorders:
+        return
+    done = Phase(name, time.perf_counter() - seconds, seconds)
+    with _lock:
+        for rec in _recorders:
+            rec.append(done)
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[list[Phase]]:
     """Collect the phases that run (in any thread) until the block ends, in the order they ended."""

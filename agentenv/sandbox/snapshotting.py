@@ -24,7 +24,7 @@ from agentenv.config import crash_point, paths
 from agentenv.errors import CheckpointError, ConnectionLost
 from agentenv.host import lazy_pages, userns, volume
 from agentenv.host.criu import dump_stats
-from agentenv.phases import phase
+from agentenv.phases import note, phase
 from agentenv.sandbox import store
 from agentenv.sandbox.store import Snapshot
 
@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from agentenv.sandbox.parts import Parts
 
 QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
+# CRIU's account of a dump (stats-dump, microseconds), recorded as phases: the processes frozen (CRIU's part),
+# their pages drained into pipes and written out (memdump), and the writing alone (memwrite)
+CRIU_PHASES = {"frozen_time": "criu: frozen", "memdump_time": "criu: memdump", "memwrite_time": "criu: memwrite"}
 DUMP_ATTEMPTS = 3  # a dump that met a host connection opened meanwhile is quiesced and tried again
 
 
@@ -72,6 +75,9 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
         crash_point(f"{op}:dumped")
         snap = meta(sb, snap_id, folder, memory, labels, owner)
         store.write_meta(folder, snap)
+    for key, name in CRIU_PHASES.items():  # where the dump's own time went, for whoever records phases
+        if key in snap.criu_stats:
+            note(name, snap.criu_stats[key] / 1e6)
     return snap
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 import agentenv
+from agentenv import phases
 from agentenv.errors import SandboxStateError
 from agentenv.tour import ASK, COUNTER  # a counter kept only in a TCP server's memory
 
@@ -95,10 +96,14 @@ def test_a_process_whose_session_leader_is_gone_comes_back():
 
 
 def test_tcp_server_answers_after_restore(counting):
-    snap = counting.snapshot(memory=True)
+    with phases.recording() as found:
+        snap = counting.snapshot(memory=True)
     try:
         assert snap.has_memory and snap.size_bytes > 0
         assert snap.criu_stats["pages_written"] > 0 and snap.criu_stats["frozen_time"] > 0  # read with pycriu
+        noted = phases.totals(found)  # CRIU's own account of the dump, as phases
+        assert noted["criu: frozen"] == snap.criu_stats["frozen_time"] / 1e6 > 0
+        assert noted["criu: memdump"] >= noted["criu: memwrite"] > 0
         assert ask(counting, 10) == 13
         restored = agentenv.Sandbox.restore(snap)
         try:

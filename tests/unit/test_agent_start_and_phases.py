@@ -118,3 +118,11 @@ def test_phases_are_timed_only_while_recorded_and_from_every_thread() -> None:
     totals, spans = phases.totals(found), phases.spans(found)
     assert totals["a"] == spans["a"] >= 0.01
     assert totals["b"] >= 0.15 and spans["b"] < totals["b"]  # three at once: the sum is over the wall time
+
+
+def test_a_noted_step_is_recorded_with_its_own_duration_only_while_recorded() -> None:
+    phases.note("outside", 1.0)
+    with phases.recording() as found:
+        phases.note("criu: memdump", 0.25)
+    assert [(p.name, p.seconds) for p in found] == [("criu: memdump", 0.25)]
+    assert phases.spans(found)["criu: memdump"] == phases.totals(found)["criu: memdump"] == 0.25
