@@ -65,13 +65,12 @@ def free_disk(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def fill(r: Result, what: str, cap: int, then: Callable[[Any], object],
+def fill(made: list[Any], r: Result, what: str, cap: int, then: Callable[[Any], object],
          floor_reached: Callable[[], str | None]) -> tuple[list[Any], str]:
-    """Sandboxes made one after another (each timed into ``r`` with ``then(sb)``) until ``floor_reached`` says
-    why to stop, agentenv refuses one, or ``cap``; returns them and where it stopped."""
+    """Sandboxes made one after another into ``made`` (each timed into ``r`` with ``then(sb)``) until
+    ``floor_reached`` says why to stop, agentenv refuses one, or ``cap``; returns them and where it stopped."""
     import agentenv
 
-    made: list[Any] = []
     while len(made) < cap:
         why = floor_reached()
         if why is not None:
@@ -85,16 +84,16 @@ def fill(r: Result, what: str, cap: int, then: Callable[[Any], object],
             return made, f"agentenv refused {what} {len(made) + 1}: {type(e).__name__}: {str(e)[:300]}"
         r.add(time.perf_counter() - t)
         if len(made) % 100 == 0:
-            console.print(f"  {len(made)} {what}s, {mem_available() >> 20} MiB available", highlight=False)
+            console.print(f"  {len(made)} x {what}, {mem_available() >> 20} MiB available", highlight=False)
     return made, f"the cap of {cap}"
 
 
-def idle(report: Report, cap: int, floor: int) -> list[Any]:
+def idle(made: list[Any], report: Report, cap: int, floor: int) -> None:
     """Idle sandboxes until a refusal, the memory floor or ``cap``; returns them (still running)."""
     r = report.result("idle.create", "create -> exec answered, one after another")
     base = mem_available()
     t0 = time.monotonic()
-    made, stop = fill(r, "idle sandbox", cap, lambda sb: sb.exec("true"),
+    made, stop = fill(made, r, "idle sandbox", cap, lambda sb: sb.exec("true"),
                       lambda: f"the benchmark's memory floor ({floor >> 20} MiB available left)"
                       if mem_available() < floor else None)
     t_end = time.monotonic()
@@ -110,7 +109,6 @@ def idle(report: Report, cap: int, floor: int) -> list[Any]:
                            "cgroup_bytes_per_sandbox": charged // max(1, len(made)),
                            "asked_again": len(asked), "answered_again": answered,
                            "seconds": round(t_end - t0, 1)}
-    return made
 
 
 def docker_idle(report: Report, n: int) -> None:
@@ -140,7 +138,7 @@ def docker_idle(report: Report, n: int) -> None:
             subprocess.run(["docker", "rm", "-f", *ids[i:i + 50]], capture_output=True, timeout=300, check=False)
 
 
-def paused(report: Report, home: Path, cap: int, disk_floor: int) -> None:
+def paused(made: list[Any], report: Report, home: Path, cap: int, disk_floor: int) -> None:
     """Files-only paused sandboxes until a refusal, the disk floor or ``cap``; one is resumed at the end."""
     r = report.result("paused.create_pause", "create -> pause(memory=False), one after another")
     vol = home / "volume"
@@ -154,7 +152,7 @@ def paused(report: Report, home: Path, cap: int, disk_floor: int) -> None:
         return f"the benchmark's disk floor ({disk_floor >> 20} MiB free left on the volume)" \
             if free < disk_floor else None
 
-    made, stop = fill(r, "paused sandbox", cap, lambda sb: sb.pause(memory=False), disk_floor_reached)
+    made, stop = fill(made, r, "paused sandbox", cap, lambda sb: sb.pause(memory=False), disk_floor_reached)
     used = (start[0] if start else 0) - (free_disk(vol) if vol.exists() else 0)
     resumed = report.result("paused.resume", "resume of a files-only paused sandbox -> exec answered")
     if made:
@@ -167,10 +165,10 @@ def paused(report: Report, home: Path, cap: int, disk_floor: int) -> None:
             resumed.fail(e)
     report.info["paused"] = {"count": len(made), "stopped_by": stop, "volume_bytes_used": used,
                              "volume_bytes_per_sandbox": used // max(1, len(made))}
-    close_all(made)
 
 
 def close_all(sandboxes: list[Any]) -> None:
+    """Close each of ``sandboxes`` (progress every 200; one that fails is reported), then forget them."""
     for i, sb in enumerate(sandboxes):
         try:
             sb.close()
@@ -178,6 +176,7 @@ def close_all(sandboxes: list[Any]) -> None:
             console.print(f"[yellow]could not close {sb.id}: {e}[/yellow]", highlight=False)
         if i and i % 200 == 0:
             console.print(f"  closed {i} of {len(sandboxes)}", highlight=False)
+    sandboxes.clear()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,14 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     home = Path(tempfile.mkdtemp(prefix="agentenv-bench-capacity-", dir="/var/tmp"))
     saved = os.environ.get("AGENTENV_HOME")
     os.environ["AGENTENV_HOME"] = str(home)
+    made: list[Any] = []  # closed whatever ends the run (an interrupt too): none outlives its home
     try:
         docker_idle(report, args.docker)
-        made = idle(report, args.max, parse_size(args.floor))
+        idle(made, report, args.max, parse_size(args.floor))
         close_all(made)
-        paused(report, home, args.max_paused, parse_size(args.disk_floor))
+        paused(made, report, home, args.max_paused, parse_size(args.disk_floor))
     except Exception as e:  # noqa: BLE001 - recorded, the report is still written
         report.fatal = f"{type(e).__name__}: {e}"
     finally:
+        close_all(made)
         if saved is None:
             os.environ.pop("AGENTENV_HOME", None)
         else:

@@ -12,6 +12,7 @@ tree's own mount, and works from those descriptors, so a mount made under a path
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 from pathlib import Path
@@ -61,8 +62,7 @@ def _empty(fd: int, where: Path, mnt: int, kept: list[Path]) -> None:
         entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
     for name, is_dir in entries:
         if not is_dir:
-            with contextlib.suppress(OSError):
-                os.unlink(name, dir_fd=fd)
+            _unlink(fd, name, where / name)
             continue
         child, foreign = _open_on(fd, name, where / name, mnt)
         if foreign:
@@ -75,6 +75,19 @@ def _empty(fd: int, where: Path, mnt: int, kept: list[Path]) -> None:
                 os.close(child)
         with contextlib.suppress(OSError):
             os.rmdir(name, dir_fd=fd)
+
+
+def _unlink(fd: int, name: str, path: Path) -> None:
+    """Remove the file ``name``; one that is a mount point (a namespace bound to a file, say) is unmounted
+    (lazily) first, which never reaches the file mounted there."""
+    try:
+        os.unlink(name, dir_fd=fd)
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            return
+        with contextlib.suppress(OSError):
+            umount(path, lazy=True)
+            os.unlink(name, dir_fd=fd)
 
 
 def _open_on(fd: int, name: str, path: Path, mnt: int) -> tuple[int | None, bool]:

@@ -74,3 +74,19 @@ def test_remove_tree_unmounts_nested_mounts_and_never_follows_links(layer):
             umount(Path(m), lazy=True)
     assert not tree.exists()
     assert _files(layer) == ["usr", "usr/bin", "usr/bin/python3"]
+
+
+def test_remove_tree_unmounts_a_file_mount_and_spares_what_it_showed(layer):
+    """A file with something bound on it (as a user namespace is kept bound to a file beside its uid lease):
+    the bind is undone, the file goes, the bound file stays."""
+    tree = layer.parent / f"{layer.name}-files"
+    tree.mkdir()
+    (tree / "held").write_text("")
+    mount(str(layer / "usr" / "bin" / "python3"), tree / "held", None, MS_BIND)
+    assert (tree / "held").read_text() == "the image's"
+    try:
+        assert remove_tree(tree) == []
+    finally:
+        for m in reversed(_mounts_under(tree)):
+            umount(Path(m), lazy=True)
+    assert not tree.exists() and (layer / "usr" / "bin" / "python3").read_text() == "the image's"
