@@ -68,7 +68,12 @@ def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     store.exports().mkdir(mode=0o700, exist_ok=True)
     folder = store.exports() / snap.id
     if not (folder / "parts.json").exists():
-        _pack(snap, folder)
+        pack(snap, folder)
+    return manifest_of(folder, snap.id, chunk)
+
+
+def manifest_of(folder: Path, snapshot_id: str, chunk: int) -> dict[str, Any]:
+    """The manifest of the archive packed in ``folder`` (computed once per chunk size, written atomically)."""
     manifest = folder / f"manifest-{chunk}.json"
     with contextlib.suppress(FileNotFoundError):
         return dict(json.loads(manifest.read_text()))
@@ -76,7 +81,7 @@ def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     with open(folder / "archive", "rb") as f:
         while piece := f.read(chunk):
             digests.append(hashlib.sha256(piece).hexdigest())
-    out = {"id": snap.id, "size": (folder / "archive").stat().st_size, "chunk": chunk, "digests": digests,
+    out = {"id": snapshot_id, "size": (folder / "archive").stat().st_size, "chunk": chunk, "digests": digests,
            **json.loads((folder / "parts.json").read_text())}
     tmp = manifest.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(out))
@@ -84,7 +89,7 @@ def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     return out
 
 
-def _pack(snap: Snapshot, folder: Path) -> None:
+def pack(snap: Snapshot, folder: Path) -> None:
     """Write ``archive`` (the store folder's tar, then the files' tar) and ``parts.json`` into ``folder``,
     built in a hidden folder and renamed into place."""
     tmp = folder.parent / f".tmp-{snap.id}-{os.getpid()}"
