@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,10 +48,11 @@ LOAD_OPS = ("create", "exec", "snapshot", "fork1", "delete")
 
 
 def start_server(home: Path, token: str, max_sandboxes: int, log: Path | None = None,
-                 reap_interval: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+                 reap_interval: float = 60, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], str]:
     """``agentenv serve`` on a free loopback port with ``home`` as $AGENTENV_HOME, waited for until it answers.
     Its stderr goes to ``log`` when given (a long run would fill an unread pipe and stall the server);
-    ``reap_interval``: seconds between its TTL checks (tests of timeouts need a short one)."""
+    ``reap_interval``: seconds between its TTL checks (tests of timeouts need a short one); ``extra``: more
+    options of ``agentenv serve`` (e.g. ``--shared-store DIR``)."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         port = s.getsockname()[1]
@@ -60,7 +61,7 @@ def start_server(home: Path, token: str, max_sandboxes: int, log: Path | None = 
     env = {**os.environ, "AGENTENV_HOME": str(home)}
     code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"  # the console script
     argv = [sys.executable, "-c", code, "serve", "--host", HOST, "--port", str(port), "--token-file", str(tok),
-            "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g", "--reap-interval", str(reap_interval)]
+            "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g", "--reap-interval", str(reap_interval), *extra]
     if log is None:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     else:
