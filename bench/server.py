@@ -105,6 +105,14 @@ def record_leaks(report: Report, home: Path, **more: int) -> dict[str, int]:
     return left
 
 
+def drop_home(home: Path) -> None:
+    """Remove a stopped server's home: its own mounts (the volume, the uid ranges' namespace pins) first."""
+    for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+        if (target := line.split()[1]).startswith(f"{home}/"):
+            subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+    shutil.rmtree(home, ignore_errors=True)
+
+
 def docker_networks() -> int:
     r = subprocess.run(["docker", "network", "ls", "-q"], capture_output=True, text=True, check=False)
     return len(r.stdout.split())
