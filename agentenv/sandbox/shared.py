@@ -2,7 +2,8 @@
 
 Every pause and snapshot the server takes is also published in DIR as the transfer archive
 (``agentenv.sandbox.transfer``: the same ``archive``, ``parts.json`` and ``manifest-<chunk>.json``) plus its
-``info.json``, built in a hidden folder and renamed to ``DIR/<id>``: a reader never sees half of one. A server
+``info.json``, built in this host's hidden ``DIR/.staging-<host>/`` and renamed to ``DIR/<id>``: a reader never
+sees half of one. A server
 asked for a snapshot its own store lacks imports it from there with ``transfer.receive`` (every chunk's sha256
 checked), so a sandbox paused on a server that is gone since resumes on another.
 """
@@ -38,7 +39,16 @@ def configure(folder: str | Path | None) -> Path | None:
         raise ValueError(f"--shared-store {folder} overlaps this server's home {home}, which is lost with the node; "
                          "give a folder outside it")
     store.set_shared_root(root)
+    _collect()
     return root
+
+
+def _collect() -> None:
+    """Remove what this host's dead processes left half-published or half-deleted in its staging folder."""
+    for d in store.shared_staging().iterdir():
+        pid = d.name.rpartition("-")[2]
+        if not (pid.isdigit() and store.pid_alive(int(pid))):
+            store.remove([d])
 
 
 def _checked_id(snapshot_id: str) -> str:
@@ -56,7 +66,7 @@ def publish(snap: Snapshot) -> None:
     dest = root / _checked_id(snap.id)
     if dest.exists():
         return
-    tmp = root / f".pub-{snap.id}-{os.getpid()}"
+    tmp = store.shared_staging() / f"{snap.id}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         transfer.pack(snap, tmp)

@@ -142,13 +142,23 @@ def set_shared_root(folder: Path | None) -> None:
     _shared[:] = [] if folder is None else [folder]
 
 
+def shared_staging() -> Path:
+    """This host's hidden folder in the shared store: copies being published, or deleted (``<id>-<pid>``), so
+    that a host cleans up after its own dead processes only (pids of other hosts mean nothing here)."""
+    root = shared_root()
+    assert root is not None
+    d = root / f".staging-{os.uname().nodename}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
 def shared_trash(snapshot_id: str) -> Path | None:
     """Take a snapshot's copy out of the shared store (renamed aside: no reader finds it from now on); the
     folder to remove, or None if there was none."""
     root = shared_root()
     if root is None:
         return None
-    trash = root / f".del-{os.path.basename(snapshot_id)}-{os.getpid()}"
+    trash = shared_staging() / f".del-{os.path.basename(snapshot_id)}-{os.getpid()}"
     try:
         os.rename(root / os.path.basename(snapshot_id), trash)
     except FileNotFoundError:

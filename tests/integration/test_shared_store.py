@@ -49,7 +49,10 @@ def pair() -> Iterator[tuple[list[str], list[Path], list[subprocess.Popen[bytes]
 
 
 def shared_ids(shared: Path) -> set[str]:
-    return {d.name for d in shared.iterdir()}
+    """The snapshots in the shared store; nothing else may be left beside them (in the hosts' staging folders)."""
+    staged = [p.name for d in shared.glob(".staging-*") for p in d.iterdir()]
+    assert not staged, staged
+    return {d.name for d in shared.iterdir() if not d.name.startswith(".staging-")}
 
 
 def test_a_sandbox_paused_on_a_dead_server_resumes_on_another(pair):

@@ -4,6 +4,7 @@ home, ids that are not safe names, a snapshot in neither store, a shared manifes
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -55,4 +56,15 @@ def test_unsafe_ids_are_refused_and_missing_or_foreign_snapshots_named(home, tmp
     (root / "snap-x" / f"manifest-{1 << 20}.json").write_text("{not json")
     with pytest.raises(TransferError, match="unreadable"):
         shared.get("snap-x")
-    assert shared.drop("snap-x") and not list(root.iterdir())
+    assert shared.drop("snap-x") and [p.name for p in root.iterdir()] == [store.shared_staging().name]
+    assert not list(store.shared_staging().iterdir())
+
+
+def test_a_hosts_dead_publishers_leftovers_go_and_live_ones_stay(home, tmp_path):
+    root = tmp_path / "shared"
+    staging = root / f".staging-{os.uname().nodename}"
+    staging.mkdir(parents=True)
+    for name in ("snap-a-999999999", ".tmp-snap-b-999999999", ".del-snap-c-999999999", f"snap-d-{os.getpid()}"):
+        (staging / name).mkdir()
+    shared.configure(root)
+    assert [p.name for p in staging.iterdir()] == [f"snap-d-{os.getpid()}"]
