@@ -119,7 +119,7 @@ def get(snapshot_id: str) -> Snapshot:
             return f.read(manifest["chunk"])
 
     try:
-        snap, _ = transfer.receive(manifest, read, origin=root.as_uri())
+        snap, _ = transfer.receive(manifest, read, origin=root.as_uri(), resumable=False)
     except FileNotFoundError:
         raise SnapshotNotFound(f"snapshot {snapshot_id!r} was deleted from the shared store {root}") from None
     except TransferError:  # a local read: nothing worth resuming from, so no part file is kept

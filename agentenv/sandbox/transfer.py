@@ -214,9 +214,11 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[Snapshot, dict[str, int]]:
+def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
+            resumable: bool = True) -> tuple[Snapshot, dict[str, int]]:
     """Bring the snapshot of ``manifest`` into this store, ``fetch(i)`` giving chunk ``i``; resumes from the
-    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``.
+    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``. With
+    ``resumable=False`` (a local source: a shared store) the checked chunks are not kept for a later try.
 
     The chunks are unpacked as they come (two tar processes fed the checked bytes), into the store's staging
     folders: a damaged chunk or a cut stops it and the staging folders go; the part file keeps what was checked."""
@@ -238,7 +240,7 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[
                 with open(part, "rb") as kept:  # what an earlier try checked in, unpacked first
                     for i in range(have):
                         unpack.feed(i * chunk, kept.read(chunk))
-                _pipeline(fetch, range(have, len(digests)), m, f, unpack)
+                _pipeline(fetch, range(have, len(digests)), m, f if resumable else None, unpack)
                 unpack.close()
                 snap = _finish(tmp, m, origin)
         except TransferError as e:
@@ -251,7 +253,7 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[
     return snap, {"chunks": len(digests), "fetched": len(digests) - have, "resumed_at": have}
 
 
-def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO,
+def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO | None,
               unpack: _Unpacker) -> None:
     """Fetch ``indices`` (AHEAD requests in flight), check each in order, and hand it to a thread of its own that
     appends it to the part file and feeds the tar processes: the download, the checks and the unpacking overlap."""
@@ -278,9 +280,10 @@ def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], 
                 p.cancel()
 
 
-def _keep(part: BinaryIO, unpack: _Unpacker, offset: int, data: bytes) -> None:
+def _keep(part: BinaryIO | None, unpack: _Unpacker, offset: int, data: bytes) -> None:
     """A checked chunk: appended to the part file (what a later try resumes from), then unpacked."""
-    part.write(data)
+    if part is not None:
+        part.write(data)
     unpack.feed(offset, data)
 
 
