@@ -72,6 +72,7 @@ def publish(snap: Snapshot) -> None:
         transfer.pack(snap, tmp)
         transfer.manifest_of(tmp, snap.id, transfer.CHUNK)
         (tmp / "info.json").write_text(json.dumps(snap.info().to_wire()))
+        os.chmod(tmp, 0o700)  # the sandbox's files and memory: for the servers (root) only
         os.rename(tmp, dest)
     except OSError as e:
         raise SandboxError(f"snapshot {snap.id} is in this server's store but could not be published to the shared "

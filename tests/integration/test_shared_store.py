@@ -63,6 +63,7 @@ def test_a_sandbox_paused_on_a_dead_server_resumes_on_another(pair):
         holder(a, "n0de-l0ss")
         snap = a.pause()
         assert shared_ids(shared) == {snap.id}  # published, nothing hidden left beside it
+        assert (shared / snap.id).stat().st_mode & 0o077 == 0  # the sandbox's memory: for the servers only
         procs[0].send_signal(signal.SIGKILL)
         procs[0].wait(timeout=30)
         cleanup(homes[0])  # A's node is gone: its home (store, records, volume) with it
