@@ -224,12 +224,14 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
     folders: a damaged chunk or a cut stops it and the staging folders go; the part file keeps what was checked."""
     m = _checked(manifest)
     sid, chunk, digests = m["id"], m["chunk"], m["digests"]
-    with contextlib.suppress(SnapshotNotFound):
-        return Snapshot.get(sid), {"chunks": len(digests), "fetched": 0, "resumed_at": len(digests)}
+    if (done := _present(sid, len(digests))) is not None:
+        return done
     staging = _folder("imports")
     part, key = staging / f".part-{sid}", staging / f".part-{sid}.json"
     mine = {"size": m["size"], "chunk": chunk, "digests": digests}
     with _locked(staging / f".lock-{sid}"):
+        if (done := _present(sid, len(digests))) is not None:  # a concurrent import finished while this waited
+            return done
         same = key.exists() and json.loads(key.read_text()) == mine
         have = min(part.stat().st_size // chunk, len(digests)) if same and part.exists() else 0
         if not same:
@@ -251,6 +253,14 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
         part.unlink()
         key.unlink()
     return snap, {"chunks": len(digests), "fetched": len(digests) - have, "resumed_at": have}
+
+
+def _present(sid: str, chunks: int) -> tuple[Snapshot, dict[str, int]] | None:
+    """The snapshot if this store has it already (then nothing is fetched), else None."""
+    try:
+        return Snapshot.get(sid), {"chunks": chunks, "fetched": 0, "resumed_at": chunks}
+    except SnapshotNotFound:
+        return None
 
 
 def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO | None,

@@ -41,8 +41,8 @@ def servers() -> Iterator[tuple[list[str], list[Path]]]:
     procs: list[subprocess.Popen[bytes]] = []
     ports = [free_port() for _ in homes]
     try:
-        for home, port in zip(homes, ports, strict=True):
-            procs.append(start_server_process(port, token, env={"AGENTENV_HOME": str(home)}))
+        for home, port, quota in zip(homes, ports, ("1", "4"), strict=True):  # A holds one sandbox at a time
+            procs.append(start_server_process(port, token, "--max-sandboxes", quota, env={"AGENTENV_HOME": str(home)}))
         yield [f"http://127.0.0.1:{p}" for p in ports], homes
     finally:
         for p in procs:
@@ -122,12 +122,15 @@ def test_restore_and_move_to_another_server_keep_files_and_memory(servers):
         data = a.read_file("/srv/data.bin")
         holder(a, "s3cret")
         snap = a.snapshot(memory=True)
-        b = pool.Sandbox.restore(snap, server=urls[1])
+        b = pool.Sandbox.restore(snap)  # A, the owner, is full: the restore goes to B, which pulls the snapshot
         assert b.client.url == urls[1]
         assert b.read_file("/srv/data.bin") == data
         has_memory(b, "s3cret")
         assert snap.id in {s.id for s in pool.clients[1].Snapshot.list()}
         b.close()
+        again = pool.Sandbox.restore(snap, server=urls[1])  # B has it now: no pull, the same state
+        has_memory(again, "s3cret")
+        again.close()
         moved = pool.Sandbox.move(a, urls[1])  # pause on A, restore on B
         assert moved.client.url == urls[1] and moved.read_file("/srv/data.bin") == data
         has_memory(moved, "s3cret")
