@@ -110,6 +110,9 @@ def serve(
                                                  "that a burst of creates gets them at once (0: none)"),
     domain: str | None = typer.Option(None, help="the domain E2B's get_host names ({port}-{id}.DOMAIN): requests "
                                                  "with such a Host reach that sandbox port (docs/e2b.md)"),
+    shared_store: Annotated[Path | None, typer.Option(help="a folder every server sees (e.g. NFS): each pause and "
+                                                           "snapshot is also published there, and a snapshot this "
+                                                           "store lacks is imported from it (docs/transfer.md)")] = None,
 ) -> None:
     """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token.
 
@@ -125,9 +128,13 @@ def serve(
     except (ValueError, OSError) as e:
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
-    server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
-                 max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                 warm_pool=warm_pool, domain=domain)
+    try:
+        server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
+                     max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store)
+    except ValueError as e:  # an option refused (a shared store that is not a directory, a bad --domain)
+        console.print(f"[red]error:[/] {e}")
+        raise typer.Exit(2) from None
 
 
 @snapshots_app.command("ls")

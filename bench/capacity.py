@@ -2,7 +2,8 @@
 
 Idle: sandboxes of ``agentenv/base`` are created one after another, each doing nothing after its start, until
 something refuses one (its error is where agentenv stopped), the host's available memory falls to ``--floor``
-(where this benchmark stopped, to keep the machine alive), or ``--max`` is reached. Each new sandbox answers
+(where this benchmark stopped, to keep the machine alive), ``--minutes`` pass, ``--max`` is reached, or a
+SIGINT. Each new sandbox answers
 ``exec`` before the next is made; at the end every tenth is asked again. Host memory per idle sandbox is the fall
 of ``MemAvailable`` divided by the count. The plain alternative, in the same run: ``--docker`` idle
 ``docker run -d agentenv/base sleep infinity`` containers, measured the same way.
@@ -80,6 +81,8 @@ def fill(made: list[Any], r: Result, what: str, cap: int, then: Callable[[Any], 
             sb = agentenv.Sandbox.create(IMAGE)
             made.append(sb)
             then(sb)
+        except KeyboardInterrupt:
+            return made, f"the operator (SIGINT) at {len(made)}"
         except Exception as e:  # noqa: BLE001 - where agentenv stopped is the result
             return made, f"agentenv refused {what} {len(made) + 1}: {type(e).__name__}: {str(e)[:300]}"
         r.add(time.perf_counter() - t)
@@ -88,14 +91,19 @@ def fill(made: list[Any], r: Result, what: str, cap: int, then: Callable[[Any], 
     return made, f"the cap of {cap}"
 
 
-def idle(made: list[Any], report: Report, cap: int, floor: int) -> None:
+def idle(made: list[Any], report: Report, cap: int, floor: int, minutes: float) -> None:
     """Idle sandboxes until a refusal, the memory floor or ``cap``; returns them (still running)."""
     r = report.result("idle.create", "create -> exec answered, one after another")
     base = mem_available()
     t0 = time.monotonic()
-    made, stop = fill(made, r, "idle sandbox", cap, lambda sb: sb.exec("true"),
-                      lambda: f"the benchmark's memory floor ({floor >> 20} MiB available left)"
-                      if mem_available() < floor else None)
+    deadline = time.monotonic() + minutes * 60
+
+    def floor_reached() -> str | None:
+        if mem_available() < floor:
+            return f"the benchmark's memory floor ({floor >> 20} MiB available left)"
+        return f"the benchmark's time limit ({minutes:g} min)" if time.monotonic() > deadline else None
+
+    made, stop = fill(made, r, "idle sandbox", cap, lambda sb: sb.exec("true"), floor_reached)
     t_end = time.monotonic()
     used = base - mem_available()
     asked = made[::10]
@@ -183,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--max", type=int, default=2000, help="idle sandboxes at most")
     ap.add_argument("--floor", default="3g", help="stop making idle sandboxes when MemAvailable falls to this")
+    ap.add_argument("--minutes", type=float, default=10, help="stop making idle sandboxes after this long")
     ap.add_argument("--max-paused", type=int, default=2000, help="paused sandboxes at most")
     ap.add_argument("--disk-floor", default="2g", help="stop pausing when the volume has this little free")
     ap.add_argument("--docker", type=int, default=20, help="idle Docker containers for the comparison (0: none)")
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     made: list[Any] = []  # closed whatever ends the run (an interrupt too): none outlives its home
     try:
         docker_idle(report, args.docker)
-        idle(made, report, args.max, parse_size(args.floor))
+        idle(made, report, args.max, parse_size(args.floor), args.minutes)
         close_all(made)
         paused(made, report, home, args.max_paused, parse_size(args.disk_floor))
     except Exception as e:  # noqa: BLE001 - recorded, the report is still written

@@ -33,7 +33,7 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,10 +49,11 @@ LOAD_OPS = ("create", "exec", "snapshot", "fork1", "delete")
 
 
 def start_server(home: Path, token: str, max_sandboxes: int, log: Path | None = None,
-                 reap_interval: float = 60) -> tuple[subprocess.Popen[bytes], str]:
+                 reap_interval: float = 60, extra: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], str]:
     """``agentenv serve`` on a free loopback port with ``home`` as $AGENTENV_HOME, waited for until it answers.
     Its stderr goes to ``log`` when given (a long run would fill an unread pipe and stall the server);
-    ``reap_interval``: seconds between its TTL checks (tests of timeouts need a short one)."""
+    ``reap_interval``: seconds between its TTL checks (tests of timeouts need a short one); ``extra``: more
+    options of ``agentenv serve`` (e.g. ``--shared-store DIR``)."""
     with socket.socket() as s:
         s.bind((HOST, 0))
         port = s.getsockname()[1]
@@ -63,7 +64,7 @@ def start_server(home: Path, token: str, max_sandboxes: int, log: Path | None = 
     argv = [sys.executable, "-c", code, "serve", "--host", HOST, "--port", str(port), "--token-file", str(tok),
             "--max-sandboxes", str(max_sandboxes), "--max-memory", "256g",
             "--max-disk", f"{10 * max_sandboxes}g",  # each sandbox's default disk limit is 10 GiB: the count bounds
-            "--reap-interval", str(reap_interval)]
+            "--reap-interval", str(reap_interval), *extra]
     if log is None:
         proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     else:
@@ -123,6 +124,14 @@ def record_leaks(report: Report, home: Path, **more: int) -> dict[str, int]:
     else:
         report.notes.append(f"leaks after the run (kept {home}): {left}")
     return left
+
+
+def drop_home(home: Path) -> None:
+    """Remove a stopped server's home: its own mounts (the volume, the uid ranges' namespace pins) first."""
+    for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
+        if (target := line.split()[1]).startswith(f"{home}/"):
+            subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def docker_networks() -> int:

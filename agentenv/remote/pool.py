@@ -10,6 +10,8 @@ the other servers keep working. A down server is probed again at most every ``re
 A restore runs on the server holding the snapshot while it has room, else (or with ``server=``) on another,
 which first pulls the snapshot from its owner (``POST /v1/snapshots/import``: chunks checked by sha256,
 resumable); ``move`` takes a sandbox to another server that way (pause, pull, restore there, close here).
+Servers started with the same ``--shared-store`` see each other's snapshots there: a snapshot whose server is
+gone is restored on one of them (``agentenv.sandbox.shared``).
 """
 
 from __future__ import annotations
@@ -177,6 +179,10 @@ class PoolSandboxAPI:
         if server is not None:
             return self._restore_on(self._pool.client(server), owner, snapshot.id, labels)
         ranked = self._pool._by_free_capacity()
+        if owner.down:  # its server is gone: one that still sees the snapshot (in a shared store) answers for it
+            snapshot = self._pool.Snapshot.get(snapshot.id)
+            owner = snapshot.client
+            assert owner is not None
         if owner in ranked:
             ranked.remove(owner)
             ranked.insert(0, owner)

@@ -59,7 +59,7 @@ from agentenv.host.runtime import Container, ContainerSpec
 from agentenv.host.trees import remove_tree
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import expiry, forking, recovery, snapshotting, store, warm
+from agentenv.sandbox import expiry, forking, recovery, shared, snapshotting, store, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT
@@ -322,7 +322,9 @@ class Sandbox(Calls, Record):
         """Save the filesystem (and with ``memory=True`` every process) into the snapshot store."""
         with self._locked():
             self.require_running()
-            return snapshotting.take(self, memory, leave_running=True, labels=labels, op="snapshot")
+            snap = snapshotting.take(self, memory, leave_running=True, labels=labels, op="snapshot")
+        shared.publish(snap)  # with a shared store, other servers can restore it (even once this one is gone)
+        return snap
 
     def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[Sandbox]:
         """``n`` independent sandboxes that continue from this instant; this one keeps running.

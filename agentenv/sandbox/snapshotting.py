@@ -25,7 +25,7 @@ from agentenv.errors import CheckpointError, ConnectionLost
 from agentenv.host import lazy_pages, userns, volume
 from agentenv.host.criu import dump_stats
 from agentenv.phases import note, phase
-from agentenv.sandbox import store
+from agentenv.sandbox import shared, store
 from agentenv.sandbox.store import Snapshot
 
 if TYPE_CHECKING:
@@ -160,4 +160,5 @@ def pause(sb: Parts, memory: bool) -> Snapshot:
         raise
     crash_point("pause:published")
     sb._paused(snap_id)
+    shared.publish(snap)  # with a shared store, another server can resume it, even once this one is gone
     return snap

@@ -122,10 +122,48 @@ class Snapshot(SnapshotInfo):
         with contextlib.suppress(FileNotFoundError):  # its archive packed for another server (sandbox.transfer)
             os.rename(exports() / self.id, exports() / f".del-{self.id}-{os.getpid()}")
             trash.append(exports() / f".del-{self.id}-{os.getpid()}")
+        if (shared := shared_trash(self.id)) is not None:  # its copy in the shared store (sandbox.shared)
+            trash.append(shared)
         if background:
             threading.Thread(target=remove, args=(trash,), name="agentenv-discard").start()
         else:
             remove(trash)
+
+
+_shared: list[Path] = []  # the shared store of this process, if any (agentenv serve --shared-store)
+
+
+def shared_root() -> Path | None:
+    """The folder where this server publishes its snapshots for others (``agentenv.sandbox.shared``), or None."""
+    return _shared[0] if _shared else None
+
+
+def set_shared_root(folder: Path | None) -> None:
+    _shared[:] = [] if folder is None else [folder]
+
+
+def shared_staging() -> Path:
+    """This host's hidden folder in the shared store: copies being published, or deleted (``<id>-<pid>``), so
+    that a host cleans up after its own dead processes only (pids of other hosts mean nothing here)."""
+    root = shared_root()
+    assert root is not None
+    d = root / f".staging-{os.uname().nodename}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    return d
+
+
+def shared_trash(snapshot_id: str) -> Path | None:
+    """Take a snapshot's copy out of the shared store (renamed aside: no reader finds it from now on); the
+    folder to remove, or None if there was none."""
+    root = shared_root()
+    if root is None:
+        return None
+    trash = shared_staging() / f".del-{os.path.basename(snapshot_id)}-{os.getpid()}"
+    try:
+        os.rename(root / os.path.basename(snapshot_id), trash)
+    except FileNotFoundError:
+        return None
+    return trash
 
 
 def exports() -> Path:

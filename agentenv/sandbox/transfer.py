@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -68,38 +69,71 @@ def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     store.exports().mkdir(mode=0o700, exist_ok=True)
     folder = store.exports() / snap.id
     if not (folder / "parts.json").exists():
-        _pack(snap, folder)
+        pack(snap, folder)
+    return manifest_of(folder, snap.id, chunk)
+
+
+def manifest_of(folder: Path, snapshot_id: str, chunk: int) -> dict[str, Any]:
+    """The manifest of the archive packed in ``folder`` (computed once per chunk size, written atomically)."""
     manifest = folder / f"manifest-{chunk}.json"
     with contextlib.suppress(FileNotFoundError):
         return dict(json.loads(manifest.read_text()))
-    digests = []
+    digests = _Digests(chunk)
     with open(folder / "archive", "rb") as f:
         while piece := f.read(chunk):
-            digests.append(hashlib.sha256(piece).hexdigest())
-    out = {"id": snap.id, "size": (folder / "archive").stat().st_size, "chunk": chunk, "digests": digests,
-           **json.loads((folder / "parts.json").read_text())}
+            digests.update(piece)
+    return _write_manifest(folder, snapshot_id, digests, json.loads((folder / "parts.json").read_text()))
+
+
+def _write_manifest(folder: Path, snapshot_id: str, digests: _Digests, parts: dict[str, Any]) -> dict[str, Any]:
+    out = {"id": snapshot_id, "size": digests.size, "chunk": digests.chunk, "digests": digests.digests(), **parts}
+    manifest = folder / f"manifest-{digests.chunk}.json"
     tmp = manifest.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(out))
     os.replace(tmp, manifest)
     return out
 
 
-def _pack(snap: Snapshot, folder: Path) -> None:
-    """Write ``archive`` (the store folder's tar, then the files' tar) and ``parts.json`` into ``folder``,
-    built in a hidden folder and renamed into place."""
+class _Digests:
+    """The sha256 of every ``chunk`` bytes of a stream, taken as it passes (packing needs no second read)."""
+
+    def __init__(self, chunk: int) -> None:
+        self.chunk, self.size, self.h = chunk, 0, hashlib.sha256()
+        self.done: list[str] = []
+
+    def update(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            take = min(len(view), self.chunk - self.size % self.chunk)
+            self.h.update(view[:take])
+            self.size, view = self.size + take, view[take:]
+            if self.size % self.chunk == 0:
+                self.done.append(self.h.hexdigest())
+                self.h = hashlib.sha256()
+
+    def digests(self) -> list[str]:
+        return self.done + ([self.h.hexdigest()] if self.size % self.chunk else [])
+
+
+def pack(snap: Snapshot, folder: Path) -> None:
+    """Write ``archive`` (the store folder's tar, then the files' tar), ``parts.json`` and the manifest of
+    CHUNK-sized chunks (hashed as the archive is written) into ``folder``, built in a hidden folder and renamed
+    into place."""
     tmp = folder.parent / f".tmp-{snap.id}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
         parts: dict[str, Any] = {"layer": snap.layer, "files": None}
+        digests = _Digests(CHUNK)
         with open(tmp / "archive", "wb") as out:
-            _tar_create(snap.path, out, exclude=userns.LEASE)
+            _tar_create(snap.path, out, digests, exclude=userns.LEASE)
             parts["meta"] = [0, out.tell()]
             if snap.files.is_dir():
                 start = out.tell()
-                _tar_create(snap.files, out)
+                _tar_create(snap.files, out, digests)
                 parts["files"] = [start, out.tell() - start]
         (tmp / "parts.json").write_text(json.dumps(parts))
+        _write_manifest(tmp, snap.id, digests, parts)
         try:
             os.rename(tmp, folder)
         except OSError:  # another request packed it meanwhile: theirs is as good
@@ -109,17 +143,25 @@ def _pack(snap: Snapshot, folder: Path) -> None:
         raise
 
 
-def _tar_create(src: Path, out: Any, exclude: str | None = None) -> None:
-    out.flush()
+def _tar_create(src: Path, out: BinaryIO, digests: _Digests, exclude: str | None = None) -> None:
     # deterministic: packed again (the sender restarted, its archive was dropped) it has the same digests, so
     # a receiver's chunks stay good; pax headers without tar's pid, atime or ctime
     args = ["tar", "--create", "--file=-", "--format=posix", "--sparse", *_TAR, "-C", str(src),
             "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime"]
     if exclude:
         args.append(f"--exclude=./{exclude}")
-    r = subprocess.run([*args, "."], stdout=out, stderr=subprocess.PIPE, check=False)
-    if r.returncode != 0:
-        raise SandboxError(f"could not pack {src}: {r.stderr.decode(errors='replace')[-500:]}")
+    with tempfile.TemporaryFile() as err:  # not a pipe: tar's complaints cannot fill it while we read its output
+        p = subprocess.Popen([*args, "."], stdout=subprocess.PIPE, stderr=err)
+        assert p.stdout is not None
+        with contextlib.suppress(OSError):  # a larger pipe: fewer switches between tar and this copy
+            fcntl.fcntl(p.stdout.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
+        with p.stdout:
+            while data := p.stdout.read(1 << 20):
+                out.write(data)
+                digests.update(data)
+        if p.wait() != 0:
+            err.seek(0)
+            raise SandboxError(f"could not pack {src}: {err.read().decode(errors='replace')[-500:]}")
 
 
 def read_chunk(snapshot_id: str, index: int, chunk: int = CHUNK) -> bytes:
@@ -172,9 +214,11 @@ def _locked(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[Snapshot, dict[str, int]]:
+def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
+            resumable: bool = True) -> tuple[Snapshot, dict[str, int]]:
     """Bring the snapshot of ``manifest`` into this store, ``fetch(i)`` giving chunk ``i``; resumes from the
-    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``.
+    chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``. With
+    ``resumable=False`` (a local source: a shared store) the checked chunks are not kept for a later try.
 
     The chunks are unpacked as they come (two tar processes fed the checked bytes), into the store's staging
     folders: a damaged chunk or a cut stops it and the staging folders go; the part file keeps what was checked."""
@@ -198,7 +242,7 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str) -> tuple[
                 with open(part, "rb") as kept:  # what an earlier try checked in, unpacked first
                     for i in range(have):
                         unpack.feed(i * chunk, kept.read(chunk))
-                _pipeline(fetch, range(have, len(digests)), m, f, unpack)
+                _pipeline(fetch, range(have, len(digests)), m, f if resumable else None, unpack)
                 unpack.close()
                 snap = _finish(tmp, m, origin)
         except TransferError as e:
@@ -219,7 +263,7 @@ def _present(sid: str, chunks: int) -> tuple[Snapshot, dict[str, int]] | None:
         return None
 
 
-def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO,
+def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO | None,
               unpack: _Unpacker) -> None:
     """Fetch ``indices`` (AHEAD requests in flight), check each in order, and hand it to a thread of its own that
     appends it to the part file and feeds the tar processes: the download, the checks and the unpacking overlap."""
@@ -246,9 +290,10 @@ def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], 
                 p.cancel()
 
 
-def _keep(part: BinaryIO, unpack: _Unpacker, offset: int, data: bytes) -> None:
+def _keep(part: BinaryIO | None, unpack: _Unpacker, offset: int, data: bytes) -> None:
     """A checked chunk: appended to the part file (what a later try resumes from), then unpacked."""
-    part.write(data)
+    if part is not None:
+        part.write(data)
     unpack.feed(offset, data)
 
 

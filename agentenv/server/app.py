@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentenv import __version__
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
-from agentenv.sandbox import store, warm
+from agentenv.sandbox import shared, store, warm
 from agentenv.server import console
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, jobs, sandboxes, server, snapshots
@@ -40,7 +40,7 @@ TOKEN_ENV = "AGENTENV_TOKEN"
 def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "64g", max_disk: str | int = "640g",
                max_store: str | int | None = None, unlimited_disk: bool = False,
                reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0,
-               domain: str | None = None) -> FastAPI:
+               domain: str | None = None, shared_store: str | Path | None = None) -> FastAPI:
     """The environment server's app; ``token`` guards every route but /health and /metrics.
 
     Quotas: ``max_sandboxes`` live sandboxes, ``max_memory`` and ``max_disk`` bytes of their limits added up;
@@ -50,9 +50,12 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     E2B's creates and plain creates ask for) are kept started, so that a burst of creates gets them at once.
     ``domain``: what E2B's ``get_host`` names (``{port}-{id}.{domain}``): requests with such a ``Host`` reach
     that port of the sandbox (a wildcard DNS name to this server makes them work, see docs/e2b.md).
+    ``shared_store``: a folder every server sees, where each pause and snapshot is also published and from which
+    a snapshot this store lacks is imported (``agentenv.sandbox.shared``).
     """
     if not token:
         raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
+    shared.configure(shared_store)
     service = Service(max_sandboxes, parse_size(max_memory), reap_interval, max_disk=parse_size(max_disk),
                       unlimited_disk=unlimited_disk)
     store_limit = None if max_store is None else parse_size(max_store)
@@ -142,9 +145,10 @@ def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PO
 def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_sandboxes: int = 64,
           max_memory: str | int = "64g", max_disk: str | int = "640g", max_store: str | int | None = None,
           unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info",
-          e2b: bool | None = None, warm_pool: int = 0, domain: str | None = None) -> None:
+          e2b: bool | None = None, warm_pool: int = 0, domain: str | None = None,
+          shared_store: str | Path | None = None) -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                     warm_pool=warm_pool, domain=domain)
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

@@ -9,8 +9,9 @@ from fastapi import APIRouter, Body, Query, Response
 from fastapi import Path as PathParam
 
 from agentenv.api import SandboxInfo, SnapshotInfo
+from agentenv.errors import SnapshotNotFound
 from agentenv.remote.transfer import pull
-from agentenv.sandbox import transfer
+from agentenv.sandbox import shared, transfer
 from agentenv.sandbox.store import Snapshot
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
@@ -61,21 +62,31 @@ def list_snapshots() -> Response:
 
 @router.get("/v1/snapshots/{snapshot_id}", response_model=SnapshotInfo, responses=error_responses(401, 404, 422))
 def get_snapshot(snapshot_id: SnapshotId) -> Response:
-    return WireResponse(Snapshot.get(snapshot_id).info().to_wire())
+    """A snapshot of this server's store, else one of the shared store (``--shared-store``: a restore imports it)."""
+    try:
+        return WireResponse(Snapshot.get(snapshot_id).info().to_wire())
+    except SnapshotNotFound:
+        if (found := shared.info(snapshot_id)) is None:
+            raise
+        return WireResponse(found)
 
 
 @router.delete("/v1/snapshots/{snapshot_id}", response_model=Deleted, responses=error_responses(401, 404, 422))
 def delete_snapshot(snapshot_id: SnapshotId,
                     background: Annotated[bool, Query(description="remove the files off the request")] = False,
                     ) -> Response:
-    Snapshot.get(snapshot_id).delete(background=background)  # its packed archive too, if any
+    try:
+        Snapshot.get(snapshot_id).delete(background=background)  # its packed archive and shared copy too, if any
+    except SnapshotNotFound:
+        if not shared.drop(snapshot_id):  # one only in the shared store (its server is gone)
+            raise
     return WireResponse({"id": snapshot_id, "state": "deleted"})
 
 
 @router.post("/v1/snapshots/{snapshot_id}/restore", response_model=SandboxInfo,
              responses=error_responses(400, 401, 404, 422, 429, 501))
 def restore(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[RestoreRequest, Body()]) -> Response:
-    sb = service.restore(Snapshot.get(snapshot_id), labels=req.labels)
+    sb = service.restore(shared.get(snapshot_id), labels=req.labels)  # imported from the shared store if need be
     return WireResponse(sb.info("running").to_wire())
 
 

@@ -1,0 +1,147 @@
+"""Benchmark migration downtime: a sandbox paused on server A and restored on server B through the shared
+snapshot store, against a pause and resume on one server.
+
+What: three ``agentenv serve`` processes on loopback, each with its own $AGENTENV_HOME; A and B share a
+``--shared-store`` folder, C has none. A sandbox holds ``--mb`` MiB of random bytes in a process's memory
+(and a file). ``migrate``: the sandbox answers on A (``exec``), is paused there (the pause publishes its
+archive to the shared store), restored on B (B imports it, digests checked, then CRIU restores) and answers
+there; downtime = from A's last answer to B's first, the sandbox going back and forth between A and B. ``local``
+(the plain alternative, on C): last answer, pause, resume, first answer. Ratio: migrate / local downtime;
+the issue's target is <= 150 ms (post-copy). Results go to ``bench/results/migrate.json``.
+
+    .venv/bin/python -m bench.migrate [--runs 5] [--mb 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import agentenv
+from agentenv.remote.client import Client, RemoteSandbox
+from bench.harness import Report, Result, Row, add_output_arg, print_table, recording
+from bench.server import drop_home, leaks, start_server, stop_server
+
+TARGET_S = 0.150  # the issue's target downtime (post-copy migration)
+# a process holding MiB of random bytes (argv[1]); its pid in /tmp/pid once they are all in memory
+HOLDER = ("import os, sys, time\nb = os.urandom(int(sys.argv[1]) << 20)\n"
+          "open('/tmp/pid', 'w').write(str(os.getpid()))\nwhile True: time.sleep(3600)\n")
+ALIVE = "kill -0 $(cat /tmp/pid) && cat /srv/state"
+
+
+def answer(sb: RemoteSandbox) -> float:
+    """The sandbox answers (its holder process alive, its file there); the time of the answer."""
+    r = sb.exec(ALIVE, timeout=60)
+    if r.exit_code != 0 or r.stdout != "kept\n":
+        raise RuntimeError(f"sandbox {sb.id} lost its state: exit {r.exit_code}, {r.stdout!r} {r.stderr!r}")
+    return time.perf_counter()
+
+
+def prepare(client: Client, mb: int) -> RemoteSandbox:
+    sb = client.Sandbox.create(memory=f"{mb + 256}m")
+    sb.write_file("/srv/state", "kept\n")
+    sb.write_file("/tmp/holder.py", HOLDER)
+    sb.spawn(f"python3 /tmp/holder.py {mb}")
+    sb.exec("while [ ! -s /tmp/pid ]; do sleep 0.05; done", timeout=120)
+    return sb
+
+
+def migrate(report: Report, pool: agentenv.Pool, sb: RemoteSandbox, runs: int) -> RemoteSandbox:
+    """Pause on one server, restore on the other (through the shared store), ``runs`` times back and forth."""
+    res, a, b = report.result("migrate"), pool.clients[0], pool.clients[1]
+    with recording(res, "migrate"):
+        for _ in range(runs):
+            there = b if sb.client is a else a
+            last = answer(sb)
+            snap = sb.pause()
+            paused = time.perf_counter()
+            moved = pool.Sandbox.restore(snap, server=there.url)
+            restored = time.perf_counter()
+            first = answer(moved)
+            res.add(first - last)
+            res.add_extra("pause+publish", paused - last)
+            res.add_extra("import+restore", restored - paused)
+            sb.close()  # its pause snapshot and the shared copy go
+            there.Snapshot.get(snap.id).delete()  # the copy B imported
+            sb = moved
+    return sb
+
+
+def local(report: Report, sb: RemoteSandbox, runs: int) -> None:
+    res = report.result("local")
+    with recording(res, "local"):
+        for _ in range(runs):
+            last = answer(sb)
+            sb.pause()
+            paused = time.perf_counter()
+            sb.resume()
+            resumed = time.perf_counter()
+            first = answer(sb)
+            res.add(first - last)
+            res.add_extra("pause", paused - last)
+            res.add_extra("resume", resumed - paused)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--mb", type=int, default=256, help="MiB of random bytes a process of the sandbox holds")
+    add_output_arg(ap, "migrate")
+    args = ap.parse_args(argv)
+    report = Report("migrate", {k: v for k, v in vars(args).items() if k != "output"})
+    homes = [Path(tempfile.mkdtemp(prefix="agentenv-bench-mig-", dir="/var/tmp")) for _ in range(3)]
+    shared = Path(tempfile.mkdtemp(prefix="agentenv-bench-shared-", dir="/var/tmp"))
+    token = secrets.token_urlsafe(24)
+    procs = []
+    try:
+        options: list[list[str]] = [["--shared-store", str(shared)]] * 2 + [[]]  # C: no shared store
+        for home, extra in zip(homes, options, strict=True):
+            procs.append(start_server(home, token, max_sandboxes=4, extra=extra))
+        with agentenv.Pool([url for _, url in procs[:2]], token, timeout=600) as pool, \
+                Client(procs[2][1], token, timeout=600) as c:
+            sb = prepare(pool.clients[0], args.mb)
+            snap = sb.snapshot(memory=True)  # the archive's size, for the report
+            report.info["archive_bytes"] = sum(p.stat().st_size for p in (shared / snap.id).glob("archive"))
+            snap.delete()
+            sb = migrate(report, pool, sb, args.runs)
+            sb.close()
+            plain = prepare(c, args.mb)
+            local(report, plain, args.runs)
+            plain.close()
+    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
+        report.fatal = f"{type(e).__name__}: {e}"
+    finally:
+        for proc, _ in procs:
+            stop_server(proc)
+    left = {}
+    for home in homes:  # what sandboxes or snapshots left; the home's own volume and uid pins go with it
+        left.update({k: v for k, v in leaks(home, home_mounts=False).items() if v})
+        if not left:
+            drop_home(home)
+    report.info["leaks"] = left
+    report.info["shared_store_left"] = sorted(p.name for p in shared.iterdir())
+    shutil.rmtree(shared, ignore_errors=True)
+    x = report.add_ratio("migrate downtime / local pause+resume downtime", "migrate", "local")
+    m = report.results.get("migrate")
+    med = m.stat.median if m and m.stat else None
+    report.info["target_s"] = TARGET_S
+    report.info["gap_to_target"] = None if med is None else round(med / TARGET_S, 2)
+    rows = [Row("migrate A -> B (shared store)", [m], x), Row("local pause + resume", [report.results.get("local")])]
+    for key in ("migrate", "local"):
+        r = report.results.get(key)
+        for name, samples in (r.extra.items() if r else ()):
+            rows.append(Row(f"  {key}: {name}", [Result(samples=samples)]))
+    print_table(f"downtime of a sandbox holding {args.mb} MiB in memory, ms (ratio: migrate / local; "
+                f"target <= {TARGET_S * 1000:.0f} ms)", rows)
+    report.print_errors()
+    report.write(args.output)
+    return 1 if report.fatal or report.errors or left or report.info["shared_store_left"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
