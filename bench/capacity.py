@@ -32,6 +32,7 @@ from typing import Any
 
 from agentenv.config import parse_size
 from bench.harness import Report, Result, Row, add_output_arg, console, print_table
+from bench.server import drop_home
 
 IMAGE = "agentenv/base"
 
@@ -215,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop("AGENTENV_HOME", None)
         else:
             os.environ["AGENTENV_HOME"] = saved
-        subprocess.run(["umount", "-l", str(home / "volume")], capture_output=True, check=False)
-        from agentenv.host.trees import remove_tree
-
-        remove_tree(home)
+        drop_home(home)
     idle_info, dock = report.info.get("idle", {}), report.info.get("docker_idle", {})
     x = None
     if idle_info.get("host_bytes_per_sandbox", 0) > 0 and dock.get("host_bytes_per_container", 0) > 0:

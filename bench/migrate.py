@@ -25,7 +25,7 @@ from pathlib import Path
 import agentenv
 from agentenv.remote.client import Client, RemoteSandbox
 from bench.harness import Report, Result, Row, add_output_arg, print_table, recording
-from bench.server import drop_home, leaks, start_server, stop_server
+from bench.server import drop_clean_homes, start_server, stop_server
 
 TARGET_S = 0.150  # the target downtime (post-copy migration)
 # a process holding MiB of random bytes (argv[1]); its pid in /tmp/pid once they are all in memory
@@ -118,12 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _ in procs:
             stop_server(proc)
-    left = {}
-    for home in homes:  # what sandboxes or snapshots left; the home's own volume and uid pins go with it
-        left.update({k: v for k, v in leaks(home, home_mounts=False).items() if v})
-        if not left:
-            drop_home(home)
-    report.info["leaks"] = left
+    left = drop_clean_homes(report, homes)
     report.info["shared_store_left"] = sorted(p.name for p in shared.iterdir())
     shutil.rmtree(shared, ignore_errors=True)
     x = report.add_ratio("migrate downtime / local pause+resume downtime", "migrate", "local")

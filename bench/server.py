@@ -24,7 +24,6 @@ import contextlib
 import functools
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -115,23 +114,38 @@ def e2b_serving(report: Report, name: str, max_sandboxes: int) -> Iterator[tuple
 
 
 def record_leaks(report: Report, home: Path, **more: int) -> dict[str, int]:
-    """What a run left under its home (plus ``more`` counts), also into the report; the home goes when nothing
-    was left."""
-    left = {**leaks(home), **more}
+    """What a run left under its home (plus ``more`` counts), also into the report; the home goes (its own
+    volume and uid pins with it) when nothing was left."""
+    left = {**leaks(home, home_mounts=False), **more}
     report.info["leaks"] = left
     if not any(left.values()):
-        shutil.rmtree(home, ignore_errors=True)
+        drop_home(home)
     else:
         report.notes.append(f"leaks after the run (kept {home}): {left}")
     return left
 
 
 def drop_home(home: Path) -> None:
-    """Remove a stopped server's home: its own mounts (the volume, the uid ranges' namespace pins) first."""
-    for line in reversed(Path("/proc/self/mounts").read_text().splitlines()):
-        if (target := line.split()[1]).startswith(f"{home}/"):
-            subprocess.run(["umount", "-l", target], capture_output=True, check=False)
-    shutil.rmtree(home, ignore_errors=True)
+    """Remove a stopped server's home, its own mounts (the volume, the uid ranges' namespace pins) unmounted
+    on the way and never deleted through (``agentenv.host.trees``)."""
+    from agentenv.host.trees import remove_tree
+
+    remove_tree(home)
+
+
+def drop_clean_homes(report: Report, homes: Sequence[Path]) -> dict[str, int]:
+    """What sandboxes or snapshots the servers of ``homes`` left (into the report); the homes go when nothing
+    was left, and are kept (and named in a note) when something was."""
+    left: dict[str, int] = {}
+    for home in homes:  # the home's own volume and uid pins are not leaks: they go with it
+        left.update({k: v for k, v in leaks(home, home_mounts=False).items() if v})
+    report.info["leaks"] = left
+    if left:
+        report.notes.append(f"leaks after the run (homes kept: {[str(h) for h in homes]}): {left}")
+    else:
+        for home in homes:
+            drop_home(home)
+    return left
 
 
 def docker_networks() -> int:

@@ -30,7 +30,7 @@ import httpx
 from agentenv.remote.client import Client
 from agentenv.remote.pool import import_snapshot
 from bench.harness import Report, Row, Timer, add_output_arg, fmt_ratio, median, print_table, recording
-from bench.server import leaks, start_server, stop_server
+from bench.server import drop_clean_homes, start_server, stop_server
 
 GOAL = 0.5
 
@@ -123,17 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc, _ in procs:
             stop_server(proc)
-    left: dict[str, int] = {}
-    for home in homes:
-        left.update({k: v for k, v in leaks(home, home_mounts=False).items() if v})
-        if not left:  # only the home's own volume and uid pins are mounted: let them go with it
-            for target in reversed([ln.split()[1] for ln in Path("/proc/self/mounts").read_text().splitlines()]):
-                if target.startswith(f"{home}/"):
-                    subprocess.run(["umount", target], capture_output=True, check=False)
-            shutil.rmtree(home, ignore_errors=True)
-    report.info["leaks"] = left
-    if left:
-        report.notes.append(f"leaks after the run (homes kept: {homes}): {left}")
+    left = drop_clean_homes(report, homes)
     rows = []
     for key in ("import.warm", "import.cold", "http", "cp"):
         r = report.results.get(key)
