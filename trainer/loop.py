@@ -52,6 +52,7 @@ from typing import Any
 
 from rich.console import Console
 
+from rollout.driver import init_ray
 from trainer.batch import filter_stale, pass_rate
 from trainer.config import RunConfig, describe, to_dict
 from trainer.partial import PAUSED_FILE, PartialRollouts
@@ -66,6 +67,7 @@ from trainer.services import (
     write_json_atomic,
 )
 from trainer.tasks import TaskRef, TaskSource, step_limit
+from trainer.trackers import for_run
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +136,6 @@ class Loop:
         (self.dir / "config.toml").write_text(describe(self.cfg))
         try:
             if self.cfg.trainer.placement == "ray" and self.cfg.trainer.world > 1:  # the ranks are Ray actors
-                from rollout.driver import init_ray
-
                 self._own_ray = init_ray(self.cfg.ray.address or None)
             weights = self._warm_start()
             self._start_trainer(weights)
@@ -307,17 +307,6 @@ class Loop:
         return await rollout_batch(self)
 
     # -- 4. evaluation --
-    def _tracker(self) -> Any:
-        """The run's experiment tracker (``[metrics] tracker``), or None."""
-        if not self.cfg.metrics.tracker:
-            return None
-        import dataclasses
-
-        from trainer.trackers import open_tracker
-
-        m = self.cfg.metrics
-        return open_tracker(m.tracker, self.dir, self.cfg.name, dataclasses.asdict(self.cfg), m.project, m.uri)
-
     async def evaluate(self, tag: str, split: str = "heldout") -> dict[str, Any]:
         """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (trainer/evaluation.py)."""
         from trainer.evaluation import evaluate
@@ -339,7 +328,7 @@ class Loop:
         self.rollout = self._rollout()
         self.rollout.keep_snapshots = set(self.partial.referenced)   # a resumed checkpoint's paused episodes
         self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume_step=self.iteration if self.resume else None,
-                                  tracker=self._tracker())
+                                  tracker=for_run(cfg, self.dir))
         try:
             with self.timed("workers_start"):
                 await self.rollout.start()

@@ -64,6 +64,14 @@ def episode_table(trajectories: list[Any], limit: int = 32) -> tuple[list[str], 
     return EPISODE_COLUMNS, rows
 
 
+def for_run(cfg: Any, run_dir: Path) -> Tracker | None:
+    """The tracker a run's ``[metrics]`` names (``trainer.config.MetricsConfig``), or None."""
+    import dataclasses
+
+    m = cfg.metrics
+    return open_tracker(m.tracker, run_dir, cfg.name, dataclasses.asdict(cfg), m.project, m.uri) if m.tracker else None
+
+
 def open_tracker(name: str, run_dir: Path, run_name: str, config: dict[str, Any], project: str = "agentenv",
                  uri: str = "") -> Tracker:
     """The tracker ``name`` for the run in ``run_dir`` (``require`` first)."""
