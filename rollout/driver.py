@@ -70,6 +70,7 @@ from rollout.workers import PolicyUnavailable, RolloutConfig, RolloutError, Roll
 log = logging.getLogger(__name__)
 
 SUMMARY_FILE = "summary.json"
+WORKER_BACK_TIMEOUT = 180.0  # seconds a killed worker has to answer again once Ray restarts it
 
 
 # --- the driver -------------------------------------------------------------------------------------------
@@ -401,11 +402,20 @@ class Rollout:
         """Whether a worker whose call failed answers again (Ray restarted it), or is gone for good."""
         if isinstance(slot.handle, RolloutWorker):
             return True
-        try:
-            await asyncio.wait_for(await_ref(slot.handle.info.remote()), 180)
-        except Exception:  # noqa: BLE001 - dead for good, or not back in time: no more groups for it
-            return False
-        return True
+        import ray.exceptions as rex
+
+        unavailable = getattr(rex, "ActorUnavailableError", ())  # restarting: a call now fails at once
+        deadline = time.monotonic() + WORKER_BACK_TIMEOUT
+        while True:
+            try:
+                await asyncio.wait_for(await_ref(slot.handle.info.remote()), max(1.0, deadline - time.monotonic()))
+                return True
+            except unavailable:
+                if time.monotonic() > deadline:
+                    return False
+                await asyncio.sleep(0.5)  # Ray is still restarting it: ask again
+            except Exception:  # noqa: BLE001 - dead for good, or not back in time: no more groups for it
+                return False
 
     async def _policy_back(self) -> bool:
         """Whether the policy answers again within a few probes."""
