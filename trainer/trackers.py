@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 TRACKERS = ("wandb", "tensorboard", "mlflow")
-_MODULE = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
-_PIP = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow-skinny"}
+_PIP = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow-skinny"}  # each imports as its name
 
 
 class Tracker(Protocol):
@@ -41,7 +40,7 @@ def require(name: str) -> None:
     """Refuse an unknown tracker, or one whose library is not installed, saying how to get it."""
     if name not in TRACKERS:
         raise ValueError(f"metrics.tracker must be one of {TRACKERS} (or empty), got {name!r}")
-    if importlib.util.find_spec(_MODULE[name]) is None:
+    if importlib.util.find_spec(name) is None:
         raise ValueError(f"metrics.tracker = {name!r} needs the {_PIP[name]} package: "
                          f"pip install '{_PIP[name]}' (or the project's trackers extra)")
 
