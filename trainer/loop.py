@@ -54,7 +54,7 @@ from rich.console import Console
 
 from rollout.driver import init_ray
 from trainer.batch import filter_stale, pass_rate
-from trainer.config import RunConfig, describe, to_dict
+from trainer.config import RunConfig, describe
 from trainer.partial import PAUSED_FILE, PartialRollouts
 from trainer.report import iteration_line, plan, reward_plot, summary_table
 from trainer.rollouts import Collected
@@ -68,6 +68,7 @@ from trainer.services import (
 )
 from trainer.tasks import TaskRef, TaskSource, step_limit
 from trainer.trackers import for_run
+from trainer.typed_toml import to_dict
 
 log = logging.getLogger(__name__)
 
