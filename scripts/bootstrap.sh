@@ -87,6 +87,7 @@ log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
 # 3-4 ms each of every dump and every restore (0004); a tree in a user namespace whose non-dumpable agent CRIU
 # had restored could not be dumped again (0005: its check that the namespaces belong to the user namespace);
 # $CRTOOLS_SCRIPT_ACTIONS limits action scripts to the actions it names (0006: one shell run per restore, not six).
+# A lazy dump's page server (post-copy) works without CAP_SYS_RESOURCE (0007: its pipe within fs.pipe-max-size).
 # RUNDIR: where CRIU caches its kernel probe (criu.kdat, ~30 ms a run); it keeps it only on a tmpfs,
 # and /run is not always one, so our build uses a small tmpfs of its own (mounted by agentenv).
 CRIU_RUNDIR=/run/agentenv-criu
