@@ -113,6 +113,8 @@ def serve(
     shared_store: Annotated[Path | None, typer.Option(help="a folder every server sees (e.g. NFS): each pause and "
                                                            "snapshot is also published there, and a snapshot this "
                                                            "store lacks is imported from it (docs/transfer.md)")] = None,
+    runs: Annotated[Path | None, typer.Option(help="a folder of run folders: the console shows their trajectories "
+                                                   "at /console/runs (docs/viewer.md)")] = None,
 ) -> None:
     """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token.
 
@@ -131,8 +133,8 @@ def serve(
     try:
         server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                     warm_pool=warm_pool, domain=domain, shared_store=shared_store)
-    except ValueError as e:  # an option refused (a shared store that is not a directory, a bad --domain)
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, runs=runs)
+    except ValueError as e:  # an option refused (a shared store, or runs, not a directory, a bad --domain)
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
 
