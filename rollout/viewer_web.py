@@ -185,7 +185,8 @@ def metrics(request: Request, run: str) -> Response:
 # --- agentenv view ----------------------------------------------------------------------------------------------
 
 app = typer.Typer(help="The trajectory viewer: a run's episodes, groups, search trees and metrics in a browser.",
-                  invoke_without_command=True, no_args_is_help=True)
+                  invoke_without_command=True, no_args_is_help=True,
+                  context_settings={"allow_interspersed_args": True})  # RUN before or after the options
 
 
 @app.callback(invoke_without_command=True)
@@ -211,3 +212,7 @@ def view(
     server = uvicorn.Server(uvicorn_config(create_app(run, token), "127.0.0.1", port, "warning"))
     typer.echo(f"trajectory viewer of {run}: http://127.0.0.1:{port}{console.PREFIX}/login#token={token}")
     server.run()
+
+
+if __name__ == "__main__":  # python -m rollout.viewer_web RUN: agentenv view before the package is installed
+    app()

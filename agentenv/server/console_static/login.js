@@ -2,10 +2,13 @@
 // or its logs); it is put in the form, taken off the address bar and sent.
 "use strict";
 
-document.addEventListener("DOMContentLoaded", () => {
+function loginFromFragment() {
   const given = new URLSearchParams(window.location.hash.slice(1)).get("token");
   if (!given) return;
   window.history.replaceState(null, "", window.location.pathname);
   document.getElementById("token").value = given;
-  document.getElementById("login").submit();
-});
+  document.getElementById("submit").click();  // (the form's submit() is shadowed by its button, id "submit")
+}
+
+document.addEventListener("DOMContentLoaded", loginFromFragment);
+window.addEventListener("hashchange", loginFromFragment);  // the URL opened over this very page
