@@ -44,13 +44,16 @@ from selenium.webdriver.common.by import By  # noqa: E402 - after test_console s
 
 
 def _answers() -> scripted.Script:
-    """Turn 0: a thought (hostile markup) and the calculator; turn 1: right twice, then wrong (mixed rewards)."""
+    """Turn 0: a thought (hostile markup) and the calculator; then task #0 is always answered right, #1 twice in
+    three, #2 never (mixed rewards, tasks of different pass rates)."""
     calls = itertools.count()
 
     def script(prompt: str, turn: int) -> str:
         if turn == 0:
             return "Let me compute " + HOSTILE + CALC
-        return RIGHT if next(calls) % 3 < 2 else WRONG
+        if "(#0)" in prompt:
+            return RIGHT
+        return RIGHT if "(#1)" in prompt and next(calls) % 3 < 2 else WRONG
     return script
 
 
@@ -58,8 +61,8 @@ def _rollout(run: Path, policy_url: str) -> None:
     from rollout.cli import app
 
     tasks = run.parent / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({"id": f"c{i}", "question": "What is 37 * 1234 - 5678?", "answer": "39980",
-                                         "match": "numeric"}) + "\n" for i in range(2)))
+    tasks.write_text("".join(json.dumps({"id": f"c{i}", "question": f"What is 37 * 1234 - 5678? (#{i})",
+                                         "answer": "39980", "match": "numeric"}) + "\n" for i in range(3)))
     r = CliRunner().invoke(app, ["--env", "agentenv/Tool-v0", "--tasks", str(tasks), "--policy-url", policy_url,
                                  "--group-size", "3", "--workers", "0", "--out", str(run), "--max-turns", "3"])
     assert r.exit_code == 0, r.output
