@@ -180,8 +180,8 @@ def episodes(run: Run, params: Mapping[str, str]) -> dict[str, Any]:
         raise BadViewerRequest(f"finish {finish[:40]!r} is not a finish reason",
                                fix=f"one of {', '.join(tj.FINISH_REASONS)}")
     task, group = params.get("task", ""), params.get("group", "")
-    limit = _number(params, "limit", int) or MAX_ROWS
-    offset = _number(params, "offset", int) or 0
+    limit, offset = _number(params, "limit", int), _number(params, "offset", int)
+    limit, offset = MAX_ROWS if limit is None else limit, offset or 0
     if not 0 < limit <= MAX_ROWS or offset < 0:
         raise BadViewerRequest(f"limit {limit} / offset {offset} out of range", fix=f"limit 1..{MAX_ROWS}, offset >= 0")
 
