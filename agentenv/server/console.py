@@ -54,7 +54,7 @@ HEADERS = {  # on every console reply
 }
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
-auth = APIRouter(prefix=PREFIX, include_in_schema=False)  # login, logout, scripts: shared with rollout.viewer_web
+auth = APIRouter(prefix=PREFIX, include_in_schema=False)  # login, logout, scripts: shared with trainer.viewer_web
 
 
 class Sessions:

@@ -1,4 +1,4 @@
-// The trajectory viewer's pages (rollout/viewer_web.py serves them, /console/api/runs/... feeds them). Everything
+// The trajectory viewer's pages (trainer/viewer_web.py serves them, /console/api/runs/... feeds them). Everything
 // a run holds (the agent's text, tool output, task ids) is hostile: it is only ever set as text, never as HTML.
 "use strict";
 
@@ -158,7 +158,7 @@ function facts(pairs) {
 function testTable(name, statuses) {
   const rows = Object.entries(statuses);
   const bad = rows.filter(([, s]) => s !== "PASSED").length;
-  return make("details", { class: "tests", "data-tests": name, open: "" },
+  return make("details", Object.assign({ class: "tests", "data-tests": name }, bad ? { open: "" } : {}),
     make("summary", {}, name + ": " + rows.length + " tests, " + bad + " not passed"),
     make("table", {}, make("tbody", {}, ...rows.map(([t, s]) => make("tr", { "data-status": s },
       make("td", { class: "id" }, t), make("td", {}, make("span", { class: "status " + s.toLowerCase() }, s)))))));

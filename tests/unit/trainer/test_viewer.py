@@ -1,4 +1,4 @@
-"""The trajectory viewer's data (rollout.viewer) over shards written by rollout.trajectory's writer, and its routes in
+"""The trajectory viewer's data (trainer.viewer) over shards written by rollout.trajectory's writer, and its routes in
 ``agentenv serve --runs``'s app (no Docker: no lifespan): runs and the path rules, filters, an episode's tokens with
 mask and logprob, groups with the run's advantage settings, saved searches, metrics with intervals."""
 
@@ -11,10 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from agentenv.server import create_app
-from rollout import scripted, search, viewer
+from rollout import scripted, search
 from rollout import trajectory as tj
 from rollout.agent import LocalTokenizer
 from rollout.cli import _tool_calls, split_messages
+from trainer import viewer, viewer_web
 from trainer.advantages import AdvantageConfig, group_advantages
 from trainer.metrics import MetricsLog
 
@@ -180,7 +181,9 @@ def test_metrics_are_series_and_held_out_points_with_intervals(root):
 
 
 def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):
-    c = TestClient(create_app(TOKEN, e2b=False, runs=root), base_url="http://127.0.0.1:8700", follow_redirects=False)
+    pages = [lambda app: viewer_web.install(app, root)]  # what agentenv serve --runs finds as an entry point
+    c = TestClient(create_app(TOKEN, e2b=False, pages=pages), base_url="http://127.0.0.1:8700",
+                   follow_redirects=False)
     assert c.get("/console/api/runs").status_code == 401
     assert c.get("/console/runs").headers["location"] == "/console/login"
     assert c.post("/console/login", data={"token": TOKEN}).status_code == 303
@@ -196,7 +199,7 @@ def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):
     assert r.status_code == 400 and r.json()["fix"].startswith("one of")
     assert c.get("/console/api/runs/roll/episodes").json()["total"] == 4
     with pytest.raises(ValueError, match="not a folder"):
-        create_app(TOKEN, e2b=False, runs=root / "nope")
+        viewer_web.install(create_app(TOKEN, e2b=False), root / "nope")
     plain = TestClient(create_app(TOKEN, e2b=False), base_url="http://127.0.0.1:8700", follow_redirects=False)
     plain.post("/console/login", data={"token": TOKEN})
     assert plain.get("/console/runs").status_code == 404  # no --runs, no viewer
@@ -204,6 +207,8 @@ def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):
 
 def test_agentenv_view_is_the_viewers_command():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["agentenv.commands"]
-    assert scripts["view"] == "rollout.viewer_web:app"
+    assert scripts["view"] == "trainer.viewer_web:app"
+    pages = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["agentenv.console"]
+    assert pages["runs"] == "trainer.viewer_web:install"
     page = (ROOT / "agentenv/server/console_static/run.html").read_text()  # its form sends every filter
     assert all(f'name="{f}"' in page for f in viewer.FILTERS)

@@ -1,6 +1,6 @@
 """What the trajectory viewer shows, read from run folders: runs, their episodes (filtered), one episode as its
 conversation with every token's loss mask and logprob, a GRPO group with its advantages, saved search trees and
-the metrics a train run logged. The pages and their routes are ``rollout.viewer_web``; this module never serves.
+the metrics a train run logged. The pages and their routes are ``trainer.viewer_web``; this module never serves.
 
 A run is a folder under the viewer's root (the root itself, or one of its sub-folders): a rollout run's shards
 folder, or a train run (``metrics.jsonl``, ``config.toml``, ``trajectories/``). Runs are found by listing the
@@ -23,6 +23,8 @@ from typing import Any
 from agentenv.errors import AgentEnvError
 from rollout import trajectory as tj
 from rollout.export import run_folder
+from trainer.advantages import AdvantageConfig, group_advantages
+from trainer.metrics import read_jsonl
 
 SEARCHES = "searches"  # a run's saved search trees (rollout.search.SearchResult.save), beside its shards
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:+-]{0,199}")
@@ -274,10 +276,8 @@ def episode(run: Run, episode_id: str, decode: Callable[[list[int]], str],
 # --- groups and advantages --------------------------------------------------------------------------------------
 
 
-def advantage_config(run: Run) -> tuple[Any, str]:
+def advantage_config(run: Run) -> tuple[AdvantageConfig, str]:
     """How the run computed advantages: a train run's ``[rl]`` settings (config.toml), else GRPO's defaults."""
-    from trainer.advantages import AdvantageConfig
-
     cfg = run.path / "config.toml"
     if cfg.is_file():
         rl = tomllib.loads(cfg.read_text()).get("rl", {})
@@ -291,8 +291,6 @@ def group(run: Run, group_id: str, decode: Callable[[list[int]], str],
           tool_calls: Callable[[str], tuple[str, list[str]]]) -> dict[str, Any]:
     """Every member of a group, side by side: reward, advantage (as the trainer computes it from the group's
     rewards, ``trainer.advantages``) and each turn's text and tool calls."""
-    from trainer.advantages import group_advantages
-
     members = sorted((t for t in run.episodes if t.group_id == checked_name(group_id, "group")),
                      key=lambda t: t.group_index)
     if not members:
@@ -343,8 +341,6 @@ def _finite(v: Any) -> bool:
 def metrics(run: Run) -> dict[str, Any]:
     """``metrics.jsonl`` as series by key (``[step, value]``); a key with ``KEY_lo`` / ``KEY_hi`` beside it (the
     held-out pass rate's interval) as ``[step, value, lo, hi]`` points."""
-    from trainer.metrics import read_jsonl
-
     path = run.path / "metrics.jsonl"
     rows = read_jsonl(path) if path.is_file() else []
     series: dict[str, list[list[Any]]] = {}

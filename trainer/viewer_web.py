@@ -1,4 +1,4 @@
-"""The trajectory viewer's pages and routes (their data: ``rollout.viewer``), and ``agentenv view RUN``.
+"""The trajectory viewer's pages and routes (their data: ``trainer.viewer``), and ``agentenv view RUN``.
 
 Served two ways, under the same paths (``/console/runs/...``): by ``agentenv view RUN`` (a server of its own on
 127.0.0.1 with a token it generates, or ``--token-file``) and inside ``agentenv serve --runs DIR``'s console. Both
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from agentenv import errors
 from agentenv.server import console
 from rollout import trajectory as tj
-from rollout import viewer
+from trainer import viewer
 
 PAGES = {"runs": "runs.html", "run": "run.html", "episode": "episode.html", "group": "group.html",
          "searches": "searches.html", "metrics": "metrics.html"}
@@ -214,5 +214,5 @@ def view(
     server.run()
 
 
-if __name__ == "__main__":  # python -m rollout.viewer_web RUN: agentenv view before the package is installed
+if __name__ == "__main__":  # python -m trainer.viewer_web RUN: agentenv view before the package is installed
     app()
