@@ -92,18 +92,42 @@ class Run:
 
     @property
     def kind(self) -> str:
-        return "train" if (self.path / "metrics.jsonl").is_file() or (self.path / "config.toml").is_file() \
-            else "rollout"
+        return _kind(self.path)
 
     def summary(self) -> dict[str, Any]:
+        """``brief``'s line with the figures counted from the episodes themselves."""
         rewards = [t.reward for t in self.episodes if t.reward is not None]
-        searches = self.shards / SEARCHES
-        return {"name": self.name, "kind": self.kind, "episodes": len(self.episodes),
+        return {**brief(self.name, self.path), "episodes": len(self.episodes),
                 "groups": len({t.group_id for t in self.episodes}),
-                "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-                "metrics": (self.path / "metrics.jsonl").is_file(),
-                "searches": len(list(searches.glob("*.json"))) if searches.is_dir() else 0,
-                "started_at": min((t.created_at for t in self.episodes), default=None)}
+                "reward_mean": sum(rewards) / len(rewards) if rewards else None}
+
+
+def _kind(path: Path) -> str:
+    return "train" if (path / "metrics.jsonl").is_file() or (path / "config.toml").is_file() else "rollout"
+
+
+def _json_dict(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def brief(name: str, path: Path) -> dict[str, Any]:
+    """A run's line on the runs page, read from its index, run.json and summary.json: no shard is read."""
+    shards = run_folder(path)
+    listed = _json_dict(shards / "index.json").get("shards")
+    summary = _json_dict(path / "summary.json")
+    rollout = summary["rollout"] if isinstance(summary.get("rollout"), dict) else summary  # a train run's
+    searches = shards / SEARCHES
+    return {"name": name, "kind": _kind(path),
+            "episodes": sum(int(s.get("records", 0)) for s in listed if isinstance(s, dict))
+            if isinstance(listed, list) else 0,
+            "groups": rollout.get("groups"), "reward_mean": rollout.get("reward_mean"),
+            "metrics": (path / "metrics.jsonl").is_file(),
+            "searches": len(list(searches.glob("*.json"))) if searches.is_dir() else 0,
+            "started_at": _json_dict(shards / "run.json").get("started_at")}
 
 
 _CACHE: dict[Path, tuple[tuple[int, int], Run]] = {}

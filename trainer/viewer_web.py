@@ -149,7 +149,7 @@ def metrics_page(request: Request, run: str) -> Response:
 def runs(request: Request) -> Response:
     """The runs under the viewer's folder; ``mode`` says whether the sandbox console is there too."""
     return _answer(request, lambda: {"mode": request.app.state.viewer_mode, "runs": [
-        viewer.load(_root(request), name).summary() for name in viewer.list_runs(_root(request))]})
+        viewer.brief(name, path) for name, path in viewer.list_runs(_root(request)).items()]})
 
 
 @router.get("/api/runs/{run}/episodes")

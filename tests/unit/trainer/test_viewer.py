@@ -4,6 +4,7 @@ mask and logprob, groups with the run's advantage settings, saved searches, metr
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -73,6 +74,9 @@ def test_runs_are_listed_from_the_folder_and_names_are_never_paths(root):
     assert set(viewer.list_runs(root)) == {"roll", "train"}
     assert set(viewer.list_runs(root / "roll")) == {"roll"}  # `agentenv view runs/NAME`: the run itself
     assert viewer.load(root, "train").kind == "train" and viewer.load(root, "roll").kind == "rollout"
+    (root / "roll" / "summary.json").write_text(json.dumps({"groups": 2, "reward_mean": 0.5}))  # rollout's own
+    line = viewer.brief("roll", root / "roll")  # the runs page's line: no shard read
+    assert (line["episodes"], line["groups"], line["reward_mean"], line["kind"]) == (4, 2, 0.5, "rollout")
     for bad in ("..", "../runs", "/etc", ".hidden", "roll/..", ""):
         with pytest.raises(viewer.BadViewerRequest, match="plain name"):
             viewer.load(root, bad)
