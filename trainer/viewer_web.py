@@ -27,6 +27,7 @@ from trainer import viewer
 PAGES = {"runs": "runs.html", "run": "run.html", "episode": "episode.html", "group": "group.html",
          "searches": "searches.html", "metrics": "metrics.html"}
 DEFAULT_PORT = 8701
+CONSOLE_LINKS = '<span id="console-links" hidden>'  # in every page's nav
 
 router = APIRouter(prefix=console.PREFIX, include_in_schema=False)
 
@@ -97,7 +98,8 @@ def _page(request: Request, page: str, run: str | None = None) -> Response:
                 raise viewer.RunNotFound(f"no run {run!r} under the viewer's folder", fix="pick one from the runs page")
         except (viewer.BadViewerRequest, viewer.RunNotFound) as e:
             return _error(e)
-    return console._file(PAGES[page])
+    served = request.app.state.viewer_mode == "serve"  # beside the sandboxes: the console's links shown
+    return console._file(PAGES[page], replace=(CONSOLE_LINKS, CONSOLE_LINKS.replace(" hidden", "")) if served else None)
 
 
 def _root(request: Request) -> Path:

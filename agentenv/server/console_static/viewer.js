@@ -63,7 +63,6 @@ function runLinks(run) {
 
 async function showRuns() {
   const data = await get(API);
-  document.getElementById("console-links").hidden = data.mode !== "serve";
   const body = document.querySelector("#runs tbody");
   body.replaceChildren(...data.runs.map((r) => make("tr", { "data-run": r.name },
     make("td", {}, make("a", { href: runUrl(r.name) }, r.name)), make("td", {}, r.kind),
@@ -282,7 +281,6 @@ async function showSearches() {
   document.getElementById("title").textContent = run;
   const [data, runs] = await Promise.all([get(API + "/" + encodeURIComponent(run) + "/searches"), get(API)]);
   const serve = runs.mode === "serve";
-  document.getElementById("console-links").hidden = !serve;
   document.getElementById("searches").replaceChildren(...data.searches.map((s) => make("section",
     { class: "search", "data-search": s.id },
     make("h2", {}, s.kind + " search " + s.id + " on " + (s.task_id || "?")),

@@ -193,6 +193,7 @@ def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):
     assert c.post("/console/login", data={"token": TOKEN}).status_code == 303
     page = c.get("/console/runs")
     assert page.status_code == 200 and "viewer.js" in page.text
+    assert '<span id="console-links">' in page.text  # the sandboxes' pages linked from the viewer's nav
     assert "script-src 'self'" in page.headers["content-security-policy"]
     listed = c.get("/console/api/runs").json()
     assert listed["mode"] == "serve" and [r["name"] for r in listed["runs"]] == ["roll", "train"]
