@@ -129,7 +129,8 @@ def site() -> Iterator[dict[str, Any]]:
         proc = subprocess.Popen([sys.executable, "-m", "trainer.viewer_web", str(root), "--port", str(port)],
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.stdout is not None
-        printed = proc.stdout.readline().strip()
+        printed = proc.stdout.readline().strip()  # the one line it prints, or nothing when it failed to start
+        assert ": http://" in printed, f"the viewer printed {printed!r} (exit status {proc.poll()})"
         link = printed.split(": ", 1)[1]
         base = f"http://127.0.0.1:{port}"
         assert link.startswith(f"{base}/console/login#token=")
@@ -214,7 +215,7 @@ def test_the_episode_page_highlights_exactly_the_loss_mask(browser, site):
     assert "".join(text for *_, text in tokens) == TOK.decode(t.token_ids)
     text = browser.find_element(By.ID, "conversation").text
     assert HOSTILE in text and "calculator(" in text and "answer(" in text  # the markup shown as text
-    assert not browser.find_elements(By.CSS_SELECTOR, ".conversation img")
+    assert not browser.find_elements(By.CSS_SELECTOR, ".conversation img") and browser.title != "1"
     facts = browser.find_element(By.ID, "facts").text
     assert "reward" in facts and "policy" in facts and "submitted" in facts
     shot(browser, "viewer-episode")
