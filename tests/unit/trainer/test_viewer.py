@@ -217,3 +217,17 @@ def test_agentenv_view_is_the_viewers_command():
     assert pages["runs"] == "trainer.viewer_web:install"
     page = (ROOT / "agentenv/server/console_static/run.html").read_text()  # its form sends every filter
     assert all(f'name="{f}"' in page for f in viewer.FILTERS)
+
+
+def test_agentenv_serve_runs_finds_the_viewer_through_its_entry_point(root):
+    from importlib.metadata import entry_points
+
+    from agentenv.cli import _console_pages
+
+    with pytest.raises(ValueError, match="no console pages named 'nope'"):
+        _console_pages("nope", root)
+    if not any(ep.name == "runs" for ep in entry_points(group="agentenv.console")):
+        pytest.skip("this checkout's entry points are not installed yet (pip install -e ., as the bootstrap does)")
+    c = TestClient(create_app(TOKEN, e2b=False, pages=[_console_pages("runs", root)]), base_url="http://127.0.0.1:8700")
+    c.post("/console/login", data={"token": TOKEN})
+    assert [r["name"] for r in c.get("/console/api/runs").json()["runs"]] == ["roll", "train"]
