@@ -64,7 +64,7 @@ def _inside(root: Path, p: Path) -> bool:
 
 def list_runs(root: Path) -> dict[str, Path]:
     """The runs under ``root`` by name: the root itself (named by its folder) when it is a run, else its
-    sub-folders that are runs (symlinks left out)."""
+    sub-folders that are runs (symlinks left out, and runs whose trajectories are a symlink)."""
     if not root.is_dir():
         raise RunNotFound(f"no runs folder at {root}", fix="give the folder of a run, or a folder of runs")
     if _is_run(root):
@@ -72,7 +72,7 @@ def list_runs(root: Path) -> dict[str, Path]:
         return {name if NAME.fullmatch(name) else "run": root}
     found: dict[str, Path] = {}
     for p in sorted(root.iterdir()):
-        if NAME.fullmatch(p.name) and _inside(root, p) and _is_run(p):
+        if NAME.fullmatch(p.name) and _inside(root, p) and _is_run(p) and _inside(root, run_folder(p)):
             found[p.name] = p
     return found
 
@@ -139,14 +139,20 @@ def load(root: Path, name: str) -> Run:
     path = list_runs(root).get(checked_name(name, "run"))
     if path is None:
         raise RunNotFound(f"no run {name!r} under the viewer's folder", fix="pick one from the runs page")
-    index = run_folder(path) / "index.json"
-    stamp = (index.stat().st_mtime_ns, index.stat().st_size) if index.is_file() else (0, 0)
+    shards = run_folder(path)
+    if shards.is_symlink() or not shards.resolve().is_relative_to(root.resolve()):
+        raise RunNotFound(f"run {name!r} keeps its trajectories outside the viewer's folder",
+                          fix="view that folder itself (agentenv view FOLDER)")
+    index = shards / "index.json"
+    # the index changes with every shard published; without one (a writer killed before writing it), the shards
+    stamp = (index.stat().st_mtime_ns, index.stat().st_size) if index.is_file() else \
+        (len(found := list(shards.glob(tj.SHARD_GLOB))), sum(p.stat().st_size for p in found))
     key = path.resolve()
     with _LOCK:
         cached = _CACHE.get(key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-    episodes = list(tj.read(run_folder(path))) if stamp != (0, 0) else []
+    episodes = list(tj.read(shards)) if shards.is_dir() else []
     run = Run(name, path, episodes, {t.episode_id: t for t in episodes})
     with _LOCK:
         if len(_CACHE) >= 8:

@@ -83,6 +83,14 @@ def test_runs_are_listed_from_the_folder_and_names_are_never_paths(root):
     for absent in ("out", "empty", "nope"):
         with pytest.raises(viewer.RunNotFound):
             viewer.load(root, absent)
+    elsewhere = root.parent / "elsewhere"  # a train run whose trajectories/ is a symlink out of the folder
+    tj.write(elsewhere, [episode("x", 0, 1.0)])
+    (root / "linked").mkdir()
+    (root / "linked" / "metrics.jsonl").write_text("")
+    (root / "linked" / "trajectories").symlink_to(elsewhere)
+    assert "linked" not in viewer.list_runs(root)
+    with pytest.raises(viewer.RunNotFound):
+        viewer.load(root, "linked")
 
 
 def test_a_run_is_read_again_once_its_index_changes(root):
@@ -90,6 +98,8 @@ def test_a_run_is_read_again_once_its_index_changes(root):
     assert viewer.load(root, "roll") is viewer.load(root, "roll")  # cached
     with tj.ShardWriter(root / "roll") as w:
         w.write(episode("g3", 0, 1.0))
+    assert viewer.load(root, "roll").summary()["episodes"] == 5
+    (root / "roll" / "index.json").unlink()  # a writer killed before its index: the shards are still read
     assert viewer.load(root, "roll").summary()["episodes"] == 5
 
 
