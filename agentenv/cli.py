@@ -4,9 +4,10 @@ entry-point group (e.g. ``agentenv policy serve``), so this package imports none
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -113,6 +114,8 @@ def serve(
     shared_store: Annotated[Path | None, typer.Option(help="a folder every server sees (e.g. NFS): each pause and "
                                                            "snapshot is also published there, and a snapshot this "
                                                            "store lacks is imported from it (docs/transfer.md)")] = None,
+    runs: Annotated[Path | None, typer.Option(help="a folder of run folders: the console shows their trajectories "
+                                                   "at /console/runs (docs/viewer.md)")] = None,
 ) -> None:
     """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token.
 
@@ -129,12 +132,24 @@ def serve(
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
     try:
+        pages = [] if runs is None else [_console_pages("runs", runs)]
         server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                     warm_pool=warm_pool, domain=domain, shared_store=shared_store)
-    except ValueError as e:  # an option refused (a shared store that is not a directory, a bad --domain)
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, pages=pages)
+    except ValueError as e:  # an option refused (a shared store, or runs, not a directory, a bad --domain)
         console.print(f"[red]error:[/] {e}")
         raise typer.Exit(2) from None
+
+
+def _console_pages(name: str, folder: Path) -> Callable[[Any], None]:
+    """The console pages another package declares as entry point ``name`` of ``agentenv.console`` (``runs``: the
+    trajectory viewer, ``trainer.viewer_web.install``), bound to ``folder``; ValueError when none is installed."""
+    found = [ep for ep in entry_points(group="agentenv.console") if ep.name == name]
+    if not found:
+        raise ValueError(f"no console pages named {name!r} are installed (the trajectory viewer comes with the "
+                         "trainer package: pip install -e . from the checkout)")
+    install = found[0].load()
+    return lambda app: install(app, folder)
 
 
 @snapshots_app.command("ls")

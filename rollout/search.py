@@ -14,20 +14,25 @@ else 0; pass ``scorer`` for anything else.
     result = await rollout.search.beam(env, policy, tokenizer, width=4, depth=8)
     result.best            # a Trajectory
     print(result.render()) # the tree
+    result.save("runs/NAME")  # searches/<id>.json beside the run's shards: the trajectory viewer shows it
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import shlex
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from policy.client import PolicyClient, PolicyError
 from rollout.agent import DEFAULT_CONFIG, AgentConfig, EnvFailed, Episode, Step, Tokenizer, begin, play
-from rollout.trajectory import Trajectory
+from rollout.trajectory import Trajectory, write_json_atomic
 
 Scorer = Callable[[Any, Step], float]  # (the child's env, the step it just took) -> higher is better
 
@@ -55,9 +60,20 @@ class SearchResult:
     best: Trajectory
     nodes: list[Node] = field(default_factory=list)
     leaves: list[Trajectory] = field(default_factory=list)
+    kind: str = ""  # "beam" or "best_of_n"
 
     def to_dict(self) -> dict[str, Any]:
         return {"best": self.best.to_dict(), "nodes": [asdict(n) for n in self.nodes]}
+
+    def save(self, folder: str | os.PathLike[str], name: str | None = None) -> Path:
+        """Write the tree (nodes with their scores and snapshot ids, the best leaf) to ``folder/searches/NAME.json``
+        (a new file made whole, then renamed into place); ``folder`` is a run's shards folder."""
+        name = name or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        out = Path(folder) / "searches" / f"{name}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out, {**self.to_dict(), "kind": self.kind, "task_id": self.best.task_id,
+                                "env_id": self.best.env_id, "created_at": time.time()})
+        return out
 
     def render(self, width: int = 60) -> str:
         """The tree as indented text: score, reward and the start of each node's action."""
@@ -140,7 +156,7 @@ async def beam(env: Any, policy: PolicyClient, tokenizer: Tokenizer, *, width: i
     finally:
         await _close(open_forks, list(open_forks))
     best = max(leaves, key=lambda t: (t.reward is not None, t.reward or 0.0, -len(t.token_ids)))
-    return SearchResult(best.check(), nodes, [t.check() for t in leaves])
+    return SearchResult(best.check(), nodes, [t.check() for t in leaves], "beam")
 
 
 async def _close(forks: dict[int, Any], keys: list[int]) -> None:
@@ -222,4 +238,4 @@ async def best_of_n(env: Any, policy: PolicyClient, tokenizer: Tokenizer, n: int
         Node(i + 1, 0, 1, action=f"episode {i}", score=t.reward or 0.0, reward=t.reward, done=True,
              finish=t.finish_reason) for i, t in enumerate(leaves)]
     best = max(leaves, key=lambda t: (t.reward is not None, t.reward or 0.0))
-    return SearchResult(best, nodes, leaves)
+    return SearchResult(best, nodes, leaves, "best_of_n")

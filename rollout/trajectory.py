@@ -192,7 +192,7 @@ class ShardWriter:
             os.fsync(f.fileno())
         os.replace(tmp, self.folder / name)
         self._index["shards"].append({"name": name, "records": len(self._pending)})
-        _write_json_atomic(self.folder / "index.json", self._index)
+        write_json_atomic(self.folder / "index.json", self._index)
         self._next += 1
         self._pending = []
 
@@ -222,7 +222,7 @@ def _load_index(folder: Path) -> dict[str, Any]:
     return index
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
+def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     os.replace(tmp, path)

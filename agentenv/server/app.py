@@ -7,7 +7,7 @@ import importlib.util
 import os
 import re
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -40,7 +40,8 @@ TOKEN_ENV = "AGENTENV_TOKEN"
 def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "64g", max_disk: str | int = "640g",
                max_store: str | int | None = None, unlimited_disk: bool = False,
                reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0,
-               domain: str | None = None, shared_store: str | Path | None = None) -> FastAPI:
+               domain: str | None = None, shared_store: str | Path | None = None,
+               pages: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
     """The environment server's app; ``token`` guards every route but /health and /metrics.
 
     Quotas: ``max_sandboxes`` live sandboxes, ``max_memory`` and ``max_disk`` bytes of their limits added up;
@@ -51,7 +52,9 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     ``domain``: what E2B's ``get_host`` names (``{port}-{id}.{domain}``): requests with such a ``Host`` reach
     that port of the sandbox (a wildcard DNS name to this server makes them work, see docs/e2b.md).
     ``shared_store``: a folder every server sees, where each pause and snapshot is also published and from which
-    a snapshot this store lacks is imported (``agentenv.sandbox.shared``).
+    a snapshot this store lacks is imported (``agentenv.sandbox.shared``). ``pages``: what other packages add to the
+    console, each called with the app before the console's own pages (``agentenv serve --runs``: the trajectory
+    viewer, found through the ``agentenv.console`` entry points: agentenv imports no other package).
     """
     if not token:
         raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
@@ -97,6 +100,8 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
 
     for module in (server, sandboxes, commands, jobs, files, snapshots):
         app.include_router(module.router)
+    for install in pages:  # before the console's /console/{page}, which would take their paths
+        install(app)
     console.install(app)  # the web console under /console (its own login: agentenv.server.console)
     if e2b is None:
         e2b = importlib.util.find_spec("e2b") is not None
@@ -146,9 +151,9 @@ def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           max_memory: str | int = "64g", max_disk: str | int = "640g", max_store: str | int | None = None,
           unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info",
           e2b: bool | None = None, warm_pool: int = 0, domain: str | None = None,
-          shared_store: str | Path | None = None) -> None:
+          shared_store: str | Path | None = None, pages: Sequence[Callable[[FastAPI], None]] = ()) -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                     warm_pool=warm_pool, domain=domain, shared_store=shared_store)
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, pages=pages)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

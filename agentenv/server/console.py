@@ -54,6 +54,7 @@ HEADERS = {  # on every console reply
 }
 
 router = APIRouter(prefix=PREFIX, include_in_schema=False)
+auth = APIRouter(prefix=PREFIX, include_in_schema=False)  # login, logout, scripts: shared with trainer.viewer_web
 
 
 class Sessions:
@@ -87,6 +88,7 @@ def install(app: Any) -> None:
     """Serve the console on ``app`` (made by ``create_app``, whose state holds the token and the service)."""
     app.state.console_sessions = Sessions()
     app.state.console_readings = Readings()
+    app.include_router(auth)
     app.include_router(router)
 
 
@@ -114,12 +116,12 @@ def _unauthorized() -> Response:
 # --- login ------------------------------------------------------------------------------------
 
 
-@router.get("/login")
+@auth.get("/login")
 def login_page() -> Response:
     return _file("login.html")
 
 
-@router.post("/login")
+@auth.post("/login")
 async def login(request: Request) -> Response:
     """Check the token a login form sent (urlencoded ``token``); on a match, a session cookie and the console."""
     body = await request.body()
@@ -132,7 +134,7 @@ async def login(request: Request) -> Response:
     return reply
 
 
-@router.post("/logout")
+@auth.post("/logout")
 def logout(request: Request) -> Response:
     _sessions(request).end(request.cookies.get(COOKIE))
     reply = RedirectResponse(f"{PREFIX}/login", 303, headers=HEADERS)
@@ -143,7 +145,7 @@ def logout(request: Request) -> Response:
 # --- pages and their scripts ------------------------------------------------------------------
 
 
-@router.get("/static/{name}")
+@auth.get("/static/{name}")
 def static(name: str) -> Response:
     """The console's scripts and style (nothing secret: they hold no data), by name from the package only."""
     if name not in {p.name for p in STATIC.iterdir()} or Path(name).suffix not in (".js", ".css"):

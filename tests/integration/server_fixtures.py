@@ -50,20 +50,28 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None, limit: f
 
 
 @contextmanager
-def threaded_server(token: str = TOKEN, **app_kwargs: object) -> Iterator[str]:
-    """uvicorn serving ``create_app`` in a thread of this process; yields its url and stops it after."""
+def threaded_app(app: Any) -> Iterator[str]:
+    """uvicorn serving ``app`` on a free loopback port in a thread of this process; yields its url once it
+    listens and stops it after."""
     port = free_port()
-    server = uvicorn.Server(uvicorn_config(create_app(token, **app_kwargs), port=port,  # type: ignore[arg-type]
-                                          log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="agentenv-test-server", daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{port}"
     try:
-        wait_healthy(url)
-        yield url
+        wait_for(lambda: server.started or not thread.is_alive(), "the server listening")
+        assert server.started, "the server did not start"
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def threaded_server(token: str = TOKEN, **app_kwargs: object) -> Iterator[str]:
+    """uvicorn serving ``create_app`` in a thread of this process; yields its url and stops it after."""
+    with threaded_app(create_app(token, **app_kwargs)) as url:  # type: ignore[arg-type]
+        wait_healthy(url)
+        yield url
 
 
 @contextmanager
