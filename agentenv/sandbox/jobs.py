@@ -183,6 +183,19 @@ def _offsets(value: Any, floor: list[int] | None) -> list[int]:
     return list(value)
 
 
+def tail(ch: Channel, pid: int, size: int) -> list[JobOutput]:
+    """The last ``size`` bytes (at most) of each stream of a job's output, without taking them: they stay for
+    ``output``, and so does the job's end (a console's view of a job must not swallow what its owner reads)."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_EXEC_BLOB // 2:
+        raise ValueError(f"a tail's size must be 1 to {MAX_EXEC_BLOB // 2} bytes, got {size!r}")
+    reply, blob = ch.call({"op": "tail", "pid": pid, "size": size}, max_blob=2 * size)
+    at, n = _offsets(reply.get("at"), None), reply.get("stdout_len")
+    if type(n) is not int or not 0 <= n <= len(blob) or n > size or len(blob) - n > size:
+        raise _broken(frames.FrameError("a malformed tail"))
+    names = ("pty", "stderr") if reply.get("pty") is True else STREAMS
+    return [JobOutput(stream=names[i], data=d, offset=at[i]) for i, d in enumerate((blob[:n], blob[n:])) if d]
+
+
 def discard(ch: Channel, pid: int, offsets: tuple[int, int]) -> None:
     ch.call({"op": "discard", "pid": pid, "offsets": [int(offsets[0]), int(offsets[1])]})
 
