@@ -91,7 +91,7 @@ async function browse(path) {
   if (!r.ok) {
     error.textContent = path + ": " + failure(r);
     error.dataset.status = r.status;
-    rows("#files tbody", [], null);
+    document.querySelector("#files tbody").replaceChildren();
     document.getElementById("files-note").textContent = "";
     return;
   }
@@ -164,7 +164,7 @@ const CHARTS = {
   warm: { series: [(f) => f.warm.ready], limit: (f) => f.warm.size,
     text: (f) => f.warm.size ? f.warm.ready + " of " + f.warm.size + " ready" : "off (agentenv serve --warm-pool N)" },
   store: { series: [(f) => f.store.bytes], limit: null,
-    text: (f) => bytes(f.store.bytes) + " in " + f.store.snapshots + " snapshots" },
+    text: (f) => bytes(f.store.bytes) + " in " + f.store.snapshots + (f.store.snapshots === 1 ? " snapshot" : " snapshots") },
   sandboxes: { series: [(f) => f.capacity.live_sandboxes], limit: (f) => f.capacity.max_sandboxes,
     text: (f) => f.capacity.live_sandboxes + " of " + f.capacity.max_sandboxes },
   memory: { series: [(f) => f.capacity.memory_used], limit: (f) => f.capacity.max_memory,
@@ -172,15 +172,15 @@ const CHARTS = {
 };
 
 function line(values, top, cls) {
-  const step = 300 / Math.max(1, HISTORY - 1);
-  const x0 = 300 - step * (values.length - 1);
-  const points = values.map((v, i) => (x0 + i * step).toFixed(1) + "," + (78 - 76 * v / top).toFixed(1));
+  const step = 300 / Math.max(1, values.length - 1);  // the readings there are, across the whole width
+  const points = values.map((v, i) => (i * step).toFixed(1) + "," + (78 - 76 * v / top).toFixed(1));
   const node = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
   node.setAttribute("points", points.join(" "));
   node.setAttribute("class", cls);
   return node;
 }
 
+// the charts span the readings kept (up to five minutes), newest on the right; the dashed line is the limit
 function drawCharts() {
   if (!figures.length) return;
   const last = figures[figures.length - 1];
