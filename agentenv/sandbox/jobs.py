@@ -189,9 +189,13 @@ def tail(ch: Channel, pid: int, size: int) -> list[JobOutput]:
     if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_EXEC_BLOB // 2:
         raise ValueError(f"a tail's size must be 1 to {MAX_EXEC_BLOB // 2} bytes, got {size!r}")
     reply, blob = ch.call({"op": "tail", "pid": pid, "size": size}, max_blob=2 * size)
-    at, n = _offsets(reply.get("at"), None), reply.get("stdout_len")
-    if type(n) is not int or not 0 <= n <= len(blob) or n > size or len(blob) - n > size:
-        raise _broken(frames.FrameError("a malformed tail"))
+    n = reply.get("stdout_len")
+    try:
+        at = _offsets(reply.get("at"), None)
+        if type(n) is not int or not 0 <= n <= len(blob) or n > size or len(blob) - n > size:
+            raise frames.FrameError("a malformed tail")
+    except frames.FrameError as e:
+        raise _broken(e) from None
     names = ("pty", "stderr") if reply.get("pty") is True else STREAMS
     return [JobOutput(stream=names[i], data=d, offset=at[i]) for i, d in enumerate((blob[:n], blob[n:])) if d]
 

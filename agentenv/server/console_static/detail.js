@@ -79,7 +79,12 @@ function showSandbox(state) {
     actions.dataset.buttons = wanted;
     actions.replaceChildren(...wanted.split(" ").map((a) => el("button", { type: "button", "data-action": a }, a)));
   }
-  if (sb.state === "running") refreshSandbox();
+  if (sb.state === "running") { refreshSandbox(); return; }
+  // paused (or lost): no processes to ask; what the last reading listed is no longer so
+  rows("#processes tbody", [], () => null);
+  rows("#jobs tbody", [], () => null);
+  document.getElementById("tail").hidden = document.getElementById("tail-title").hidden = true;
+  tailPid = null;
 }
 
 // the file browser: a folder listed, a file's text shown
