@@ -93,6 +93,8 @@ def test_the_file_browser_shows_files_with_the_apis_rules(browser, url, sb):
     assert not present(browser, "#files img")  # never markup
     click(browser, '#files a[data-path="/tmp/br/notes.txt"]')
     wait_for(lambda: text(browser, "#file") == "hello from exec", "the file's content")
+    # the console's reads need its login, as its pages do
+    assert httpx.get(f"{url}/console/api/sandboxes/{sb.id}/list", params={"path": "/tmp/br"}).status_code == 401
     # the agent's own folders: refused on the page as by the API (403)
     for own in ("/.agentenv", "/dev/agentenv"):
         assert httpx.get(f"{url}/v1/sandboxes/{sb.id}/list", params={"path": own}, headers=AUTH).status_code == 403
