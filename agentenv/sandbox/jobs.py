@@ -3,7 +3,8 @@
 A job made by ``start`` runs on its own; the agent buffers its output (both streams, up to its
 ``max_output``) until ``output`` reads it, from absolute byte offsets, so a reader may stop and come back
 later, from another process or after a snapshot, and a reader that will never look back lets the agent
-drop what it read (``discard``). The agent forgets the job once ``output`` delivered its end.
+drop what it read (``discard``). The agent forgets the job once ``output`` delivered its end; ``tail`` looks at
+the last bytes and takes nothing (a console's view).
 
 What the agent answers is checked like every reply (``agentenv.sandbox.channel``): frames capped, offsets and
 results validated, reconnecting bounded.

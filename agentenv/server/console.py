@@ -1,5 +1,6 @@
 """The web console under ``/console``: the sandboxes (state, CPU, memory, disk, live over server-sent events), the
-snapshots' fork tree, and buttons that pause, resume, fork, snapshot and close a sandbox.
+snapshots' fork tree, and buttons that pause, resume, fork, snapshot and close a sandbox; a sandbox's own page
+and the server's figures are ``console_sandbox``'s and ``console_metrics``'.
 
 Behind the server's token: the login page takes it and sets a cookie holding a random session id (never the
 token), scoped to ``/console`` (HttpOnly, SameSite=Strict). The cookie opens the console only: the API routes

@@ -71,6 +71,15 @@ def test_a_jobs_output_shows_in_its_tail_and_stays_for_its_owner(browser, url, s
     assert b"".join(o.data for o in got if isinstance(o, JobOutput) and o.stream == "stdout") == b"tail-marker-1\n"
     assert isinstance(got[-1], JobEnd) and got[-1].exit_code == 0
     wait_for(lambda: not present(browser, f'#jobs tr[data-pid="{job.pid}"]'), "the delivered job leaving the list")
+    # the page's buttons: pause (no processes to list then), resume (the spawned process is back)
+    state = f"{url}/v1/sandboxes/{sb.id}"
+    click(browser, '#actions button[data-action="pause"]')
+    wait_for(lambda: httpx.get(state, headers=AUTH).json()["state"] == "paused", "the API saying paused", limit=60)
+    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "paused"
+             and not present(browser, "#processes tbody tr"), "the page saying paused, with no processes")
+    click(browser, '#actions button[data-action="resume"]')
+    wait_for(lambda: httpx.get(state, headers=AUTH).json()["state"] == "running", "the API saying running", limit=60)
+    wait_for(lambda: present(browser, f'#processes tr[data-pid="{proc.pid}"]'), "the process listed again")
 
 
 def browse(browser: Any, path: str) -> None:
