@@ -33,6 +33,9 @@ async function refreshSandbox() {
     const r = await getJSON(api);
     if (!r.ok) { say(failure(r), true); return; }
     const d = r.body;
+    document.getElementById("tail-cap").textContent = bytes(d.caps.tail_bytes);  // the server's caps, said
+    document.getElementById("list-cap").textContent = d.caps.max_entries;
+    document.getElementById("file-cap").textContent = bytes(d.caps.max_file);
     rows("#processes tbody", d.processes, (p) => el("tr", { "data-pid": p.pid },
       el("td", {}, p.pid), el("td", {}, p.command), el("td", {}, p.exit_code === null ? "running" : p.exit_code),
       el("td", { class: "id" }, p.log)));
@@ -132,9 +135,6 @@ function parentOf(path) {
 
 function startSandboxPage() {
   document.getElementById("sbid").textContent = SANDBOX;
-  document.getElementById("tail-cap").textContent = "16 KiB";
-  document.getElementById("list-cap").textContent = "500";
-  document.getElementById("file-cap").textContent = "256 KiB";
   document.getElementById("actions").addEventListener("click", (e) => {
     const button = e.target.closest("button[data-action]");
     if (button) act(SANDBOX, button.dataset.action);

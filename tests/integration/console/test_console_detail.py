@@ -65,7 +65,8 @@ def test_a_jobs_output_shows_in_its_tail_and_stays_for_its_owner(browser, url, s
     click(browser, f'button[data-tail="{job.pid}"]')
     wait_for(lambda: "tail-marker-1" in text(browser, "#tail span[data-stream=stdout]")
              and "oops" in text(browser, "#tail span[data-stream=stderr]"), "the job's output in the tail")
-    assert "16.0 KiB" in text(browser, "#tail-title")  # the cap, said on the page
+    assert "16.0 KiB" in text(browser, "#tail-title") and text(browser, "#tail-cap") == "16.0 KiB"  # the cap, said
+    assert text(browser, "#list-cap") == "500" and text(browser, "#file-cap") == "256.0 KiB"
     # the page only looked: the owner still reads all of it, and the job's end
     got = list(sb.output(job.pid))
     assert b"".join(o.data for o in got if isinstance(o, JobOutput) and o.stream == "stdout") == b"tail-marker-1\n"
