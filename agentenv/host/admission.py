@@ -46,6 +46,7 @@ class _Admission:
         self._cond = threading.Condition()
         self._limit: int | None = None  # read from the environment on first use
         self.starting = 0
+        self.waiting = 0  # starts queued for a slot now
         self.peak = 0  # the most starting at once since the last ``set_limit`` (for tests and benchmarks)
 
     @property
@@ -66,8 +67,12 @@ class _Admission:
     @contextlib.contextmanager
     def slot(self) -> Iterator[None]:
         with phase("admission"), self._cond:  # the condition's lock is reentrant: ``limit`` may take it
-            while self.starting >= self.limit:
-                self._cond.wait()
+            self.waiting += 1
+            try:
+                while self.starting >= self.limit:
+                    self._cond.wait()
+            finally:
+                self.waiting -= 1
             self.starting += 1
             self.peak = max(self.peak, self.starting)
         try:
@@ -89,6 +94,12 @@ def limit() -> int:
 def set_limit(n: int | None) -> None:
     """Bound the sandboxes starting at once in this process to ``n`` (None: back to ``default_limit``)."""
     _admission.set_limit(n)
+
+
+def queue() -> tuple[int, int]:
+    """The sandboxes of this process starting now and those queued for a slot (the admission queue)."""
+    with _admission._cond:
+        return _admission.starting, _admission.waiting
 
 
 def peak() -> int:

@@ -29,8 +29,16 @@ import sys
 import time
 
 from agentenv.inside.files import check_own, fs, send_file, write_stream
-from agentenv.inside.frames import SMALL_BLOB, _recv_exact, drain, recv_header, send_frame, suppress
-from agentenv.inside.jobs import HEARTBEAT, INPUT_TIMEOUT, Jobs, Starved, close_stdin
+from agentenv.inside.frames import (
+    SMALL_BLOB,
+    _recv_exact,
+    drain,
+    recv_header,
+    send_frame,
+    send_parts,
+    suppress,
+)
+from agentenv.inside.jobs import HEARTBEAT, INPUT_TIMEOUT, MAX_OUTPUT, Jobs, Starved, close_stdin
 from agentenv.inside.pty import resize
 from agentenv.inside.tunnel import open_tunnel
 from agentenv.inside.users import AsAccount, UnknownUser, account
@@ -155,6 +163,14 @@ class Agent(Jobs):
                 with self.lock:
                     listed = [j.listing() for j in self.started.values() if not j.handing]
                 send_frame(conn, {"jobs": listed})
+            elif op == "tail":  # the last bytes of a job's output, left in place (and its end with it)
+                job = self.started_job(h)
+                size = max(0, min(int(h["size"]), MAX_OUTPUT))
+                with job.cond:
+                    parts: list[bytes | bytearray | memoryview] = [
+                        bytes(job.out[i][len(job.out[i]) - size:]) if size else b"" for i in (0, 1)]
+                    at = [job.base[i] + len(job.out[i]) - len(parts[i]) for i in (0, 1)]
+                send_parts(conn, {"at": at, "stdout_len": len(parts[0]), "pty": job.tty is not None}, parts)
             elif op == "resize":  # a job's terminal (``pty``)
                 resize(self.started_job(h), h.get("pty"))
                 send_frame(conn, {"ok": True})

@@ -364,6 +364,11 @@ class RemoteSandbox:
                     return
         raise ConnectionLost(f"the server at {self._client.url} ended the output of job {pid} without its end")
 
+    def tail(self, pid: int, size: int = 64 << 10) -> builtins.list[JobOutput]:
+        """The last ``size`` bytes of each of a job's streams, left for ``output`` (its end too): a look, not a read."""
+        return [JobOutput.from_wire(o) for o in self._call("GET", f"/jobs/{pid}/tail", params={"size": size},
+                                                           idempotent=True)]
+
     def discard(self, pid: int, offsets: tuple[int, int]) -> None:
         """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
         self._call("POST", f"/jobs/{pid}/discard", {"offsets": [int(offsets[0]), int(offsets[1])]}, idempotent=True)

@@ -181,6 +181,10 @@ class Calls:
         """A job's output from absolute ``offsets`` (None: the oldest kept); None items are heartbeats, JobEnd last."""
         return jobs.output(self._channel, pid, offsets, follow)
 
+    def tail(self, pid: int, size: int = 64 << 10) -> builtins.list[JobOutput]:
+        """The last ``size`` bytes of each of a job's streams, left for ``output`` (its end too): a look, not a read."""
+        return jobs.tail(self._channel, pid, size)
+
     def discard(self, pid: int, offsets: tuple[int, int]) -> None:
         """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
         jobs.discard(self._channel, pid, offsets)

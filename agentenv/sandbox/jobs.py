@@ -3,7 +3,8 @@
 A job made by ``start`` runs on its own; the agent buffers its output (both streams, up to its
 ``max_output``) until ``output`` reads it, from absolute byte offsets, so a reader may stop and come back
 later, from another process or after a snapshot, and a reader that will never look back lets the agent
-drop what it read (``discard``). The agent forgets the job once ``output`` delivered its end.
+drop what it read (``discard``). The agent forgets the job once ``output`` delivered its end; ``tail`` looks at
+the last bytes and takes nothing (a console's view).
 
 What the agent answers is checked like every reply (``agentenv.sandbox.channel``): frames capped, offsets and
 results validated, reconnecting bounded.
@@ -181,6 +182,23 @@ def _offsets(value: Any, floor: list[int] | None) -> list[int]:
     if floor is not None and any(v < f for v, f in zip(value, floor, strict=True)):
         raise frames.FrameError("offsets going back")
     return list(value)
+
+
+def tail(ch: Channel, pid: int, size: int) -> list[JobOutput]:
+    """The last ``size`` bytes (at most) of each stream of a job's output, without taking them: they stay for
+    ``output``, and so does the job's end (a console's view of a job must not swallow what its owner reads)."""
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_EXEC_BLOB // 2:
+        raise ValueError(f"a tail's size must be 1 to {MAX_EXEC_BLOB // 2} bytes, got {size!r}")
+    reply, blob = ch.call({"op": "tail", "pid": pid, "size": size}, max_blob=2 * size)
+    n = reply.get("stdout_len")
+    try:
+        at = _offsets(reply.get("at"), None)
+        if type(n) is not int or not 0 <= n <= len(blob) or n > size or len(blob) - n > size:
+            raise frames.FrameError("a malformed tail")
+    except frames.FrameError as e:
+        raise _broken(e) from None
+    names = ("pty", "stderr") if reply.get("pty") is True else STREAMS
+    return [JobOutput(stream=names[i], data=d, offset=at[i]) for i, d in enumerate((blob[:n], blob[n:])) if d]
 
 
 def discard(ch: Channel, pid: int, offsets: tuple[int, int]) -> None:

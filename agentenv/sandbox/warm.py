@@ -86,6 +86,12 @@ def ready() -> int:
         return len(_ready)
 
 
+def size() -> int:
+    """How many sandboxes the pool keeps started (0: no pool)."""
+    with _lock:
+        return _size
+
+
 def wait_full(timeout: float) -> bool:
     """Wait until the pool holds its size; False if it did not within ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

@@ -1,5 +1,6 @@
 """The web console under ``/console``: the sandboxes (state, CPU, memory, disk, live over server-sent events), the
-snapshots' fork tree, and buttons that pause, resume, fork, snapshot and close a sandbox.
+snapshots' fork tree, and buttons that pause, resume, fork, snapshot and close a sandbox; a sandbox's own page
+and the server's figures are ``console_sandbox``'s and ``console_metrics``'.
 
 Behind the server's token: the login page takes it and sets a cookie holding a random session id (never the
 token), scoped to ``/console`` (HttpOnly, SameSite=Strict). The cookie opens the console only: the API routes
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 from agentenv.sandbox import usage
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
+from agentenv.server import console_metrics
 from agentenv.server.routes import sandboxes, snapshots
 from agentenv.server.routing import error_response
 from agentenv.server.schemas import ForkRequest, SandboxId, SnapshotRequest
@@ -45,7 +47,7 @@ MAX_STREAMS = 16  # event streams open at once
 ACTION_HEADER = "x-agentenv-console"
 STATIC = Path(__file__).with_name("console_static")
 TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css"}
-PAGES = {"": "sandboxes.html", "snapshots": "snapshots.html"}
+PAGES = {"": "sandboxes.html", "snapshots": "snapshots.html", "server": "server.html"}
 HEADERS = {  # on every console reply
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
                                "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
@@ -87,9 +89,12 @@ class Sessions:
 def install(app: Any) -> None:
     """Serve the console on ``app`` (made by ``create_app``, whose state holds the token and the service)."""
     app.state.console_sessions = Sessions()
-    app.state.console_readings = Readings()
+    app.state.console_readings = Readings(app.state.service)
     app.include_router(auth)
     app.include_router(router)
+    from agentenv.server import console_sandbox  # it uses this module's login and headers
+
+    app.include_router(console_sandbox.router)
 
 
 def _sessions(request: Request) -> Sessions:
@@ -166,8 +171,9 @@ def page(request: Request, page: str = "") -> Response:
 # --- what the pages show ----------------------------------------------------------------------
 
 
-def _reading(last: dict[str, usage.Usage]) -> dict[str, Any]:
-    """Every sandbox (with its usage when it runs: CPU share since ``last``'s reading of it) and every snapshot."""
+def _reading(last: dict[str, usage.Usage], service: Service) -> dict[str, Any]:
+    """Every sandbox (with its usage when it runs: CPU share since ``last``'s reading of it), every snapshot, and
+    the server's figures (``console_metrics``)."""
     rows = []
     seen = {}
     for sb in Sandbox.list():
@@ -183,14 +189,17 @@ def _reading(last: dict[str, usage.Usage]) -> dict[str, Any]:
         rows.append(row)
     last.clear()
     last.update(seen)
-    return {"now": time.time(), "sandboxes": rows, "snapshots": [s.info().to_wire() for s in Snapshot.list()]}
+    return {"now": time.time(), "sandboxes": rows, "snapshots": [s.info().to_wire() for s in Snapshot.list()],
+            "server": console_metrics.sample(service)}
 
 
 class Readings:
     """One reading shared by every open page: taken at most once a TICK however many streams ask (each costs a
     runc call per sandbox), off the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.history = console_metrics.History()  # the server's figures of the last readings
         self._last: dict[str, usage.Usage] = {}
         self._latest: tuple[float, dict[str, Any]] | None = None
         self._lock = asyncio.Lock()
@@ -198,7 +207,8 @@ class Readings:
     async def get(self) -> dict[str, Any]:
         async with self._lock:
             if self._latest is None or time.monotonic() - self._latest[0] >= TICK * 0.9:
-                self._latest = (time.monotonic(), await run_in_threadpool(_reading, self._last))
+                self._latest = (time.monotonic(), await run_in_threadpool(_reading, self._last, self.service))
+                self.history.add(self._latest[1]["server"])
             return self._latest[1]
 
 

@@ -131,6 +131,19 @@ def test_jobs_output_stdin_and_signals(sb):
         sb.start("true", timeout=-1)
 
 
+def test_a_jobs_tail_leaves_its_output_for_output(sb):
+    job = sb.start("printf 'abcdef'; exec 1>&-; sleep 600")
+    deadline = time.monotonic() + 30
+    while sb.tail(job.pid, 3) != [JobOutput("stdout", b"def", 3)]:  # wait on state: the bytes in the agent
+        assert time.monotonic() < deadline, "the job's output never showed in its tail"
+        time.sleep(0.05)
+    got = [o for o in sb.output(job.pid, follow=False) if isinstance(o, JobOutput)]
+    assert b"".join(o.data for o in got) == b"abcdef"  # the tail took nothing
+    with pytest.raises(ValueError):
+        sb.tail(job.pid, 0)
+    sb.signal(job.pid, signal.SIGKILL)
+
+
 def test_job_output_is_read_later_from_offsets_across_pause_resume(api):
     """A reader stops, the sandbox is paused and resumed, a new reader goes on from the offsets reached."""
     with api.Sandbox.create(memory="512m") as s:

@@ -15,6 +15,8 @@ import agentenv
 import agentenv.errors
 from agentenv.api import JobEnd, JobOutput
 
+from .server_fixtures import wait_for
+
 pytestmark = pytest.mark.integration
 
 COUNT = "i=0; while true; do i=$((i+1)); echo $i; sleep 0.02; done"
@@ -197,3 +199,23 @@ def test_a_terminal_criu_cannot_save_fails_the_snapshot_by_name_and_the_sandbox_
     sb.signal(shell, signal.SIGKILL)
     assert terminal_end(sb, shell)[1].exit_code == 137
     sb.snapshot(memory=True).delete()  # with the terminal gone, memory snapshots work again
+
+
+def test_a_tail_looks_at_a_jobs_last_bytes_and_takes_nothing(sb):
+    job = sb.start("printf 'abcdefghij'; printf 'E1E2' >&2; exec 1>&-; exec 2>&-; sleep 600")
+    wait_for(lambda: sum(len(o.data) for o in sb.tail(job.pid, 4)) == 8, "both streams' bytes in the agent")
+    assert sb.tail(job.pid, 4) == [JobOutput("stdout", b"ghij", 6), JobOutput("stderr", b"E1E2", 0)]
+    assert sb.tail(job.pid, 1 << 20) == [JobOutput("stdout", b"abcdefghij", 0), JobOutput("stderr", b"E1E2", 0)]
+    sb.discard(job.pid, (4, 0))  # what a reader let go of is not in the tail either
+    assert sb.tail(job.pid, 1 << 20)[0] == JobOutput("stdout", b"efghij", 4)
+    sb.signal(job.pid, signal.SIGKILL)
+    wait_for(lambda: sb.jobs()[0].exit_code is not None, "the killed job's end")
+    sb.tail(job.pid)  # an ended job's tail leaves its end, for output
+    assert [j.pid for j in sb.jobs()] == [job.pid]
+    out, err, end = drain(sb, job.pid, (4, 0))
+    assert (out, err, end.exit_code) == (b"efghij", b"E1E2", 128 + signal.SIGKILL)
+    with pytest.raises(ProcessLookupError):  # delivered: gone, for a tail as for output
+        sb.tail(job.pid)
+    for bad in (0, -1, True, 1 << 40):
+        with pytest.raises(ValueError):
+            sb.tail(job.pid, bad)

@@ -76,3 +76,27 @@ def test_the_bound_comes_from_the_environment_or_the_cpus(monkeypatch):
     assert admission.default_limit() >= 2
     with pytest.raises(ValueError):
         admission.set_limit(0)
+
+
+def test_the_queue_counts_starts_running_and_waiting():
+    admission.set_limit(1)
+    release = threading.Event()
+    entered = threading.Event()
+
+    @admission.admitted
+    def held() -> None:
+        entered.set()
+        release.wait(10)
+
+    threads = [threading.Thread(target=held) for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert entered.wait(5)
+    deadline = time.monotonic() + 5
+    while admission.queue() != (1, 2):  # wait on state: the two others queued behind the one slot
+        assert time.monotonic() < deadline, f"the queue says {admission.queue()}"
+        time.sleep(0.01)
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert admission.queue() == (0, 0)

@@ -26,6 +26,7 @@ from agentenv.host.agent_start import agent_file
 from agentenv.inside import frames
 from agentenv.inside import jobs as agent_jobs
 from agentenv.sandbox import channel as channel_mod
+from agentenv.sandbox import jobs as host_jobs
 from agentenv.sandbox.channel import Channel, Gate
 
 HEAD = struct.Struct(">II")
@@ -303,3 +304,16 @@ def test_heartbeats_tell_a_silent_command_from_a_stopped_agent(real, monkeypatch
         assert isinstance(result.get("error"), ConnectionLost)
     finally:
         proc.send_signal(signal.SIGCONT)
+
+
+@pytest.mark.parametrize("reply, blob", [({"at": [0, 0], "stdout_len": 99}, b"abc"),
+                                         ({"at": [0, -1], "stdout_len": 0}, b""),
+                                         ({"at": [0, 0], "stdout_len": 0}, b"x" * 9),  # stderr over the size
+                                         ({"at": [0, 0], "stdout_len": 0}, b"x" * 99)])  # over the frame's cap
+def test_a_forged_tail_is_refused(fake, reply, blob):
+    def behave(conn: socket.socket) -> None:
+        with_request(conn)
+        frames.send_frame(conn, reply, blob)
+    ch = fake(behave)
+    with pytest.raises(ConnectionLost, match="broke the protocol"):
+        host_jobs.tail(ch, 7, 8)

@@ -76,3 +76,21 @@ def test_static_serves_the_packaged_scripts_only(client):
         assert client.get(f"/console/static/{name}").status_code == 404
     assert client.get("/console/nope").status_code == 404
     assert "frame-ancestors 'none'" in client.get("/console/login").headers["content-security-policy"]
+
+
+def test_the_sandbox_and_server_pages_and_their_reads_need_the_login(client):
+    reads = ("/console/api/server", "/console/api/sandboxes/sb-x", "/console/api/sandboxes/sb-x/jobs/5/tail",
+             "/console/api/sandboxes/sb-x/list?path=/", "/console/api/sandboxes/sb-x/file?path=/etc/hostname")
+    for path in reads:
+        r = client.get(path)
+        assert r.status_code == 401 and r.json()["error"] == "Unauthorized", path
+    for page in ("/console/server", "/console/sandbox/sb-x"):
+        r = client.get(page)
+        assert r.status_code == 303 and r.headers["location"] == "/console/login", page
+    logged_in(client)
+    for page in ("/console/server", "/console/sandbox/sb-x"):
+        r = client.get(page)
+        assert r.status_code == 200 and "script-src 'self'" in r.headers["content-security-policy"], page
+    assert client.get("/console/static/detail.js").status_code == 200
+    assert client.get("/console/api/server").json() == {"history": []}  # nothing read yet: no page streamed
+    assert client.get("/console/api/sandboxes/sb-x/list?path=a%00b").status_code == 422  # the API's path rules

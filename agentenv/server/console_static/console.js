@@ -64,7 +64,7 @@ function sandboxRow(sb, now) {
   const limits = sb.limits || {};
   const cpu = sb.cpu_pct === null ? "–" : sb.cpu_pct + " %";
   return el("tr", { "data-id": sb.id, "data-state": sb.state },
-    el("td", { class: "id" }, sb.id),
+    el("td", { class: "id" }, el("a", { href: "/console/sandbox/" + encodeURIComponent(sb.id) }, sb.id)),
     el("td", {}, el("span", { class: "state " + sb.state }, sb.state)),
     el("td", {}, sb.image),
     el("td", {}, age(now - sb.created_at)),
@@ -129,6 +129,9 @@ function showTree(state) {
   document.getElementById("empty").hidden = roots.length > 0;
 }
 
+// What each page does with a reading (detail.js adds the sandbox and server pages').
+const SHOW = { sandboxes: showSandboxes, snapshots: showTree };
+
 function listen() {
   const page = document.body.dataset.page;
   const table = document.getElementById("sandboxes");
@@ -138,7 +141,7 @@ function listen() {
       if (button) act(button.closest("tr").dataset.id, button.dataset.action);
     });
   }
-  const show = page === "snapshots" ? showTree : showSandboxes;
+  const show = SHOW[page];
   const live = document.getElementById("live");
   const source = new EventSource("/console/api/events");
   source.addEventListener("state", (e) => {

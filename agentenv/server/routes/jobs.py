@@ -10,12 +10,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Body, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
 from agentenv import errors
 from agentenv.api import JobInfo, JobOutput
+from agentenv.inside.jobs import MAX_OUTPUT
 from agentenv.remote import wire
 from agentenv.sandbox.core import Sandbox
 from agentenv.server.routes import BINARY, ServiceDep
@@ -34,6 +35,7 @@ from agentenv.server.schemas import (
 from agentenv.server.streaming import iterate
 
 router = APIRouter(route_class=WireRoute, tags=["jobs"])
+TailSize = Annotated[int, Query(ge=1, le=MAX_OUTPUT, description="bytes at most, the last of each stream")]
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/jobs", response_model=JobInfo, responses=SB_ERRORS)
@@ -76,6 +78,12 @@ async def output(service: ServiceDep, sandbox_id: SandboxId, pid: Pid,
         yield wire.frame(final, mp)
 
     return StreamingResponse(frames(), media_type=wire.MSGPACK if mp else wire.NDJSON)
+
+
+@router.get("/v1/sandboxes/{sandbox_id}/jobs/{pid}/tail", response_model=list[JobOutput], responses=SB_ERRORS)
+def tail(service: ServiceDep, sandbox_id: SandboxId, pid: Pid, size: TailSize = 64 << 10) -> Response:
+    """The last ``size`` bytes of each stream of a job, left for ``output`` (and the job's end with them)."""
+    return WireResponse(service.call(sandbox_id, lambda sb: [o.to_wire() for o in sb.tail(pid, size)]))
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/jobs/{pid}/discard", response_model=JobDone, responses=SB_ERRORS)

@@ -83,6 +83,15 @@ def present(browser: webdriver.Chrome, css: str) -> bool:
     return bool(browser.find_elements(By.CSS_SELECTOR, css))
 
 
+def text(browser: webdriver.Chrome, css: str) -> str:
+    """The text of what ``css`` finds ("" if nothing, or if a reading redrew it as it was read)."""
+    try:
+        found = browser.find_elements(By.CSS_SELECTOR, css)
+        return found[0].text if found else ""
+    except StaleElementReferenceException:
+        return ""
+
+
 def shot(browser: webdriver.Chrome, name: str) -> None:
     SHOTS.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(SHOTS / f"{name}.png"))
@@ -127,10 +136,10 @@ def test_a_sandbox_appears_and_disappears_live(browser, url, client):
     row = f'tr[data-id="{sb.id}"]'
     try:
         wait_for(lambda: present(browser, row + '[data-state="running"]'), "the new sandbox's row")
-        wait_for(lambda: "MiB" in browser.find_element(By.CSS_SELECTOR, row + " td.mem").text
-                 and "%" in browser.find_element(By.CSS_SELECTOR, row + " td.cpu").text, "its CPU and memory")
-        labels = browser.find_element(By.CSS_SELECTOR, row + " td.labels")
-        assert labels.text == "team=<b>rl</b>"  # shown as text, never as markup
+        wait_for(lambda: "MiB" in text(browser, row + " td.mem") and "%" in text(browser, row + " td.cpu"),
+                 "its CPU and memory")
+        wait_for(lambda: text(browser, row + " td.labels") == "team=<b>rl</b>", "its labels, as text")
+        assert not present(browser, row + " td.labels b")  # never as markup
         shot(browser, "sandboxes")
     finally:
         sb.close()

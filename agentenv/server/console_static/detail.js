@@ -1,0 +1,226 @@
+// The console's sandbox page (processes, jobs, a job's tail, a read-only file browser, the action buttons) and
+// server page (small SVG charts of the server's figures). Uses console.js's el, bytes, age, say and act, and its
+// event stream: every reading redraws. Everything a sandbox made (names, output, commands) is set as text only.
+"use strict";
+
+async function getJSON(url) {
+  const reply = await fetch(url, { credentials: "same-origin" });
+  if (reply.status === 401) { window.location.assign("/console/login"); throw new Error("logged out"); }
+  let body = null;
+  try { body = await reply.json(); } catch (e) { body = null; }
+  return { ok: reply.ok, status: reply.status, body };
+}
+
+function failure(r) {
+  return r.status + " " + (r.body && r.body.error ? r.body.error + ": " + r.body.message : "no answer");
+}
+
+// --- the sandbox page ---------------------------------------------------------------------------------------
+
+const SANDBOX = decodeURIComponent(window.location.pathname.split("/").pop());
+const api = "/console/api/sandboxes/" + encodeURIComponent(SANDBOX);
+let tailPid = null;  // the job whose tail is shown
+let busy = false;  // a refresh in flight: a reading meanwhile is skipped
+
+function rows(tbody, items, row) {
+  document.querySelector(tbody).replaceChildren(...items.map(row));
+}
+
+async function refreshSandbox() {
+  if (busy) return;
+  busy = true;
+  try {
+    const r = await getJSON(api);
+    if (!r.ok) { say(failure(r), true); return; }
+    const d = r.body;
+    document.getElementById("tail-cap").textContent = bytes(d.caps.tail_bytes);  // the server's caps, said
+    document.getElementById("list-cap").textContent = d.caps.max_entries;
+    document.getElementById("file-cap").textContent = bytes(d.caps.max_file);
+    rows("#processes tbody", d.processes, (p) => el("tr", { "data-pid": p.pid },
+      el("td", {}, p.pid), el("td", {}, p.command), el("td", {}, p.exit_code === null ? "running" : p.exit_code),
+      el("td", { class: "id" }, p.log)));
+    rows("#jobs tbody", d.jobs, (j) => el("tr", { "data-pid": j.pid },
+      el("td", {}, j.pid), el("td", {}, j.command), el("td", {}, j.tag === null ? "" : j.tag),
+      el("td", {}, j.exit_code === null ? "running" : j.exit_code),
+      el("td", {}, el("button", { type: "button", "data-tail": j.pid }, "tail"))));
+    if (tailPid !== null) await refreshTail();
+  } finally {
+    busy = false;
+  }
+}
+
+async function refreshTail() {
+  const r = await getJSON(api + "/jobs/" + tailPid + "/tail");
+  const pre = document.getElementById("tail");
+  const title = document.getElementById("tail-title");
+  title.hidden = pre.hidden = false;
+  if (!r.ok) { title.textContent = "job " + tailPid + ": " + failure(r); pre.replaceChildren(); return; }
+  title.textContent = "job " + tailPid + ": the last " + bytes(r.body.tail_bytes) + " of each stream";
+  pre.replaceChildren(...r.body.output.map((o) => el("span", { class: o.stream, "data-stream": o.stream }, o.text)));
+}
+
+function showSandbox(state) {
+  const sb = state.sandboxes.find((s) => s.id === SANDBOX);
+  const badge = document.getElementById("state");
+  const actions = document.getElementById("actions");
+  if (!sb) {
+    badge.textContent = "gone";
+    badge.className = "state lost";
+    document.body.dataset.state = "gone";
+    actions.replaceChildren();
+    return;
+  }
+  badge.textContent = sb.state;
+  badge.className = "state " + sb.state;
+  document.body.dataset.state = sb.state;
+  const limits = sb.limits || {};
+  document.getElementById("summary").textContent = sb.image + ", " + age(state.now - sb.created_at) + " old, "
+    + "memory " + bytes(sb.mem_used) + " / " + bytes(limits.memory) + ", disk " + bytes(sb.disk_used)
+    + (sb.parent_snapshot ? ", from snapshot " + sb.parent_snapshot : "");
+  const wanted = (BUTTONS[sb.state] || ["close"]).join(" ");
+  if (actions.dataset.buttons !== wanted) {
+    actions.dataset.buttons = wanted;
+    actions.replaceChildren(...wanted.split(" ").map((a) => el("button", { type: "button", "data-action": a }, a)));
+  }
+  if (sb.state === "running") { refreshSandbox(); return; }
+  // paused (or lost): no processes to ask; what the last reading listed is no longer so
+  rows("#processes tbody", [], () => null);
+  rows("#jobs tbody", [], () => null);
+  document.getElementById("tail").hidden = document.getElementById("tail-title").hidden = true;
+  tailPid = null;
+}
+
+// the file browser: a folder listed, a file's text shown
+async function browse(path) {
+  const error = document.getElementById("files-error");
+  document.getElementById("path").value = path;
+  const r = await getJSON(api + "/list?path=" + encodeURIComponent(path));
+  error.hidden = r.ok;
+  if (!r.ok) {
+    error.textContent = path + ": " + failure(r);
+    error.dataset.status = r.status;
+    document.querySelector("#files tbody").replaceChildren();
+    document.getElementById("files-note").textContent = "";
+    return;
+  }
+  const d = r.body;
+  const base = d.path.endsWith("/") ? d.path : d.path + "/";
+  rows("#files tbody", d.entries, (f) => el("tr", { "data-type": f.type },
+    el("td", { class: "name" }, el("a", { href: "#", "data-path": base + f.name, "data-type": f.type },
+      f.name + (f.type === "dir" ? "/" : ""))),
+    el("td", {}, f.symlink_target === null || f.symlink_target === undefined ? f.type : "link → " + f.symlink_target),
+    el("td", {}, bytes(f.size)), el("td", { class: "id" }, f.permissions), el("td", {}, f.owner + ":" + f.group),
+    el("td", {}, new Date(f.modified * 1000).toISOString().replace("T", " ").slice(0, 19))));
+  document.getElementById("files-note").textContent = d.total > d.entries.length
+    ? "showing the first " + d.entries.length + " of " + d.total + " entries" : d.total + " entries";
+}
+
+async function openFile(path) {
+  const r = await getJSON(api + "/file?path=" + encodeURIComponent(path));
+  const title = document.getElementById("file-title");
+  const pre = document.getElementById("file");
+  title.hidden = pre.hidden = false;
+  if (!r.ok) { title.textContent = path + ": " + failure(r); pre.textContent = ""; return; }
+  const f = r.body;
+  title.textContent = f.path + " (" + bytes(f.size) + ")" + (f.text === null
+    ? ": over " + bytes(f.max_file) + ", not shown (download it with the API)"
+    : f.truncated ? ": its first " + bytes(f.max_file) : "");
+  pre.textContent = f.text === null ? "" : f.text;
+}
+
+function parentOf(path) {
+  const trimmed = path.replace(/\/+$/, "");
+  return trimmed.lastIndexOf("/") > 0 ? trimmed.slice(0, trimmed.lastIndexOf("/")) : "/";
+}
+
+function startSandboxPage() {
+  document.getElementById("sbid").textContent = SANDBOX;
+  document.getElementById("actions").addEventListener("click", (e) => {
+    const button = e.target.closest("button[data-action]");
+    if (button) act(SANDBOX, button.dataset.action);
+  });
+  document.getElementById("jobs").addEventListener("click", (e) => {
+    const button = e.target.closest("button[data-tail]");
+    if (button) { tailPid = Number(button.dataset.tail); refreshTail(); }
+  });
+  document.getElementById("browse").addEventListener("submit", (e) => {
+    e.preventDefault();
+    browse(document.getElementById("path").value);
+  });
+  document.getElementById("up").addEventListener("click", () => browse(parentOf(document.getElementById("path").value)));
+  document.getElementById("files").addEventListener("click", (e) => {
+    const link = e.target.closest("a[data-path]");
+    if (!link) return;
+    e.preventDefault();
+    if (link.dataset.type === "dir") browse(link.dataset.path); else openFile(link.dataset.path);
+  });
+}
+
+// --- the server page --------------------------------------------------------------------------------------
+
+const HISTORY = 300;
+let figures = [];  // the server's readings, oldest first
+
+// each chart: its series (one value per reading), a dashed limit line where there is one, and the text shown
+const CHARTS = {
+  admission: { series: [(f) => f.admission.starting, (f) => f.admission.waiting], limit: (f) => f.admission.limit,
+    text: (f) => f.admission.starting + " starting (of " + f.admission.limit + " at once), "
+      + f.admission.waiting + " waiting" },
+  warm: { series: [(f) => f.warm.ready], limit: (f) => f.warm.size,
+    text: (f) => f.warm.size ? f.warm.ready + " of " + f.warm.size + " ready" : "off (agentenv serve --warm-pool N)" },
+  store: { series: [(f) => f.store.bytes], limit: null,
+    text: (f) => bytes(f.store.bytes) + " in " + f.store.snapshots + (f.store.snapshots === 1 ? " snapshot" : " snapshots") },
+  sandboxes: { series: [(f) => f.capacity.live_sandboxes], limit: (f) => f.capacity.max_sandboxes,
+    text: (f) => f.capacity.live_sandboxes + " of " + f.capacity.max_sandboxes },
+  memory: { series: [(f) => f.capacity.memory_used], limit: (f) => f.capacity.max_memory,
+    text: (f) => bytes(f.capacity.memory_used) + " of " + bytes(f.capacity.max_memory) },
+};
+
+function line(values, top, cls) {
+  const step = 300 / Math.max(1, values.length - 1);  // the readings there are, across the whole width
+  const points = values.map((v, i) => (i * step).toFixed(1) + "," + (78 - 76 * v / top).toFixed(1));
+  const node = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
+  node.setAttribute("points", points.join(" "));
+  node.setAttribute("class", cls);
+  return node;
+}
+
+// the charts span the readings kept (up to five minutes), newest on the right; the dashed line is the limit
+function drawCharts() {
+  if (!figures.length) return;
+  const last = figures[figures.length - 1];
+  for (const [name, chart] of Object.entries(CHARTS)) {
+    const figure = document.querySelector('figure[data-metric="' + name + '"]');
+    const series = chart.series.map((get) => figures.map(get));
+    const limits = chart.limit ? figures.map(chart.limit) : [];
+    const top = Math.max(1, ...series.flat(), ...limits) * 1.05;
+    const lines = series.map((values, i) => line(values, top, "s" + i));
+    if (chart.limit) lines.push(line(limits, top, "limit"));
+    figure.querySelector("svg").replaceChildren(...lines);
+    figure.querySelector(".value").textContent = chart.text(last);
+    figure.dataset.readings = figures.length;
+  }
+}
+
+function showServer(state) {
+  if (!state.server) return;
+  figures.push(state.server);
+  figures = figures.slice(-HISTORY);
+  drawCharts();
+}
+
+async function startServerPage() {
+  const r = await getJSON("/console/api/server");
+  if (r.ok) {
+    const newest = figures.length ? figures[0].now : Infinity;  // readings the stream brought meanwhile stay
+    figures = r.body.history.filter((f) => f.now < newest).concat(figures).slice(-HISTORY);
+    drawCharts();
+  }
+}
+
+SHOW.sandbox = showSandbox;
+SHOW.server = showServer;
+document.addEventListener("DOMContentLoaded", () => {
+  if (document.body.dataset.page === "sandbox") startSandboxPage();
+  if (document.body.dataset.page === "server") startServerPage();
+});
