@@ -83,6 +83,24 @@ def present(browser: webdriver.Chrome, css: str) -> bool:
     return bool(browser.find_elements(By.CSS_SELECTOR, css))
 
 
+def attribute(browser: webdriver.Chrome, css: str, name: str) -> str | None:
+    """An attribute of what ``css`` finds (None if nothing, or if the page was replaced or redrew it meanwhile)."""
+    try:
+        found = browser.find_elements(By.CSS_SELECTOR, css)
+        return found[0].get_attribute(name) if found else None
+    except StaleElementReferenceException:
+        return None
+
+
+def displayed(browser: webdriver.Chrome, css: str) -> bool:
+    """Whether what ``css`` finds is shown (False while a navigation replaces the page under the lookup)."""
+    try:
+        found = browser.find_elements(By.CSS_SELECTOR, css)
+        return bool(found) and found[0].is_displayed()
+    except StaleElementReferenceException:
+        return False
+
+
 def text(browser: webdriver.Chrome, css: str) -> str:
     """The text of what ``css`` finds ("" if nothing, or if a reading redrew it as it was read)."""
     try:
@@ -104,7 +122,7 @@ def test_login_refused_without_and_with_a_wrong_token(browser, url):
     assert r.status_code == 303 and r.headers["location"] == "/console/login"
     assert httpx.post(f"{url}/console/login", data={"token": ""}).status_code == 401
     log_in(browser, url, TOKEN + "-wrong")
-    wait_for(lambda: browser.find_element(By.ID, "error").is_displayed(), "the login page saying the token is wrong")
+    wait_for(lambda: displayed(browser, "#error"), "the login page saying the token is wrong")
     shot(browser, "login")
     assert browser.get_cookies() == []
     browser.get(f"{url}/console/")
@@ -131,7 +149,7 @@ def test_the_cookie_opens_the_console_only(browser, url):
 
 def test_a_sandbox_appears_and_disappears_live(browser, url, client):
     log_in(browser, url, TOKEN)
-    wait_for(lambda: browser.find_element(By.ID, "live").get_attribute("data-state") == "live", "the event stream")
+    wait_for(lambda: attribute(browser, "#live", "data-state") == "live", "the event stream")
     sb = client.Sandbox.create(memory="256m", labels={"team": "<b>rl</b>"})
     row = f'tr[data-id="{sb.id}"]'
     try:

@@ -14,7 +14,7 @@ from selenium.common.exceptions import StaleElementReferenceException
 from agentenv.api import JobEnd, JobOutput
 
 from ..server_fixtures import TOKEN, wait_for
-from .test_console import AUTH, By, browser, click, client, log_in, present, shot, text, url
+from .test_console import AUTH, By, attribute, browser, click, client, log_in, present, shot, text, url
 
 pytestmark = pytest.mark.integration
 __all__ = ["browser", "client", "url"]  # the module's fixtures, shared
@@ -51,7 +51,7 @@ def open_page(browser: Any, url: str, sb: Any) -> None:
     wait_for(lambda: present(browser, link), "the sandbox's link in the table")
     click(browser, link)
     wait_for(lambda: browser.current_url == f"{url}/console/sandbox/{sb.id}", "the sandbox's page")
-    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "running",
+    wait_for(lambda: attribute(browser, "body", "data-state") == "running",
              "the page saying the sandbox runs")
 
 
@@ -76,7 +76,7 @@ def test_a_jobs_output_shows_in_its_tail_and_stays_for_its_owner(browser, url, s
     state = f"{url}/v1/sandboxes/{sb.id}"
     click(browser, '#actions button[data-action="pause"]')
     wait_for(lambda: httpx.get(state, headers=AUTH).json()["state"] == "paused", "the API saying paused", limit=60)
-    wait_for(lambda: browser.find_element(By.TAG_NAME, "body").get_attribute("data-state") == "paused"
+    wait_for(lambda: attribute(browser, "body", "data-state") == "paused"
              and not present(browser, "#processes tbody tr"), "the page saying paused, with no processes")
     click(browser, '#actions button[data-action="resume"]')
     wait_for(lambda: httpx.get(state, headers=AUTH).json()["state"] == "running", "the API saying running", limit=60)

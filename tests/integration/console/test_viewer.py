@@ -31,7 +31,7 @@ from trainer.metrics import MetricsLog
 
 from ..server_fixtures import free_port, threaded_app, wait_for
 from .test_console import browser as browser  # noqa: PLC0414 - the console tests' Chromium, one per module
-from .test_console import present, shot
+from .test_console import displayed, present, shot
 
 pytestmark = pytest.mark.integration
 TOK = LocalTokenizer()
@@ -167,7 +167,7 @@ def test_login_refused_without_the_token(browser, site):
     assert httpx.post(f"{base}/console/login", data={"token": site["token"] + "x"}).status_code == 401
     browser.delete_all_cookies()
     browser.get(f"{base}/console/login#token=wrong")  # a wrong token in the printed URL's place logs nobody in
-    wait_for(lambda: present(browser, "#error") and browser.find_element(By.ID, "error").is_displayed(),
+    wait_for(lambda: displayed(browser, "#error"),
              "the login page saying the token is wrong")
     assert browser.get_cookies() == []
     browser.get(f"{base}/console/runs")
