@@ -99,6 +99,17 @@ class PageServer:
                 _kill(self.proc)
         return int(self.proc.returncode)
 
+    def listening(self) -> bool:
+        """True while the page server still waits for its receiver (its socket listens: it closes on accept)."""
+        want = f":{self.port:04X}"
+        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+            with contextlib.suppress(OSError), open(table) as f:
+                for line in f.readlines()[1:]:
+                    fields = line.split()
+                    if len(fields) > 3 and fields[1].endswith(want) and fields[3] == "0A":  # TCP_LISTEN
+                        return True
+        return False
+
     def failure(self) -> str:
         """Why the transfer failed, from CRIU's log."""
         return reason(f"CRIU exited with status {self.proc.returncode}", self.log)

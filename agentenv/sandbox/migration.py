@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import socket
+import threading
 
 from agentenv.errors import CheckpointError, SandboxStateError
 from agentenv.host import postcopy
@@ -25,6 +26,8 @@ from agentenv.sandbox.store import Snapshot
 PAGE_SERVER = "agentenv.page_server"  # label of a post-copy snapshot: "address:port" of its page server
 CONNECT_TIMEOUT = 60.0  # seconds the page server waits for a receiver before the source resumes
 ALL_IN_TIMEOUT = 300.0  # seconds for every page to go over once the receiver runs
+FINISH_TIMEOUT = CONNECT_TIMEOUT + ALL_IN_TIMEOUT + 60.0  # seconds before an unfinished migration resumes the source
+outgoing: dict[str, Outgoing] = {}  # the migrations this process is sending, by snapshot id (the server's routes)
 
 
 def page_server_of(snap: Snapshot) -> tuple[str, int] | None:
@@ -44,15 +47,37 @@ def free_port(address: str) -> int:
 
 
 class Outgoing:
-    """A sandbox being migrated away: frozen here, its pages served until the receiver has them all."""
+    """A sandbox being migrated away: frozen here, its pages served until the receiver has them all. A watchdog
+    ends it (the sandbox runs on here) when no receiver connected within CONNECT_TIMEOUT s, or nobody called
+    ``finish`` within FINISH_TIMEOUT s."""
 
     def __init__(self, sb: Parts, snapshot: Snapshot, server: postcopy.PageServer) -> None:
         self.sb, self.snapshot, self.server = sb, snapshot, server
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self.moved: bool | None = None
+        threading.Thread(target=self._watch, name="agentenv-migration-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        if self._finished.wait(CONNECT_TIMEOUT):
+            return
+        if self.server.listening() or not self._finished.wait(FINISH_TIMEOUT - CONNECT_TIMEOUT):
+            self.finish(False)
 
     def finish(self, delivered: bool, timeout: float = ALL_IN_TIMEOUT) -> bool:
         """End the migration here: with ``delivered`` (the receiver said it has every page) and CRIU's transfer
         ended well within ``timeout`` s, the sandbox is closed here (True); otherwise the transfer is ended and
-        the sandbox thawed: it runs on here (False), and the receiver's copy must be closed."""
+        the sandbox thawed: it runs on here (False), and the receiver's copy must be closed. Once: a later call
+        answers what the first did."""
+        with self._lock:
+            if self.moved is None:
+                self.moved = self._finish(delivered, timeout)
+                self._finished.set()
+                with contextlib.suppress(KeyError):
+                    del outgoing[self.snapshot.id]
+            return self.moved
+
+    def _finish(self, delivered: bool, timeout: float) -> bool:
         code = self.server.wait(timeout if delivered else 0.0)
         if code is None:
             code = self.server.abandon()
@@ -96,7 +121,8 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outg
             if served:
                 sb._container.freeze(False)
             raise
-    return Outgoing(sb, snap, served[0])
+    out = outgoing[snap.id] = Outgoing(sb, snap, served[0])
+    return out
 
 
 def all_in(sb: Parts, timeout: float = ALL_IN_TIMEOUT) -> bool:

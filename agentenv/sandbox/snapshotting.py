@@ -65,7 +65,9 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
                 try:
                     crash_point(f"{op}:dumping")
                     with phase("criu dump"):
-                        server = sb._container.checkpoint(folder / "criu", folder / "criu",
+                        # a lazy dump's log and work files outside the snapshot: it is exported while CRIU runs
+                        work = folder / "criu" if page_server is None else sb._container.bundle / "criu-migrate"
+                        server = sb._container.checkpoint(folder / "criu", work,
                                                           leave_running=leave_running,
                                                           criu=os.environ.get("AGENTENV_CRIU"),
                                                           page_server=page_server)

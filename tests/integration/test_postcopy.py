@@ -11,6 +11,9 @@ from agentenv.errors import CheckpointError, SnapshotNotFound
 from agentenv.host import lazy_pages
 from agentenv.sandbox import migration
 
+from .server_fixtures import TOKEN
+from .test_transfer import servers  # noqa: F401 - the two servers (A holds one sandbox)
+
 pytestmark = pytest.mark.integration
 
 # 48 MiB of random bytes, and a TCP connection between two of its sockets on the sandbox's loopback; each query
@@ -98,3 +101,58 @@ def test_only_a_loopback_page_server_is_taken(holding):
     with pytest.raises(CheckpointError, match="loopback"):
         migration.send(holding, address="0.0.0.0")
     assert holding.state == "running"
+
+
+def test_the_page_server_nobody_connects_to_times_out_and_the_source_runs_on(holding, monkeypatch):
+    monkeypatch.setattr(migration, "CONNECT_TIMEOUT", 0.5)
+    before = query(holding)
+    out = migration.send(holding)
+    assert out._finished.wait(60)  # the watchdog ended it
+    assert out.moved is False
+    assert query(holding) == before
+    assert out.snapshot.id not in migration.outgoing
+
+
+def remote_query(sb) -> str:
+    r = sb.exec(QUERY, timeout=60)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.strip()
+
+
+def remote_holding(client):
+    sb = client.Sandbox.create(memory="512m")
+    sb.write_file("/srv/state", "kept\n")
+    sb.write_file("/tmp/holder.py", HOLDER)
+    sb.spawn("python3 /tmp/holder.py")
+    assert sb.exec("while [ ! -s /tmp/ready ]; do sleep 0.05; done", timeout=60).exit_code == 0
+    return sb
+
+
+def test_a_post_copy_move_between_servers_and_one_that_fails_on_the_receiver(servers):  # noqa: F811
+    urls, _ = servers
+    with agentenv.Pool(urls, TOKEN, timeout=120) as pool:
+        a, b = pool.clients
+        sb = remote_holding(a)
+        try:
+            before = remote_query(sb)
+            seen: list[str] = []
+            moved = pool.Sandbox.move(sb, b.url, post_copy=True, on_running=lambda m: seen.append(remote_query(m)))
+            try:
+                assert seen == [before]  # it answered on B before its memory was all in
+                assert moved.client is b and remote_query(moved) == before
+                assert moved.read_file("/srv/state") == b"kept\n"
+                assert [s.id for s in a.Sandbox.list()] == []
+                assert a.Snapshot.list() == [] and b.Snapshot.list() == []
+
+                def fail(m):
+                    raise RuntimeError("the receiver's first answer was wrong")
+
+                with pytest.raises(RuntimeError):  # back to A, failing once it runs there: it runs on at B, A closes its copy
+                    pool.Sandbox.move(moved, a.url, post_copy=True, on_running=fail)
+                assert remote_query(b.Sandbox.get(moved.id)) == before
+                assert [s.id for s in a.Sandbox.list()] == []
+                assert a.Snapshot.list() == [] and b.Snapshot.list() == []
+            finally:
+                moved.close()
+        finally:
+            sb.close()
