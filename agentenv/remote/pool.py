@@ -9,7 +9,8 @@ the other servers keep working. A down server is probed again at most every ``re
 
 A restore runs on the server holding the snapshot while it has room, else (or with ``server=``) on another,
 which first pulls the snapshot from its owner (``POST /v1/snapshots/import``: chunks checked by sha256,
-resumable); ``move`` takes a sandbox to another server that way (pause, pull, restore there, close here).
+resumable); ``move`` takes a sandbox to another server that way (pause, pull, restore there, close here), or
+running (``post_copy=True``: its memory follows it, served by CRIU's page server; docs/transfer.md).
 Servers started with the same ``--shared-store`` see each other's snapshots there: a snapshot whose server is
 gone is restored on one of them (``agentenv.sandbox.shared``).
 """
@@ -231,14 +232,14 @@ class PoolSandboxAPI:
         try:
             import_snapshot(target, source, snap_id)
             moved = target.Sandbox.restore(snap_id, labels=dict(sandbox.labels))
-            with contextlib.suppress(AgentEnvError):
-                target.Snapshot.get(snap_id).delete()  # the images are the restored sandbox's own now
             if on_running is not None:
                 on_running(moved)
             reply = target.request("GET", f"/v1/sandboxes/{moved.id}/memory", params={"wait": MIGRATE_WAIT},
                                    timeout=MIGRATE_WAIT + target.timeout)
             delivered = bool(reply["all_in"])
         finally:
+            with contextlib.suppress(AgentEnvError):  # the images are the restored sandbox's own (or of no use)
+                target.request("DELETE", f"/v1/snapshots/{snap_id}", params={"background": True}, idempotent=True)
             done = source.request("POST", f"/v1/sandboxes/{sandbox.id}/migrate/finish",
                                   {"snapshot": snap_id, "delivered": delivered}, timeout=MIGRATE_WAIT + source.timeout)
             if not done["moved"] and moved is not None:

@@ -85,9 +85,8 @@ class Outgoing:
         try:
             if moved:
                 self.sb.close()
-            else:
-                with self.sb._locked():
-                    self.sb._container.freeze(False)
+            elif self.sb._container.freezer() is not None:  # (none if the sandbox was closed meanwhile)
+                self.sb._container.freeze(False)
         finally:
             with contextlib.suppress(Exception):
                 self.snapshot.delete()
@@ -109,6 +108,7 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outg
     served: list[postcopy.PageServer] = []
     with sb._locked():
         sb.require_running()
+        refuse_calls(sb.id)
         if sb._rec.get("paused_snapshot"):
             raise SandboxStateError(f"sandbox {sb.id} is paused: resume it before migrating it post-copy")
         try:
@@ -123,6 +123,21 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outg
             raise
     out = outgoing[snap.id] = Outgoing(sb, snap, served[0])
     return out
+
+
+def under_way(sandbox_id: str) -> Outgoing | None:
+    """The migration this process is sending of that sandbox, if one is under way (its calls are refused
+    meanwhile: it is frozen)."""
+    return next((out for out in list(outgoing.values()) if out.sb.id == sandbox_id), None)
+
+
+def refuse_calls(sandbox_id: str) -> None:
+    """SandboxStateError while the sandbox is frozen by a migration under way (a call would wait for it)."""
+    if (out := under_way(sandbox_id)) is not None:
+        raise SandboxStateError(f"sandbox {sandbox_id} is being migrated post-copy (snapshot {out.snapshot.id}): it "
+                                "is frozen here until the move ends",
+                                fix=f"wait for the move to end (at most {FINISH_TIMEOUT:g} s), then use the sandbox "
+                                    "where it went (or here, if the move failed)")
 
 
 def all_in(sb: Parts, timeout: float = ALL_IN_TIMEOUT) -> bool:

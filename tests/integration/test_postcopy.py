@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import agentenv
-from agentenv.errors import CheckpointError, SnapshotNotFound
+from agentenv.errors import CheckpointError, SandboxStateError, SnapshotNotFound
 from agentenv.host import lazy_pages
 from agentenv.sandbox import migration
 
@@ -80,6 +80,11 @@ def test_a_sandbox_moved_post_copy_keeps_its_memory_files_and_loopback_connectio
 def test_a_migration_nobody_receives_leaves_the_sandbox_running_on_the_source(holding):
     before = query(holding)
     out = migration.send(holding)
+    with agentenv.Sandbox.create() as neighbour:  # the page server is on the host's loopback, not the sandboxes'
+        r = neighbour.exec(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {out.server.port}), "
+                           "timeout=5)\"", timeout=60)
+        assert r.exit_code != 0 and "refused" in r.stderr, r.stderr
+    assert out.server.listening()
     assert not out.finish(False)
     assert holding.state == "running"
     assert query(holding) == before
@@ -135,6 +140,13 @@ def test_a_post_copy_move_between_servers_and_one_that_fails_on_the_receiver(ser
         sb = remote_holding(a)
         try:
             before = remote_query(sb)
+            started = a.request("POST", f"/v1/sandboxes/{sb.id}/migrate", {})  # nobody receives it
+            with pytest.raises(SandboxStateError, match="migrated"):  # frozen meanwhile: refused, not stalled
+                sb.exec("true")
+            done = a.request("POST", f"/v1/sandboxes/{sb.id}/migrate/finish",
+                             {"snapshot": started["snapshot"]["id"], "delivered": False})
+            assert done == {"id": sb.id, "moved": False}
+            assert remote_query(sb) == before
             seen: list[str] = []
             moved = pool.Sandbox.move(sb, b.url, post_copy=True, on_running=lambda m: seen.append(remote_query(m)))
             try:
