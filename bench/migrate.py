@@ -187,8 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         r = report.results.get(key)
         for name, samples in (r.extra.items() if r else ()):
             rows.append(Row(f"  {key}: {name}", [Result(samples=samples)]))
-    print_table(f"downtime of a sandbox holding {args.mb} MiB in memory, ms (ratios: stop-and-copy / local, post-copy / stop-and-copy; "
-                f"target <= {TARGET_S * 1000:.0f} ms)", rows)
+    print_table(f"downtime of a sandbox holding {args.mb} MiB in memory, ms (ratios: stop-and-copy / local, "
+                f"post-copy / stop-and-copy; target <= {TARGET_S * 1000:.0f} ms)", rows)
     report.print_errors()
     report.write(args.output)
     return 1 if report.fatal or report.errors or left or report.info["shared_store_left"] else 0
