@@ -66,6 +66,8 @@ def test_a_sandbox_moved_post_copy_keeps_its_memory_files_and_loopback_connectio
         assert query(moved) == before
         assert moved.read_file("/srv/state") == b"kept\n"
         assert migration.all_in(moved, 120)
+        assert out.server.wait(60) == 0
+        assert holding._container.frozen()  # CRIU let the source go, still frozen: never running twice
         assert out.finish(True)
         assert holding.state == "closed"
         assert query(moved) == before
