@@ -1,13 +1,19 @@
 """Benchmark migration downtime: a sandbox paused on server A and restored on server B through the shared
-snapshot store, against a pause and resume on one server.
+snapshot store (stop-and-copy), or migrated running (post-copy), against a pause and resume on one server.
 
 What: three ``agentenv serve`` processes on loopback, each with its own $AGENTENV_HOME; A and B share a
 ``--shared-store`` folder, C has none. A sandbox holds ``--mb`` MiB of random bytes in a process's memory
 (and a file). ``migrate``: the sandbox answers on A (``exec``), is paused there (the pause publishes its
 archive to the shared store), restored on B (B imports it, digests checked, then CRIU restores) and answers
-there; downtime = from A's last answer to B's first, the sandbox going back and forth between A and B. ``local``
-(the plain alternative, on C): last answer, pause, resume, first answer. Ratio: migrate / local downtime;
-the issue's target is <= 150 ms (post-copy). Results go to ``bench/results/migrate.json``.
+there; downtime = from A's last answer to B's first, the sandbox going back and forth between A and B.
+``postcopy``: the same sandbox moved with ``Pool.Sandbox.move(..., post_copy=True)``: frozen on A, dumped lazily
+(all but its anonymous memory; the rest served by CRIU's page server on 127.0.0.1), imported and restored
+lazily on B, where it answers while its pages still come in; downtime = A's last answer to B's first (inside
+``on_running``), and ``all pages in`` from that answer until the move returned (B has every page, A closed its
+copy). Its phase split comes from the times of the move's calls (migrate on A, import and restore on B).
+``local`` (the plain alternative, on C): last answer, pause, resume, first answer. Ratios: stop-and-copy and
+post-copy vs local, post-copy vs stop-and-copy; the issue's target is <= 150 ms (post-copy). Results go to
+``bench/results/migrate.json``.
 
     .venv/bin/python -m bench.migrate [--runs 5] [--mb 256]
 """
@@ -21,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import agentenv
 from agentenv.remote.client import Client, RemoteSandbox
@@ -72,6 +79,50 @@ def migrate(report: Report, pool: agentenv.Pool, sb: RemoteSandbox, runs: int) -
     return sb
 
 
+def timed_calls(clients: list[Client]) -> dict[str, list[float]]:
+    """Record how long each call of these clients takes, by its first path words ("POST migrate", ...)."""
+    times: dict[str, list[float]] = {}
+    for c in clients:
+        def timed(method: str, path: str, *args: Any, _real: Any = c.request, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return _real(method, path, *args, **kw)
+            finally:
+                words = [w for w in path.split("/")[2:] if not w.startswith(("sb-", "snap-"))]
+                times.setdefault(f"{method} {'/'.join(words)}", []).append(time.perf_counter() - t)
+        c.request = timed  # type: ignore[method-assign]
+    return times
+
+
+# the calls of a post-copy move, by what they do (timed_calls' keys)
+POSTCOPY_PHASES = {"POST sandboxes/migrate": "A: lazy dump (page server listening)",
+                   "POST snapshots/import": "B: import the images", "POST snapshots/restore": "B: lazy restore"}
+
+
+def postcopy(report: Report, pool: agentenv.Pool, sb: RemoteSandbox, runs: int) -> RemoteSandbox:
+    """Move the sandbox post-copy between A and B, ``runs`` times back and forth."""
+    res, a, b = report.result("postcopy"), pool.clients[0], pool.clients[1]
+    calls = timed_calls([a, b])
+    firsts: list[float] = []  # the time of the first answer on B, each run
+    with recording(res, "postcopy"):
+        for _ in range(runs):
+            there = b if sb.client is a else a
+            firsts.clear()
+            for c in calls.values():
+                c.clear()
+            last = answer(sb)
+            moved = pool.Sandbox.move(sb, there.url, post_copy=True, on_running=lambda m: firsts.append(answer(m)))
+            done = time.perf_counter()
+            res.add(firsts[0] - last)
+            for key, name in POSTCOPY_PHASES.items():
+                res.add_extra(name, sum(calls.get(key, [])))
+            res.add_extra("first answer on B, after restore", firsts[0] - last - sum(
+                sum(calls.get(k, [])) for k in POSTCOPY_PHASES))
+            res.add_extra("all pages in (after the first answer)", done - firsts[0])
+            sb = moved
+    return sb
+
+
 def local(report: Report, sb: RemoteSandbox, runs: int) -> None:
     res = report.result("local")
     with recording(res, "local"):
@@ -109,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             report.info["archive_bytes"] = sum(p.stat().st_size for p in (shared / snap.id).glob("archive"))
             snap.delete()
             sb = migrate(report, pool, sb, args.runs)
+            sb = postcopy(report, pool, sb, args.runs)
             sb.close()
             plain = prepare(c, args.mb)
             local(report, plain, args.runs)
@@ -122,17 +174,21 @@ def main(argv: list[str] | None = None) -> int:
     report.info["shared_store_left"] = sorted(p.name for p in shared.iterdir())
     shutil.rmtree(shared, ignore_errors=True)
     x = report.add_ratio("migrate downtime / local pause+resume downtime", "migrate", "local")
-    m = report.results.get("migrate")
-    med = m.stat.median if m and m.stat else None
+    xp = report.add_ratio("post-copy downtime / stop-and-copy downtime", "postcopy", "migrate")
+    report.add_ratio("post-copy downtime / local pause+resume downtime", "postcopy", "local")
+    m, p = report.results.get("migrate"), report.results.get("postcopy")
+    med = p.stat.median if p and p.stat else None
     report.info["target_s"] = TARGET_S
-    report.info["gap_to_target"] = None if med is None else round(med / TARGET_S, 2)
-    rows = [Row("migrate A -> B (shared store)", [m], x), Row("local pause + resume", [report.results.get("local")])]
-    for key in ("migrate", "local"):
+    report.info["gap_to_target"] = None if med is None else round(med / TARGET_S, 2)  # post-copy's
+    rows = [Row("migrate A -> B (stop-and-copy, shared store)", [m], x),
+            Row("migrate A -> B post-copy (ratio: vs stop-and-copy)", [p], xp),
+            Row("local pause + resume", [report.results.get("local")])]
+    for key in ("migrate", "postcopy", "local"):
         r = report.results.get(key)
         for name, samples in (r.extra.items() if r else ()):
             rows.append(Row(f"  {key}: {name}", [Result(samples=samples)]))
-    print_table(f"downtime of a sandbox holding {args.mb} MiB in memory, ms (ratio: migrate / local; "
-                f"target <= {TARGET_S * 1000:.0f} ms)", rows)
+    print_table(f"downtime of a sandbox holding {args.mb} MiB in memory, ms (ratios: stop-and-copy / local, "
+                f"post-copy / stop-and-copy; target <= {TARGET_S * 1000:.0f} ms)", rows)
     report.print_errors()
     report.write(args.output)
     return 1 if report.fatal or report.errors or left or report.info["shared_store_left"] else 0

@@ -123,6 +123,12 @@ def _in_root(dest: str) -> str:
 def dump(runc_state: Path, images: Path, work: Path, leave_running: bool, criu: str | None = None) -> None:
     """Dump every process of the runc container whose record is ``runc_state`` (its ``state.json``) into
     ``images``, as ``runc checkpoint`` would; CheckpointError with CRIU's reason if it fails."""
+    _run(criu, prepare_dump(runc_state, images, work, leave_running), work / "dump.log")
+
+
+def prepare_dump(runc_state: Path, images: Path, work: Path, leave_running: bool) -> list[str]:
+    """The ``criu dump`` arguments for the container whose record is ``runc_state``, with runc's files written
+    beside the images (``descriptors.json``, its record); CheckpointError where runc's record is unreadable."""
     try:
         state = json.loads(runc_state.read_text())
     except (OSError, ValueError) as e:
@@ -138,7 +144,7 @@ def dump(runc_state: Path, images: Path, work: Path, leave_running: bool, criu: 
                                             "'runc --version'") from e
     (images / "descriptors.json").write_text(json.dumps(state.get("external_descriptors") or []))
     (images / RUNC_STATE).write_text(json.dumps(state))  # what a direct restore makes runc's record from
-    _run(criu, args, work / "dump.log")
+    return args
 
 
 def _run(criu: str | None, args: list[str], log: Path, pass_fds: tuple[int, ...] = (),

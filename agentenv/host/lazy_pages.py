@@ -40,6 +40,7 @@ from pathlib import Path
 from pycriu import images as criu_images
 
 from agentenv.errors import CheckpointError
+from agentenv.host import postcopy
 from agentenv.host.criu import rundir
 from agentenv.host.hostcalls import proc_start_time, run_program
 from agentenv.phases import phase
@@ -59,20 +60,39 @@ LAZY_WAIT = 120.0  # seconds a memory snapshot waits for a lazily restored sandb
 class Restore:
     """A restore of a dump's processes, begun early: where ``lazy_worth_it``, the lazy-pages daemon starts in a
     thread at once (~8 ms), getting ready while the caller mounts the sandbox's root; ``run`` then restores, and
-    ``cancel`` ends the daemon if ``run`` never came (the start failed before it)."""
+    ``cancel`` ends the daemon if ``run`` never came (the start failed before it). With ``page_server`` (a
+    post-copy migration's: ``agentenv.host.postcopy``) the pages are not in the images: the daemon pulls them
+    from there, and a restore that cannot be lazy fails instead of copying pages up front."""
 
-    def __init__(self, images: Path, bundle: Path, criu: str | None = None) -> None:
-        self.images, self.bundle, self.criu = images, bundle, criu
+    def __init__(self, images: Path, bundle: Path, criu: str | None = None,
+                 page_server: tuple[str, int] | None = None) -> None:
+        self.images, self.bundle, self.criu, self.page_server = images, bundle, criu, page_server
         self.own = bundle / f"criu-lazy-{uuid.uuid4().hex[:12]}"
         self._daemon: int | None = None
+        self._error: CheckpointError | None = None
         self._thread: threading.Thread | None = None
-        if lazy_worth_it(images):
+        if page_server is not None and (os.environ.get(LAZY_ENV, "1") == "0" or not userfaultfd_allowed()):
+            raise CheckpointError("a post-copy migration restores lazily, and lazy restores are off on this host",
+                                  fix="set vm.unprivileged_userfaultfd=1 (scripts/bootstrap.sh) and unset "
+                                      f"${LAZY_ENV}=0 on the receiving server, or move the sandbox without "
+                                      "post_copy")
+        if page_server is not None or lazy_worth_it(images):
             self._thread = threading.Thread(target=self._start_daemon, name="agentenv-lazy-start")
             self._thread.start()
 
     def _start_daemon(self) -> None:
         with phase("lazy-pages daemon"):
-            self._daemon = start_lazy_pages(self.images, self.own, self.bundle / "criu-restore", self.criu)
+            work = self.bundle / "criu-restore"
+            if self.page_server is None:
+                self._daemon = start_lazy_pages(self.images, self.own, work, self.criu)
+                return
+            try:
+                link_images(self.images, self.own)
+                self._daemon = postcopy.pull_pages(self.own, work, *self.page_server, self.criu)
+            except (OSError, CheckpointError) as e:
+                shutil.rmtree(self.own, ignore_errors=True)
+                self._error = e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"could not link the migrated images: {e}", fix="check the server's disk")
 
     def _started(self) -> int | None:
         if self._thread is not None:
@@ -92,6 +112,10 @@ class Restore:
         if daemon is not None and start is None:  # it died as it started: restore every page up front
             self.cancel()
             daemon = None
+        if daemon is None and self.page_server is not None:  # the pages are on the page server alone
+            raise self._error or CheckpointError(
+                f"the lazy-pages daemon pulling from {self.page_server[0]}:{self.page_server[1]} died as it "
+                "started", fix="the source's page server may be gone (its deadline passed): move again")
         try:
             with phase("criu restore"):
                 pid = run(self.own if daemon is not None else self.images, daemon is not None)
@@ -168,9 +192,7 @@ def start_lazy_pages(images: Path, own: Path, work: Path, criu: str | None = Non
     daemon is done (``reap_lazy_pages``) or with the sandbox's folder.
     """
     try:
-        own.mkdir(mode=0o700)
-        for f in images.iterdir():
-            os.link(f, own / f.name)
+        link_images(images, own)
         eager_pages(own / "pagemap-1.img")
         work.mkdir(parents=True, exist_ok=True)
         (work / "lazy-pages.socket").unlink(missing_ok=True)
@@ -188,6 +210,13 @@ def start_lazy_pages(images: Path, own: Path, work: Path, criu: str | None = Non
     _kill_serving([own])  # a daemon that did start (its start timed out, say) would wait for a restore forever
     shutil.rmtree(own, ignore_errors=True)
     return None
+
+
+def link_images(images: Path, own: Path) -> None:
+    """Hard links to a dump's images in ``own``, a new folder (see ``start_lazy_pages``)."""
+    own.mkdir(mode=0o700)
+    for f in images.iterdir():
+        os.link(f, own / f.name)
 
 
 def stop_lazy_pages(pid: int, own: Path) -> None:

@@ -9,7 +9,8 @@ the other servers keep working. A down server is probed again at most every ``re
 
 A restore runs on the server holding the snapshot while it has room, else (or with ``server=``) on another,
 which first pulls the snapshot from its owner (``POST /v1/snapshots/import``: chunks checked by sha256,
-resumable); ``move`` takes a sandbox to another server that way (pause, pull, restore there, close here).
+resumable); ``move`` takes a sandbox to another server that way (pause, pull, restore there, close here), or
+running (``post_copy=True``: its memory follows it, served by CRIU's page server; docs/transfer.md).
 Servers started with the same ``--shared-store`` see each other's snapshots there: a snapshot whose server is
 gone is restored on one of them (``agentenv.sandbox.shared``).
 """
@@ -30,11 +31,13 @@ from agentenv.errors import (
     QuotaExceeded,
     SandboxNotFound,
     SnapshotNotFound,
+    TransferError,
     Unauthorized,
 )
 from agentenv.remote.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
 
 T = TypeVar("T")
+MIGRATE_WAIT = 300.0  # seconds a post-copy move waits for every page to be in on the receiver
 
 
 class Pool:
@@ -197,14 +200,56 @@ class PoolSandboxAPI:
                 import_snapshot(target, owner, snapshot_id)
         return target.Sandbox.restore(snapshot_id, labels=labels)
 
-    def move(self, sandbox: RemoteSandbox, server: str) -> RemoteSandbox:
+    def move(self, sandbox: RemoteSandbox, server: str, *, post_copy: bool = False,
+             on_running: Callable[[RemoteSandbox], None] | None = None) -> RemoteSandbox:
         """``sandbox`` carried to ``server``: paused here, pulled and restored there (a new id, the same files,
-        processes and memory), then closed here. What it had is the snapshot's: a copy, not a live migration."""
+        processes and memory), then closed here. What it had is the snapshot's: a copy, not a live migration.
+
+        ``post_copy``: migrated running instead (``agentenv.server.routes.migration``): frozen here, it runs there
+        as soon as all but its memory is in, its pages pulled from here meanwhile (``on_running(moved)`` is called
+        then); closed here once they all are. On any failure it runs on here (TransferError) and what the other
+        server made is closed."""
+        if post_copy:
+            return self._migrate(sandbox, self._pool.client(server), on_running)
+        if on_running is not None:
+            raise ValueError("on_running is for post_copy moves: a paused move runs nothing before it is done")
         if sandbox.state == "paused":  # its pause snapshot is not named by the API: take a fresh one
             sandbox.resume()
         snap = sandbox.pause()
         moved = self._restore_on(self._pool.client(server), sandbox.client, snap.id, dict(sandbox.labels))
         sandbox.close()
+        return moved
+
+    def _migrate(self, sandbox: RemoteSandbox, target: Client,
+                 on_running: Callable[[RemoteSandbox], None] | None) -> RemoteSandbox:
+        source = sandbox.client
+        if target is source:
+            raise ValueError(f"sandbox {sandbox.id} is on {target.url} already: move it to another server")
+        started = source.request("POST", f"/v1/sandboxes/{sandbox.id}/migrate", {})
+        snap_id = started["snapshot"]["id"]
+        moved: RemoteSandbox | None = None
+        delivered = False
+        try:
+            import_snapshot(target, source, snap_id)
+            moved = target.Sandbox.restore(snap_id, labels=dict(sandbox.labels))
+            if on_running is not None:
+                on_running(moved)
+            reply = target.request("GET", f"/v1/sandboxes/{moved.id}/memory", params={"wait": MIGRATE_WAIT},
+                                   timeout=MIGRATE_WAIT + target.timeout)
+            delivered = bool(reply["all_in"])
+        finally:
+            with contextlib.suppress(AgentEnvError):  # the images are the restored sandbox's own (or of no use)
+                target.request("DELETE", f"/v1/snapshots/{snap_id}", params={"background": True}, idempotent=True)
+            done = source.request("POST", f"/v1/sandboxes/{sandbox.id}/migrate/finish",
+                                  {"snapshot": snap_id, "delivered": delivered}, timeout=MIGRATE_WAIT + source.timeout)
+            if not done["moved"] and moved is not None:
+                moved.close()
+        if not done["moved"]:
+            raise TransferError(f"sandbox {sandbox.id} did not get every page of its memory to {target.url} within "
+                                f"{MIGRATE_WAIT:g} s: it runs on at {source.url}, and the copy there was closed",
+                                fix="retry, or move it paused (post_copy=False)")
+        sandbox._closed = True  # the source closed it
+        assert moved is not None
         return moved
 
     def get(self, sandbox_id: str) -> RemoteSandbox:

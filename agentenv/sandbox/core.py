@@ -59,7 +59,7 @@ from agentenv.host.runtime import Container, ContainerSpec
 from agentenv.host.trees import remove_tree
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import expiry, forking, recovery, shared, snapshotting, store, warm
+from agentenv.sandbox import expiry, forking, migration, recovery, shared, snapshotting, store, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT
@@ -164,7 +164,8 @@ class Sandbox(Calls, Record):
         restoring = None
         try:
             if snap is not None and snap.has_memory and memory:  # begun now: a lazy restore's daemon starts as the root is made
-                restoring = lazy_pages.Restore(snap.criu_dir, self._container.bundle, os.environ.get("AGENTENV_CRIU"))
+                restoring = lazy_pages.Restore(snap.criu_dir, self._container.bundle, os.environ.get("AGENTENV_CRIU"),
+                                               page_server=migration.page_server_of(snap))
             spec = self._spec()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers

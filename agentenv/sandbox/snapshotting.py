@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from agentenv.config import crash_point, paths
 from agentenv.errors import CheckpointError, ConnectionLost
-from agentenv.host import lazy_pages, userns, volume
+from agentenv.host import lazy_pages, postcopy, userns, volume
 from agentenv.host.criu import dump_stats
 from agentenv.phases import note, phase
 from agentenv.sandbox import shared, store
@@ -39,8 +39,12 @@ DUMP_ATTEMPTS = 3  # a dump that met a host connection opened meanwhile is quies
 
 
 def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
-         snap_id: str | None = None, owner: builtins.list[int] | None = None) -> Snapshot:
-    """Write a snapshot of ``sb`` (locked by the caller) into the store; ``op`` names the crash points (tests)."""
+         snap_id: str | None = None, owner: builtins.list[int] | None = None,
+         page_server: tuple[str, int] | None = None,
+         served: builtins.list[postcopy.PageServer] | None = None) -> Snapshot:
+    """Write a snapshot of ``sb`` (locked by the caller) into the store; ``op`` names the crash points (tests).
+    With ``page_server``, a lazy dump whose pages are served there (post-copy: ``agentenv.sandbox.migration``),
+    its running CRIU appended to ``served``; the sandbox is left frozen by it."""
     snap_id = snap_id or store.new_id("snap")
     if memory and sb._rec.get("lazy_pages"):  # restored lazily: its memory must be all in before a dump
         lazy_pages.await_memory(sb._rec["lazy_pages"], sb.id)
@@ -61,8 +65,14 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
                 try:
                     crash_point(f"{op}:dumping")
                     with phase("criu dump"):
-                        sb._container.checkpoint(folder / "criu", folder / "criu", leave_running=leave_running,
-                                                 criu=os.environ.get("AGENTENV_CRIU"))
+                        # a lazy dump's log and work files outside the snapshot: it is exported while CRIU runs
+                        work = folder / "criu" if page_server is None else sb._container.bundle / "criu-migrate"
+                        server = sb._container.checkpoint(folder / "criu", work,
+                                                          leave_running=leave_running,
+                                                          criu=os.environ.get("AGENTENV_CRIU"),
+                                                          page_server=page_server)
+                    if server is not None and served is not None:
+                        served.append(server)
                     break
                 except CheckpointError as e:
                     # a host connection that another process opened in the meantime: quiesce again

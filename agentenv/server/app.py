@@ -22,7 +22,7 @@ from agentenv.config import parse_size
 from agentenv.sandbox import shared, store, warm
 from agentenv.server import console
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
-from agentenv.server.routes import commands, files, jobs, sandboxes, server, snapshots
+from agentenv.server.routes import commands, files, jobs, migration, sandboxes, server, snapshots
 from agentenv.server.routing import (
     WireResponse,
     complete_openapi,
@@ -98,7 +98,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
         with replying_as(request):
             return invalid_response(exc)
 
-    for module in (server, sandboxes, commands, jobs, files, snapshots):
+    for module in (server, sandboxes, commands, jobs, files, snapshots, migration):
         app.include_router(module.router)
     for install in pages:  # before the console's /console/{page}, which would take their paths
         install(app)

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from agentenv.api import MAX_DEPTH, MAX_FORK
+from agentenv.api import MAX_DEPTH, MAX_FORK, SnapshotInfo
 from agentenv.netpolicy import MAX_ENTRIES
 
 _NO_NUL = r"^[^\x00]*$"
@@ -243,6 +243,28 @@ class ImportResult(BaseModel):
     chunks: int
     fetched: int  # chunks this call brought
     resumed_at: int  # chunks an earlier, cut-off import had already brought
+
+
+class MigrateFinish(_Body):
+    """The end of a post-copy migration, on its source (``agentenv.sandbox.migration``)."""
+
+    snapshot: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="the migration's snapshot")
+    delivered: StrictBool = Field(description="the receiver has every page (its GET .../memory said all_in)")
+
+
+class MigrationStarted(BaseModel):
+    snapshot: SnapshotInfo
+    page_server: str
+
+
+class MigrationFinished(BaseModel):
+    id: str
+    moved: bool
+
+
+class MemoryIn(BaseModel):
+    id: str
+    all_in: bool
 
 
 class KillRequest(_Body):

@@ -19,6 +19,7 @@ from typing import Any
 
 from agentenv import errors
 from agentenv.host import network, userns
+from agentenv.sandbox import migration
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
 from agentenv.sandbox.sweep import recover_all
@@ -93,7 +94,9 @@ class Service:
         self._cache.pop(sandbox_id, None)
 
     def call(self, sandbox_id: str, fn: Callable[[Sandbox], Any]) -> Any:
-        """Run ``fn`` on a sandbox; if its agent stopped answering, drop the cached object and say why."""
+        """Run ``fn`` on a sandbox; if its agent stopped answering, drop the cached object and say why. Refused
+        while a post-copy migration holds it frozen (``migration.refuse_calls``)."""
+        migration.refuse_calls(sandbox_id)
         sb = self.sandbox(sandbox_id)
         try:
             return fn(sb)

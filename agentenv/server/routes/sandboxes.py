@@ -8,6 +8,7 @@ from fastapi import APIRouter, Body, Response
 
 from agentenv.api import SandboxInfo
 from agentenv.config import parse_disk, parse_size
+from agentenv.sandbox import migration
 from agentenv.sandbox.core import Sandbox
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
@@ -48,6 +49,8 @@ def get_sandbox(service: ServiceDep, sandbox_id: SandboxId) -> Response:
 
 @router.delete("/v1/sandboxes/{sandbox_id}", response_model=Deleted, responses=SB_ERRORS)
 def close_sandbox(service: ServiceDep, sandbox_id: SandboxId) -> Response:
+    if (out := migration.under_way(sandbox_id)) is not None:  # its page server ends first; it stays here
+        out.finish(False)
     service.sandbox(sandbox_id).close()
     service.forget(sandbox_id)
     return WireResponse({"id": sandbox_id, "state": "closed"})

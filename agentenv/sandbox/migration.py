@@ -1,0 +1,147 @@
+"""Post-copy migration of a running sandbox: it runs on the receiver before its memory is there.
+
+``send`` dumps the sandbox lazily (``agentenv.host.postcopy``): its files and every image but the anonymous
+pages make a snapshot whose label names the page server (``PAGE_SERVER``), which serves the pages on
+127.0.0.1; the sandbox stays frozen on the source. A restore of that snapshot (here, or on another server once
+exported: ``agentenv.sandbox.transfer``) restores lazily with a ``criu lazy-pages`` daemon pulling from the page
+server, so its processes run as soon as the small images are in; ``all_in`` says when every page is. The
+source's ``Outgoing.finish`` then closes the sandbox there, or, on anything less (no receiver before the
+deadline, a receiver that failed, a transfer CRIU did not finish), thaws it and it runs on: never lost, and
+never running twice (the source is frozen while the receiver runs, and only destroyed once it has every page).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import socket
+import threading
+
+from agentenv.errors import CheckpointError, SandboxStateError
+from agentenv.host import postcopy
+from agentenv.sandbox import snapshotting
+from agentenv.sandbox.parts import Parts
+from agentenv.sandbox.store import Snapshot
+
+PAGE_SERVER = "agentenv.page_server"  # label of a post-copy snapshot: "address:port" of its page server
+CONNECT_TIMEOUT = 60.0  # seconds the page server waits for a receiver before the source resumes
+ALL_IN_TIMEOUT = 300.0  # seconds for every page to go over once the receiver runs
+FINISH_TIMEOUT = CONNECT_TIMEOUT + ALL_IN_TIMEOUT + 60.0  # seconds before an unfinished migration resumes the source
+outgoing: dict[str, Outgoing] = {}  # the migrations this process is sending, by snapshot id (the server's routes)
+
+
+def page_server_of(snap: Snapshot) -> tuple[str, int] | None:
+    """Where a post-copy snapshot's pages are served (None for any other snapshot)."""
+    value = snap.labels.get(PAGE_SERVER)
+    if not value:
+        return None
+    host, _, port = value.rpartition(":")
+    return host, int(port)
+
+
+def free_port(address: str) -> int:
+    """A TCP port free on ``address`` now (the page server binds it next)."""
+    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])
+
+
+class Outgoing:
+    """A sandbox being migrated away: frozen here, its pages served until the receiver has them all. A watchdog
+    ends it (the sandbox runs on here) when no receiver connected within CONNECT_TIMEOUT s, or nobody called
+    ``finish`` within FINISH_TIMEOUT s."""
+
+    def __init__(self, sb: Parts, snapshot: Snapshot, server: postcopy.PageServer) -> None:
+        self.sb, self.snapshot, self.server = sb, snapshot, server
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self.moved: bool | None = None
+        threading.Thread(target=self._watch, name="agentenv-migration-watch", daemon=True).start()
+
+    def _watch(self) -> None:
+        if self._finished.wait(CONNECT_TIMEOUT):
+            return
+        if self.server.listening() or not self._finished.wait(FINISH_TIMEOUT - CONNECT_TIMEOUT):
+            self.finish(False)
+
+    def finish(self, delivered: bool, timeout: float = ALL_IN_TIMEOUT) -> bool:
+        """End the migration here: with ``delivered`` (the receiver said it has every page) and CRIU's transfer
+        ended well within ``timeout`` s, the sandbox is closed here (True); otherwise the transfer is ended and
+        the sandbox thawed: it runs on here (False), and the receiver's copy must be closed. Once: a later call
+        answers what the first did."""
+        with self._lock:
+            if self.moved is None:
+                self.moved = self._finish(delivered, timeout)
+                self._finished.set()
+                with contextlib.suppress(KeyError):
+                    del outgoing[self.snapshot.id]
+            return self.moved
+
+    def _finish(self, delivered: bool, timeout: float) -> bool:
+        code = self.server.wait(timeout if delivered else 0.0)
+        if code is None:
+            code = self.server.abandon()
+        moved = delivered and code == 0
+        try:
+            if moved:
+                self.sb.close()
+            elif self.sb._container.freezer() is not None:  # (none if the sandbox was closed meanwhile)
+                self.sb._container.freeze(False)
+        finally:
+            with contextlib.suppress(Exception):
+                self.snapshot.delete()
+        return moved
+
+
+def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outgoing:
+    """Dump ``sb`` lazily with its pages served on ``address``:``port`` (a free one if None) for a receiver to
+    restore the returned snapshot from; the sandbox is frozen until ``finish``. The page server has no
+    authentication: only a loopback address is taken (see docs/transfer.md for other hosts)."""
+    try:
+        loopback = ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        loopback = False
+    if not loopback:
+        raise CheckpointError(f"the page server of a post-copy migration binds loopback only, not {address!r}",
+                              fix="use 127.0.0.1 (servers on one host), or a tunnel to the other host's loopback")
+    port = port or free_port(address)
+    served: list[postcopy.PageServer] = []
+    with sb._locked():
+        sb.require_running()
+        refuse_calls(sb.id)
+        if sb._rec.get("paused_snapshot"):
+            raise SandboxStateError(f"sandbox {sb.id} is paused: resume it before migrating it post-copy")
+        try:
+            snap = snapshotting.take(sb, memory=True, leave_running=True, op="migrate",
+                                     labels={"agentenv.kind": "migrate", PAGE_SERVER: f"{address}:{port}"},
+                                     page_server=(address, port), served=served)
+        except BaseException:
+            for server in served:  # dumped, then failed: the source is kept
+                server.abandon()
+            if served:
+                sb._container.freeze(False)
+            raise
+    out = outgoing[snap.id] = Outgoing(sb, snap, served[0])
+    return out
+
+
+def under_way(sandbox_id: str) -> Outgoing | None:
+    """The migration this process is sending of that sandbox, if one is under way (its calls are refused
+    meanwhile: it is frozen)."""
+    return next((out for out in list(outgoing.values()) if out.sb.id == sandbox_id), None)
+
+
+def refuse_calls(sandbox_id: str) -> None:
+    """SandboxStateError while the sandbox is frozen by a migration under way (a call would wait for it)."""
+    if (out := under_way(sandbox_id)) is not None:
+        raise SandboxStateError(f"sandbox {sandbox_id} is being migrated post-copy (snapshot {out.snapshot.id}): it "
+                                "is frozen here until the move ends",
+                                fix=f"wait for the move to end (at most {FINISH_TIMEOUT:g} s), then use the sandbox "
+                                    "where it went (or here, if the move failed)")
+
+
+def all_in(sb: Parts, timeout: float = ALL_IN_TIMEOUT) -> bool:
+    """True once a sandbox restored from a post-copy snapshot in this process has every page (its lazy-pages
+    daemon exited 0), waiting at most ``timeout`` s; False if the transfer failed or is not done."""
+    daemon = sb._rec.get("lazy_pages")
+    return daemon is not None and postcopy.pulled(int(daemon[0]), timeout)

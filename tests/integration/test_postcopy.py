@@ -1,0 +1,172 @@
+"""Post-copy migration (agentenv.sandbox.migration): the sandbox runs on the receiver before its memory is in, and
+keeps its processes' memory, its files and a TCP connection on its loopback; a migration nobody receives leaves it
+running on the source."""
+
+from __future__ import annotations
+
+import pytest
+
+import agentenv
+from agentenv.errors import CheckpointError, SandboxStateError, SnapshotNotFound
+from agentenv.host import lazy_pages
+from agentenv.sandbox import migration
+
+from .server_fixtures import TOKEN
+from .test_transfer import servers  # noqa: F401 - the two servers (A holds one sandbox)
+
+pytestmark = pytest.mark.integration
+
+# 48 MiB of random bytes, and a TCP connection between two of its sockets on the sandbox's loopback; each query
+# (a connection to port 7001) answers the sha256 of the bytes as they are in memory now and whether a message
+# still goes through the old connection
+HOLDER = """import hashlib, os, socket
+data = bytearray(os.urandom(48 << 20))
+pair = socket.create_server(("127.0.0.1", 7000))
+a = socket.create_connection(("127.0.0.1", 7000)); b, _ = pair.accept()
+srv = socket.create_server(("127.0.0.1", 7001))
+open("/tmp/ready", "w").write("1")
+while True:
+    c, _ = srv.accept()
+    a.sendall(b"ping"); got = b.recv(4)
+    c.sendall(f"{hashlib.sha256(data).hexdigest()} {got.decode()}".encode()); c.close()
+"""
+QUERY = "python3 -c \"import socket; print(socket.create_connection(('127.0.0.1', 7001)).recv(100).decode())\""
+
+
+def query(sb: agentenv.Sandbox) -> str:
+    r = sb.exec(QUERY, timeout=60)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.strip()
+
+
+@pytest.fixture
+def holding():
+    sb = agentenv.Sandbox.create(memory="512m")
+    sb.write_file("/srv/state", "kept\n")
+    sb.write_file("/tmp/holder.py", HOLDER)
+    sb.spawn("python3 /tmp/holder.py")
+    assert sb.exec("while [ ! -s /tmp/ready ]; do sleep 0.05; done", timeout=60).exit_code == 0
+    yield sb
+    sb.close()
+
+
+def test_a_sandbox_moved_post_copy_keeps_its_memory_files_and_loopback_connection(holding):
+    before = query(holding)
+    assert before.endswith(" ping")
+    out = migration.send(holding)
+    assert migration.page_server_of(out.snapshot) == ("127.0.0.1", out.server.port)
+    pages = sum(f.stat().st_size for f in out.snapshot.criu_dir.glob("pages-*.img"))
+    assert pages < 16 << 20  # the 48 MiB are served, not in the images
+    try:
+        moved = agentenv.Sandbox.restore(out.snapshot)
+    except BaseException:
+        out.finish(False)
+        raise
+    try:
+        assert query(moved) == before
+        assert moved.read_file("/srv/state") == b"kept\n"
+        assert migration.all_in(moved, 120)
+        assert out.server.wait(60) == 0
+        assert holding._container.frozen()  # CRIU let the source go, still frozen: never running twice
+        assert out.finish(True)
+        assert holding.state == "closed"
+        assert query(moved) == before
+        with moved.fork(1, memory=True)[0] as child:  # a later dump sees every page
+            assert query(child) == before
+    finally:
+        moved.close()
+        if out.server.proc.returncode is None:  # failed before finish: the source is kept
+            out.finish(False)
+
+
+def test_a_migration_nobody_receives_leaves_the_sandbox_running_on_the_source(holding):
+    before = query(holding)
+    out = migration.send(holding)
+    with agentenv.Sandbox.create() as neighbour:  # the page server is on the host's loopback, not the sandboxes'
+        r = neighbour.exec(f"python3 -c \"import socket; socket.create_connection(('127.0.0.1', {out.server.port}), "
+                           "timeout=5)\"", timeout=60)
+        assert r.exit_code != 0 and "refused" in r.stderr, r.stderr
+    assert out.server.listening()
+    assert not out.finish(False)
+    assert holding.state == "running"
+    assert query(holding) == before
+    with pytest.raises(SnapshotNotFound):
+        agentenv.Snapshot.get(out.snapshot.id)
+
+
+def test_a_receiver_whose_page_server_is_gone_fails_and_leaves_nothing(holding):
+    out = migration.send(holding)
+    assert not out.finish(False)
+    with pytest.raises(CheckpointError):
+        lazy_pages.Restore(out.snapshot.criu_dir, holding._container.bundle, page_server=("127.0.0.1",
+                                                                                           out.server.port)).run(
+            lambda images, lazy: 0)
+    assert list(holding._container.bundle.glob("criu-lazy-*")) == []
+
+
+def test_only_a_loopback_page_server_is_taken(holding):
+    with pytest.raises(CheckpointError, match="loopback"):
+        migration.send(holding, address="0.0.0.0")
+    assert holding.state == "running"
+
+
+def test_the_page_server_nobody_connects_to_times_out_and_the_source_runs_on(holding, monkeypatch):
+    monkeypatch.setattr(migration, "CONNECT_TIMEOUT", 0.5)
+    before = query(holding)
+    out = migration.send(holding)
+    assert out._finished.wait(60)  # the watchdog ended it
+    assert out.moved is False
+    assert query(holding) == before
+    assert out.snapshot.id not in migration.outgoing
+
+
+def remote_query(sb) -> str:
+    r = sb.exec(QUERY, timeout=60)
+    assert r.exit_code == 0, r.stderr
+    return r.stdout.strip()
+
+
+def remote_holding(client):
+    sb = client.Sandbox.create(memory="512m")
+    sb.write_file("/srv/state", "kept\n")
+    sb.write_file("/tmp/holder.py", HOLDER)
+    sb.spawn("python3 /tmp/holder.py")
+    assert sb.exec("while [ ! -s /tmp/ready ]; do sleep 0.05; done", timeout=60).exit_code == 0
+    return sb
+
+
+def test_a_post_copy_move_between_servers_and_one_that_fails_on_the_receiver(servers):  # noqa: F811
+    urls, _ = servers
+    with agentenv.Pool(urls, TOKEN, timeout=120) as pool:
+        a, b = pool.clients
+        sb = remote_holding(a)
+        try:
+            before = remote_query(sb)
+            started = a.request("POST", f"/v1/sandboxes/{sb.id}/migrate", {})  # nobody receives it
+            with pytest.raises(SandboxStateError, match="migrated"):  # frozen meanwhile: refused, not stalled
+                sb.exec("true")
+            done = a.request("POST", f"/v1/sandboxes/{sb.id}/migrate/finish",
+                             {"snapshot": started["snapshot"]["id"], "delivered": False})
+            assert done == {"id": sb.id, "moved": False}
+            assert remote_query(sb) == before
+            seen: list[str] = []
+            moved = pool.Sandbox.move(sb, b.url, post_copy=True, on_running=lambda m: seen.append(remote_query(m)))
+            try:
+                assert seen == [before]  # it answered on B before its memory was all in
+                assert moved.client is b and remote_query(moved) == before
+                assert moved.read_file("/srv/state") == b"kept\n"
+                assert [s.id for s in a.Sandbox.list()] == []
+                assert a.Snapshot.list() == [] and b.Snapshot.list() == []
+
+                def fail(m):
+                    raise RuntimeError("the receiver's first answer was wrong")
+
+                with pytest.raises(RuntimeError):  # back to A, failing once it runs there: it runs on at B, A closes its copy
+                    pool.Sandbox.move(moved, a.url, post_copy=True, on_running=fail)
+                assert remote_query(b.Sandbox.get(moved.id)) == before
+                assert [s.id for s in a.Sandbox.list()] == []
+                assert a.Snapshot.list() == [] and b.Snapshot.list() == []
+            finally:
+                moved.close()
+        finally:
+            sb.close()
