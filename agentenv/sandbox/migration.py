@@ -19,7 +19,7 @@ import threading
 
 from agentenv.errors import CheckpointError, SandboxStateError
 from agentenv.host import postcopy
-from agentenv.sandbox import snapshotting
+from agentenv.sandbox import snapshotting, store
 from agentenv.sandbox.parts import Parts
 from agentenv.sandbox.store import Snapshot
 
@@ -113,8 +113,8 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outg
             raise SandboxStateError(f"sandbox {sb.id} is paused: resume it before migrating it post-copy")
         try:
             snap = snapshotting.take(sb, memory=True, leave_running=True, op="migrate",
-                                     labels={"agentenv.kind": "migrate", PAGE_SERVER: f"{address}:{port}"},
-                                     page_server=(address, port), served=served)
+                                     labels={"agentenv.kind": store.MIGRATE_KIND, PAGE_SERVER: f"{address}:{port}"},
+                                     page_server=(address, port), served=served, owner=store.owner())
         except BaseException:
             for server in served:  # dumped, then failed: the source is kept
                 server.abandon()

@@ -10,8 +10,10 @@ a pause cut short, and thaws one left frozen (``thaw_abandoned``, the cheap part
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +185,22 @@ def _orphans(sb: Parts, procs: builtins.list[HostProcess]) -> builtins.list[int]
     return [p.pid for p in procs if any(n in p.cmdline for n in needles)]
 
 
+def lazy_dump(cmdline: bytes) -> bool:
+    """True for a post-copy migration's CRIU (``criu dump --lazy-pages``, ``agentenv.host.postcopy``): it would
+    wait for a receiver its dead owner can no longer finish with, so recovery ends it instead of waiting."""
+    args = cmdline.split(b"\0")
+    return b"dump" in args and b"--lazy-pages" in args
+
+
 def _wait_for_orphans(sb: Parts, procs: builtins.list[HostProcess]) -> None:
+    for p in procs:  # killed, CRIU lets the frozen source go (the lock then thaws it: it runs on where it was)
+        if p.pid in _orphans(sb, [p]) and lazy_dump(p.cmdline):
+            log.warning("sandbox %s: ending the post-copy dump %d its dead server left", sb.id, p.pid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            for snap in store.orphaned_forks():  # its snapshot: the pages it named are gone with it
+                if snap.labels.get("agentenv.kind") == store.MIGRATE_KIND:
+                    snap.delete()
     pids = _orphans(sb, procs)
     deadline = time.monotonic() + ORPHAN_WAIT
     while pids and time.monotonic() < deadline:

@@ -42,6 +42,7 @@ from agentenv.host.runtime import copy_tree
 from agentenv.host.trees import remove_tree
 
 FORK_KIND = "fork"  # the ``agentenv.kind`` label of a fork's snapshot (deleted when the fork is done)
+MIGRATE_KIND = "migrate"  # ... and of a post-copy migration's (its pages live only in its sender's page server)
 
 
 @dataclass(frozen=True)
@@ -358,8 +359,9 @@ def pausing() -> set[str]:
 
 
 def orphaned_forks() -> list[Snapshot]:
-    """The snapshots of forks whose process died before it deleted them."""
-    return [s for s in Snapshot.list() if s.labels.get("agentenv.kind") == FORK_KIND and not owner_alive(s.owner)]
+    """The snapshots of forks and post-copy migrations whose process died before it deleted them."""
+    return [s for s in Snapshot.list()
+            if s.labels.get("agentenv.kind") in (FORK_KIND, MIGRATE_KIND) and not owner_alive(s.owner)]
 
 
 def gc(max_age: float | None = None) -> list[str]:

@@ -170,3 +170,40 @@ def test_a_post_copy_move_between_servers_and_one_that_fails_on_the_receiver(ser
                 moved.close()
         finally:
             sb.close()
+
+
+def test_a_migration_whose_server_died_is_ended_and_the_source_runs_on():
+    """kill -9 of the sending process while its page server waits: the CRIU it left would wait for a receiver
+    forever, holding the sandbox frozen; recovery ends it and the sandbox runs on where it was."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from agentenv.sandbox.recovery import host_processes, lazy_dump
+
+    script = f"""
+import os, signal, sys
+sys.path.insert(0, {os.getcwd()!r})
+import agentenv
+from agentenv.sandbox import migration
+from tests.integration.test_postcopy import HOLDER, query
+sb = agentenv.Sandbox.create(memory="512m")
+sb.write_file("/tmp/holder.py", HOLDER)
+sb.spawn("python3 /tmp/holder.py")
+assert sb.exec("while [ ! -s /tmp/ready ]; do sleep 0.05; done", timeout=60).exit_code == 0
+print(sb.id, query(sb), flush=True)
+migration.send(sb)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    sb_id, before = p.stdout.split(maxsplit=1)
+    assert any(lazy_dump(h.cmdline) for h in host_processes()), "the dead process left no page server"
+    orphan = agentenv.Sandbox.get(sb_id)
+    try:
+        assert orphan.recover() == "running"
+        assert query(orphan) == before.strip()
+        assert not any(lazy_dump(h.cmdline) for h in host_processes())
+    finally:
+        orphan.close()
