@@ -1,7 +1,8 @@
 """``agentenv.Pool([...urls])``: several environment servers behind one sandbox API.
 
 New sandboxes go to the server with the most free capacity (free sandbox slots, then free memory);
-forks stay on their source's server (``fork`` is a call on the sandbox, which knows its server); a
+a fork's children go on their source's server up to its free room, the rest on other servers, which restore
+them from one snapshot of the source that they pull (``agentenv.remote.spread``); a
 restore goes to the server holding the snapshot. A server that stops answering is marked down: new
 sandboxes skip it, its sandboxes are reported lost (``Pool.lost()``, and ``state == 'lost'``), and
 the other servers keep working. A down server is probed again at most every ``reprobe`` seconds.
@@ -54,6 +55,7 @@ class Pool:
         self._probed: dict[str, float] = {}
         for c in self.clients:
             c.on_sandbox = self._seen
+            c.spread = self._spread
         self.Sandbox = PoolSandboxAPI(self)
         self.Snapshot = PoolSnapshotAPI(self)
 
@@ -86,6 +88,11 @@ class Pool:
     def _seen(self, sb: RemoteSandbox) -> None:
         with self._lock:
             self._known[sb.id] = sb
+
+    def _spread(self, sandbox: RemoteSandbox, n: int, memory: bool) -> list[RemoteSandbox]:
+        from agentenv.remote import spread
+
+        return spread.fork(self, sandbox, n, memory)
 
     def up(self) -> list[Client]:
         """The servers not marked down (a down one is probed again once ``reprobe`` seconds have passed)."""
@@ -151,11 +158,14 @@ class Pool:
 
 
 def import_snapshot(target: Client, owner: Client, snapshot_id: str, *, chunk_size: int | None = None,
-                    retries: int = 3) -> dict[str, Any]:
-    """Have ``target`` pull ``snapshot_id`` from ``owner``; the reply's counts (chunks, fetched, resumed_at)."""
+                    retries: int = 3, keep_export: bool = False) -> dict[str, Any]:
+    """Have ``target`` pull ``snapshot_id`` from ``owner``; the reply's counts (chunks, fetched, resumed_at).
+    ``keep_export``: ``owner`` keeps the archive it packed (other servers pull it too)."""
     body: dict[str, Any] = {"id": snapshot_id, "source": owner.url, "token": owner.token, "retries": retries}
     if chunk_size is not None:
         body["chunk_size"] = chunk_size
+    if keep_export:  # sent only when asked for: a server from before the option refuses the field
+        body["keep_export"] = True
     return dict(target.request("POST", "/v1/snapshots/import", body, timeout=max(target.timeout, 600.0)))
 
 

@@ -21,9 +21,10 @@ from agentenv.sandbox.store import Snapshot
 PACK_TIMEOUT = 600.0  # seconds the sender may take to pack a large snapshot before it answers the manifest
 
 
-def pull(source: str, token: str, snapshot_id: str, *, chunk: int = transfer.CHUNK,
-         retries: int = 3) -> tuple[Snapshot, dict[str, int]]:
-    """Import ``snapshot_id`` from the server at ``source``; returns it and the transfer's counts."""
+def pull(source: str, token: str, snapshot_id: str, *, chunk: int = transfer.CHUNK, retries: int = 3,
+         keep_export: bool = False) -> tuple[Snapshot, dict[str, int]]:
+    """Import ``snapshot_id`` from the server at ``source``; returns it and the transfer's counts. With
+    ``keep_export`` the sender keeps its packed archive (others pull it too; deleting the snapshot drops it)."""
     transfer.check_chunk(chunk)
     try:
         client = Client(source, token, retries=retries)
@@ -40,6 +41,7 @@ def pull(source: str, token: str, snapshot_id: str, *, chunk: int = transfer.CHU
             return data
 
         snap, counts = transfer.receive(manifest, fetch, origin=c.url)
-        with contextlib.suppress(AgentEnvError):
-            c.request("DELETE", path, idempotent=True)
+        if not keep_export:
+            with contextlib.suppress(AgentEnvError):
+                c.request("DELETE", path, idempotent=True)
     return snap, counts

@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -119,7 +120,7 @@ def pack(snap: Snapshot, folder: Path) -> None:
     """Write ``archive`` (the store folder's tar, then the files' tar), ``parts.json`` and the manifest of
     CHUNK-sized chunks (hashed as the archive is written) into ``folder``, built in a hidden folder and renamed
     into place."""
-    tmp = folder.parent / f".tmp-{snap.id}-{os.getpid()}"
+    tmp = folder.parent / f".tmp-{snap.id}-{threading.get_ident()}-{os.getpid()}"  # two requests may pack at once
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:

@@ -1,0 +1,116 @@
+"""A fork spread over a ``Pool``'s servers (what ``fork`` of a pool's sandbox does): the children go on the
+source's server up to its free room, the rest on the roomiest other servers, so ``fork(n)`` is not capped by one
+server's quota.
+
+Where the source's server has room for all, it is a plain fork there. Otherwise one snapshot of the source is
+taken (its processes too with ``memory``), packed once on its server, pulled by every other server that gets
+children (in parallel, ``POST /v1/snapshots/import``, chunks checked by sha256) and restored there, while the
+source's own share is restored from it on its server: every child continues from the snapshot's instant. A
+failure closes every child made and raises the first error; the snapshot and its imported copies are deleted
+either way. The phases are marked for ``agentenv.phases.recording`` (``spread: dump / export / import /
+restore``), which ``bench.xfork`` prints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+from agentenv.api import Limits
+from agentenv.errors import AgentEnvError, QuotaExceeded
+from agentenv.phases import phase
+from agentenv.remote.client import Client, RemoteSandbox
+
+if TYPE_CHECKING:
+    from agentenv.remote.pool import Pool
+
+LABEL = "agentenv.spread_fork"  # label of the snapshot a spread fork takes: the id of the sandbox it forks
+PACK_TIMEOUT = 600.0  # seconds the source's server may take to pack the snapshot for the others
+
+
+def room(info: dict[str, Any], limits: Limits) -> int:
+    """How many more sandboxes with ``limits`` fit on a server whose ``server_info()`` is ``info``."""
+    cap = info["capacity"]
+    fits = [int(cap["free_sandboxes"]), int(cap["free_memory"]) // max(int(limits.memory), 1)]
+    if limits.disk:
+        fits.append(int(cap["free_disk"]) // int(limits.disk))
+    return max(0, min(fits))
+
+
+def plan(pool: Pool, sandbox: RemoteSandbox, n: int) -> list[tuple[Client, int]]:
+    """How many of ``n`` children each server gets: the source's server first, up to its room, then the others
+    with the most room; QuotaExceeded (nothing made) when the servers that answer lack room for ``n``."""
+    source, limits = sandbox.client, sandbox.limits
+    rooms = {c: room(info, limits) for c, info in pool._each(lambda c: c.server_info())}
+    order = [source] + sorted((c for c in rooms if c is not source), key=lambda c: rooms[c], reverse=True)
+    where, left = [], n
+    for c in order:
+        if (take := min(left, rooms.get(c, 0))) > 0:
+            where.append((c, take))
+            left -= take
+    if left:
+        raise QuotaExceeded(f"the pool's servers that answer have room for {n - left} of the {n} children of "
+                            f"{sandbox.id} ({limits.memory} bytes of memory each)", retry_after=5.0)
+    return where
+
+
+def fork(pool: Pool, sandbox: RemoteSandbox, n: int, memory: bool) -> list[RemoteSandbox]:
+    """``n`` children of ``sandbox`` over ``pool``'s servers (see the module doc), the source's server's first."""
+    where = plan(pool, sandbox, n)
+    source = sandbox.client
+    if where == [(source, n)]:
+        return sandbox.fork_here(n, memory=memory)
+    labels = sandbox.labels
+    with phase("spread: dump"):
+        snap = sandbox.snapshot(memory, labels={LABEL: sandbox.id})
+    made: list[RemoteSandbox | None] = [None] * n
+    copies: list[Client] = []  # servers that hold an imported copy of the snapshot
+    lock = threading.Lock()
+
+    def pull(target: Client) -> None:
+        from agentenv.remote.pool import import_snapshot
+
+        with lock:
+            copies.append(target)  # listed first: a copy half-made by a failed import is deleted too
+        with phase("spread: import"):
+            import_snapshot(target, source, snap.id, keep_export=True)
+
+    def restore(i: int, target: Client, imported: Future[None] | None) -> None:
+        if imported is not None:
+            imported.result()
+        with phase("spread: restore"):
+            made[i] = target.Sandbox.restore(snap.id, labels=labels)
+
+    futures: list[Future[None]] = []
+    try:
+        with phase("spread: export"):  # packed once, before any restore (CRIU's restore touches the folder) or pull
+            source.request("GET", f"/v1/snapshots/{snap.id}/export", idempotent=True,
+                           timeout=max(source.timeout, PACK_TIMEOUT))
+        with ThreadPoolExecutor(max_workers=n + len(where), thread_name_prefix="agentenv-spread") as ex:
+            slots = iter(range(n))
+            for target, count in where:
+                imported = None if target is source else ex.submit(pull, target)
+                futures += [] if imported is None else [imported]
+                futures += [ex.submit(restore, next(slots), target, imported) for _ in range(count)]
+        if errors := [err for f in futures if (err := f.exception()) is not None]:
+            raise errors[0]
+    except BaseException:
+        for kid in made:
+            if kid is not None:
+                with contextlib.suppress(AgentEnvError):
+                    kid.close()
+        raise
+    finally:
+        _delete(source, snap.id)
+        for target in copies:
+            _delete(target, snap.id)
+    return [kid for kid in made if kid is not None]
+
+
+def _delete(client: Client, snapshot_id: str) -> None:
+    """Delete a snapshot the fork made (on the source, its packed archive goes with it); a copy a failed import
+    never finished is not there, and a server that stopped answering keeps it (its store's to collect)."""
+    with contextlib.suppress(AgentEnvError):
+        client.request("DELETE", f"/v1/snapshots/{snapshot_id}", idempotent=True)
