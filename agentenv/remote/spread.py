@@ -4,8 +4,9 @@ server's quota.
 
 Where the source's server has room for all, it is a plain fork there. Otherwise one snapshot of the source is
 taken (its processes too with ``memory``), packed once on its server, pulled by every other server that gets
-children (in parallel, ``POST /v1/snapshots/import``, chunks checked by sha256) and restored there, while the
-source's own share is restored from it on its server: every child continues from the snapshot's instant. A
+children (in parallel, ``POST /v1/snapshots/import``, chunks checked by sha256) and restored there; the
+source's own share is restored from it on its server once the pulls are done: every child continues from the
+snapshot's instant. A
 failure closes every child made and raises the first error; the snapshot and its imported copies are deleted
 either way. The phases are marked for ``agentenv.phases.recording`` (``spread: dump / export / import /
 restore``), which ``bench.xfork`` prints.
@@ -77,9 +78,9 @@ def fork(pool: Pool, sandbox: RemoteSandbox, n: int, memory: bool) -> list[Remot
         with phase("spread: import"):
             import_snapshot(target, source, snap.id, keep_export=True)
 
-    def restore(i: int, target: Client, imported: Future[None] | None) -> None:
-        if imported is not None:
-            imported.result()
+    def restore(i: int, target: Client, after: list[Future[None]]) -> None:
+        for f in after:
+            f.result()
         with phase("spread: restore"):
             made[i] = target.Sandbox.restore(snap.id, labels=labels)
 
@@ -90,10 +91,13 @@ def fork(pool: Pool, sandbox: RemoteSandbox, n: int, memory: bool) -> list[Remot
                            timeout=max(source.timeout, PACK_TIMEOUT))
         with ThreadPoolExecutor(max_workers=n + len(where), thread_name_prefix="agentenv-spread") as ex:
             slots = iter(range(n))
+            pulls = {t: ex.submit(pull, t) for t, _ in where if t is not source}
+            futures += pulls.values()
             for target, count in where:
-                imported = None if target is source else ex.submit(pull, target)
-                futures += [] if imported is None else [imported]
-                futures += [ex.submit(restore, next(slots), target, imported) for _ in range(count)]
+                # the source's share once every pull is done: its restores would only slow the pulls, whose
+                # restores come last (on one host they share its CPUs; apart, the source serves the chunks)
+                after = list(pulls.values()) if target is source else [pulls[target]]
+                futures += [ex.submit(restore, next(slots), target, after) for _ in range(count)]
         if errors := [err for f in futures if (err := f.exception()) is not None]:
             raise errors[0]
     except BaseException:

@@ -19,7 +19,7 @@ from .test_transfer import Proxy, has_memory, holder
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[list[str], list[Path]]]:
-    with separate_servers(("3", "4"), "agentenv-spread-") as found:  # A: the parent and 2 children
+    with separate_servers(("3", "4", "4"), "agentenv-spread-") as found:  # A: the parent and 2 children
         yield found
 
 
@@ -48,7 +48,7 @@ def test_fork_spreads_children_over_servers_with_memory_and_files(parent):
     kids = sb.fork(4)
     try:
         assert [k.client.url for k in kids].count(pool.clients[0].url) == 2  # what fits beside the parent
-        assert [k.client.url for k in kids].count(pool.clients[1].url) == 2
+        assert [k.client.url for k in kids].count(pool.clients[1].url) == 2  # the roomiest other (tied: the first)
         for i, k in enumerate(kids):
             assert k.labels == {"run": "spread"}
             assert k.read_file("/srv/data.bin") == data
@@ -66,18 +66,20 @@ def test_fork_spreads_children_over_servers_with_memory_and_files(parent):
 
 def test_fork_that_fits_nowhere_makes_nothing(parent):
     pool, sb, _ = parent
-    with pytest.raises(QuotaExceeded, match="room for 6 of the 7 children"):
-        sb.fork(7)
+    with pytest.raises(QuotaExceeded, match="room for 10 of the 11 children"):
+        sb.fork(11)
     assert {s.id for c in pool.clients for s in c.Sandbox.list()} == {sb.id}
 
 
-def test_failed_import_closes_the_children_already_made(parent):
+def test_failed_pull_closes_the_children_already_made(parent):
     pool, sb, _ = parent
-    proxy = Proxy(pool.clients[0].url, 200_000, "flip")  # the other server pulls through it: a damaged chunk
+    # both others pull from A through the proxy, which damages one chunk: one pull fails, the other's server
+    # restores its share, which the failure then closes (A's share waits for every pull: it is never made)
+    proxy = Proxy(pool.clients[0].url, 200_000, "flip")
     try:
-        with agentenv.Pool([proxy.url, pool.clients[1].url], TOKEN) as through, \
+        with agentenv.Pool([proxy.url, *(c.url for c in pool.clients[1:])], TOKEN) as through, \
                 pytest.raises(TransferError, match="damaged"):
-            through.Sandbox.get(sb.id).fork(4)
+            through.Sandbox.get(sb.id).fork(7)  # 2 on A, 4 on B, 1 on C
     finally:
         proxy.close()
     assert proxy.done.is_set()
