@@ -48,27 +48,26 @@ def prepare(client: Client) -> RemoteSandbox:
 
 def check(kids: list[RemoteSandbox]) -> None:
     for k in kids:
-        r = k.exec("pgrep -f /tmp/mem.py >/dev/null && cat /srv/state", timeout=60)
+        r = k.exec("pgrep -f '[/]tmp/mem.py' >/dev/null && cat /srv/state", timeout=60)
         if r.exit_code != 0 or r.stdout != "kept\n":
             raise RuntimeError(f"child {k.id} lacks the parent's process or file: {r.exit_code} {r.stderr!r}")
 
 
-def measure(res: Result, sb: RemoteSandbox, n: int, runs: int, where: dict[str, int]) -> None:
-    """``runs`` forks of ``sb`` into ``n``; each sample and its phase spans into ``res``."""
-    for _ in range(runs):
-        with phases.recording() as found:
-            t0 = time.perf_counter()
-            kids = sb.fork(n)
-            res.add(time.perf_counter() - t0)
-        try:
-            for name, seconds in phases.spans(found).items():
-                res.add_extra(name.removeprefix("spread: "), seconds)
-            for k in kids:
-                where[k.client.url] = where.get(k.client.url, 0) + 1
-            check(kids)
-        finally:
-            for k in kids:
-                k.close()
+def once(res: Result, sb: RemoteSandbox, n: int, where: dict[str, int]) -> None:
+    """One fork of ``sb`` into ``n``: its time and phase spans into ``res``, its children counted by server."""
+    with phases.recording() as found:
+        t0 = time.perf_counter()
+        kids = sb.fork(n)
+        res.add(time.perf_counter() - t0)
+    try:
+        for name, seconds in phases.spans(found).items():
+            res.add_extra(name.removeprefix("spread: "), seconds)
+        for k in kids:
+            where[k.client.url] = where.get(k.client.url, 0) + 1
+        check(kids)
+    finally:
+        for k in kids:
+            k.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,23 +89,27 @@ def main(argv: list[str] | None = None) -> int:
             procs.append(start_server(home, token, max_sandboxes=quota, log=home / "server.log"))
         (_, url_a), (_, url_b) = procs
         with agentenv.Pool([url_a, url_b], token, timeout=600) as pool, Client(url_b, token, timeout=600) as b:
-            parent = prepare(b)  # a plain client: its fork stays on B
-            with recording(report.result("local"), "local"):
-                measure(report.results["local"], parent, args.n, args.runs, {})
-            parent.close()
+            plain = prepare(b)  # of a plain client: its fork stays on B
             parent = prepare(pool.clients[0])
             snap = parent.snapshot(memory=True)  # the archive's size, for the report
-            manifest = pool.clients[0].request("GET", f"/v1/snapshots/{snap.id}/export")
-            report.info["archive_bytes"] = manifest["size"]
+            report.info["archive_bytes"] = pool.clients[0].request("GET", f"/v1/snapshots/{snap.id}/export")["size"]
             snap.delete()
-            for key, fill in (("spread", 0), ("remote", args.room)):
-                where: dict[str, int] = {}
-                fillers = [pool.clients[0].Sandbox.create(memory="64m") for _ in range(fill)]
-                with recording(report.result(key), key):
-                    measure(report.results[key], parent, args.n, args.runs, where)
-                report.info[f"{key}_children"] = {"source": where.get(url_a, 0), "other": where.get(url_b, 0)}
-                for f in fillers:
-                    f.close()
+            where: dict[str, dict[str, int]] = {"spread": {}, "remote": {}}
+            for _ in range(args.runs):  # the three in turn: a machine shared with other jobs drifts
+                with recording(report.result("local"), "local"):
+                    once(report.results["local"], plain, args.n, {})
+                with recording(report.result("spread"), "spread"):
+                    once(report.results["spread"], parent, args.n, where["spread"])
+                fillers = [pool.clients[0].Sandbox.create(memory="64m") for _ in range(args.room)]  # A full
+                try:
+                    with recording(report.result("remote"), "remote"):
+                        once(report.results["remote"], parent, args.n, where["remote"])
+                finally:
+                    for f in fillers:
+                        f.close()
+            for key, counts in where.items():
+                report.info[f"{key}_children"] = {"source": counts.get(url_a, 0), "other": counts.get(url_b, 0)}
+            plain.close()
             parent.close()
     except Exception as e:  # noqa: BLE001 - recorded, the report is still written
         report.fatal = f"{type(e).__name__}: {e}"

@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from agentenv.api import Limits
-from agentenv.errors import AgentEnvError, QuotaExceeded
+from agentenv.errors import AgentEnvError, QuotaExceeded, SandboxStateError
 from agentenv.phases import phase
 from agentenv.remote.client import Client, RemoteSandbox
 
@@ -63,6 +63,10 @@ def fork(pool: Pool, sandbox: RemoteSandbox, n: int, memory: bool) -> list[Remot
     source = sandbox.client
     if where == [(source, n)]:
         return sandbox.fork_here(n, memory=memory)
+    if sandbox.info().state != "running":
+        raise SandboxStateError(f"sandbox {sandbox.id} is {sandbox.info().state}: its server has room for "
+                                f"{dict(where).get(source, 0)} of the {n} children, and only a running sandbox's "
+                                "fork spreads over servers", fix="resume it first, or fork fewer")
     labels = sandbox.labels
     with phase("spread: dump"):
         snap = sandbox.snapshot(memory, labels={LABEL: sandbox.id})

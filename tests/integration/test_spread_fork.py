@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv.errors import QuotaExceeded, TransferError
+from agentenv.errors import QuotaExceeded, SandboxStateError, TransferError
 
 from .server_fixtures import TOKEN, separate_servers
 from .test_transfer import Proxy, has_memory, holder
@@ -62,6 +62,24 @@ def test_fork_spreads_children_over_servers_with_memory_and_files(parent):
     finally:
         for k in kids:
             k.close()
+
+
+def test_files_only_fork_spreads_and_a_paused_one_is_refused(parent):
+    pool, sb, data = parent
+    kids = sb.fork(3, memory=False)
+    try:
+        assert {k.client.url for k in kids} == {pool.clients[0].url, pool.clients[1].url}
+        for k in kids:
+            assert k.read_file("/srv/data.bin") == data
+            assert k.exec("pgrep -f '[h]older.py' || echo fresh").stdout == "fresh\n"  # its processes: new ones
+    finally:
+        for k in kids:
+            k.close()
+    sb.pause()  # its slot is free now: A has room for 3
+    with pytest.raises(SandboxStateError, match="room for 3 of the 4 children"):
+        sb.fork(4)
+    sb.resume()
+    assert {s.id for c in pool.clients for s in c.Sandbox.list()} == {sb.id}
 
 
 def test_fork_that_fits_nowhere_makes_nothing(parent):
