@@ -33,7 +33,9 @@ from agentenv.errors import (
     SnapshotNotFound,
     Unauthorized,
 )
+from agentenv.remote import spread
 from agentenv.remote.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
+from agentenv.remote.spread import import_snapshot
 
 T = TypeVar("T")
 
@@ -90,9 +92,7 @@ class Pool:
             self._known[sb.id] = sb
 
     def _spread(self, sandbox: RemoteSandbox, n: int, memory: bool) -> list[RemoteSandbox]:
-        from agentenv.remote import spread
-
-        return spread.fork(self, sandbox, n, memory)
+        return spread.fork(self._each(lambda c: c.server_info()), sandbox, n, memory)
 
     def up(self) -> list[Client]:
         """The servers not marked down (a down one is probed again once ``reprobe`` seconds have passed)."""
@@ -155,18 +155,6 @@ class Pool:
         if last is not None:
             raise last
         raise QuotaExceeded("no server in the pool has room for a sandbox (or none answers)", retry_after=5.0)
-
-
-def import_snapshot(target: Client, owner: Client, snapshot_id: str, *, chunk_size: int | None = None,
-                    retries: int = 3, keep_export: bool = False) -> dict[str, Any]:
-    """Have ``target`` pull ``snapshot_id`` from ``owner``; the reply's counts (chunks, fetched, resumed_at).
-    ``keep_export``: ``owner`` keeps the archive it packed (other servers pull it too)."""
-    body: dict[str, Any] = {"id": snapshot_id, "source": owner.url, "token": owner.token, "retries": retries}
-    if chunk_size is not None:
-        body["chunk_size"] = chunk_size
-    if keep_export:  # sent only when asked for: a server from before the option refuses the field
-        body["keep_export"] = True
-    return dict(target.request("POST", "/v1/snapshots/import", body, timeout=max(target.timeout, 600.0)))
 
 
 class PoolSandboxAPI:

@@ -4,7 +4,8 @@ server's quota.
 
 Where the source's server has room for all, it is a plain fork there. Otherwise one snapshot of the source is
 taken (its processes too with ``memory``), packed once on its server, pulled by every other server that gets
-children (in parallel, ``POST /v1/snapshots/import``, chunks checked by sha256) and restored there; the
+children (in parallel, ``POST /v1/snapshots/import``, chunks checked by sha256, no part file kept) and
+restored there; the
 source's own share is restored from it on its server once the pulls are done: every child continues from the
 snapshot's instant. A
 failure closes every child made and raises the first error; the snapshot and its imported copies are deleted
@@ -16,16 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from agentenv.api import Limits
 from agentenv.errors import AgentEnvError, QuotaExceeded, SandboxStateError
 from agentenv.phases import phase
 from agentenv.remote.client import Client, RemoteSandbox
-
-if TYPE_CHECKING:
-    from agentenv.remote.pool import Pool
 
 LABEL = "agentenv.spread_fork"  # label of the snapshot a spread fork takes: the id of the sandbox it forks
 PACK_TIMEOUT = 600.0  # seconds the source's server may take to pack the snapshot for the others
@@ -40,11 +39,12 @@ def room(info: dict[str, Any], limits: Limits) -> int:
     return max(0, min(fits))
 
 
-def plan(pool: Pool, sandbox: RemoteSandbox, n: int) -> list[tuple[Client, int]]:
-    """How many of ``n`` children each server gets: the source's server first, up to its room, then the others
-    with the most room; QuotaExceeded (nothing made) when the servers that answer lack room for ``n``."""
+def plan(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbox, n: int) -> list[tuple[Client, int]]:
+    """How many of ``n`` children each server gets (``servers``: those that answer, with their ``server_info()``):
+    the source's server first, up to its room, then the others with the most room; QuotaExceeded (nothing made)
+    when they lack room for ``n``."""
     source, limits = sandbox.client, sandbox.limits
-    rooms = {c: room(info, limits) for c, info in pool._each(lambda c: c.server_info())}
+    rooms = {c: room(info, limits) for c, info in servers}
     order = [source] + sorted((c for c in rooms if c is not source), key=lambda c: rooms[c], reverse=True)
     where, left = [], n
     for c in order:
@@ -57,9 +57,10 @@ def plan(pool: Pool, sandbox: RemoteSandbox, n: int) -> list[tuple[Client, int]]
     return where
 
 
-def fork(pool: Pool, sandbox: RemoteSandbox, n: int, memory: bool) -> list[RemoteSandbox]:
-    """``n`` children of ``sandbox`` over ``pool``'s servers (see the module doc), the source's server's first."""
-    where = plan(pool, sandbox, n)
+def fork(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbox, n: int,
+         memory: bool) -> list[RemoteSandbox]:
+    """``n`` children of ``sandbox`` over ``servers`` (see ``plan`` and the module doc), the source's server's first."""
+    where = plan(servers, sandbox, n)
     source = sandbox.client
     if where == [(source, n)]:
         return sandbox.fork_here(n, memory=memory)
@@ -75,12 +76,10 @@ def fork(pool: Pool, sandbox: RemoteSandbox, n: int, memory: bool) -> list[Remot
     lock = threading.Lock()
 
     def pull(target: Client) -> None:
-        from agentenv.remote.pool import import_snapshot
-
         with lock:
             copies.append(target)  # listed first: a copy half-made by a failed import is deleted too
         with phase("spread: import"):
-            import_snapshot(target, source, snap.id, keep_export=True)
+            import_snapshot(target, source, snap.id, once=True)
 
     def restore(i: int, target: Client, after: list[Future[None]]) -> None:
         for f in after:
@@ -115,6 +114,19 @@ def fork(pool: Pool, sandbox: RemoteSandbox, n: int, memory: bool) -> list[Remot
         for target in copies:
             _delete(target, snap.id)
     return [kid for kid in made if kid is not None]
+
+
+def import_snapshot(target: Client, owner: Client, snapshot_id: str, *, chunk_size: int | None = None,
+                    retries: int = 3, once: bool = False) -> dict[str, Any]:
+    """Have ``target`` pull ``snapshot_id`` from ``owner``; the reply's counts (chunks, fetched, resumed_at).
+    ``once``: a one-shot pull, one of several (``owner`` keeps the archive it packed for the others, and
+    ``target`` keeps no part file to resume from)."""
+    body: dict[str, Any] = {"id": snapshot_id, "source": owner.url, "token": owner.token, "retries": retries}
+    if chunk_size is not None:
+        body["chunk_size"] = chunk_size
+    if once:  # sent only when asked for: a server from before the options refuses the fields
+        body.update(keep_export=True, resumable=False)
+    return dict(target.request("POST", "/v1/snapshots/import", body, timeout=max(target.timeout, 600.0)))
 
 
 def _delete(client: Client, snapshot_id: str) -> None:

@@ -238,6 +238,8 @@ class ImportRequest(_Body):
     retries: Int = Field(3, ge=0, le=5, description="tries again per chunk after a dropped connection")
     keep_export: StrictBool = Field(False, description="leave the source's packed archive there once every chunk "
                                                        "is in (other servers pull it too: a spread fork)")
+    resumable: StrictBool = Field(True, description="keep the checked chunks of a cut-off pull for the next try; "
+                                                    "false: a one-shot pull (a spread fork's) leaves nothing")
 
 
 class ImportResult(BaseModel):

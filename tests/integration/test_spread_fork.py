@@ -89,7 +89,8 @@ def test_fork_that_fits_nowhere_makes_nothing(parent):
     assert {s.id for c in pool.clients for s in c.Sandbox.list()} == {sb.id}
 
 
-def test_failed_pull_closes_the_children_already_made(parent):
+def test_failed_pull_closes_the_children_already_made(servers, parent):
+    homes = servers[1]
     pool, sb, _ = parent
     # both others pull from A through the proxy, which damages one chunk: one pull fails, the other's server
     # restores its share, which the failure then closes (A's share waits for every pull: it is never made)
@@ -103,3 +104,4 @@ def test_failed_pull_closes_the_children_already_made(parent):
     assert proxy.done.is_set()
     assert {s.id for c in pool.clients for s in c.Sandbox.list()} == {sb.id}
     assert all(c.Snapshot.list() == [] for c in pool.clients)
+    assert not [p.name for h in homes for p in (h / "imports").glob(".part-*")]  # a one-shot pull keeps no part

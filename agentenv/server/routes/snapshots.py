@@ -119,5 +119,5 @@ def drop_export(snapshot_id: SnapshotId) -> Response:
 def import_snapshot(req: Annotated[ImportRequest, Body()]) -> Response:
     """Pull a snapshot from the server at ``source``; a cut-off import resumes from the chunks it had."""
     snap, counts = pull(req.source, req.token, req.id, chunk=req.chunk_size, retries=req.retries,
-                        keep_export=req.keep_export)
+                        keep_export=req.keep_export, resumable=req.resumable)
     return WireResponse({"snapshot": snap.info().to_wire(), **counts})
