@@ -26,6 +26,7 @@ import marshal
 import os
 import re
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -61,7 +62,8 @@ def agent_file(folder: Path) -> Path:
     path = folder / f"agent-{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        # a name of this thread's own: the first restores on a fresh server run in parallel and write it at once
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(source)
         tmp.chmod(0o644)
         os.replace(tmp, path)

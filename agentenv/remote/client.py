@@ -29,6 +29,7 @@ from agentenv.api import (
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
     MAX_DEPTH,
+    MAX_FORK,
     ExecResult,
     FileInfo,
     JobEnd,
@@ -61,6 +62,7 @@ class Client:
         self.timeout, self.retries = timeout, retries
         self.down = False
         self.on_sandbox: Callable[[RemoteSandbox], None] | None = None  # told of every sandbox it hands out
+        self.spread: Callable[[RemoteSandbox, int, bool], list[RemoteSandbox]] | None = None  # a Pool's fork
         self._http = httpx.Client(
             base_url=self.url, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT),
             headers={"Authorization": f"Bearer {token}", "Accept": wire.MSGPACK},
@@ -78,8 +80,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the connection pool (sandboxes on the server are not touched)."""
-        self._http.close()
+        self._http.close()  # the connection pool; sandboxes on the server are not touched
 
     def server_info(self) -> dict[str, Any]:
         """Version, capacity (live and free sandboxes and memory) and what the server recovered at start."""
@@ -417,9 +418,15 @@ class RemoteSandbox:
         return _snapshot(self._client, self._call("POST", "/snapshot", {"memory": memory, "labels": labels or {}}))
 
     def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
-        """``n`` sandboxes that continue from this instant, on the same server."""
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise ValueError(f"fork count must be an integer, got {n!r}")
+        """``n`` sandboxes that continue from this instant, on its server (a Pool's: spread, ``remote.spread``)."""
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
+            raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
+        if self._client.spread is not None:
+            return self._client.spread(self, n, bool(memory))
+        return self.fork_here(n, memory=memory)
+
+    def fork_here(self, n: int, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
+        """``n`` children on this sandbox's server (QuotaExceeded when it lacks room for them all)."""
         return [self._client._sandbox(info)
                 for info in self._call("POST", "/fork", {"count": n, "memory": bool(memory)})]
 

@@ -1,7 +1,8 @@
 """``agentenv.Pool([...urls])``: several environment servers behind one sandbox API.
 
 New sandboxes go to the server with the most free capacity (free sandbox slots, then free memory);
-forks stay on their source's server (``fork`` is a call on the sandbox, which knows its server); a
+a fork's children go on their source's server up to its free room, the rest on other servers, which restore
+them from one snapshot of the source that they pull (``agentenv.remote.spread``); a
 restore goes to the server holding the snapshot. A server that stops answering is marked down: new
 sandboxes skip it, its sandboxes are reported lost (``Pool.lost()``, and ``state == 'lost'``), and
 the other servers keep working. A down server is probed again at most every ``reprobe`` seconds.
@@ -34,7 +35,9 @@ from agentenv.errors import (
     TransferError,
     Unauthorized,
 )
+from agentenv.remote import spread
 from agentenv.remote.client import DEFAULT_TIMEOUT, Client, RemoteSandbox, RemoteSnapshot
+from agentenv.remote.spread import import_snapshot
 
 T = TypeVar("T")
 MIGRATE_WAIT = 300.0  # seconds a post-copy move waits for every page to be in on the receiver
@@ -57,6 +60,7 @@ class Pool:
         self._probed: dict[str, float] = {}
         for c in self.clients:
             c.on_sandbox = self._seen
+            c.spread = self._spread
         self.Sandbox = PoolSandboxAPI(self)
         self.Snapshot = PoolSnapshotAPI(self)
 
@@ -89,6 +93,9 @@ class Pool:
     def _seen(self, sb: RemoteSandbox) -> None:
         with self._lock:
             self._known[sb.id] = sb
+
+    def _spread(self, sandbox: RemoteSandbox, n: int, memory: bool) -> list[RemoteSandbox]:
+        return spread.fork(self._each(lambda c: c.server_info()), sandbox, n, memory)
 
     def up(self) -> list[Client]:
         """The servers not marked down (a down one is probed again once ``reprobe`` seconds have passed)."""
@@ -151,15 +158,6 @@ class Pool:
         if last is not None:
             raise last
         raise QuotaExceeded("no server in the pool has room for a sandbox (or none answers)", retry_after=5.0)
-
-
-def import_snapshot(target: Client, owner: Client, snapshot_id: str, *, chunk_size: int | None = None,
-                    retries: int = 3) -> dict[str, Any]:
-    """Have ``target`` pull ``snapshot_id`` from ``owner``; the reply's counts (chunks, fetched, resumed_at)."""
-    body: dict[str, Any] = {"id": snapshot_id, "source": owner.url, "token": owner.token, "retries": retries}
-    if chunk_size is not None:
-        body["chunk_size"] = chunk_size
-    return dict(target.request("POST", "/v1/snapshots/import", body, timeout=max(target.timeout, 600.0)))
 
 
 class PoolSandboxAPI:

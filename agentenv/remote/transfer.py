@@ -21,9 +21,11 @@ from agentenv.sandbox.store import Snapshot
 PACK_TIMEOUT = 600.0  # seconds the sender may take to pack a large snapshot before it answers the manifest
 
 
-def pull(source: str, token: str, snapshot_id: str, *, chunk: int = transfer.CHUNK,
-         retries: int = 3) -> tuple[Snapshot, dict[str, int]]:
-    """Import ``snapshot_id`` from the server at ``source``; returns it and the transfer's counts."""
+def pull(source: str, token: str, snapshot_id: str, *, chunk: int = transfer.CHUNK, retries: int = 3,
+         keep_export: bool = False, resumable: bool = True) -> tuple[Snapshot, dict[str, int]]:
+    """Import ``snapshot_id`` from the server at ``source``; returns it and the transfer's counts. With
+    ``keep_export`` the sender keeps its packed archive (others pull it too; deleting the snapshot drops it);
+    ``resumable=False`` keeps no part file (nothing stays after a failure, and nothing is written twice)."""
     transfer.check_chunk(chunk)
     try:
         client = Client(source, token, retries=retries)
@@ -39,7 +41,8 @@ def pull(source: str, token: str, snapshot_id: str, *, chunk: int = transfer.CHU
                 raise TransferError(f"chunk {i} of {snapshot_id} came back as {type(data).__name__}, not bytes")
             return data
 
-        snap, counts = transfer.receive(manifest, fetch, origin=c.url)
-        with contextlib.suppress(AgentEnvError):
-            c.request("DELETE", path, idempotent=True)
+        snap, counts = transfer.receive(manifest, fetch, origin=c.url, resumable=resumable)
+        if not keep_export:
+            with contextlib.suppress(AgentEnvError):
+                c.request("DELETE", path, idempotent=True)
     return snap, counts

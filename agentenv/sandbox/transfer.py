@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -119,7 +120,7 @@ def pack(snap: Snapshot, folder: Path) -> None:
     """Write ``archive`` (the store folder's tar, then the files' tar), ``parts.json`` and the manifest of
     CHUNK-sized chunks (hashed as the archive is written) into ``folder``, built in a hidden folder and renamed
     into place."""
-    tmp = folder.parent / f".tmp-{snap.id}-{os.getpid()}"
+    tmp = folder.parent / f".tmp-{snap.id}-{threading.get_ident()}-{os.getpid()}"  # two requests may pack at once
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
@@ -218,7 +219,8 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
             resumable: bool = True) -> tuple[Snapshot, dict[str, int]]:
     """Bring the snapshot of ``manifest`` into this store, ``fetch(i)`` giving chunk ``i``; resumes from the
     chunks an earlier, cut-off try checked in. Returns it and ``{chunks, fetched, resumed_at}``. With
-    ``resumable=False`` (a local source: a shared store) the checked chunks are not kept for a later try.
+    ``resumable=False`` (a local source: a shared store; a spread fork's one-shot pull) the checked chunks are not
+    kept for a later try, and a failed try leaves no part file.
 
     The chunks are unpacked as they come (two tar processes fed the checked bytes), into the store's staging
     folders: a damaged chunk or a cut stops it and the staging folders go; the part file keeps what was checked."""
@@ -245,8 +247,9 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
                 _pipeline(fetch, range(have, len(digests)), m, f if resumable else None, unpack)
                 unpack.close()
                 snap = _finish(tmp, m, origin)
-        except TransferError as e:
-            if unpack_failed(e):  # every chunk matched yet it is no snapshot: start afresh next time
+        except BaseException as e:
+            # not resumable: nothing is kept; every chunk matched yet it is no snapshot: start afresh next time
+            if not resumable or (isinstance(e, TransferError) and unpack_failed(e)):
                 part.unlink(missing_ok=True)
                 key.unlink(missing_ok=True)
             raise

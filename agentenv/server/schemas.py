@@ -236,6 +236,10 @@ class ImportRequest(_Body):
                        description="the source server's bearer token")
     chunk_size: Int = Field(8 << 20, ge=64 << 10, le=16 << 20, description="bytes per chunk (each has a sha256)")
     retries: Int = Field(3, ge=0, le=5, description="tries again per chunk after a dropped connection")
+    keep_export: StrictBool = Field(False, description="leave the source's packed archive there once every chunk "
+                                                       "is in (other servers pull it too: a spread fork)")
+    resumable: StrictBool = Field(True, description="keep the checked chunks of a cut-off pull for the next try; "
+                                                    "false: a one-shot pull (a spread fork's) leaves nothing")
 
 
 class ImportResult(BaseModel):

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -122,6 +123,36 @@ def start_server_process(port: int, token_file: Path, *extra: str,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_healthy(f"http://127.0.0.1:{port}", proc)
     return proc
+
+
+@contextmanager
+def separate_servers(quotas: tuple[str, ...], prefix: str) -> Iterator[tuple[list[str], list[Path]]]:
+    """``agentenv serve`` processes, the i-th with ``--max-sandboxes quotas[i]`` and a home of its own (its own store,
+    volume and uid leases; the same Docker engine); yields their urls and homes, then stops them and fails on
+    anything a home kept."""
+    import shutil
+    import signal
+
+    from .conftest import cleanup, leaked
+
+    homes = [Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")) for _ in quotas]
+    token = write_token_file(homes[0])
+    procs: list[subprocess.Popen[bytes]] = []
+    ports = [free_port() for _ in homes]
+    try:
+        for home, port, quota in zip(homes, ports, quotas, strict=True):
+            procs.append(start_server_process(port, token, "--max-sandboxes", quota, env={"AGENTENV_HOME": str(home)}))
+        yield [f"http://127.0.0.1:{p}" for p in ports], homes
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+            p.wait(timeout=30)
+        left = {}
+        for home in homes:
+            left[str(home)] = leaked(home)
+            cleanup(home)
+            shutil.rmtree(home, ignore_errors=True)
+        assert not any(left.values()), f"the servers' homes kept: {left}"
 
 
 @contextmanager

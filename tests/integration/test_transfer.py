@@ -6,11 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
-import signal
 import socket
-import subprocess
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,8 +19,7 @@ from agentenv.errors import ConnectionLost, TransferError
 from agentenv.remote.client import Client
 from agentenv.remote.pool import import_snapshot
 
-from .conftest import cleanup, leaked
-from .server_fixtures import TOKEN, free_port, start_server_process
+from .server_fixtures import TOKEN, separate_servers
 
 SMALL = 64 << 10  # chunk size for the tests: a small memory snapshot still spans many chunks
 # a process whose secret lives only in its memory (the file is gone): on SIGUSR1 it writes it out
@@ -35,24 +30,8 @@ HOLDER = ("import os, signal\nv = open('/tmp/v').read(); open('/tmp/pid', 'w').w
 
 @pytest.fixture(scope="module")
 def servers() -> Iterator[tuple[list[str], list[Path]]]:
-    homes = [Path(tempfile.mkdtemp(prefix="agentenv-xfer-", dir="/var/tmp")) for _ in range(2)]
-    token = homes[0] / "token"
-    token.write_text(TOKEN + "\n")
-    procs: list[subprocess.Popen[bytes]] = []
-    ports = [free_port() for _ in homes]
-    try:
-        for home, port, quota in zip(homes, ports, ("1", "4"), strict=True):  # A holds one sandbox at a time
-            procs.append(start_server_process(port, token, "--max-sandboxes", quota, env={"AGENTENV_HOME": str(home)}))
-        yield [f"http://127.0.0.1:{p}" for p in ports], homes
-    finally:
-        for p in procs:
-            p.send_signal(signal.SIGTERM)
-            p.wait(timeout=30)
-        for home in homes:
-            left = leaked(home)
-            cleanup(home)
-            shutil.rmtree(home, ignore_errors=True)
-            assert not left
+    with separate_servers(("1", "4"), "agentenv-xfer-") as found:  # A holds one sandbox at a time
+        yield found
 
 
 class Proxy:

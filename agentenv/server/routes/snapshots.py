@@ -118,5 +118,6 @@ def drop_export(snapshot_id: SnapshotId) -> Response:
              responses=error_responses(400, 401, 404, 409, 422, 502, 507))
 def import_snapshot(req: Annotated[ImportRequest, Body()]) -> Response:
     """Pull a snapshot from the server at ``source``; a cut-off import resumes from the chunks it had."""
-    snap, counts = pull(req.source, req.token, req.id, chunk=req.chunk_size, retries=req.retries)
+    snap, counts = pull(req.source, req.token, req.id, chunk=req.chunk_size, retries=req.retries,
+                        keep_export=req.keep_export, resumable=req.resumable)
     return WireResponse({"snapshot": snap.info().to_wire(), **counts})
