@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from agentenv import errors
-from agentenv.server import console
+from agentenv.server import console_auth as console
 from rollout import trajectory as tj
 from trainer import viewer
 
@@ -81,8 +81,8 @@ def _error(e: Exception) -> Response:
 
 def _answer(request: Request, make: Any) -> Response:
     """``make()``'s data as JSON to a logged-in browser; the viewer's typed errors as 4xx."""
-    if not console._logged_in(request):
-        return console._unauthorized()
+    if not console.logged_in(request):
+        return console.unauthorized()
     try:
         return JSONResponse(make(), headers=console.HEADERS)
     except (viewer.BadViewerRequest, viewer.RunNotFound, tj.TrajectoryError) as e:
@@ -90,7 +90,7 @@ def _answer(request: Request, make: Any) -> Response:
 
 
 def _page(request: Request, page: str, run: str | None = None) -> Response:
-    if not console._logged_in(request):
+    if not console.logged_in(request):
         return RedirectResponse(f"{console.PREFIX}/login", 303, headers=console.HEADERS)
     if run is not None:
         try:
@@ -99,7 +99,7 @@ def _page(request: Request, page: str, run: str | None = None) -> Response:
         except (viewer.BadViewerRequest, viewer.RunNotFound) as e:
             return _error(e)
     served = request.app.state.viewer_mode == "serve"  # beside the sandboxes: the console's links shown
-    return console._file(PAGES[page], replace=(CONSOLE_LINKS, CONSOLE_LINKS.replace(" hidden", "")) if served else None)
+    return console.page_file(PAGES[page], replace=(CONSOLE_LINKS, CONSOLE_LINKS.replace(" hidden", "")) if served else None)
 
 
 def _root(request: Request) -> Path:

@@ -18,7 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from agentenv.sandbox.core import Sandbox
-from agentenv.server.console import HEADERS, PREFIX, _file, _logged_in, _unauthorized
+from agentenv.server.console_auth import HEADERS, PREFIX, logged_in, page_file, unauthorized
 from agentenv.server.routing import error_response
 from agentenv.server.schemas import FilePath, Pid, SandboxId
 from agentenv.server.service import Service
@@ -32,15 +32,15 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 @router.get("/sandbox/{sandbox_id}")
 def sandbox_page(request: Request, sandbox_id: SandboxId) -> Response:
-    if not _logged_in(request):
+    if not logged_in(request):
         return RedirectResponse(f"{PREFIX}/login", 303, headers=HEADERS)
-    return _file("sandbox.html")
+    return page_file("sandbox.html")
 
 
 async def _serve(request: Request, fn: Callable[[Service], Any]) -> Response:
     """``fn``'s answer as JSON, or the API's typed error for what it raised (a 401 when not logged in)."""
-    if not _logged_in(request):
-        return _unauthorized()
+    if not logged_in(request):
+        return unauthorized()
     try:
         reply: Response = JSONResponse(await run_in_threadpool(fn, request.app.state.service))
     except Exception as e:  # noqa: BLE001 - mapped to the API's typed error body

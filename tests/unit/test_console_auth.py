@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from agentenv.server import console, create_app
+from agentenv.server import console, console_auth, create_app
 
 TOKEN = "console-test-token-" + "y" * 20
 
@@ -29,7 +29,7 @@ def test_a_right_token_sets_a_session_cookie_that_is_not_the_token(client):
     header = logged_in(client)
     name, _, rest = header.partition("=")
     value = rest.split(";")[0]
-    assert name == console.COOKIE and len(value) >= 32 and TOKEN not in value
+    assert name == console_auth.COOKIE and len(value) >= 32 and TOKEN not in value
     flags = {f.strip().lower() for f in header.split(";")[1:]}
     assert {"httponly", "samesite=strict", "path=/console"} <= flags
     assert client.get("/console/").status_code == 200

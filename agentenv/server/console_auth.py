@@ -1,0 +1,119 @@
+"""The console's login: a page that takes the server's token and sets a session cookie, the sessions, and the
+headers and static files every console page is served with (the console's pages, ``trainer.viewer_web``'s).
+
+The cookie holds a random session id, never the token, scoped to ``/console`` (HttpOnly, SameSite=Strict); the
+sessions live in this process (a restart logs everyone out). Every reply carries a CSP that runs this server's
+own scripts only.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+import time
+from pathlib import Path
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, RedirectResponse
+
+PREFIX = "/console"
+COOKIE = "agentenv_console"
+SESSION_SECONDS = 12 * 3600
+MAX_SESSIONS = 256  # the oldest session is dropped past this many logins
+STATIC = Path(__file__).with_name("console_static")
+TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8", ".css": "text/css"}
+HEADERS = {  # on every console reply
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+auth = APIRouter(prefix=PREFIX, include_in_schema=False)  # login, logout, scripts: every console page's
+
+
+class Sessions:
+    """The logged-in console sessions: random ids, each valid for SESSION_SECONDS (a restart logs everyone out)."""
+
+    def __init__(self) -> None:
+        self._expiry: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self.streams = 0
+
+    def new(self) -> str:
+        sid = secrets.token_urlsafe(32)
+        with self._lock:
+            now = time.monotonic()
+            self._expiry = {k: t for k, t in self._expiry.items() if t > now}
+            while len(self._expiry) >= MAX_SESSIONS:
+                del self._expiry[next(iter(self._expiry))]
+            self._expiry[sid] = now + SESSION_SECONDS
+        return sid
+
+    def valid(self, sid: str | None) -> bool:
+        with self._lock:
+            return sid is not None and self._expiry.get(sid, 0.0) > time.monotonic()
+
+    def end(self, sid: str | None) -> None:
+        with self._lock:
+            self._expiry.pop(sid or "", None)
+
+
+def sessions(request: Request) -> Sessions:
+    found: Sessions = request.app.state.console_sessions
+    return found
+
+
+def logged_in(request: Request) -> bool:
+    return sessions(request).valid(request.cookies.get(COOKIE))
+
+
+def page_file(name: str, status: int = 200, replace: tuple[str, str] | None = None) -> Response:
+    text = (STATIC / name).read_text()
+    if replace is not None:
+        text = text.replace(*replace)
+    return Response(text, status, headers=HEADERS, media_type=TYPES[Path(name).suffix])
+
+
+def unauthorized() -> Response:
+    return JSONResponse({"error": "Unauthorized", "message": "not logged in to the console",
+                         "fix": f"log in at {PREFIX}/login with the server's token", "id": None}, 401, HEADERS)
+
+
+# --- login ------------------------------------------------------------------------------------
+
+
+@auth.get("/login")
+def login_page() -> Response:
+    return page_file("login.html")
+
+
+@auth.post("/login")
+async def login(request: Request) -> Response:
+    """Check the token a login form sent (urlencoded ``token``); on a match, a session cookie and the console."""
+    body = await request.body()
+    given = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+    if not hmac.compare_digest(given.encode(), request.app.state.token.encode()):
+        return page_file("login.html", 401, ('<p id="error" hidden>', '<p id="error">'))
+    reply = RedirectResponse(f"{PREFIX}/", 303, headers=HEADERS)
+    reply.set_cookie(COOKIE, sessions(request).new(), max_age=SESSION_SECONDS, path=PREFIX, httponly=True,
+                     samesite="strict", secure=request.url.scheme == "https")
+    return reply
+
+
+@auth.post("/logout")
+def logout(request: Request) -> Response:
+    sessions(request).end(request.cookies.get(COOKIE))
+    reply = RedirectResponse(f"{PREFIX}/login", 303, headers=HEADERS)
+    reply.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")
+    return reply
+
+
+@auth.get("/static/{name}")
+def static(name: str) -> Response:
+    """The console's scripts and style (nothing secret: they hold no data), by name from the package only."""
+    if name not in {p.name for p in STATIC.iterdir()} or Path(name).suffix not in (".js", ".css"):
+        return Response("not found", 404, headers=HEADERS, media_type="text/plain")
+    return page_file(name)
