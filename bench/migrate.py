@@ -21,7 +21,6 @@ post-copy vs local, post-copy vs stop-and-copy; the issue's target is <= 150 ms 
 from __future__ import annotations
 
 import argparse
-import secrets
 import shutil
 import sys
 import tempfile
@@ -32,7 +31,7 @@ from typing import Any
 import agentenv
 from agentenv.remote.client import Client, RemoteSandbox
 from bench.harness import Report, Result, Row, add_output_arg, print_table, recording
-from bench.server import drop_clean_homes, start_server, stop_server
+from bench.server import separate_servers
 
 TARGET_S = 0.150  # the target downtime (post-copy migration)
 # a process holding MiB of random bytes (argv[1]); its pid in /tmp/pid once they are all in memory
@@ -145,32 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     add_output_arg(ap, "migrate")
     args = ap.parse_args(argv)
     report = Report("migrate", {k: v for k, v in vars(args).items() if k != "output"})
-    homes = [Path(tempfile.mkdtemp(prefix="agentenv-bench-mig-", dir="/var/tmp")) for _ in range(3)]
     shared = Path(tempfile.mkdtemp(prefix="agentenv-bench-shared-", dir="/var/tmp"))
-    token = secrets.token_urlsafe(24)
-    procs = []
-    try:
-        options: list[list[str]] = [["--shared-store", str(shared)]] * 2 + [[]]  # C: no shared store
-        for home, extra in zip(homes, options, strict=True):
-            procs.append(start_server(home, token, max_sandboxes=4, extra=extra))
-        with agentenv.Pool([url for _, url in procs[:2]], token, timeout=600) as pool, \
-                Client(procs[2][1], token, timeout=600) as c:
-            sb = prepare(pool.clients[0], args.mb)
-            snap = sb.snapshot(memory=True)  # the archive's size, for the report
-            report.info["archive_bytes"] = sum(p.stat().st_size for p in (shared / snap.id).glob("archive"))
-            snap.delete()
-            sb = migrate(report, pool, sb, args.runs)
-            sb = postcopy(report, pool, sb, args.runs)
-            sb.close()
-            plain = prepare(c, args.mb)
-            local(report, plain, args.runs)
-            plain.close()
-    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
-        report.fatal = f"{type(e).__name__}: {e}"
-    finally:
-        for proc, _ in procs:
-            stop_server(proc)
-    left = drop_clean_homes(report, homes)
+    settings = [{"max_sandboxes": 4, "extra": ["--shared-store", str(shared)]}] * 2 + [{"max_sandboxes": 4}]
+    with separate_servers(report, "mig", settings) as servers, \
+            agentenv.Pool(servers.urls[:2], servers.token, timeout=600) as pool, \
+            Client(servers.urls[2], servers.token, timeout=600) as c:  # C: no shared store
+        sb = prepare(pool.clients[0], args.mb)
+        snap = sb.snapshot(memory=True)  # the archive's size, for the report
+        report.info["archive_bytes"] = sum(p.stat().st_size for p in (shared / snap.id).glob("archive"))
+        snap.delete()
+        sb = migrate(report, pool, sb, args.runs)
+        sb = postcopy(report, pool, sb, args.runs)
+        sb.close()
+        plain = prepare(c, args.mb)
+        local(report, plain, args.runs)
+        plain.close()
     report.info["shared_store_left"] = sorted(p.name for p in shared.iterdir())
     shutil.rmtree(shared, ignore_errors=True)
     x = report.add_ratio("migrate downtime / local pause+resume downtime", "migrate", "local")
@@ -191,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"post-copy / stop-and-copy; target <= {TARGET_S * 1000:.0f} ms)", rows)
     report.print_errors()
     report.write(args.output)
-    return 1 if report.fatal or report.errors or left or report.info["shared_store_left"] else 0
+    return 1 if report.fatal or report.errors or servers.left or report.info["shared_store_left"] else 0
 
 
 if __name__ == "__main__":

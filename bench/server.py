@@ -133,6 +133,43 @@ def drop_home(home: Path) -> None:
     remove_tree(home)
 
 
+class Servers:
+    """Servers of one bench, each with a home of its own (``homes[i]`` serves ``urls[i]``); ``left``: what they
+    left behind, filled when they stop."""
+
+    def __init__(self, name: str, count: int) -> None:
+        self.token = secrets.token_urlsafe(24)
+        self.homes = [Path(tempfile.mkdtemp(prefix=f"agentenv-bench-{name}-", dir="/var/tmp")) for _ in range(count)]
+        self.urls: list[str] = []
+        self.left: dict[str, int] = {}
+
+
+@contextlib.contextmanager
+def separate_servers(report: Report, name: str, settings: Sequence[dict[str, Any]]) -> Iterator[Servers]:
+    """Servers on this host connected only over HTTP, one per ``settings`` (``start_server``'s keywords; ``log``
+    True: its stderr in its home's server.log), for a bench of what crosses between servers. An exception in the
+    body becomes the report's fatal (the report is still written); on exit the servers stop and what they left is
+    recorded (``drop_clean_homes``)."""
+    servers = Servers(name, len(settings))
+    procs = []
+    try:
+        try:
+            for home, kw in zip(servers.homes, settings, strict=True):
+                kw = dict(kw, log=home / "server.log" if kw.get("log") else None)
+                proc, url = start_server(home, servers.token, **kw)
+                procs.append(proc)
+                servers.urls.append(url)
+        except Exception as e:  # noqa: BLE001 - the body then fails at once; this is the reason kept
+            report.fatal = f"starting the servers: {type(e).__name__}: {e}"
+        yield servers
+    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
+        report.fatal = report.fatal or f"{type(e).__name__}: {e}"
+    finally:
+        for proc in procs:
+            stop_server(proc)
+        servers.left.update(drop_clean_homes(report, servers.homes))
+
+
 def drop_clean_homes(report: Report, homes: Sequence[Path]) -> dict[str, int]:
     """What sandboxes or snapshots the servers of ``homes`` left (into the report); the homes go when nothing
     was left, and are kept (and named in a note) when something was."""

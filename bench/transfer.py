@@ -21,7 +21,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import httpx
 from agentenv.remote.client import Client
 from agentenv.remote.pool import import_snapshot
 from bench.harness import Report, Row, Timer, add_output_arg, fmt_ratio, median, print_table, recording
-from bench.server import drop_clean_homes, start_server, stop_server
+from bench.server import separate_servers
 
 GOAL = 0.5
 
@@ -75,14 +74,10 @@ def main(argv: list[str] | None = None) -> int:
     add_output_arg(ap, "transfer")
     args = ap.parse_args(argv)
     report = Report("transfer", {k: v for k, v in vars(args).items() if k != "output"})
-    homes = [Path(tempfile.mkdtemp(prefix="agentenv-bench-xfer-", dir="/var/tmp")) for _ in range(2)]
-    token = secrets.token_urlsafe(24)
-    procs = []
     size = 0
-    try:
-        for home in homes:
-            procs.append(start_server(home, token, max_sandboxes=4))
-        a, b = (Client(url, token, timeout=600) for _, url in procs)
+    with separate_servers(report, "xfer", [{"max_sandboxes": 4}] * 2) as servers:
+        homes = servers.homes
+        a, b = (Client(url, servers.token, timeout=600) for url in servers.urls)
         sb = a.Sandbox.create(memory="1g")
         sb.exec(f"head -c {args.mb << 20} /dev/urandom > /srv/blob", timeout=300)
         sb.spawn("python3 -c 'import time; b = bytearray(16 << 20); time.sleep(1e6)'")  # a process, 16 MiB held
@@ -118,12 +113,6 @@ def main(argv: list[str] | None = None) -> int:
         snap.delete()
         a.close()
         b.close()
-    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
-        report.fatal = f"{type(e).__name__}: {e}"
-    finally:
-        for proc, _ in procs:
-            stop_server(proc)
-    left = drop_clean_homes(report, homes)
     rows = []
     for key in ("import.warm", "import.cold", "http", "cp"):
         r = report.results.get(key)
@@ -140,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                 "goal >= 50%)", rows)
     report.print_errors()
     report.write(args.output)
-    return 1 if report.fatal or report.errors or left else 0
+    return 1 if report.fatal or report.errors or servers.left else 0
 
 
 if __name__ == "__main__":

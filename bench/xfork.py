@@ -18,18 +18,15 @@ is <= 2x. Results go to ``bench/results/xfork.json``.
 from __future__ import annotations
 
 import argparse
-import secrets
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import agentenv
 from agentenv import phases
 from agentenv.remote.client import Client, RemoteSandbox
 from bench.harness import Report, Result, Row, add_output_arg, print_table, recording
 from bench.sandbox_common import MEM_CODE, MEM_MB
-from bench.server import drop_clean_homes, start_server, stop_server
+from bench.server import separate_servers
 
 TARGET = 2.0  # the target: a cross-server fork(8) within 2x a local one
 MEMORY = "512m"
@@ -81,14 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--room must be between 1 and --n - 1 (the spread case); --n children must not all fit")
     report = Report("xfork", {k: v for k, v in vars(args).items() if k != "output"})
     report.info.update(mem_process_mb=MEM_MB, sandbox_memory=MEMORY)
-    homes = [Path(tempfile.mkdtemp(prefix="agentenv-bench-xfork-", dir="/var/tmp")) for _ in range(2)]
-    token = secrets.token_urlsafe(24)
-    procs = []
-    try:
-        for home, quota in zip(homes, (args.room + 1, args.n + 1), strict=True):  # A: the parent and --room more
-            procs.append(start_server(home, token, max_sandboxes=quota, log=home / "server.log"))
-        (_, url_a), (_, url_b) = procs
-        with agentenv.Pool([url_a, url_b], token, timeout=600) as pool, Client(url_b, token, timeout=600) as b:
+    settings = [{"max_sandboxes": quota, "log": True} for quota in (args.room + 1, args.n + 1)]  # A: the parent, --room more
+    with separate_servers(report, "xfork", settings) as servers:
+        url_a, url_b = servers.urls
+        with agentenv.Pool([url_a, url_b], servers.token, timeout=600) as pool, Client(url_b, servers.token, timeout=600) as b:
             plain = prepare(b)  # of a plain client: its fork stays on B
             parent = prepare(pool.clients[0])
             snap = parent.snapshot(memory=True)  # the archive's size, for the report
@@ -111,12 +104,6 @@ def main(argv: list[str] | None = None) -> int:
                 report.info[f"{key}_children"] = {"source": counts.get(url_a, 0), "other": counts.get(url_b, 0)}
             plain.close()
             parent.close()
-    except Exception as e:  # noqa: BLE001 - recorded, the report is still written
-        report.fatal = f"{type(e).__name__}: {e}"
-    finally:
-        for proc, _ in procs:
-            stop_server(proc)
-    left = drop_clean_homes(report, homes)
     xs = {key: report.add_ratio(f"{key} fork({args.n}) / local fork({args.n})", key, "local")
           for key in ("spread", "remote")}
     spread = report.ratios[f"spread fork({args.n}) / local fork({args.n})"]["value"]
@@ -133,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"target <= {TARGET:g}x)", rows)
     report.print_errors()
     report.write(args.output)
-    return 1 if report.fatal or report.errors or left else 0
+    return 1 if report.fatal or report.errors or servers.left else 0
 
 
 if __name__ == "__main__":
