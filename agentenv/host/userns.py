@@ -98,11 +98,21 @@ def _reachable(home: Path) -> None:
 
 
 def allocate(holder: Path) -> int:
-    """A range no family holds, now held by ``holder`` (a new sandbox's bundle); its base uid."""
+    """A range no family holds, now held by ``holder`` (a new sandbox's bundle); its base uid.
+
+    Each lease is first looked at without its lock (one stat: a held one is passed over at once, which with
+    thousands of families held is most of them); a free-looking one is then taken under its flock and the
+    link count checked again, so two processes never take one range."""
     _reachable(paths().home)
+    leases = str(_leases()) + "/"
     start = random.randrange(LOW)  # spread: processes allocating at once rarely try the same lease
     for step in range(COUNT):
         index = (start + step) % LOW if step < LOW else step
+        try:
+            if os.stat(leases + str(index)).st_nlink > 1:
+                continue  # held now: a holder that lets go meanwhile is only a range this call does not take
+        except FileNotFoundError:
+            pass  # never used: _lease makes it
         with _lease(index) as (path, links):
             if links == 1:  # nobody but the lease itself
                 _link(path, holder)
