@@ -72,7 +72,7 @@ def free_disk(path: Path) -> int:
 WINDOW = 100  # sandboxes per window of the create and close rates at low and at high counts
 
 
-def rates(samples: list[float]) -> dict[str, float]:
+def rates(samples: list[float]) -> dict[str, Any]:
     """Operations per second over the first and the last ``WINDOW`` of ``samples`` (one after another, in the
     order they ran), their ratio (last / first: 1.0 when nothing per operation grows with the count), and the rate
     of every whole window in order."""
@@ -185,7 +185,7 @@ def paused(made: list[Any], report: Report, home: Path, cap: int, disk_floor: in
             if free < disk_floor else None
 
     made, stop = fill(made, r, "paused sandbox", cap, lambda sb: sb.pause(memory=False), disk_floor_reached)
-    used = (start[0] if start else 0) - (free_disk(vol) if vol.exists() else 0)
+    used = start[0] - free_disk(vol) if start and vol.exists() else 0
     resumed = report.result("paused.resume", "resume of a files-only paused sandbox -> exec answered")
     if made:
         t = time.perf_counter()
