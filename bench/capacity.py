@@ -3,18 +3,20 @@
 Idle: sandboxes of ``agentenv/base`` are created one after another, each doing nothing after its start, until
 something refuses one (its error is where agentenv stopped), the host's available memory falls to ``--floor``
 (where this benchmark stopped, to keep the machine alive), ``--minutes`` pass, ``--max`` is reached, or a
-SIGINT. Each new sandbox answers
-``exec`` before the next is made; at the end every tenth is asked again. Host memory per idle sandbox is the fall
-of ``MemAvailable`` divided by the count. The plain alternative, in the same run: ``--docker`` idle
+SIGINT. Each new sandbox answers ``exec`` before the next is made; at the end every tenth is asked again. Host
+memory per idle sandbox is the fall of ``MemAvailable`` divided by the count. Creates and closes per second are
+reported for the first and the last 100 (with few and with nearly all held): their ratio is 1.0 where nothing
+per sandbox grows with the count. The plain alternative, in the same run: ``--docker`` idle
 ``docker run -d agentenv/base sleep infinity`` containers, measured the same way.
 
 Paused: a sandbox is created and paused with its files only (``pause(memory=False)``: no process left, its layer
 in the snapshot store), again and again, until a refusal, the volume's free space falls under ``--disk-floor``,
-or ``--max-paused``. Reported: the count, the volume's bytes per paused sandbox, and how a resume of one answers.
+``--paused-minutes`` pass or ``--max-paused``. Reported: the count, the volume's bytes per paused sandbox, and how
+a resume of one answers.
 
 Everything runs in a private $AGENTENV_HOME with the local API (no server quotas in the way) and is removed after.
 
-    .venv/bin/python -m bench.capacity [--max 2000] [--floor 3g] [--max-paused 2000] [--docker 20]
+    .venv/bin/python -m bench.capacity [--max 2000] [--floor 3g] [--max-paused 2000] [--paused-minutes 10] [--docker 20]
 """
 
 from __future__ import annotations
@@ -67,6 +69,21 @@ def free_disk(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
+WINDOW = 100  # sandboxes per window of the create and close rates at low and at high counts
+
+
+def rates(samples: list[float]) -> dict[str, Any]:
+    """Operations per second over the first and the last ``WINDOW`` of ``samples`` (one after another, in the
+    order they ran), their ratio (last / first: 1.0 when nothing per operation grows with the count), and the rate
+    of every whole window in order."""
+    if len(samples) < 2 * WINDOW:
+        return {}
+    first, last = WINDOW / sum(samples[:WINDOW]), WINDOW / sum(samples[-WINDOW:])
+    every = [round(WINDOW / sum(samples[i:i + WINDOW]), 2) for i in range(0, len(samples) - WINDOW + 1, WINDOW)]
+    return {"first_per_s": round(first, 2), "last_per_s": round(last, 2), "last_over_first": round(last / first, 3),
+            "per_window_per_s": every}
+
+
 def fill(made: list[Any], r: Result, what: str, cap: int, then: Callable[[Any], object],
          floor_reached: Callable[[], str | None]) -> tuple[list[Any], str]:
     """Sandboxes made one after another into ``made`` (each timed into ``r`` with ``then(sb)``) until
@@ -117,7 +134,8 @@ def idle(made: list[Any], report: Report, cap: int, floor: int, minutes: float) 
                            "host_bytes_per_sandbox": used // max(1, len(made)),
                            "cgroup_bytes_per_sandbox": charged // max(1, len(made)),
                            "asked_again": len(asked), "answered_again": answered,
-                           "seconds": round(t_end - t0, 1)}
+                           "seconds": round(t_end - t0, 1),
+                           "create_rate": rates(r.samples)}  # first 100 made with 0..99 held, last with N-100..N-1
 
 
 def docker_idle(report: Report, n: int) -> None:
@@ -147,13 +165,18 @@ def docker_idle(report: Report, n: int) -> None:
             subprocess.run(["docker", "rm", "-f", *ids[i:i + 50]], capture_output=True, timeout=300, check=False)
 
 
-def paused(made: list[Any], report: Report, home: Path, cap: int, disk_floor: int) -> None:
-    """Files-only paused sandboxes until a refusal, the disk floor or ``cap``; one is resumed at the end."""
+def paused(made: list[Any], report: Report, home: Path, cap: int, disk_floor: int, minutes: float) -> None:
+    """Files-only paused sandboxes until a refusal, the disk floor, ``minutes`` or ``cap``; one is resumed at the
+    end."""
     r = report.result("paused.create_pause", "create -> pause(memory=False), one after another")
     vol = home / "volume"
     start: list[int] = []
+    deadline = time.monotonic() + minutes * 60
+    t0 = time.monotonic()
 
     def disk_floor_reached() -> str | None:
+        if time.monotonic() > deadline:
+            return f"the benchmark's time limit ({minutes:g} min)"
         if not vol.exists():
             return None
         free = free_disk(vol)
@@ -162,7 +185,7 @@ def paused(made: list[Any], report: Report, home: Path, cap: int, disk_floor: in
             if free < disk_floor else None
 
     made, stop = fill(made, r, "paused sandbox", cap, lambda sb: sb.pause(memory=False), disk_floor_reached)
-    used = (start[0] if start else 0) - (free_disk(vol) if vol.exists() else 0)
+    used = start[0] - free_disk(vol) if start and vol.exists() else 0
     resumed = report.result("paused.resume", "resume of a files-only paused sandbox -> exec answered")
     if made:
         t = time.perf_counter()
@@ -173,14 +196,20 @@ def paused(made: list[Any], report: Report, home: Path, cap: int, disk_floor: in
         except Exception as e:  # noqa: BLE001 - recorded
             resumed.fail(e)
     report.info["paused"] = {"count": len(made), "stopped_by": stop, "volume_bytes_used": used,
-                             "volume_bytes_per_sandbox": used // max(1, len(made))}
+                             "volume_bytes_per_sandbox": used // max(1, len(made)),
+                             "volume_bytes_free": free_disk(vol) if vol.exists() else None,
+                             "seconds": round(time.monotonic() - t0, 1), "create_pause_rate": rates(r.samples)}
 
 
-def close_all(sandboxes: list[Any]) -> None:
-    """Close each of ``sandboxes`` (progress every 200; one that fails is reported), then forget them."""
+def close_all(sandboxes: list[Any], r: Result | None = None) -> None:
+    """Close each of ``sandboxes`` (each timed into ``r``; progress every 200; one that fails is reported), then
+    forget them."""
     for i, sb in enumerate(sandboxes):
+        t = time.perf_counter()
         try:
             sb.close()
+            if r is not None:
+                r.add(time.perf_counter() - t)
         except Exception as e:  # noqa: BLE001 - reported, the rest still go
             console.print(f"[yellow]could not close {sb.id}: {e}[/yellow]", highlight=False)
         if i and i % 200 == 0:
@@ -195,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=10, help="stop making idle sandboxes after this long")
     ap.add_argument("--max-paused", type=int, default=2000, help="paused sandboxes at most")
     ap.add_argument("--disk-floor", default="2g", help="stop pausing when the volume has this little free")
+    ap.add_argument("--paused-minutes", type=float, default=10, help="stop pausing sandboxes after this long")
     ap.add_argument("--docker", type=int, default=20, help="idle Docker containers for the comparison (0: none)")
     add_output_arg(ap, "capacity")
     args = ap.parse_args(argv)
@@ -206,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         docker_idle(report, args.docker)
         idle(made, report, args.max, parse_size(args.floor), args.minutes)
-        close_all(made)
-        paused(made, report, home, args.max_paused, parse_size(args.disk_floor))
+        closes = report.result("idle.close", "close of an idle sandbox, the most recent first")
+        close_all(made[::-1], closes)  # the first closes leave N-1.. held, the last ones 99..0
+        made.clear()
+        if "idle" in report.info:
+            report.info["idle"]["close_rate"] = rates(closes.samples)
+        paused(made, report, home, args.max_paused, parse_size(args.disk_floor), args.paused_minutes)
     except Exception as e:  # noqa: BLE001 - recorded, the report is still written
         report.fatal = f"{type(e).__name__}: {e}"
     finally:
@@ -227,8 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     print_table("one after another, ms (ratio = host memory per idle sandbox / per idle Docker container)", [
         Row("idle sandbox: create -> exec", [report.results.get("idle.create")], x),
         Row("idle Docker container: run -> exec", [report.results.get("docker.run")]),
+        Row("idle sandbox: close", [report.results.get("idle.close")]),
         Row("files-only pause: create -> pause", [report.results.get("paused.create_pause")]),
         Row("resume of one -> exec", [report.results.get("paused.resume")])])
+    for key, what in (("idle", "create_rate"), ("idle", "close_rate"), ("paused", "create_pause_rate")):
+        got = report.info.get(key, {}).get(what)
+        if got:
+            console.print(f"{key} {what}: {got['first_per_s']}/s for the first {WINDOW}, {got['last_per_s']}/s for "
+                          f"the last {WINDOW} (x{got['last_over_first']})", highlight=False)
     for key in ("idle", "docker_idle", "paused"):
         if key in report.info:
             console.print(f"{key}: {report.info[key]}", highlight=False)

@@ -17,7 +17,7 @@ one family: its sandboxes serve as the children of a files-only fork of one of t
 A range is held through hard links: ``<home>/uids/<n>`` is its lease file, and every sandbox bundle and
 snapshot folder of the family holds a link to it (``hold``). The link count says how many hold it, and
 removing a holder's folder (``rm -rf``, recovery, gc) lets it go with nothing else to update. A new family
-takes a range whose lease nobody holds (``allocate``, under the lease's flock), the low ones first: each range's
+takes a range whose lease nobody holds (``allocate``, under the lease's flock), the low ones first: each low range's
 user namespace, which its idmapped mounts need, is made once and kept (``userns_fd``).
 """
 
@@ -98,11 +98,21 @@ def _reachable(home: Path) -> None:
 
 
 def allocate(holder: Path) -> int:
-    """A range no family holds, now held by ``holder`` (a new sandbox's bundle); its base uid."""
+    """A range no family holds, now held by ``holder`` (a new sandbox's bundle); its base uid.
+
+    Each lease is first looked at without its lock (one stat: a held one is passed over at once, which with
+    thousands of families held is most of them); a free-looking one is then taken under its flock and the
+    link count checked again, so two processes never take one range."""
     _reachable(paths().home)
+    leases = str(_leases()) + "/"
     start = random.randrange(LOW)  # spread: processes allocating at once rarely try the same lease
     for step in range(COUNT):
         index = (start + step) % LOW if step < LOW else step
+        try:
+            if os.stat(leases + str(index)).st_nlink > 1:
+                continue  # held now: a holder that lets go meanwhile is only a range this call does not take
+        except FileNotFoundError:
+            pass  # never used: _lease makes it
         with _lease(index) as (path, links):
             if links == 1:  # nobody but the lease itself
                 _link(path, holder)
@@ -149,21 +159,29 @@ def _apart(folder: Path) -> None:
 
 def userns_fd(base: int) -> int:
     """A descriptor (the caller's to close) of the user namespace of the range whose root is ``base``, for
-    idmapped mounts. Each range's is made once and kept bound beside its lease (``<n>.userns``, until a reboot):
-    a start then opens a file instead of making a namespace (~3 ms, from a child process)."""
+    idmapped mounts. A low range's (below ``LOW``) is made once and kept bound beside its lease (``<n>.userns``,
+    until a reboot): a start then opens a file instead of making a namespace (~3 ms, from a child process). A
+    range past them gets a new one each time, never bound: thousands of kept binds would stay in the host's
+    mount table, which every runc start and stop reads (~100 ms more per 3,000 mounts)."""
     index = index_of(base)
+    if index >= LOW:
+        return _made(base, None)
     path = _leases() / f"{index}.userns"
     with contextlib.suppress(OSError):
         if os.path.ismount(path):
             return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     with _lease(index):  # one process makes it
-        if not os.path.ismount(path):
-            try:
-                make_userns(base, SIZE, path)
-            except OSError as e:
-                raise SandboxError(f"could not make the user namespace of uids {base}..: {e}",
-                                   fix="agentenv needs root and a kernel with user namespaces") from e
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if os.path.ismount(path):
+            return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return _made(base, path)
+
+
+def _made(base: int, path: Path | None) -> int:
+    try:
+        return make_userns(base, SIZE, path)
+    except OSError as e:
+        raise SandboxError(f"could not make the user namespace of uids {base}..: {e}",
+                           fix="agentenv needs root and a kernel with user namespaces") from e
 
 
 def describe() -> str:

@@ -169,3 +169,30 @@ def test_a_loopback_connection_comes_back_established_in_a_restore(sb):
             assert out.stdout == "through\n"
     finally:
         snap.delete()
+
+
+def test_a_range_past_the_low_ones_works_and_leaves_no_bound_namespace(sb, monkeypatch):
+    """Past the low ranges a start makes its range's user namespace and binds it nowhere (kept binds would fill
+    the mount table runc reads at every start): the image's files are still root's inside, what the sandbox writes
+    is its range's on the host, and a fork of its family starts the same way."""
+    monkeypatch.setattr(userns, "LOW", 1)
+    monkeypatch.setattr(userns.random, "randrange", lambda n: 0)
+    made = [agentenv.Sandbox.create(), agentenv.Sandbox.create()]  # at most one of them gets the one low range
+    try:
+        past = next(s for s in made if userns.index_of(_root_uid(s)) >= 1)
+        root = _root_uid(past)
+        assert _uid_map(past)[1] == root
+        assert past.exec("stat -c %u /etc/passwd").stdout == "0\n"  # the idmapped image layer
+        assert past.exec("echo mine > /root/g").exit_code == 0
+        assert (past._container.upper / "root" / "g").stat().st_uid == root
+        bound = paths().home / "uids" / f"{userns.index_of(root)}.userns"
+        assert not os.path.ismount(bound)
+        kid = past.fork(1)[0]
+        try:
+            assert _uid_map(kid)[1] == root and kid.exec("cat /root/g").stdout == "mine\n"
+        finally:
+            kid.close()
+        assert not os.path.ismount(bound)
+    finally:
+        for s in made:
+            s.close()

@@ -68,3 +68,42 @@ def test_a_home_others_cannot_pass_through_is_opened_or_refused(tmp_path):
     userns._reachable.cache_clear()
     with pytest.raises(SandboxError, match="does not let other users through"):
         userns._reachable(home)
+
+
+def _allocate_many(home_dir: str, tag: str, n: int, out) -> None:
+    """In a child process: ``n`` holders allocated one after another, their indexes sent back."""
+    import os
+
+    os.environ["AGENTENV_HOME"] = home_dir
+    userns._reachable = lambda home: None  # pytest's tmp folders are 0700
+    userns.random.randrange = lambda n: 0  # every process starts at the same lease: the worst case for the lock
+    got = []
+    for i in range(n):
+        d = os.path.join(home_dir, "sandboxes", f"{tag}-{i}")
+        os.mkdir(d)
+        got.append(userns.index_of(userns.allocate(userns.Path(d))))
+    out.put((tag, got))
+
+
+def test_processes_allocating_at_once_never_share_a_range(home):
+    """Four processes taking ranges at once past the low ones (each lease looked at unlocked first, then taken
+    under its flock): every range handed out is handed out once, and each holder holds what it was given."""
+    import multiprocessing
+
+    n = userns.LOW // 2 + 40  # together they fill the low ranges and go past them
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_allocate_many, args=(str(home), f"p{k}", n, out)) for k in range(4)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    every = [i for g in got.values() for i in g]
+    assert len(every) == 4 * n and len(set(every)) == len(every)
+    assert set(range(userns.LOW)) <= set(every)  # the low ones first, and all of them before any past LOW
+    assert max(every) == 4 * n - 1
+    for tag, g in got.items():
+        for i, index in enumerate(g):
+            assert (home / "sandboxes" / f"{tag}-{i}" / userns.LEASE).samefile(home / "uids" / str(index))
