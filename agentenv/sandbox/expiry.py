@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from agentenv.errors import AgentEnvError, SandboxNotFound, SandboxStateError
-from agentenv.sandbox import snapshotting
+from agentenv.sandbox import migration, snapshotting
 
 if TYPE_CHECKING:
     from agentenv.sandbox.parts import Parts
@@ -49,10 +49,13 @@ def due(expires_at: float | None, state: str, now: float | None = None) -> bool:
 
 def expire(sb: Parts) -> str | None:
     """Pause or close ``sb`` (``action``) if, checked again under its lock, it runs past its TTL: a connect may
-    have just extended it. Returns what was done ('pause', 'kill'), or None."""
+    have just extended it. Returns what was done ('pause', 'kill'), or None. SandboxStateError while a post-copy
+    migration holds it frozen: the move decides where it goes (a later round reaps it if it stays here), and a
+    pause would wait out the quiesce deadline on an agent CRIU holds, with the sandbox's lock (and its calls)."""
     with sb._locked():
         if not due(sb._rec.get("expires_at"), sb._rec["state"]):
             return None
+        migration.refuse_calls(sb.id)
         done = action(sb.labels)
         if done == "kill":
             sb._destroy()
@@ -78,6 +81,9 @@ def reap(sandboxes: Iterable[Expiring]) -> builtins.list[str]:
             continue
         except AgentEnvError as e:
             log.warning("could not reap sandbox %s past its TTL: %s", sb.id, e)
+            continue
+        except Exception:  # noqa: BLE001 - a bug met on one sandbox must not end the round for the others
+            log.exception("could not reap sandbox %s past its TTL", sb.id)
             continue
         if what is not None:
             log.info("%s sandbox %s: its TTL expired", "closed" if what == "kill" else "paused", sb.id)

@@ -25,7 +25,7 @@ from agentenv.errors import CheckpointError, ConnectionLost
 from agentenv.host import lazy_pages, postcopy, userns, volume
 from agentenv.host.criu import dump_stats
 from agentenv.phases import note, phase
-from agentenv.sandbox import shared, store
+from agentenv.sandbox import shared, store, usage
 from agentenv.sandbox.store import Snapshot
 
 if TYPE_CHECKING:
@@ -149,8 +149,8 @@ def _quiesce(sb: Parts) -> None:
     try:
         sb._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
     except TimeoutError:
-        raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s; "
-                             "nothing was saved and the sandbox was left running",
+        raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s "
+                             f"({usage.stall_hint(sb)}); nothing was saved and the sandbox was left running",
                              fix="the agent may be stopped (traced) or starved of CPU; retry, or close the "
                                  "sandbox") from None
 

@@ -4,12 +4,14 @@ running on the source."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 import agentenv
 from agentenv.errors import CheckpointError, SandboxStateError, SnapshotNotFound
 from agentenv.host import lazy_pages
-from agentenv.sandbox import migration
+from agentenv.sandbox import expiry, migration, usage
 
 from .server_fixtures import TOKEN
 from .test_transfer import servers  # noqa: F401 - the two servers (A holds one sandbox)
@@ -92,6 +94,30 @@ def test_a_migration_nobody_receives_leaves_the_sandbox_running_on_the_source(ho
     assert query(holding) == before
     with pytest.raises(SnapshotNotFound):
         agentenv.Snapshot.get(out.snapshot.id)
+
+
+@pytest.mark.parametrize("on_expiry", ["pause", "kill"])
+def test_the_ttl_reaper_leaves_a_sandbox_alone_while_a_migration_holds_it(on_expiry, caplog):
+    """Past its TTL while frozen by a migration: the reaper neither closes it under the move ("kill") nor waits
+    out the quiesce deadline on an agent CRIU holds ("pause"); once the move failed, the next round reaps it."""
+    sb = agentenv.Sandbox.create(labels={expiry.ON_EXPIRY: on_expiry})
+    try:
+        out = migration.send(sb)
+        try:
+            sb.set_ttl(0.001)
+            while not expiry.due(sb.expires_at, sb.state):
+                pass
+            with caplog.at_level("WARNING", logger="agentenv"):
+                assert sb.id not in agentenv.Sandbox.reap_expired()
+            assert "could not reap" not in caplog.text
+            assert sb.state == "running"
+            assert re.search(r"agent threads: \d+ t\b", usage.stall_hint(sb))  # seized by CRIU: what an error says
+        finally:
+            assert not out.finish(False)
+        assert sb.id in agentenv.Sandbox.reap_expired()
+        assert sb.state == ("paused" if on_expiry == "pause" else "closed")
+    finally:
+        sb.close()
 
 
 def test_a_receiver_whose_page_server_is_gone_fails_and_leaves_nothing(holding):
@@ -186,7 +212,7 @@ def test_a_migration_whose_server_died_is_ended_and_the_source_runs_on():
 import os, signal, sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
-from agentenv.sandbox import migration
+from agentenv.sandbox import expiry, migration, usage
 from tests.integration.test_postcopy import HOLDER, query
 sb = agentenv.Sandbox.create(memory="512m")
 sb.write_file("/tmp/holder.py", HOLDER)
