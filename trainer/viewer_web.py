@@ -39,6 +39,8 @@ def install(app: FastAPI, root: str | Path, mode: str = "serve") -> None:
     if not folder.is_dir():
         raise ValueError(f"--runs {folder}: not a folder (give the folder that holds the run folders)")
     app.state.viewer_root, app.state.viewer_mode = folder, mode
+    if mode == "serve":  # beside the sandboxes: the console's pages link here
+        app.state.console_links = [*getattr(app.state, "console_links", ()), (f"{console.PREFIX}/runs", "Runs")]
     app.include_router(router)
 
 

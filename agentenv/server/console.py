@@ -32,8 +32,8 @@ from agentenv.server.console_auth import (
     PREFIX,
     Sessions,
     auth,
+    console_page,
     logged_in,
-    page_file,
     sessions,
     unauthorized,
 )
@@ -67,7 +67,7 @@ def page(request: Request, page: str = "") -> Response:
         return Response("not found", 404, headers=HEADERS, media_type="text/plain")
     if not logged_in(request):
         return RedirectResponse(f"{PREFIX}/login", 303, headers=HEADERS)
-    return page_file(PAGES[page])
+    return console_page(request, PAGES[page])
 
 
 # --- what the pages show ----------------------------------------------------------------------

@@ -9,6 +9,7 @@ own scripts only.
 from __future__ import annotations
 
 import hmac
+import html
 import secrets
 import threading
 import time
@@ -30,6 +31,8 @@ HEADERS = {  # on every console reply
     "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
+
+MORE_LINKS = '<span id="more-links"></span>'  # in the nav of every console page: where console_links go
 
 auth = APIRouter(prefix=PREFIX, include_in_schema=False)  # login, logout, scripts: every console page's
 
@@ -68,6 +71,14 @@ def sessions(request: Request) -> Sessions:
 
 def logged_in(request: Request) -> bool:
     return sessions(request).valid(request.cookies.get(COOKIE))
+
+
+def console_page(request: Request, name: str) -> Response:
+    """A page of the console, its nav with the links other packages added (``app.state.console_links``: pairs of
+    path and label; ``agentenv serve --runs`` adds the viewer's Runs)."""
+    links = "".join(f' <a href="{html.escape(href)}">{html.escape(label)}</a>'
+                    for href, label in getattr(request.app.state, "console_links", ()))
+    return page_file(name, replace=(MORE_LINKS, MORE_LINKS.replace("></", f">{links}</"))) if links else page_file(name)
 
 
 def page_file(name: str, status: int = 200, replace: tuple[str, str] | None = None) -> Response:

@@ -18,7 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from agentenv.sandbox.core import Sandbox
-from agentenv.server.console_auth import HEADERS, PREFIX, logged_in, page_file, unauthorized
+from agentenv.server.console_auth import HEADERS, PREFIX, console_page, logged_in, unauthorized
 from agentenv.server.routing import error_response
 from agentenv.server.schemas import FilePath, Pid, SandboxId
 from agentenv.server.service import Service
@@ -34,7 +34,7 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 def sandbox_page(request: Request, sandbox_id: SandboxId) -> Response:
     if not logged_in(request):
         return RedirectResponse(f"{PREFIX}/login", 303, headers=HEADERS)
-    return page_file("sandbox.html")
+    return console_page(request, "sandbox.html")
 
 
 async def _serve(request: Request, fn: Callable[[Service], Any]) -> Response:

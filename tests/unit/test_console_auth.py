@@ -94,3 +94,19 @@ def test_the_sandbox_and_server_pages_and_their_reads_need_the_login(client):
     assert client.get("/console/static/detail.js").status_code == 200
     assert client.get("/console/api/server").json() == {"history": []}  # nothing read yet: no page streamed
     assert client.get("/console/api/sandboxes/sb-x/list?path=a%00b").status_code == 422  # the API's path rules
+
+
+def test_the_nav_links_what_other_packages_added_and_nothing_else():
+    def runs(app):
+        app.state.console_links = [("/console/runs", "Runs"), ("/console/x?a=<b>", "<i>")]
+
+    plain = TestClient(create_app(TOKEN, e2b=False), base_url="http://127.0.0.1:8700", follow_redirects=False)
+    added = TestClient(create_app(TOKEN, e2b=False, pages=[runs]), base_url="http://127.0.0.1:8700",
+                       follow_redirects=False)
+    for c in (plain, added):
+        logged_in(c)
+    for path in ("/console/", "/console/snapshots", "/console/server", "/console/sandbox/sb-x"):
+        assert "/console/runs" not in plain.get(path).text
+        text = added.get(path).text
+        assert '<span id="more-links"> <a href="/console/runs">Runs</a>' in text
+        assert "&lt;i&gt;" in text and "<i>" not in text  # labels and paths are escaped
