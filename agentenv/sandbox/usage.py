@@ -32,6 +32,13 @@ def _number(path: Path) -> int | None:
         return None
 
 
+def _text(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
 def _stat(path: Path) -> dict[str, int]:
     out: dict[str, int] = {}
     with contextlib.suppress(OSError):
@@ -81,30 +88,30 @@ def sample(sandboxes: Iterable[Parts], window: float = 0.2) -> dict[str, tuple[U
 def stall_hint(sb: Parts) -> str:
     """Why the sandbox's agent may not be answering, read from its cgroups and /proc (for an error message): its
     memory against the limit (and a memory OOM it is stuck in), its processes against the pids limit, a freezer
-    left on, and the states of the agent's threads (``T``: stopped, ``D``: waiting in the kernel)."""
+    left on, and the states of the agent's threads (``T``: stopped, ``t``: held by a tracer such as CRIU, ``D``:
+    waiting in the kernel). Never raises: what cannot be read is left out."""
     said: list[str] = []
-    for d in cgroups.existing(sb._container.cgroup):
-        used = _number(d / "memory.usage_in_bytes") or _number(d / "memory.current")
-        limit = _number(d / "memory.limit_in_bytes") or _number(d / "memory.max")
-        if used is not None and limit is not None:
-            said.append(f"memory {used >> 20}/{limit >> 20} MiB")
-        if _stat(d / "memory.oom_control").get("under_oom") == 1:
-            said.append("stuck in an out-of-memory wait")
-        if (pids := _number(d / "pids.current")) is not None:
-            said.append(f"{pids} pids of {(d / 'pids.max').read_text().strip()}")
-        with contextlib.suppress(OSError):
-            if (d / "freezer.state").read_text().strip() != "THAWED" or (d / "cgroup.freeze").read_text() == "1\n":
+    with contextlib.suppress(Exception):
+        for d in cgroups.existing(sb._container.cgroup):
+            used = _number(d / "memory.usage_in_bytes") or _number(d / "memory.current")
+            limit = _number(d / "memory.limit_in_bytes") or _number(d / "memory.max")
+            if used is not None and limit is not None:
+                said.append(f"memory {used >> 20}/{limit >> 20} MiB")
+            if _stat(d / "memory.oom_control").get("under_oom") == 1:
+                said.append("stuck in an out-of-memory wait")
+            if (pids := _number(d / "pids.current")) is not None:
+                said.append(f"{pids} pids of {_text(d / 'pids.max') or '?'}")
+            if _text(d / "freezer.state") not in ("", "THAWED") or _text(d / "cgroup.freeze") == "1":
                 said.append("frozen")
-    for pid in sb._container.pids()[:1]:  # the lowest pid: the agent's, started first
-        states: dict[str, int] = {}
-        with contextlib.suppress(OSError):
-            for task in list(Path(f"/proc/{pid}/task").iterdir())[:256]:
-                with contextlib.suppress(OSError, IndexError):
-                    state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                    wchan = (task / "wchan").read_text().strip() if state in "DT" else ""
-                    key = f"{state} {wchan}".strip()
-                    states[key] = states.get(key, 0) + 1
-        said.append("agent threads: " + (", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "none"))
+        for pid in sb._container.pids()[:1]:  # the lowest pid: the agent's, started first
+            states: dict[str, int] = {}
+            with contextlib.suppress(OSError):
+                for task in list(Path(f"/proc/{pid}/task").iterdir())[:256]:
+                    with contextlib.suppress(OSError, IndexError):
+                        state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                        key = f"{state} {_text(task / 'wchan')}" if state in ("D", "T") else state
+                        states[key] = states.get(key, 0) + 1
+            said.append("agent threads: " + (", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "none"))
     return "; ".join(said) or "no cgroup (not running)"
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import tempfile
 import time
@@ -291,8 +292,9 @@ def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_
     pid = agent_pid(sb)
     os.kill(pid, signal.SIGSTOP)  # what PTRACE_ATTACH from inside did
     try:
-        with pytest.raises(ConnectionLost, match="did not get ready"):
+        with pytest.raises(ConnectionLost, match="did not get ready") as e:
             sb.snapshot(memory=True)
+        assert re.search(r"agent threads: \d+ T ", str(e.value)), e.value  # the error says it is stopped
         assert not sb._container.frozen()
         with pytest.raises(ConnectionLost, match="did not answer"):
             sb.exec("true", timeout=1)
