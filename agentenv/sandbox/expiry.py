@@ -55,7 +55,9 @@ def expire(sb: Parts) -> str | None:
     with sb._locked():
         if not due(sb._rec.get("expires_at"), sb._rec["state"]):
             return None
-        migration.refuse_calls(sb.id)
+        if (snap := migration.moving(sb.id)) is not None:
+            raise SandboxStateError(f"sandbox {sb.id} is being migrated post-copy (snapshot {snap})",
+                                    fix="the move decides where it goes; it is reaped here later if it stays")
         done = action(sb.labels)
         if done == "kill":
             sb._destroy()

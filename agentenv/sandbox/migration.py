@@ -140,6 +140,16 @@ def refuse_calls(sandbox_id: str) -> None:
                                     "where it went (or here, if the move failed)")
 
 
+def moving(sandbox_id: str) -> str | None:
+    """The snapshot id of a migration of that sandbox under way in any live process of this host (another
+    ``agentenv serve`` of the same home, say), found by its snapshot, which lives as long as the move; None
+    when there is none. A scan of the store: for the TTL reaper, not for every call (``refuse_calls``)."""
+    if (out := under_way(sandbox_id)) is not None:
+        return out.snapshot.id
+    return next((s.id for s in Snapshot.list() if s.labels.get("agentenv.kind") == store.MIGRATE_KIND
+                 and s.sandbox_id == sandbox_id and store.owner_alive(s.owner)), None)
+
+
 def all_in(sb: Parts, timeout: float = ALL_IN_TIMEOUT) -> bool:
     """True once a sandbox restored from a post-copy snapshot in this process has every page (its lazy-pages
     daemon exited 0), waiting at most ``timeout`` s; False if the transfer failed or is not done."""

@@ -4,7 +4,10 @@ running on the source."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -110,6 +113,10 @@ def test_the_ttl_reaper_leaves_a_sandbox_alone_while_a_migration_holds_it(on_exp
             with caplog.at_level("WARNING", logger="agentenv"):
                 assert sb.id not in agentenv.Sandbox.reap_expired()
             assert "could not reap" not in caplog.text
+            other = subprocess.run(  # agentenv gc's reaper, in another process: it finds the move by its snapshot
+                [sys.executable, "-c", "import agentenv; print(agentenv.Sandbox.reap_expired())"],
+                capture_output=True, text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+            assert sb.id not in other.stdout and "could not reap" not in other.stderr, other.stderr
             assert sb.state == "running"
             assert re.search(r"agent threads: \d+ t\b", usage.stall_hint(sb))  # seized by CRIU: what an error says
         finally:
@@ -201,10 +208,7 @@ def test_a_post_copy_move_between_servers_and_one_that_fails_on_the_receiver(ser
 def test_a_migration_whose_server_died_is_ended_and_the_source_runs_on():
     """kill -9 of the sending process while its page server waits: the CRIU it left would wait for a receiver
     forever, holding the sandbox frozen; recovery ends it and the sandbox runs on where it was."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     from agentenv.sandbox.recovery import host_processes, lazy_dump
 
