@@ -103,7 +103,8 @@ def stall_hint(sb: Parts) -> str:
                 said.append(f"{pids} pids of {_text(d / 'pids.max') or '?'}")
             if _text(d / "freezer.state") not in ("", "THAWED") or _text(d / "cgroup.freeze") == "1":
                 said.append("frozen")
-        for pid in sb._container.pids()[:1]:  # the lowest pid: the agent's, started first
+        agent = sb._rec.get("init_pid")
+        for pid in [agent] if isinstance(agent, int) else sb._container.pids()[:1]:  # else the first started
             states: dict[str, int] = {}
             with contextlib.suppress(OSError):
                 for task in list(Path(f"/proc/{pid}/task").iterdir())[:256]:
