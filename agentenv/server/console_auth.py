@@ -78,7 +78,7 @@ def console_page(request: Request, name: str) -> Response:
     path and label; ``agentenv serve --runs`` adds the viewer's Runs)."""
     links = "".join(f' <a href="{html.escape(href)}">{html.escape(label)}</a>'
                     for href, label in getattr(request.app.state, "console_links", ()))
-    return page_file(name, replace=(MORE_LINKS, MORE_LINKS.replace("></", f">{links}</"))) if links else page_file(name)
+    return page_file(name, replace=(MORE_LINKS, f'<span id="more-links">{links}</span>') if links else None)
 
 
 def page_file(name: str, status: int = 200, replace: tuple[str, str] | None = None) -> Response:
