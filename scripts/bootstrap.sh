@@ -138,11 +138,17 @@ if [ "$SKIP_VENV" = 0 ]; then
     VENV="$ROOT/.venv"
     STAMP="$VENV/.agentenv-installed"
     WANT="$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
+    # A .venv made from another interpreter (an older bootstrap took the first python3.11 on PATH) is made again.
+    if [ -f "$VENV/pyvenv.cfg" ] && ! grep -qx 'home = /usr/bin' "$VENV/pyvenv.cfg"; then
+        log "remaking .venv from the distribution's /usr/bin/python3 (it was made from $(sed -n 's/^home = //p' "$VENV/pyvenv.cfg"))"
+        rm -rf "$VENV"
+    fi
     if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
         log "installing the Python environment in .venv (torch and the project; a few minutes the first time)"
-        apt_install python3-venv
-        PY="$(command -v python3.11 || command -v python3)"
-        [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+        # The distribution's own interpreter, never whatever is first on PATH (a pyenv or a newer build would hide
+        # what a fresh Debian runs: 3.11.2 on Debian 12, whose tarfile has no extraction filters).
+        apt_install python3 python3-venv
+        [ -x "$VENV/bin/python" ] || /usr/bin/python3 -m venv "$VENV"
         pip() { { "$VENV/bin/pip" "$@" 2>&1; } | { grep -v "is ignored: it is neither a file nor a directory" || true; }; }
         pip install -q --upgrade pip
         # Pin the CPU build that the package registries here serve; a bare 'torch' pulls CUDA wheels.
@@ -158,7 +164,7 @@ if [ "$SKIP_VENV" = 0 ]; then
     SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     [ -d "$CACHE/pycriu" ] && echo "$CACHE" >"$SITE/agentenv-pycriu.pth"
     "$VENV/bin/python" -c "import pycriu" || die "pycriu does not import in .venv"
-    log "python environment ready: $VENV"
+    log "python environment ready: $VENV ($("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0], sys._base_executable)'))"
     # --- 5. The sandbox volume of the default home (/var/lib/agentenv): made once, mounted again after a reboot
     "$VENV/bin/agentenv" volume || die "the sandbox volume has no quotas: sandboxes cannot get disk limits"
     # --- 6. harbor's own venv (harbor needs Python >= 3.12, Debian 12 has 3.11): CPython 3.13 built from Debian's
