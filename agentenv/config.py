@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import re
 import signal
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +46,11 @@ def parse_disk(value: str | int | None) -> int | None:
     return n
 
 
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600  # what agentenv makes under the home: its owner's (root's) alone
+PASSABLE = 0o711  # the home, sandboxes/, snapshots/, agents/: anyone may pass (never list), to reach a gate below
+GATE = 0o710  # a holder (a sandbox's bundle, a snapshot's folder): root's, and its uid range's root group may pass
+
+
 @dataclass(frozen=True)
 class Paths:
     """The on-disk layout under the home (see ``agentenv.host.volume`` for the volume)::
@@ -51,12 +59,26 @@ class Paths:
         snapshots/<id>/     the snapshot store: meta.json and criu/, the processes' images (host filesystem,
                             which writes them several times faster than btrfs does)
         runc/, tmp/         runc's state; scratch
+        uids/               the leases of the sandboxes' uid ranges (``agentenv.host.userns``)
         agents/             the in-sandbox agent, its parts joined, one file by content (bind-mounted read-only)
-        volume.img          the sparse btrfs image of the volume (when agentenv made it)
+        exports/, imports/  snapshots packed for, and coming from, other servers (``agentenv.sandbox.transfer``)
+        e2b-templates/      the E2B templates (``agentenv.server.e2b.template_store``)
+        volume.img          the sparse btrfs image of the volume (when agentenv made it); volume.lock
+        store-limit         the snapshot store's limit (``agentenv.sandbox.store.set_limit``)
         volume/             the volume: what sandboxes write, and the files of snapshots (one filesystem, so
                             that a snapshot's files are reflinks of the sandbox's, and a restore's of the snapshot's)
           layers/<id>/      a sandbox's overlay upper and work folders: one subvolume, its disk limit
           snapshots/<id>/   a snapshot's files (what fs/ of the store held): a subvolume, the store's limit
+
+    Who may reach what: every folder and file is root's alone (0700, 0600), made so (never opened, then closed),
+    except the folders a sandbox's root must pass through: a sandbox runs as an unprivileged host uid range
+    (``agentenv.host.userns``) whose root must reach its bundle's ``rootfs`` (runc mounts it from inside the
+    sandbox's user namespace), a restore's CRIU images (CRIU reads them as that root) and the agent's file (a
+    restore's CRIU binds it there). The home, ``sandboxes/`` and ``snapshots/`` let anyone pass (0711: the names
+    there cannot be listed), and each folder in those two is a *gate* (``gate``): root's, mode 0710, its group the
+    gid of its sandbox's root (the range's base), so only that range and root get in. ``agents/`` (0711) holds
+    the agent alone, agentenv's own code (0644), nothing of a sandbox. Other host users reach nothing else below
+    the home, and a sandbox's root reaches only its own family's folders, where the records are 0600 root's.
     """
 
     home: Path
@@ -72,6 +94,14 @@ class Paths:
     @property
     def volume_image(self) -> Path:
         return self.home / "volume.img"
+
+    @property
+    def volume_lock(self) -> Path:
+        return self.home / "volume.lock"
+
+    @property
+    def store_limit(self) -> Path:
+        return self.home / "store-limit"
 
     @property
     def layers(self) -> Path:
@@ -94,18 +124,116 @@ class Paths:
         return self.home / "runc"
 
     @property
+    def uids(self) -> Path:
+        return self.home / "uids"
+
+    @property
+    def exports(self) -> Path:
+        return self.home / "exports"
+
+    @property
+    def imports(self) -> Path:
+        return self.home / "imports"
+
+    @property
+    def templates(self) -> Path:
+        return self.home / "e2b-templates"
+
+    @property
     def tmp(self) -> Path:
         return self.home / "tmp"
 
+    def folders(self) -> dict[Path, int]:
+        """The home's own folders and their modes, the home first and ``tmp`` last."""
+        passable = (self.home, self.sandboxes, self.snapshots, self.agents)
+        private = (self.runc_root, self.uids, self.exports, self.imports, self.templates, self.volume,
+                   self.tmp)
+        return {**{d: PASSABLE for d in passable}, **{d: PRIVATE_DIR for d in private}}
+
+    def private_files(self) -> tuple[Path, ...]:
+        """The files right in the home (reachable by name through it): each 0600."""
+        return self.volume_image, self.store_limit, self.volume_lock
+
+
+_laid_out: set[Path] = set()
+
 
 def paths() -> Paths:
-    """The layout under $AGENTENV_HOME (default /var/lib/agentenv), created on first use (the volume's
-    folders are made by ``agentenv.host.volume.ensure``, which may mount the volume there first)."""
+    """The layout under $AGENTENV_HOME (default /var/lib/agentenv), made on first use (the volume's folders are
+    made by ``agentenv.host.volume.ensure``, which may mount the volume there first); a home an older agentenv
+    made is closed to other users once a process uses it (``lay_out``)."""
     p = Paths(Path(os.environ.get("AGENTENV_HOME", "/var/lib/agentenv")))
-    if not p.tmp.is_dir():  # made last: one stat a call once made (a sandbox start asks ~10 times)
-        for d in (p.sandboxes, p.snapshots, p.runc_root, p.tmp):
-            d.mkdir(parents=True, exist_ok=True)
+    if p.home not in _laid_out or not p.tmp.is_dir():  # one stat a call once made (a start asks ~10 times)
+        lay_out(p)
+        _laid_out.add(p.home)
     return p
+
+
+def lay_out(p: Paths) -> None:
+    """Make the home's folders with their modes (``Paths.folders``), and set the modes an older agentenv left open
+    (it made everything 0755 / 0644 and let anyone reach a sandbox's files): the home's folders and files, and
+    every sandbox bundle and snapshot folder still open to others, which becomes the gate of its range (from its
+    record's ``spec.uids``), its records 0600. Idempotent; a home this code made has nothing to change (one stat
+    per folder of ``sandboxes/`` and ``snapshots/``, once a process). A home of another user (a client on its
+    server's host, say) is left as it is."""
+    p.home.mkdir(mode=PASSABLE, parents=True, exist_ok=True)
+    if p.home.stat().st_uid != os.geteuid():
+        return
+    for d, mode in p.folders().items():
+        d.mkdir(mode=mode, exist_ok=True)  # a mode the umask cannot widen: it only takes bits away
+        if (d.stat().st_mode & 0o7777) != mode:
+            os.chmod(d, mode)
+    for f in p.private_files():
+        _close(f)
+    for folder, record in ((p.sandboxes, "sandbox.json"), (p.snapshots, "meta.json")):
+        for entry in os.scandir(folder):
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile (a close, a gc)
+                if entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_mode & 0o007:
+                    _close_holder(Path(entry.path), record)
+
+
+def _close_holder(holder: Path, record: str) -> None:
+    """A sandbox bundle or snapshot folder an older agentenv made: its gate, its records 0600."""
+    try:
+        uids = json.loads((holder / record).read_text())["spec"]["uids"]
+    except (OSError, ValueError, KeyError, TypeError):
+        uids = None  # being made or removed, or from before user namespaces: root's alone
+    for name in (record, "link.json", "criu/runc-state.json", "criu/descriptors.json"):
+        _close(holder / name)
+    if isinstance(uids, int):
+        gate(holder, uids)
+    else:
+        os.chmod(holder, PRIVATE_DIR)
+
+
+def _close(path: Path) -> None:
+    """Make a file 0600 where it is a file (a missing one is left missing)."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.stat(path, follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode) and st.st_mode & 0o077:
+            os.chmod(path, PRIVATE_FILE)
+
+
+def gate(folder: Path, gid: int) -> None:
+    """Make ``folder`` (root's, made 0700) a gate: group ``gid`` (a sandbox's root group, its range's base on the
+    host) may pass, nobody else but root (``GATE``). Owner and group are set before the mode opens to the group."""
+    st = folder.stat()
+    if (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, gid, GATE):
+        return
+    if st.st_mode & 0o077:
+        os.chmod(folder, PRIVATE_DIR)
+    os.chown(folder, 0, gid)
+    os.chmod(folder, GATE)
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``path`` whole, by rename, 0600 from its creation (``<name>.tmp`` beside it first)."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
+    with open(fd, "wb") as f:
+        os.fchmod(fd, PRIVATE_FILE)  # a leftover of a crash keeps its mode through O_CREAT
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
 
 
 CRASH_ENV = "AGENTENV_CRASH_AT"

@@ -63,7 +63,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentenv.config import crash_point
+from agentenv.config import crash_point, write_private
 from agentenv.errors import CheckpointError
 from agentenv.host import cgroups
 from agentenv.host.hostcalls import proc_start_time, run_program
@@ -142,8 +142,8 @@ def prepare_dump(runc_state: Path, images: Path, work: Path, leave_running: bool
         raise CheckpointError(f"runc's record of the container ({runc_state}) is not in the form runc 1.1 writes: "
                               f"{e!r}", fix="agentenv reads runc 1.1's state.json to dump a sandbox; check "
                                             "'runc --version'") from e
-    (images / "descriptors.json").write_text(json.dumps(state.get("external_descriptors") or []))
-    (images / RUNC_STATE).write_text(json.dumps(state))  # what a direct restore makes runc's record from
+    write_private(images / "descriptors.json", json.dumps(state.get("external_descriptors") or []))
+    write_private(images / RUNC_STATE, json.dumps(state))  # what a direct restore makes runc's record from
     return args
 
 
@@ -285,7 +285,9 @@ def hand_over(images: Path, work: Path, bundle: Path) -> None:
     """Give a restore's images and work folders to the sandbox's root (its host uid, from the bundle's config.json):
     CRIU reads and writes them again from inside the sandbox's user namespace. Others may pass through them too
     (0711): CRIU's first task opens some images while its ids are still the host's root's, before the namespace's
-    maps are written, when the folders' owner is no one it knows. (Their files stay the host's root's, 0600.)"""
+    maps are written, when the folders' owner is no one it knows. No other host user gets that far: both are in
+    gates of the sandbox's range (its bundle, the snapshot's folder: ``config.Paths``). Their files stay the host's
+    root's (CRIU writes its images 0644, its logs 0600; runc's records here are 0600)."""
     oci = json.loads((bundle / "config.json").read_text())
     maps = oci.get("linux", {}).get("uidMappings") or []
     owner = next((int(m["hostID"]) for m in maps if int(m.get("containerID", -1)) == 0), None)
@@ -377,10 +379,8 @@ def _write_runc_state(folder: Path, template: dict[str, Any], oci: dict[str, Any
                  cgroup_paths={k: str(v) for k, v in paths.items()}, external_descriptors=descriptors,
                  namespace_paths={k: f"/proc/{pid}/ns/{os.path.basename(v)}"
                                   for k, v in (state.get("namespace_paths") or {}).items()})
-    folder.mkdir(mode=0o711, parents=True, exist_ok=True)
-    tmp = folder / "state.json.tmp"
-    tmp.write_text(json.dumps(state))
-    os.replace(tmp, folder / "state.json")
+    folder.mkdir(mode=0o711, parents=True, exist_ok=True)  # as runc makes it (in its root, 0700)
+    write_private(folder / "state.json", json.dumps(state))  # as runc writes it
 
 
 @functools.cache

@@ -45,6 +45,7 @@ _libc.unshare.argtypes = [ctypes.c_int]
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 _libc.syscall.restype = ctypes.c_long
 MS_BIND = 0x1000
+MS_NOSUID, MS_NODEV = 0x2, 0x4  # a sandbox's files are never setuid nor a device on the host
 MNT_DETACH = 0x2
 CLONE_NEWNET = 0x40000000
 CLONE_FS, CLONE_NEWNS = 0x200, 0x20000
@@ -52,6 +53,7 @@ MS_MOVE, MS_REC, MS_PRIVATE = 0x2000, 0x4000, 1 << 18
 AT_FDCWD, OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH, AT_EMPTY_PATH, AT_RECURSIVE = -100, 1, 0x4, 0x1000, 0x8000
 CLONE_NEWUSER = 0x10000000
 MOUNT_ATTR_IDMAP = 0x00100000
+MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x2, 0x4
 _NR_OPEN_TREE, _NR_MOVE_MOUNT, _NR_MOUNT_SETATTR = 428, 429, 442  # numbers from 424 on: every architecture's
 _NR_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}.get(platform.machine())
 NEW_ROOT = "/.agentenv-root"  # where swap_root puts the new root in the old one, before pivoting to it
@@ -97,15 +99,25 @@ def umount(target: Path, lazy: bool = False) -> None:
 
 
 def mount_overlay(lowers: list[str], upper: Path, work: Path, target: Path) -> None:
-    """Mount the overlay of ``lowers`` (top first) under ``upper`` on ``target``. ``volatile`` where the kernel
-    has it (5.10+): a sync in the sandbox does not flush the volume every sandbox shares."""
+    """Mount the overlay of ``lowers`` (top first) under ``upper`` on ``target``, ``nosuid,nodev``: a setuid file
+    or a device node the sandbox holds does nothing on the host (inside, no-new-privileges already ignores setuid
+    bits, the sandbox's runc bind keeps these flags, and its /dev is a tmpfs of its own). ``volatile`` where the
+    kernel has it (5.10+): a sync in the sandbox does not flush the volume every sandbox shares."""
     opts = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
     try:
-        mount("overlay", target, "overlay", 0, opts + ",volatile")
+        mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, opts + ",volatile")
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        mount("overlay", target, "overlay", 0, opts)  # a kernel older than 5.10
+        mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, opts)  # a kernel older than 5.10
+
+
+def seal_mount(target: Path) -> None:
+    """Add ``nosuid,nodev`` to the mount on ``target`` (mount_setattr, Linux 5.12+: its other flags stay); OSError
+    with the errno."""
+    attr = _MountAttr(attr_set=MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
+    _check(_libc.syscall(_NR_MOUNT_SETATTR, AT_FDCWD, str(target).encode(), 0, ctypes.byref(attr),
+                         ctypes.c_size_t(ctypes.sizeof(attr))), f"mount_setattr nosuid,nodev {target}")
 
 
 def idmap_mount(source: str, target: Path, userns: int) -> None:

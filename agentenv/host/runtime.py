@@ -16,7 +16,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 from agentenv import netpolicy
 from agentenv.api import Limits
-from agentenv.config import paths
+from agentenv.config import paths, write_private
 from agentenv.errors import CheckpointError, SandboxError
 from agentenv.host import cgroups, criu, ksm, lazy_pages, network, postcopy, userns
 from agentenv.host.agent_process import AgentProcess
@@ -240,7 +239,7 @@ class Container:
         with phase("mount"):
             self.mount(spec)
         resolv = None
-        if spec.network:
+        if spec.network:  # readable by others (0644): the sandbox's root reads it through its bind mount
             resolv = self.bundle / "resolv.conf"
             resolv.write_text(network.resolv_conf(network.nameservers()))
         config = oci_config(spec, hostname=self.cid[-12:], cgroup=self.cgroup, resolv=str(resolv) if resolv else None)
@@ -263,7 +262,7 @@ class Container:
                 link = network.attach(self.netns, str(self.bundle), netpolicy.Rules.from_json(spec.rules), dns,
                                       address)
                 link["dns"] = dns
-                self.link_file.write_text(json.dumps(link))
+                write_private(self.link_file, json.dumps(link))
 
     def set_rules(self, rules: netpolicy.Rules) -> None:
         """Replace a running networked sandbox's outbound rules (atomically)."""
@@ -414,7 +413,7 @@ class Container:
         try:
             if self.link_file.exists():  # what a restore compares its own address with (criu.tcp_mode)
                 images.mkdir(mode=0o700, parents=True, exist_ok=True)
-                shutil.copyfile(self.link_file, images / LINK)
+                write_private(images / LINK, self.link_file.read_bytes())
             if page_server is not None:
                 return postcopy.PageServer.start(self.runc_root / self.cid / "state.json", images, work,
                                                  *page_server, criu)
@@ -422,7 +421,7 @@ class Container:
             return None
         except CheckpointError:
             with contextlib.suppress(OSError):  # kept: the snapshot folder is removed on failure
-                shutil.copyfile(work / "dump.log", self.bundle / "last-dump.log")
+                write_private(self.bundle / "last-dump.log", (work / "dump.log").read_bytes())
             raise
 
     def restore(self, images: Path, work: Path, spec: ContainerSpec, criu: str | None = None, lazy: bool = False,

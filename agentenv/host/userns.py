@@ -19,6 +19,16 @@ snapshot folder of the family holds a link to it (``hold``). The link count says
 removing a holder's folder (``rm -rf``, recovery, gc) lets it go with nothing else to update. A new family
 takes a range whose lease nobody holds (``allocate``, under the lease's flock), the low ones first: each low range's
 user namespace, which its idmapped mounts need, is made once and kept (``userns_fd``).
+
+A holder is also its range's *gate*: root's, mode 0710, its group the range's base gid (``config.gate``). The
+sandbox's root must walk to its bundle's ``rootfs`` (runc mounts it from inside the user namespace) and to a
+restore's images (CRIU reads them as that root), so the folders above let anyone pass but not list (0711); the
+gate then lets that range's root in, and no other host user (issue 40: a local user read a sandbox's record and
+files, and ran a setuid file the sandbox left, through the bundle's path). Why a group and not an ACL entry per
+range: it works on any filesystem the home is on, needs no ``setfacl`` (Debian's ``acl`` package is not installed
+by default), and the one group a range's processes hold on the host is its own base gid (runc drops every other
+one as it enters the namespace). An entry per range in the home's own ACL would not do: thousands of ranges held
+at once pass the ~500 entries an ext4 ACL holds (one 4 KiB block).
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentenv.config import paths
+from agentenv.config import gate, paths
 from agentenv.errors import SandboxError
 from agentenv.host.hostcalls import make_userns
 
@@ -63,9 +73,7 @@ def index_of(base: int) -> int:
 
 
 def _leases() -> Path:
-    d = paths().home / "uids"
-    d.mkdir(mode=0o700, exist_ok=True)
-    return d
+    return paths().uids
 
 
 @contextlib.contextmanager
@@ -81,14 +89,10 @@ def _lease(index: int) -> Iterator[tuple[Path, int]]:
 
 
 @functools.cache
-def _reachable(home: Path) -> None:
-    """Let a sandbox's root reach its folders from inside its user namespace: runc mounts the bundle's root there,
-    and CRIU reads a restore's images there, as the sandbox's (unprivileged) root. Every folder on the way must
-    let others through (x, never r): the home's own are given it, its parents must have it."""
-    for d in (home, home / "sandboxes", home / "snapshots"):
-        mode = d.stat().st_mode
-        if not mode & 0o001:
-            os.chmod(d, (mode & 0o7777) | 0o011)
+def _passable(home: Path) -> None:
+    """SandboxError unless every folder above the home lets others pass (x): a sandbox's root, an unprivileged
+    uid, walks them to its gate (``config.Paths``: runc mounts the bundle's root from inside the sandbox's user
+    namespace, and CRIU reads a restore's images there as that root)."""
     for parent in home.resolve().parents:
         if not parent.stat().st_mode & 0o001:
             raise SandboxError(f"{parent}, above AGENTENV_HOME, does not let other users through (mode "
@@ -103,7 +107,7 @@ def allocate(holder: Path) -> int:
     Each lease is first looked at without its lock (one stat: a held one is passed over at once, which with
     thousands of families held is most of them); a free-looking one is then taken under its flock and the
     link count checked again, so two processes never take one range."""
-    _reachable(paths().home)
+    _passable(paths().home)
     leases = str(_leases()) + "/"
     start = random.randrange(LOW)  # spread: processes allocating at once rarely try the same lease
     for step in range(COUNT):
@@ -115,7 +119,7 @@ def allocate(holder: Path) -> int:
             pass  # never used: _lease makes it
         with _lease(index) as (path, links):
             if links == 1:  # nobody but the lease itself
-                _link(path, holder)
+                _link(path, holder, base_of(index))
                 return base_of(index)
     raise SandboxError(f"every one of the {COUNT} uid ranges is held by a sandbox or a snapshot",
                        fix="delete snapshots or close sandboxes you no longer need")
@@ -131,16 +135,19 @@ def held(base: int) -> bool:
 
 def hold(base: int, holder: Path) -> None:
     """Make ``holder`` (a sandbox bundle or snapshot folder of the family whose root is ``base``) hold its range."""
-    _reachable(paths().home)
+    _passable(paths().home)
     if (holder / LEASE).exists():
+        gate(holder, base)  # linked by an older agentenv: gated now
         return
     with _lease(index_of(base)) as (path, _):
-        _link(path, holder)
+        _link(path, holder, base)
 
 
-def _link(lease: Path, holder: Path) -> None:
-    """Link ``holder`` to ``lease``. A holder on another filesystem (a snapshot store mounted apart) cannot: it
-    does not hold the range then (said once), which its family's sandboxes still do while any lives."""
+def _link(lease: Path, holder: Path, base: int) -> None:
+    """Link ``holder`` to ``lease``, and make it the gate of the range (``config.gate``: the range's root may pass,
+    no other user). A holder on another filesystem (a snapshot store mounted apart) cannot be linked: it does not
+    hold the range then (said once), which its family's sandboxes still do while any lives."""
+    gate(holder, base)
     try:
         os.link(lease, holder / LEASE)
     except FileExistsError:

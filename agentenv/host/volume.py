@@ -14,6 +14,8 @@ nothing.)
 The volume is what is mounted on ``<home>/volume`` when that is btrfs. Otherwise agentenv makes it on first
 use: a sparse image ``<home>/volume.img`` (``$AGENTENV_VOLUME_SIZE``, by default half the free space of the
 home's filesystem), formatted btrfs and mounted there through a loop device (mounted again after a reboot).
+The image is root's alone (0600: reading it reads every sandbox's files, whatever their modes), so is the
+volume's root folder (0700), and the volume is mounted ``nosuid,nodev``, one agentenv did not mount too.
 Where that cannot be done (no btrfs-progs, no loop devices, not root, or ``$AGENTENV_VOLUME=off``) the
 volume is a plain folder: sandboxes run with ``disk=None`` (no limit), and asking for a limit raises
 DiskLimitUnsupported, which says why and what to do.
@@ -50,9 +52,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.config import Paths, parse_size, paths
+from agentenv.config import PRIVATE_DIR, PRIVATE_FILE, Paths, parse_size, paths
 from agentenv.errors import DiskLimitUnsupported, SandboxError
-from agentenv.host.hostcalls import mountinfo
+from agentenv.host.hostcalls import mountinfo, seal_mount
 from agentenv.host.trees import remove_tree
 
 log = logging.getLogger("agentenv")
@@ -129,9 +131,10 @@ def forget() -> None:
 
 def _ensure(p: Paths) -> Volume:
     vol = p.volume
-    with _flock(p.home / "volume.lock"):
+    with _flock(p.volume_lock):
         reason = None if os.path.ismount(vol) else _provision(p)
         if reason is None:
+            _seal(vol)
             fstype = _fstype(vol)
             if fstype != "btrfs":
                 reason = f"{vol} is a mounted {fstype} filesystem, not btrfs"
@@ -165,7 +168,8 @@ def _provision(p: Paths) -> str | None:
         size = volume_size(p.home)
         tmp = image.with_name(f"{image.name}.{os.getpid()}.tmp")
         try:
-            with open(tmp, "wb") as f:
+            # 0600: whoever reads the image reads every sandbox's files, whatever their own modes
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE), "wb") as f:
                 f.truncate(size)  # sparse: the host's disk is used as the volume fills
             r = subprocess.run([mkfs, "-q", "-f", "-L", "agentenv", str(tmp)], capture_output=True, text=True,
                                check=False)
@@ -174,13 +178,26 @@ def _provision(p: Paths) -> str | None:
             os.rename(tmp, image)
         finally:
             tmp.unlink(missing_ok=True)
-    p.volume.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-o", "loop,noatime", str(image), str(p.volume)], capture_output=True, text=True,
-                       check=False)
+    p.volume.mkdir(mode=PRIVATE_DIR, parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-o", "loop,noatime,nosuid,nodev", str(image), str(p.volume)], capture_output=True,
+                       text=True, check=False)
     if r.returncode != 0:
         return f"could not mount {image} on {p.volume} (needs loop devices and btrfs): {r.stderr.strip()[:300]}"
     log.info("mounted the sandbox volume %s on %s", image, p.volume)
     return None
+
+
+def _seal(vol: Path) -> None:
+    """Close the mounted volume to the host's users: its root 0700, the mount ``nosuid,nodev`` (a volume mounted by
+    an older agentenv, or by hand, gets them now; a sandbox's setuid file or device node does nothing on the host)."""
+    if os.stat(vol).st_mode & 0o7777 != PRIVATE_DIR:
+        os.chmod(vol, PRIVATE_DIR)
+    if os.statvfs(vol).f_flag & (os.ST_NOSUID | os.ST_NODEV) != os.ST_NOSUID | os.ST_NODEV:
+        try:
+            seal_mount(vol)
+        except OSError as e:
+            raise SandboxError(f"could not make the volume {vol} nosuid,nodev: {e}",
+                               fix=f"mount -o remount,nosuid,nodev {vol}") from e
 
 
 def volume_size(home: Path) -> int:

@@ -43,7 +43,7 @@ from agentenv.api import (
     SnapshotLike,
     State,
 )
-from agentenv.config import crash_point, parse_disk, parse_size, paths
+from agentenv.config import PRIVATE_DIR, crash_point, parse_disk, parse_size, paths
 from agentenv.errors import (
     CheckpointError,
     SandboxError,
@@ -144,7 +144,7 @@ class Sandbox(Calls, Record):
                "init_pid": None, "paused_snapshot": None, "parent_snapshot": parent,
                "layer": sid, "owner": store.owner(), "pausing": None}
         sb = cls(rec)
-        sb._container.bundle.mkdir(parents=True)
+        sb._container.bundle.mkdir(mode=PRIVATE_DIR)  # the gate of its range once it holds one (userns)
         sb._save()
         return sb
 

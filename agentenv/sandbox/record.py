@@ -17,6 +17,7 @@ from typing import Any
 
 from agentenv import netpolicy
 from agentenv.api import Limits, Network, State
+from agentenv.config import write_private
 from agentenv.errors import SandboxNotFound, SandboxStateError
 from agentenv.host.runtime import Container, ContainerSpec
 
@@ -106,10 +107,7 @@ class Record:
                                     fix="resume() a paused sandbox; a closed one is gone")
 
     def _save(self) -> None:
-        path = self._container.bundle / "sandbox.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self._rec))
-        os.replace(tmp, path)
+        write_private(self._container.bundle / "sandbox.json", json.dumps(self._rec))  # its env holds secrets
 
     @contextlib.contextmanager
     def _locked(self, allow_closed: bool = False, wait: float | None = None) -> Iterator[None]:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.api import SnapshotInfo, info_of
-from agentenv.config import parse_size, paths
+from agentenv.config import PRIVATE_DIR, parse_size, paths, write_private
 from agentenv.errors import CheckpointError, SnapshotNotFound, StoreFullError
 from agentenv.host import volume
 from agentenv.host.hostcalls import proc_start_time
@@ -169,7 +169,7 @@ def shared_trash(snapshot_id: str) -> Path | None:
 
 def exports() -> Path:
     """Where snapshots packed for another server lie (``agentenv.sandbox.transfer``): ``<home>/exports/<id>/``."""
-    return paths().home / "exports"
+    return paths().exports
 
 
 def remove(folders: list[Path]) -> None:
@@ -239,8 +239,8 @@ def writing(snapshot_id: str) -> Iterator[Path]:
         raise StoreFullError(f"the snapshot store is full: {used} of its {cap} bytes are used; nothing was kept",
                              fix=_FULL_FIX)
     tmp = tmp_folder(snapshot_id)
-    tmp.mkdir()
-    files_of(tmp).mkdir()
+    tmp.mkdir(mode=PRIVATE_DIR)  # the gate of its range once the snapshot holds it (userns.hold)
+    files_of(tmp).mkdir(mode=PRIVATE_DIR)
     try:
         yield tmp
         publish(tmp, snapshot_id, check=True)
@@ -298,14 +298,10 @@ def publish(tmp: Path, snapshot_id: str, check: bool = False) -> None:
             os.close(fd)
 
 
-def _limit_file() -> Path:
-    return paths().home / "store-limit"
-
-
 def limit() -> int | None:
     """The store's limit in bytes (``set_limit``), or None."""
     try:
-        return int(_limit_file().read_text())
+        return int(paths().store_limit.read_text())
     except (FileNotFoundError, ValueError):
         return None
 
@@ -317,11 +313,9 @@ def set_limit(size: str | int | None) -> None:
     if v.quotas:
         volume.limit_store(nbytes)
     if nbytes is None:
-        _limit_file().unlink(missing_ok=True)
+        paths().store_limit.unlink(missing_ok=True)
     else:
-        tmp = _limit_file().with_suffix(".tmp")
-        tmp.write_text(str(nbytes))
-        os.replace(tmp, _limit_file())
+        write_private(paths().store_limit, str(nbytes))
 
 
 def usage() -> int:
@@ -330,10 +324,8 @@ def usage() -> int:
 
 
 def write_meta(folder: Path, snap: Snapshot) -> None:
-    """Write meta.json last: a folder without it is never a snapshot."""
-    tmp = folder / "meta.json.tmp"
-    tmp.write_text(json.dumps(asdict(snap)))
-    os.replace(tmp, folder / "meta.json")
+    """Write meta.json last: a folder without it is never a snapshot. 0600: its spec holds the sandbox's env."""
+    write_private(folder / "meta.json", json.dumps(asdict(snap)))
 
 
 def pid_alive(pid: int) -> bool:

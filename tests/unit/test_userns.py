@@ -14,7 +14,7 @@ def home(tmp_path, monkeypatch):
     for d in ("sandboxes", "snapshots"):
         (h / d).mkdir(parents=True)
     monkeypatch.setenv("AGENTENV_HOME", str(h))
-    monkeypatch.setattr(userns, "_reachable", lambda home: None)  # pytest's tmp folders are 0700
+    monkeypatch.setattr(userns, "_passable", lambda home: None)  # pytest's tmp folders are 0700
     return h
 
 
@@ -49,25 +49,27 @@ def test_ranges_are_disjoint_unprivileged_and_below_the_invalid_uid():
     assert userns.mapping(userns.FIRST) == [{"containerID": 0, "hostID": userns.FIRST, "size": userns.SIZE}]
 
 
-def test_a_home_others_cannot_pass_through_is_opened_or_refused(tmp_path):
-    """The sandbox's root must reach its bundle: the home's folders get o+x, a closed parent is a clear error."""
+def test_a_home_others_cannot_pass_through_is_opened_or_refused(tmp_path, monkeypatch):
+    """The sandbox's root must reach its gate: the layout lets others pass the home's folders (never list them),
+    and a closed parent is a clear error."""
     closed = tmp_path / "closed"
     home = closed / "home"
-    for d in ("sandboxes", "snapshots"):
-        (home / d).mkdir(parents=True)
+    (home / "sandboxes").mkdir(parents=True)
     home.chmod(0o700)
     closed.chmod(0o755)
     tmp_path.chmod(0o755)
-    userns._reachable.cache_clear()
+    monkeypatch.setenv("AGENTENV_HOME", str(home))
+    userns._passable.cache_clear()
     try:
-        userns._reachable(home)  # tmp_path's own parents may be closed: only the home's folders are checked here
+        userns.allocate(_holder(home, "a"))  # tmp_path's own parents may be closed: only those above are checked
     except SandboxError as e:
-        assert "chmod o+x" in e.fix
-    assert home.stat().st_mode & 0o011 == 0o011
+        assert e.fix is not None and "chmod o+x" in e.fix
+    for d in (home, home / "sandboxes", home / "snapshots"):
+        assert d.stat().st_mode & 0o777 == 0o711
     closed.chmod(0o700)
-    userns._reachable.cache_clear()
+    userns._passable.cache_clear()
     with pytest.raises(SandboxError, match="does not let other users through"):
-        userns._reachable(home)
+        userns.allocate(_holder(home, "b"))
 
 
 def _allocate_many(home_dir: str, tag: str, n: int, out) -> None:
@@ -75,7 +77,7 @@ def _allocate_many(home_dir: str, tag: str, n: int, out) -> None:
     import os
 
     os.environ["AGENTENV_HOME"] = home_dir
-    userns._reachable = lambda home: None  # pytest's tmp folders are 0700
+    userns._passable = lambda home: None  # pytest's tmp folders are 0700
     userns.random.randrange = lambda n: 0  # every process starts at the same lease: the worst case for the lock
     got = []
     for i in range(n):
