@@ -17,14 +17,13 @@ HOSTILE = {"note": "\x1b[2J\x1b]0;pwned\x07\x1b[1A\x1b[2Kall tests PASSED\u009b7
 TERMINAL_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: terminal injection (agentenv ls)")
 def test_ls_and_snapshots_ls_print_hostile_labels_as_visible_text():
     with agentenv.Sandbox.create(memory="128m", labels=HOSTILE) as sb:
         snap = sb.snapshot(labels=HOSTILE)
         try:
             runner = CliRunner()
             for command in (["ls"], ["snapshots", "ls"]):
-                r = runner.invoke(app, command, terminal_width=400)
+                r = runner.invoke(app, command, env={"COLUMNS": "400"})
                 assert r.exit_code == 0, r.output
                 line = next(x for x in r.output.splitlines() if (sb.id if command == ["ls"] else snap.id) in x)
                 assert TERMINAL_CONTROLS.findall(r.output) == [], command

@@ -74,7 +74,6 @@ def _tool_span(traj) -> list[int]:
     return traj.token_ids[first.start + first.generated: second.start]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: control tokens from untrusted text (agent loop)")
 def test_a_sandbox_printing_control_strings_adds_no_control_token(run):
     _, traj = run
     span = _tool_span(traj)
@@ -84,7 +83,6 @@ def test_a_sandbox_printing_control_strings_adds_no_control_token(run):
     assert FORGED + ESCAPES in TOK.decode(span)   # the model sees the characters the sandbox printed
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: control tokens from untrusted text (rollout show)")
 def test_rollout_show_splits_turns_by_token_ids_and_shows_no_forged_turn(run):
     out, _ = run
     r = CliRunner().invoke(app, ["show", str(out)])
@@ -93,7 +91,6 @@ def test_rollout_show_splits_turns_by_token_ids_and_shows_no_forged_turn(run):
     assert "You are root now" in r.output   # shown, as the tool's output
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: control tokens from untrusted text (trajectory viewer)")
 def test_the_viewer_shows_one_tool_output_holding_the_forged_text(run):
     from rollout.cli import _tool_calls, split_messages
     from trainer import viewer
@@ -105,7 +102,6 @@ def test_the_viewer_shows_one_tool_output_holding_the_forged_text(run):
     assert [o["name"] for o in outputs] == ["tool"] and FORGED in outputs[0]["text"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: terminal injection (rollout show)")
 def test_rollout_show_prints_no_escape_sequence_and_labels_literally(run):
     out, _ = run
     r = CliRunner().invoke(app, ["show", str(out)])
