@@ -1,5 +1,9 @@
 """The ``agentenv`` command line. Other packages add subcommands through the ``agentenv.commands``
-entry-point group (e.g. ``agentenv policy serve``), so this package imports none of them."""
+entry-point group (e.g. ``agentenv policy serve``), so this package imports none of them.
+
+What it prints of a sandbox (labels, ids a server chose, outputs), of an error or of a log goes through
+``agentenv.terminal`` (escape sequences made visible, rich markup escaped); tokens come from files or the
+environment, never from the command line, where every local user would read them."""
 
 from __future__ import annotations
 
@@ -12,6 +16,9 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
+
+from agentenv.terminal import guard_logs, markup, plain
 
 app = typer.Typer(help="agentenv: sandboxes that snapshot, fork and resume fast.", no_args_is_help=True)
 snapshots_app = typer.Typer(help="The snapshot store.", no_args_is_help=True)
@@ -39,10 +46,16 @@ def list_sandboxes() -> None:
     """List sandboxes on this host."""
     from agentenv import Sandbox
 
-    t = Table("id", "state", "image", "created", "labels")
+    t = Table("id", "state", "image", "created")
+    t.add_column("labels", overflow="fold")   # shown whole, over several lines if need be
     for sb in Sandbox.list():
-        t.add_row(sb.id, sb.state, sb.image, _when(sb.created_at), ",".join(f"{k}={v}" for k, v in sb.labels.items()))
+        t.add_row(plain(sb.id), plain(sb.state), plain(sb.image), _when(sb.created_at), _labels(sb.labels))
     console.print(t)
+
+
+def _labels(labels: dict[str, str]) -> Text:
+    """A sandbox's or snapshot's labels as one cell (whoever made it chose them: printed as text)."""
+    return plain(",".join(f"{k}={v}" for k, v in labels.items()))
 
 
 @app.command("rm")
@@ -52,7 +65,7 @@ def remove_sandbox(ids: list[str]) -> None:
 
     for sid in ids:
         Sandbox.get(sid).close()
-        console.print(f"closed {sid}")
+        console.print(f"closed {markup(sid)}")
 
 
 @app.command("gc")
@@ -66,11 +79,11 @@ def collect(
 
     for where, ids in sweep.recover_all().items():
         if where in ("discarded", "lost") and ids:
-            console.print(f"{where}: {', '.join(ids)}")
+            console.print(f"{where}: {markup(', '.join(ids))}")
     for sid in Sandbox.reap_expired():
-        console.print(f"reaped expired sandbox {sid} (paused, or closed where it asked to be)")
+        console.print(f"reaped expired sandbox {markup(sid)} (paused, or closed where it asked to be)")
     for name in store.gc(max_age):
-        console.print(f"removed {name}")
+        console.print(f"removed {markup(name)}")
 
 
 @app.command("volume")
@@ -83,13 +96,13 @@ def show_volume() -> None:
 
     v = volume.ensure()
     if not v.quotas:
-        console.print(f"[red]no disk limits at {v.path}:[/] {v.reason}")
+        console.print(f"[red]no disk limits at {markup(v.path)}:[/] {markup(v.reason)}")
         raise typer.Exit(1)
     st = os.statvfs(v.path)
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     cap = store.limit()
     mode = "simple" if v.simple else "full"
-    console.print(f"{v.path}: btrfs with {mode} quotas, {size / 2**30:.1f} GiB ({free / 2**30:.1f} free); sandboxes' "
+    console.print(f"{markup(v.path)}: btrfs with {mode} quotas, {size / 2**30:.1f} GiB ({free / 2**30:.1f} free); sandboxes' "
                   f"disk limits hold; snapshot store limit: {'none' if cap is None else f'{cap / 2**30:.1f} GiB'}")
 
 
@@ -123,13 +136,13 @@ def serve(
     try:
         from agentenv import server
     except ImportError as e:
-        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({e}); pip install 'agentenv\[server]'")
+        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({markup(e)}); pip install 'agentenv\[server]'")
         raise typer.Exit(2) from None
 
     try:
         token = server.load_token(token_file)
     except (ValueError, OSError) as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
     try:
         pages = [] if runs is None else [_console_pages("runs", runs)]
@@ -137,7 +150,7 @@ def serve(
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
                      warm_pool=warm_pool, domain=domain, shared_store=shared_store, pages=pages)
     except ValueError as e:  # an option refused (a shared store, or runs, not a directory, a bad --domain)
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
 
 
@@ -157,10 +170,11 @@ def list_snapshots() -> None:
     """List snapshots in the store."""
     from agentenv import Snapshot
 
-    t = Table("id", "parent", "memory", "size MB", "created", "sandbox", "labels")
+    t = Table("id", "parent", "memory", "size MB", "created", "sandbox")
+    t.add_column("labels", overflow="fold")
     for s in Snapshot.list():
-        t.add_row(s.id, s.parent_id or "-", "yes" if s.has_memory else "no", f"{s.size_bytes / 1e6:.1f}",
-                  _when(s.created_at), s.sandbox_id or "-", ",".join(f"{k}={v}" for k, v in s.labels.items()))
+        t.add_row(plain(s.id), plain(s.parent_id or "-"), "yes" if s.has_memory else "no", f"{s.size_bytes / 1e6:.1f}",
+                  _when(s.created_at), plain(s.sandbox_id or "-"), _labels(s.labels))
     console.print(t)
 
 
@@ -171,7 +185,7 @@ def remove_snapshots(ids: list[str]) -> None:
 
     for sid in ids:
         Snapshot.get(sid).delete()
-        console.print(f"deleted {sid}")
+        console.print(f"deleted {markup(sid)}")
 
 
 RayAddress = Annotated[str | None, typer.Option(help="the Ray cluster (default: the one on this machine)")]
@@ -183,8 +197,8 @@ def _fleet_table(rows: list[dict[str, object]]) -> Table:
         cap = i["capacity"]
         assert isinstance(cap, dict)
         state = ("started" if i["started"] else "kept") if "started" in i else "serving"
-        t.add_row(str(i["node_id"])[:12], str(i["url"]), str(cap["free_sandboxes"]),
-                  f"{int(cap['free_memory']) / 1e9:.1f}", str(i["token"]), state)
+        t.add_row(plain(str(i["node_id"])[:12]), plain(i["url"]), plain(cap["free_sandboxes"]),
+                  f"{int(cap['free_memory']) / 1e9:.1f}", plain(i["token"]), state)
     return t
 
 
@@ -210,7 +224,7 @@ def cluster_up(
     try:
         token = load_token(token_file)
     except (ValueError, OSError) as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
     rows = fleet.up(token, address=ray_address, host=host, port=port, cpus=cpus, home=home,
                     server={"max_sandboxes": max_sandboxes, "max_memory": max_memory, "max_disk": max_disk})
@@ -226,7 +240,7 @@ def cluster_down(
     from agentenv.server import fleet
 
     for row in fleet.down(address=ray_address, close_sandboxes=close_sandboxes):
-        console.print(f"stopped {row['url'] or '(not answering)'} on node {row['node_id'][:12]}"
+        console.print(f"stopped {markup(row['url'] or '(not answering)')} on node {markup(row['node_id'][:12])}"
                       + (f", closed {len(row['closed'])} sandboxes" if row["closed"] else ""))
 
 
@@ -243,18 +257,19 @@ def _mount_plugins() -> None:
         try:
             sub = ep.load()
         except ImportError as e:  # a package that is not installed adds no command
-            console.print(f"[yellow]agentenv {ep.name} unavailable: {e}[/]")
+            console.print(f"[yellow]agentenv {markup(ep.name)} unavailable: {markup(e)}[/]")
             continue
         app.add_typer(sub, name=ep.name)
 
 
 def main() -> None:
     """Entry point of the console script."""
+    guard_logs()
     _mount_plugins()
     from agentenv.errors import AgentEnvError
 
     try:
         app()
     except AgentEnvError as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise SystemExit(1) from None

@@ -14,6 +14,7 @@ from rich.table import Table
 
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
+from agentenv.terminal import clean, markup
 
 T = TypeVar("T")
 console = Console()
@@ -57,7 +58,7 @@ class Timer:
 def ask(sb: Sandbox) -> int:
     r = sb.exec(ASK)
     if r.exit_code != 0:
-        raise RuntimeError(f"counter did not answer in {sb.id}: {r.stderr}")
+        raise RuntimeError(f"counter did not answer in {sb.id}: {clean(r.stderr)}")
     return int(r.stdout)
 
 
@@ -107,7 +108,7 @@ def run(image: str = "agentenv/base") -> None:
         rid, dt = out.stdout.split()
         restored = Sandbox.get(rid)
         made.append(restored)
-        console.print(f"  restored {rid} in {float(dt) * 1000:.1f} ms inside that process; counter {ask(restored)}")
+        console.print(f"  restored {markup(rid)} in {float(dt) * 1000:.1f} ms inside that process; counter {ask(restored)}")
         console.print(timer.table())
     finally:
         for s in made:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from bench.harness import Report, Row, Timer, add_output_arg, console, print_table
-from policy.chat import render_chat
+from policy.chat import GENERATION_PIECES, IM_END, IM_MIDDLE, IM_SYSTEM, Control
 from policy.config import k3_mini
 from policy.engine import Engine, SamplingParams
 from policy.tokenizer import load_tokenizer
@@ -36,15 +36,15 @@ TOOLS = [{"type": "function", "function": {"name": n, "description": d, "paramet
 def episode_prompt(tok: Any, i: int) -> list[int]:
     task = (f"Task {i}: the test tests/test_utils.py::test_merge_{i} fails after a refactor of utils.merge. "
             "Find the cause, fix it without changing the tests, and run the test suite before submitting.")
-    return tok.encode(render_chat([{"role": "system", "content": "You are a coding agent working in /testbed."},
-                                   {"role": "user", "content": task}], TOOLS))
+    return tok.encode_chat([{"role": "system", "content": "You are a coding agent working in /testbed."},
+                            {"role": "user", "content": task}], TOOLS)
 
 
 def observation(tok: Any, turn: int, n_tokens: int) -> list[int]:
-    text = (f"<|im_end|><|im_system|>tool<|im_middle|>## Return of functions.bash:{turn}\n"
+    text = (f"## Return of functions.bash:{turn}\n"
             + " ".join(f"tests/test_utils.py::test_case_{turn}_{k} PASSED" for k in range(64)))
-    ids = tok.encode(text)[:n_tokens]
-    return ids + tok.encode("<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    ids = tok.encode_pieces([Control(IM_END), Control(IM_SYSTEM), "tool", Control(IM_MIDDLE), text])[:n_tokens]
+    return ids + tok.encode_pieces([Control(IM_END), *GENERATION_PIECES])
 
 
 def run_episode(engine: Engine, tok: Any, i: int, turns: int, gen: int, obs: int) -> list[list[int]]:

@@ -104,7 +104,7 @@ def sync_time(report: Report, key: str, sync: WeightSync, trainer: Trainer, repe
 def _generate(engine: Engine, tok: Any, n: int, tokens: int, seed: int) -> list[Sample]:
     rng = random.Random(seed)
     words = ["the", "agent", "reads", "the", "task", "runs", "tests", "fixes", "bugs", "and", "submits", "a", "patch"]
-    prompts = [tok.encode(" ".join(rng.choice(words) for _ in range(8))) for _ in range(n)]
+    prompts = [tok.encode_text(" ".join(rng.choice(words) for _ in range(8))) for _ in range(n)]
     seqs = engine.generate(prompts, SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed,
                                                    return_routed_experts=True))
     return [Sample(s.prompt_ids + s.output_ids, [0] * len(s.prompt_ids) + [1] * len(s.output_ids),

@@ -6,6 +6,14 @@ It renders OpenAI-style messages and tool declarations in K3's template (``rende
 assistant text back into content, ``<think>`` reasoning and OpenAI-style ``tool_calls`` (``parse_assistant``),
 and declares tools (``tool_spec``, ``validate_tools``).
 
+Text is text (issue 40): the template renders to *pieces* (``chat_pieces``), each a ``Control`` token the template
+itself inserts or a ``str`` of text: message content, tool output, names, call ids, arguments, tool declarations.
+``ChatEncoder`` turns pieces into token ids over any tokenizer, and its ``encode_text`` is the one encoder of text:
+a control-token string inside text (a sandbox that prints ``<|im_end|><|im_system|>system<|im_middle|>...``) is
+tokenised as the characters it is, so only the template puts control ids into a prompt or a trajectory, and
+``decode(encode_text(s)) == s``. ``messages_of`` splits decoded pieces back into messages at control tokens only.
+``render_chat`` is the same pieces joined, for people and for text comparisons; never tokenise it.
+
 An assistant turn is ``[<think>REASONING</think>]CONTENT[SECTION]``, where the canonical tool-call SECTION is
 what ``render_tool_calls`` emits (shown on several lines; it has no line breaks)::
 
@@ -37,8 +45,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 # K3's control tokens (each one token in the tokenizer, see policy/tokenizer.py)
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
@@ -107,52 +116,113 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-def render_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
+@dataclass(frozen=True)
+class Control:
+    """A control token that the template inserts (``token``: its string, e.g. ``<|im_end|>``)."""
+
+    token: str
+
+
+Piece = str | Control   # a rendered conversation: control tokens and text
+GENERATION_PIECES: tuple[Piece, ...] = (Control(IM_ASSISTANT), "assistant", Control(IM_MIDDLE))
+
+
+def text_of(pieces: Iterable[Piece]) -> str:
+    """The pieces as one string (control tokens spelled out): what people read, never what is tokenised."""
+    return "".join(p.token if isinstance(p, Control) else p for p in pieces)
+
+
+def tool_call_pieces(tool_calls: list[dict[str, Any]]) -> list[Piece]:
     """The tool-call section for OpenAI-style ``tool_calls``.
 
     A call's id is written as given (K3's template does the same), ``functions.NAME:IDX`` when it has none;
     arguments given as a dict are written as JSON.
     """
-    parts = [SECTION_BEGIN]
+    parts: list[Piece] = [Control(SECTION_BEGIN)]
     for i, call in enumerate(tool_calls):
         fn = call["function"]
         call_id = call.get("id") or f"{FUNCTION_PREFIX}{fn['name']}:{i}"
         args = fn.get("arguments", "{}")
-        parts += [CALL_BEGIN, call_id, ARG_BEGIN, args if isinstance(args, str) else json.dumps(args), CALL_END]
-    return "".join(parts + [SECTION_END])
+        parts += [Control(CALL_BEGIN), call_id, Control(ARG_BEGIN),
+                  args if isinstance(args, str) else json.dumps(args), Control(CALL_END)]
+    return parts + [Control(SECTION_END)]
+
+
+def render_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
+    """``tool_call_pieces`` as text."""
+    return text_of(tool_call_pieces(tool_calls))
+
+
+def assistant_pieces(msg: dict[str, Any]) -> list[Piece]:
+    """An assistant turn after ``<|im_middle|>`` and before ``<|im_end|>``: reasoning, content, tool calls."""
+    out: list[Piece] = []
+    if msg.get("reasoning_content") is not None:
+        out += [Control(THINK_BEGIN), msg["reasoning_content"], Control(THINK_END)]
+    out.append(_text(msg.get("content")))
+    if msg.get("tool_calls"):
+        out += tool_call_pieces(msg["tool_calls"])
+    return out
 
 
 def render_assistant_body(msg: dict[str, Any]) -> str:
-    """The text of an assistant turn after ``<|im_middle|>`` and before ``<|im_end|>``."""
-    out = ""
-    if msg.get("reasoning_content") is not None:
-        out += THINK_BEGIN + msg["reasoning_content"] + THINK_END
-    out += _text(msg.get("content"))
-    if msg.get("tool_calls"):
-        out += render_tool_calls(msg["tool_calls"])
+    """``assistant_pieces`` as text."""
+    return text_of(assistant_pieces(msg))
+
+
+def generated_pieces(text: str) -> list[Piece]:
+    """An assistant turn's text as a model would generate it (what a scripted policy answers): parsed, its
+    reasoning and tool-call structure as control tokens, the rest text; malformed text is text as a whole."""
+    msg = parse_assistant(text)
+    return [text] if msg.malformed else assistant_pieces(msg.to_openai())
+
+
+def chat_pieces(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                add_generation_prompt: bool = True) -> list[Piece]:
+    """A conversation in K3's format, ending with the assistant header when generating."""
+    out: list[Piece] = []
+    if tools:
+        out += [Control(IM_SYSTEM), "tool_declare", Control(IM_MIDDLE),
+                json.dumps(tools, ensure_ascii=False, separators=(",", ":")), Control(IM_END)]
+    for m in messages:
+        role = m.get("role")
+        if role not in ROLE_TOKEN:
+            raise ValueError(f"unknown message role {role!r}")
+        out += [Control(ROLE_TOKEN[role]), str(m.get("name") or role), Control(IM_MIDDLE)]
+        if role == "tool":
+            out.append(f"## Return of {m.get('tool_call_id', '')}\n" + _text(m.get("content")))
+        elif role == "assistant":
+            out += assistant_pieces(m)
+        else:
+            out.append(_text(m.get("content")))
+        out.append(Control(IM_END))
+    if add_generation_prompt:
+        out += GENERATION_PIECES
     return out
 
 
 def render_chat(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                 add_generation_prompt: bool = True) -> str:
-    """Render a conversation in K3's format, ending with the assistant header when generating."""
-    out = ""
-    if tools:
-        out += IM_SYSTEM + "tool_declare" + IM_MIDDLE + json.dumps(tools, ensure_ascii=False, separators=(",", ":")) + IM_END
-    for m in messages:
-        role = m.get("role")
-        if role not in ROLE_TOKEN:
-            raise ValueError(f"unknown message role {role!r}")
-        if role == "tool":
-            body = f"## Return of {m.get('tool_call_id', '')}\n" + _text(m.get("content"))
-        elif role == "assistant":
-            body = render_assistant_body(m)
-        else:
-            body = _text(m.get("content"))
-        out += ROLE_TOKEN[role] + str(m.get("name") or role) + IM_MIDDLE + body + IM_END
-    if add_generation_prompt:
-        out += GENERATION_PROMPT
-    return out
+    """``chat_pieces`` as text (for people and comparisons; ``ChatEncoder.encode_chat`` makes the token ids)."""
+    return text_of(chat_pieces(messages, tools, add_generation_prompt))
+
+
+def messages_of(pieces: Iterable[Piece]) -> list[tuple[str, str]]:
+    """(name, body) of each message in decoded pieces (``tool_declare`` included), split at control tokens only: a
+    control string inside a message's text stays in its body. A body's own control tokens (an assistant turn's
+    tool calls) are spelled out; a message cut off at the end has the body it has."""
+    found: list[tuple[list[str], list[str]]] = []
+    part: list[str] | None = None   # where text goes: the open message's name or body, or nowhere
+    for p in pieces:
+        if isinstance(p, Control) and p.token in (IM_SYSTEM, IM_USER, IM_ASSISTANT):
+            found.append(([], []))
+            part = found[-1][0]
+        elif isinstance(p, Control) and p.token == IM_MIDDLE and found and part is found[-1][0]:
+            part = found[-1][1]
+        elif isinstance(p, Control) and p.token == IM_END:
+            part = None
+        elif part is not None:
+            part.append(p.token if isinstance(p, Control) else p)
+    return [("".join(name), "".join(body)) for name, body in found]
 
 
 def parse_assistant(text: str) -> AssistantMessage:
@@ -210,3 +280,98 @@ def _text(content: Any) -> str:
     if isinstance(content, list):  # OpenAI content parts
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return str(content)
+
+
+# --- token ids ------------------------------------------------------------------------------------------------
+
+
+class HFTokenizer(Protocol):
+    """What ``ChatEncoder.wrap`` reads of a Hugging Face ``transformers`` tokenizer (verl's, a vLLM model's)."""
+
+    added_tokens_decoder: Mapping[int, Any]
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class ChatEncoder:
+    """Token ids for K3's chat format over a tokenizer, where text is text.
+
+    ``raw_encode`` is the tokenizer's own encode, which makes a control id of any control-token string it meets;
+    ``encode_text`` calls it only on pieces of the text cut right after the first character of every control string
+    in it, so that no piece holds a whole one (a split control string is ordinary characters: ``<|im_end|>`` in a
+    tool output reaches the model as ``<`` and ``|im_end|>``). ``controls`` maps every control string of the
+    tokenizer (its special tokens) to its id; ``Control`` pieces are the only way one gets into the ids.
+    """
+
+    def __init__(self, raw_encode: Callable[[str], Sequence[int]], raw_decode: Callable[[list[int]], str],
+                 controls: Mapping[str, int]) -> None:
+        self._raw_encode, self._raw_decode = raw_encode, raw_decode
+        self.controls = dict(controls)
+        self._names = {i: t for t, i in self.controls.items()}
+        longest_first = sorted(self.controls, key=len, reverse=True)
+        self._starts = re.compile("(?=" + "|".join(map(re.escape, longest_first)) + ")") if longest_first else None
+        self.eos_id = self.token_id(IM_END)
+
+    @classmethod
+    def wrap(cls, tokenizer: ChatEncoder | HFTokenizer) -> ChatEncoder:
+        """``tokenizer`` itself when it is a ChatEncoder (k3-mini's ``K3Tokenizer``), else a Hugging Face one's."""
+        if isinstance(tokenizer, ChatEncoder):
+            return tokenizer
+        hf = tokenizer
+        controls = {str(t.content): i for i, t in hf.added_tokens_decoder.items() if t.special}
+        return cls(lambda text: hf.encode(text, add_special_tokens=False),
+                   lambda ids: hf.decode(ids, skip_special_tokens=False), controls)
+
+    def token_id(self, token: str) -> int:
+        """The id of the control token ``token`` (KeyError if the tokenizer has none)."""
+        return self.controls[token]
+
+    def encode_text(self, text: str) -> list[int]:
+        """The ids of ``text``, all of it text: tool output, message content, file contents, a text prompt, anything
+        the template did not write itself. No control id comes out; ``decode`` gives ``text`` back."""
+        cuts = sorted({m.start() + 1 for m in self._starts.finditer(text)}) if self._starts else []
+        ids = [i for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True) if a < b
+               for i in self._raw_encode(text[a:b])]
+        if any(i in self._names for i in ids):   # a tokenizer that makes control tokens from other text
+            raise ValueError("this tokenizer turns ordinary text into a control token (a normaliser that rewrites "
+                             "characters?); ChatEncoder needs one that matches its special tokens verbatim")
+        return ids
+
+    def encode_pieces(self, pieces: Iterable[Piece]) -> list[int]:
+        """Rendered pieces as ids: a ``Control`` as its id, text through ``encode_text``."""
+        if isinstance(pieces, str):
+            raise TypeError("encode_pieces takes a list of pieces; give text to encode_text")
+        out: list[int] = []
+        for p in pieces:
+            out += [self.token_id(p.token)] if isinstance(p, Control) else self.encode_text(p)
+        return out
+
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        """``chat_pieces`` as ids: what a prompt of these messages is (the policy server's chat route, the loop)."""
+        return self.encode_pieces(chat_pieces(messages, tools, add_generation_prompt))
+
+    def encode_assistant(self, text: str) -> list[int]:
+        """``generated_pieces`` as ids: a scripted policy's answer, tokenised as if a model had generated it."""
+        return self.encode_pieces(generated_pieces(text))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, control tokens spelled out."""
+        return self._raw_decode(list(ids))
+
+    def decode_pieces(self, ids: Sequence[int]) -> list[Piece]:
+        """``ids`` as pieces: each control id a ``Control``, each run of other ids its text (for ``messages_of``)."""
+        out: list[Piece] = []
+        run: list[int] = []
+        for i in [*ids, None]:
+            if i is None or i in self._names:
+                if run:
+                    out.append(self._raw_decode(run))
+                    run = []
+                if i is not None:
+                    out.append(Control(self._names[i]))
+            else:
+                run.append(i)
+        return out

@@ -1,4 +1,7 @@
-"""``agentenv policy ...``: serve the k3-mini policy with expert parallelism behind the OpenAI-compatible API."""
+"""``agentenv policy ...``: serve the k3-mini policy with expert parallelism behind the OpenAI-compatible API.
+
+The bearer token comes from ``--token-file`` or ``$AGENTENV_POLICY_TOKEN``, never from the command line, which every
+local user reads (``ps``)."""
 
 from __future__ import annotations
 
@@ -14,13 +17,16 @@ app = typer.Typer(help="The K3 policy: k3-mini model, expert-parallel engine, Op
                   no_args_is_help=True)
 
 
-def resolve_token(token: str | None, token_file: Path | None) -> str:
-    """The bearer token: --token, else --token-file, else $AGENTENV_POLICY_TOKEN, else a fresh random one."""
-    if token:
-        return token
-    if token_file:
-        return token_file.read_text().strip()
-    return os.environ.get("AGENTENV_POLICY_TOKEN") or secrets.token_urlsafe(32)
+TokenFile = Annotated[Path | None, typer.Option(exists=True, dir_okay=False,
+                                                help="file holding the bearer token (else $AGENTENV_POLICY_TOKEN)")]
+
+
+def read_token(token_file: Path | None) -> str | None:
+    """The bearer token: the file's (stripped), else $AGENTENV_POLICY_TOKEN, else None."""
+    token = token_file.read_text().strip() if token_file else os.environ.get("AGENTENV_POLICY_TOKEN", "").strip()
+    if token_file and not token:
+        raise typer.BadParameter(f"{token_file} is empty; write the token into it")
+    return token or None
 
 
 @app.command()
@@ -29,8 +35,7 @@ def serve(
     ep: Annotated[int, typer.Option("--ep", help="expert-parallel ranks (processes)")] = 1,
     host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 8000,
-    token: Annotated[str | None, typer.Option(help="bearer token clients must send")] = None,
-    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token")] = None,
+    token_file: TokenFile = None,
     weights: Annotated[str | None, typer.Option(help="safetensors checkpoint to start from")] = None,
     seed: Annotated[int, typer.Option(help="initialisation seed when no weights are given")] = 0,
     max_batch: Annotated[int, typer.Option(help="most sequences in the running batch")] = 32,
@@ -51,8 +56,9 @@ def serve(
               file=sys.stderr)
         raise typer.Exit(2) from None
 
-    secret = resolve_token(token, token_file)
-    if not (token or token_file or os.environ.get("AGENTENV_POLICY_TOKEN")):
+    secret = read_token(token_file)
+    if secret is None:
+        secret = secrets.token_urlsafe(32)
         print(f"policy token: {secret}", file=sys.stderr)
     tok = load_tokenizer()
     cfg = get_preset(preset, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
@@ -68,8 +74,7 @@ def serve(
 @app.command()
 def verify(
     url: Annotated[str, typer.Argument(help="the endpoint's base URL, e.g. http://127.0.0.1:8000")],
-    token: Annotated[str | None, typer.Option(help="bearer token (else --token-file, else $AGENTENV_POLICY_TOKEN)")] = None,
-    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token")] = None,
+    token_file: TokenFile = None,
     model: Annotated[str | None, typer.Option(help="model to check (default: the first the endpoint lists)")] = None,
     tokenizer: Annotated[Path | None, typer.Option(help="tokenizers JSON of the model (default: k3-mini's)")] = None,
     tolerance: Annotated[float, typer.Option(help="largest logprob difference allowed, in nats")] = 0.02,
@@ -87,7 +92,7 @@ def verify(
     except ImportError as e:
         print(f"error: verify needs tokenizers and httpx ({e}); pip install 'agentenv[policy]'", file=sys.stderr)
         raise typer.Exit(2) from None
-    secret = token or (token_file.read_text().strip() if token_file else os.environ.get("AGENTENV_POLICY_TOKEN"))
+    secret = read_token(token_file)
     tok = None
     if tokenizer is not None:
         from tokenizers import Tokenizer

@@ -1,5 +1,8 @@
 """A small byte-level BPE tokenizer with K3's special tokens as single tokens.
 
+Text becomes ids only through ``policy.chat.ChatEncoder`` (``K3Tokenizer`` is one): control-token strings inside
+text stay text, control ids come from the chat template alone (issue 40).
+
 It is trained with the ``tokenizers`` library on ``policy/data/corpus.txt`` (shipped in the repo) and cached
 as ``policy/data/tokenizer.json``; ``load_tokenizer`` retrains deterministically only if the cache is missing.
 """
@@ -10,6 +13,8 @@ from functools import lru_cache
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from policy.chat import ChatEncoder
 
 DATA = Path(__file__).parent / "data"
 CORPUS, CACHE = DATA / "corpus.txt", DATA / "tokenizer.json"
@@ -36,25 +41,18 @@ def train_tokenizer(corpus: Path = CORPUS, vocab_size: int = VOCAB_SIZE) -> Toke
     return tok
 
 
-class K3Tokenizer:
-    """Encode text (special tokens recognised) to ids and decode ids back, keeping special tokens."""
+class K3Tokenizer(ChatEncoder):
+    """k3-mini's tokenizer as a ``policy.chat.ChatEncoder``: text to ids with control strings kept as text
+    (``encode_text``), chat messages to ids (``encode_chat``), ids back to text (``decode``). ``tok`` is the
+    ``tokenizers`` object; its own ``encode`` makes control ids of control strings, so only this module calls it."""
 
     def __init__(self, tok: Tokenizer) -> None:
         self.tok = tok
         self.vocab_size = tok.get_vocab_size()
-        self.bos_id, self.eos_id, self.pad_id = (self.token_id(t) for t in ("[BOS]", "<|im_end|>", "[PAD]"))
-
-    def token_id(self, token: str) -> int:
-        i = self.tok.token_to_id(token)
-        if i is None:
-            raise KeyError(token)
-        return i
-
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=False)
+        specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        super().__init__(lambda text: tok.encode(text, add_special_tokens=False).ids,
+                         lambda ids: tok.decode(ids, skip_special_tokens=False), specials)
+        self.bos_id, self.pad_id = self.token_id("[BOS]"), self.token_id("[PAD]")
 
 
 @lru_cache(maxsize=1)

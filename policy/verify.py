@@ -9,8 +9,8 @@ talks to the endpoint the way the rollout loop does (``policy.client``) and comp
 - ``token_ids``: a completion of a token-id prompt returns the output token ids and one logprob per token;
 - ``greedy_determinism``: greedy decoding gives the same tokens twice, and for every one of ``n`` samples;
 - ``chat_template``: the endpoint's prompt token ids for a multi-turn conversation with tools, tool calls and
-  tool results (its chat route's ``prompt_token_ids``, else ``/tokenize``) equal ``render_chat`` tokenised by
-  our tokenizer, id for id; a difference is shown as text at the first differing token;
+  tool results (its chat route's ``prompt_token_ids``, else ``/tokenize``) equal our tokenizer's ``encode_chat``
+  (K3's template, text tokenised as text), id for id; a difference is shown as text at the first differing token;
 - ``logprob_consistency``: logprobs returned for generated tokens (sampled at temperature 1 and greedy) equal
   the endpoint's own ``prompt_logprobs`` for the same tokens scored again, within ``tolerance`` nats: catches a
   sampler, temperature or precision mismatch between the rollout engine and the model;
@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 
-from policy.chat import GENERATION_PROMPT, IM_END, parse_assistant, render_chat
+from policy.chat import GENERATION_PROMPT, IM_END, parse_assistant
 from policy.client import Completion, PolicyBadRequest, PolicyClient, PolicyError, error_reason
 from policy.tokenizer import K3Tokenizer, load_tokenizer
 
@@ -180,7 +180,7 @@ class _Verifier:
         self.client, self.tok, self.tolerance = client, tokenizer, tolerance
         self.max_model_len: int | None = None
         self.same_tokenizer = False
-        self.prompt = tokenizer.encode(render_chat([{"role": "user", "content": "Write a haiku about unit tests."}]))
+        self.prompt = tokenizer.encode_chat([{"role": "user", "content": "Write a haiku about unit tests."}])
 
     async def models(self) -> Check:
         listed = await self.client.models()
@@ -224,7 +224,7 @@ class _Verifier:
         return Check("greedy_determinism", FAIL, "greedy runs differ", {"runs": runs})
 
     async def chat_template(self) -> Check:
-        expected = self.tok.encode(render_chat(CONVERSATION, TOOLS))
+        expected = self.tok.encode_chat(CONVERSATION, TOOLS)
         sources: dict[str, list[int]] = {}
         notes = []
         with contextlib.suppress(PolicyError):
@@ -243,7 +243,7 @@ class _Verifier:
                          "its chat route, no /tokenize)" + (f"; {notes[0]}" if notes else ""))
         for where, got in sources.items():
             if got != expected:
-                return Check("chat_template", FAIL, f"{where} differ from render_chat + our tokenizer: "
+                return Check("chat_template", FAIL, f"{where} differ from our template and tokenizer: "
                              + await self._diff(expected, got), {"expected": expected, "got": got})
         self.same_tokenizer = True
         return Check("chat_template", PASS, f"{len(expected)} tokens equal, id for id ({', '.join(sources)})"
@@ -377,7 +377,7 @@ class _Verifier:
         if self.max_model_len is None:
             return Check("context_limit", SKIP, "the endpoint does not report max_model_len in /v1/models")
         L = self.max_model_len
-        filler = self.tok.encode(" the")[0]
+        filler = self.tok.encode_text(" the")[0]
         try:
             await self.client.complete([filler] * (L + 8), max_tokens=4, temperature=0)
             return Check("context_limit", FAIL, f"a prompt of {L + 8} tokens (context {L}) was accepted")

@@ -8,7 +8,11 @@ generated tokens, context length).
 
 No retokenisation drift: the conversation lives as token ids; earlier turns are never tokenised again.
 Every piece the loop tokenises starts and ends at a special token, so ``decode(token_ids)`` is exactly
-``render_chat`` of the same conversation (``conversation()`` rebuilds it; a test checks the equality).
+``render_chat`` of the same conversation (``metadata["messages"]`` rebuilds it; a test checks the equality).
+
+Text is text: the task, the env's observations and tool output are tokenised by ``encode_chat`` (``policy.chat``'s
+``ChatEncoder``), where a control-token string inside them (a sandbox that prints ``<|im_end|><|im_system|>...``)
+stays ordinary characters. The control ids of a trajectory are the template's and the ones the policy generated.
 
 Failures: an exception from the env is ``env_error``, one from the policy ``policy_error``; both carry
 ``reward=None`` (an infrastructure failure is not a task failure). Stopping on a limit of the loop is a
@@ -45,11 +49,17 @@ BASH_TOOL = chat.tool_spec("bash", "Run a shell command and see its output.", {"
 
 
 class Tokenizer(Protocol):
-    """Text ↔ token ids, as the policy endpoint tokenises (``LocalTokenizer`` for k3-mini)."""
+    """Messages → token ids and back, as the policy endpoint tokenises (``LocalTokenizer`` for k3-mini; any
+    ``policy.chat.ChatEncoder``)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]: ...
+
+    def encode_assistant(self, text: str) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def decode_pieces(self, ids: Sequence[int]) -> list[chat.Piece]: ...
 
     @property
     def eos_id(self) -> int: ...
@@ -148,8 +158,8 @@ class Episode:
     def start(self, first_observation: str, system_prompt: str | None = None) -> None:
         self.messages.extend(([{"role": "system", "content": system_prompt}] if system_prompt else [])
                              + [{"role": "user", "content": first_observation}])
-        text = chat.render_chat(self.messages, self.tools, add_generation_prompt=True)
-        self.traj.append(self.tokenizer.encode(text), generated=False)
+        self.traj.append(self.tokenizer.encode_chat(self.messages, self.tools, add_generation_prompt=True),
+                         generated=False)
         self.traj.prompt_len = len(self.traj.token_ids)
 
     def copy(self) -> Episode:
@@ -236,8 +246,7 @@ class Episode:
 
     def add_observation(self, messages: list[dict[str, Any]]) -> None:
         self.messages.extend(messages)
-        text = chat.render_chat(messages, None, add_generation_prompt=True)
-        self.traj.append(self.tokenizer.encode(text), generated=False)
+        self.traj.append(self.tokenizer.encode_chat(messages, None, add_generation_prompt=True), generated=False)
 
     def fail(self, reason: str, error: BaseException) -> Trajectory:
         """End the episode on an infrastructure failure: no reward (None, not 0)."""
@@ -318,18 +327,28 @@ async def play(episode: Episode, env: Any, policy: PolicyClient, config: AgentCo
 
 
 class LocalTokenizer:
-    """k3-mini's tokenizer (``policy.tokenizer``), for a policy served by ``agentenv policy serve``."""
+    """k3-mini's tokenizer (``policy.tokenizer``, loaded when made), for a policy served by ``agentenv policy serve``."""
 
     def __init__(self) -> None:
         from policy.tokenizer import load_tokenizer
 
         self._tok = load_tokenizer()
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text)
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True) -> list[int]:
+        return self._tok.encode_chat(messages, tools, add_generation_prompt)
+
+    def encode_assistant(self, text: str) -> list[int]:
+        return self._tok.encode_assistant(text)
+
+    def encode_text(self, text: str) -> list[int]:
+        return self._tok.encode_text(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
+
+    def decode_pieces(self, ids: Sequence[int]) -> list[chat.Piece]:
+        return self._tok.decode_pieces(ids)
 
     @property
     def eos_id(self) -> int:

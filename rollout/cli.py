@@ -1,7 +1,7 @@
 """``agentenv rollout ...``: play tasks with a policy on Ray workers, and look at the trajectories.
 
     agentenv rollout --env agentenv/SWE-v0 --tasks envs/tasks/swe_tasks.jsonl --policy-url URL \\
-                     --group-size 8 --workers 4 --out runs/NAME
+                     --policy-token-file policy.token --group-size 8 --workers 4 --out runs/NAME
     agentenv rollout show runs/NAME [--index N]
     agentenv rollout export runs/NAME --format parquet --schema verl --out NAME.parquet   # for other RL stacks
     agentenv rollout cleanup runs/NAME          # sandboxes a killed driver's run left behind
@@ -9,15 +9,20 @@
 The run shows a live progress bar (episodes, reward mean, generated tokens/s, environment vs policy time) and
 ends with a summary table; the trajectories are msgpack shards in the out folder with ``run.json`` (the
 settings) and ``summary.json`` (the figures).
+
+Tokens come from a file (``--policy-token-file``, ``--env-token-file``) or the environment (``$AGENTENV_POLICY_TOKEN``,
+``$AGENTENV_TOKEN``), never from the command line, which every local user reads (``ps``). What ``show`` prints of a
+trajectory (tool output, task ids, errors) goes through ``agentenv.terminal``, and its turns are split at the
+template's control tokens by id, never by text, so a tool output holding ``<|im_system|>`` stays one output.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
-import re
 import time
 import uuid
 from enum import StrEnum
@@ -26,13 +31,28 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from agentenv.terminal import markup
 
 app = typer.Typer(help="Rollouts: play tasks with a policy on Ray workers (GRPO groups forked from one state); "
                        "show the trajectories.", no_args_is_help=True, invoke_without_command=True)
 console = Console()
+
+
+EnvTokenFile = Annotated[Path | None, typer.Option(
+    exists=True, dir_okay=False, help="file holding the env servers' token (else $AGENTENV_TOKEN where it runs)")]
+
+
+def read_token(path: Path | None) -> str | None:
+    """The token in the file ``path`` (stripped); None without a file (the caller's environment variable then)."""
+    if path is None:
+        return None
+    token = path.read_text().strip()
+    if not token:
+        raise typer.BadParameter(f"{path} is empty; write the token into it")
+    return token
 
 
 def _kv(items: list[str] | None, what: str) -> dict[str, Any]:
@@ -75,7 +95,7 @@ def stats_line(stats: Any) -> str:
 
 
 def summary_table(summary: dict[str, Any]) -> Table:
-    t = Table(title=f"rollout {summary.get('run_id', '')}", show_header=False)
+    t = Table(title=f"rollout {markup(summary.get('run_id', ''))}", show_header=False)
     t.add_column("what", no_wrap=True)
     t.add_column("value")
     rm, rs = summary.get("reward_mean"), summary.get("reward_std")
@@ -83,7 +103,7 @@ def summary_table(summary: dict[str, Any]) -> Table:
     rows = [
         ("groups / episodes", f"{summary['groups']} / {summary['episodes']}"),
         ("reward mean ± std", "-" if rm is None else f"{rm:.3f} ± {rs:.3f} ({summary['rewarded_episodes']} rewarded)"),
-        ("finish reasons", ", ".join(f"{k} {v}" for k, v in sorted(summary["finish_reasons"].items())) or "-"),
+        ("finish reasons", markup(", ".join(f"{k} {v}" for k, v in sorted(summary["finish_reasons"].items())) or "-")),
         ("generated tokens", f"{summary['generated_tokens']} in {summary['turns']} turns"),
         ("throughput", f"{summary['episodes_per_min']:.1f} episodes/min, {summary['tokens_per_s']:.1f} tokens/s"),
         ("wall time", f"{summary['elapsed_s']:.1f} s"),
@@ -108,8 +128,8 @@ def rollout(
     task: Annotated[list[str] | None, typer.Option(help="a task id (repeatable); instead of --tasks")] = None,
     limit: Annotated[int | None, typer.Option(help="play the first N tasks (without tasks: N draws of the env)")] = None,
     policy_url: Annotated[str | None, typer.Option(help="OpenAI-compatible policy endpoint")] = None,
-    policy_token: Annotated[str | None, typer.Option(help="its bearer token (else $AGENTENV_POLICY_TOKEN)")] = None,
-    policy_token_file: Annotated[Path | None, typer.Option(help="file holding the policy token")] = None,
+    policy_token_file: Annotated[Path | None, typer.Option(
+        exists=True, dir_okay=False, help="file holding its bearer token (else $AGENTENV_POLICY_TOKEN)")] = None,
     model: Annotated[str | None, typer.Option(help="model name (default: the first the endpoint lists)")] = None,
     group_size: Annotated[int, typer.Option(help="episodes per task, forked from one reset (GRPO group)")] = 1,
     workers: Annotated[int, typer.Option(help="Ray rollout workers (0: in this process, no Ray)")] = 1,
@@ -118,7 +138,7 @@ def rollout(
     env_url: Annotated[list[str] | None, typer.Option(
         help="agentenv serve for the workers' sandboxes: URL, or NODE=URL per Ray node id/IP (repeatable); "
              "default: $AGENTENV_URL on each node, else local sandboxes")] = None,
-    env_token: Annotated[str | None, typer.Option(help="env server token (else $AGENTENV_TOKEN)")] = None,
+    env_token_file: EnvTokenFile = None,
     env_fleet: Annotated[bool, typer.Option(help="each worker uses its node's server of the Ray cluster's fleet "
                                                  "(agentenv cluster up)")] = False,
     env_arg: Annotated[list[str] | None, typer.Option(help="KEY=VALUE passed to gymnasium.make (JSON values)")] = None,
@@ -146,8 +166,7 @@ def rollout(
     from rollout.driver import Rollout
     from rollout.workers import RolloutConfig, RolloutError, load_task_refs
 
-    token = policy_token or (policy_token_file.read_text().strip() if policy_token_file else None) \
-        or os.environ.get("AGENTENV_POLICY_TOKEN")
+    token = read_token(policy_token_file) or os.environ.get("AGENTENV_POLICY_TOKEN")
     refs: list[Any]
     if tasks is not None:
         refs = load_task_refs(tasks)
@@ -169,14 +188,16 @@ def rollout(
                         context_limit=context_limit, temperature=temperature)
     cfg = RolloutConfig(env, policy_url, policy_token=token, policy_model=model, group_size=group_size,
                         memory_fork=memory_fork, agent=agent, env_kwargs=_kv(env_arg, "--env-arg"),
-                        env_urls=_env_urls(env_url), env_token=env_token, env_fleet=env_fleet, max_retries=retries,
+                        env_urls=_env_urls(env_url), env_token=read_token(env_token_file),
+                        env_fleet=env_fleet, max_retries=retries,
                         groups_per_worker=groups_per_worker, worker_cpus=worker_cpus, seed=seed,
                         keep_messages=keep_messages)
     run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
     folder = out or Path("runs") / run_id
     r = Rollout(cfg, workers=workers, out=folder, ray_address=ray_address, run_id=run_id)
     code = 0
-    console.print(f"rollout {r.run_id}: {len(refs)} groups of {group_size} on {env}, {workers} workers -> {folder}")
+    console.print(f"rollout {r.run_id}: {len(refs)} groups of {group_size} on {markup(env)}, {workers} workers -> "
+                  f"{markup(folder)}")
     progress = Progress(TextColumn("episodes"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                         TextColumn("{task.fields[stats]}"), console=console)
     try:
@@ -185,7 +206,7 @@ def rollout(
             for result in r.groups(refs):
                 progress.update(bar, advance=len(result.trajectories), stats=stats_line(r.stats))
     except (RolloutError, AgentEnvError) as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
+        console.print(f"[red]error:[/] {markup(e)}")
         code = 1
     except KeyboardInterrupt:
         console.print("[yellow]interrupted[/]: the trajectories so far are kept")
@@ -193,7 +214,7 @@ def rollout(
     finally:
         r.close()
     console.print(summary_table(r.summary()))
-    console.print(f"trajectories: {folder} (agentenv rollout show {folder})")
+    console.print(f"trajectories: {markup(folder)} (agentenv rollout show {markup(folder)})")
     if code:
         raise typer.Exit(code)
 
@@ -212,12 +233,22 @@ def _verify(url: str, token: str | None, model: str | None) -> bool:
 
 # --- show ------------------------------------------------------------------------------------------------
 
-_MESSAGE = re.compile(r"<\|im_(system|user|assistant)\|>(.*?)<\|im_middle\|>(.*?)(?:<\|im_end\|>|$)", re.S)
+def split_messages(ids: list[int], tokenizer: Any = None) -> list[tuple[str, str]]:
+    """(name, body) of each K3 message in ``ids`` (``tool_declare`` included), split at the template's control
+    tokens by id: a control string inside a tool output's text stays part of that output. ``tokenizer``: one with
+    ``decode_pieces`` (``rollout.agent.Tokenizer``; default k3-mini's)."""
+    from policy import chat
+
+    if tokenizer is None:
+        tokenizer = _local_tokenizer()
+    return chat.messages_of(tokenizer.decode_pieces(ids))
 
 
-def split_messages(text: str) -> list[tuple[str, str]]:
-    """(name, body) of each K3 message in rendered text (``tool_declare`` included)."""
-    return [(m.group(2), m.group(3)) for m in _MESSAGE.finditer(text)]
+@functools.cache
+def _local_tokenizer() -> Any:
+    from rollout.agent import LocalTokenizer
+
+    return LocalTokenizer()
 
 
 def _clip(text: str, n: int) -> str:
@@ -241,25 +272,25 @@ def _tool_calls(text: str) -> tuple[str, list[str]]:
 
 
 def render_trajectory(t: Any, tokenizer: Any, width: int = 1500) -> list[str]:
-    """Lines (rich markup) that show one trajectory: the task, each turn's text, tool calls and outputs, timings."""
+    """Lines (rich markup) that show one trajectory: the task, each turn's text, tool calls and outputs, timings.
+    Every text of the record is printed through ``agentenv.terminal.markup`` (a record is data, maybe hostile)."""
     gen = sum(x.generated for x in t.turns)
     policy_s, env_s = sum(x.policy_s for x in t.turns), sum(x.env_s for x in t.turns)
     reset_s = float(t.metadata.get("reset_s") or 0.0)
-    lines = [f"[bold]{escape(t.task_id or '?')}[/] on {escape(t.env_id or '?')}  group {escape(t.group_id)}"
-             f" #{t.group_index}  episode {t.episode_id}",
-             f"reward [bold]{t.reward}[/]  finish [bold]{t.finish_reason}[/]  turns {len(t.turns)}  tokens "
-             f"{len(t.token_ids)} ({gen} generated, prompt {t.prompt_len})  tool calls {t.tool_calls}"
+    lines = [f"[bold]{markup(t.task_id or '?')}[/] on {markup(t.env_id or '?')}  group {markup(t.group_id)}"
+             f" #{t.group_index}  episode {markup(t.episode_id)}",
+             f"reward [bold]{markup(t.reward)}[/]  finish [bold]{markup(t.finish_reason)}[/]  turns {len(t.turns)}  "
+             f"tokens {len(t.token_ids)} ({gen} generated, prompt {t.prompt_len})  tool calls {t.tool_calls}"
              f" (malformed {t.malformed_calls})",
              f"time: policy {policy_s:.2f} s, env steps {env_s:.2f} s, group reset {reset_s:.2f} s, fork "
              f"{t.fork_s:.2f} s"]
     if t.error:
-        lines.append(f"[red]error:[/] {escape(t.error)}")
+        lines.append(f"[red]error:[/] {markup(t.error)}")
     if t.grade:
-        lines.append(f"grade: {escape(json.dumps(t.grade)[:400])}")
-    prompt = tokenizer.decode(t.token_ids[: t.prompt_len])
-    for name, body in split_messages(prompt):
+        lines.append(f"grade: {markup(json.dumps(t.grade)[:400])}")
+    for name, body in split_messages(t.token_ids[: t.prompt_len], tokenizer):
         if name != "tool_declare" and body.strip():
-            lines.append(f"[cyan]── {escape(name)}[/]\n{escape(_clip(body, width))}")
+            lines.append(f"[cyan]── {markup(name)}[/]\n{markup(_clip(body, width))}")
     starts = [x.start for x in t.turns] + [len(t.token_ids)]
     for i, turn in enumerate(t.turns):
         text = tokenizer.decode(t.token_ids[turn.start: turn.start + turn.generated])
@@ -267,17 +298,16 @@ def render_trajectory(t: Any, tokenizer: Any, width: int = 1500) -> list[str]:
         content, calls = _tool_calls(text)
         lines.append(f"[green]── turn {i + 1}[/]  policy {turn.policy_s:.2f} s, env {turn.env_s:.2f} s, "
                      f"{turn.generated} tokens, weights v{turn.weight_version}"
-                     + (f", finish {turn.finish}" if turn.finish else "") + (" [red]malformed[/]" if turn.malformed
-                                                                            else ""))
+                     + (f", finish {markup(turn.finish)}" if turn.finish else "")
+                     + (" [red]malformed[/]" if turn.malformed else ""))
         if content.strip():
-            lines.append(escape(_clip(content.strip(), width)))
+            lines.append(markup(_clip(content.strip(), width)))
         for c in calls:
-            lines.append(f"[yellow]→ {escape(_clip(c, width))}[/]")
-        after = tokenizer.decode(t.token_ids[turn.start + turn.generated: starts[i + 1]])
-        for name, body in split_messages(after):
+            lines.append(f"[yellow]→ {markup(_clip(c, width))}[/]")
+        for name, body in split_messages(t.token_ids[turn.start + turn.generated: starts[i + 1]], tokenizer):
             if name == "assistant":
                 continue
-            lines.append(f"[magenta]← {escape(name)}[/]\n{escape(_clip(body, width))}")
+            lines.append(f"[magenta]← {markup(name)}[/]\n{markup(_clip(body, width))}")
     return lines
 
 
@@ -293,14 +323,12 @@ def show(
     try:
         found = next((t for i, t in enumerate(trajectory.read(file)) if i == index), None)
     except trajectory.TrajectoryError as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(1) from None
     if found is None:
-        console.print(f"[red]error:[/] {file} holds no trajectory {index}")
+        console.print(f"[red]error:[/] {markup(file)} holds no trajectory {index}")
         raise typer.Exit(1)
-    from rollout.agent import LocalTokenizer
-
-    for line in render_trajectory(found, LocalTokenizer(), width):
+    for line in render_trajectory(found, _local_tokenizer(), width):
         console.print(line, highlight=False)
 
 
@@ -308,12 +336,12 @@ def show(
 def cleanup(
     run: Annotated[str, typer.Argument(help="a run folder (its run.json names the run) or a run id")],
     env_url: Annotated[list[str] | None, typer.Option(help="env servers the run used (repeatable)")] = None,
-    env_token: Annotated[str | None, typer.Option(help="their token (else $AGENTENV_TOKEN)")] = None,
+    env_token_file: EnvTokenFile = None,
 ) -> None:
     """Close the sandboxes and delete the snapshots a run left behind (after its driver was killed)."""
     from rollout.ownership import sweep_run
 
-    swept = sweep_run(run, env_url or [], env_token)
+    swept = sweep_run(run, env_url or [], read_token(env_token_file))
     console.print(f"closed {len(swept['sandboxes'])} sandboxes, deleted {len(swept['snapshots'])} snapshots")
 
 
@@ -344,14 +372,12 @@ def export_cmd(
 
     decode = None
     if text:
-        from rollout.agent import LocalTokenizer
-
-        decode = LocalTokenizer().decode
+        decode = _local_tokenizer().decode
     try:
         done = export.export(run, out, fmt.value, schema.value, decode=decode, keep_errors=keep_errors)
     except (export.ExportError, trajectory.TrajectoryError) as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(1) from None
     left = f", {done['skipped_infra_errors']} infrastructure-error episodes left out" \
         if done["skipped_infra_errors"] else ""
-    console.print(f"{done['rows']} trajectories -> {out} ({fmt.value}, {schema.value} schema{left})")
+    console.print(f"{done['rows']} trajectories -> {markup(out)} ({fmt.value}, {schema.value} schema{left})")

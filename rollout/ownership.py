@@ -135,7 +135,7 @@ def connect(url: str | None, token: str | None) -> Any:
     token = token or os.environ.get("AGENTENV_TOKEN")
     if not token:
         raise Unauthorized(f"the env server {url} needs a token",
-                           fix="give env_token (--env-token) or set $AGENTENV_TOKEN")
+                           fix="give env_token (--env-token-file) or set $AGENTENV_TOKEN")
     return agentenv.connect(url, token)
 
 

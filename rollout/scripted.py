@@ -4,7 +4,9 @@ answers that a script decides.
 A script maps the conversation so far (the decoded prompt, and the turn number) to the assistant's next
 text, e.g. the tool calls that apply a task's gold patch and submit. It drives the real rollout path
 (agent loop, Ray workers, envs) in tests, and writes demonstrations for a warm start, without a model.
-Its logprobs are a constant (``LOGPROB``): a script has no distribution.
+Its logprobs are a constant (``LOGPROB``): a script has no distribution. An answer is tokenised as a model would
+have generated it (``encode_assistant``): its reasoning and tool-call structure as control ids, its content and
+arguments as text, so a demonstration that echoes a tool output's control strings keeps them text.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", we
         app.state.calls += 1
         choices = []
         for i, answer in enumerate(texts):
-            ids, finish = tokenizer.encode(answer)[:max_tokens], "length"
+            ids, finish = tokenizer.encode_assistant(answer)[:max_tokens], "length"
             if len(ids) < max_tokens:
                 ids, finish = ids + [tokenizer.eos_id], "stop"
             choices.append({"index": i, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,

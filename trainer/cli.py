@@ -63,8 +63,8 @@ def train(
     if ctx.invoked_subcommand is not None:
         return
     from rich.console import Console
-    from rich.markup import escape
 
+    from agentenv.terminal import clean, markup
     from trainer.config import ConfigError, describe, load
     from trainer.loop import Loop
     from trainer.services import PreflightError, ServerError, preflight
@@ -78,11 +78,11 @@ def train(
     try:
         cfg = load(config, quick=quick, overrides=overrides)
     except ConfigError as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
     if resume:
         if not (cfg.run_dir / "checkpoints").is_dir() and not (cfg.run_dir / "sft").is_dir():
-            console.print(f"[red]error:[/] nothing to resume in {cfg.run_dir}")
+            console.print(f"[red]error:[/] nothing to resume in {markup(cfg.run_dir)}")
             raise typer.Exit(2)
     else:
         free = _free_name(Path(cfg.out_dir), cfg.name)
@@ -97,11 +97,11 @@ def train(
             checked = preflight(cfg, resume=resume, build=False)
             print(f"pre-flight: {', '.join(checked)} ok")
         except PreflightError as e:
-            print(e)
+            print(clean(str(e)))
         print("\n# the effective configuration (`agentenv train defaults` lists every key)\n")
         print(describe(cfg), end="")
         return
-    console.print(f"[bold]agentenv train[/] {cfg.name}: {escape(loop.plan().splitlines()[0])}")
+    console.print(f"[bold]agentenv train[/] {markup(cfg.name)}: {markup(loop.plan().splitlines()[0])}")
 
     def _terminate(signum: int, frame: Any) -> None:   # SIGTERM as Ctrl-C: stop what was started, keep checkpoints
         raise KeyboardInterrupt
@@ -111,10 +111,10 @@ def train(
     try:
         loop.run()
     except (PreflightError, ServerError) as e:
-        console.print(f"[red]error:[/] {escape(str(e))}")
+        console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(1) from None
     except (RuntimeError, OSError, ValueError) as e:   # a part failed mid-run (sync, a trainer rank, the workers)
-        console.print(f"[red]error:[/] {type(e).__name__}: {escape(str(e))}\nwhat the run wrote is in {cfg.run_dir}; "
+        console.print(f"[red]error:[/] {type(e).__name__}: {markup(e)}\nwhat the run wrote is in {cfg.run_dir}; "
                       f"the same command with `--resume --name {cfg.name}` continues from its last checkpoint")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:

@@ -52,6 +52,7 @@ from typing import Any
 
 from rich.console import Console
 
+from agentenv.terminal import markup
 from rollout.driver import init_ray
 from trainer.batch import filter_stale, pass_rate
 from trainer.config import RunConfig, describe
@@ -111,7 +112,8 @@ class Loop:
 
     # -- output --
     def say(self, text: str) -> None:
-        (self.bar.console if self.bar is not None and self.bar.enabled else self.console).log(text)
+        """A progress line; its text (task ids, an endpoint's answer) is printed as text (``agentenv.terminal``)."""
+        (self.bar.console if self.bar is not None and self.bar.enabled else self.console).log(markup(text))
 
     @contextlib.contextmanager
     def timed(self, key: str) -> Iterator[None]:

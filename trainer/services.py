@@ -323,7 +323,7 @@ async def _quick_check(url: str, token: str | None, model: str | None) -> dict[s
     from policy.tokenizer import load_tokenizer
 
     tok = load_tokenizer()
-    prompt = tok.encode("<|im_user|>user<|im_middle|>Say hi.<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    prompt = tok.encode_chat([{"role": "user", "content": "Say hi."}])
     async with PolicyClient(url, token, model or None, max_retries=1, timeout=120) as client:
         listed = [str(m.get("id")) for m in await client.models()]
         if not listed:

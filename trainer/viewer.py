@@ -272,11 +272,12 @@ def grade_view(grade: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def episode(run: Run, episode_id: str, decode: Callable[[list[int]], str],
-            tool_calls: Callable[[str], tuple[str, list[str]]], messages: Callable[[str], list[tuple[str, str]]]
-            ) -> dict[str, Any]:
+            tool_calls: Callable[[str], tuple[str, list[str]]],
+            messages: Callable[[list[int]], list[tuple[str, str]]]) -> dict[str, Any]:
     """One episode as its conversation: the prompt's tokens, then each turn's generated tokens (with their tool
-    calls as text) and the tokens that followed them (the tool outputs, by tool); every token with its mask and
-    logprob; the turns' timings and the grade."""
+    calls as text) and the tokens that followed them (the tool outputs, by tool: ``messages`` splits ids at the
+    template's control tokens, never decoded text, where a tool output could forge a message); every token with its
+    mask and logprob; the turns' timings and the grade."""
     t = run.by_id.get(checked_name(episode_id, "episode"))
     if t is None:
         raise RunNotFound(f"run {run.name} has no episode {episode_id!r}", fix="pick one from the episode list")
@@ -287,11 +288,11 @@ def episode(run: Run, episode_id: str, decode: Callable[[list[int]], str],
     for i, turn in enumerate(t.turns):
         gen_end = turn.start + turn.generated
         content, calls = tool_calls(decode(t.token_ids[turn.start:gen_end]).removesuffix("<|im_end|>"))
-        after = decode(t.token_ids[gen_end:starts[i + 1]])
         turns.append({"index": i, "weight_version": turn.weight_version, "policy_s": turn.policy_s,
                       "env_s": turn.env_s, "finish": turn.finish, "malformed": turn.malformed,
                       "tool_calls": calls, "content": content,
-                      "outputs": [{"name": n, "text": b} for n, b in messages(after) if n != "assistant"],
+                      "outputs": [{"name": n, "text": b} for n, b in messages(t.token_ids[gen_end:starts[i + 1]])
+                                  if n != "assistant"],
                       "before": _tokens(t, texts, prompt_end if i == 0 else turn.start, turn.start),
                       "generated": _tokens(t, texts, turn.start, gen_end),
                       "after": _tokens(t, texts, gen_end, starts[i + 1])})

@@ -10,7 +10,9 @@ closed when it returns.
 the task is the row's ``extra_info["task"]`` (an id or record; none: the env draws one); the prompt is
 ``raw_prompt`` (the row's messages, a system prompt say) followed by a user message with the env's first
 observation, rendered in K3's chat format with the env's tool declarations (the envs read K3 tool-call text, so
-the policy must speak it, and ``tokenizer.encode`` must know K3's special tokens). Each turn is one call of the
+the policy must speak it, and the tokenizer must know K3's special tokens). The token ids are made by
+``policy.chat.ChatEncoder`` over verl's tokenizer: control ids come from the template alone, and a control-token
+string in a task or a tool output is tokenised as the characters it is. Each turn is one call of the
 server manager's ``generate(request_id, prompt_ids=..., sampling_params=...)`` (token ids in, ``TokenOutput``
 out; one request id for the episode, so the server's prefix cache sticks), its text is the env's action, and the
 env's observation goes back as a K3 tool message. ``response_mask`` is 1 over generated tokens and 0 over the
@@ -53,13 +55,8 @@ class _AgentenvAgentLoop(AgentLoopBase):
         super().__init__(*args, **kwargs)
         self.env_kwargs = dict(env_kwargs or {})
         self.response_length = int(self.rollout_config.response_length)
+        self.encoder = chat.ChatEncoder.wrap(self.tokenizer)   # k3-mini's as is, a Hugging Face one wrapped
 
-    def _encode(self, text: str) -> list[int]:
-        """``text``'s ids with no BOS/EOS added (a Hugging Face tokenizer would add them to every piece)."""
-        try:
-            return list(self.tokenizer.encode(text, add_special_tokens=False))
-        except TypeError:  # a plain encode(text) (the project's tokenizer adds nothing)
-            return list(self.tokenizer.encode(text))
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
         given = [k for k in MULTIMODAL if kwargs.get(k)]
@@ -75,12 +72,12 @@ class _AgentenvAgentLoop(AgentLoopBase):
     async def _episode(self, env: Any, task: Any, messages: list[dict[str, Any]],
                        sampling_params: dict[str, Any]) -> AgentLoopOutput:
         obs, _ = await asyncio.to_thread(env.reset, options={"task": task} if task is not None else None)
-        prompt = chat.render_chat([*messages, {"role": "user", "content": obs}], tools=env.unwrapped.toolbox.specs)
-        prompt_ids = self._encode(prompt)
+        prompt_ids = self.encoder.encode_chat([*messages, {"role": "user", "content": obs}],
+                                              tools=env.unwrapped.toolbox.specs)
         ids: list[int] = []
         mask: list[int] = []
         logprobs: list[float] = []
-        end_ids = self._encode(chat.IM_END)
+        end_ids = [self.encoder.eos_id]
         request_id, turns, reward = uuid4().hex, 1, None
         while len(ids) < self.response_length:
             out = await self.server_manager.generate(request_id=request_id, prompt_ids=prompt_ids + ids,
@@ -89,7 +86,7 @@ class _AgentenvAgentLoop(AgentLoopBase):
             mask += [1] * len(out.token_ids)
             logprobs += list(out.log_probs) if out.log_probs else [0.0] * len(out.token_ids)
             turns += 1
-            text = self.tokenizer.decode(out.token_ids)
+            text = self.encoder.decode(out.token_ids)
             if not text.endswith(chat.IM_END):
                 ids, mask, logprobs = ids + end_ids, mask + [0] * len(end_ids), logprobs + [0.0] * len(end_ids)
             action = text.removesuffix(chat.IM_END)
@@ -98,8 +95,8 @@ class _AgentenvAgentLoop(AgentLoopBase):
                 reward = float(r)
                 break
             calls = chat.parse_assistant(action).tool_calls
-            tool = chat.render_chat([{"role": "tool", "tool_call_id": calls[0]["id"] if calls else "", "content": obs}])
-            tool_ids = self._encode(tool)
+            tool_ids = self.encoder.encode_chat([{"role": "tool", "tool_call_id": calls[0]["id"] if calls else "",
+                                                  "content": obs}])
             ids, mask, logprobs = ids + tool_ids, mask + [0] * len(tool_ids), logprobs + [0.0] * len(tool_ids)
             turns += 1
         if reward is None:  # cut by response_length: graded as it stands

@@ -9,9 +9,16 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TextIO
 
+from agentenv.terminal import clean
 from envs.task import SHIPPED, TaskError, load_tasks
 from envs.tasks.libraries import LIBRARIES_FILE, LibraryError
+
+
+def say(text: str, file: TextIO | None = None) -> None:
+    """Print a line whose text may come from a sandbox, a build or a test run, its escapes made visible."""
+    print(clean(text), file=file or sys.stdout)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except (LibraryError, TaskError, AgentEnvError) as e:  # what to fix, not a traceback
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}", file=sys.stderr)
         return 2
 
 
@@ -80,7 +87,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "base-commit":
         for image in args.image:
-            print(f"{image} {image_head(image)}")
+            say(f"{image} {image_head(image)}")
         return 0
     all_libs = load_libraries(args.libraries)
     libs = [lib for lib in all_libs if not args.library or lib.name in args.library]
@@ -95,11 +102,11 @@ def _run(args: argparse.Namespace) -> int:
             made = {lib.image for lib in all_libs}
             others = [t for t in tasks if t.image not in made]  # images no library makes: must be here
             for why in build.prepare_images(others, [], build=False, libraries_file=str(args.libraries)).values():
-                print(f"[image] {why}")
+                say(f"[image] {why}")
                 rc = 1
             libs = [lib for lib in libs if lib.image in {t.image for t in tasks}]
         for lib in libs:
-            build_image(lib.recipe, force=args.force, log=print)
+            build_image(lib.recipe, force=args.force, log=say)
         return rc
     if args.cmd in ("search", "build"):
         if not shipped and (args.mutations is None or (args.cmd == "build" and args.out is None)):
@@ -111,20 +118,20 @@ def _run(args: argparse.Namespace) -> int:
             found = build.read_mutations(mutations) if mutations.exists() else {}
             for lib in libs:
                 lib.need("tests", "mutate", for_what="search")
-                build_image(lib.recipe, log=print)
-                found[lib.name] = build.search(lib, keep=args.keep, max_tries=args.max_tries, seed=args.seed, log=print)
+                build_image(lib.recipe, log=say)
+                found[lib.name] = build.search(lib, keep=args.keep, max_tries=args.max_tries, seed=args.seed, log=say)
                 build.write_mutations(found, args.seed, mutations)
             return 0
         for lib in libs:
             lib.need("tests", "license", for_what="build")
-            build_image(lib.recipe, log=print)
-        build.build(libs, out=args.out or SHIPPED, mutations=mutations)
+            build_image(lib.recipe, log=say)
+        build.build(libs, out=args.out or SHIPPED, mutations=mutations, log=say)
         return 0
     tasks = load_tasks(args.tasks)
     chosen = build.sample(tasks, args.sample, args.seed) if args.sample else tasks
     unusable = build.prepare_images(chosen, libs, build=not args.no_images, libraries_file=str(args.libraries),
-                                    log=print)
-    verdicts = build.validate(chosen, budget=args.budget, unusable=unusable)
+                                    log=say)
+    verdicts = build.validate(chosen, budget=args.budget, unusable=unusable, log=say)
     bad = [v for v in verdicts if not v.ok]
     print(f"[validate] {len(verdicts) - len(bad)}/{len(verdicts)} tasks valid ({len(tasks)} in the set)")
     return 1 if bad or not verdicts else 0

@@ -11,7 +11,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from policy.chat import render_chat
+from policy.chat import Piece, chat_pieces, text_of
 from policy.engine import Engine, SamplingParams
 from policy.server.responses import ChatAnswer, CompletionAnswer, Formatter
 from policy.server.schemas import (
@@ -30,9 +30,11 @@ from policy.server.streaming import Generation, generate, stream
 
 
 def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
-               template: Callable[..., str] = render_chat) -> FastAPI:
+               template: Callable[..., list[Piece]] = chat_pieces) -> FastAPI:
     """Build the app around a running ``engine``; ``token`` guards every route but /health and /metrics.
-    ``template`` renders chat messages (K3's ``render_chat``; a test swaps in a broken one)."""
+    ``template`` renders chat messages to pieces (K3's ``chat_pieces``; a test swaps in a broken one). Text (a
+    message's content, a text ``prompt``) is tokenised with its control-token strings as plain characters
+    (``encode_text``): control ids come from the template's pieces, or from a client that sends token ids."""
     app = FastAPI(title="agentenv policy (K3)")
     tok = engine.tokenizer
     fmt = Formatter(tok, model_name)
@@ -93,12 +95,11 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
         if (req.prompt is None) == (req.messages is None):
             raise bad("give either 'prompt' or 'messages'")
         try:
-            text = req.prompt if req.prompt is not None else template(
+            ids = tok.encode_text(req.prompt) if req.prompt is not None else tok.encode_pieces(template(
                 req.messages or [], tool_prompt(ChatRequest(model=model_name, messages=[], tools=req.tools))[0],
-                add_generation_prompt=req.add_generation_prompt)
+                add_generation_prompt=req.add_generation_prompt))
         except (ValueError, AttributeError, TypeError, KeyError) as e:
             raise bad(f"bad request: {e}") from e
-        ids = tok.encode(text)
         return {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
 
     @app.post("/detokenize", dependencies=[Depends(auth)])
@@ -112,13 +113,13 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
     async def chat(req: ChatRequest) -> Any:
         try:
             tools, forced = tool_prompt(req)
-            prompt_ids = tok.encode(template(req.messages, tools) + forced)
+            prompt_ids = tok.encode_pieces([*template(req.messages, tools), *forced])
         except (ValueError, AttributeError, TypeError, KeyError) as e:
             raise bad(f"bad request: {e}") from e
         params = sampling_params(req, model_name, len(prompt_ids), engine.max_context)
         gen = start(prompt_ids, params, lambda: (tool_grammar(tools, req.tool_choice) if forced
                                                  else response_grammar(req.response_format)))
-        answer = ChatAnswer(fmt, req, gen, forced, engine.weight_version)
+        answer = ChatAnswer(fmt, req, gen, text_of(forced), engine.weight_version)
         if req.stream:
             return StreamingResponse(stream(gen, answer), media_type="text/event-stream")
         await gen.wait()
@@ -126,7 +127,7 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
 
     @app.post("/v1/completions", dependencies=[Depends(auth)], response_model=None)
     async def completions(req: CompletionRequest) -> Any:
-        prompt_ids = tok.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+        prompt_ids = tok.encode_text(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
         params = sampling_params(req, model_name, len(prompt_ids), engine.max_context)
         gen = start(prompt_ids, params, lambda: response_grammar(req.response_format))
         answer = CompletionAnswer(fmt, req, gen, engine.weight_version)

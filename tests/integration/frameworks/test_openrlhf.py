@@ -55,8 +55,8 @@ class ScriptedEngine:
         self.tok, self.script = tok, script
 
     async def generate(self, prompt_token_ids: list[int], sampling_params: Any, multi_modal_data: Any = None) -> Any:
-        text = self.script[self.tok.decode(prompt_token_ids).count(RETURN)] + chat.IM_END
-        ids = self.tok.encode(text)
+        ids = self.tok.encode_assistant(self.script[self.tok.decode(prompt_token_ids).count(RETURN)]) + [self.tok.eos_id]
+        text = self.tok.decode(ids)
         return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, text=text, finish_reason="stop", logprobs=None)])
 
 

@@ -52,7 +52,7 @@ class ScriptedServerManager:
                        mm_processor_kwargs: Any = None, **kwargs: Any) -> TokenOutput:
         self.request_ids.add(request_id)
         turn = self.tok.decode(prompt_ids).count(RETURN)
-        ids = self.tok.encode(self.script[turn] + chat.IM_END)
+        ids = self.tok.encode_assistant(self.script[turn]) + [self.tok.eos_id]
         return TokenOutput(token_ids=ids, log_probs=[-0.5] * len(ids), stop_reason="completed")
 
 

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -13,6 +14,7 @@ import openai
 import pytest
 import torch
 
+from policy.chat import IM_END, IM_MIDDLE, IM_USER, Control
 from policy.client import PolicyClient
 from policy.config import k3_mini
 from policy.engines import reload_weights, smoke_check
@@ -80,7 +82,7 @@ def test_streaming_gives_the_same_tokens_as_non_streaming(client):
 
 def test_completions_accept_token_ids(client):
     tok = load_tokenizer()
-    prompt = tok.encode("def main():")
+    prompt = tok.encode_text("def main():")
     r = client.completions.create(model="k3-mini", prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
     extra = r.model_dump()
     assert extra["prompt_token_ids"] == prompt
@@ -121,9 +123,10 @@ def test_ep2_reuses_prefix_state_forks_samples_and_returns_routing(spec):
     async def go():
         async with PolicyClient(spec.base_url, TOKEN) as c:
             before = await c.metrics()
-            p1 = tok.encode("<|im_user|>user<|im_middle|>run ls<|im_end|><|im_assistant|>assistant<|im_middle|>")
+            p1 = tok.encode_chat([{"role": "user", "content": "run ls"}])
             t1 = await c.complete(p1, max_tokens=6, temperature=0, return_routed_experts=True)
-            p2 = p1 + t1.samples[0].token_ids + tok.encode("<|im_end|><|im_user|>user<|im_middle|>again")
+            p2 = p1 + t1.samples[0].token_ids + tok.encode_pieces([Control(IM_END), Control(IM_USER), "user",
+                                                                    Control(IM_MIDDLE), "again"])
             t2 = await c.complete(p2, max_tokens=6, temperature=0, return_routed_experts=True)
             group = await c.complete(p2 + [5], max_tokens=4, temperature=1.0, n=4, seed=3)
             return before, t1, t2, group, await c.metrics()
@@ -146,13 +149,14 @@ def test_ep2_reuses_prefix_state_forks_samples_and_returns_routing(spec):
 
 def test_verify_passes_against_the_ep2_server(spec):
     pytest.importorskip("llguidance")
-    r = subprocess.run([sys.executable, "-m", "policy.cli", "verify", spec.base_url, "--token", TOKEN, "--json"],
-                       capture_output=True, text=True, timeout=240)
+    verify = [sys.executable, "-m", "policy.cli", "verify", spec.base_url]   # the token from the environment
+    r = subprocess.run([*verify, "--json"], capture_output=True, text=True, timeout=240,
+                       env={**os.environ, "AGENTENV_POLICY_TOKEN": TOKEN})
     report = json.loads(r.stdout)
     assert r.returncode == 0 and report["ok"], r.stdout + r.stderr
     assert {c["status"] for c in report["checks"]} == {"PASS"}
-    bad = subprocess.run([sys.executable, "-m", "policy.cli", "verify", spec.base_url, "--token", "wrong"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(verify, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "AGENTENV_POLICY_TOKEN": "wrong"})
     assert bad.returncode == 1 and "models" in bad.stdout and "FAIL" in bad.stdout
 
 

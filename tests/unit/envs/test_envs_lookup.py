@@ -35,8 +35,8 @@ def test_names_and_codes_are_single_tokens_and_never_part_of_each_other():
     words = lk.NAMES + lk.VALUES
     assert len(set(words)) == len(words) and len(lk.NAMES) >= 30 and len(lk.VALUES) >= 30
     for w in words:
-        assert len(tok.encode(w)) == len(tok.encode(" " + w)) == 1, w
-        assert len(tok.encode(f'"{w}"')) == 3, w  # as a JSON string: quote, word, quote
+        assert len(tok.encode_text(w)) == len(tok.encode_text(" " + w)) == 1, w
+        assert len(tok.encode_text(f'"{w}"')) == 3, w  # as a JSON string: quote, word, quote
     assert not [(a, b) for a in words + ("see",) for b in words if a != b and a in b]
 
 

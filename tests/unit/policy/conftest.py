@@ -1,7 +1,9 @@
 """Fixtures shared by the policy tests: the tokenizer, and our server in-process (an app on a real EP=1 engine,
-with prefix reuse and without) for clients that talk to it through ``httpx.ASGITransport``."""
+with prefix reuse and without) for clients that talk to it through ``httpx.ASGITransport``, or a test client
+(``client``) and ``post(path, body)`` that returns the JSON of a 200 answer."""
 
 import pytest
+from fastapi.testclient import TestClient
 
 from policy.config import k3_mini
 from policy.engine import Engine
@@ -31,3 +33,20 @@ def server_app(engine_pair):
     """(app with prefix reuse, app without), both serving k3-mini with bearer token ``t``."""
     reuse, plain = engine_pair
     return create_app(reuse, TOKEN), create_app(plain, TOKEN)
+
+
+@pytest.fixture(scope="module")
+def client(server_app):
+    return TestClient(server_app[0])
+
+
+@pytest.fixture(scope="module")
+def post(client):
+    """``post(path, body)``: the JSON answer of the app with prefix reuse (model and token set), which must be 200."""
+
+    def send(path: str, body: dict) -> dict:
+        r = client.post(path, headers={"Authorization": f"Bearer {TOKEN}"}, json={"model": "k3-mini", **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    return send

@@ -19,10 +19,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 def test_special_tokens_are_single_tokens_and_text_round_trips():
     tok = load_tokenizer()
     for s in SPECIAL_TOKENS:
-        assert tok.encode(s) == [tok.token_id(s)], s
-    text = "<|im_user|>user<|im_middle|>Grüße, 世界! def f(x): return x<|im_end|>"
-    ids = tok.encode(text)
-    assert tok.decode(ids) == text
+        assert tok.encode_pieces([chat.Control(s)]) == [tok.token_id(s)] and tok.decode([tok.token_id(s)]) == s, s
+    ids = tok.encode_chat([{"role": "user", "content": "Grüße, 世界! def f(x): return x"}], add_generation_prompt=False)
+    assert tok.decode(ids) == "<|im_user|>user<|im_middle|>Grüße, 世界! def f(x): return x<|im_end|>"
     assert ids.count(tok.token_id("<|im_middle|>")) == 1
     assert tok.eos_id == tok.token_id("<|im_end|>")
 

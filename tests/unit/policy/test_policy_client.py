@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from policy.chat import IM_END, IM_MIDDLE, IM_USER, Control
 from policy.client import (
     PolicyBadRequest,
     PolicyClient,
@@ -23,6 +24,8 @@ from policy.client import (
 )
 
 MODELS = {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+MORE = [Control(IM_END), Control(IM_USER), "user", Control(IM_MIDDLE), "more"]   # the next user turn
 
 
 def _answer(n: int = 1) -> dict:
@@ -189,12 +192,12 @@ def test_token_in_token_out_against_our_server(tok, server_app):
 
     async def episode(a) -> list:
         async with PolicyClient("http://policy.test", "t", transport=httpx.ASGITransport(app=a)) as c:
-            prompt = tok.encode("<|im_user|>user<|im_middle|>list the files<|im_end|><|im_assistant|>assistant<|im_middle|>")
+            prompt = tok.encode_chat([{"role": "user", "content": "list the files"}])
             turns = []
             for _ in range(3):
                 out = await c.complete(prompt, max_tokens=8, temperature=0, return_routed_experts=True)
                 turns.append(out)
-                prompt = prompt + out.samples[0].token_ids + tok.encode("<|im_end|><|im_user|>user<|im_middle|>more")
+                prompt = prompt + out.samples[0].token_ids + tok.encode_pieces(MORE)
             group = await c.complete(prompt, max_tokens=4, temperature=1.0, n=3, seed=11)
             return turns + [group]
 

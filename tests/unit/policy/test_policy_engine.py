@@ -41,7 +41,7 @@ def test_sample_greedy_top_p_and_seed():
 def test_seeded_sampling_is_reproducible(engine):
     tok = engine.tokenizer
     p = SamplingParams(max_tokens=8, temperature=1.0, seed=123)
-    a, b = engine.generate([tok.encode("hello"), tok.encode("hello")], p)
+    a, b = engine.generate([tok.encode_text("hello"), tok.encode_text("hello")], p)
     assert a.output_ids == b.output_ids and len(a.output_ids) == 8
     assert all(lp <= 0 for lp in a.logprobs) and len(a.logprobs) == 8
     assert a.finish_reason == "length"
@@ -50,11 +50,11 @@ def test_seeded_sampling_is_reproducible(engine):
 def test_joining_the_running_batch_does_not_change_greedy_outputs(engine):
     tok = engine.tokenizer
     greedy = SamplingParams(max_tokens=12, temperature=0)
-    alone = engine.generate([tok.encode("the agent reads the task")], greedy)[0]
-    first = engine.submit(tok.encode("the agent reads the task"), greedy)
+    alone = engine.generate([tok.encode_text("the agent reads the task")], greedy)[0]
+    first = engine.submit(tok.encode_text("the agent reads the task"), greedy)
     while len(first.output_ids) < 3 and not first.done.is_set():
         time.sleep(0.001)
-    late = engine.submit(tok.encode("run the tests"), greedy)
+    late = engine.submit(tok.encode_text("run the tests"), greedy)
     first.done.wait(30)
     late.done.wait(30)
     assert first.output_ids == alone.output_ids
@@ -63,10 +63,10 @@ def test_joining_the_running_batch_does_not_change_greedy_outputs(engine):
 
 def test_stop_strings_truncate_text(engine):
     tok = engine.tokenizer
-    base = engine.generate([tok.encode("def f")], SamplingParams(max_tokens=10, temperature=0))[0]
+    base = engine.generate([tok.encode_text("def f")], SamplingParams(max_tokens=10, temperature=0))[0]
     stop = base.text[3:6]
     assert stop
-    out = engine.generate([tok.encode("def f")], SamplingParams(max_tokens=10, temperature=0, stop=[stop]))[0]
+    out = engine.generate([tok.encode_text("def f")], SamplingParams(max_tokens=10, temperature=0, stop=[stop]))[0]
     assert out.finish_reason == "stop" and stop not in out.text and base.text.startswith(out.text)
 
 
@@ -82,18 +82,18 @@ def test_bad_prompts_are_refused(engine):
 def test_update_weights_bumps_version_and_changes_outputs(engine, tmp_path):
     tok = engine.tokenizer
     greedy = SamplingParams(max_tokens=6, temperature=0)
-    before = engine.generate([tok.encode("hello")], greedy)[0]
+    before = engine.generate([tok.encode_text("hello")], greedy)[0]
     torch.manual_seed(99)
     path = str(tmp_path / "w.safetensors")
     save_weights(K3Model(engine.cfg), path)
     v0 = engine.weight_version
-    long = engine.submit(tok.encode("hello"), SamplingParams(max_tokens=400, temperature=0))
+    long = engine.submit(tok.encode_text("hello"), SamplingParams(max_tokens=400, temperature=0))
     while not long.output_ids:
         time.sleep(0.001)
     assert engine.update_weights(path, mode="abort") == v0 + 1
     long.done.wait(30)
     assert long.finish_reason == "abort" and long.abort_reason == "weights_updated" and long.weight_version == v0
-    after = engine.generate([tok.encode("hello")], greedy)[0]
+    after = engine.generate([tok.encode_text("hello")], greedy)[0]
     assert after.weight_version == v0 + 1 and after.output_ids != before.output_ids
     with pytest.raises(FileNotFoundError):
         engine.update_weights(str(tmp_path / "missing.safetensors"))
@@ -102,7 +102,7 @@ def test_update_weights_bumps_version_and_changes_outputs(engine, tmp_path):
     with pytest.raises(ValueError, match="shapes"):
         engine.update_weights(str(tmp_path / "other.safetensors"))
     assert engine.weight_version == v0 + 1
-    assert engine.generate([tok.encode("hi")], greedy)[0].finish_reason == "length"  # still serving
+    assert engine.generate([tok.encode_text("hi")], greedy)[0].finish_reason == "length"  # still serving
 
 
 def test_vllm_and_sglang_commands_enable_expert_parallelism():

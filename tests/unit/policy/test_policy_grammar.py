@@ -31,7 +31,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 def test_an_untrained_model_held_to_a_schema_writes_valid_json(engine_pair):
     eng = engine_pair[0]
     grammar = json_schema_grammar(SCHEMA)
-    prompt = eng.tokenizer.encode("<|im_user|>user<|im_middle|>report<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    prompt = eng.tokenizer.encode_chat([{"role": "user", "content": "report"}])
     seqs = [eng.submit(prompt, SamplingParams(max_tokens=96, temperature=1.0, seed=s, grammar=grammar))
             for s in range(6)]
     for s in seqs:

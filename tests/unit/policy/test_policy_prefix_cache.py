@@ -6,6 +6,7 @@ forward."""
 import pytest
 import torch
 
+from policy.chat import IM_END, Control, chat_pieces
 from policy.config import k3_mini
 from policy.engine import Engine, SamplingParams
 from policy.model import K3Model
@@ -13,8 +14,8 @@ from policy.prefix_cache import PrefixIndex, state_nbytes
 from policy.runner import save_weights
 from policy.tokenizer import load_tokenizer
 
-OBS = "<|im_end|><|im_system|>tool<|im_middle|>## Return of functions.bash:0\n3 passed<|im_end|>" \
-      "<|im_assistant|>assistant<|im_middle|>"
+# the end of an answer, a tool output and the next assistant header
+OBS = [Control(IM_END), *chat_pieces([{"role": "tool", "tool_call_id": "functions.bash:0", "content": "3 passed"}])]
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +34,12 @@ def engines(tok):
 
 
 def _episode(engine: Engine, tok, turns: int = 3, **kw) -> list:
-    prompt = tok.encode("<|im_user|>user<|im_middle|>fix the failing test<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    prompt = tok.encode_chat([{"role": "user", "content": "fix the failing test"}])
     out = []
     for _ in range(turns):
         s = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=0, **kw))[0]
         out.append(s)
-        prompt = prompt + s.output_ids + tok.encode(OBS)   # the answer verbatim, then the new observation
+        prompt = prompt + s.output_ids + tok.encode_pieces(OBS)   # the answer verbatim, then the new observation
     return out
 
 
@@ -88,7 +89,7 @@ def test_multi_turn_reuse_gives_the_same_tokens_and_logprobs_with_fewer_prefill_
 
 def test_n_samples_prefill_once_and_fork_the_state(engines, tok):
     reuse, plain = engines
-    prompt = tok.encode("def add(a, b):\n    return a + b\n\n# tests for add")
+    prompt = tok.encode_text("def add(a, b):\n    return a + b\n\n# tests for add")
     before = reuse.metrics()["prefill_tokens"]
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i) for i in range(4)]
     seqs = [reuse.submit(prompt, p) for p in params]
@@ -105,7 +106,7 @@ def test_n_samples_prefill_once_and_fork_the_state(engines, tok):
 
 def test_prompt_logprobs_score_the_generated_tokens_again(engines, tok):
     reuse, _ = engines
-    prompt = tok.encode("the agent runs the tests and reads the output")
+    prompt = tok.encode_text("the agent runs the tests and reads the output")
     for temperature in (0.0, 1.0):
         gen = reuse.generate([prompt], SamplingParams(max_tokens=8, temperature=temperature, seed=3))[0]
         full = prompt + gen.output_ids
@@ -146,14 +147,14 @@ def test_a_routed_request_never_starts_from_a_state_kept_without_routing(tok):
     eng = Engine(cfg, tok, seed=0, max_context=1024)
     try:
         first = _episode(eng, tok, turns=1)[0]
-        nxt = first.prompt_ids + first.output_ids + tok.encode(OBS)
+        nxt = first.prompt_ids + first.output_ids + tok.encode_pieces(OBS)
         plain = eng.generate([nxt], SamplingParams(max_tokens=4, temperature=0))[0]
         assert plain.cached_tokens > 0                       # reuse works for a request without routing
-        routed = eng.generate([nxt + plain.output_ids + tok.encode(OBS)],
+        routed = eng.generate([nxt + plain.output_ids + tok.encode_pieces(OBS)],
                               SamplingParams(max_tokens=4, temperature=0, return_routed_experts=True))[0]
         assert routed.cached_tokens == 0
         assert routed.prompt_routed_experts is not None and None not in routed.prompt_routed_experts
-        again = eng.generate([routed.prompt_ids + routed.output_ids + tok.encode(OBS)],
+        again = eng.generate([routed.prompt_ids + routed.output_ids + tok.encode_pieces(OBS)],
                              SamplingParams(max_tokens=4, temperature=0, return_routed_experts=True))[0]
         assert again.cached_tokens > 0 and again.prompt_routed_experts is not None
         assert None not in again.prompt_routed_experts

@@ -5,28 +5,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from fastapi.testclient import TestClient
-
 from policy.chat import render_chat
 
 AUTH = {"Authorization": "Bearer t"}
 
 
-@pytest.fixture(scope="module")
-def client(server_app):
-    return TestClient(server_app[0])
-
-
-def _post(client, path: str, body: dict) -> dict:
-    r = client.post(path, headers=AUTH, json={"model": "k3-mini", **body})
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def test_prompt_logprobs_follow_vllms_layout(client, tok):
-    prompt = tok.encode("pytest collected 3 items")
-    r = _post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "n": 2})
+def test_prompt_logprobs_follow_vllms_layout(post, client, tok):
+    prompt = tok.encode_text("pytest collected 3 items")
+    r = post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "n": 2})
     items = r["prompt_logprobs"]
     assert r["choices"][0]["prompt_logprobs"] == r["choices"][1]["prompt_logprobs"] == items
     assert items[0] is None and len(items) == len(prompt)
@@ -35,9 +21,9 @@ def test_prompt_logprobs_follow_vllms_layout(client, tok):
         assert {"logprob", "rank", "decoded_token"} <= set(item[str(t)]) and item[str(t)]["decoded_token"] == tok.decode([t])
         best = min(item.values(), key=lambda v: v["rank"])
         assert best["rank"] == 1 and all(v["logprob"] <= best["logprob"] + 1e-6 for v in item.values())
-    one = _post(client, "/v1/completions", {"prompt": prompt[:1], "max_tokens": 1, "prompt_logprobs": 0})
+    one = post("/v1/completions", {"prompt": prompt[:1], "max_tokens": 1, "prompt_logprobs": 0})
     assert one["prompt_logprobs"] == [None]
-    chat = _post(client, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+    chat = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                                                   "prompt_logprobs": 0})
     assert len(chat["prompt_logprobs"]) == len(chat["prompt_token_ids"])
     assert all(len(x) == 1 for x in chat["prompt_logprobs"][1:])
@@ -45,25 +31,25 @@ def test_prompt_logprobs_follow_vllms_layout(client, tok):
     assert bad.status_code == 400 and "prompt_logprobs" in bad.json()["error"]["message"]
 
 
-def test_stop_token_ids_and_cached_tokens(client, tok):
-    prompt = tok.encode("ls -la /testbed && cat setup.py")
-    first = _post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+def test_stop_token_ids_and_cached_tokens(post, tok):
+    prompt = tok.encode_text("ls -la /testbed && cat setup.py")
+    first = post("/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0})
     ids = first["choices"][0]["token_ids"]
-    stop = _post(client, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+    stop = post("/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
                                              "stop_token_ids": [ids[2]]})
     assert stop["choices"][0]["finish_reason"] == "stop" and stop["choices"][0]["token_ids"] == ids[:ids.index(ids[2]) + 1]
     assert stop["usage"]["prompt_tokens_details"]["cached_tokens"] == len(prompt)    # the same prompt again: forked
 
 
-def test_tokenize_and_detokenize_match_the_chat_route(client, tok):
+def test_tokenize_and_detokenize_match_the_chat_route(post, client, tok):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    chat = _post(client, "/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 1})
-    t = _post(client, "/tokenize", {"messages": msgs, "tools": tools})
-    assert t["tokens"] == chat["prompt_token_ids"] == tok.encode(render_chat(msgs, tools))
+    chat = post("/v1/chat/completions", {"messages": msgs, "tools": tools, "max_tokens": 1})
+    t = post("/tokenize", {"messages": msgs, "tools": tools})
+    assert t["tokens"] == chat["prompt_token_ids"] == tok.encode_chat(msgs, tools)
     assert t["count"] == len(t["tokens"]) and t["max_model_len"] == 512
-    assert _post(client, "/tokenize", {"prompt": "hello"})["tokens"] == tok.encode("hello")
-    assert _post(client, "/detokenize", {"tokens": t["tokens"]})["prompt"] == render_chat(msgs, tools)
+    assert post("/tokenize", {"prompt": "hello"})["tokens"] == tok.encode_text("hello")
+    assert post("/detokenize", {"tokens": t["tokens"]})["prompt"] == render_chat(msgs, tools)
     for path, body, code in [("/tokenize", {"model": "k3-mini"}, 400), ("/tokenize", {"model": "x", "prompt": "a"}, 404),
                              ("/detokenize", {"model": "k3-mini", "tokens": [-1]}, 400)]:
         r = client.post(path, headers=AUTH, json=body)
@@ -71,10 +57,10 @@ def test_tokenize_and_detokenize_match_the_chat_route(client, tok):
     assert client.post("/tokenize", json={"prompt": "a"}).status_code == 401
 
 
-def test_routed_experts_stream_in_slices(client, tok):
-    body = {"model": "k3-mini", "prompt": tok.encode("git diff --stat"), "max_tokens": 5, "temperature": 0,
+def test_routed_experts_stream_in_slices(post, client, tok):
+    body = {"model": "k3-mini", "prompt": tok.encode_text("git diff --stat"), "max_tokens": 5, "temperature": 0,
             "return_routed_experts": True, "prompt_logprobs": 0}
-    whole = _post(client, "/v1/completions", body)
+    whole = post("/v1/completions", body)
     choice = whole["choices"][0]
     assert len(choice["routed_experts"]) == len(choice["token_ids"]) == 5
     assert all(len(layer) == 4 for tok_ in choice["routed_experts"] for layer in tok_)
@@ -85,5 +71,5 @@ def test_routed_experts_stream_in_slices(client, tok):
     assert sum((e["choices"][0]["routed_experts"] for e in events), []) == choice["routed_experts"]
     assert events[0]["prompt_logprobs"] == whole["prompt_logprobs"]
     assert events[0]["prompt_routed_experts"] == whole["prompt_routed_experts"]
-    plain = _post(client, "/v1/completions", {"prompt": body["prompt"], "max_tokens": 2})
+    plain = post("/v1/completions", {"prompt": body["prompt"], "max_tokens": 2})
     assert "routed_experts" not in plain["choices"][0] and "prompt_routed_experts" not in plain

@@ -33,7 +33,7 @@ class ScriptedEngine:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         seq = Sequence(next(self._ids), list(prompt_ids), params, listener, weight_version=self.weight_version)
-        ids = self.tokenizer.encode(next(self.script))[: params.max_tokens]
+        ids = self.tokenizer.encode_assistant(next(self.script))[: params.max_tokens]
         t = threading.Thread(target=self._run, args=(seq, ids, len(ids) < params.max_tokens))
         t.start()
         self.threads.append(t)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import policy.engine
-from policy.chat import render_chat
+from policy.chat import IM_SYSTEM, IM_USER, Control, chat_pieces
 from policy.server import create_app
 from policy.verify import PASS, SKIP, schema_errors, verify
 
@@ -37,8 +37,9 @@ def test_our_server_passes_every_check(server_app):
 def test_an_altered_template_fails_the_template_check(engine_pair):
     pytest.importorskip("llguidance")
     def altered(messages, tools=None, add_generation_prompt=True):  # tool results under the user role token
-        text = render_chat(messages, tools, add_generation_prompt)
-        return text.replace("<|im_system|>tool<|im_middle|>", "<|im_user|>tool<|im_middle|>")
+        pieces = chat_pieces(messages, tools, add_generation_prompt)
+        return [Control(IM_USER) if p == Control(IM_SYSTEM) and nxt == "tool" else p
+                for p, nxt in zip(pieces, [*pieces[1:], None], strict=True)]
 
     report = _verify(create_app(engine_pair[0], TOKEN, template=altered))
     assert report.failed() == ["chat_template"], report.to_json()

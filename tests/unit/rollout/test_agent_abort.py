@@ -35,7 +35,7 @@ class AbortingEngine:
 
     def submit(self, prompt_ids, params: SamplingParams, listener=None) -> Sequence:
         seq = Sequence(next(self._ids), list(prompt_ids), params, listener, weight_version=self.weight_version)
-        ids = TOK.encode(SUBMIT) + [TOK.eos_id]
+        ids = TOK.encode_assistant(SUBMIT) + [TOK.eos_id]
         aborted = self.aborts > 0
         if aborted:
             self.aborts -= 1

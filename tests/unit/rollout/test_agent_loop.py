@@ -52,7 +52,8 @@ def test_a_scripted_episode_is_rewarded_and_its_tokens_are_the_template_renderin
     assert len(t.turns) == 2 and t.tool_calls == 2 and t.malformed_calls == 0
     # generated ids and logprobs are exactly what the server returned, where the mask says so
     gen = [i for i, m in zip(t.token_ids, t.loss_mask, strict=True) if m]
-    expected = TOK.encode(solve_calc("", 0)) + [TOK.eos_id] + TOK.encode(solve_calc("", 1)) + [TOK.eos_id]
+    expected = (TOK.encode_assistant(solve_calc("", 0)) + [TOK.eos_id] + TOK.encode_assistant(solve_calc("", 1))
+                + [TOK.eos_id])
     assert gen == expected
     assert {lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m} == {scripted.LOGPROB}
     # the tool results came back as K3 tool messages with the calls' ids

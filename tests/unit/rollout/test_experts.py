@@ -62,7 +62,7 @@ def test_lookup_demonstrations_score_one_are_short_and_in_the_trajectory_format(
     assert [t.task_id for t in trajs] == task_ids("train", 16)
     assert all(t.grade["correct"] is True for t in trajs) and not backend.sandboxes
     for t in trajs:  # the code is answered as the very token id the sandbox showed (a copy, not a spelling)
-        (code,) = TOK.encode(t.grade["expected"])
+        (code,) = TOK.encode_text(t.grade["expected"])
         shown = [i for i, m in zip(t.token_ids[t.prompt_len:], t.loss_mask[t.prompt_len:], strict=True) if m == 0]
         assert code in shown and code not in t.token_ids[:t.prompt_len]
     text = TOK.decode(trajs[0].token_ids)

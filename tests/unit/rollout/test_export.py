@@ -130,7 +130,7 @@ def test_trl_reads_the_parquet_and_masks_the_tool_outputs(run, tmp_path):
 def test_text_columns_decode_with_the_runs_tokenizer(tmp_path):
     tok = LocalTokenizer()
     t = Trajectory(task_id="t", env_id="agentenv/Tool-v0")
-    prompt, answer, tool = tok.encode("What is 2 + 2?"), tok.encode("It is 4."), tok.encode("tool says 4")
+    prompt, answer, tool = tok.encode_text("What is 2 + 2?"), tok.encode_text("It is 4."), tok.encode_text("tool says 4")
     t.append(prompt, generated=False)
     t.prompt_len = len(prompt)
     t.turns.append(Turn(start=len(prompt), generated=len(answer), weight_version=0))

@@ -27,7 +27,7 @@ def setup():
 
 
 def _generate(engine, tok, temperature, seed=1):
-    prompts = [tok.encode("the agent reads the task and"), tok.encode("run the tests, then submit")]
+    prompts = [tok.encode_text("the agent reads the task and"), tok.encode_text("run the tests, then submit")]
     seqs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=temperature, seed=seed,
                                                    return_routed_experts=True))
     return [Sample(s.prompt_ids + s.output_ids, [0] * len(s.prompt_ids) + [1] * len(s.output_ids),

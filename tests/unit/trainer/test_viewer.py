@@ -31,18 +31,17 @@ def episode(group: str, index: int, reward: float | None, *, answer: str = "42",
     t = tj.Trajectory(task_id=f"task-{group}", env_id="agentenv/Tool-v0", group_id=group, group_index=index,
                       reward=reward, finish_reason=finish, malformed_calls=malformed, grade=grade or {},
                       metadata={"phase": phase})
-    t.append(TOK.encode("<|im_user|>user<|im_middle|>What is 6 * 7? é日<|im_end|><|im_assistant|>assistant"
-                        "<|im_middle|>"), generated=False)
+    t.append(TOK.encode_chat([{"role": "user", "content": "What is 6 * 7? é日"}]), generated=False)
     t.prompt_len = len(t.token_ids)
     for text, out in ((scripted.tool_call("calculator", {"expression": "6 * 7"}), "42"),
                       (scripted.tool_call("answer", {"answer": answer}), None)):
-        ids = TOK.encode(text + "<|im_end|>")
+        ids = TOK.encode_assistant(text) + [TOK.eos_id]
         start = len(t.token_ids)
         t.append(ids, generated=True, logprobs=[-0.05 * (i + 1) for i in range(len(ids))])
         t.turns.append(tj.Turn(start, len(ids), version, tool_calls=1, policy_s=0.5, env_s=0.25))
         if out is not None:
-            t.append(TOK.encode(f"<|im_system|>tool<|im_middle|>## Return of functions.calculator:0\n{out}<|im_end|>"
-                                "<|im_assistant|>assistant<|im_middle|>"), generated=False)
+            t.append(TOK.encode_chat([{"role": "tool", "tool_call_id": "functions.calculator:0", "content": out}]),
+                     generated=False)
     if finish in tj.INFRA_ERRORS:
         t.reward = None
     return t.check()
