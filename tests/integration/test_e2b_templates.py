@@ -261,8 +261,6 @@ def _crafted(members: list[tuple[str, str, bytes]]) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: finding 1, a COPY upload's hard links read, write and chmod "
-                                        "host files as root")
 @pytest.mark.parametrize("attack", ["read", "write", "chmod"])
 def test_a_hard_link_in_an_upload_never_reaches_a_host_file(attack: str, tmp_path: Path, templates: list[str],
                                                             e2b_url: str) -> None:

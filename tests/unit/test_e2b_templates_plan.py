@@ -234,6 +234,6 @@ def test_an_upload_with_a_device_node_or_an_escape_is_refused(tmp_path: Path, mo
         p = tb.plan("img", [{"type": "COPY", "args": [name.lstrip("./") or name, "/x"], "filesHash": h}])
         context = tmp_path / f"ctx{i}"
         context.mkdir()
-        with pytest.raises((store.TemplateRefused, tarfile.FilterError)):
+        with pytest.raises(tb.StepFailed, match=name.replace(".", r"\.")):
             tb.prepare(context, p)
     assert not (tmp_path / "escape").exists()

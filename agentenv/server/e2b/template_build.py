@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from agentenv.api import DEFAULT_IMAGE
 from agentenv.config import paths
-from agentenv.host import images
+from agentenv.host import archives, images
 from agentenv.sandbox.core import Sandbox
 from agentenv.server.e2b import template_store as store
 from agentenv.server.e2b.control import DISK
@@ -204,9 +204,11 @@ def prepare(context: Path, p: Plan) -> None:
         if not archive.is_file():
             raise store.TemplateRefused(f"the files of '{src}' (hash {files_hash}) were never uploaded")
         dest = context / folder
-        dest.mkdir()
-        with tarfile.open(archive) as tar:
-            tar.extractall(dest, filter=_members)
+        try:
+            with tarfile.open(archive) as tar:
+                archives.extract(tar, dest, outward_symlinks=True)  # a link is copied as a link, as E2B does
+        except archives.UnsafeArchive as e:
+            raise StepFailed(f"failed to copy '{src}': {e}", folder.removeprefix("step-")) from None
         if mode is not None:
             _set_mode(dest, src, mode)
         if _is_glob(src):
@@ -229,13 +231,10 @@ def _expand(dest: Path, src: str, staged: Path) -> None:
             os.replace(m, staged / os.path.basename(m))
 
 
-def _members(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
-    """The ``tar`` filter (nothing lands outside the folder, nor through a link out of it), and no device nodes
-    or fifos: what the SDK uploads is files, folders and links."""
-    if member.isdev():
-        raise store.TemplateRefused(f"the upload holds {member.name!r}, a device node or fifo: only files, folders "
-                                    "and links are copied")
-    return tarfile.tar_filter(member, path)
+def check_upload(archive: Path) -> None:
+    """Refuse an uploaded archive now, naming the member (``archives.checked``), rather than at its build."""
+    with tarfile.open(archive) as tar:
+        archives.checked(tar, outward_symlinks=True)
 
 
 def _set_mode(dest: Path, src: str, mode: int) -> None:

@@ -24,6 +24,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentenv.host.archives import UnsafeArchive
 from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import template_build
 from agentenv.server.e2b import template_store as store
@@ -125,6 +126,10 @@ async def upload(request: Request, files_hash: str, expires: int, signature: str
                 await run_in_threadpool(f.write, chunk)
         if not await run_in_threadpool(tarfile.is_tarfile, tmp):
             raise E2BError(400, "the upload is not a tar archive (the SDK sends one, gzipped or not)")
+        try:
+            await run_in_threadpool(template_build.check_upload, tmp)
+        except (UnsafeArchive, tarfile.TarError) as e:
+            raise E2BError(400, f"the upload is refused: {e}") from None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
