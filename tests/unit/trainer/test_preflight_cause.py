@@ -4,13 +4,14 @@ failed an archive call that the pre-flight blamed on Docker)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.config import RunConfig
 from trainer.services import _check_swe
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: the pre-flight calls every exception 'Docker is unreachable'")
 def test_a_check_that_breaks_is_reported_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(tag: str) -> bool:
         raise TypeError("TarFile.extractall() got an unexpected keyword argument 'filter'")
@@ -21,3 +22,17 @@ def test_a_check_that_breaks_is_reported_as_itself(monkeypatch: pytest.MonkeyPat
     problem = _check_swe(cfg, build=False)
     assert problem is not None and "Docker is unreachable" not in problem
     assert "TypeError: TarFile.extractall() got an unexpected keyword argument 'filter'" in problem
+
+
+def test_an_engine_that_does_not_answer_is_docker_unreachable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from agentenv.host import images
+
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")  # the real SDK, against no engine
+    images.docker_client.cache_clear()
+    try:
+        cfg = RunConfig()
+        cfg.swe.groups = 1
+        problem = _check_swe(cfg, build=False)
+    finally:
+        images.docker_client.cache_clear()
+    assert problem is not None and problem.startswith("Docker is unreachable"), problem
