@@ -43,8 +43,10 @@ class UnsafeArchive(AgentEnvError, ValueError):
         super().__init__(f"the archive's member {member!r} {why}", fix=fix)
 
 
-def _name(name: str, member: str, what: str = "its name") -> str:
-    """``name`` normalised (no ``.`` parts, no trailing slash); UnsafeArchive for an absolute or ``..`` one."""
+def normal(name: str, member: str | None = None, what: str = "its name") -> str:
+    """``name`` normalised (no ``.`` parts, no trailing slash), as ``checked`` compares names; UnsafeArchive (naming
+    ``member``, else ``name``) for an absolute or ``..`` one."""
+    member = name if member is None else member
     if not name or "\0" in name:
         raise UnsafeArchive(member, f"has an empty or NUL-holding {what}")
     if name.startswith("/"):
@@ -87,7 +89,7 @@ def checked(tar: tarfile.TarFile, *, outward_symlinks: bool = False) -> list[tar
     """Every member of ``tar``, in order, once each passed the rules above; UnsafeArchive names the first that
     does not."""
     members = tar.getmembers()
-    names = [_name(m.name, m.name) for m in members]
+    names = [normal(m.name) for m in members]
     symlinks = {n: m.linkname for n, m in zip(names, members, strict=True) if m.issym()}
     seen: dict[str, tarfile.TarInfo] = {}
     for name, m in zip(names, members, strict=True):
@@ -105,7 +107,7 @@ def checked(tar: tarfile.TarFile, *, outward_symlinks: bool = False) -> list[tar
             raise UnsafeArchive(m.name, "is given twice, once as a link or as another kind of member: the second "
                                         "would be written through the first")
         if m.islnk():
-            target = _name(m.linkname, m.name, "hard link target")
+            target = normal(m.linkname, m.name, "hard link target")
             if target not in seen or not seen[target].isreg():
                 raise UnsafeArchive(m.name, f"is a hard link to {m.linkname!r}, which is not an earlier file of the "
                                             "archive: a hard link may only join two files of the archive")

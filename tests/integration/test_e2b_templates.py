@@ -219,6 +219,19 @@ def test_start_cmd_is_running_in_a_new_sandbox_without_being_run_again(templates
             sb.kill()
 
 
+def test_deletions_replaced_folders_and_owners_carry_into_the_image(templates: list[str]) -> None:
+    """A build's layer holds what its steps deleted (whiteouts), a folder they replaced (opaque) and the owners of
+    what an account wrote (mapped back from the build sandbox's uid range); a template built on it sees them."""
+    first = _name(templates, "t-layer")
+    Template.build(Template().from_image("agentenv/base")
+                   .run_cmd("rm /etc/debian_version && rm -rf /etc/apt && mkdir /etc/apt && echo new > /etc/apt/only"
+                            " && useradd -m runner", user="root")
+                   .run_cmd("echo mine > /home/runner/mine && ln /home/runner/mine /home/runner/again", user="runner"),
+                   first)
+    check = ('test ! -e /etc/debian_version && test "$(ls -A /etc/apt)" = only && '
+             'test "$(stat -c %U:%h /home/runner/mine)" = runner:2 && test "$(cat /home/runner/again)" = mine')
+    Template.build(Template().from_template(first).run_cmd(check), _name(templates, "t-layer-on"))
+
 def wait(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
     import time
 
@@ -300,7 +313,6 @@ def test_a_hard_link_in_an_upload_never_reaches_a_host_file(attack: str, tmp_pat
     assert member in failure and "hard link" in failure, failure
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: finding 9, template builds run as real root with no limits")
 def test_a_build_runs_in_a_user_namespace_within_its_limits(templates: list[str]) -> None:
     """A build that asks for 1 CPU and 512 MiB: its steps' root is not the host's, 1.5 GiB cannot be allocated,
     2,000 processes cannot be started, and there is no network but loopback."""
