@@ -52,6 +52,7 @@ def test_build_copy_run_envs_then_a_sandbox_has_them(tmp_path: Path, templates: 
     template = (Template(file_context_path=str(tmp_path)).from_image("agentenv/base")
                 .copy("app/hello.txt", "/opt/app/")
                 .copy("app/run.sh", "/opt/app/run.sh", mode=0o755)
+                .copy("app", "/opt/owned", user="nobody")  # a folder's contents, owned by the image's account
                 .set_envs({"WHO": "world"})
                 .set_envs({"GREETING": 'say "hi" \\ $WHO'})  # expanded from earlier envs, as Docker's ENV
                 .set_workdir("/opt/app")
@@ -70,6 +71,7 @@ def test_build_copy_run_envs_then_a_sandbox_has_them(tmp_path: Path, templates: 
         assert sb.files.read("/opt/app/copied.txt") == "hello from the host\n"
         assert sb.commands.run("/opt/app/run.sh").stdout == "ran\n"
         assert sb.commands.run("stat -c %a /opt/app/run.sh").stdout.strip() == "755"
+        assert sb.commands.run("stat -c %U:%G /opt/owned /opt/owned/run.sh").stdout.split() == ["nobody:nogroup"] * 2
         assert sb.commands.run("printenv GREETING").stdout.strip() == 'say "hi" \\ world'
     finally:
         sb.kill()

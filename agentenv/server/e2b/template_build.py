@@ -220,6 +220,7 @@ def build(service: Service, p: Plan, base: str, build: dict[str, Any], tag: str,
     labels = {"agentenv.e2b.template": template_id, "agentenv.e2b.build": build_id}
     with service.reserve(1, build["memory"], DISK):
         sb = Sandbox.create(base, cpus=build["cpus"], memory=build["memory"], disk=DISK, network=False,
+                            ttl=STEP_TIMEOUT * (len(p.steps) + 1),  # reaped should its server die mid-build
                             labels={"agentenv.e2b.build": build_id})
     snap = None
     try:
