@@ -6,7 +6,8 @@ stream, against ``exec``); (3) a file write + read of 1 KiB; (4) fork(1) and for
 and all; (5) pause -> connect (resume) -> first command; and for the code interpreter (6) the first
 ``run_code`` of a sandbox (the kernel starts) and (7) a warm one; (8) a sandbox of a template whose start command
 (a Python HTTP server) is already running, restored from the template's snapshot, against a cold boot that starts
-the command and waits for it (``--only templates`` runs this one alone).
+the command and waits for it, and (9) a small template's build (one COPY, one RUN, uncached) to ready
+(``--only templates`` runs these alone).
 
 Why: E2B users judge a self-hosted server by these calls; the native path shows what the adapter costs.
 
@@ -21,8 +22,10 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import agentenv
@@ -125,6 +128,18 @@ def bench_template(report: Report, url: str, token: str, runs: int) -> None:
               "create from the base image, start the same command, poll until it is ready")
     finally:
         httpx.delete(f"{url}/templates/{name}", headers={"X-API-KEY": token}, timeout=60)
+    with tempfile.TemporaryDirectory() as context:
+        (Path(context) / "app.txt").write_text("hello\n")
+
+        def build() -> str:
+            small = f"bench-build-{secrets.token_hex(4)}"
+            Template.build(Template(file_context_path=context).from_image("agentenv/base").skip_cache()
+                           .copy("app.txt", "/opt/app/").run_cmd("cat /opt/app/app.txt > /opt/app/copied"), small)
+            return small
+
+        timed(report, "template.build", runs, build,
+              lambda small: httpx.delete(f"{url}/templates/{small}", headers={"X-API-KEY": token}, timeout=60),
+              "Template.build of one COPY (a small file) and one RUN on agentenv/base, uncached, to ready")
 
 
 def bench_native(report: Report, url: str, token: str, runs: int) -> None:
@@ -184,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                 "restored median)", [Row("create -> start command ready", [report.results.get("template.restored"),
                                                                              report.results.get("template.cold")], x)],
                 sides=("restored", "cold"))
+    print_table("A small template's build (one COPY, one RUN, uncached) to ready, ms",
+                [Row("Template.build", [report.results.get("template.build")])])
     report.print_errors()
     report.write(args.output)
     return 1 if report.fatal or report.errors else 0

@@ -33,6 +33,7 @@ from typing import Any
 
 from rich.table import Table
 
+from agentenv.host import archives
 from bench.harness import console, write_json_atomic
 from bench.server import leaks, start_server, stop_server
 
@@ -207,7 +208,7 @@ def extract(repo: Path, rev: str | None, into: Path) -> tuple[Path, str]:
     if r.returncode != 0:
         raise SuiteError(f"git archive failed: {r.stderr.decode(errors='replace').strip()}")
     with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tar:
-        tar.extractall(into, filter="data")
+        archives.extract(tar, into)
     return into / SDK, commit
 
 

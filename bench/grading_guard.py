@@ -69,13 +69,15 @@ def unpack(rev: str, into: Path) -> Path:
     """The tree of ``rev`` (``git archive``) under ``into``."""
     data = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", rev], check=True,
                           capture_output=True).stdout
+    from agentenv.host import archives
+
     path = into / "tree"
     path.mkdir()
     with tempfile.TemporaryFile() as f:
         f.write(data)
         f.seek(0)
         with tarfile.open(fileobj=f) as tar:
-            tar.extractall(path, filter="data")
+            archives.extract(tar, path)
     return path
 
 

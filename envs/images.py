@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
+from agentenv.host import archives
 from agentenv.host.images import BuildFailed, build, docker_client
 from envs.task import image_name
 
@@ -161,13 +162,16 @@ def fetch_sdist(repo: str, version: str, sha256: str) -> Path:
 def extract_sdist(archive: Path, dest: Path) -> Path:
     """Unpack an sdist's single top folder into ``dest`` (created); returns ``dest``."""
     with tarfile.open(archive) as tar:
-        members = tar.getmembers()
+        try:
+            members = archives.checked(tar)  # our own rules: Debian 12's Python has no extraction filters
+        except archives.UnsafeArchive as e:
+            raise ImageBuildError(f"{archive.name}: {e}") from None
         tops = {m.name.split("/", 1)[0] for m in members}
         if len(tops) != 1:
             raise ImageBuildError(f"{archive.name}: expected one top folder, got {sorted(tops)[:5]}")
         tmp = dest.parent / (dest.name + ".unpack")
         shutil.rmtree(tmp, ignore_errors=True)
-        tar.extractall(tmp, filter="data")
+        archives.extract(tar, tmp)
     shutil.rmtree(dest, ignore_errors=True)
     (tmp / tops.pop()).rename(dest)
     shutil.rmtree(tmp, ignore_errors=True)

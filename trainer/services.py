@@ -244,9 +244,26 @@ def _check_swe(cfg: RunConfig, build: bool) -> str | None:
         elif missing:
             return (f"the SWE task image {missing[0].image} is missing; the run builds it (or build it now with "
                     "`python -m envs.tasks images`; or set swe.enabled = false)")
-    except Exception as e:  # noqa: BLE001 - no engine
-        return f"Docker is unreachable ({type(e).__name__}: {e}); run scripts/bootstrap.sh (or set swe.enabled = false)"
+    except Exception as e:  # noqa: BLE001 - reported as the check's failure, named by what it is
+        if _engine_unreachable(e):
+            return (f"Docker is unreachable ({type(e).__name__}: {e}); run scripts/bootstrap.sh (or set "
+                    "swe.enabled = false)")
+        return (f"the SWE task images could not be checked or built: {type(e).__name__}: {e} (or set "
+                "swe.enabled = false)")
     return None
+
+
+def _engine_unreachable(e: BaseException) -> bool:
+    """Whether ``e`` is the Docker engine not answering: a connection error somewhere in its chain of causes (the
+    Docker SDK wraps them, and ``agentenv.host.images.docker_client`` wraps those). Any other failure is its own."""
+    import requests
+
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, ConnectionError | requests.exceptions.ConnectionError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _check_port(port: int) -> str | None:

@@ -1,5 +1,5 @@
 """Docker images as sandbox roots: resolve a name to its overlay2 layers through the Docker SDK; and the few
-engine calls that make and drop images (``build``, ``pull``, ``remove``).
+engine calls that make and drop images (``build``, ``load``, ``pull``, ``remove``).
 
 A lookup is a round trip to dockerd (milliseconds, more under load); a burst of creates of one image asks
 once: a name resolved less than ``FRESH`` seconds ago is not asked again, and concurrent lookups of one
@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import re
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from agentenv.errors import AgentEnvError, ImageNotFound
 
@@ -118,17 +117,6 @@ class BuildFailed(AgentEnvError):
         self.error, self.output = error, output
         super().__init__(f"docker build failed: {error}")
 
-    def discard(self) -> None:
-        """Remove the images the failed build's finished steps left untagged; a tagged one (the base, another
-        build's image met in the cache) and one that others stand on stay."""
-        import docker.errors
-
-        for line in reversed(self.output):
-            if m := re.fullmatch(r"\s*---> ([0-9a-f]{12})\s*", line):
-                with contextlib.suppress(docker.errors.APIError):
-                    if not _inspect(m.group(1)).get("RepoTags"):
-                        docker_client().images.remove(m.group(1))
-
 
 def build(context: str, tag: str, *, on_output: Callable[[str], None] | None = None, nocache: bool = False,
           labels: dict[str, str] | None = None, network: str = "none") -> str:
@@ -153,6 +141,30 @@ def build(context: str, tag: str, *, on_output: Callable[[str], None] | None = N
     except docker.errors.APIError as e:
         raise BuildFailed(str(e.explanation or e), lines) from e
     return image_id or str(_inspect(tag)["Id"])
+
+
+def inspect(name: str) -> dict[str, Any]:
+    """``docker image inspect`` of ``name`` (its config, ``RootFS.Layers``...); ImageNotFound lists those there are."""
+    import docker.errors
+
+    try:
+        return _inspect(name)
+    except docker.errors.ImageNotFound:
+        raise ImageNotFound(name, available()) from None
+
+
+def load(archive: IO[bytes], tag: str) -> str:
+    """``docker load`` of ``archive`` (a ``docker save`` tar, ``manifest.json`` naming ``tag``); the image id of
+    ``tag``. AgentEnvError with the engine's message when it refuses the archive."""
+    import docker.errors
+
+    try:
+        docker_client().images.load(archive)
+    except docker.errors.DockerException as e:
+        raise AgentEnvError(f"docker load refused the image {tag}: {e}",
+                            fix="check the engine's log (journalctl -u docker, or dockerd's output)") from e
+    _recent.pop(tag, None)
+    return str(_inspect(tag)["Id"])
 
 
 def present(name: str) -> bool:

@@ -4,6 +4,7 @@ with that process already running."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,23 +18,26 @@ from e2b import BuildException, Sandbox, Template, wait_for_file  # noqa: E402
 from e2b.template.logger import LogEntry  # noqa: E402
 
 from agentenv.host import images  # noqa: E402
+from agentenv.server.e2b import template_store as store  # noqa: E402
 
 from .server_fixtures import TOKEN  # noqa: E402
 
 
 @pytest.fixture
 def templates(e2b_url: str) -> Iterator[list[str]]:
-    """Names of the templates a test builds; each is deleted after it (its images and snapshots with it)."""
-    before = set(_ours())
+    """Names of the templates a test builds; each is deleted after it, its images and snapshots with it (only its
+    own images are looked at: other test sessions may be building templates on the same engine)."""
     made: list[str] = []
     yield made
+    key = {"X-API-KEY": TOKEN}
+    ids = []
     for name in made:
-        httpx.delete(f"{e2b_url}/templates/{name}", headers={"X-API-KEY": TOKEN}, timeout=60)
-    assert set(_ours()) <= before, "deleting the templates removed their images"
-
-
-def _ours() -> list[str]:
-    return [t for t in images.available() if t.startswith("agentenv-e2b/")]
+        found = httpx.get(f"{e2b_url}/templates/aliases/{name}", headers=key, timeout=60)
+        if found.status_code == 200:
+            ids.append(found.json()["templateID"])
+        httpx.delete(f"{e2b_url}/templates/{name}", headers=key, timeout=60)
+    left = [t for t in images.available() if any(t.startswith(f"agentenv-e2b/{i}:") for i in ids)]
+    assert not left, f"deleting the templates left their images {left}"
 
 
 def _name(made: list[str], prefix: str) -> str:
@@ -50,6 +54,7 @@ def test_build_copy_run_envs_then_a_sandbox_has_them(tmp_path: Path, templates: 
     template = (Template(file_context_path=str(tmp_path)).from_image("agentenv/base")
                 .copy("app/hello.txt", "/opt/app/")
                 .copy("app/run.sh", "/opt/app/run.sh", mode=0o755)
+                .copy("app", "/opt/owned", user="nobody")  # a folder's contents, owned by the image's account
                 .set_envs({"WHO": "world"})
                 .set_envs({"GREETING": 'say "hi" \\ $WHO'})  # expanded from earlier envs, as Docker's ENV
                 .set_workdir("/opt/app")
@@ -68,6 +73,7 @@ def test_build_copy_run_envs_then_a_sandbox_has_them(tmp_path: Path, templates: 
         assert sb.files.read("/opt/app/copied.txt") == "hello from the host\n"
         assert sb.commands.run("/opt/app/run.sh").stdout == "ran\n"
         assert sb.commands.run("stat -c %a /opt/app/run.sh").stdout.strip() == "755"
+        assert sb.commands.run("stat -c %U:%G /opt/owned /opt/owned/run.sh").stdout.split() == ["nobody:nogroup"] * 2
         assert sb.commands.run("printenv GREETING").stdout.strip() == 'say "hi" \\ world'
     finally:
         sb.kill()
@@ -217,6 +223,19 @@ def test_start_cmd_is_running_in_a_new_sandbox_without_being_run_again(templates
             sb.kill()
 
 
+def test_deletions_replaced_folders_and_owners_carry_into_the_image(templates: list[str]) -> None:
+    """A build's layer holds what its steps deleted (whiteouts), a folder they replaced (opaque) and the owners of
+    what an account wrote (mapped back from the build sandbox's uid range); a template built on it sees them."""
+    first = _name(templates, "t-layer")
+    Template.build(Template().from_image("agentenv/base")
+                   .run_cmd("rm /etc/debian_version && rm -rf /etc/apt && mkdir /etc/apt && echo new > /etc/apt/only"
+                            " && useradd -m runner", user="root")
+                   .run_cmd("echo mine > /home/runner/mine && ln /home/runner/mine /home/runner/again", user="runner"),
+                   first)
+    check = ('test ! -e /etc/debian_version && test "$(ls -A /etc/apt)" = only && '
+             'test "$(stat -c %U:%h /home/runner/mine)" = runner:2 && test "$(cat /home/runner/again)" = mine')
+    Template.build(Template().from_template(first).run_cmd(check), _name(templates, "t-layer-on"))
+
 def wait(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
     import time
 
@@ -225,3 +244,118 @@ def wait(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened: {what}")
         time.sleep(0.2)
+
+
+# --- issue 40: an upload is untrusted input; a build is code of the template's author -------------------------
+
+
+def _victim(tmp_path: Path) -> tuple[Path, str]:
+    """A root-only file in a scratch folder, standing for /etc/shadow: what a hostile upload reaches for."""
+    secret = f"root-only {uuid.uuid4().hex}"
+    victim = tmp_path / "scratch" / "victim"
+    victim.parent.mkdir()
+    victim.write_text(secret)
+    victim.chmod(0o600)
+    return victim, secret
+
+
+def _crafted(members: list[tuple[str, str, bytes]]) -> bytes:
+    """A tar of (kind, name, data) members: 'hard' links ``name`` to the path ``data``; 'file' holds ``data``."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for kind, name, data in members:
+            info = tarfile.TarInfo(name)
+            info.mode = 0o755
+            if kind == "hard":
+                info.type, info.linkname = tarfile.LNKTYPE, data.decode()
+                tar.addfile(info)
+            else:
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("attack", ["read", "write", "chmod"])
+def test_a_hard_link_in_an_upload_never_reaches_a_host_file(attack: str, tmp_path: Path, templates: list[str],
+                                                            e2b_url: str) -> None:
+    """READ: a hard link to a root-only host file, copied in and printed by a RUN step. WRITE: a hard link, then a
+    regular member of the same name. CHMOD: the copy's mode applied through the link. The upload is refused at
+    once, naming the member; stored anyway (as by an older server), the build refuses it too."""
+    victim, secret = _victim(tmp_path)
+    before = victim.stat()
+    member = {"read": "secret.txt", "write": "note.txt", "chmod": "run.sh"}[attack]
+    members = [("hard", member, str(victim).encode())]
+    if attack == "write":
+        members.append(("file", member, b"overwritten by the upload\n"))
+    (tmp_path / "ctx").mkdir()
+    (tmp_path / "ctx" / member).write_text("what the SDK hashes\n")
+    template = Template(file_context_path=str(tmp_path / "ctx")).from_image("agentenv/base")
+    template = (template.copy(member, "/opt/", mode=0o777) if attack == "chmod" else template.copy(member, "/opt/"))
+    template = template.run_cmd(f"cat /opt/{member}")
+    files_hash = json.loads(Template.to_json(template))["steps"][0]["filesHash"]
+    name = _name(templates, f"t-link-{attack}")
+    key = {"X-API-KEY": TOKEN}
+    template_id = httpx.post(f"{e2b_url}/v3/templates", json={"name": name}, headers=key).json()["templateID"]
+    link = httpx.get(f"{e2b_url}/templates/{template_id}/files/{files_hash}", headers=key).json()["url"]
+    upload = httpx.put(link, content=_crafted(members), timeout=60)
+    store.file_path(files_hash).write_bytes(_crafted(members))  # as if stored before the checks: the build checks
+    seen: list[LogEntry] = []
+    failure = ""
+    try:
+        Template.build(template, name, on_build_logs=seen.append)
+    except BuildException as e:
+        failure = str(e)
+    after = victim.stat()
+    assert victim.read_text() == secret, "the upload wrote a host file"
+    assert (after.st_mode, after.st_uid, after.st_gid) == (before.st_mode, before.st_uid, before.st_gid), \
+        f"the upload changed a host file's mode to {after.st_mode:o}"
+    assert not any(secret in e.message for e in seen), "the build log showed a root-only host file"
+    assert upload.status_code == 400 and member in upload.text and "hard link" in upload.text, upload.text
+    assert member in failure and "hard link" in failure, failure
+
+
+def test_a_build_runs_in_a_user_namespace_within_its_limits(templates: list[str]) -> None:
+    """A build that asks for 1 CPU and 512 MiB: its steps' root is not the host's, 1.5 GiB cannot be allocated,
+    2,000 processes cannot be started, and there is no network but loopback."""
+    probe = """python3 - <<'EOF'
+import os, signal
+print("probe uid_map", *open("/proc/self/uid_map").read().split())
+print("probe net", *sorted(os.listdir("/sys/class/net")))
+child = os.fork()
+if child == 0:
+    data = b"x" * (1536 << 20)
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+print("probe alloc", "done" if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0 else "refused")
+kids = []
+try:
+    for _ in range(2000):
+        kid = os.fork()
+        if kid == 0:
+            signal.pause()
+            os._exit(0)
+        kids.append(kid)
+except OSError:
+    pass
+print("probe forked", len(kids))
+for kid in kids:
+    os.kill(kid, signal.SIGKILL)
+    os.waitpid(kid, 0)
+EOF"""
+    seen: list[LogEntry] = []
+    Template.build(Template().from_image("agentenv/base").skip_cache().run_cmd(probe), _name(templates, "t-limits"),
+                   cpu_count=1, memory_mb=512, on_build_logs=seen.append)
+    found = {}
+    for e in seen:
+        for line in e.message.splitlines():
+            words = line.split()
+            if len(words) >= 2 and words[0] == "probe":
+                found[words[1]] = words[2:]
+    uid_map = found["uid_map"]
+    assert uid_map[0] == "0" and uid_map[1] != "0" and int(uid_map[2]) <= 65536, f"the build's root is {uid_map}"
+    assert found["alloc"] == ["refused"], "a 512 MiB build allocated 1.5 GiB"
+    assert int(found["forked"][0]) < 2000, "a build started 2,000 processes"
+    assert found["net"] == ["lo"]

@@ -1,5 +1,5 @@
-"""E2B templates without Docker: the SDK's steps as a Dockerfile, E2B's errors for failing steps, the template
-records (names, tags, builds) and the template routes up to the build itself (upload links, signatures)."""
+"""E2B templates without Docker: the SDK's steps as typed steps, E2B's errors for failing steps, what a COPY takes
+from its upload (never unpacked on the host), the template records (names, tags, builds) and the template routes up to the build itself (upload links, signatures)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,10 @@ pytest.importorskip("e2b", reason="the E2B SDK is an extra; bootstrap installs i
 from e2b import Template  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from agentenv.host.archives import UnsafeArchive  # noqa: E402
 from agentenv.server.e2b import template_build as tb  # noqa: E402
+from agentenv.server.e2b import template_copy as tc  # noqa: E402
+from agentenv.server.e2b import template_plan as tp  # noqa: E402
 from agentenv.server.e2b import template_store as store  # noqa: E402
 
 from .conftest import TOKEN  # noqa: E402
@@ -29,61 +32,63 @@ def _steps(template: object) -> list[dict[str, object]]:
     return list(data["steps"])
 
 
-def test_steps_become_a_dockerfile(tmp_path: Path) -> None:
+def test_steps_become_typed_steps(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "f.txt").write_text("x")
     t = (Template(file_context_path=str(tmp_path)).from_image("agentenv/base")
          .copy("d/f.txt", "/app/", user="nobody", mode=0o600).copy("d", "/data")
          .set_envs({"A": 'q"uote\\d', "B": "2"}).set_workdir("/app").set_user("nobody")
          .run_cmd("echo hi", user="root").run_cmd("ls"))
-    p = tb.plan("agentenv/base", _steps(t), is_dir=lambda folder, src: src == "d")
-    lines = p.dockerfile.splitlines()
-    assert lines[0] == "FROM agentenv/base"
-    assert lines[1] == 'COPY --chown=nobody ["step-1/d/f.txt", "/app/"]'
-    assert lines[2] == 'COPY ["step-2/d", "/data/"]'  # a folder's destination is a folder
-    assert lines[3] == 'ENV A="q\\"uote\\\\d" B="2"'
-    assert lines[4] == "WORKDIR /app"
-    assert lines[5:7] == ["USER nobody", 'RUN ["/bin/sh", "-c", ":"]']  # a missing user fails at its own step
-    assert lines[7] == "USER root" and json.loads(lines[8][4:])[-1] == "echo hi" and lines[9] == "USER nobody"
-    assert json.loads(lines[10][4:])[-1] == "ls"
-    assert p.origins == ["base", "1", "2", "3", "4", "5", "5", "6", "6", "6", "7"]
-    assert p.user == "nobody" and [c[3] for c in p.copies] == [0o600, None]
+    p = tp.plan(_steps(t))
+    hashes = [s["filesHash"] for s in _steps(t)[:2]]
+    assert p.steps == [("1", tp.Copy("d/f.txt", "/app/", "nobody", 0o600, hashes[0])),
+                       ("2", tp.Copy("d", "/data", "", None, hashes[1])),
+                       ("3", tp.SetEnv((("A", 'q"uote\\d'), ("B", "2")))), ("4", tp.Workdir("/app")),
+                       ("5", tp.SetUser("nobody")), ("6", tp.Run("echo hi", "root")), ("7", tp.Run("ls", None))]
+    assert p.user == "nobody"
 
 
-def test_a_command_with_line_breaks_and_quotes_stays_one_instruction() -> None:
+def test_a_command_with_line_breaks_and_quotes_stays_one_step() -> None:
     cmd = "cat <<EOF > /x\nit's \"here\"\nEOF"
-    p = tb.plan("img", [{"type": "RUN", "args": [cmd]}])
+    p = tp.plan([{"type": "RUN", "args": [cmd]}])
     assert p.user is None  # no set_user: the template names no user
-    assert len(p.dockerfile.splitlines()) == 2 and json.loads(p.lines[1][4:])[-1] == cmd
+    assert p.steps == [("1", tp.Run(cmd, None))]
 
 
 @pytest.mark.parametrize("step, message", [
     ({"type": "COPY", "args": ["../etc/passwd", "/x"], "filesHash": "ab" * 32}, "inside the file context"),
     ({"type": "COPY", "args": ["/etc/passwd", "/x"], "filesHash": "ab" * 32}, "inside the file context"),
     ({"type": "COPY", "args": ["a", "/x"]}, "needs its filesHash"),
+    ({"type": "COPY", "args": ["a", "/x", "", "rwx"], "filesHash": "ab" * 32}, "not an octal file mode"),
     ({"type": "ENV", "args": ["1BAD", "v"]}, "not an environment variable name"),
     ({"type": "ENV", "args": ["K", "line\nbreak"]}, "line break"),
     ({"type": "WORKDIR", "args": ["/a\nRUN evil"]}, "line break"),
+    ({"type": "RUN", "args": []}, "missing its arguments"),
     ({"type": "ADD", "args": ["x"]}, "unknown step type"),
 ])
 def test_steps_that_cannot_be_built_are_refused(step: dict[str, object], message: str) -> None:
     with pytest.raises(store.TemplateRefused, match=message):
-        tb.plan("img", [step])
+        tp.plan([step])
+
+
+def test_variables_expand_as_docker_expands_them() -> None:
+    env = {"WHO": "world", "EMPTY": ""}
+    assert tp.expand('say "hi" \\ $WHO', env) == 'say "hi" \\ world'
+    assert tp.expand("${WHO}s ${NONE:-fallback} ${EMPTY:-e} ${WHO:+set} ${NONE:+x}. $5 $", env) == \
+        "worlds fallback e set . $5 $"
+    assert tp.within("/opt/app", "sub/") == "/opt/app/sub/" and tp.within("/a", "../b") == "/b"
+    assert tp.within("/a", "/") == "/"
 
 
 def test_failures_name_the_step_as_e2b_does() -> None:
-    t = Template().from_image("img").run_cmd("apt-get update").run_cmd("whoami", user="root123").set_user("ghost")
-    p = tb.plan("img", _steps(t))
-    run = p.origins.index("1")
-    e = tb.failure(p, run, "The command '/bin/sh -c ...' returned a non-zero code: 100")
-    assert e.step == "1" and e.message.startswith("failed to run command 'apt-get update': exit status 100")
-    assert "no package registry is reachable" in e.message
-    as_user = p.origins.index("2")
-    e = tb.failure(p, as_user + 1, "unable to find user root123: no matching entries in passwd file")
-    assert (e.step, e.message) == ("2", "failed to run command 'whoami': command failed: unauthenticated: invalid "
-                                        "username: 'root123'")
-    e = tb.failure(p, p.origins.index("3") + 1, "unable to find user ghost: no matching entries in passwd file")
-    assert e.step == "3" and "invalid username: 'ghost'" in e.message and "useradd" in e.message
+    failed = tp.run_failed("apt-get update", 100, False, 60, 1 << 30)
+    assert failed.startswith("failed to run command 'apt-get update': exit status 100")
+    assert "no package registry is reachable" in failed
+    assert "did not finish within 60 s" in tp.run_failed("sleep 99", -1, True, 60, 1 << 30)
+    assert "memory limit of 512 MiB" in tp.run_failed("python3 big.py", 137, False, 60, 512 << 20)
+    assert tp.no_such_user("root123", "whoami") == ("failed to run command 'whoami': command failed: "
+                                                   "unauthenticated: invalid username: 'root123'")
+    assert "invalid username: 'ghost'" in tp.no_such_user("ghost", None) and "useradd" in tp.no_such_user("g", None)
 
 
 def test_base_image_refusals(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -201,39 +206,56 @@ def test_routes_up_to_the_build(client: TestClient) -> None:
     assert client.delete("/templates/nothing-here", headers=KEY).status_code == 404
 
 
-def test_a_glob_copy_is_laid_out_before_docker_and_never_reaches_out(tmp_path: Path) -> None:
-    up, outside = tmp_path / "step-1", tmp_path / "outside"
-    (up / "folder" / "sub").mkdir(parents=True)
-    outside.mkdir()
-    (outside / "secret").write_text("host")
-    (outside / "secret").chmod(0o600)
-    (up / "folder" / "a.txt").write_text("a")
-    (up / "folder" / "sub" / "b.txt").write_text("b")
-    (up / "folder" / "dangling").symlink_to("nowhere")
-    (up / "out").symlink_to(outside)
-    tb._set_mode(up, "out/*", 0o777)
-    assert (outside / "secret").stat().st_mode & 0o777 == 0o600  # a mode never goes through a link out
-    with pytest.raises(tb.StepFailed, match="no files match"):
-        tb._expand(up, "out/*", tmp_path / "staged-out")
-    tb._expand(up, "folder/*", tmp_path / "staged")
-    staged = tmp_path / "staged"
-    assert sorted(p.name for p in staged.iterdir()) == ["a.txt", "b.txt", "dangling"]  # a folder's contents
-    assert (staged / "dangling").is_symlink()
-    p = tb.plan("img", [{"type": "COPY", "args": ["folder/*", "dest"], "filesHash": "ab" * 32}])
-    assert p.lines[1] == 'COPY ["step-1-glob/", "dest/"]'
-
-
-def test_an_upload_with_a_device_node_or_an_escape_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
-    for i, (kind, name) in enumerate(((tarfile.CHRTYPE, "dev"), (tarfile.REGTYPE, "../../escape"))):
-        h = f"{i:02d}" * 32
-        with tarfile.open(store.file_path(h), "w") as tar:
+def _upload(path: Path, members: list[tuple[str, bytes, str]]) -> Path:
+    """A tar of (name, type, data or link target) members."""
+    with tarfile.open(path, "w") as tar:
+        for name, kind, data in members:
             info = tarfile.TarInfo(name)
-            info.type = kind
-            tar.addfile(info, io.BytesIO(b""))
-        p = tb.plan("img", [{"type": "COPY", "args": [name.lstrip("./") or name, "/x"], "filesHash": h}])
-        context = tmp_path / f"ctx{i}"
-        context.mkdir()
-        with pytest.raises((store.TemplateRefused, tarfile.FilterError)):
-            tb.prepare(context, p)
+            info.type, info.mode = kind, 0o644
+            if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE):
+                info.linkname = data
+                tar.addfile(info)
+            else:
+                body = data.encode()
+                info.size = len(body)
+                tar.addfile(info, io.BytesIO(body) if kind == tarfile.REGTYPE else None)
+    return path
+
+
+def test_a_copy_takes_what_docker_would_and_never_unpacks_on_the_host(tmp_path: Path) -> None:
+    up = _upload(tmp_path / "up.tar", [
+        ("folder", tarfile.DIRTYPE, ""), ("folder/a.txt", tarfile.REGTYPE, "a"), ("folder/sub", tarfile.DIRTYPE, ""),
+        ("folder/sub/b.txt", tarfile.REGTYPE, "b"), ("folder/.hidden", tarfile.REGTYPE, "h"),
+        ("folder/dangling", tarfile.SYMTYPE, "nowhere"), ("folder/abs", tarfile.SYMTYPE, "/etc/passwd"),
+        ("folder/same", tarfile.LNKTYPE, "folder/a.txt"), ("top.txt", tarfile.REGTYPE, "t")])
+
+    def placed(src: str, mode: int | None = None) -> tuple[bool, dict[str, tuple[bytes, str, int]]]:
+        buf = io.BytesIO()
+        single = tc.write(up, src, mode, buf)
+        buf.seek(0)
+        with tarfile.open(fileobj=buf) as tar:
+            return single, {m.name: (tar.extractfile(m).read() if m.isreg() else b"", m.linkname,  # type: ignore[union-attr]
+                                     m.mode) for m in tar}
+
+    single, files = placed("folder/*", 0o755)
+    assert not single and sorted(files) == [".hidden", "a.txt", "abs", "b.txt", "dangling", "same"]  # a folder's
+    assert files["same"] == (b"a", "", 0o755)  # a hard link is a file of its own; the mode on files only
+    assert files["abs"][1] == "/etc/passwd" and files["abs"][2] == 0o644  # a link is copied as written
+    single, files = placed("folder")
+    assert not single and "sub/b.txt" in files and "sub" in files
+    assert placed("top.txt") == (True, {"top.txt": (b"t", "", 0o644)})
+    with pytest.raises(tc.NothingToCopy, match="no files match"):
+        placed("nothing/*")
+    with pytest.raises(tc.NothingToCopy, match="not in the files uploaded"):
+        placed("missing.txt")
+
+
+def test_an_upload_with_a_device_node_or_an_escape_is_refused(tmp_path: Path) -> None:
+    for i, (kind, name, link) in enumerate(((tarfile.CHRTYPE, "dev", ""), (tarfile.REGTYPE, "../../escape", ""),
+                                            (tarfile.LNKTYPE, "shadow", "/etc/shadow"))):
+        up = _upload(tmp_path / f"{i}.tar", [(name, kind, link)])
+        with pytest.raises(UnsafeArchive, match=name.replace(".", r"\.")):
+            tb.check_upload(up)
+        with pytest.raises(UnsafeArchive, match=name.replace(".", r"\.")):
+            tc.write(up, name.lstrip("./"), None, io.BytesIO())
     assert not (tmp_path / "escape").exists()

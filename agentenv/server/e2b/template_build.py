@@ -1,13 +1,22 @@
-"""An E2B template build on this host: the SDK's steps as a Dockerfile, ``docker build``, and, for a template with a
-start command, a sandbox started from the image, made ready and snapshotted with its memory.
+"""An E2B template build on this host, in agentenv's own sandboxes: the steps run in a build sandbox made from the
+base image, its files become one image layer on top of the base (``agentenv.host.layers``), and a template with a
+start command gets a sandbox started from that image, made ready and snapshotted with its memory.
 
-Each step becomes Dockerfile instructions (``plan``): ``RUN`` (bash where the image has it, else sh; ``user``
-wraps it in ``USER``), ``COPY`` of the archive the SDK uploaded for it (``--chown`` for its user; its mode set on
-the files before the copy), ``ENV``, ``WORKDIR`` and ``USER`` (checked at once: a user the image lacks fails that
-step). Build steps have no network (``BUILD_NETWORK``): this host reaches no registry, and a build container is a
-plain Docker container, kept off the host's services. ``from_image`` takes local images and tries one pull; the
-SDK's default ``e2bdev/base`` is ``agentenv/base`` here, as the ``base`` template is. A failure names its step
-as E2B does (``base``, the step's number, or ``finalize`` for the start and ready commands).
+Why not ``docker build``: Docker's legacy builder (the one Debian 12's docker.io has; rootless BuildKit is not
+packaged there) runs every step as the host's real root, with no user namespace, no pids limit and no memory or
+CPU limit of the build's own. A build sandbox is a sandbox like any other: a user namespace of its own uid range
+(its root is an unprivileged host uid), no network, the CPU and memory the template asks for (``cpuCount``,
+``memoryMB``, else E2B's defaults), the pids limit and disk limit of every sandbox, seccomp and few capabilities.
+
+The steps (``template_plan``) run with Docker's meaning. ``RUN``: the command in the sandbox as the step's user
+(else the current one), in the working folder, with the image's variables and the ENV steps' before it; what it
+left running is killed when it ends, as a ``docker build`` step's container ends. ``COPY``: the upload, checked on
+the host (``agentenv.host.archives``), is never unpacked there: the files the step takes are sent as a tar to a
+process inside the sandbox (``template_copy``, ``agentenv.inside.unpack``), so every path and link resolves in the
+sandbox's own root. ``ENV``, ``WORKDIR``, ``USER`` change what later steps run with and the image's config.
+Builds are not cached: each one runs its steps (``force`` and ``skip_cache`` hold by construction). The SDK's
+default ``e2bdev/base`` is ``agentenv/base`` here, as the ``base`` template is; ``from_image`` takes local images
+and tries one pull. Every log line of a step is the build's log, under the step's name.
 
 With ``set_start_cmd`` / ``set_ready_cmd`` the build starts a sandbox of the image, runs the start command in the
 background, runs the ready command until it succeeds, and takes a memory snapshot: a sandbox of the template is
@@ -17,160 +26,63 @@ restored from it, its process already running, instead of booting and starting i
 from __future__ import annotations
 
 import contextlib
-import glob
-import json
-import os
-import re
+import shlex
 import tarfile
 import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentenv.api import DEFAULT_IMAGE
+from agentenv.api import DEFAULT_IMAGE, JobEnd, JobOutput
 from agentenv.config import paths
-from agentenv.host import images
+from agentenv.errors import AgentEnvError, UnknownUser
+from agentenv.host import archives, images, layers, userns
+from agentenv.inside import unpack
+from agentenv.sandbox.calls import Calls
 from agentenv.sandbox.core import Sandbox
+from agentenv.server.e2b import template_copy
 from agentenv.server.e2b import template_store as store
 from agentenv.server.e2b.control import DISK
+from agentenv.server.e2b.template_plan import (
+    Copy,
+    Plan,
+    Run,
+    SetEnv,
+    SetUser,
+    StepFailed,
+    Workdir,
+    expand,
+    no_such_user,
+    plan,
+    run_failed,
+    within,
+)
 
 if TYPE_CHECKING:
     from agentenv.server.service import Service
 
-BUILD_NETWORK = "none"
+__all__ = ["StepFailed", "check_upload", "discard_template", "run"]
+
 E2B_BASE = ("e2bdev/base", "e2bdev/base:latest")  # the SDK's from_base_image() and Template()'s default
 READY_TIMEOUT = 300.0  # seconds the ready command has to succeed after the start command starts
 READY_POLL = 0.2
+STEP_TIMEOUT = 3600.0  # seconds one RUN step may take
 _SHELL = 'command -v bash >/dev/null 2>&1 && exec bash -c "$1" || exec sh -c "$1"'  # bash where there is one
-_NO_USER = re.compile(r"unable to find user ([^:\s]+)")
-_EXIT = re.compile(r"returned a non-zero code: (\d+)")
-_STEP = re.compile(r"^Step (\d+)/\d+ :")
-GLOB = "-glob"  # the folder of the build context a glob copy's matches are moved to
-_OFFLINE = ("apt-get", "apt ", "pip ", "pip3 ", "npm ", "bun ", "git clone", "curl ", "wget ")
+_UNPACK_ENV = "AGENTENV_UNPACK"
+_UNPACK = f'exec python3 -I -S -c \'import os;exec(os.environ.pop("{_UNPACK_ENV}"))\''
+_STRAYS = "kill -9 -1 2>/dev/null; true"  # every process but the agent (PID 1) and this shell
+Say = Callable[..., None]
 
 
-class StepFailed(Exception):
-    """A build step failed; ``step`` is E2B's name of it (``base``, ``1``..., ``finalize``)."""
-
-    def __init__(self, message: str, step: str) -> None:
-        super().__init__(message)
-        self.message, self.step = message, step
+def check_upload(archive: Path) -> None:
+    """Refuse an uploaded archive now, naming the member (``archives.checked``), rather than at its build."""
+    with tarfile.open(archive) as tar:
+        archives.checked(tar, outward_symlinks=True)
 
 
-@dataclass
-class Plan:
-    """A Dockerfile and, per instruction, the E2B step it comes from and what that step does (for its errors)."""
-
-    lines: list[str] = field(default_factory=list)
-    origins: list[str] = field(default_factory=list)
-    what: list[str] = field(default_factory=list)
-    copies: list[tuple[str, str, str, int | None]] = field(default_factory=list)  # (folder, hash, src, mode)
-    user: str | None = None  # the template's user (its last set_user): what its sandboxes' commands run as
-
-    def add(self, line: str, origin: str, what: str) -> None:
-        self.lines.append(line)
-        self.origins.append(origin)
-        self.what.append(what)
-
-    @property
-    def dockerfile(self) -> str:
-        return "".join(f"{line}\n" for line in self.lines)
-
-
-def _one_line(value: str, what: str, step: str) -> str:
-    if "\n" in value or "\r" in value or "\0" in value:
-        raise store.TemplateRefused(f"step {step}: {what} {value[:60]!r} holds a line break, which a Dockerfile "
-                                    "cannot carry")
-    return value
-
-
-def _relative(src: str, step: str) -> str:
-    parts = Path(src).parts
-    if not src or src.startswith("/") or ".." in parts:
-        raise store.TemplateRefused(f"step {step}: copy source {src!r} must be a path inside the file context "
-                                    "(relative, without '..')")
-    return src
-
-
-def _is_glob(src: str) -> bool:
-    return any(c in src for c in "*?[")
-
-
-def plan(base: str, steps: list[dict[str, Any]], is_dir: Any = None) -> Plan:
-    """The Dockerfile of ``steps`` (the SDK's ``TemplateStep`` dicts) on ``base``; ``is_dir(folder, src)`` tells
-    whether a copy's source is a folder in its upload (then its destination is one too)."""
-    p = Plan()
-    p.add(f"FROM {_one_line(base, 'image', 'base')}", "base", f"base image {base}")
-    user, last = "root", None  # the build steps' user (Docker's root until a USER step); the last one asked for
-    for i, step in enumerate(steps, 1):
-        n, kind, args = str(i), step["type"], [str(a) for a in step.get("args") or []]
-        if kind == "RUN":
-            cmd, as_user = args[0], (args[1] if len(args) > 1 and args[1] else None)
-            if as_user:
-                p.add(f"USER {_one_line(as_user, 'user', n)}", n, f"run '{cmd}' as {as_user}")
-            p.add("RUN " + json.dumps(["/bin/sh", "-c", _SHELL, "e2b-step", cmd]), n, f"RUN {cmd}")
-            if as_user:
-                p.add(f"USER {user}", n, f"back to user {user}")
-        elif kind == "COPY":
-            src, dest = _relative(args[0], n), _one_line(args[1], "destination", n)
-            chown = _one_line(args[2], "user", n) if len(args) > 2 and args[2] else ""
-            mode = int(args[3], 8) if len(args) > 3 and args[3] else None
-            files_hash = step.get("filesHash")
-            if not files_hash:
-                raise store.TemplateRefused(f"step {n}: a COPY step needs its filesHash (the SDK sends it)")
-            folder = f"step-{n}"
-            if not dest.endswith("/") and (_is_glob(src) or src.endswith("/")
-                                           or (is_dir is not None and is_dir(folder, src))):
-                dest += "/"
-            flag = f"--chown={chown} " if chown else ""
-            source = f"{folder}{GLOB}/" if _is_glob(src) else f"{folder}/{src}"  # a glob is expanded by prepare()
-            p.add(f"COPY {flag}" + json.dumps([source, dest]), n, f"copy '{src}' to '{dest}'")
-            p.copies.append((folder, str(files_hash), src, mode))
-        elif kind == "ENV":
-            pairs = list(zip(args[::2], args[1::2], strict=False))
-            if not pairs or len(args) % 2:
-                raise store.TemplateRefused(f"step {n}: ENV takes name/value pairs, got {args!r}")
-            words = []
-            for k, v in pairs:
-                if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
-                    raise store.TemplateRefused(f"step {n}: {k!r} is not an environment variable name")
-                words.append(f'{k}="' + _one_line(v, "value", n).replace("\\", "\\\\").replace('"', '\\"') + '"')
-            p.add("ENV " + " ".join(words), n, "set envs " + ", ".join(k for k, _ in pairs))
-        elif kind == "WORKDIR":
-            p.add(f"WORKDIR {_one_line(args[0], 'workdir', n)}", n, f"set workdir {args[0]}")
-        elif kind == "USER":
-            user = last = _one_line(args[0], "user", n)
-            p.add(f"USER {user}", n, f"set user {user}")
-            p.add('RUN ["/bin/sh", "-c", ":"]', n, f"set user {user}")  # fails here when the image lacks the user
-        else:
-            raise store.TemplateRefused(f"step {n}: unknown step type {kind!r} (COPY, ENV, RUN, WORKDIR, USER are)")
-    p.user = last
-    return p
-
-
-def failure(p: Plan, index: int, error: str) -> StepFailed:
-    """E2B's error for Dockerfile instruction ``index`` of ``p`` failing with Docker's ``error``."""
-    step, what = p.origins[index], p.what[index]
-    cmd = what.removeprefix("RUN ")
-    if m := _NO_USER.search(error):
-        if what.startswith("set user"):
-            return StepFailed(f"failed to set user '{m.group(1)}': invalid username: '{m.group(1)}' (the image has "
-                              "no such account: add it with run_cmd('useradd -m NAME', user='root'))", step)
-        cmd = what.split("'")[1] if "'" in what else cmd
-        return StepFailed(f"failed to run command '{cmd}': command failed: unauthenticated: invalid username: "
-                          f"'{m.group(1)}'", step)
-    if what.startswith("RUN ") and (m := _EXIT.search(error)):
-        hint = ""
-        if any(word in cmd for word in _OFFLINE):
-            hint = (" (template builds on this server have no network, and no package registry is reachable from "
-                    "this host: bring the packages in a local image, or copy them in and install from files)")
-        return StepFailed(f"failed to run command '{cmd}': exit status {m.group(1)}{hint}", step)
-    return StepFailed(f"step {step} ({what}) failed: {error}", step)
-
-
-def base_image(spec: dict[str, Any], say: Any) -> str:
+def base_image(spec: dict[str, Any], say: Say) -> str:
     """The image the build starts from, or StepFailed('base') naming the fix."""
     if spec.get("fromImageRegistry"):
         raise StepFailed("registry credentials (from_image with username and password, from_aws_registry, "
@@ -197,55 +109,143 @@ def base_image(spec: dict[str, Any], say: Any) -> str:
                      "import / docker load), then build the template again", "base")
 
 
-def prepare(context: Path, p: Plan) -> None:
-    """Unpack each copy's upload into its folder of the build context and give its files their mode."""
-    for folder, files_hash, src, mode in p.copies:
-        archive = store.file_path(files_hash)
-        if not archive.is_file():
-            raise store.TemplateRefused(f"the files of '{src}' (hash {files_hash}) were never uploaded")
-        dest = context / folder
-        dest.mkdir()
-        with tarfile.open(archive) as tar:
-            tar.extractall(dest, filter=_members)
-        if mode is not None:
-            _set_mode(dest, src, mode)
-        if _is_glob(src):
-            _expand(dest, src, context / f"{folder}{GLOB}")
+class _Lines:
+    """Output bytes, cut into lines for the log (a partial last line waits for the rest)."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.say, self.rest = say, {"stdout": b"", "stderr": b""}
+
+    def feed(self, stream: str, data: bytes) -> None:
+        *lines, self.rest[stream] = (self.rest.get(stream, b"") + data).split(b"\n")
+        for line in lines:
+            self.say(line.decode(errors="replace"))
+
+    def flush(self) -> None:
+        for stream, rest in self.rest.items():
+            if rest:
+                self.say(rest.decode(errors="replace"))
+            self.rest[stream] = b""
 
 
-def _expand(dest: Path, src: str, staged: Path) -> None:
-    """Move what the glob ``src`` matches in ``dest`` into ``staged``, as Docker's COPY lays it out (a file by its
-    name, a folder's contents), so that COPY meets no glob: Docker's fails on a match that is a dangling link."""
-    staged.mkdir()
-    inside = os.path.realpath(dest) + os.sep
-    matches = [m for m in glob.glob(str(dest / src)) if os.path.realpath(os.path.dirname(m)).startswith(inside[:-1])]
-    if not matches:
-        raise StepFailed(f"failed to copy '{src}': no files match it", dest.name.removeprefix("step-"))
-    for m in sorted(matches):
-        if os.path.isdir(m) and not os.path.islink(m):
-            for child in os.listdir(m):
-                os.replace(os.path.join(m, child), staged / child)
+class Builder:
+    """The steps of a plan run in one build sandbox, and what they set: variables, working folder, user."""
+
+    def __init__(self, sb: Sandbox, base: str, say: Say) -> None:
+        info = images.inspect(base)
+        config = info.get("Config") or {}
+        self.sb, self.say = sb, say
+        self.env = dict(e.split("=", 1) for e in config.get("Env") or [] if "=" in e)
+        self.workdir = config.get("WorkingDir") or "/"
+        self.user = (config.get("User") or "root").split(":")[0]
+        self.image_user: str | None = None  # set by USER steps
+
+    def step(self, n: str, action: Run | Copy | SetEnv | Workdir | SetUser) -> None:
+        if isinstance(action, Run):
+            self.run(n, action)
+        elif isinstance(action, Copy):
+            self.copy(n, action)
+        elif isinstance(action, SetEnv):
+            values = {k: expand(v, self.env) for k, v in action.pairs}  # each from the variables before the step
+            self.env.update(values)
+        elif isinstance(action, Workdir):
+            self.workdir = within(self.workdir, expand(action.path, self.env)).rstrip("/") or "/"
+            try:
+                self.sb.make_dir(self.workdir)
+            except OSError as e:
+                raise StepFailed(f"failed to set workdir '{self.workdir}': {e}", n) from None
         else:
-            os.replace(m, staged / os.path.basename(m))
+            self._account(action.name, None, n)
+            self.user = self.image_user = action.name
+
+    def _account(self, name: str, cmd: str | None, n: str) -> Calls:
+        try:
+            return self.sb.as_user(name)
+        except UnknownUser:
+            if name == "root":  # an image without /etc/passwd: its root is still uid 0, as Docker runs it
+                return self.sb
+            raise StepFailed(no_such_user(name, cmd), n) from None
+
+    def run(self, n: str, action: Run) -> None:
+        calls = self._account(action.user or self.user, action.cmd, n)
+        lines = _Lines(lambda line: self.say(line, step=n))
+        command = f"exec /bin/sh -c {shlex.quote(_SHELL)} e2b-step {shlex.quote(action.cmd)}"
+        r = calls.exec(command, timeout=STEP_TIMEOUT, cwd=self.workdir, env=self.env, on_output=lines.feed)
+        lines.flush()
+        self.sb.exec(_STRAYS, timeout=60)
+        if r.exit_code != 0 or r.timed_out:
+            raise StepFailed(run_failed(action.cmd, r.exit_code, r.timed_out, STEP_TIMEOUT,
+                                        self.sb.limits.memory), n)
+
+    def copy(self, n: str, action: Copy) -> None:
+        dest = within(self.workdir, expand(action.dest, self.env))
+        upload = store.file_path(action.files_hash)
+        if not upload.is_file():
+            raise StepFailed(f"failed to copy '{action.src}': its files (hash {action.files_hash}) were never "
+                             "uploaded", n)
+        with tempfile.TemporaryFile(dir=paths().tmp) as placed:
+            try:
+                single = template_copy.write(upload, action.src, action.mode, placed)
+            except (archives.UnsafeArchive, template_copy.NothingToCopy, tarfile.TarError) as e:
+                raise StepFailed(f"failed to copy '{action.src}': {e}", n) from None
+            placed.seek(0)
+            job = self.sb.start(f"{_UNPACK} {shlex.quote(dest)} {'as' if single else 'into'} "
+                                f"{shlex.quote(action.owner)}", env={_UNPACK_ENV: _unpack_source()}, stdin=True,
+                                timeout=STEP_TIMEOUT)
+            with contextlib.suppress(BrokenPipeError):  # it stopped reading: its end says why
+                while chunk := placed.read(1 << 20):
+                    self.sb.send_input(job.pid, chunk)
+            self.sb.close_input(job.pid)
+        said, end = b"", None
+        for item in self.sb.output(job.pid):
+            if isinstance(item, JobOutput):
+                said += item.data
+            elif isinstance(item, JobEnd):
+                end = item
+        text = said.decode(errors="replace").strip()
+        if end is None or end.exit_code != 0:
+            if text.startswith("unable to find user "):
+                raise StepFailed(no_such_user(text.split()[-1], f"copy '{action.src}'"), n)
+            raise StepFailed(f"failed to copy '{action.src}' to '{dest}': {text or 'the copy did not end'}", n)
 
 
-def _members(member: tarfile.TarInfo, path: str) -> tarfile.TarInfo:
-    """The ``tar`` filter (nothing lands outside the folder, nor through a link out of it), and no device nodes
-    or fifos: what the SDK uploads is files, folders and links."""
-    if member.isdev():
-        raise store.TemplateRefused(f"the upload holds {member.name!r}, a device node or fifo: only files, folders "
-                                    "and links are copied")
-    return tarfile.tar_filter(member, path)
+def _unpack_source() -> str:
+    assert unpack.__file__ is not None
+    return Path(unpack.__file__).read_text()
 
 
-def _set_mode(dest: Path, src: str, mode: int) -> None:
-    inside = os.path.realpath(dest) + os.sep
-    for match in glob.glob(str(dest / src)):
-        paths_ = [match] if not os.path.isdir(match) else [os.path.join(r, f) for r, _, fs in os.walk(match)
-                                                         for f in fs]
-        for f in paths_:
-            if not os.path.islink(f) and os.path.realpath(f).startswith(inside):
-                os.chmod(f, mode)
+def build(service: Service, p: Plan, base: str, build: dict[str, Any], tag: str, template_id: str, build_id: str,
+          say: Say) -> None:
+    """Run ``p``'s steps on ``base`` in a build sandbox (``build``'s CPUs and memory) and load the result as the
+    image ``tag``."""
+    labels = {"agentenv.e2b.template": template_id, "agentenv.e2b.build": build_id}
+    with service.reserve(1, build["memory"], DISK):
+        sb = Sandbox.create(base, cpus=build["cpus"], memory=build["memory"], disk=DISK, network=False,
+                            ttl=STEP_TIMEOUT * (len(p.steps) + 1),  # reaped should its server die mid-build
+                            labels={"agentenv.e2b.build": build_id})
+    snap = None
+    try:
+        builder = Builder(sb, base, say)
+        for i, (n, action) in enumerate(p.steps, 1):
+            say(f"Step {i}/{len(p.steps)} : {action}", step=n)
+            builder.step(n, action)
+        say("Saving the build's files as an image layer", step="finalize")
+        try:
+            snap = sb.snapshot(memory=False, labels={"agentenv.kind": "e2b-build", **labels})
+            sb.close()
+            with tempfile.TemporaryDirectory(prefix="e2b-layer-", dir=paths().tmp) as tmp:
+                layer = layers.write_layer(snap.fs_dir, int(snap.spec["uids"]), userns.SIZE, Path(tmp) / "layer.tar",
+                                           DISK)
+                snap.delete()
+                snap = None
+                layers.load(base, layer if layer.entries else None, tag,
+                            env=[f"{k}={v}" for k, v in builder.env.items()], workdir=builder.workdir,
+                            user=builder.image_user, labels=labels, history=f"agentenv e2b template build {build_id}")
+        except (AgentEnvError, OSError) as e:
+            raise StepFailed(f"the build's files could not be made an image: {e}", "finalize") from None
+    finally:
+        sb.close()
+        if snap is not None:
+            snap.delete()
 
 
 def run(service: Service, template_id: str, build_id: str, spec: dict[str, Any]) -> None:
@@ -256,30 +256,13 @@ def run(service: Service, template_id: str, build_id: str, spec: dict[str, Any])
     tag = f"agentenv-e2b/{template_id}:{build_id}"
     image_made = snapshot = None
     try:
-        build = store.build_of(store.load(template_id), build_id)
+        build_rec = store.build_of(store.load(template_id), build_id)
         base = base_image(spec, say)
-        with tempfile.TemporaryDirectory(prefix="e2b-build-", dir=paths().tmp) as tmp:
-            context = Path(tmp)
-            p = plan(base, spec.get("steps") or [], lambda folder, src: _upload_is_dir(folder, src, spec))
-            prepare(context, p)
-            (context / "Dockerfile").write_text(p.dockerfile)
-            current = [0]
-
-            def output(line: str) -> None:
-                if m := _STEP.match(line):
-                    current[0] = int(m.group(1)) - 1
-                say(line, step=p.origins[min(current[0], len(p.origins) - 1)])
-
-            force = bool(spec.get("force")) or any(s.get("force") for s in spec.get("steps") or [])
-            try:
-                images.build(str(context), tag, on_output=output, nocache=force, network=BUILD_NETWORK,
-                             labels={"agentenv.e2b.template": template_id, "agentenv.e2b.build": build_id})
-            except images.BuildFailed as e:
-                e.discard()
-                raise failure(p, current[0], e.error) from None
+        p = plan(spec.get("steps") or [])
+        build(service, p, base, build_rec, tag, template_id, build_id, say)
         image_made = tag
         if spec.get("startCmd") or spec.get("readyCmd"):
-            snapshot = start_snapshot(service, tag, spec, build, p.user, template_id, build_id, say)
+            snapshot = start_snapshot(service, tag, spec, build_rec, p.user, template_id, build_id, say)
         if store.update(template_id, build_id, status="ready", image=tag, snapshot=snapshot,
                         user=p.user) is None:
             raise StepFailed("the template was deleted during its build", "finalize")
@@ -293,18 +276,8 @@ def run(service: Service, template_id: str, build_id: str, spec: dict[str, Any])
         _discard(image_made, snapshot)
 
 
-def _upload_is_dir(folder: str, src: str, spec: dict[str, Any]) -> bool:
-    """Whether the copy of step ``folder`` names a folder of its upload (read from the archive's members)."""
-    step = (spec.get("steps") or [])[int(folder.removeprefix("step-")) - 1]
-    archive, name = store.file_path(str(step.get("filesHash"))), src.rstrip("/")
-    if not archive.is_file():
-        return False  # prepare() says it was never uploaded
-    with tarfile.open(archive) as tar:
-        return any((m.name == name and m.isdir()) or m.name.startswith(name + "/") for m in tar.getmembers())
-
-
 def start_snapshot(service: Service, image: str, spec: dict[str, Any], build: dict[str, Any], user: str | None,
-                   template_id: str, build_id: str, say: Any) -> str:
+                   template_id: str, build_id: str, say: Say) -> str:
     """Start a sandbox of ``image``, its start command (as the template's ``user``, when it names one), wait for
     its ready command (as that user too); its memory snapshot's id."""
     start, ready = spec.get("startCmd"), spec.get("readyCmd")

@@ -1,5 +1,5 @@
 """E2B's template API (``Template.build``, ``build_in_background``, ``get_build_status``, ``exists``, tags) over
-Docker builds on this host (``template_build``), with the records in ``template_store``.
+builds in agentenv's own sandboxes on this host (``template_build``), with the records in ``template_store``.
 
 The SDK asks for a build (``POST /v3/templates``), uploads the files of each ``copy`` to the URL that
 ``GET /templates/{id}/files/{hash}`` gives (this server's own ``/e2b/template-files/{hash}``, signed with an
@@ -24,8 +24,9 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentenv.host.archives import UnsafeArchive
 from agentenv.sandbox.store import Snapshot
-from agentenv.server.e2b import template_build
+from agentenv.server.e2b import template_build, template_plan
 from agentenv.server.e2b import template_store as store
 from agentenv.server.e2b.control import CPUS, DISK, MEMORY, E2BError, E2BRoute, ServiceDep, _api_key, _time
 
@@ -113,7 +114,8 @@ def upload_link(request: Request, template_id: str, files_hash: str) -> Response
 
 @uploads.put(UPLOAD_PATH + "/{files_hash}")
 async def upload(request: Request, files_hash: str, expires: int, signature: str) -> Response:
-    """The archive of a ``copy`` step's files, to the URL ``upload_link`` signed (a tar, gzipped or not)."""
+    """The archive of a ``copy`` step's files, to the URL ``upload_link`` signed (a tar, gzipped or not); one that
+    ``agentenv.host.archives`` refuses is a 400 naming the member, and is not kept."""
     if expires < time.time() or not hmac.compare_digest(signature, _signature(request.app.state.token, files_hash,
                                                                              expires)):
         raise E2BError(403, "the upload URL is expired or its signature is wrong: ask for a new one")
@@ -125,6 +127,10 @@ async def upload(request: Request, files_hash: str, expires: int, signature: str
                 await run_in_threadpool(f.write, chunk)
         if not await run_in_threadpool(tarfile.is_tarfile, tmp):
             raise E2BError(400, "the upload is not a tar archive (the SDK sends one, gzipped or not)")
+        try:
+            await run_in_threadpool(template_build.check_upload, tmp)
+        except (UnsafeArchive, tarfile.TarError) as e:
+            raise E2BError(400, f"the upload is refused: {e}") from None
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -139,7 +145,7 @@ def start_build(service: ServiceDep, template_id: str, build_id: str, body: Anno
     if build["status"] != "waiting":
         raise E2BError(409, f"build {build_id} was started already (it is {build['status']})")
     spec = body.model_dump(by_alias=True, exclude_none=True)
-    template_build.plan("validate", spec.get("steps") or [])  # a step that cannot be built is a 400 now
+    template_plan.plan(spec.get("steps") or [])  # a step that cannot be built is a 400 now
     if body.ready_cmd is None and body.start_cmd is not None:
         raise E2BError(400, "a start command needs a ready command (set_start_cmd takes both)")
     files = sorted({s.files_hash for s in body.steps if s.files_hash})
