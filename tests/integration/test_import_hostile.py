@@ -33,19 +33,13 @@ import pytest
 from agentenv.errors import AgentEnvError, TransferError
 from agentenv.host import userns
 from agentenv.remote.client import Client
+from agentenv.sandbox.trust import KEY_ENV, seal
 
 from .server_fixtures import TOKEN, threaded_server
 
-KEY_ENV = "AGENTENV_TRANSFER_KEY_FILE"  # the file holding the key the servers share (issue 40)
 DEFAULT_CAPS = 0x405FB  # CapEff of a process run as root in a sandbox: runtime.DEFAULT_CAPS
 CAP_SYS_PTRACE, CAP_SYS_ADMIN = 19, 21
 SECRET = b"only the host may read this\n"
-
-try:  # the seal of a manifest (issue 40); the code before the fix authenticates nothing, so nothing is sealed there
-    from agentenv.sandbox.trust import seal
-except ImportError:
-    def seal(manifest: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
-        return manifest
 
 
 Edit = Callable[[dict[str, Any]], None]
@@ -189,8 +183,6 @@ def planted_on_host(home: Path) -> list[str]:
     return found
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: an imported record's layers, capabilities and uid range are "
-                                       "trusted")
 def test_a_crafted_record_gets_the_images_layers_the_default_capabilities_and_a_range_of_its_own(server, published):
     client, store, scratch = server
     claimed = userns.base_of(1000)  # a range no family here holds: the record claims it
@@ -225,7 +217,6 @@ REFUSED: dict[str, Edit] = {
 }
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: an imported record's limits and network rules are trusted")
 @pytest.mark.parametrize("what", list(REFUSED))
 def test_a_record_asking_for_what_a_create_is_refused_is_refused(server, published, what):
     client, store, _ = server
@@ -243,7 +234,6 @@ def _member(name: str, kind: bytes, mode: int, uid: int = 0, major: int = 0, min
     return m
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: an import unpacks as root, keeping the archive's owners")
 @pytest.mark.parametrize("what", ["setuid-root-file", "owner-outside-the-range", "device-node"])
 def test_an_archive_planting_a_setuid_root_file_or_a_device_node_is_neutralised_or_refused(server, published, what):
     client, store, _ = server
@@ -277,7 +267,6 @@ def _other_key(body: dict[str, Any]) -> dict[str, Any]:
     return seal(_unsealed(body), secrets.token_hex(32).encode())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: imported records and CRIU images are not authenticated")
 @pytest.mark.parametrize("how", ["image-changed", "not-sealed", "sealed-with-another-key"])
 def test_a_record_or_image_not_sealed_with_the_servers_key_is_refused(server, published, how):
     client, store, _ = server
