@@ -137,14 +137,12 @@ def pack(snap: Snapshot, folder: Path) -> None:
             record = ["meta.json", *(["criu"] if snap.criu_dir.is_dir() else [])]  # not the folder: its mode is ours
             _tar_create(snap.path, out, digests, ["--owner=0", "--group=0"], record)  # the record: root's files
             parts["meta"] = [0, out.tell()]
-            if snap.fs_dir.is_dir():
-                ids = tmp / "ids.map"  # the range's host ids as the sandbox's (and the root's whiteouts as its root's)
-                ids.write_text("+0 +0\n" + "".join(f"+{base + i} +{i}\n" for i in range(userns.SIZE)))
-                start = out.tell()
-                _tar_create(snap.fs_dir, out, digests, ["--xattrs", "--xattrs-include=*", f"--owner-map={ids}",
-                                                        f"--group-map={ids}"])
-                parts["files"] = [start, out.tell() - start]
-                ids.unlink()
+            if snap.fs_dir.is_dir():  # owners as the sandbox sees them (overlay's whiteouts, the host's root's: nobody)
+                view = paths().tmp / f".view-{tmp.name}"
+                with userns.as_seen_inside(snap.fs_dir, base, view):
+                    start = out.tell()
+                    _tar_create(view, out, digests, ["--xattrs", "--xattrs-include=*"])
+                    parts["files"] = [start, out.tell() - start]
         (tmp / "parts.json").write_text(json.dumps(parts))
         _write_manifest(tmp, snap.id, digests, parts)
         try:

@@ -84,6 +84,7 @@ def published(server) -> tuple[str, str]:
     client, _, _ = server
     with client.Sandbox.create(memory="256m") as sb:
         sb.write_file("/srv/kept.txt", "kept\n")
+        assert sb.exec("chown 1000:1001 /srv/kept.txt").exit_code == 0  # an owner other than the sandbox's root
         files = sb.snapshot()
         memory = sb.snapshot(memory=True)
     return files.id, memory.id
@@ -196,7 +197,8 @@ def test_a_crafted_record_gets_the_images_layers_the_default_capabilities_and_a_
     source = client.Snapshot.get(published[0])
     crafted = craft(store, source.id, edit=edit)
     with client.Sandbox.restore(crafted) as sb:
-        assert sb.read_file("/srv/kept.txt") == b"kept\n"  # its own files came over
+        assert sb.read_file("/srv/kept.txt") == b"kept\n"  # its own files came over, owners as they were inside
+        assert sb.exec("stat -c %u:%g /srv/kept.txt").stdout.strip() == "1000:1001"
         seen = sb.exec("cat /host-secret.txt")
         assert seen.exit_code != 0 and SECRET.decode() not in seen.stdout
         caps = int(sb.exec("grep CapEff /proc/self/status").stdout.split()[1], 16)
