@@ -64,6 +64,23 @@ class Limits(_Value):
     pids: int = 512
     disk: int | None = None  # bytes; None in records made before disk limits existed, or asked for
 
+    MIN_CPUS: ClassVar[float] = 0.01  # a CPU quota of 1 ms in 100: the kernel's least (less is none at all)
+
+    def checked(self) -> Limits:
+        """These limits (``cpus`` a float), or ValueError naming the first no sandbox may have: what a create refuses,
+        and an import (runc takes a memory or pids limit of 0 as none, and a CPU quota under 1 ms as none too)."""
+        number = (int, float)
+        if not isinstance(self.cpus, number) or isinstance(self.cpus, bool) or not self.cpus >= self.MIN_CPUS \
+                or self.cpus == float("inf"):
+            raise ValueError(f"cpus must be a number of at least {self.MIN_CPUS}, got {self.cpus!r}")
+        if not isinstance(self.memory, int) or isinstance(self.memory, bool) or self.memory <= 0:
+            raise ValueError(f"memory must be a positive number of bytes, got {self.memory!r}")
+        if not isinstance(self.pids, int) or isinstance(self.pids, bool) or self.pids < 8:
+            raise ValueError(f"pids must be an integer >= 8, got {self.pids!r}")
+        if self.disk is not None and (not isinstance(self.disk, int) or isinstance(self.disk, bool) or self.disk <= 0):
+            raise ValueError(f"disk must be a positive number of bytes or None, got {self.disk!r}")
+        return dataclasses.replace(self, cpus=float(self.cpus))
+
 
 @dataclass(frozen=True)
 class Network(_Value):

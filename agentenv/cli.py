@@ -127,6 +127,11 @@ def serve(
     shared_store: Annotated[Path | None, typer.Option(help="a folder every server sees (e.g. NFS): each pause and "
                                                            "snapshot is also published there, and a snapshot this "
                                                            "store lacks is imported from it (docs/transfer.md)")] = None,
+    transfer_key: Annotated[Path | None, typer.Option(help="file (0600) of the key shared by the servers that "
+                                                           "exchange snapshots, directly or through --shared-store: "
+                                                           "imports not sealed with it are refused (default: "
+                                                           "$AGENTENV_TRANSFER_KEY_FILE, else this home's own key; "
+                                                           "docs/transfer.md)")] = None,
     runs: Annotated[Path | None, typer.Option(help="a folder of run folders: the console shows their trajectories "
                                                    "at /console/runs (docs/viewer.md)")] = None,
 ) -> None:
@@ -148,8 +153,9 @@ def serve(
         pages = [] if runs is None else [_console_pages("runs", runs)]
         server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, pages=pages)
-    except ValueError as e:  # an option refused (a shared store, or runs, not a directory, a bad --domain)
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, transfer_key=transfer_key,
+                     pages=pages)
+    except ValueError as e:  # an option refused (a shared store, runs, not a directory, a bad --domain or key file)
         console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
 
@@ -216,6 +222,9 @@ def cluster_up(
     max_sandboxes: int = typer.Option(64, help="quota per server: live sandboxes"),
     max_memory: str = typer.Option("64g", help="quota per server: memory of the live sandboxes together"),
     max_disk: str = typer.Option("640g", help="quota per server: disk limits of the live sandboxes together"),
+    transfer_key: Annotated[Path | None, typer.Option(help="file (0600, at this path on every node) of the key the "
+                                                           "servers share to move snapshots between them "
+                                                           "(docs/transfer.md); default: each node's own")] = None,
 ) -> None:
     """Start an env server on every alive Ray node that has none (again: keeps those up); each a detached
     Ray actor pinned to its node, found by `agentenv.Pool.from_ray()` and `agentenv rollout --env-fleet`."""
@@ -226,8 +235,10 @@ def cluster_up(
     except (ValueError, OSError) as e:
         console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
-    rows = fleet.up(token, address=ray_address, host=host, port=port, cpus=cpus, home=home,
-                    server={"max_sandboxes": max_sandboxes, "max_memory": max_memory, "max_disk": max_disk})
+    server: dict[str, Any] = {"max_sandboxes": max_sandboxes, "max_memory": max_memory, "max_disk": max_disk}
+    if transfer_key is not None:
+        server["transfer_key"] = str(transfer_key)
+    rows = fleet.up(token, address=ray_address, host=host, port=port, cpus=cpus, home=home, server=server)
     console.print(_fleet_table(list(rows)))
 
 

@@ -48,6 +48,12 @@ class TransferError(AgentEnvError):
     """A snapshot sent between servers arrived damaged (a chunk whose sha256 differs); nothing was kept."""
 
 
+class UntrustedSnapshot(TransferError):
+    """A snapshot archive refused for what it is, not for a damaged chunk: not sealed with the key this server shares
+    with its sender (``agentenv.sandbox.trust``), or holding what no agentenv server packs (a device node, an owner
+    outside the sandbox's ids, a record asking for what a create is refused); nothing was kept."""
+
+
 class StoreFullError(AgentEnvError, OSError):
     """The snapshot store ran out of space (or reached its configured limit); nothing partial was kept."""
 
@@ -114,7 +120,7 @@ _STATUS: list[tuple[type[BaseException], int]] = [
     (QuotaExceeded, 429),
     (StoreFullError, 507),
     (DiskLimitUnsupported, 501), (NetworkUnavailable, 501), (MemorySharingUnsupported, 501),
-    (ConnectionLost, 502), (TransferError, 502),
+    (UntrustedSnapshot, 403), (ConnectionLost, 502), (TransferError, 502),
     (AgentEnvError, 500),
     (FileNotFoundError, 404), (ProcessLookupError, 404), (PermissionError, 403),
     (IsADirectoryError, 409), (NotADirectoryError, 409), (FileExistsError, 409), (BrokenPipeError, 409),

@@ -142,20 +142,25 @@ class Servers:
         self.homes = [Path(tempfile.mkdtemp(prefix=f"agentenv-bench-{name}-", dir="/var/tmp")) for _ in range(count)]
         self.urls: list[str] = []
         self.left: dict[str, int] = {}
+        self.key = self.homes[0] / "shared-transfer.key"  # the key they share: each imports what the others seal
+        fd = os.open(self.key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32) + "\n")
 
 
 @contextlib.contextmanager
 def separate_servers(report: Report, name: str, settings: Sequence[dict[str, Any]]) -> Iterator[Servers]:
     """Servers on this host connected only over HTTP, one per ``settings`` (``start_server``'s keywords; ``log``
-    True: its stderr in its home's server.log), for a bench of what crosses between servers. An exception in the
-    body becomes the report's fatal (the report is still written); on exit the servers stop and what they left is
-    recorded (``drop_clean_homes``)."""
+    True: its stderr in its home's server.log), sharing one transfer key, for a bench of what crosses between
+    servers. An exception in the body becomes the report's fatal (the report is still written); on exit the servers
+    stop and what they left is recorded (``drop_clean_homes``)."""
     servers = Servers(name, len(settings))
     procs = []
     try:
         try:
             for home, kw in zip(servers.homes, settings, strict=True):
-                kw = dict(kw, log=home / "server.log" if kw.get("log") else None)
+                kw = dict(kw, log=home / "server.log" if kw.get("log") else None,
+                          extra=[*kw.get("extra", ()), "--transfer-key", str(servers.key)])
                 proc, url = start_server(home, servers.token, **kw)
                 procs.append(proc)
                 servers.urls.append(url)

@@ -135,9 +135,9 @@ def idmap_mount(source: str, target: Path, userns: int) -> None:
         os.close(tree)
 
 
-def make_userns(base: int, size: int, path: Path | None, timeout: float = 10.0) -> int:
-    """A descriptor (the caller's to close) of a new user namespace whose ids 0..size-1 are host ids base.., also
-    bound on ``path`` unless None: ``unshare --user`` makes it (a multithreaded process cannot, and forking this one
+def make_userns(base: int, size: int, path: Path | None, timeout: float = 10.0, inside: int = 0) -> int:
+    """A descriptor (the caller's to close) of a new user namespace whose ids ``inside``.. (size of them) are host ids
+    base.., also bound on ``path`` unless None: ``unshare --user`` makes it (a multithreaded process cannot, and forking this one
     costs ~100 ms once it holds gigabytes), this process writes its maps once the child is in it and opens (and
     binds) it, then the child is killed. OSError if it cannot be made."""
     own = os.stat("/proc/self/ns/user").st_ino
@@ -152,7 +152,7 @@ def make_userns(base: int, size: int, path: Path | None, timeout: float = 10.0) 
                 time.sleep(0.0001)
             for name in ("uid_map", "gid_map"):
                 with open(f"/proc/{child.pid}/{name}", "w") as f:
-                    f.write(f"0 {base} {size}\n")
+                    f.write(f"{inside} {base} {size}\n")
             fd = os.open(f"/proc/{child.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
             if path is not None:
                 try:

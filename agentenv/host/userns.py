@@ -45,7 +45,7 @@ from pathlib import Path
 
 from agentenv.config import gate, paths
 from agentenv.errors import SandboxError
-from agentenv.host.hostcalls import make_userns
+from agentenv.host.hostcalls import idmap_mount, make_userns, umount
 
 log = logging.getLogger("agentenv")
 
@@ -189,6 +189,30 @@ def _made(base: int, path: Path | None) -> int:
     except OSError as e:
         raise SandboxError(f"could not make the user namespace of uids {base}..: {e}",
                            fix="agentenv needs root and a kernel with user namespaces") from e
+
+
+@contextlib.contextmanager
+def as_seen_inside(folder: Path, base: int, view: Path) -> Iterator[Path]:
+    """``folder`` (files of the range whose root is ``base``) mounted on the empty folder ``view`` through an idmapped
+    mount that shows every owner as the sandbox sees it: host id base+k as k, any id outside the range as nobody
+    (65534). What ``tar`` then packs names the sandbox's ids, not this host's (``agentenv.sandbox.transfer``); root
+    still reads everything there, ``trusted.`` attributes too. Unmounted (and ``view`` removed) after."""
+    ns = make_userns(0, SIZE, None, inside=base)  # its ids base.. are the host's 0..: the inverse of the range's
+    try:
+        view.mkdir(mode=0o700)
+        try:
+            idmap_mount(str(folder), view, ns)
+        except OSError as e:
+            view.rmdir()
+            raise SandboxError(f"could not mount {folder} as its sandbox sees it: {e}",
+                               fix="agentenv needs a kernel with idmapped mounts (5.12+) on its volume") from e
+    finally:
+        os.close(ns)
+    try:
+        yield view
+    finally:
+        umount(view, lazy=True)
+        view.rmdir()
 
 
 def describe() -> str:

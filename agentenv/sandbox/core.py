@@ -106,10 +106,6 @@ class Sandbox(Calls, Record):
         (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
         ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
         memory forks share unwritten pages (KSM, opt-in: ``agentenv.host.ksm``); MemorySharingUnsupported where not."""
-        if not isinstance(cpus, int | float) or cpus <= 0:
-            raise ValueError(f"cpus must be a positive number, got {cpus!r}")
-        if not isinstance(pids, int) or pids < 8:
-            raise ValueError(f"pids must be an integer >= 8, got {pids!r}")
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
         if not isinstance(share_memory, bool):
@@ -118,7 +114,7 @@ class Sandbox(Calls, Record):
             ksm.require()
         disk_bytes = parse_disk(disk)
         rules = netpolicy.requested(network, never=(str(hostnet.subnet()),))
-        limits = Limits(cpus=float(cpus), memory=parse_size(memory), pids=pids, disk=disk_bytes)
+        limits = Limits(cpus=cpus, memory=parse_size(memory), pids=pids, disk=disk_bytes).checked()
         volume.ensure().require(disk_bytes)
         info = images.resolve(image)
         merged = dict(e.split("=", 1) for e in info.env if "=" in e)

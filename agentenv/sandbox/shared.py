@@ -4,8 +4,9 @@ Every pause and snapshot the server takes is also published in DIR as the transf
 (``agentenv.sandbox.transfer``: the same ``archive``, ``parts.json`` and ``manifest-<chunk>.json``) plus its
 ``info.json``, built in this host's hidden ``DIR/.staging-<host>/`` and renamed to ``DIR/<id>``: a reader never
 sees half of one. A server
-asked for a snapshot its own store lacks imports it from there with ``transfer.receive`` (every chunk's sha256
-checked), so a sandbox paused on a server that is gone since resumes on another.
+asked for a snapshot its own store lacks imports it from there with ``transfer.receive`` (the manifest's seal,
+with the key the servers share, and every chunk's sha256 checked: a writer of DIR without the key makes nothing a
+server imports), so a sandbox paused on a server that is gone since resumes on another.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from agentenv.config import paths
 from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
-from agentenv.sandbox import store, transfer
+from agentenv.sandbox import store, transfer, trust
 from agentenv.sandbox.store import FORK_KIND, Snapshot
 
 
@@ -70,7 +71,8 @@ def publish(snap: Snapshot) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         transfer.pack(snap, tmp)
-        transfer.manifest_of(tmp, snap.id, transfer.CHUNK)
+        manifest = trust.seal(transfer.manifest_of(tmp, snap.id, transfer.CHUNK))  # what a reader believes
+        (tmp / f"manifest-{transfer.CHUNK}.json").write_text(json.dumps(manifest))
         (tmp / "info.json").write_text(json.dumps(snap.info().to_wire()))
         os.chmod(tmp, 0o700)  # the sandbox's files and memory: for the servers (root) only
         os.rename(tmp, dest)

@@ -1,23 +1,26 @@
 """Snapshots that move between hosts: packed once into an archive, sent in chunks that each carry a sha256,
 unpacked into the receiving store atomically.
 
-The sending side (``export``) packs a snapshot's record and CRIU images (its store folder) and its files (its
-folder on the volume) as two tar archives, one after the other in ``<home>/exports/<id>/archive`` (numeric
-owners, xattrs, device nodes: an overlay's whiteouts and opaque folders survive), and lists the sha256 of every
-chunk in a manifest. The receiving side (``receive``) writes each chunk, once its digest matches, to a hidden
-part file under ``<home>/imports/``: a dropped connection leaves the chunks already checked, and the next try
-asks from the first one missing. A chunk that does not match is refused (TransferError) and never written.
-Checked chunks are unpacked as they come (a tar process per part, so unpacking overlaps the download), into
-the store's own staging folders (``store.writing``), renamed into place once the last is in: nothing
-half-made is ever listed.
+The sending side (``export``) packs a snapshot's record and CRIU images (its store folder, root's files) and its
+files (what the sandbox's overlay upper folder held, its owners written as the sandbox sees them: 0..65535, not its
+range's host ids) as two tar archives, one after the other in ``<home>/exports/<id>/archive`` (numeric owners,
+xattrs, overlay's whiteouts), and lists the sha256 of every chunk in a manifest, which it seals with the key the
+servers share (``agentenv.sandbox.trust``). The receiving side (``receive``) refuses a manifest not sealed with its
+key before it asks for a chunk, then writes each chunk, once its digest matches, to a hidden part file under
+``<home>/imports/``: a dropped connection leaves the chunks already checked, and the next try asks from the first
+one missing. A chunk that does not match is refused (TransferError) and never written. Checked chunks are unpacked
+as they come (``agentenv.sandbox.unpack``: every member checked before tar sees it, the files unpacked inside the
+user namespace of a uid range leased to the import), into the store's own staging folders (``store.writing``); the
+record is rebuilt from this server's facts (``agentenv.sandbox.imported``) and the whole renamed into place once
+the last chunk is in: nothing half-made is ever listed.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -34,15 +37,15 @@ from typing import Any, BinaryIO
 
 from agentenv.config import paths
 from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
-from agentenv.host import userns, volume
-from agentenv.sandbox import store
+from agentenv.host import userns
+from agentenv.sandbox import imported, store, trust
 from agentenv.sandbox.store import FORK_KIND, Snapshot
+from agentenv.sandbox.unpack import NOT_A_SNAPSHOT, Unpacker, unpack_failed
 
 CHUNK = 8 << 20  # bytes per chunk unless the receiver asks otherwise
 MIN_CHUNK, MAX_CHUNK = 64 << 10, 16 << 20  # the server answers bodies up to 32 MiB
 AHEAD = 3  # chunk requests a receiver keeps in flight
-ORIGIN = "agentenv.imported_from"  # label of an imported snapshot: the url of the server it came from
-_TAR = ["--numeric-owner", "--xattrs", "--xattrs-include=*"]
+FORMAT = 2  # the archive's layout: 2 since the files' owners are the sandbox's ids (issue 40), not the host's
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -60,8 +63,8 @@ def check_chunk(chunk: int) -> int:
 
 
 def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
-    """The manifest of a snapshot's archive (packed on first use): its size, chunk size, every chunk's sha256,
-    and where its two tar archives (``meta``, ``files``) begin and end."""
+    """The manifest of a snapshot's archive (packed on first use), sealed with this server's key: its size, chunk
+    size, every chunk's sha256, and where its two tar archives (``meta``, ``files``) begin and end."""
     check_chunk(chunk)
     snap = Snapshot.get(snapshot_id)
     if snap.labels.get("agentenv.kind") == FORK_KIND:
@@ -71,11 +74,12 @@ def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     folder = store.exports() / snap.id
     if not (folder / "parts.json").exists():
         pack(snap, folder)
-    return manifest_of(folder, snap.id, chunk)
+    return trust.seal(manifest_of(folder, snap.id, chunk))
 
 
 def manifest_of(folder: Path, snapshot_id: str, chunk: int) -> dict[str, Any]:
-    """The manifest of the archive packed in ``folder`` (computed once per chunk size, written atomically)."""
+    """The manifest of the archive packed in ``folder`` (computed once per chunk size, written atomically; not
+    sealed: ``trust.seal`` it to hand it out)."""
     manifest = folder / f"manifest-{chunk}.json"
     with contextlib.suppress(FileNotFoundError):
         return dict(json.loads(manifest.read_text()))
@@ -120,19 +124,25 @@ def pack(snap: Snapshot, folder: Path) -> None:
     """Write ``archive`` (the store folder's tar, then the files' tar), ``parts.json`` and the manifest of
     CHUNK-sized chunks (hashed as the archive is written) into ``folder``, built in a hidden folder and renamed
     into place."""
+    base = snap.spec.get("uids")
+    if not isinstance(base, int):
+        raise ValueError(f"{snap.id} was taken before sandboxes ran in user namespaces: no server can restore it")
     tmp = folder.parent / f".tmp-{snap.id}-{threading.get_ident()}-{os.getpid()}"  # two requests may pack at once
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        parts: dict[str, Any] = {"layer": snap.layer, "files": None}
+        parts: dict[str, Any] = {"format": FORMAT, "files": None}
         digests = _Digests(CHUNK)
         with open(tmp / "archive", "wb") as out:
-            _tar_create(snap.path, out, digests, exclude=userns.LEASE)
+            record = ["meta.json", *(["criu"] if snap.criu_dir.is_dir() else [])]  # not the folder: its mode is ours
+            _tar_create(snap.path, out, digests, ["--owner=0", "--group=0"], record)  # the record: root's files
             parts["meta"] = [0, out.tell()]
-            if snap.files.is_dir():
-                start = out.tell()
-                _tar_create(snap.files, out, digests)
-                parts["files"] = [start, out.tell() - start]
+            if snap.fs_dir.is_dir():  # owners as the sandbox sees them (overlay's whiteouts, the host's root's: nobody)
+                view = paths().tmp / f".view-{tmp.name}"
+                with userns.as_seen_inside(snap.fs_dir, base, view):
+                    start = out.tell()
+                    _tar_create(view, out, digests, ["--xattrs", "--xattrs-include=*"])
+                    parts["files"] = [start, out.tell() - start]
         (tmp / "parts.json").write_text(json.dumps(parts))
         _write_manifest(tmp, snap.id, digests, parts)
         try:
@@ -144,15 +154,13 @@ def pack(snap: Snapshot, folder: Path) -> None:
         raise
 
 
-def _tar_create(src: Path, out: BinaryIO, digests: _Digests, exclude: str | None = None) -> None:
+def _tar_create(src: Path, out: BinaryIO, digests: _Digests, options: list[str], names: list[str] | None = None) -> None:
     # deterministic: packed again (the sender restarted, its archive was dropped) it has the same digests, so
     # a receiver's chunks stay good; pax headers without tar's pid, atime or ctime
-    args = ["tar", "--create", "--file=-", "--format=posix", "--sparse", *_TAR, "-C", str(src),
+    args = ["tar", "--create", "--file=-", "--format=posix", "--sparse", "--numeric-owner", *options, "-C", str(src),
             "--pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime"]
-    if exclude:
-        args.append(f"--exclude=./{exclude}")
     with tempfile.TemporaryFile() as err:  # not a pipe: tar's complaints cannot fill it while we read its output
-        p = subprocess.Popen([*args, "."], stdout=subprocess.PIPE, stderr=err)
+        p = subprocess.Popen([*args, *(names or ["."])], stdout=subprocess.PIPE, stderr=err)
         assert p.stdout is not None
         with contextlib.suppress(OSError):  # a larger pipe: fewer switches between tar and this copy
             fcntl.fcntl(p.stdout.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
@@ -196,7 +204,7 @@ def _checked(manifest: Any) -> dict[str, Any]:
         for part in ("meta", "files"):
             p = manifest[part]
             ok = ok and (p is None and part == "files" or isinstance(p, list) and len(p) == 2
-                         and all(isinstance(v, int) and 0 <= v <= size for v in p))
+                         and all(type(v) is int and 0 <= v <= size for v in p) and p[0] + p[1] <= size)
     except (KeyError, TypeError):
         ok = False
     if not ok:
@@ -222,9 +230,15 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
     ``resumable=False`` (a local source: a shared store; a spread fork's one-shot pull) the checked chunks are not
     kept for a later try, and a failed try leaves no part file.
 
-    The chunks are unpacked as they come (two tar processes fed the checked bytes), into the store's staging
-    folders: a damaged chunk or a cut stops it and the staging folders go; the part file keeps what was checked."""
+    UntrustedSnapshot before anything is asked unless the manifest is sealed with this server's key. The chunks are
+    unpacked as they come (``Unpacker``), into the store's staging folders, the files into a uid range leased to the
+    snapshot here: a damaged chunk, a refused member or a cut stops it and the staging folders go; the part file
+    keeps what was checked (but for an archive refused for what it holds)."""
     m = _checked(manifest)
+    trust.verify(m, origin)
+    if m.get("format") != FORMAT:
+        raise TransferError(f"snapshot {m['id']} was packed by an agentenv that writes the files' owners as its host's "
+                            "ids (before issue 40); nothing was kept", fix="run the same agentenv version on both")
     sid, chunk, digests = m["id"], m["chunk"], m["digests"]
     if (done := _present(sid, len(digests))) is not None:
         return done
@@ -239,14 +253,16 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
         if not same:
             key.write_text(json.dumps(mine))
         try:
-            with store.writing(sid) as tmp, _Unpacker(m, tmp) as unpack, open(part, "ab" if have else "wb") as f:
-                f.truncate(have * chunk)
-                with open(part, "rb") as kept:  # what an earlier try checked in, unpacked first
-                    for i in range(have):
-                        unpack.feed(i * chunk, kept.read(chunk))
-                _pipeline(fetch, range(have, len(digests)), m, f if resumable else None, unpack)
-                unpack.close()
-                snap = _finish(tmp, m, origin)
+            with store.writing(sid) as tmp:
+                base = functools.cache(lambda: userns.allocate(tmp))  # a range of its own: the files' tar asks
+                with Unpacker(m, tmp, base) as unpack, open(part, "ab" if have else "wb") as f:
+                    f.truncate(have * chunk)
+                    with open(part, "rb") as kept:  # what an earlier try checked in, unpacked first
+                        for i in range(have):
+                            unpack.feed(i * chunk, kept.read(chunk))
+                    _pipeline(fetch, range(have, len(digests)), m, f if resumable else None, unpack)
+                    unpack.close()
+                snap = _finish(tmp, m, origin, base)
         except BaseException as e:
             # not resumable: nothing is kept; every chunk matched yet it is no snapshot: start afresh next time
             if not resumable or (isinstance(e, TransferError) and unpack_failed(e)):
@@ -267,7 +283,7 @@ def _present(sid: str, chunks: int) -> tuple[Snapshot, dict[str, int]] | None:
 
 
 def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], part: BinaryIO | None,
-              unpack: _Unpacker) -> None:
+              unpack: Unpacker) -> None:
     """Fetch ``indices`` (AHEAD requests in flight), check each in order, and hand it to a thread of its own that
     appends it to the part file and feeds the tar processes: the download, the checks and the unpacking overlap."""
     pending: collections.deque[Future[bytes]] = collections.deque()
@@ -293,7 +309,7 @@ def _pipeline(fetch: Callable[[int], bytes], indices: range, m: dict[str, Any], 
                 p.cancel()
 
 
-def _keep(part: BinaryIO | None, unpack: _Unpacker, offset: int, data: bytes) -> None:
+def _keep(part: BinaryIO | None, unpack: Unpacker, offset: int, data: bytes) -> None:
     """A checked chunk: appended to the part file (what a later try resumes from), then unpacked."""
     if part is not None:
         part.write(data)
@@ -308,108 +324,16 @@ def _verify(data: bytes, i: int, m: dict[str, Any]) -> None:
                             fix="retry: the chunks before it are kept and the next try resumes there")
 
 
-_NOT_A_SNAPSHOT = "holds no valid snapshot"
-
-
-def unpack_failed(e: TransferError) -> bool:
-    """True for an archive whose chunks all matched but which is no snapshot (not a damaged chunk)."""
-    return "could not unpack" in str(e) or _NOT_A_SNAPSHOT in str(e)
-
-
-class _Unpacker:
-    """Two tar processes, one per part of the archive (the store folder into ``tmp``, the files into
-    ``files_of(tmp)``), fed the archive's bytes in order."""
-
-    def __init__(self, m: dict[str, Any], tmp: Path) -> None:
-        self.m, self.tmp = m, tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def __enter__(self) -> _Unpacker:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-            for pipe in (p.stdin, p.stderr):
-                if pipe is not None:
-                    pipe.close()
-
-    def _tar(self, part: str) -> subprocess.Popen[bytes]:
-        if part not in self.procs:
-            dest = self.tmp
-            if part == "files":
-                dest = store.files_of(self.tmp)
-                if self.m.get("layer"):  # a subvolume again, so that restores clone it whole
-                    dest.rmdir()
-                    volume.make_layer(dest, None)
-            self.procs[part] = subprocess.Popen(
-                ["tar", "--extract", "--file=-", *_TAR, "--same-owner", "--same-permissions", "-C", str(dest)],
-                stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
-        return self.procs[part]
-
-    def feed(self, offset: int, data: bytes) -> None:
-        for part in ("meta", "files"):
-            span = self.m[part]
-            if span is None:
-                continue
-            lo, hi = max(offset, span[0]), min(offset + len(data), span[0] + span[1])
-            if lo < hi:
-                p = self._tar(part)
-                assert p.stdin is not None
-                try:
-                    p.stdin.write(data[lo - offset:hi - offset])
-                except BrokenPipeError:
-                    self._failed(part)
-
-    def close(self) -> None:
-        for part in ("meta", "files"):
-            if self.m[part] is not None:
-                p = self._tar(part)
-                assert p.stdin is not None
-                with contextlib.suppress(BrokenPipeError):
-                    p.stdin.close()
-                if p.wait() != 0:
-                    self._failed(part)
-
-    def _failed(self, part: str) -> None:
-        p = self.procs[part]
-        p.kill()
-        p.wait()
-        err = p.stderr.read().decode(errors="replace")[-500:] if p.stderr else ""
-        raise TransferError(f"could not unpack the {part} of {self.m['id']}: {err}; nothing was kept")
-
-
-def _finish(tmp: Path, m: dict[str, Any], origin: str) -> Snapshot:
-    """The record of the unpacked snapshot in ``tmp``, checked, its uid range held here, written last."""
-    files = store.files_of(tmp)
-    (tmp / userns.LEASE).unlink(missing_ok=True)
+def _finish(tmp: Path, m: dict[str, Any], origin: str, base: Callable[[], int]) -> Snapshot:
+    """The record of the snapshot unpacked in ``tmp``, rebuilt from this server's facts (``imported.rebuild``),
+    its files in the range whose root is ``base()`` (leased now if its files did not); written last."""
     try:
-        snap = Snapshot(**json.loads((tmp / "meta.json").read_text()))
-    except (OSError, ValueError, TypeError) as e:
-        raise TransferError(f"the archive of {m['id']} {_NOT_A_SNAPSHOT} record ({e}); nothing was kept",
+        record = json.loads((tmp / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise TransferError(f"the archive of {m['id']} {NOT_A_SNAPSHOT} record ({e}); nothing was kept",
                             fix="check that both servers run the same agentenv version") from e
-    if snap.id != m["id"]:
-        raise TransferError(f"the archive of {m['id']} {_NOT_A_SNAPSHOT} record: it names {snap.id}; nothing "
-                            "was kept")
-    uids = snap.spec.get("uids")
-    if uids is not None:
-        _claim(int(uids), origin, tmp)
-    snap = dataclasses.replace(snap, layer=volume.is_subvolume(files), owner=None, size_bytes=store.size_of(tmp),
-                               labels={**snap.labels, ORIGIN: origin})
+    if not isinstance(record, dict) or record.get("id") != m["id"]:
+        raise TransferError(f"the archive of {m['id']} {NOT_A_SNAPSHOT} record of its own; nothing was kept")
+    snap = imported.rebuild(tmp, record, origin, base())
     store.write_meta(tmp, snap)
     return snap
-
-
-def _claim(uids: int, origin: str, holder: Path) -> None:
-    """Hold the snapshot's uid range here (its files are those uids); refused when a family of this host holds
-    it (its owners are not re-mapped on import: CRIU's images name the same ids)."""
-    userns.index_of(uids)
-    if userns.held(uids) and not any(s.spec.get("uids") == uids and s.labels.get(ORIGIN) == origin
-                                     for s in Snapshot.list()):
-        raise SandboxError(f"the snapshot's uid range {uids} is held by another sandbox family on this server; "
-                           "nothing was kept",
-                           fix="restore it on another server, or once the sandboxes and snapshots of that range "
-                               "here are gone")
-    userns.hold(uids, holder)

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentenv import __version__
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
-from agentenv.sandbox import shared, store, warm
+from agentenv.sandbox import shared, store, trust, warm
 from agentenv.server import console
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, jobs, migration, sandboxes, server, snapshots
@@ -41,7 +41,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
                max_store: str | int | None = None, unlimited_disk: bool = False,
                reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0,
                domain: str | None = None, shared_store: str | Path | None = None,
-               pages: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
+               transfer_key: str | Path | None = None, pages: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
     """The environment server's app; ``token`` guards every route but /health and /metrics.
 
     Quotas: ``max_sandboxes`` live sandboxes, ``max_memory`` and ``max_disk`` bytes of their limits added up;
@@ -52,12 +52,15 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     ``domain``: what E2B's ``get_host`` names (``{port}-{id}.{domain}``): requests with such a ``Host`` reach
     that port of the sandbox (a wildcard DNS name to this server makes them work, see docs/e2b.md).
     ``shared_store``: a folder every server sees, where each pause and snapshot is also published and from which
-    a snapshot this store lacks is imported (``agentenv.sandbox.shared``). ``pages``: what other packages add to the
+    a snapshot this store lacks is imported (``agentenv.sandbox.shared``). ``transfer_key``: the file of the key the
+    servers that exchange snapshots share (``agentenv.sandbox.trust``; None: ``$AGENTENV_TRANSFER_KEY_FILE``, else
+    the home's own key, which only servers of this home share). ``pages``: what other packages add to the
     console, each called with the app before the console's own pages (``agentenv serve --runs``: the trajectory
     viewer, found through the ``agentenv.console`` entry points: agentenv imports no other package).
     """
     if not token:
         raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
+    trust.configure(transfer_key)
     shared.configure(shared_store)
     service = Service(max_sandboxes, parse_size(max_memory), reap_interval, max_disk=parse_size(max_disk),
                       unlimited_disk=unlimited_disk)
@@ -151,9 +154,11 @@ def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           max_memory: str | int = "64g", max_disk: str | int = "640g", max_store: str | int | None = None,
           unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info",
           e2b: bool | None = None, warm_pool: int = 0, domain: str | None = None,
-          shared_store: str | Path | None = None, pages: Sequence[Callable[[FastAPI], None]] = ()) -> None:
+          shared_store: str | Path | None = None, transfer_key: str | Path | None = None,
+          pages: Sequence[Callable[[FastAPI], None]] = ()) -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
-                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, pages=pages)
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, transfer_key=transfer_key,
+                     pages=pages)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

@@ -332,8 +332,9 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
             409: "the operation does not fit the sandbox's state", 422: "the request does not match the schema",
             429: "quota exceeded: see Retry-After",
             502: "the other server does not answer (ConnectionLost) or sent a damaged chunk (TransferError)", 507: "the snapshot store is full",
-            403: "refused: by the server's policy (a sandbox without a disk limit: DiskLimitRequired), or a path "
-                 "the file API does not touch (PermissionError)",
+            403: "refused: by the server's policy (a sandbox without a disk limit: DiskLimitRequired), a path "
+                 "the file API does not touch (PermissionError), or an imported snapshot not sealed with the servers' "
+                 "key or holding what no server packs (UntrustedSnapshot)",
             501: "this host cannot enforce the disk limit (DiskLimitUnsupported) or give the network "
                  "(NetworkUnavailable) asked for",
             400: "bad input (e.g. a path with a NUL byte, an invalid size, a network rule that cannot be enforced: "

@@ -21,6 +21,7 @@ from agentenv import errors
 from agentenv.host import network, userns
 from agentenv.sandbox import migration
 from agentenv.sandbox.core import Sandbox
+from agentenv.sandbox.imported import ORIGIN
 from agentenv.sandbox.store import Snapshot
 from agentenv.sandbox.sweep import recover_all
 from agentenv.server.schemas import Capacity
@@ -176,8 +177,11 @@ class Service:
 
     # sandboxes made within the quotas: the operations that start sandboxes, for every route that does
     def restore(self, snap: Snapshot, labels: dict[str, str] | None = None) -> Sandbox:
-        """A sandbox restored from ``snap``, its room reserved first (QuotaExceeded when there is none)."""
+        """A sandbox restored from ``snap``, its room reserved first (QuotaExceeded when there is none); one imported
+        from elsewhere is held to this server's rule on disk limits too, as a create is (``check_disk``)."""
         limits = snap.spec.get("limits", {})
+        if ORIGIN in snap.labels:
+            self.check_disk(limits.get("disk"))
         with self.reserve(1, int(limits.get("memory", 1 << 30)), limits.get("disk")):
             return self.remember(Sandbox.restore(snap, labels=labels))
 

@@ -4,6 +4,7 @@ the k3-mini policy server (``k3_mini_server``)."""
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -27,6 +28,14 @@ def write_token_file(folder: Path) -> Path:
     """A file holding ``TOKEN`` (what ``agentenv serve --token-file`` reads)."""
     f = folder / "token"
     f.write_text(TOKEN + "\n")
+    return f
+
+
+def write_transfer_key(folder: Path) -> Path:
+    """A file (0600) holding a new key, for servers that exchange snapshots (``agentenv serve --transfer-key``)."""
+    f = folder / "shared-transfer.key"
+    f.write_text(secrets.token_hex(32) + "\n")
+    f.chmod(0o600)
     return f
 
 
@@ -128,20 +137,21 @@ def start_server_process(port: int, token_file: Path, *extra: str,
 @contextmanager
 def separate_servers(quotas: tuple[str, ...], prefix: str) -> Iterator[tuple[list[str], list[Path]]]:
     """``agentenv serve`` processes, the i-th with ``--max-sandboxes quotas[i]`` and a home of its own (its own store,
-    volume and uid leases; the same Docker engine); yields their urls and homes, then stops them and fails on
-    anything a home kept."""
+    volume and uid leases; the same Docker engine), all with one transfer key; yields their urls and homes, then
+    stops them and fails on anything a home kept."""
     import shutil
     import signal
 
     from .conftest import cleanup, leaked
 
     homes = [Path(tempfile.mkdtemp(prefix=prefix, dir="/var/tmp")) for _ in quotas]
-    token = write_token_file(homes[0])
+    token, key = write_token_file(homes[0]), write_transfer_key(homes[0])
     procs: list[subprocess.Popen[bytes]] = []
     ports = [free_port() for _ in homes]
     try:
         for home, port, quota in zip(homes, ports, quotas, strict=True):
-            procs.append(start_server_process(port, token, "--max-sandboxes", quota, env={"AGENTENV_HOME": str(home)}))
+            procs.append(start_server_process(port, token, "--max-sandboxes", quota, "--transfer-key", str(key),
+                                              env={"AGENTENV_HOME": str(home)}))
         yield [f"http://127.0.0.1:{p}" for p in ports], homes
     finally:
         for p in procs:

@@ -17,7 +17,7 @@ import agentenv
 from agentenv.errors import SnapshotNotFound, TransferError
 
 from .conftest import cleanup, leaked
-from .server_fixtures import TOKEN, free_port, start_server_process
+from .server_fixtures import TOKEN, free_port, start_server_process, write_transfer_key
 from .test_transfer import has_memory, holder
 
 
@@ -28,11 +28,12 @@ def pair() -> Iterator[tuple[list[str], list[Path], list[subprocess.Popen[bytes]
     shared = Path(tempfile.mkdtemp(prefix="agentenv-shared-store-", dir="/var/tmp"))
     token = shared.parent / f"{shared.name}.token"
     token.write_text(TOKEN + "\n")
+    key = write_transfer_key(homes[1])  # the key the servers of one shared store share (A's home goes)
     procs: list[subprocess.Popen[bytes]] = []
     ports = [free_port() for _ in homes]
     try:
         for home, port in zip(homes, ports, strict=True):
-            procs.append(start_server_process(port, token, "--shared-store", str(shared),
+            procs.append(start_server_process(port, token, "--shared-store", str(shared), "--transfer-key", str(key),
                                               env={"AGENTENV_HOME": str(home)}))
         yield [f"http://127.0.0.1:{p}" for p in ports], homes, procs, shared
     finally:

@@ -111,6 +111,17 @@ def test_spec_round_trips_through_json():
     assert ContainerSpec.from_json(s.to_json()) == s
 
 
+@pytest.mark.parametrize("bad", [{"memory": 0}, {"pids": 0}, {"pids": 7}, {"cpus": 1e-6}, {"cpus": 0},
+                                 {"cpus": float("nan")}, {"cpus": float("inf")}, {"cpus": True}, {"disk": 0},
+                                 {"memory": "1g"}])
+def test_limits_runc_would_take_as_none_are_refused(bad):
+    """What a create and an import refuse: runc takes a memory or pids limit of 0, and a CPU quota under 1 ms, as
+    no limit at all."""
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Limits(**bad).checked()
+    assert Limits(cpus=1, memory=1 << 20, pids=8, disk=None).checked().cpus == 1.0
+
+
 @pytest.mark.parametrize(("text", "n"), [(None, None), ("10g", 10 << 30), ("16m", 16 << 20), (1 << 30, 1 << 30)])
 def test_parse_disk(text, n):
     assert parse_disk(text) == n

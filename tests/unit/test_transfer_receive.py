@@ -1,22 +1,38 @@
-"""The receiving side of a snapshot transfer, without Docker: manifests are checked, damaged chunks are refused
-and never kept, a later try resumes at the first chunk missing, and the routes refuse bad input."""
+"""The receiving side of a snapshot transfer, without Docker: manifests are checked (their seal first), damaged
+chunks are refused and never kept, a later try resumes at the first chunk missing, and the routes refuse bad input."""
 
 from __future__ import annotations
 
 import hashlib
+import io
+import secrets
+import tarfile
+from typing import Any
 
 import pytest
 
-from agentenv.errors import TransferError
-from agentenv.sandbox import transfer
+from agentenv.errors import TransferError, UntrustedSnapshot
+from agentenv.sandbox import transfer, trust
 
 CHUNK = transfer.MIN_CHUNK
 
 
-def manifest(data: bytes) -> dict[str, object]:
+def manifest(data: bytes) -> dict[str, Any]:
+    """The sealed manifest of an archive ``data`` that is all record (this home's key seals it)."""
     pieces = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)]
-    return {"id": "snap-x", "size": len(data), "chunk": CHUNK, "digests": [hashlib.sha256(p).hexdigest() for p in pieces],
-            "meta": [0, len(data)], "files": None, "layer": False}
+    return trust.seal({"id": "snap-x", "size": len(data), "chunk": CHUNK, "format": transfer.FORMAT,
+                       "digests": [hashlib.sha256(p).hexdigest() for p in pieces], "meta": [0, len(data)],
+                       "files": None})
+
+
+def record_part(size: int) -> bytes:
+    """A record part of one ``meta.json`` of ``size`` bytes that is no JSON: every member allowed, yet no snapshot."""
+    info = tarfile.TarInfo("./meta.json")
+    info.size = size
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as t:
+        t.addfile(info, io.BytesIO(bytes(range(256)) * (size // 256)))
+    return out.getvalue()
 
 
 @pytest.mark.parametrize("bad", [{"digests": ["zz"] * 4}, {"chunk": 1}, {"id": "../etc"}, {"size": -1},
@@ -30,8 +46,9 @@ def test_a_malformed_manifest_is_a_transfer_error(tmp_path, monkeypatch, bad):
 
 def test_a_damaged_chunk_is_refused_and_the_next_try_resumes_after_the_good_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
-    data = bytes(range(256)) * (CHUNK * 4 // 256) + b"tail"
+    data = record_part(CHUNK * 4)
     m = manifest(data)
+    assert len(m["digests"]) == 5
     asked: list[int] = []
 
     def damaged(i: int) -> bytes:
@@ -49,10 +66,27 @@ def test_a_damaged_chunk_is_refused_and_the_next_try_resumes_after_the_good_ones
         asked.append(i)
         return data[i * CHUNK:(i + 1) * CHUNK]
 
-    with pytest.raises(TransferError, match="could not unpack"):  # the bytes are no tar: nothing is listed
+    with pytest.raises(TransferError, match="no valid snapshot"):  # a tar of no snapshot: nothing is listed
         transfer.receive(m, good_but_not_a_snapshot, origin="http://127.0.0.1:1")
     assert asked == [2, 3, 4]  # resumed at the first chunk missing
     assert not list((tmp_path / "snapshots").iterdir()) and not part.exists()
+
+
+@pytest.mark.parametrize("how", ["not sealed", "another key", "changed"])
+def test_a_manifest_not_sealed_with_this_servers_key_is_refused_before_any_chunk(tmp_path, monkeypatch, how):
+    monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
+    m = manifest(record_part(CHUNK))
+    if how == "not sealed":
+        m = {k: v for k, v in m.items() if k not in ("mac", "key_id")}
+    elif how == "another key":
+        m = trust.seal(m, secrets.token_hex(32).encode())
+    else:
+        m["digests"] = [hashlib.sha256(b"other").hexdigest()] * len(m["digests"])
+    asked: list[int] = []
+    with pytest.raises(UntrustedSnapshot, match="not sealed|another key|does not match its seal") as e:
+        transfer.receive(m, lambda i: asked.append(i) or b"", origin="http://127.0.0.1:1")
+    assert "same key file" in str(e.value) or how == "changed"
+    assert not asked and not list((tmp_path / "imports").glob(".part-*"))
 
 
 def test_the_routes_refuse_bad_chunk_sizes_and_unknown_snapshots(client):

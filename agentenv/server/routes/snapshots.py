@@ -84,7 +84,7 @@ def delete_snapshot(snapshot_id: SnapshotId,
 
 
 @router.post("/v1/snapshots/{snapshot_id}/restore", response_model=SandboxInfo,
-             responses=error_responses(400, 401, 404, 422, 429, 501))
+             responses=error_responses(400, 401, 403, 404, 422, 429, 501, 502))
 def restore(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[RestoreRequest, Body()]) -> Response:
     sb = service.restore(shared.get(snapshot_id), labels=req.labels)  # imported from the shared store if need be
     return WireResponse(sb.info("running").to_wire())
@@ -115,9 +115,10 @@ def drop_export(snapshot_id: SnapshotId) -> Response:
 
 
 @router.post("/v1/snapshots/import", response_model=ImportResult,
-             responses=error_responses(400, 401, 404, 409, 422, 502, 507))
+             responses=error_responses(400, 401, 403, 404, 409, 422, 502, 507))
 def import_snapshot(req: Annotated[ImportRequest, Body()]) -> Response:
-    """Pull a snapshot from the server at ``source``; a cut-off import resumes from the chunks it had."""
+    """Pull a snapshot from the server at ``source``; a cut-off import resumes from the chunks it had. Refused (403)
+    unless sealed with the key the two servers share, or holding what no agentenv server packs (docs/transfer.md)."""
     snap, counts = pull(req.source, req.token, req.id, chunk=req.chunk_size, retries=req.retries,
                         keep_export=req.keep_export, resumable=req.resumable)
     return WireResponse({"snapshot": snap.info().to_wire(), **counts})
