@@ -50,12 +50,6 @@ _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
-def _folder(kind: str) -> Path:
-    d = paths().home / kind
-    d.mkdir(mode=0o700, exist_ok=True)
-    return d
-
-
 def check_chunk(chunk: int) -> int:
     if not MIN_CHUNK <= chunk <= MAX_CHUNK:
         raise ValueError(f"a chunk of {chunk} bytes is outside {MIN_CHUNK}..{MAX_CHUNK}; ask for one in that range")
@@ -70,7 +64,6 @@ def export(snapshot_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     if snap.labels.get("agentenv.kind") == FORK_KIND:
         raise ValueError(f"{snap.id} is a fork's working snapshot (deleted when the fork is done); "
                          "take a snapshot of a child to move it")
-    store.exports().mkdir(mode=0o700, exist_ok=True)
     folder = store.exports() / snap.id
     if not (folder / "parts.json").exists():
         pack(snap, folder)
@@ -242,7 +235,7 @@ def receive(manifest: Any, fetch: Callable[[int], bytes], origin: str,
     sid, chunk, digests = m["id"], m["chunk"], m["digests"]
     if (done := _present(sid, len(digests))) is not None:
         return done
-    staging = _folder("imports")
+    staging = paths().imports  # made private by paths()
     part, key = staging / f".part-{sid}", staging / f".part-{sid}.json"
     mine = {"size": m["size"], "chunk": chunk, "digests": digests}
     with _locked(staging / f".lock-{sid}"):

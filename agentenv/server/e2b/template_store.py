@@ -52,7 +52,7 @@ class TemplateRefused(ValueError):
 
 
 def root() -> Path:
-    return paths().home / "e2b-templates"
+    return paths().templates
 
 
 def _dirs() -> tuple[Path, Path, Path]:
