@@ -231,7 +231,7 @@ def test_a_copy_takes_what_docker_would_and_never_unpacks_on_the_host(tmp_path: 
 
     def placed(src: str, mode: int | None = None) -> tuple[bool, dict[str, tuple[bytes, str, int]]]:
         buf = io.BytesIO()
-        single = tc.write(up, src, mode, buf)
+        single = tc.write(up, src, mode, buf, 1 << 20)
         buf.seek(0)
         with tarfile.open(fileobj=buf) as tar:
             return single, {m.name: (tar.extractfile(m).read() if m.isreg() else b"", m.linkname,  # type: ignore[union-attr]
@@ -257,5 +257,17 @@ def test_an_upload_with_a_device_node_or_an_escape_is_refused(tmp_path: Path) ->
         with pytest.raises(UnsafeArchive, match=name.replace(".", r"\.")):
             tb.check_upload(up)
         with pytest.raises(UnsafeArchive, match=name.replace(".", r"\.")):
-            tc.write(up, name.lstrip("./"), None, io.BytesIO())
+            tc.write(up, name.lstrip("./"), None, io.BytesIO(), 1 << 20)
     assert not (tmp_path / "escape").exists()
+
+
+def test_a_copy_bigger_than_the_builds_disk_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:
+    """A small upload whose hard links each become a copy (or a compressed one) would fill the host's scratch disk:
+    what a copy places is counted against the build's disk before anything is written."""
+    links = [(f"l{i}", tarfile.LNKTYPE, "big") for i in range(64)]
+    up = _upload(tmp_path / "bomb.tar", [("big", tarfile.REGTYPE, "x" * 4096), *links])
+    out = io.BytesIO()
+    with pytest.raises(tc.TooLarge, match=r"266240 bytes .* more than the build's disk of 65536 bytes"):
+        tc.write(up, "*", None, out, 64 << 10)
+    assert out.getvalue() == b""
+    tc.write(up, "*", None, out, 65 * 4096)  # exactly what it holds fits

@@ -184,8 +184,9 @@ class Builder:
                              "uploaded", n)
         with tempfile.TemporaryFile(dir=paths().tmp) as placed:
             try:
-                single = template_copy.write(upload, action.src, action.mode, placed)
-            except (archives.UnsafeArchive, template_copy.NothingToCopy, tarfile.TarError) as e:
+                single = template_copy.write(upload, action.src, action.mode, placed, self.sb.limits.disk or DISK)
+            except (archives.UnsafeArchive, template_copy.NothingToCopy, template_copy.TooLarge,
+                    tarfile.TarError) as e:
                 raise StepFailed(f"failed to copy '{action.src}': {e}", n) from None
             placed.seek(0)
             job = self.sb.start(f"{_UNPACK} {shlex.quote(dest)} {'as' if single else 'into'} "

@@ -7,7 +7,9 @@ matched against the upload's members, as Docker's COPY matches its context: a fo
 destination, a file is copied by its name; a glob (``*``, ``?``, ``[...]``, per path part; ``**`` for any number
 of parts) copies every match so, into the destination as a folder. The tar names the files relative to the
 destination, owners 0 (the step's user is applied inside, from the image's accounts), the step's mode on its
-files, and every hard link made a file of its own.
+files, and every hard link made a file of its own. What it holds is bounded by the build's disk limit before a
+byte of it is written: a hard link made a file, or a compressed upload, could otherwise fill the host's disk with
+a small archive.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ from agentenv.host import archives
 
 class NothingToCopy(LookupError):
     """The step's ``src`` matches nothing in its upload."""
+
+
+class TooLarge(ValueError):
+    """What a COPY step would place is more than the build's disk may hold."""
 
 
 @dataclass(frozen=True)
@@ -76,13 +82,19 @@ def select(members: list[tarfile.TarInfo], src: str) -> Selection:
     raise NothingToCopy(f"'{src}' is not in the files uploaded for it")
 
 
-def write(upload: Path, src: str, mode: int | None, out: IO[bytes]) -> bool:
+def write(upload: Path, src: str, mode: int | None, out: IO[bytes], limit: int) -> bool:
     """Write to ``out`` the tar that places what a COPY of ``src`` takes from the archive ``upload`` (the step's
-    ``mode`` on its files); returns whether it is a single file. UnsafeArchive, NothingToCopy."""
+    ``mode`` on its files); returns whether it is a single file. UnsafeArchive, NothingToCopy, and TooLarge when
+    its files hold more than ``limit`` bytes (the build's disk), found before anything is written."""
     with tarfile.open(upload) as tar:
         members = archives.checked(tar, outward_symlinks=True)
         files = {archives.normal(m.name): m for m in members if m.isreg()}
         chosen = select(members, src)
+        size = sum(files[archives.normal(m.linkname)].size if m.islnk() else m.size
+                   for m, _ in chosen.members if m.isreg() or m.islnk())
+        if size > limit:
+            raise TooLarge(f"its files hold {size} bytes (hard links counted as the copies they become), more than "
+                           f"the build's disk of {limit} bytes")
         with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as placed:
             for member, name in chosen.members:
                 m = copy.copy(member)
