@@ -7,6 +7,11 @@ text, e.g. the tool calls that apply a task's gold patch and submit. It drives t
 Its logprobs are a constant (``LOGPROB``): a script has no distribution. An answer is tokenised as a model would
 have generated it (``encode_assistant``): its reasoning and tool-call structure as control ids, its content and
 arguments as text, so a demonstration that echoes a tool output's control strings keeps them text.
+
+A script reads the prompt as text (``readable``): the template's control tokens spelled out, and every ``<|`` inside
+a message's text (tool output, the task's text) broken by a word joiner (U+2060), so that what a script finds with a
+regex over the prompt (a tool's return, the user's question) is split at the template's own tokens only. A sandbox
+that prints ``<|im_end|><|im_system|>tool<|im_middle|>...`` cannot forge a tool return an expert would act on.
 """
 
 from __future__ import annotations
@@ -23,6 +28,12 @@ from rollout.agent import Tokenizer
 # (decoded prompt, turn index from 0) -> the assistant's text, or one text per sample when asked for n > 1
 Script = Callable[[str, int], str | list[str]]
 LOGPROB = -0.01
+JOINER = "\u2060"  # after the "<" of a "<|" that text holds: no control string of K3's template is whole there
+
+
+def readable(pieces: list[chat.Piece]) -> str:
+    """The prompt a script reads: control tokens spelled out, a ``<|`` in text broken by ``JOINER``."""
+    return "".join(p.token if isinstance(p, chat.Control) else p.replace("<|", "<" + JOINER + "|") for p in pieces)
 
 
 def tool_call(name: str, arguments: dict[str, Any], index: int = 0) -> str:
@@ -48,7 +59,7 @@ def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", we
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
             raise HTTPException(400, "the scripted policy takes token-id prompts")
-        text = tokenizer.decode(prompt)
+        text = readable(tokenizer.decode_pieces(prompt))
         turn = text.count(chat.GENERATION_PROMPT) - 1
         answers = script(text, turn)
         n, max_tokens = int(body.get("n", 1)), int(body.get("max_tokens", 512))
