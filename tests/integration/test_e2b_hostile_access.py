@@ -142,7 +142,6 @@ def test_one_sandboxs_watchers_cannot_push_out_another_sandboxs(sandbox: Sandbox
         Sandbox.kill(other.sandbox_id)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: the traffic token is the envd token")
 def test_the_traffic_token_opens_neither_envds_commands_and_files_nor_the_interpreters_code(
         e2b_url: str, sandbox: Sandbox) -> None:
     """Whoever is given one web port of a sandbox (``allowPublicTraffic`` off, plus its ``trafficAccessToken``) must
@@ -169,3 +168,6 @@ def test_the_traffic_token_opens_neither_envds_commands_and_files_nor_the_interp
     left = sandbox.commands.run("ls /tmp", user="root").stdout.split()
     assert not {"planted.txt", "ran-by-traffic", "ran-by-interpreter"} & set(left), left
     assert traffic != sandbox._envd_access_token  # noqa: SLF001 - neither token is the other
+    contexts = httpx.get(f"{e2b_url}/contexts", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port":
+                                                         "49999", "e2b-traffic-access-token": traffic})
+    assert contexts.status_code == 200, contexts.text  # what the SDK sends it to: the interpreter's contexts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -25,7 +26,8 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from agentenv.server import create_app, uvicorn_config
-from agentenv.server.e2b.tokens import access_token
+from agentenv.server.e2b.tokens import envd_token
+from policy import authlimit
 from policy.server import create_app as policy_app
 from policy.tokenizer import load_tokenizer
 
@@ -47,10 +49,11 @@ def send(method, path, headers, body=None):
     finally:
         c.close()
 def tries(token, envd):
-    return [("GET", "/v1/server", {"Authorization": "Bearer " + token}, None),
-            ("GET", "/v2/sandboxes", {"X-API-KEY": token}, None),
-            ("POST", "/console/login", {"Content-Type": "application/x-www-form-urlencoded"}, "token=" + token),
-            ("GET", "/health", {"E2b-Sandbox-Id": "SANDBOX", "X-Access-Token": envd}, None)]
+    other = {"X-Forwarded-For": "198.51.100.%d" % (sent % 250)}  # claiming another client each time changes nothing
+    return [("GET", "/v1/server", {"Authorization": "Bearer " + token, **other}, None),
+            ("GET", "/v2/sandboxes", {"X-API-KEY": token, **other}, None),
+            ("POST", "/console/login", {"Content-Type": "application/x-www-form-urlencoded", **other}, "token=" + token),
+            ("GET", "/health", {"E2b-Sandbox-Id": "SANDBOX", "X-Access-Token": envd, **other}, None)]
 seen, sent = set(), 0
 def flood():
     global sent
@@ -62,6 +65,7 @@ stop = threading.Event()
 for _ in range(500):
     for t in tries("wrong", "0" * 64):
         seen.add(send(*t))
+        sent += 1
     if 429 in seen:
         break
 print("spent" if 429 in seen else "never refused: %s" % sorted(seen), flush=True)
@@ -78,9 +82,7 @@ print(json.dumps({"sent": sent, "seen": sorted(seen)}), flush=True)
 
 def frozen(app: Any) -> Any:
     """``app`` with its failure budget's clock stopped, so that no budget refills while the test looks."""
-    limit = getattr(app.state, "auth_failures", None)
-    if limit is not None:
-        limit.clock = lambda: 0.0
+    app.state.auth_failures.clock = lambda: 0.0
     return app
 
 
@@ -111,11 +113,10 @@ def right_tries(url: str) -> list[int]:
                 c.get("/v2/sandboxes", headers={"X-API-KEY": TOKEN}).status_code,
                 c.post("/console/login", data={"token": TOKEN}).status_code,
                 c.get("/health", headers={"E2b-Sandbox-Id": SANDBOX,
-                                          "X-Access-Token": access_token(TOKEN, SANDBOX)}).status_code]
+                                          "X-Access-Token": envd_token(TOKEN, SANDBOX)}).status_code]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the flood runs as another user (nobody): the tests run as root")
-@pytest.mark.xfail(strict=True, reason="issue 40: no rate limit on failed logins or bearer checks")
 def test_a_flood_of_wrong_tokens_spends_its_senders_budget_and_never_the_real_tokens(served: str) -> None:
     port = served.rsplit(":", 1)[1]
     flood = subprocess.Popen([sys.executable, "-I", "-S", "-c", FLOOD, port], user=NOBODY, group=NOBODY, cwd="/",
@@ -125,7 +126,7 @@ def test_a_flood_of_wrong_tokens_spends_its_senders_budget_and_never_the_real_to
         assert flood.stdout.readline().strip() == "spent"
         for _ in range(5):  # while the flood goes on: every check still opens to the right credentials
             assert right_tries(served) == [200, 200, 303, 502]
-        flood.stdin.write(json.dumps({"token": TOKEN, "envd": access_token(TOKEN, SANDBOX)}) + "\n")
+        flood.stdin.write(json.dumps({"token": TOKEN, "envd": envd_token(TOKEN, SANDBOX)}) + "\n")
         flood.stdin.flush()
         assert json.loads(flood.stdout.readline()) == [429, 429, 429, 429]  # refused unchecked: it learns nothing
         flood.stdin.write("stop\n")
@@ -138,11 +139,58 @@ def test_a_flood_of_wrong_tokens_spends_its_senders_budget_and_never_the_real_to
         flood.wait()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: no rate limit on the policy server's token check")
 def test_the_policy_servers_check_has_the_same_budget() -> None:
     engine = SimpleNamespace(tokenizer=load_tokenizer(), max_context=256, weight_version=0, metrics=dict)
     c = TestClient(frozen(policy_app(engine, TOKEN)))  # type: ignore[arg-type]
-    statuses = [c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code for _ in range(200)]
-    assert 429 in statuses and set(statuses) == {401, 429}
+    statuses = [c.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code
+                for _ in range(authlimit.BURST + 2)]
+    assert statuses == [401] * authlimit.BURST + [429, 429]
     refused = c.get("/v1/models", headers={"Authorization": f"Bearer {TOKEN}"})  # the same peer: refused unchecked
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+
+
+def test_a_budget_is_its_peers_alone_and_refills_at_its_rate() -> None:
+    now = [0.0]
+    limit = authlimit.AuthFailures(rate=0.5, burst=3, peer=lambda client, server: ("address", client[0] if client else ""))
+    limit.clock = lambda: now[0]
+    a, b, server = ("a", 1), ("b", 1), ("s", 1)
+    assert limit.judge(a, server, True, lambda: True)  # a right credential is never counted
+    assert [limit.judge(a, server, True, lambda: False) for _ in range(3)] == [False] * 3
+    with pytest.raises(authlimit.Spent) as e:
+        limit.judge(a, server, True, lambda: pytest.fail("a spent budget's credential is never checked"))
+    assert e.value.retry_after == 2.0 and e.value.seconds == 2
+    assert limit.judge(b, server, True, lambda: True) and not limit.judge(b, server, True, lambda: False)
+    assert not limit.judge(a, server, False, lambda: False)  # no credential sent: nothing to refuse nor count
+    now[0] = 2.0  # one wrong try more every 1/rate seconds
+    assert not limit.judge(a, server, True, lambda: False)
+    with pytest.raises(authlimit.Spent):
+        limit.judge(a, server, True, lambda: True)
+    now[0] = 100.0  # refilled up to its burst, never past it
+    assert [limit.judge(a, server, True, lambda: False) for _ in range(3)] == [False] * 3
+    with pytest.raises(authlimit.Spent):
+        limit.judge(a, server, True, lambda: True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="connects as another user (nobody): the tests run as root")
+def test_a_peer_on_this_host_is_the_user_owning_its_socket_and_one_elsewhere_its_address() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        server = listener.getsockname()
+        code = (f"import socket, sys; s = socket.create_connection(('127.0.0.1', {server[1]})); "
+                "print(s.getsockname()[1], flush=True); sys.stdin.readline()")
+        child = subprocess.Popen([sys.executable, "-I", "-S", "-c", code], user=NOBODY, group=NOBODY, cwd="/",
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdout is not None
+            port = int(child.stdout.readline())
+            theirs, _ = listener.accept()
+            with theirs, socket.create_connection(server) as mine:
+                ours, _ = listener.accept()
+                with ours:
+                    assert authlimit.peer_of(("127.0.0.1", port), server) == ("uid", NOBODY)
+                    assert authlimit.peer_of(mine.getsockname(), server) == ("uid", os.getuid())
+        finally:
+            child.kill()
+            child.wait()
+    assert authlimit.peer_of(("192.0.2.7", 40000), server) == ("address", "192.0.2.7")  # no such socket here
+    assert authlimit.peer_of(("testclient", 50000), ("testserver", 80)) == ("address", "testclient")
+    assert authlimit.peer_of(None, None) == ("address", "")

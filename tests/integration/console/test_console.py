@@ -264,7 +264,6 @@ def page_elsewhere(html: str) -> Iterator[str]:
         server.server_close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: logout is a cross-site POST with no origin check")
 def test_a_page_on_another_port_cannot_log_the_console_out(browser, url):
     """Every port of 127.0.0.1 is one site, so Chromium sends the SameSite=Strict cookie with a form that a page on
     another port posts to the console: the console must refuse it by its origin, and its own button must still work."""
