@@ -66,7 +66,9 @@ def serve(
     engine = Engine(cfg, tok, ep_size=ep, seed=seed, weights=weights, max_batch=max_batch,
                     max_context=max_context, device=device, prefix_cache_bytes=prefix_cache_mb << 20)
     try:
-        uvicorn.run(create_app(engine, secret, preset), host=host, port=port, log_level="warning")
+        # proxy_headers off: a client is who its connection is, never what an X-Forwarded-For says (policy.authlimit)
+        uvicorn.run(create_app(engine, secret, preset), host=host, port=port, log_level="warning",
+                    proxy_headers=False)
     finally:
         engine.close()
 

@@ -6,16 +6,26 @@ A run is a folder under the viewer's root (the root itself, or one of its sub-fo
 folder, or a train run (``metrics.jsonl``, ``config.toml``, ``trajectories/``). Runs are found by listing the
 root, never by joining a path the browser sent: a name that is not listed (``..``, an absolute path, a symlink
 out of the root) is refused with ``RunNotFound`` / ``BadViewerRequest``.
+
+A run folder may come from someone else, so every file of it is read as the run's own (``_own``): a regular file
+reached without a symlink at its end (opened with O_NOFOLLOW, then read through that very descriptor, so nothing
+can swap it in between), in a folder of the run. summary.json, run.json or the index linked elsewhere are read as
+absent; a shard, metrics.jsonl or config.toml linked elsewhere, or a shard the index names outside the run, makes
+the run ``RunNotFound`` (the viewer never shows a file of the host for a run's).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
+import os
 import re
+import stat
 import threading
 import tomllib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,9 +116,39 @@ def _kind(path: Path) -> str:
     return "train" if (path / "metrics.jsonl").is_file() or (path / "config.toml").is_file() else "rollout"
 
 
-def _json_dict(path: Path) -> dict[str, Any]:
+def _open_own(path: Path) -> int:
+    """A descriptor of ``path`` if it is a regular file with no symlink at its end (O_NOFOLLOW; O_NONBLOCK: a FIFO
+    does not hang the viewer); OSError otherwise (ELOOP for a symlink)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd
+
+
+@contextlib.contextmanager
+def _own(path: Path, run: str | None = None) -> Iterator[Path]:
+    """A name that reads ``path`` (``_open_own``) through its very descriptor (/proc/self/fd), so that nothing swaps
+    the file meanwhile. OSError if it is not the run's own; with ``run`` given, that run's ``RunNotFound``."""
     try:
-        found = json.loads(path.read_text())
+        fd = _open_own(path)
+    except OSError as e:
+        if run is None:
+            raise
+        why = "a symlink, which could lead outside the run" if e.errno == errno.ELOOP else e.strerror
+        raise RunNotFound(f"run {run!r}: {path.name} is {why}: the viewer reads a run's own files only",
+                          fix="replace the link with the file itself, or view the folder it leads to") from None
+    try:
+        yield Path(f"/proc/self/fd/{fd}")
+    finally:
+        os.close(fd)
+
+
+def _json_dict(path: Path) -> dict[str, Any]:
+    """A JSON object of the run (``_own``); {} for anything else (missing, malformed, linked out of the run)."""
+    try:
+        with _own(path) as own:
+            found = json.loads(own.read_text())
     except (OSError, ValueError):
         return {}
     return found if isinstance(found, dict) else {}
@@ -144,6 +184,9 @@ def load(root: Path, name: str) -> Run:
         raise RunNotFound(f"run {name!r} keeps its trajectories outside the viewer's folder",
                           fix="view that folder itself (agentenv view FOLDER)")
     index = shards / "index.json"
+    if index.is_symlink():
+        raise RunNotFound(f"run {name!r}: index.json is a symlink, which could lead outside the run: the viewer "
+                          "reads a run's own files only", fix="replace the link with the file itself")
     # the index changes with every shard published; without one (a writer killed before writing it), the shards
     stamp = (index.stat().st_mtime_ns, index.stat().st_size) if index.is_file() else \
         (len(found := list(shards.glob(tj.SHARD_GLOB))), sum(p.stat().st_size for p in found))
@@ -152,13 +195,28 @@ def load(root: Path, name: str) -> Run:
         cached = _CACHE.get(key)
         if cached is not None and cached[0] == stamp:
             return cached[1]
-    episodes = list(tj.read(shards)) if shards.is_dir() else []
+    episodes = _episodes(name, shards) if shards.is_dir() else []
     run = Run(name, path, episodes, {t.episode_id: t for t in episodes})
     with _LOCK:
         if len(_CACHE) >= 8:
             _CACHE.pop(next(iter(_CACHE)))
         _CACHE[key] = (stamp, run)
     return run
+
+
+def _episodes(name: str, shards: Path) -> list[tj.Trajectory]:
+    """The run's trajectories, from the shards its index lists (and those it missed) in its own folder only."""
+    for shard in shards.glob(tj.SHARD_GLOB):  # before the index is read, which counts the records of unlisted ones
+        with _own(shard, name):
+            pass
+    found: list[tj.Trajectory] = []
+    for shard in tj.shard_paths(shards):
+        if shard.parent != shards:
+            raise RunNotFound(f"run {name!r}: its index names a shard outside the run ({str(shard)[-120:]!r})",
+                              fix="an index names the shards beside it by their file names only")
+        with _own(shard, name) as own:
+            found.extend(tj.read(own))
+    return found
 
 
 # --- the episode list -------------------------------------------------------------------------------------------
@@ -311,7 +369,8 @@ def advantage_config(run: Run) -> tuple[AdvantageConfig, str]:
     """How the run computed advantages: a train run's ``[rl]`` settings (config.toml), else GRPO's defaults."""
     cfg = run.path / "config.toml"
     if cfg.is_file():
-        rl = tomllib.loads(cfg.read_text()).get("rl", {})
+        with _own(cfg, run.name) as own:
+            rl = tomllib.loads(own.read_text()).get("rl", {})
         chosen = AdvantageConfig(rl.get("baseline", "mean"), bool(rl.get("std_normalize", True)),
                                  drop_all_equal=bool(rl.get("drop_all_equal", False)))
         return chosen, "the run's config.toml [rl]"
@@ -351,12 +410,13 @@ def searches(run: Run) -> dict[str, Any]:
     folder = run.shards / SEARCHES
     trees = []
     for p in sorted(folder.glob("*.json")) if folder.is_dir() and not folder.is_symlink() else []:
-        if p.is_symlink() or not NAME.fullmatch(p.stem):
+        if not NAME.fullmatch(p.stem):
             continue
         try:
-            saved = json.loads(p.read_text())
+            with _own(p) as own:
+                saved = json.loads(own.read_text())
         except (OSError, json.JSONDecodeError):
-            continue
+            continue  # as a broken file is: a symlink out of the run is never read
         best = saved.get("best") or {}
         trees.append({"id": p.stem, "kind": saved.get("kind", ""), "task_id": saved.get("task_id", ""),
                       "created_at": saved.get("created_at"), "nodes": saved.get("nodes", []),
@@ -373,7 +433,10 @@ def metrics(run: Run) -> dict[str, Any]:
     """``metrics.jsonl`` as series by key (``[step, value]``); a key with ``KEY_lo`` / ``KEY_hi`` beside it (the
     held-out pass rate's interval) as ``[step, value, lo, hi]`` points."""
     path = run.path / "metrics.jsonl"
-    rows = read_jsonl(path) if path.is_file() else []
+    rows: list[dict[str, Any]] = []
+    if path.is_file():
+        with _own(path, run.name) as own:
+            rows = read_jsonl(own)
     series: dict[str, list[list[Any]]] = {}
     intervals: dict[str, list[list[Any]]] = {}
     for r in rows:

@@ -50,9 +50,8 @@ def create_app(root: str | Path, token: str) -> FastAPI:
         raise ValueError("the viewer needs a token")
     app = FastAPI(title="agentenv view", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.token = token
-    app.state.console_sessions = console.Sessions()
     install(app, root, mode="view")
-    app.include_router(console.auth)
+    console.serve_login(app)
 
     @app.get("/", include_in_schema=False)
     @app.get(f"{console.PREFIX}/", include_in_schema=False)

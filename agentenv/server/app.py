@@ -31,6 +31,7 @@ from agentenv.server.routing import (
     replying_as,
 )
 from agentenv.server.service import Service
+from policy.authlimit import AuthFailures
 
 DEFAULT_PORT = 8700
 DEFAULT_MEMORY = 1 << 30  # what a create that names no memory gets (Sandbox.create's default)
@@ -42,7 +43,8 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
                reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0,
                domain: str | None = None, shared_store: str | Path | None = None,
                transfer_key: str | Path | None = None, pages: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
-    """The environment server's app; ``token`` guards every route but /health and /metrics.
+    """The environment server's app; ``token`` guards every route but /health and /metrics (and /openapi.json,
+    the spec: there is no docs page).
 
     Quotas: ``max_sandboxes`` live sandboxes, ``max_memory`` and ``max_disk`` bytes of their limits added up;
     ``max_store`` (if given) becomes the snapshot store's limit; ``unlimited_disk`` lets clients ask for
@@ -79,13 +81,16 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
         if warm_pool:
             await run_in_threadpool(warm.drain)
 
+    # no docs pages: FastAPI's load Swagger UI and ReDoc from a CDN, on the console's origin; the spec they draw is
+    # /openapi.json, for whichever viewer one runs elsewhere
     app = FastAPI(title="agentenv environment server", version=__version__, lifespan=lifespan,
                   description="Sandboxes that snapshot, fork and resume, over HTTP. Bodies are JSON or msgpack "
                               "(Content-Type / Accept: application/msgpack).",
-                  default_response_class=WireResponse)
+                  default_response_class=WireResponse, docs_url=None, redoc_url=None)
     app.state.service = service
     app.state.expected_auth = f"Bearer {token}".encode()
     app.state.token = token
+    app.state.auth_failures = AuthFailures()  # every check of a credential: the bearer, the console's, E2B's
 
     app.state.e2b_errors = None  # E2B's error reply for its own paths, once its API is installed
 
@@ -145,9 +150,13 @@ def load_token(token_file: Path | None) -> str:
 
 def uvicorn_config(app: FastAPI, host: str = "127.0.0.1", port: int = DEFAULT_PORT,
                    log_level: str = "info") -> uvicorn.Config:
-    """How the server is run: one process, the guarded HTTP protocol, a connection limit, short keep-alive."""
+    """How the server is run: one process, the guarded HTTP protocol, a connection limit, short keep-alive, and the
+    client a request came from as its connection says, never as an X-Forwarded-For header claims (uvicorn believes
+    that header from any process on loopback, which would hand each of its requests a budget of failed
+    authentication of its own: ``policy.authlimit``; and the origin the console checks is the scheme served)."""
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          http=GuardedHttpProtocol, limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=5)
+                          http=GuardedHttpProtocol, limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=5,
+                          proxy_headers=False)
 
 
 def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_sandboxes: int = 64,

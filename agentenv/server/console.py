@@ -6,7 +6,8 @@ Behind the server's token: the login page (``console_auth``) takes it and sets a
 id (never the token), scoped to ``/console`` (HttpOnly, SameSite=Strict). The cookie opens the console only: the API routes
 check the bearer header alone, so no page elsewhere can ride the cookie into them. The console's actions call the
 API's own route functions (``routes/sandboxes.py``, ``routes/snapshots.py``), so they pass the same checks and
-quotas; they also need a header that a cross-site form cannot send, and a same-origin ``Origin`` when one is sent.
+quotas; they also need a header that a cross-site form cannot send, and the console's own origin
+(``console_auth.same_origin``: scheme, host and port, since another port of the host is the same site).
 Sandbox-made text (labels, image names) only ever reaches the page as text (``textContent``), under a CSP that
 allows this server's own scripts alone.
 """
@@ -30,10 +31,11 @@ from agentenv.server import console_metrics, console_sandbox
 from agentenv.server.console_auth import (
     HEADERS,
     PREFIX,
-    Sessions,
-    auth,
     console_page,
+    forbidden,
     logged_in,
+    same_origin,
+    serve_login,
     sessions,
     unauthorized,
 )
@@ -53,9 +55,8 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 
 def install(app: Any) -> None:
     """Serve the console on ``app`` (made by ``create_app``, whose state holds the token and the service)."""
-    app.state.console_sessions = Sessions()
+    serve_login(app)
     app.state.console_readings = Readings(app.state.service)
-    app.include_router(auth)
     app.include_router(router)
     app.include_router(console_sandbox.router)
 
@@ -171,17 +172,11 @@ async def act(request: Request, sandbox_id: SandboxId, action: Action) -> Respon
     """Pause, resume, fork (two children, memory and all), snapshot (memory and all) or close a sandbox."""
     if not logged_in(request):
         return unauthorized()
-    origin = request.headers.get("origin")
-    if request.headers.get(ACTION_HEADER) != "1" or (origin is not None and origin != _own_origin(request)):
-        return JSONResponse({"error": "Forbidden", "message": "a console action must come from the console's page",
-                             "fix": f"send {ACTION_HEADER}: 1 from the same origin", "id": None}, 403, HEADERS)
+    if request.headers.get(ACTION_HEADER) != "1" or not same_origin(request):
+        return forbidden(f"a console action (with {ACTION_HEADER}: 1)")
     try:
         reply = await run_in_threadpool(_act, request.app.state.service, action, sandbox_id)
     except Exception as e:  # noqa: BLE001 - mapped to the API's typed error body
         reply = error_response(e, request)
     reply.headers.update(HEADERS)
     return reply
-
-
-def _own_origin(request: Request) -> str:
-    return f"{request.url.scheme}://{request.headers.get('host', '')}"

@@ -4,20 +4,27 @@ headers and static files every console page is served with (the console's pages,
 The cookie holds a random session id, never the token, scoped to ``/console`` (HttpOnly, SameSite=Strict); the
 sessions live in this process (a restart logs everyone out). Every reply carries a CSP that runs this server's
 own scripts only.
+
+SameSite does not keep other pages of this host out: every port of 127.0.0.1 is one *site* to a browser, so a page
+on another port (``agentenv view``'s, a sandbox's forwarded port, any local web app) gets the cookie sent with the
+forms it posts here. So every request that changes state (login, logout, the console's actions) must come from the
+console's own *origin*, scheme, host and port (``same_origin``). A wrong token at the login spends its sender's
+budget of failed authentication (``policy.authlimit``), shared with the server's other checks.
 """
 
 from __future__ import annotations
 
-import hmac
 import html
 import secrets
 import threading
 import time
 from pathlib import Path
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
+
+from policy.authlimit import AuthFailures, Spent
 
 PREFIX = "/console"
 COOKIE = "agentenv_console"
@@ -64,6 +71,15 @@ class Sessions:
             self._expiry.pop(sid or "", None)
 
 
+def serve_login(app: FastAPI) -> None:
+    """Give ``app`` (its state holding the token) the console's sessions and its login, logout and static routes;
+    its budget of failed authentication too, unless the server already keeps one for its other checks."""
+    app.state.console_sessions = Sessions()
+    if not hasattr(app.state, "auth_failures"):
+        app.state.auth_failures = AuthFailures()
+    app.include_router(auth)
+
+
 def sessions(request: Request) -> Sessions:
     found: Sessions = request.app.state.console_sessions
     return found
@@ -88,6 +104,41 @@ def page_file(name: str, status: int = 200, replace: tuple[str, str] | None = No
     return Response(text, status, headers=HEADERS, media_type=TYPES[Path(name).suffix])
 
 
+def _origin(url: str) -> tuple[str, str, int | None] | None:
+    """(scheme, host, port) of a URL or an origin, the default port spelled out; None if it names none."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+    return (parts.scheme, (parts.hostname or "").lower(), port) if parts.scheme and parts.hostname else None
+
+
+def same_origin(request: Request) -> bool:
+    """Whether the browser that sent ``request`` says it comes from the console's own origin (the scheme it was
+    served on and its Host): ``Sec-Fetch-Site`` same-origin where sent (a browser's own word, which no page can
+    forge; same-site is another port), and ``Origin`` and ``Referer`` naming this origin where sent (an Origin of
+    null only beside Sec-Fetch-Site same-origin: a same-origin POST under the console's no-referrer policy may say
+    null). A request that says none of these comes from no browser (curl, a script), which no page can make carry
+    the session cookie."""
+    own = _origin(f"{request.url.scheme}://{request.headers.get('host', '')}")
+    site = request.headers.get("sec-fetch-site")
+    if own is None or site not in (None, "same-origin"):
+        return False
+    origin = request.headers.get("origin")
+    if origin is not None and not (origin == "null" and site == "same-origin") and _origin(origin) != own:
+        return False
+    referer = request.headers.get("referer")
+    return referer is None or _origin(referer) == own
+
+
+def forbidden(what: str) -> Response:
+    """The refusal of a state-changing request that is not the console's own page's (``same_origin``)."""
+    return JSONResponse({"error": "Forbidden", "message": f"{what} must come from the console's own page",
+                         "fix": "use the console's page itself (the same scheme, host and port)", "id": None},
+                        403, HEADERS)
+
+
 def unauthorized() -> Response:
     return JSONResponse({"error": "Unauthorized", "message": "not logged in to the console",
                          "fix": f"log in at {PREFIX}/login with the server's token", "id": None}, 401, HEADERS)
@@ -104,9 +155,16 @@ def login_page() -> Response:
 @auth.post("/login")
 async def login(request: Request) -> Response:
     """Check the token a login form sent (urlencoded ``token``); on a match, a session cookie and the console."""
+    if not same_origin(request):
+        return forbidden("a login")
     body = await request.body()
     given = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
-    if not hmac.compare_digest(given.encode(), request.app.state.token.encode()):
+    failures: AuthFailures = request.app.state.auth_failures
+    try:
+        right = failures.matches(request.scope, given.encode(), request.app.state.token.encode())
+    except Spent as e:
+        return Response(str(e), 429, headers={**HEADERS, "Retry-After": str(e.seconds)}, media_type="text/plain")
+    if not right:
         return page_file("login.html", 401, ('<p id="error" hidden>', '<p id="error">'))
     reply = RedirectResponse(f"{PREFIX}/", 303, headers=HEADERS)
     reply.set_cookie(COOKIE, sessions(request).new(), max_age=SESSION_SECONDS, path=PREFIX, httponly=True,
@@ -116,6 +174,8 @@ async def login(request: Request) -> Response:
 
 @auth.post("/logout")
 def logout(request: Request) -> Response:
+    if not same_origin(request):
+        return forbidden("a logout")
     sessions(request).end(request.cookies.get(COOKIE))
     reply = RedirectResponse(f"{PREFIX}/login", 303, headers=HEADERS)
     reply.delete_cookie(COOKIE, path=PREFIX, httponly=True, samesite="strict")

@@ -1,6 +1,7 @@
 """How every route of the server speaks: the bearer token checked first (in constant time, before the
-body is read), msgpack or JSON bodies, replies in the format the Accept header asked for, exceptions
-mapped to typed error bodies (``agentenv.errors.to_wire``), and a latency histogram per route.
+body is read; a wrong one spends its sender's budget of failed authentication, ``policy.authlimit``, and a spent
+one is a 429 before any check), msgpack or JSON bodies, replies in the format the Accept header asked for,
+exceptions mapped to typed error bodies (``agentenv.errors.to_wire``), and a latency histogram per route.
 
 Routes get this by being declared on a router with ``route_class=WireRoute``; the token and the
 service are read from ``app.state``, so the routers can be module-level.
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hmac
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -26,6 +26,7 @@ from agentenv import errors
 from agentenv.remote import wire
 from agentenv.server.limits import BodyTooLarge, too_large_body
 from agentenv.server.service import RETRY_AFTER
+from policy.authlimit import AuthFailures, Spent
 
 log = logging.getLogger("agentenv.server")
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -101,6 +102,20 @@ def invalid_response(exc: RequestValidationError) -> Response:
                          "fix": "see the OpenAPI spec at /openapi.json", "id": None}, 422)
 
 
+def bearer_checked(request: Request) -> None:
+    """``Unauthorized`` unless the request carries the server's bearer token; ``QuotaExceeded`` (429) without a look
+    at it while its sender's budget of failed authentication is spent (``app.state.auth_failures``)."""
+    given = request.headers.get("authorization", "").encode()
+    failures: AuthFailures = request.app.state.auth_failures
+    try:
+        right = failures.matches(request.scope, given, request.app.state.expected_auth)
+    except Spent as e:
+        raise errors.QuotaExceeded(str(e), retry_after=e.seconds, fix="send the right token once Retry-After has "
+                                                                      "passed, and stop what sends a wrong one") from None
+    if not right:
+        raise errors.Unauthorized("missing or wrong bearer token", fix="send 'Authorization: Bearer <token>'")
+
+
 class WireRoute(APIRoute):
     """A route that checks the token, decodes msgpack bodies, replies in the negotiated format and times itself."""
 
@@ -115,10 +130,7 @@ class WireRoute(APIRoute):
             reset = _msgpack_reply.set(wire.wants_msgpack(request.headers.get("accept")))
             try:
                 if needs_auth:
-                    given = request.headers.get("authorization", "").encode()
-                    if not hmac.compare_digest(given, request.app.state.expected_auth):
-                        raise errors.Unauthorized("missing or wrong bearer token",
-                                                  fix="send 'Authorization: Bearer <token>'")
+                    bearer_checked(request)
                 if decodes and wire.is_msgpack(request.headers.get("content-type")):
                     body = await request.body()
                     request._json = wire.decode(body, wire.MSGPACK) if body else None

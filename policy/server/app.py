@@ -1,9 +1,12 @@
-"""``create_app``: the routes of the policy server, its bearer-token check and its error format."""
+"""``create_app``: the routes of the policy server, its bearer-token check and its error format.
+
+A wrong token spends its sender's budget of failed authentication (``policy.authlimit``, the env server's own):
+once spent, that client's user is answered 429 before any token of it is checked. No docs page is served
+(FastAPI's load Swagger UI and ReDoc from a CDN); ``/openapi.json`` is the spec."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +14,7 @@ from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from policy.authlimit import AuthFailures, Spent
 from policy.chat import Piece, chat_pieces, text_of
 from policy.engine import Engine, SamplingParams
 from policy.server.responses import ChatAnswer, CompletionAnswer, Formatter
@@ -35,19 +39,24 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
     ``template`` renders chat messages to pieces (K3's ``chat_pieces``; a test swaps in a broken one). Text (a
     message's content, a text ``prompt``) is tokenised with its control-token strings as plain characters
     (``encode_text``): control ids come from the template's pieces, or from a client that sends token ids."""
-    app = FastAPI(title="agentenv policy (K3)")
+    app = FastAPI(title="agentenv policy (K3)", docs_url=None, redoc_url=None)
+    app.state.auth_failures = failures = AuthFailures()
     tok = engine.tokenizer
     fmt = Formatter(tok, model_name)
 
     def auth(request: Request) -> None:
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        try:
+            right = failures.matches(request.scope, given.encode(), f"Bearer {token}".encode())
+        except Spent as e:
+            raise HTTPException(429, detail=str(e), headers={"Retry-After": str(e.seconds)}) from None
+        if not right:
             raise HTTPException(401, detail="missing or wrong bearer token")
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse({"error": {"message": exc.detail, "type": "invalid_request_error", "code": exc.status_code}},
-                            status_code=exc.status_code)
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,11 +1,14 @@
 """The E2B surface attacked by whoever holds less than the whole: a signed file URL and nothing else (the
 signature fixes the path, the operation and the account), no credential at all (a paused autoResume sandbox stays
-paused), the sandbox's own user (a symlink planted where a root upload would write), and one sandbox's client
-against another sandbox (shared watcher bounds)."""
+paused), the sandbox's own user (a symlink planted where a root upload would write), one sandbox's client
+against another sandbox (shared watcher bounds), and the holder of a sandbox's traffic token alone (what anyone given
+one of its web ports holds: never envd's commands and files, nor the interpreter's code)."""
 
 from __future__ import annotations
 
+import json
 import socket
+import struct
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
@@ -137,3 +140,34 @@ def test_one_sandboxs_watchers_cannot_push_out_another_sandboxs(sandbox: Sandbox
         assert refused is not None and "watchers" in str(refused)
     finally:
         Sandbox.kill(other.sandbox_id)
+
+
+def test_the_traffic_token_opens_neither_envds_commands_and_files_nor_the_interpreters_code(
+        e2b_url: str, sandbox: Sandbox) -> None:
+    """Whoever is given one web port of a sandbox (``allowPublicTraffic`` off, plus its ``trafficAccessToken``) must
+    not run commands in it, read or write its files, or run code through its interpreter: the token is refused on
+    each of those routes, under either header it could be sent in, and is not envd's token either."""
+    traffic = str(sandbox.traffic_access_token)
+    sandbox.files.write("/tmp/secret.txt", "traffic-must-not-read-this")
+    msg = json.dumps({"process": {"cmd": "/bin/sh", "args": ["-c", "touch /tmp/ran-by-traffic"]}}).encode()
+    for header in ("X-Access-Token", "e2b-traffic-access-token"):
+        given = {"E2b-Sandbox-Id": sandbox.sandbox_id, header: traffic}
+        read = httpx.get(f"{e2b_url}/files", params={"path": "/tmp/secret.txt"}, headers=given)
+        assert read.status_code == 401 and "traffic-must-not-read-this" not in read.text, (header, read.text)
+        listed = httpx.post(f"{e2b_url}/filesystem.Filesystem/ListDir", json={"path": "/tmp"}, headers=given)
+        assert listed.status_code == 401 and "secret.txt" not in listed.text, (header, listed.text)
+        wrote = httpx.post(f"{e2b_url}/files", params={"path": "/tmp/planted.txt"}, headers=given,
+                           files={"file": ("planted.txt", b"planted")})
+        assert wrote.status_code == 401, (header, wrote.text)
+        ran = httpx.post(f"{e2b_url}/process.Process/Start", content=b"\x00" + struct.pack(">I", len(msg)) + msg,
+                         headers={**given, "Content-Type": "application/connect+json"}, timeout=30)
+        assert ran.status_code == 401, (header, ran.text)
+        code = httpx.post(f"{e2b_url}/execute", json={"code": "open('/tmp/ran-by-interpreter', 'w').close()"},
+                          headers={**given, "E2b-Sandbox-Port": "49999"}, timeout=60)
+        assert code.status_code == 401, (header, code.text)
+    left = sandbox.commands.run("ls /tmp", user="root").stdout.split()
+    assert not {"planted.txt", "ran-by-traffic", "ran-by-interpreter"} & set(left), left
+    assert traffic != sandbox._envd_access_token  # noqa: SLF001 - neither token is the other
+    contexts = httpx.get(f"{e2b_url}/contexts", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port":
+                                                         "49999", "e2b-traffic-access-token": traffic})
+    assert contexts.status_code == 200, contexts.text  # what the SDK sends it to: the interpreter's contexts

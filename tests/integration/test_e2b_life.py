@@ -144,7 +144,7 @@ def test_a_paused_sandbox_without_auto_resume_stays_paused(server: str) -> None:
     try:
         sb.pause()
         r = httpx.get(f"{server}/health", headers={"E2b-Sandbox-Id": sb.sandbox_id,
-                                                   "X-Access-Token": str(sb.traffic_access_token)})
+                                                   "X-Access-Token": str(sb._envd_access_token)})  # noqa: SLF001
         assert r.status_code == 502 and "paused" in r.json()["message"]
         assert sb.get_info().state.value == "paused"
     finally:

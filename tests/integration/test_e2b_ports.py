@@ -151,10 +151,12 @@ def test_a_web_server_inside_is_reached_on_the_headers_and_on_get_host(server: s
     assert r.status_code == 200
     r = httpx.get(f"{server}/missing", headers={"Host": host, **token})
     assert r.status_code == 404  # the listener's own answer, passed through
-    # envd's port on its get_host name too
-    r = httpx.get(f"{server}/health", headers={"Host": web.get_host(49983), "X-Access-Token": token[
-        "e2b-traffic-access-token"]})
+    # envd's port on its get_host name too, with envd's token alone
+    envd = {"X-Access-Token": str(web._envd_access_token)}  # noqa: SLF001
+    r = httpx.get(f"{server}/health", headers={"Host": web.get_host(49983), **envd})
     assert r.status_code == 204
+    r = httpx.get(f"{server}/health", headers={"Host": web.get_host(49983), **token})
+    assert r.status_code == 401
 
 
 def test_a_request_body_goes_in_and_the_routing_headers_stay_out(server: str, web: Sandbox) -> None:
@@ -198,6 +200,10 @@ def test_a_missing_or_wrong_token_is_e2bs_403(server: str, web: Sandbox) -> None
         r = httpx.get(f"{server}/hello.txt", headers={"Host": web.get_host(8000), "e2b-traffic-access-token": token})
         assert r.status_code == 403
     r = httpx.get(f"{server}/hello.txt", headers={"Host": web.get_host(8000)})
+    assert r.status_code == 403
+    envd = str(web._envd_access_token)  # noqa: SLF001 - envd's token is not the traffic token, in either header
+    assert httpx.get(f"{server}/hello.txt", headers=routed(web, 8000, envd)).status_code == 403
+    r = httpx.get(f"{server}/hello.txt", headers={**routed(web, 8000, ""), "X-Access-Token": envd})
     assert r.status_code == 403
     other = Sandbox.create(timeout=120)
     try:  # one sandbox's token opens no other sandbox's ports

@@ -14,15 +14,22 @@ from agentenv.api import FileInfo, JobInfo  # noqa: E402
 from agentenv.server.e2b.bridge import connect_error  # noqa: E402
 from agentenv.server.e2b.files import DIR_BLOCK, Uploads, changes, entry, http_error  # noqa: E402
 from agentenv.server.e2b.process import _config  # noqa: E402
-from agentenv.server.e2b.tokens import access_token, valid  # noqa: E402
+from agentenv.server.e2b.tokens import HEADERS, envd_token, presented, sent, traffic_token  # noqa: E402
 
 
-def test_access_tokens_are_per_sandbox_and_per_server() -> None:
-    t = access_token("server-token", "sb-1")
-    assert valid("server-token", "sb-1", t)
-    assert not valid("server-token", "sb-2", t)
-    assert not valid("other-token", "sb-1", t)
-    assert not valid("server-token", "sb-1", "")
+def test_access_tokens_are_per_sandbox_per_server_and_per_kind() -> None:
+    envd, traffic = envd_token("server-token", "sb-1"), traffic_token("server-token", "sb-1")
+    assert len({envd, traffic, envd_token("server-token", "sb-2"), envd_token("other-token", "sb-1"),
+                traffic_token("server-token", "sb-2")}) == 5
+    both = ("envd", "traffic")
+    assert presented({HEADERS["envd"]: envd.encode()}, "server-token", "sb-1", both) == "envd"
+    assert presented({HEADERS["traffic"]: traffic.encode()}, "server-token", "sb-1", both) == "traffic"
+    # each token in its own header only, for its own sandbox only
+    for headers, kinds in (({HEADERS["envd"]: traffic.encode()}, both), ({HEADERS["traffic"]: envd.encode()}, both),
+                           ({HEADERS["traffic"]: traffic.encode()}, ("envd",)), ({HEADERS["envd"]: b""}, both)):
+        assert presented(headers, "server-token", "sb-1", kinds) is None
+        assert sent(headers) == bool(headers[next(iter(headers))])
+    assert presented({HEADERS["envd"]: envd.encode()}, "server-token", "sb-2", both) is None
 
 
 def _info(name: str, kind: str, size: int, mtime: float, mode: int, metadata: dict[str, str] | None = None) -> FileInfo:

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
 
 from agentenv.server.e2b.ports import Refused, admitted, forwarded, host_route, masked, route_of  # noqa: E402
-from agentenv.server.e2b.tokens import access_token  # noqa: E402
+from agentenv.server.e2b.tokens import envd_token, traffic_token  # noqa: E402
 
 
 @pytest.mark.parametrize(("host", "domain", "route"), [
@@ -31,11 +31,18 @@ def test_the_routing_headers_come_first_and_default_to_envd() -> None:
 
 
 def test_admission_checks_the_token_and_the_port() -> None:
-    ok = [(b"e2b-traffic-access-token", access_token("T", "sb-1").encode())]
-    assert admitted(ok, ("sb-1", "8000"), "T") == ("sb-1", 8000)
+    ok = [(b"e2b-traffic-access-token", traffic_token("T", "sb-1").encode())]
+    envd = [(b"x-access-token", envd_token("T", "sb-1").encode())]
+    assert admitted(ok, ("sb-1", "8000"), "T") == ("sb-1", 8000, "traffic")
+    assert admitted(envd, ("sb-1", "49983"), "T") == ("sb-1", 49983, "envd")
+    # the interpreter's port takes either (its /execute then asks for envd's: interpreter.py)
+    assert admitted(ok, ("sb-1", "49999"), "T") == ("sb-1", 49999, "traffic")
+    assert admitted(envd + ok, ("sb-1", "49999"), "T") == ("sb-1", 49999, "envd")
     for headers, port, status in ((ok, "0", 502), (ok, "65536", 502), (ok, "8e3", 502), ([], "8000", 403),
-                                  ([(b"x-access-token", access_token("T", "sb-2").encode())], "8000", 403),
+                                  ([(b"e2b-traffic-access-token", traffic_token("T", "sb-2").encode())], "8000", 403),
+                                  (envd, "8000", 403), ([(b"e2b-traffic-access-token", envd[0][1])], "8000", 403),
                                   ([], "49983", 401), ([], "49999", 401),  # envd's and the interpreter's own 401
+                                  (ok, "49983", 401), ([(b"x-access-token", ok[0][1])], "49983", 401),
                                   (ok + ok, "8000", 400)):
         with pytest.raises(Refused) as e:
             admitted(headers, ("sb-1", port), "T")
@@ -49,7 +56,7 @@ def test_neither_hop_by_hop_nor_routing_headers_go_on() -> None:
 
 
 def test_a_public_sandbox_opens_its_ports_without_the_token_but_never_envds() -> None:
-    assert admitted([], ("sb-1", "8000"), "T", public=True) == ("sb-1", 8000)
+    assert admitted([], ("sb-1", "8000"), "T", public=True) == ("sb-1", 8000, "public")
     with pytest.raises(Refused) as e:
         admitted([], ("sb-1", "49983"), "T", public=True)  # envd's own token still guards the sandbox's insides
     assert e.value.status == 401

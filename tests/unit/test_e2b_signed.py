@@ -12,13 +12,14 @@ from e2b.sandbox.signature import get_signature  # noqa: E402
 
 from agentenv.server.e2b.ports import Refused  # noqa: E402
 from agentenv.server.e2b.signed import sandbox_of, signed  # noqa: E402
-from agentenv.server.e2b.tokens import access_token  # noqa: E402
+from agentenv.server.e2b.tokens import envd_token  # noqa: E402
+from policy.authlimit import AuthFailures  # noqa: E402
 
 TOKEN = "server-token"
 
 
 def _query(sid: str, path: str, op: str, user: str | None, expires_in: int | None = None) -> bytes:
-    sig = get_signature(path, op, user, access_token(TOKEN, sid), expires_in)  # type: ignore[arg-type]
+    sig = get_signature(path, op, user, envd_token(TOKEN, sid), expires_in)  # type: ignore[arg-type]
     q = {"path": path, **({"username": user} if user else {}), "signature": sig["signature"],
          **({"signature_expiration": str(sig["expiration"])} if sig["expiration"] else {})}
     return urllib.parse.urlencode(q, quote_via=urllib.parse.quote).encode()
@@ -67,8 +68,9 @@ def test_signature_scans_run_in_threads_of_their_own(monkeypatch: pytest.MonkeyP
         return "sb-1"
 
     monkeypatch.setattr(e2b_server, "sandbox_of", scan)
-    ports = e2b_server.SandboxPorts(app=None, service=None, token=TOKEN, ports={})  # type: ignore[arg-type]
+    ports = e2b_server.SandboxPorts(app=None, service=None, token=TOKEN, ports={},  # type: ignore[arg-type]
+                                    failures=AuthFailures())
     scope = {"type": "http", "method": "GET", "path": "/files", "headers": [], "query_string": b"path=a&signature=v1_x"}
-    assert anyio.run(ports._signed, scope, None) == ("sb-1", e2b_server.ENVD_PORT)
+    assert anyio.run(ports._signed, scope, None, (None, None)) == ("sb-1", e2b_server.ENVD_PORT)
     assert seen == [ports.scans] and ports.scans.total_tokens == e2b_server.SCAN_THREADS
     assert bridge.threads.get() is None  # reset after the scan

@@ -15,9 +15,11 @@ PACKAGES = ("agentenv", "envs", "policy", "rollout", "trainer")
 # what each package may import of the others (DESIGN.md's layout: the sandbox library and the policy stand alone)
 MAY_IMPORT = {"agentenv": set(), "policy": set(), "envs": {"agentenv"}, "rollout": {"agentenv", "envs", "policy"},
               "trainer": {"agentenv", "envs", "policy", "rollout"}}
-# K3's chat and tool-call format is the contract between the policy and the envs' text actions: the one module of
-# another package that a package outside the order may import, because it is a leaf (standard library only)
-SHARED_LEAVES = {"policy.chat": {"envs"}}
+# the modules of another package that a package outside the order may import, because each is a leaf (standard
+# library only): K3's chat and tool-call format, the contract between the policy and the envs' text actions; and the
+# budget of failed authentication that the env server and the policy server share (one implementation of a security
+# check, kept in policy because importing it there starts nothing else, where agentenv's import starts its sandboxes)
+SHARED_LEAVES = {"policy.chat": {"envs"}, "policy.authlimit": {"agentenv"}}
 # inside agentenv, each room imports only the rooms below it (and the contract at the top: api, errors, config, ...)
 CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "agentenv.phases", "agentenv.netpolicy"}
 ROOMS = {"agentenv.inside": set(), "agentenv.host": {"agentenv.inside"},
@@ -116,7 +118,8 @@ def test_the_packages_import_one_way():
 
 
 def test_a_shared_leaf_imports_nothing_of_the_project():
-    """``policy.chat`` is read by envs and policy alike, so it stands on the standard library alone."""
+    """``policy.chat`` and ``policy.authlimit`` are read by other packages too, so they stand on the standard library
+    alone."""
     for leaf in SHARED_LEAVES:
         assert GRAPH[leaf] == set(), f"{leaf} imports {sorted(GRAPH[leaf])}"
 

@@ -5,9 +5,11 @@ token.
 With ``E2B_SANDBOX_URL`` set, the SDK sends everything meant for inside a sandbox (envd on port 49983, the code
 interpreter on 49999) to that one URL, naming the sandbox and port in the ``E2b-Sandbox-Id`` and
 ``E2b-Sandbox-Port`` headers. So ``SandboxPorts`` routes on those headers before the path: such a request goes
-to the port's app once its per-sandbox access token checks out and the sandbox is running (a signed ``/files``
-URL carries no token and may name no sandbox: ``signed`` finds the sandbox its signature is of). Any other port is
-proxied to what listens on it inside the sandbox (``ports``; WebSockets in ``upgrade``), and is also reached on
+to the port's app once one of the sandbox's tokens that opens that port checks out (``tokens``: envd's port takes
+the envd token alone, any other port the traffic token) and the sandbox is running (a signed ``/files`` URL carries
+no token and may name no sandbox: ``signed`` finds the sandbox its signature is of). A wrong token or signature
+spends its sender's budget of failed authentication (``policy.authlimit``, the server's ``auth_failures``). Any
+other port is proxied to what listens on it inside the sandbox (``ports``; WebSockets in ``upgrade``), and is also reached on
 the Host names ``get_host`` builds (``{port}-{id}.{domain}``, with ``serve --domain``). Every other request
 is the control plane's (``control``, under ``X-API-KEY``) or the native API's. Each part is an adapter over the
 same ``Service`` and ``Sandbox`` as the native routes: there is no second sandbox model.
@@ -35,21 +37,23 @@ from agentenv.server.e2b.files import FilesystemService, Uploads, files_routes
 from agentenv.server.e2b.ports import Refused, admit, admitted_headers, reply, route_of, running
 from agentenv.server.e2b.process import ProcessService
 from agentenv.server.e2b.signed import SCOPE_KEY, sandbox_of, signed
-from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
+from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, sent
 from agentenv.server.service import Service
+from policy.authlimit import Address, AuthFailures
 
 __all__ = ["install"]
 
 SCAN_THREADS = 2  # threads the signature scans of signed URLs may hold at once, over all sandboxes
 MAX_LIMITERS = 4096  # sandboxes whose thread limiters are kept; the least recently used goes first
-NATIVE_PATHS = ("/v1", "/health", "/metrics", "/openapi.json", "/docs", "/redoc")  # the rest is E2B's
+NATIVE_PATHS = ("/v1", "/health", "/metrics", "/openapi.json")  # the rest is E2B's
 
 
 def install(app: FastAPI, service: Service, token: str, domain: str | None = None) -> None:
     """Serve E2B's control plane and in-sandbox ports on ``app`` (call before the body-limit middleware);
     ``domain``: the one ``get_host`` names (``{port}-{id}.{domain}``), routed on the ``Host`` header."""
     app.state.e2b_domain = domain
-    app.state.raw_upgrade = upgrade.Upgrades(service, token, domain).take  # WebSockets: GuardedHttpProtocol
+    failures: AuthFailures = app.state.auth_failures
+    app.state.raw_upgrade = upgrade.Upgrades(service, token, domain, failures).take  # WebSockets: GuardedHttpProtocol
     app.include_router(listing.router)
     app.include_router(metrics.router)  # before control's /sandboxes/{id}, which would take /sandboxes/metrics
     app.include_router(control.router)
@@ -61,7 +65,7 @@ def install(app: FastAPI, service: Service, token: str, domain: str | None = Non
     filesystem = FilesystemASGIApplication(FilesystemService(service, uploads), compressions=(), codecs=codecs)
     envd = Router(routes=[Mount(process.path, app=process), Mount(filesystem.path, app=filesystem),
                           Mount("", app=files_routes(service, uploads))])
-    app.add_middleware(SandboxPorts, service=service, token=token, domain=domain,
+    app.add_middleware(SandboxPorts, service=service, token=token, domain=domain, failures=failures,
                        ports={ENVD_PORT: envd, INTERPRETER_PORT: interpreter.routes(service)})
     app.state.e2b_errors = unknown_route
 
@@ -79,9 +83,10 @@ def unknown_route(request: Request, exc: StarletteHTTPException) -> JSONResponse
 class SandboxPorts:
     """ASGI middleware: requests naming a sandbox in their headers or Host go to that sandbox's port (see above)."""
 
-    def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp],
+    def __init__(self, app: ASGIApp, service: Service, token: str, ports: dict[int, ASGIApp], failures: AuthFailures,
                  domain: str | None = None) -> None:
         self.app, self.service, self.token, self.ports, self.domain = app, service, token, ports, domain
+        self.failures = failures
         self.limiters: OrderedDict[str, CapacityLimiter] = OrderedDict()
         # signed URLs name no sandbox: their scans (a hash per sandbox) run in threads of their own, so a flood of
         # bogus signatures, which needs no token, takes neither the control plane's threads nor a sandbox's
@@ -99,14 +104,17 @@ class SandboxPorts:
         if route is None and not is_signed:
             await self.app(scope, receive, send)
             return
+        peer = (scope.get("client"), scope.get("server"))
         try:
-            if is_signed and not (headers.get(b"x-access-token") or headers.get(b"e2b-traffic-access-token")):
-                sid, port = await self._signed(scope, route)
-                scope = {**scope, SCOPE_KEY: True}
+            if is_signed and not sent(headers):
+                sid, port = await self._signed(scope, route, peer)
+                scope = {**scope, SCOPE_KEY: True, ports.CREDENTIAL: "signed"}
             else:
-                sid, port = await admit(self.service, scope["headers"], route or ("", str(ENVD_PORT)), self.token)
+                sid, port, credential = await admit(self.service, scope["headers"], route or ("", str(ENVD_PORT)),
+                                                    self.token, self.failures, peer)
+                scope = {**scope, ports.CREDENTIAL: credential}
         except Refused as e:
-            await reply(send, e.status, e.message)
+            await reply(send, e.status, e.message, e.headers)
             return
         if b"e2b-sandbox-id" not in headers:  # routed on Host or a signature: the services behind read this header
             scope = {**scope, "headers": [*scope["headers"], (b"e2b-sandbox-id", sid.encode())]}
@@ -125,17 +133,22 @@ class SandboxPorts:
         finally:
             bridge.threads.reset(reset)
 
-    async def _signed(self, scope: Scope, route: tuple[str, str] | None) -> tuple[str, int]:
+    async def _signed(self, scope: Scope, route: tuple[str, str] | None,
+                      peer: tuple[Address | None, Address | None]) -> tuple[str, int]:
         """The sandbox of a signed ``/files`` URL for envd's port (``signed``): only the one sandbox where the
-        request names it."""
+        request names it. A signature that opens none spends the peer's budget, as a wrong token does."""
         admitted_headers(scope["headers"])
         if any(k.lower() == b"authorization" for k, _ in scope["headers"]):
             raise Refused(401, "a signed URL acts as the account it was signed for: send it with no Authorization "
                                "header (which names another)")
+        who = ports.budget(self.failures, peer, True)
         reset = bridge.threads.set(self.scans)
         try:
             sid = await bridge.run(sandbox_of, scope["method"], scope.get("query_string", b""), self.token,
                                    None if route is None else route[0])
+        except Refused:
+            self.failures.failed(*peer, who)
+            raise
         finally:
             bridge.threads.reset(reset)
         return sid, ENVD_PORT

@@ -24,7 +24,6 @@ paused sandbox on. What agentenv does not enforce (``dnsServers``, ``egressProxy
 from __future__ import annotations
 
 import datetime as dt
-import hmac
 import time
 from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
@@ -42,8 +41,9 @@ from agentenv.sandbox import expiry
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import ports, template_store
-from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, access_token
+from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, envd_token, traffic_token
 from agentenv.server.service import Service
+from policy.authlimit import AuthFailures, Spent
 
 TEMPLATES = {"base": DEFAULT_IMAGE, "code-interpreter-v1": DEFAULT_IMAGE, "code-interpreter": DEFAULT_IMAGE}
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
@@ -77,10 +77,16 @@ def as_e2b_error(exc: BaseException) -> E2BError:
 
 
 def _api_key(request: Request) -> None:
-    """The SDK sends the API key as ``X-API-KEY``; it is the server's token (a bearer token works too)."""
+    """The SDK sends the API key as ``X-API-KEY``; it is the server's token (a bearer token works too). A wrong one
+    spends its sender's budget of failed authentication (``policy.authlimit``): a 429 once it is spent."""
     token: str = request.app.state.token
     given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
-    if not hmac.compare_digest(given.encode(), token.encode()):
+    failures: AuthFailures = request.app.state.auth_failures
+    try:
+        right = failures.matches(request.scope, given.encode(), token.encode())
+    except Spent as e:
+        raise E2BError(429, str(e), {"Retry-After": str(e.seconds)}) from None
+    if not right:
         raise E2BError(401, "Invalid API key: set E2B_API_KEY to the agentenv server's token")
 
 
@@ -253,10 +259,11 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
     """A sandbox as E2B describes it: ``Sandbox`` (``detail=False``, the reply of create/connect/fork) or
     ``SandboxDetail``/``ListedSandbox``."""
     labels = sb.labels
-    token = access_token(request.app.state.token, sb.id)
+    token = request.app.state.token
     body: dict[str, Any] = {"templateID": labels.get(TEMPLATE_LABEL, sb.image), "sandboxID": sb.id,
-                            "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION, "envdAccessToken": token,
-                            "trafficAccessToken": token}
+                            "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
+                            "envdAccessToken": envd_token(token, sb.id),
+                            "trafficAccessToken": traffic_token(token, sb.id)}
     if getattr(request.app.state, "e2b_domain", None):
         body["domain"] = request.app.state.e2b_domain  # the SDK's sandbox_domain: what get_host names
     if detail:

@@ -1,5 +1,6 @@
 """The code interpreter's port (49999): ``/execute`` streaming NDJSON, and ``/contexts``, over kernels that
-live inside the sandbox.
+live inside the sandbox. ``/execute`` runs code, so it takes the sandbox's envd token alone (``X-Access-Token``,
+which the SDK sends it beside the traffic token); the contexts take either (the SDK sends them the traffic token).
 
 A context is a persistent Python process (``agentenv.inside.kernel``; of ``language`` python, bash, or
 javascript where the image has node: the kernel's request kinds) run as a job of the sandbox's agent (as
@@ -32,6 +33,7 @@ from agentenv.sandbox.calls import AsUser
 from agentenv.sandbox.core import Sandbox
 from agentenv.server.e2b.bridge import acting, iterate, run, user_named
 from agentenv.server.e2b.files import http_error
+from agentenv.server.e2b.ports import CREDENTIAL
 from agentenv.server.service import Service
 
 TAG = "e2b-context:"  # a kernel job's tag: TAG + context id, then "/bash" or "/javascript" for those contexts,
@@ -124,6 +126,11 @@ class Interpreter:
         return self.service.sandbox(request.headers.get("e2b-sandbox-id", ""))
 
     async def execute(self, request: Request) -> Response:
+        if request.scope.get(CREDENTIAL) != "envd":  # running code is envd's: the traffic token opens contexts only
+            return JSONResponse({"code": 401, "message": "running code needs the sandbox's envd access token "
+                                                         "(X-Access-Token, the envdAccessToken of create/connect): "
+                                                         "its traffic token opens the interpreter's contexts only"},
+                                401)
         try:
             body = _object(await request.json())
             code = body.get("code")

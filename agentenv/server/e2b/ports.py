@@ -7,8 +7,9 @@ sends it (chunked stays chunked: a slow writer's bytes arrive as written). A Web
 bytes in ``agentenv.server.e2b.upgrade``. Nothing listening is E2B's 502 ``port is not open``.
 
 Three of the sandbox's labels, set at create, govern its traffic: ``allowPublicTraffic`` (its ports need no
-token; envd's port still does), ``maskRequestHost`` (the Host its listeners get) and ``lifecycle.autoResume``
-(a request for it while it is paused resumes it first, once for every request that waits: ``wake``).
+token; envd's and the interpreter's still do), ``maskRequestHost`` (the Host its listeners get) and
+``lifecycle.autoResume`` (a request for it while it is paused resumes it first, once for every request that
+waits: ``wake``).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from starlette.types import Receive, Scope, Send
 from agentenv import errors
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
-from agentenv.server.e2b import bridge
-from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT, valid
+from agentenv.server.e2b import bridge, tokens
+from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
+from policy.authlimit import Address, AuthFailures, Peer, Spent
 
 # the headers that say which sandbox, port and token a request is for: each may come once (the checks here read
 # one value, the services behind another, so a second copy could name a sandbox whose token was never checked)
@@ -41,13 +43,17 @@ MASK_LABEL = "e2b.mask_request_host"  # network.maskRequestHost: the Host its po
 AUTO_RESUME_LABEL = "e2b.auto_resume"  # "true": lifecycle.auto_resume, a request for it resumes it when paused
 TIMEOUT_LABEL = "e2b.timeout"  # the timeout (s) it was made with: an auto-resume gives it again (5 min at least)
 AUTO_RESUME_MIN_TTL = 300.0  # E2B: an auto-resumed sandbox gets its first timeout, but never under five minutes
+CREDENTIAL = "agentenv.e2b_credential"  # in the scope of an admitted request: the token that admitted it ("envd",
+# "traffic"), "signed" (a signed /files URL) or "public" (none: a port of a sandbox made with allowPublicTraffic)
 
 
-async def reply(send: Send, status: int, message: str, **extra: Any) -> None:
+async def reply(send: Send, status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
     """E2B's error body: ``{"code", "message"}`` and whatever else E2B adds (``sandboxId``, ``port``)."""
     body = json.dumps({"code": status, "message": message, **extra}).encode()
+    more = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *more]})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -76,11 +82,11 @@ def route_of(headers: dict[bytes, bytes], domain: str | None) -> tuple[str, str]
 
 
 class Refused(Exception):
-    """A request for a sandbox's port that is answered ``status`` with E2B's body instead."""
+    """A request for a sandbox's port that is answered ``status`` with E2B's body instead (``headers`` on top)."""
 
-    def __init__(self, status: int, message: str, **extra: Any) -> None:
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> None:
         super().__init__(message)
-        self.status, self.message, self.extra = status, message, extra
+        self.status, self.message, self.headers, self.extra = status, message, headers or {}, extra
 
 
 def admitted_headers(headers: list[tuple[bytes, bytes]]) -> None:
@@ -92,22 +98,34 @@ def admitted_headers(headers: list[tuple[bytes, bytes]]) -> None:
 
 
 def admitted(headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str,
-             public: bool = False) -> tuple[str, int]:
-    """The sandbox and port of a request that ``route`` names, once its token checks out (``Refused`` if not);
-    ``public``: the sandbox was made with ``allowPublicTraffic``, so its ports need no token (envd's still does)."""
+             public: bool = False) -> tuple[str, int, str]:
+    """The sandbox, port and credential (``CREDENTIAL``'s) of a request that ``route`` names, once one of the tokens
+    that open that port checks out (``tokens.opens``; ``Refused`` if none does); ``public``: the sandbox was made
+    with ``allowPublicTraffic``, so the ports its traffic token opens need none (envd's and the interpreter's
+    still do)."""
     admitted_headers(headers)
     sid, port = route
-    values = dict(headers)
-    given = (values.get(b"x-access-token") or values.get(b"e2b-traffic-access-token") or b"").decode("latin-1")
-    if not valid(token, sid, given) and not (public and port != str(ENVD_PORT)):
+    number = int(port) if port.isascii() and port.isdigit() and len(port) <= 5 else -1
+    kinds = tokens.opens(number)
+    kind = tokens.presented(dict(headers), token, sid, kinds)
+    own = number in (ENVD_PORT, INTERPRETER_PORT)
+    if kind is None and not (public and not own):
         # envd and the interpreter answer 401 themselves in E2B (the SDK's AuthenticationException); any other port
         # is refused by E2B's proxy, with a 403
-        raise Refused(401 if port in (str(ENVD_PORT), str(INTERPRETER_PORT)) else 403,
-                      f"missing or wrong access token for sandbox {sid} (e2b-traffic-access-token or X-Access-Token: "
-                      "the trafficAccessToken of create/connect)")
-    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        wanted = " or ".join(f"{tokens.HEADERS[k].decode()} (the {k} access token of create/connect)" for k in kinds)
+        raise Refused(401 if own else 403, f"missing or wrong access token for port {port[:16]} of sandbox {sid}: "
+                                            f"send {wanted}")
+    if not 0 < number < 65536:
         raise Refused(502, f"The sandbox {sid} is running but port {port[:16]} is not open (not a TCP port)")
-    return sid, int(port)
+    return sid, number, kind or "public"
+
+
+def budget(failures: AuthFailures, peer: tuple[Address | None, Address | None], sent: bool) -> Peer | None:
+    """``failures.before`` (``policy.authlimit``), a spent budget answered as E2B's 429 with Retry-After."""
+    try:
+        return failures.before(*peer, sent)
+    except Spent as e:
+        raise Refused(429, str(e), {"Retry-After": str(e.seconds)}) from None
 
 
 def _labels(service: Service, sandbox_id: str) -> dict[str, str]:
@@ -117,16 +135,26 @@ def _labels(service: Service, sandbox_id: str) -> dict[str, str]:
         return {}
 
 
-async def admit(service: Service, headers: list[tuple[bytes, bytes]], route: tuple[str, str],
-                token: str) -> tuple[str, int]:
+async def admit(service: Service, headers: list[tuple[bytes, bytes]], route: tuple[str, str], token: str,
+                failures: AuthFailures, peer: tuple[Address | None, Address | None]) -> tuple[str, int, str]:
     """``admitted``, where a request without the token is let through to a port of a sandbox made with
-    ``allowPublicTraffic`` (its label, read only then: a request with the token costs no record read)."""
+    ``allowPublicTraffic`` (its label, read only then: a request with the token costs no record read). A request
+    that sent a token and is refused all the same spends its ``peer``'s budget (``policy.authlimit``); one whose
+    peer's budget is spent is refused (429) before its token is checked."""
+    admitted_headers(headers)
+    sent = tokens.sent({k.lower(): v for k, v in headers})
+    who = budget(failures, peer, sent)
     try:
-        return admitted(headers, route, token)
+        try:
+            return admitted(headers, route, token)
+        except Refused as e:
+            if e.status != 403 or (await bridge.run(_labels, service, route[0])).get(PUBLIC_LABEL) != "true":
+                raise
+        return admitted(headers, route, token, public=True)
     except Refused as e:
-        if e.status != 403 or (await bridge.run(_labels, service, route[0])).get(PUBLIC_LABEL) != "true":
-            raise
-    return admitted(headers, route, token, public=True)
+        if sent and e.status in (401, 403):
+            failures.failed(*peer, who)
+        raise
 
 
 def masked(headers: list[tuple[bytes, bytes]], mask: str | None, port: int) -> list[tuple[bytes, bytes]]:

@@ -2,7 +2,7 @@
 
 The SDK signs ``path:operation:user:envdAccessToken[:expiration]`` (sha256, base64 without padding, ``v1_``
 before it) and puts the signature in the URL's query. Such a URL goes to ``E2B_SANDBOX_URL`` with no header
-naming the sandbox, and the access token is per sandbox (``tokens.access_token``), so the sandbox is the one
+naming the sandbox, and the envd token is per sandbox (``tokens.envd_token``), so the sandbox is the one
 whose token makes the signature: each sandbox of this host is tried (at most ``MAX_SCAN`` of them, every one
 compared in constant time). Where the request names its sandbox (headers, or a ``get_host`` name), only that
 one is checked. A signature opens ``/files`` alone: GET with a ``read`` signature, POST with a ``write`` one;
@@ -23,7 +23,7 @@ import urllib.parse
 
 from agentenv.config import paths
 from agentenv.server.e2b.ports import Refused
-from agentenv.server.e2b.tokens import access_token
+from agentenv.server.e2b.tokens import envd_token
 
 SCOPE_KEY = "agentenv.e2b_signed"  # in the ASGI scope of a request admitted by its signature (``files`` reads it)
 MAX_SCAN = 10_000  # sandboxes tried for a signature that names none; past that the request must name its sandbox
@@ -33,7 +33,7 @@ FIELDS = ("path", "username", "signature", "signature_expiration")
 
 def signature(token: str, sandbox_id: str, path: str, operation: str, user: str, expiration: str | None) -> str:
     """The v1 signature the SDK makes for this sandbox's access token (``e2b.sandbox.signature``'s scheme)."""
-    parts = [path, operation, user, access_token(token, sandbox_id)] + ([expiration] if expiration is not None else [])
+    parts = [path, operation, user, envd_token(token, sandbox_id)] + ([expiration] if expiration is not None else [])
     digest = hashlib.sha256(":".join(parts).encode()).digest()
     return "v1_" + base64.b64encode(digest).rstrip(b"=").decode("ascii")
 

@@ -15,6 +15,7 @@ from http import HTTPStatus
 
 from agentenv.server.e2b import ports
 from agentenv.server.service import Service
+from policy.authlimit import Address, AuthFailures
 
 MAX_SPLICES = 1024  # spliced connections at once (uvicorn's connection limit no longer counts them)
 PER_SANDBOX = MAX_SPLICES // 4  # one sandbox's share: the traffic of one cannot take every other's WebSockets
@@ -24,8 +25,8 @@ MAX_PENDING = 1 << 20  # bytes the client may send before the sandbox's side is 
 class Upgrades:
     """Takes over the connections of upgrade requests (see the module docstring)."""
 
-    def __init__(self, service: Service, token: str, domain: str | None) -> None:
-        self.service, self.token, self.domain = service, token, domain
+    def __init__(self, service: Service, token: str, domain: str | None, failures: AuthFailures) -> None:
+        self.service, self.token, self.domain, self.failures = service, token, domain, failures
         self.tasks: set[asyncio.Task[None]] = set()
         self.spliced: collections.Counter[str] = collections.Counter()  # per sandbox
 
@@ -36,17 +37,19 @@ class Upgrades:
         if len(self.tasks) >= MAX_SPLICES:
             splice.refuse(503, f"the server splices {MAX_SPLICES} WebSockets at most: close some, then retry")
             return
-        task = asyncio.get_running_loop().create_task(self._open(splice, method, url, headers))
+        peer = (transport.get_extra_info("peername"), transport.get_extra_info("sockname"))
+        task = asyncio.get_running_loop().create_task(self._open(splice, method, url, headers, peer))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _open(self, splice: Splice, method: str, url: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    async def _open(self, splice: Splice, method: str, url: bytes, headers: list[tuple[bytes, bytes]],
+                    peer: tuple[Address | None, Address | None]) -> None:
         route = ports.route_of(dict(headers), self.domain)
         if route is None:
             splice.refuse(404, "no WebSocket is served here but a sandbox's ports (E2b-Sandbox-Id or get_host's host)")
             return
         try:
-            sid, port = await ports.admit(self.service, headers, route, self.token)
+            sid, port, _ = await ports.admit(self.service, headers, route, self.token, self.failures, peer)
             mask = (await ports.running(self.service, sid)).get(ports.MASK_LABEL)
         except ports.Refused as e:
             splice.refuse(e.status, e.message)

@@ -234,3 +234,49 @@ def test_a_fork_shows_as_two_children_of_one_snapshot(browser, url, client):
         parent.close()
         if "snap" in locals():
             snap.delete()
+
+
+@contextlib.contextmanager
+def page_elsewhere(html: str) -> Iterator[str]:
+    """``html`` served on another port of 127.0.0.1: to the browser the console's own site, another origin."""
+    import http.server
+    import threading
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            body = html.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_page_on_another_port_cannot_log_the_console_out(browser, url):
+    """Every port of 127.0.0.1 is one site, so Chromium sends the SameSite=Strict cookie with a form that a page on
+    another port posts to the console: the console must refuse it by its origin, and its own button must still work."""
+    log_in(browser, url, TOKEN)
+    attack = (f'<form id="f" method="post" action="{url}/console/logout"></form>'
+              '<script>document.getElementById("f").submit()</script>')
+    with page_elsewhere(attack) as elsewhere:
+        browser.get(elsewhere)
+        wait_for(lambda: browser.current_url.startswith(f"{url}/console/"), "the attacking form's post")
+    assert browser.current_url == f"{url}/console/logout" and "Forbidden" in browser.page_source
+    browser.get(f"{url}/console/")
+    assert browser.current_url == f"{url}/console/", "a page on another port logged the console out"
+    click(browser, "#logout")  # the console's own form: the same origin
+    wait_for(lambda: browser.current_url == f"{url}/console/login", "the login page after logging out")
+    browser.get(f"{url}/console/")
+    assert browser.current_url == f"{url}/console/login" and browser.get_cookies() == []
