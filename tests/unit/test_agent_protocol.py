@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -43,9 +44,10 @@ def test_exec_collects_output_and_exit_code(channel):
 
 
 def test_exec_timeout_kills_the_group(channel):
-    h = channel.exec({"cmd": "sleep 30 & sleep 31", "timeout": 0.5}, None)
+    mark = f"{3000 + os.getpid() % 1000}.125"  # durations no other process of the machine sleeps for
+    h = channel.exec({"cmd": f"sleep {mark} & sleep 1{mark}", "timeout": 0.5}, None)
     assert h["timed_out"] and h["exit_code"] == 137
-    assert subprocess.run(["pgrep", "-f", "^sleep 3[01]$"], capture_output=True).returncode == 1
+    assert subprocess.run(["pgrep", "-f", f"^sleep 1?{mark}$"], capture_output=True).returncode == 1
 
 
 def test_exec_resumes_after_the_agent_closes_connections(channel):
