@@ -132,7 +132,6 @@ def query(sb: agentenv.Sandbox) -> str:
     return r.stdout.strip()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: the post-copy page server is unauthenticated")
 @pytest.mark.parametrize("user", ["nobody", "root"])
 def test_strangers_connecting_first_neither_take_the_page_server_nor_read_a_page(marked, user):
     sb, vpid, addr = marked
@@ -144,7 +143,7 @@ def test_strangers_connecting_first_neither_take_the_page_server_nor_read_a_page
         strangers.append(Stranger("hold", out.server.port, user))
         assert all(s.connected for s in strangers) and out.server.listening(), \
             "a stranger took the page server: it no longer listens for the receiver"
-        moved = agentenv.Sandbox.restore(out.snapshot)
+        moved = agentenv.Sandbox.restore(out.snapshot, page_server_key=out.key)
         try:
             assert query(moved) == before  # every page the receiver faulted in is the sandbox's
             assert migration.all_in(moved, 120)
@@ -180,7 +179,6 @@ def end_restores_fed_by(squatter: Stranger, said: list[bytes]) -> threading.Thre
     return thread
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40: the post-copy page server is unauthenticated")
 def test_a_stranger_on_the_port_of_a_page_server_that_is_gone_feeds_no_receiver(marked):
     sb, _, _ = marked
     before = query(sb)
@@ -191,7 +189,7 @@ def test_a_stranger_on_the_port_of_a_page_server_that_is_gone_feeds_no_receiver(
     watch = end_restores_fed_by(squatter, said)
     try:
         try:
-            moved = agentenv.Sandbox.restore(out.snapshot)
+            moved = agentenv.Sandbox.restore(out.snapshot, page_server_key=out.key)
         except Exception as e:  # noqa: BLE001 - which error it was is asserted below
             refused: Exception | None = e
         else:
