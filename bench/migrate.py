@@ -15,7 +15,7 @@ copy). Its phase split comes from the times of the move's calls (migrate on A, i
 post-copy vs local, post-copy vs stop-and-copy; the issue's target is <= 150 ms (post-copy). Results go to
 ``bench/results/migrate.json``.
 
-    .venv/bin/python -m bench.migrate [--runs 5] [--mb 256]
+    .venv/bin/python -m bench.migrate [--runs 5] [--mb 256] [--modes migrate,postcopy,local]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from bench.harness import Report, Result, Row, add_output_arg, print_table, reco
 from bench.server import separate_servers
 
 TARGET_S = 0.150  # the issue's target downtime (post-copy migration)
+MODES = ("migrate", "postcopy", "local")
 # a process holding MiB of random bytes (argv[1]); its pid in /tmp/pid once they are all in memory
 HOLDER = ("import os, sys, time\nb = os.urandom(int(sys.argv[1]) << 20)\n"
           "open('/tmp/pid', 'w').write(str(os.getpid()))\nwhile True: time.sleep(3600)\n")
@@ -95,7 +96,7 @@ def timed_calls(clients: list[Client]) -> dict[str, list[float]]:
 
 # the calls of a post-copy move, by what they do (timed_calls' keys)
 POSTCOPY_PHASES = {"POST sandboxes/migrate": "A: lazy dump (page server listening)",
-                   "POST snapshots/import": "B: import the images", "POST snapshots/restore": "B: lazy restore"}
+                   "POST snapshots/import": "B: import the images", "POST snapshots/receive": "B: lazy restore"}
 
 
 def postcopy(report: Report, pool: agentenv.Pool, sb: RemoteSandbox, runs: int) -> RemoteSandbox:
@@ -141,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--mb", type=int, default=256, help="MiB of random bytes a process of the sandbox holds")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"which to measure, of {','.join(MODES)}")
     add_output_arg(ap, "migrate")
     args = ap.parse_args(argv)
+    modes = set(args.modes.split(","))
+    if not modes or not modes <= set(MODES):
+        ap.error(f"--modes takes some of {','.join(MODES)}, not {args.modes!r}")
     report = Report("migrate", {k: v for k, v in vars(args).items() if k != "output"})
     shared = Path(tempfile.mkdtemp(prefix="agentenv-bench-shared-", dir="/var/tmp"))
     settings = [{"max_sandboxes": 4, "extra": ["--shared-store", str(shared)]}] * 2 + [{"max_sandboxes": 4}]
@@ -153,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         snap = sb.snapshot(memory=True)  # the archive's size, for the report
         report.info["archive_bytes"] = sum(p.stat().st_size for p in (shared / snap.id).glob("archive"))
         snap.delete()
-        sb = migrate(report, pool, sb, args.runs)
-        sb = postcopy(report, pool, sb, args.runs)
+        if "migrate" in modes:
+            sb = migrate(report, pool, sb, args.runs)
+        if "postcopy" in modes:
+            sb = postcopy(report, pool, sb, args.runs)
         sb.close()
-        plain = prepare(c, args.mb)
-        local(report, plain, args.runs)
-        plain.close()
+        if "local" in modes:
+            plain = prepare(c, args.mb)
+            local(report, plain, args.runs)
+            plain.close()
     report.info["shared_store_left"] = sorted(p.name for p in shared.iterdir())
     shutil.rmtree(shared, ignore_errors=True)
     x = report.add_ratio("migrate downtime / local pause+resume downtime", "migrate", "local")

@@ -40,7 +40,7 @@ from pathlib import Path
 from pycriu import images as criu_images
 
 from agentenv.errors import CheckpointError
-from agentenv.host import postcopy
+from agentenv.host import page_channel, postcopy
 from agentenv.host.criu import rundir
 from agentenv.host.hostcalls import proc_start_time, run_program
 from agentenv.phases import phase
@@ -65,7 +65,7 @@ class Restore:
     from there, and a restore that cannot be lazy fails instead of copying pages up front."""
 
     def __init__(self, images: Path, bundle: Path, criu: str | None = None,
-                 page_server: tuple[str, int] | None = None) -> None:
+                 page_server: page_channel.Endpoint | None = None) -> None:
         self.images, self.bundle, self.criu, self.page_server = images, bundle, criu, page_server
         self.own = bundle / f"criu-lazy-{uuid.uuid4().hex[:12]}"
         self._daemon: int | None = None
@@ -88,7 +88,7 @@ class Restore:
                 return
             try:
                 link_images(self.images, self.own)
-                self._daemon = postcopy.pull_pages(self.own, work, *self.page_server, self.criu)
+                self._daemon = postcopy.pull_pages(self.own, work, self.page_server, self.criu)
             except (OSError, CheckpointError) as e:
                 shutil.rmtree(self.own, ignore_errors=True)
                 self._error = e if isinstance(e, CheckpointError) else CheckpointError(
@@ -114,8 +114,8 @@ class Restore:
             daemon = None
         if daemon is None and self.page_server is not None:  # the pages are on the page server alone
             raise self._error or CheckpointError(
-                f"the lazy-pages daemon pulling from {self.page_server[0]}:{self.page_server[1]} died as it "
-                "started", fix="the source's page server may be gone (its deadline passed): move again")
+                f"the lazy-pages daemon pulling from {self.page_server} died as it started",
+                fix="the source's page server may be gone (its deadline passed): move again")
         try:
             with phase("criu restore"):
                 pid = run(self.own if daemon is not None else self.images, daemon is not None)

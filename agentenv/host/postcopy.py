@@ -1,8 +1,10 @@
-"""Post-copy migration's host half: a lazy dump whose pages a CRIU page server hands out over TCP, and a lazy
-restore whose ``criu lazy-pages`` daemon pulls them from there instead of reading local images.
+"""Post-copy migration's host half: a lazy dump whose pages a CRIU page server hands out, and a lazy restore whose
+``criu lazy-pages`` daemon pulls them from there instead of reading local images.
 
-``PageServer.start`` runs ``criu dump --lazy-pages --address A --port P``: CRIU freezes the sandbox, writes every
-image but the (lazy) anonymous pages, keeps those in pipes and listens; its status fd says when it listens.
+``PageServer.start`` runs ``criu dump --lazy-pages --ps-socket FD``: CRIU freezes the sandbox, writes every image
+but the (lazy) anonymous pages, keeps those in pipes and serves them over FD, one end of a socket pair whose other
+end agentenv's own listener (``agentenv.host.page_channel``) joins to the first connection that proves the
+migration's key: CRIU never listens itself, so no stranger reaches it. Its status fd says when it serves.
 The dump runs with ``--leave-running``: when the transfer ends, well or not, CRIU puts the cgroup freezer back
 as it found it (frozen, by ``snapshotting.frozen``) and lets go, so the source is still whole and frozen. The
 caller then decides (``finish``): the receiver said it has every page (its daemon exited 0) -> the source is
@@ -10,9 +12,8 @@ destroyed; anything else -> it is thawed and runs on. That matters because CRIU'
 end of its one connection as success, whether or not every page went over (its ``page_server_serve``); left to
 CRIU's own final state, a receiver dying at the wrong moment would have killed the only copy.
 
-The page server has no authentication: it binds the address it is given (127.0.0.1 here), serves one
-connection and ends. ``abandon`` ends one nobody connected to within its deadline: it connects and closes, which
-CRIU's accept takes as the end of the transfer (the source kept), or kills CRIU if a receiver is attached.
+``abandon`` ends a transfer (nobody came within its deadline, or one stuck): the listener and its relay close, so
+CRIU reads the end of its socket and lets the source go (it is killed if it does not).
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ import contextlib
 import os
 import select
 import signal
-import socket
 import subprocess
 import threading
 from pathlib import Path
 
 from agentenv.errors import CheckpointError
 from agentenv.host import criu as criu_mod
+from agentenv.host import page_channel
 from agentenv.host.criu import fix, reason, rundir
 
 READY_TIMEOUT = 60.0  # seconds for CRIU to dump all but the pages and listen (or the daemon to connect)
@@ -35,14 +36,14 @@ END_TIMEOUT = 10.0  # seconds CRIU has to let go of the source once its transfer
 LAZY_LOG_LEVEL = 2
 
 
-def _start_ready(cmd: list[str], log: Path, what: str) -> subprocess.Popen[bytes]:
-    """Run ``cmd`` (which takes ``--status-fd`` last) until it says it is ready on its status fd; the running
-    process, or CheckpointError with CRIU's reason (it is ended then)."""
+def _start_ready(cmd: list[str], log: Path, what: str, sock: int) -> subprocess.Popen[bytes]:
+    """Run ``cmd`` (which takes ``--status-fd`` last) with the page server's socket ``sock`` until it says it is
+    ready on its status fd; the running process, or CheckpointError with CRIU's reason (it is ended then)."""
     rundir()
     r, w = os.pipe()
     try:
-        proc = subprocess.Popen([*cmd, "--status-fd", str(w)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, pass_fds=(w,))
+        proc = subprocess.Popen([*cmd, "--ps-socket", str(sock), "--status-fd", str(w)], stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(w, sock))
     except FileNotFoundError:
         os.close(r)
         os.close(w)
@@ -66,21 +67,24 @@ def _kill(proc: subprocess.Popen[bytes]) -> None:
 
 
 class PageServer:
-    """A running lazy dump of one sandbox, serving its pages on ``address``:``port`` (see the module doc)."""
+    """A running lazy dump of one sandbox, its pages served through ``channel`` (see the module doc)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], address: str, port: int, log: Path) -> None:
-        self.proc, self.address, self.port, self.log = proc, address, port, log
+    def __init__(self, proc: subprocess.Popen[bytes], channel: page_channel.Listener, log: Path) -> None:
+        self.proc, self.channel, self.log = proc, channel, log
+        self.address, self.port = channel.address, channel.port
 
     @classmethod
-    def start(cls, runc_state: Path, images: Path, work: Path, address: str, port: int,
+    def start(cls, runc_state: Path, images: Path, work: Path, channel: page_channel.Listener,
               criu: str | None = None) -> PageServer:
         """Dump the runc container whose record is ``runc_state`` into ``images`` but for its lazy pages, which
-        are then served on ``address``:``port``; returns once CRIU listens. The sandbox must be frozen by the
-        caller (its freezer is how it is left afterwards). CheckpointError if the dump fails (it runs on)."""
+        are then served through ``channel``; returns once CRIU serves. The sandbox must be frozen by the caller
+        (its freezer is how it is left afterwards). CheckpointError if the dump fails (it runs on)."""
         args = criu_mod.prepare_dump(runc_state, images, work, leave_running=True)
-        args += ["--lazy-pages", "--address", address, "--port", str(port)]
-        proc = _start_ready([criu or "criu", *args], work / "dump.log", "the lazy CRIU dump")
-        return cls(proc, address, port, work / "dump.log")
+        with channel.pair() as sock:  # CRIU has its own copy once started
+            proc = _start_ready([criu or "criu", *args, "--lazy-pages"], work / "dump.log", "the lazy CRIU dump",
+                                sock.fileno())
+        channel.serve()
+        return cls(proc, channel, work / "dump.log")
 
     def wait(self, timeout: float) -> int | None:
         """CRIU's exit status once its transfer ended, or None if it still serves after ``timeout`` s."""
@@ -91,24 +95,15 @@ class PageServer:
 
     def abandon(self) -> int:
         """End the transfer now (a receiver that never came, or one stuck): CRIU's exit status; the source is
-        kept either way (frozen)."""
-        if self.proc.poll() is None:
-            with contextlib.suppress(OSError), socket.create_connection((self.address, self.port), timeout=2.0):
-                pass  # CRIU still in accept: this connection's clean end ends it
-            if self.wait(END_TIMEOUT) is None:  # a receiver holds the connection: CRIU is ended
-                _kill(self.proc)
+        kept either way (frozen). The listener is closed whatever happened before."""
+        self.channel.close()  # CRIU reads the end of its socket
+        if self.wait(END_TIMEOUT) is None:
+            _kill(self.proc)
         return int(self.proc.returncode)
 
     def listening(self) -> bool:
-        """True while the page server still waits for its receiver (its socket listens: it closes on accept)."""
-        want = f":{self.port:04X}"
-        for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-            with contextlib.suppress(OSError), open(table) as f:
-                for line in f.readlines()[1:]:
-                    fields = line.split()
-                    if len(fields) > 3 and fields[1].endswith(want) and fields[3] == "0A":  # TCP_LISTEN
-                        return True
-        return False
+        """True while the page server still waits for its receiver (nobody proved the migration's key yet)."""
+        return self.channel.listening()
 
     def failure(self) -> str:
         """Why the transfer failed, from CRIU's log."""
@@ -119,15 +114,18 @@ _exits: dict[int, int] = {}  # pid -> exit status of the lazy-pages daemons this
 _exited = threading.Condition()
 
 
-def pull_pages(own: Path, work: Path, address: str, port: int, criu: str | None = None) -> int:
-    """Start a ``criu lazy-pages`` daemon over the images in ``own`` whose pages come from the page server at
-    ``address``:``port``; its pid once it listens for the restore in ``work``. Its exit status is kept
-    (``pulled``): 0 once every page is in. CheckpointError if it cannot start (the page server is gone)."""
+def pull_pages(own: Path, work: Path, page_server: page_channel.Endpoint, criu: str | None = None) -> int:
+    """Start a ``criu lazy-pages`` daemon over the images in ``own`` whose pages come from the migration's page
+    server (the connection authenticated first: ``page_channel.connect``); its pid once it listens for the restore
+    in ``work``. Its exit status is kept (``pulled``): 0 once every page is in. CheckpointError if it cannot start
+    (the page server is gone, or is not the migration's)."""
     work.mkdir(parents=True, exist_ok=True)
     (work / "lazy-pages.socket").unlink(missing_ok=True)
-    cmd = [criu or "criu", "lazy-pages", "--page-server", "--address", address, "--port", str(port),
-           "--images-dir", str(own), "--work-dir", str(work), "--log-file", "lazy-pages.log", f"-v{LAZY_LOG_LEVEL}"]
-    proc = _start_ready(cmd, work / "lazy-pages.log", f"the lazy-pages daemon pulling from {address}:{port}")
+    cmd = [criu or "criu", "lazy-pages", "--page-server", "--images-dir", str(own), "--work-dir", str(work),
+           "--log-file", "lazy-pages.log", f"-v{LAZY_LOG_LEVEL}"]
+    with page_channel.connect(page_server) as sock:  # CRIU has its own copy once started
+        proc = _start_ready(cmd, work / "lazy-pages.log", f"the lazy-pages daemon pulling from {page_server}",
+                            sock.fileno())
 
     def reap() -> None:
         code = proc.wait()

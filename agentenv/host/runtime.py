@@ -27,7 +27,7 @@ from agentenv import netpolicy
 from agentenv.api import Limits
 from agentenv.config import paths, write_private
 from agentenv.errors import CheckpointError, SandboxError
-from agentenv.host import cgroups, criu, ksm, lazy_pages, network, postcopy, userns
+from agentenv.host import cgroups, criu, ksm, lazy_pages, network, page_channel, postcopy, userns
 from agentenv.host.agent_process import AgentProcess
 from agentenv.host.agent_start import AGENT_DEST, agent_command, agent_env, agent_file
 from agentenv.host.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
@@ -398,11 +398,11 @@ class Container:
     # --- CRIU --------------------------------------------------------------------------------
 
     def checkpoint(self, images: Path, work: Path, leave_running: bool, criu: str | None = None,
-                   page_server: tuple[str, int] | None = None) -> postcopy.PageServer | None:
+                   page_server: page_channel.Listener | None = None) -> postcopy.PageServer | None:
         """Dump every process of the container with CRIU into ``images``, in the form ``runc restore`` takes
         (CRIU run directly, with runc's options and fewer costs: see ``agentenv.host.criu``). With
-        ``page_server`` (address, port), a lazy dump whose pages are then served there (``agentenv.host.postcopy``),
-        returned running."""
+        ``page_server`` (a migration's listener), a lazy dump whose pages are then served through it
+        (``agentenv.host.postcopy``), returned running."""
         f = self.freezer()
         waiting = vfork_waiters(f.parent / "tasks") if f is not None and self.frozen() else []
         if waiting:  # CRIU would try to seize them for its whole timeout, then fail
@@ -416,7 +416,7 @@ class Container:
                 write_private(images / LINK, self.link_file.read_bytes())
             if page_server is not None:
                 return postcopy.PageServer.start(self.runc_root / self.cid / "state.json", images, work,
-                                                 *page_server, criu)
+                                                 page_server, criu)
             criu_dump(self.runc_root / self.cid / "state.json", images, work, leave_running, criu)
             return None
         except CheckpointError:

@@ -229,7 +229,8 @@ class PoolSandboxAPI:
         delivered = False
         try:
             import_snapshot(target, source, snap_id)
-            moved = target.Sandbox.restore(snap_id, labels=dict(sandbox.labels))
+            moved = target._sandbox(target.request("POST", f"/v1/snapshots/{snap_id}/receive",
+                                                   {"labels": dict(sandbox.labels), "key": started["key"]}))
             if on_running is not None:
                 on_running(moved)
             reply = target.request("GET", f"/v1/sandboxes/{moved.id}/memory", params={"wait": MIGRATE_WAIT},

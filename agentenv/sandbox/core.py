@@ -144,16 +144,16 @@ class Sandbox(Calls, Record):
         sb._save()
         return sb
 
-    def _boot(self, snap: Snapshot | None, op: str) -> None:
+    def _boot(self, snap: Snapshot | None, op: str, page_server_key: bytes | None = None) -> None:
         """Start a new sandbox, fresh or from a snapshot; on failure nothing of it is left."""
         try:
-            self._start(snap, op)
+            self._start(snap, op, page_server_key=page_server_key)
         except BaseException:
             self._destroy()
             raise
 
     @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.host.admission)
-    def _start(self, snap: Snapshot | None, op: str, memory: bool = True) -> None:
+    def _start(self, snap: Snapshot | None, op: str, memory: bool = True, page_server_key: bytes | None = None) -> None:
         """Make the layer and the bundle, start the agent (or restore every process, unless ``memory`` is False)
         and wait until it answers. On failure the container is torn down but the record stays: the caller
         decides its fate."""
@@ -161,7 +161,7 @@ class Sandbox(Calls, Record):
         try:
             if snap is not None and snap.has_memory and memory:  # begun now: a lazy restore's daemon starts as the root is made
                 restoring = lazy_pages.Restore(snap.criu_dir, self._container.bundle, os.environ.get("AGENTENV_CRIU"),
-                                               page_server=migration.page_server_of(snap))
+                                               page_server=migration.page_server_of(snap, page_server_key))
             spec = self._spec()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
@@ -228,18 +228,23 @@ class Sandbox(Calls, Record):
             frames.recv_frame(s, 0, deadline)
 
     @classmethod
-    def restore(cls, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> Sandbox:
-        """A new sandbox from a snapshot, in any process, after dockerd restarts or the source is gone."""
+    def restore(cls, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None,
+                page_server_key: bytes | None = None) -> Sandbox:
+        """A new sandbox from a snapshot, in any process, after dockerd restarts or the source is gone.
+        ``page_server_key``: a post-copy migration's snapshot is restored with its migration's key
+        (``agentenv.sandbox.migration``), which the source's page server asks for; no other snapshot takes one."""
         snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.get(
             snapshot if isinstance(snapshot, str) else snapshot.id)
-        return cls._restore(snap, labels, "restore")
+        migration.page_server_of(snap, page_server_key)  # a missing or stray key refused before anything is made
+        return cls._restore(snap, labels, "restore", page_server_key)
 
     @classmethod
-    def _restore(cls, snap: Snapshot, labels: dict[str, str] | None, op: str) -> Sandbox:
+    def _restore(cls, snap: Snapshot, labels: dict[str, str] | None, op: str,
+                 page_server_key: bytes | None = None) -> Sandbox:
         spec = ContainerSpec.from_json(snap.spec)
         volume.ensure().require(spec.limits.disk)
         sb = cls._new(spec, image=snap.labels.get("image", spec.image_id), ttl=None, labels=labels, parent=snap.id)
-        sb._boot(snap, op)
+        sb._boot(snap, op, page_server_key)
         return sb
 
     # --- lookup -------------------------------------------------------------------------------

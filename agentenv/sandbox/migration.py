@@ -2,9 +2,11 @@
 
 ``send`` dumps the sandbox lazily (``agentenv.host.postcopy``): its files and every image but the anonymous
 pages make a snapshot whose label names the page server (``PAGE_SERVER``), which serves the pages on
-127.0.0.1; the sandbox stays frozen on the source. A restore of that snapshot (here, or on another server once
-exported: ``agentenv.sandbox.transfer``) restores lazily with a ``criu lazy-pages`` daemon pulling from the page
-server, so its processes run as soon as the small images are in; ``all_in`` says when every page is. The
+127.0.0.1 to whoever proves the migration's key (``Outgoing.key``, ``agentenv.host.page_channel``); the sandbox
+stays frozen on the source. A restore of that snapshot with the key (here, or on another server once exported:
+``agentenv.sandbox.transfer``; the key goes there in the receiver's own request, never with the snapshot)
+restores lazily with a ``criu lazy-pages`` daemon pulling from the page server, so its processes run as soon as
+the small images are in; ``all_in`` says when every page is. The
 source's ``Outgoing.finish`` then closes the sandbox there, or, on anything less (no receiver before the
 deadline, a receiver that failed, a transfer CRIU did not finish), thaws it and it runs on: never lost, and
 never running twice (the source is frozen while the receiver runs, and only destroyed once it has every page).
@@ -14,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-import socket
 import threading
 
 from agentenv.errors import CheckpointError, SandboxStateError
-from agentenv.host import postcopy
+from agentenv.host import page_channel, postcopy
 from agentenv.sandbox import snapshotting, store
 from agentenv.sandbox.parts import Parts
 from agentenv.sandbox.store import Snapshot
@@ -30,20 +31,24 @@ FINISH_TIMEOUT = CONNECT_TIMEOUT + ALL_IN_TIMEOUT + 60.0  # seconds before an un
 outgoing: dict[str, Outgoing] = {}  # the migrations this process is sending, by snapshot id (the server's routes)
 
 
-def page_server_of(snap: Snapshot) -> tuple[str, int] | None:
-    """Where a post-copy snapshot's pages are served (None for any other snapshot)."""
+def page_server_of(snap: Snapshot, key: bytes | None = None) -> page_channel.Endpoint | None:
+    """Where a post-copy snapshot's pages are served, with the migration's ``key`` that its page server asks for
+    (None for any other snapshot); CheckpointError where the key is missing for one, or given for another."""
     value = snap.labels.get(PAGE_SERVER)
     if not value:
+        if key is not None:
+            raise CheckpointError(f"snapshot {snap.id} is not a post-copy migration's: a page-server key is for "
+                                  "those alone", fix="restore it without one")
         return None
+    if key is None or len(key) != page_channel.KEY_BYTES:
+        raise CheckpointError(f"snapshot {snap.id} is a post-copy migration's: its pages are served to the holder of "
+                              f"the migration's key ({page_channel.KEY_BYTES} bytes), and "
+                              f"{'none' if key is None else f'one of {len(key)} bytes'} was given",
+                              fix="receive it with the key its migrate call returned (POST /v1/snapshots/{id}/"
+                                  "receive, or Sandbox.restore(..., page_server_key=...)); Pool.Sandbox.move("
+                                  "..., post_copy=True) does both")
     host, _, port = value.rpartition(":")
-    return host, int(port)
-
-
-def free_port(address: str) -> int:
-    """A TCP port free on ``address`` now (the page server binds it next)."""
-    with socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET) as s:
-        s.bind((address, 0))
-        return int(s.getsockname()[1])
+    return page_channel.Endpoint(host, int(port), key)
 
 
 class Outgoing:
@@ -53,6 +58,7 @@ class Outgoing:
 
     def __init__(self, sb: Parts, snapshot: Snapshot, server: postcopy.PageServer) -> None:
         self.sb, self.snapshot, self.server = sb, snapshot, server
+        self.key = server.channel.key  # what the receiver proves (given to the caller, never stored)
         self._lock = threading.Lock()
         self._finished = threading.Event()
         self.moved: bool | None = None
@@ -78,9 +84,8 @@ class Outgoing:
             return self.moved
 
     def _finish(self, delivered: bool, timeout: float) -> bool:
-        code = self.server.wait(timeout if delivered else 0.0)
-        if code is None:
-            code = self.server.abandon()
+        self.server.wait(timeout if delivered else 0.0)
+        code = self.server.abandon()  # its listener closed on every path; CRIU ended if it still serves
         moved = delivered and code == 0
         try:
             if moved:
@@ -93,10 +98,11 @@ class Outgoing:
         return moved
 
 
-def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outgoing:
-    """Dump ``sb`` lazily with its pages served on ``address``:``port`` (a free one if None) for a receiver to
-    restore the returned snapshot from; the sandbox is frozen until ``finish``. The page server has no
-    authentication: only a loopback address is taken (see docs/transfer.md for other hosts)."""
+def send(sb: Parts, address: str = "127.0.0.1", port: int = 0) -> Outgoing:
+    """Dump ``sb`` lazily with its pages served on ``address``:``port`` (one the kernel picks if 0) to the holder
+    of the returned migration's ``key``, for a receiver to restore the returned snapshot from; the sandbox is
+    frozen until ``finish``. The connection is authenticated, not encrypted: only a loopback address is taken
+    (see docs/transfer.md for other hosts)."""
     try:
         loopback = ipaddress.ip_address(address).is_loopback
     except ValueError:
@@ -104,7 +110,6 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outg
     if not loopback:
         raise CheckpointError(f"the page server of a post-copy migration binds loopback only, not {address!r}",
                               fix="use 127.0.0.1 (servers on one host), or a tunnel to the other host's loopback")
-    port = port or free_port(address)
     served: list[postcopy.PageServer] = []
     with sb._locked():
         sb.require_running()
@@ -112,12 +117,18 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int | None = None) -> Outg
         if sb._rec.get("paused_snapshot"):
             raise SandboxStateError(f"sandbox {sb.id} is paused: resume it before migrating it post-copy")
         try:
+            channel = page_channel.Listener(address, port)  # bound now: the label names a port that is ours
+        except OSError as e:
+            raise CheckpointError(f"could not listen on {address}:{port} for the page server: {e}",
+                                  fix="leave the port to the kernel (0), or free it") from e
+        try:
             snap = snapshotting.take(sb, memory=True, leave_running=True, op="migrate",
-                                     labels={"agentenv.kind": store.MIGRATE_KIND, PAGE_SERVER: f"{address}:{port}"},
-                                     page_server=(address, port), served=served, owner=store.owner())
+                                     labels={"agentenv.kind": store.MIGRATE_KIND, PAGE_SERVER: str(channel.endpoint)},
+                                     page_server=channel, served=served, owner=store.owner())
         except BaseException:
             for server in served:  # dumped, then failed: the source is kept
                 server.abandon()
+            channel.close()
             if served:
                 sb._container.freeze(False)
             raise

@@ -193,14 +193,17 @@ def lazy_dump(cmdline: bytes) -> bool:
 
 
 def _wait_for_orphans(sb: Parts, procs: builtins.list[HostProcess]) -> None:
-    for p in procs:  # killed, CRIU lets the frozen source go (the lock then thaws it: it runs on where it was)
-        if p.pid in _orphans(sb, [p]) and lazy_dump(p.cmdline):
-            log.warning("sandbox %s: ending the post-copy dump %d its dead server left", sb.id, p.pid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGKILL)
-            for snap in store.orphaned_forks():  # its snapshot: the pages it named are gone with it
-                if snap.labels.get("agentenv.kind") == store.MIGRATE_KIND:
-                    snap.delete()
+    dumps = [p for p in procs if p.pid in _orphans(sb, [p]) and lazy_dump(p.cmdline)]
+    for p in dumps:  # killed, CRIU lets the frozen source go (the lock then thaws it: it runs on where it was)
+        log.warning("sandbox %s: ending the post-copy dump %d its dead server left", sb.id, p.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGKILL)
+    # a post-copy move whose server died: its page server went with it (CRIU, its socket closed, ends by itself
+    # and leaves the sandbox frozen), and so did the pages its snapshot names
+    if dumps or (sb._rec["state"] == "running" and sb._container.frozen()):
+        for snap in store.orphaned_forks():
+            if snap.labels.get("agentenv.kind") == store.MIGRATE_KIND and snap.sandbox_id == sb.id:
+                snap.delete()
     pids = _orphans(sb, procs)
     deadline = time.monotonic() + ORPHAN_WAIT
     while pids and time.monotonic() < deadline:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from agentenv.config import crash_point, paths
 from agentenv.errors import CheckpointError, ConnectionLost
-from agentenv.host import lazy_pages, postcopy, userns, volume
+from agentenv.host import lazy_pages, page_channel, postcopy, userns, volume
 from agentenv.host.criu import dump_stats
 from agentenv.phases import note, phase
 from agentenv.sandbox import shared, store, usage
@@ -40,7 +40,7 @@ DUMP_ATTEMPTS = 3  # a dump that met a host connection opened meanwhile is quies
 
 def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | None, op: str,
          snap_id: str | None = None, owner: builtins.list[int] | None = None,
-         page_server: tuple[str, int] | None = None,
+         page_server: page_channel.Listener | None = None,
          served: builtins.list[postcopy.PageServer] | None = None) -> Snapshot:
     """Write a snapshot of ``sb`` (locked by the caller) into the store; ``op`` names the crash points (tests).
     With ``page_server``, a lazy dump whose pages are served there (post-copy: ``agentenv.sandbox.migration``),

@@ -259,6 +259,15 @@ class MigrateFinish(_Body):
 class MigrationStarted(BaseModel):
     snapshot: SnapshotInfo
     page_server: str
+    key: str = Field(description="the migration's key (hex), which its page server asks the receiver to prove: "
+                                 "give it to the receiver's receive call alone")
+
+
+class ReceiveRequest(_Body):
+    """Restore a post-copy migration's snapshot on the receiver (``agentenv.sandbox.migration``)."""
+
+    labels: Labels = Field(default_factory=dict)
+    key: str = Field(pattern=r"^[0-9a-f]{64}$", description="the key the source's migrate call returned (hex)")
 
 
 class MigrationFinished(BaseModel):

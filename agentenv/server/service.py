@@ -176,14 +176,16 @@ class Service:
                     self._pending[i] -= n
 
     # sandboxes made within the quotas: the operations that start sandboxes, for every route that does
-    def restore(self, snap: Snapshot, labels: dict[str, str] | None = None) -> Sandbox:
+    def restore(self, snap: Snapshot, labels: dict[str, str] | None = None,
+                page_server_key: bytes | None = None) -> Sandbox:
         """A sandbox restored from ``snap``, its room reserved first (QuotaExceeded when there is none); one imported
-        from elsewhere is held to this server's rule on disk limits too, as a create is (``check_disk``)."""
+        from elsewhere is held to this server's rule on disk limits too, as a create is (``check_disk``); a post-copy
+        migration's with its ``page_server_key``."""
         limits = snap.spec.get("limits", {})
         if ORIGIN in snap.labels:
             self.check_disk(limits.get("disk"))
         with self.reserve(1, int(limits.get("memory", 1 << 30)), limits.get("disk")):
-            return self.remember(Sandbox.restore(snap, labels=labels))
+            return self.remember(Sandbox.restore(snap, labels=labels, page_server_key=page_server_key))
 
     def fork(self, sandbox_id: str, n: int, memory: bool) -> list[Sandbox]:
         """``n`` children of a sandbox, their room reserved first; those of a paused one (memory and all) are

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import pytest
 
 import agentenv
 from agentenv.errors import CheckpointError, SandboxStateError, SnapshotNotFound
-from agentenv.host import lazy_pages
+from agentenv.host import lazy_pages, page_channel
 from agentenv.sandbox import expiry, migration, usage
 
 from .server_fixtures import TOKEN
@@ -59,11 +60,12 @@ def test_a_sandbox_moved_post_copy_keeps_its_memory_files_and_loopback_connectio
     before = query(holding)
     assert before.endswith(" ping")
     out = migration.send(holding)
-    assert migration.page_server_of(out.snapshot) == ("127.0.0.1", out.server.port)
+    assert migration.page_server_of(out.snapshot, out.key) == page_channel.Endpoint("127.0.0.1", out.server.port,
+                                                                                     out.key)
     pages = sum(f.stat().st_size for f in out.snapshot.criu_dir.glob("pages-*.img"))
     assert pages < 16 << 20  # the 48 MiB are served, not in the images
     try:
-        moved = agentenv.Sandbox.restore(out.snapshot)
+        moved = agentenv.Sandbox.restore(out.snapshot, page_server_key=out.key)
     except BaseException:
         out.finish(False)
         raise
@@ -131,8 +133,8 @@ def test_a_receiver_whose_page_server_is_gone_fails_and_leaves_nothing(holding):
     out = migration.send(holding)
     assert not out.finish(False)
     with pytest.raises(CheckpointError):
-        lazy_pages.Restore(out.snapshot.criu_dir, holding._container.bundle, page_server=("127.0.0.1",
-                                                                                           out.server.port)).run(
+        lazy_pages.Restore(out.snapshot.criu_dir, holding._container.bundle,
+                           page_server=page_channel.Endpoint("127.0.0.1", out.server.port, out.key)).run(
             lambda images, lazy: 0)
     assert list(holding._container.bundle.glob("criu-lazy-*")) == []
 
@@ -206,8 +208,9 @@ def test_a_post_copy_move_between_servers_and_one_that_fails_on_the_receiver(ser
 
 
 def test_a_migration_whose_server_died_is_ended_and_the_source_runs_on():
-    """kill -9 of the sending process while its page server waits: the CRIU it left would wait for a receiver
-    forever, holding the sandbox frozen; recovery ends it and the sandbox runs on where it was."""
+    """kill -9 of the sending process while its page server waits: its listener goes with it (nobody can take the
+    pages the snapshot names), the CRIU it left ends (or recovery ends it) and the sandbox, left frozen, runs on
+    where it was once recovered; the migration's snapshot goes too."""
     import signal
 
     from agentenv.sandbox.recovery import host_processes, lazy_dump
@@ -223,17 +226,20 @@ sb.write_file("/tmp/holder.py", HOLDER)
 sb.spawn("python3 /tmp/holder.py")
 assert sb.exec("while [ ! -s /tmp/ready ]; do sleep 0.05; done", timeout=60).exit_code == 0
 print(sb.id, query(sb), flush=True)
-migration.send(sb)
+print(migration.send(sb).server.port, flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert p.returncode == -signal.SIGKILL, p.stderr
-    sb_id, before = p.stdout.split(maxsplit=1)
-    assert any(lazy_dump(h.cmdline) for h in host_processes()), "the dead process left no page server"
+    first, port = p.stdout.splitlines()
+    sb_id, before = first.split(maxsplit=1)
+    with pytest.raises(ConnectionRefusedError):  # its listener went with it
+        socket.create_connection(("127.0.0.1", int(port)), timeout=5)
     orphan = agentenv.Sandbox.get(sb_id)
     try:
         assert orphan.recover() == "running"
         assert query(orphan) == before.strip()
         assert not any(lazy_dump(h.cmdline) for h in host_processes())
+        assert not [s for s in agentenv.Snapshot.list() if s.sandbox_id == sb_id]
     finally:
         orphan.close()

@@ -136,7 +136,7 @@ def test_openapi_describes_every_route_error_and_msgpack(client):
                    ("POST", "/v1/sandboxes/{sandbox_id}/snapshot"), ("POST", "/v1/sandboxes/{sandbox_id}/fork"),
                    ("POST", "/v1/sandboxes/{sandbox_id}/pause"), ("POST", "/v1/sandboxes/{sandbox_id}/resume"),
                    ("POST", "/v1/sandboxes/{sandbox_id}/ttl"), ("POST", "/v1/snapshots/{snapshot_id}/restore"),
-                   ("GET", "/v1/snapshots"), ("DELETE", "/v1/snapshots/{snapshot_id}"),
+                   ("POST", "/v1/snapshots/{snapshot_id}/receive"), ("GET", "/v1/snapshots"), ("DELETE", "/v1/snapshots/{snapshot_id}"),
                    ("POST", "/v1/sandboxes/{sandbox_id}/jobs"), ("GET", "/v1/sandboxes/{sandbox_id}/jobs"),
                    ("POST", "/v1/sandboxes/{sandbox_id}/jobs/{pid}/output"),
                    ("POST", "/v1/sandboxes/{sandbox_id}/jobs/{pid}/discard"),

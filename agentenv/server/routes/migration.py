@@ -1,8 +1,9 @@
 """Post-copy migration between servers (``agentenv.sandbox.migration``): the source dumps a sandbox lazily and
-serves its pages on its loopback (``migrate``); the receiver imports the snapshot (``/v1/snapshots/import``),
-restores it lazily from that page server and says when every page is in (``memory``); the source then closes
-its copy, or, if the receiver did not get every page, resumes it (``migrate/finish``). ``agentenv.Pool``'s
-``move(..., post_copy=True)`` makes these calls."""
+serves its pages on its loopback to the holder of the migration's key, which its reply names (``migrate``); the
+receiver imports the snapshot (``/v1/snapshots/import``), restores it lazily from that page server with the key
+(``receive``) and says when every page is in (``memory``); the source then closes its copy, or, if the receiver
+did not get every page, resumes it (``migrate/finish``). ``agentenv.Pool``'s ``move(..., post_copy=True)`` makes
+these calls. The key travels only in these calls' bodies, never with the snapshot."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Query, Response
 
+from agentenv.api import SandboxInfo
 from agentenv.errors import SnapshotNotFound
-from agentenv.sandbox import migration
+from agentenv.sandbox import migration, shared
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import (
@@ -19,7 +21,9 @@ from agentenv.server.schemas import (
     MigrateFinish,
     MigrationFinished,
     MigrationStarted,
+    ReceiveRequest,
     SandboxId,
+    SnapshotId,
     error_responses,
 )
 
@@ -33,7 +37,16 @@ def migrate(service: ServiceDep, sandbox_id: SandboxId) -> Response:
     frozen here until ``migrate/finish`` (or the page server's deadline, after which it runs on here)."""
     out = service.call(sandbox_id, migration.send)
     return WireResponse({"snapshot": out.snapshot.info().to_wire(),
-                         "page_server": f"{out.server.address}:{out.server.port}"})
+                         "page_server": f"{out.server.address}:{out.server.port}", "key": out.key.hex()})
+
+
+@router.post("/v1/snapshots/{snapshot_id}/receive", response_model=SandboxInfo,
+             responses=error_responses(400, 401, 404, 422, 429, 501))
+def receive(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[ReceiveRequest, Body()]) -> Response:
+    """Restore a post-copy migration's snapshot (imported here first): it runs at once, its pages pulled from the
+    source's page server, which takes the migration's ``key`` alone."""
+    sb = service.restore(shared.get(snapshot_id), labels=req.labels, page_server_key=bytes.fromhex(req.key))
+    return WireResponse(sb.info("running").to_wire())
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/migrate/finish", response_model=MigrationFinished,
