@@ -44,6 +44,11 @@ class CheckpointError(AgentEnvError):
     """A memory snapshot or restore failed in CRIU; the message names the cause and the fix."""
 
 
+class PageServerKeyError(CheckpointError, ValueError):
+    """A post-copy migration's snapshot restored without the key its migrate call returned, or a key given for a
+    snapshot that is not one (HTTP 400: the request, not the restore, is wrong); nothing was started."""
+
+
 class TransferError(AgentEnvError):
     """A snapshot sent between servers arrived damaged (a chunk whose sha256 differs); nothing was kept."""
 
@@ -114,7 +119,7 @@ class SandboxLost(SandboxStateError):
 # the client and the host end of the agent channel rebuild the same class with ``from_wire``.
 
 _STATUS: list[tuple[type[BaseException], int]] = [
-    (Unauthorized, 401), (DiskLimitRequired, 403), (NetworkRuleError, 400),
+    (Unauthorized, 401), (DiskLimitRequired, 403), (NetworkRuleError, 400), (PageServerKeyError, 400),
     (SandboxNotFound, 404), (SnapshotNotFound, 404), (ImageNotFound, 404),
     (SandboxStateError, 409),
     (QuotaExceeded, 429),

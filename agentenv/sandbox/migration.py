@@ -18,7 +18,7 @@ import contextlib
 import ipaddress
 import threading
 
-from agentenv.errors import CheckpointError, SandboxStateError
+from agentenv.errors import CheckpointError, PageServerKeyError, SandboxStateError
 from agentenv.host import page_channel, postcopy
 from agentenv.sandbox import snapshotting, store
 from agentenv.sandbox.parts import Parts
@@ -33,15 +33,15 @@ outgoing: dict[str, Outgoing] = {}  # the migrations this process is sending, by
 
 def page_server_of(snap: Snapshot, key: bytes | None = None) -> page_channel.Endpoint | None:
     """Where a post-copy snapshot's pages are served, with the migration's ``key`` that its page server asks for
-    (None for any other snapshot); CheckpointError where the key is missing for one, or given for another."""
+    (None for any other snapshot); PageServerKeyError where the key is missing for one, or given for another."""
     value = snap.labels.get(PAGE_SERVER)
     if not value:
         if key is not None:
-            raise CheckpointError(f"snapshot {snap.id} is not a post-copy migration's: a page-server key is for "
+            raise PageServerKeyError(f"snapshot {snap.id} is not a post-copy migration's: a page-server key is for "
                                   "those alone", fix="restore it without one")
         return None
     if key is None or len(key) != page_channel.KEY_BYTES:
-        raise CheckpointError(f"snapshot {snap.id} is a post-copy migration's: its pages are served to the holder of "
+        raise PageServerKeyError(f"snapshot {snap.id} is a post-copy migration's: its pages are served to the holder of "
                               f"the migration's key ({page_channel.KEY_BYTES} bytes), and "
                               f"{'none' if key is None else f'one of {len(key)} bytes'} was given",
                               fix="receive it with the key its migrate call returned (POST /v1/snapshots/{id}/"

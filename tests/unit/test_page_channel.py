@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from agentenv.errors import CheckpointError
+from agentenv.errors import CheckpointError, PageServerKeyError, status_of
 from agentenv.host import page_channel
 from agentenv.host.page_channel import Endpoint, Listener
 from agentenv.sandbox import migration
@@ -119,8 +119,9 @@ def test_a_post_copy_snapshot_takes_its_migrations_key_and_no_other_snapshot_tak
     key = page_channel.new_key()
     assert migration.page_server_of(moving, key) == Endpoint("127.0.0.1", 4321, key)
     for wrong in (None, b"", key[:-1]):
-        with pytest.raises(CheckpointError, match="receive it with the key"):
+        with pytest.raises(PageServerKeyError, match="receive it with the key") as refused:
             migration.page_server_of(moving, wrong)
+        assert status_of(refused.value) == 400  # the request is wrong, not the restore
     assert migration.page_server_of(plain) is None
-    with pytest.raises(CheckpointError, match="not a post-copy"):
+    with pytest.raises(PageServerKeyError, match="not a post-copy"):
         migration.page_server_of(plain, key)
