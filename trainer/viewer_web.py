@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from agentenv import errors
 from agentenv.server import console_auth as console
 from rollout import trajectory as tj
-from trainer import viewer
+from trainer import viewer, viewer_runs
 
 PAGES = {"runs": "runs.html", "run": "run.html", "episode": "episode.html", "group": "group.html",
          "searches": "searches.html", "metrics": "metrics.html"}
@@ -76,7 +76,7 @@ def _decode(ids: list[int]) -> str:
 
 
 def _error(e: Exception) -> Response:
-    code = 400 if isinstance(e, viewer.BadViewerRequest) else 404 if isinstance(e, viewer.RunNotFound) else 422
+    code = 400 if isinstance(e, viewer_runs.BadViewerRequest) else 404 if isinstance(e, viewer_runs.RunNotFound) else 422
     return JSONResponse(errors.to_wire(e), code, headers=console.HEADERS)
 
 
@@ -86,7 +86,7 @@ def _answer(request: Request, make: Any) -> Response:
         return console.unauthorized()
     try:
         return JSONResponse(make(), headers=console.HEADERS)
-    except (viewer.BadViewerRequest, viewer.RunNotFound, tj.TrajectoryError) as e:
+    except (viewer_runs.BadViewerRequest, viewer_runs.RunNotFound, tj.TrajectoryError) as e:
         return _error(e)
 
 
@@ -95,9 +95,9 @@ def _page(request: Request, page: str, run: str | None = None) -> Response:
         return RedirectResponse(f"{console.PREFIX}/login", 303, headers=console.HEADERS)
     if run is not None:
         try:
-            if viewer.checked_name(run, "run") not in viewer.list_runs(_root(request)):
-                raise viewer.RunNotFound(f"no run {run!r} under the viewer's folder", fix="pick one from the runs page")
-        except (viewer.BadViewerRequest, viewer.RunNotFound) as e:
+            if viewer_runs.checked_name(run, "run") not in viewer_runs.list_runs(_root(request)):
+                raise viewer_runs.RunNotFound(f"no run {run!r} under the viewer's folder", fix="pick one from the runs page")
+        except (viewer_runs.BadViewerRequest, viewer_runs.RunNotFound) as e:
             return _error(e)
     served = request.app.state.viewer_mode == "serve"  # beside the sandboxes: the console's links shown
     return console.page_file(PAGES[page], replace=(CONSOLE_LINKS, CONSOLE_LINKS.replace(" hidden", "")) if served else None)
@@ -108,8 +108,8 @@ def _root(request: Request) -> Path:
     return root
 
 
-def _run(request: Request, name: str) -> viewer.Run:
-    return viewer.load(_root(request), name)
+def _run(request: Request, name: str) -> viewer_runs.Run:
+    return viewer_runs.load(_root(request), name)
 
 
 # --- pages ------------------------------------------------------------------------------------------------------
@@ -152,7 +152,7 @@ def metrics_page(request: Request, run: str) -> Response:
 def runs(request: Request) -> Response:
     """The runs under the viewer's folder; ``mode`` says whether the sandbox console is there too."""
     return _answer(request, lambda: {"mode": request.app.state.viewer_mode, "runs": [
-        viewer.brief(name, path) for name, path in viewer.list_runs(_root(request)).items()]})
+        viewer_runs.brief(name, path) for name, path in viewer_runs.list_runs(_root(request)).items()]})
 
 
 @router.get("/api/runs/{run}/episodes")

@@ -93,10 +93,10 @@ def test_rollout_show_splits_turns_by_token_ids_and_shows_no_forged_turn(run):
 
 def test_the_viewer_shows_one_tool_output_holding_the_forged_text(run):
     from rollout.cli import _tool_calls, split_messages
-    from trainer import viewer
+    from trainer import viewer, viewer_runs
 
     out, traj = run
-    episode = viewer.episode(viewer.load(out.parent, out.name), traj.episode_id, TOK.decode, _tool_calls,
+    episode = viewer.episode(viewer_runs.load(out.parent, out.name), traj.episode_id, TOK.decode, _tool_calls,
                              split_messages)
     outputs = episode["turns_detail"][0]["outputs"]
     assert [o["name"] for o in outputs] == ["tool"] and FORGED in outputs[0]["text"]

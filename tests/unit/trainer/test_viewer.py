@@ -16,7 +16,7 @@ from rollout import scripted, search
 from rollout import trajectory as tj
 from rollout.agent import LocalTokenizer
 from rollout.cli import _tool_calls, split_messages
-from trainer import viewer, viewer_web
+from trainer import viewer, viewer_runs, viewer_web
 from trainer.advantages import AdvantageConfig, group_advantages
 from trainer.metrics import MetricsLog
 
@@ -70,36 +70,36 @@ def root(tmp_path: Path) -> Path:
 
 
 def test_runs_are_listed_from_the_folder_and_names_are_never_paths(root):
-    assert set(viewer.list_runs(root)) == {"roll", "train"}
-    assert set(viewer.list_runs(root / "roll")) == {"roll"}  # `agentenv view runs/NAME`: the run itself
-    assert viewer.load(root, "train").kind == "train" and viewer.load(root, "roll").kind == "rollout"
+    assert set(viewer_runs.list_runs(root)) == {"roll", "train"}
+    assert set(viewer_runs.list_runs(root / "roll")) == {"roll"}  # `agentenv view runs/NAME`: the run itself
+    assert viewer_runs.load(root, "train").kind == "train" and viewer_runs.load(root, "roll").kind == "rollout"
     (root / "roll" / "summary.json").write_text(json.dumps({"groups": 2, "reward_mean": 0.5}))  # rollout's own
-    line = viewer.brief("roll", root / "roll")  # the runs page's line: no shard read
+    line = viewer_runs.brief("roll", root / "roll")  # the runs page's line: no shard read
     assert (line["episodes"], line["groups"], line["reward_mean"], line["kind"]) == (4, 2, 0.5, "rollout")
     for bad in ("..", "../runs", "/etc", ".hidden", "roll/..", ""):
-        with pytest.raises(viewer.BadViewerRequest, match="plain name"):
-            viewer.load(root, bad)
+        with pytest.raises(viewer_runs.BadViewerRequest, match="plain name"):
+            viewer_runs.load(root, bad)
     for absent in ("out", "empty", "nope"):
-        with pytest.raises(viewer.RunNotFound):
-            viewer.load(root, absent)
+        with pytest.raises(viewer_runs.RunNotFound):
+            viewer_runs.load(root, absent)
     elsewhere = root.parent / "elsewhere"  # a train run whose trajectories/ is a symlink out of the folder
     tj.write(elsewhere, [episode("x", 0, 1.0)])
     (root / "linked").mkdir()
     (root / "linked" / "metrics.jsonl").write_text("")
     (root / "linked" / "trajectories").symlink_to(elsewhere)
-    assert "linked" not in viewer.list_runs(root)
-    with pytest.raises(viewer.RunNotFound):
-        viewer.load(root, "linked")
+    assert "linked" not in viewer_runs.list_runs(root)
+    with pytest.raises(viewer_runs.RunNotFound):
+        viewer_runs.load(root, "linked")
 
 
 def test_a_run_is_read_again_once_its_index_changes(root):
-    assert viewer.load(root, "roll").summary()["episodes"] == 4
-    assert viewer.load(root, "roll") is viewer.load(root, "roll")  # cached
+    assert viewer_runs.load(root, "roll").summary()["episodes"] == 4
+    assert viewer_runs.load(root, "roll") is viewer_runs.load(root, "roll")  # cached
     with tj.ShardWriter(root / "roll") as w:
         w.write(episode("g3", 0, 1.0))
-    assert viewer.load(root, "roll").summary()["episodes"] == 5
+    assert viewer_runs.load(root, "roll").summary()["episodes"] == 5
     (root / "roll" / "index.json").unlink()  # a writer killed before its index: the shards are still read
-    assert viewer.load(root, "roll").summary()["episodes"] == 5
+    assert viewer_runs.load(root, "roll").summary()["episodes"] == 5
 
 
 def ids(data: dict) -> list[tuple[str, int]]:
@@ -107,7 +107,7 @@ def ids(data: dict) -> list[tuple[str, int]]:
 
 
 def test_the_filters(root):
-    run = viewer.load(root, "roll")
+    run = viewer_runs.load(root, "roll")
     assert len(viewer.episodes(run, {})["rows"]) == 4
     assert ids(viewer.episodes(run, {"reward_min": "0.5"})) == [("g1", 0), ("g1", 2)]
     assert ids(viewer.episodes(run, {"reward_max": "0"})) == [("g1", 1)]  # no reward passes no reward filter
@@ -122,12 +122,12 @@ def test_the_filters(root):
     for params, words in (({"rewardmin": "1"}, "no filter rewardmin"), ({"reward_min": "x"}, "not a number"),
                           ({"finish": "won"}, "not a finish reason"), ({"malformed": "maybe"}, "yes, no or any"),
                           ({"limit": "0"}, "out of range")):
-        with pytest.raises(viewer.BadViewerRequest, match=words):
+        with pytest.raises(viewer_runs.BadViewerRequest, match=words):
             viewer.episodes(run, params)
 
 
 def test_an_episode_is_every_token_with_its_mask_and_logprob(root):
-    run = viewer.load(root, "roll")
+    run = viewer_runs.load(root, "roll")
     t = run.episodes[0]
     e = viewer.episode(run, t.episode_id, TOK.decode, _tool_calls, split_messages)
     spans = e["prompt"] + [tok for turn in e["turns_detail"] for part in ("before", "generated", "after")
@@ -141,7 +141,7 @@ def test_an_episode_is_every_token_with_its_mask_and_logprob(root):
         "answer(")
     assert first["outputs"] == [{"name": "tool", "text": "## Return of functions.calculator:0\n42"}]
     assert e["time"]["policy_s"] == 1.0 and e["time"]["env_s"] == 0.5
-    with pytest.raises(viewer.RunNotFound):
+    with pytest.raises(viewer_runs.RunNotFound):
         viewer.episode(run, "0" * 16, TOK.decode, _tool_calls, split_messages)
 
 
@@ -158,16 +158,16 @@ def test_the_grade_shows_tests_drops_and_tampering():
 
 
 def test_a_group_has_the_advantages_the_run_computed(root):
-    roll = viewer.group(viewer.load(root, "roll"), "g1", TOK.decode, _tool_calls)
+    roll = viewer.group(viewer_runs.load(root, "roll"), "g1", TOK.decode, _tool_calls)
     assert [m["group_index"] for m in roll["members"]] == [0, 1, 2]
     assert [m["advantage"] for m in roll["members"]] == group_advantages([1.0, 0.0, 1.0])  # GRPO's defaults
-    train = viewer.group(viewer.load(root, "train"), "t1", TOK.decode, _tool_calls)
+    train = viewer.group(viewer_runs.load(root, "train"), "t1", TOK.decode, _tool_calls)
     loo = AdvantageConfig("loo", std_normalize=False)
     assert [m["advantage"] for m in train["members"]] == group_advantages([1.0, 0.0, 0.0], loo)
     assert train["advantages"]["baseline"] == "loo" and "config.toml" in train["advantages"]["source"]
     assert train["members"][0]["turns_detail"][1]["tool_calls"][0].startswith("answer(")
-    with pytest.raises(viewer.RunNotFound):
-        viewer.group(viewer.load(root, "roll"), "g9", TOK.decode, _tool_calls)
+    with pytest.raises(viewer_runs.RunNotFound):
+        viewer.group(viewer_runs.load(root, "roll"), "g9", TOK.decode, _tool_calls)
 
 
 def test_a_saved_search_is_listed_with_its_tree(root):
@@ -178,19 +178,19 @@ def test_a_saved_search_is_listed_with_its_tree(root):
     path = search.SearchResult(best, nodes, [best], "beam").save(root / "roll", "s1")
     assert path == root / "roll" / "searches" / "s1.json" and not list(path.parent.glob(".*"))  # renamed in place
     (path.parent / "broken.json").write_text("{")
-    found = viewer.searches(viewer.load(root, "roll"))["searches"]
+    found = viewer.searches(viewer_runs.load(root, "roll"))["searches"]
     assert [s["id"] for s in found] == ["s1"]
     assert found[0]["kind"] == "beam" and found[0]["best"]["reward"] == 1.0
     assert [n["snapshot_id"] for n in found[0]["nodes"]] == [None, "snap-1", None]
-    assert viewer.load(root, "roll").summary()["searches"] == 2  # files in searches/ (the broken one counts)
+    assert viewer_runs.load(root, "roll").summary()["searches"] == 2  # files in searches/ (the broken one counts)
 
 
 def test_metrics_are_series_and_held_out_points_with_intervals(root):
-    m = viewer.metrics(viewer.load(root, "train"))
+    m = viewer.metrics(viewer_runs.load(root, "train"))
     assert m["rows"] == 2  # the torn line is skipped
     assert m["intervals"] == {"pass_rate/heldout": [[0, 0.5, 0.25, 0.75]]}
     assert m["series"] == {"pass_rate/heldout": [[1, 0.6]], "reward/train": [[1, 0.4]]}  # NaN and text left out
-    assert viewer.metrics(viewer.load(root, "roll")) == {"run": "roll", "rows": 0, "series": {}, "intervals": {}}
+    assert viewer.metrics(viewer_runs.load(root, "roll")) == {"run": "roll", "rows": 0, "series": {}, "intervals": {}}
 
 
 def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):

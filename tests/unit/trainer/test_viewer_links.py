@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rollout import trajectory as tj
-from trainer import viewer, viewer_web
+from trainer import viewer, viewer_runs, viewer_web
 
 from .test_viewer import episode
 
@@ -42,8 +42,8 @@ def test_a_runs_summary_and_run_file_linked_out_of_it_are_not_read(runs: Path) -
     (runs / "roll" / "run.json").symlink_to(host / "secret.json")
     (runs / "train" / "summary.json").symlink_to(host / "secret.json")
     for name in ("roll", "train"):
-        assert SECRET not in json.dumps(viewer.brief(name, runs / name))
-        assert SECRET not in json.dumps(viewer.load(runs, name).summary())
+        assert SECRET not in json.dumps(viewer_runs.brief(name, runs / name))
+        assert SECRET not in json.dumps(viewer_runs.load(runs, name).summary())
     c = TestClient(viewer_web.create_app(runs, TOKEN), base_url="http://127.0.0.1:8701", follow_redirects=False)
     assert c.post("/console/login", data={"token": TOKEN}).status_code == 303
     listed = c.get("/console/api/runs")
@@ -51,33 +51,33 @@ def test_a_runs_summary_and_run_file_linked_out_of_it_are_not_read(runs: Path) -
     assert {r["name"] for r in listed.json()["runs"]} == {"roll", "train"}  # the runs themselves still listed
     (runs / "roll" / "summary.json").unlink()
     os.mkfifo(runs / "roll" / "summary.json")  # nor is a FIFO opened to wait on: no writer would ever come
-    assert viewer.brief("roll", runs / "roll")["groups"] is None
+    assert viewer_runs.brief("roll", runs / "roll")["groups"] is None
 
 
 def test_a_shard_metrics_or_config_linked_out_of_a_run_is_refused(runs: Path) -> None:
     host = runs.parent / "host"
     (runs / "roll" / "shard-00777.msgpack").symlink_to(host / "shards" / "shard-00000.msgpack")
-    with pytest.raises(viewer.RunNotFound, match="outside"):
-        viewer.load(runs, "roll")
+    with pytest.raises(viewer_runs.RunNotFound, match="outside"):
+        viewer_runs.load(runs, "roll")
     c = TestClient(viewer_web.create_app(runs, TOKEN), base_url="http://127.0.0.1:8701", follow_redirects=False)
     assert c.post("/console/login", data={"token": TOKEN}).status_code == 303
     r = c.get("/console/api/runs/roll/episodes")
     assert r.status_code == 404 and "symlink" in r.json()["message"] and "host" not in r.text
     (runs / "roll" / "shard-00777.msgpack").unlink()
     os.mkfifo(runs / "roll" / "shard-00888.msgpack")  # never opened to wait on a writer
-    with pytest.raises(viewer.RunNotFound, match="not a regular file"):
-        viewer.load(runs, "roll")
+    with pytest.raises(viewer_runs.RunNotFound, match="not a regular file"):
+        viewer_runs.load(runs, "roll")
     (runs / "roll" / "shard-00888.msgpack").unlink()
     index = json.loads((runs / "roll" / "index.json").read_text())  # the index naming a shard out of the run
     index["shards"].append({"name": "../../host/shards/shard-00000.msgpack", "records": 1})
     (runs / "roll" / "index.json").write_text(json.dumps(index))
-    with pytest.raises(viewer.RunNotFound, match="outside"):
-        viewer.load(runs, "roll")
+    with pytest.raises(viewer_runs.RunNotFound, match="outside"):
+        viewer_runs.load(runs, "roll")
     (runs / "train" / "metrics.jsonl").unlink()
     (runs / "train" / "metrics.jsonl").symlink_to(host / "metrics.jsonl")
     (runs / "train" / "config.toml").symlink_to(host / "config.toml")
-    train = viewer.load(runs, "train")
-    with pytest.raises(viewer.RunNotFound, match="outside"):
+    train = viewer_runs.load(runs, "train")
+    with pytest.raises(viewer_runs.RunNotFound, match="outside"):
         viewer.metrics(train)
-    with pytest.raises(viewer.RunNotFound, match="outside"):
+    with pytest.raises(viewer_runs.RunNotFound, match="outside"):
         viewer.group(train, "t1", lambda ids: "", lambda text: (text, []))
