@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import stat
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,15 +240,7 @@ CRASH_ENV = "AGENTENV_CRASH_AT"
 
 def crash_point(name: str) -> None:
     """A test hook: with ``$AGENTENV_CRASH_AT`` = ``name``, this process kills itself with SIGKILL here, as a
-    ``kill -9`` from outside would; with ``name@seconds``, a timer does it that much later, so that the kill
-    lands in the middle of what follows (a runc checkpoint, say). Nothing happens otherwise."""
-    want = os.environ.get(CRASH_ENV)
-    if not want:
-        return
-    point, _, delay = want.partition("@")
-    if point != name:
-        return
-    if delay:
-        threading.Timer(float(delay), os.kill, (os.getpid(), signal.SIGKILL)).start()
-    else:
+    ``kill -9`` from outside would. Nothing happens otherwise. (A kill in the middle of a CRIU dump is a CRIU that
+    kills its caller: ``tests/integration/test_hostile_restart.py``.)"""
+    if os.environ.get(CRASH_ENV) == name:
         os.kill(os.getpid(), signal.SIGKILL)

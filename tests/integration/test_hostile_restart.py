@@ -1,8 +1,8 @@
 """The hostile-agent suite, item 6: ``kill -9`` of the environment server in the middle of an operation.
 
 The server kills itself with SIGKILL at a named point of a fork or a pause (``$AGENTENV_CRASH_AT``, see
-``agentenv.config.crash_point``; ``point@seconds`` lands the kill that much later, in the middle of the runc
-checkpoint that follows). A new server then starts on the same home, and the test checks what recovery
+``agentenv.config.crash_point``), or, at ``<op>:criu``, while the CRIU dump it runs is running (a CRIU that kills
+its caller). A new server then starts on the same home, and the test checks what recovery
 promises: nothing stays frozen, no half-made child or fork snapshot stays behind, the quota counts what
 is there, and a pause ends paused or running, never lost. Nothing asserts on wall-clock time.
 """
@@ -10,6 +10,7 @@ is there, and a pause ends paused or running, never lost. Nothing asserts on wal
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -37,7 +38,13 @@ class Server:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, crash_at: str | None = None) -> Client:
-        self.proc = start_server_process(self.port, self.token_file, env={CRASH_ENV: crash_at or ""})
+        """A server that kills itself at the crash point ``crash_at``; at ``<op>:criu``, the CRIU it runs first (the
+        dump of that operation) kills it once CRIU is running (``criu_killing_its_caller``): a kill in the middle of
+        the dump as a state, where a delay after the dump began would miss a dump that ends sooner."""
+        env = {CRASH_ENV: crash_at or ""}
+        if crash_at is not None and crash_at.endswith(":criu"):
+            env = {CRASH_ENV: "", "AGENTENV_CRIU": str(criu_killing_its_caller(self.token_file.parent))}
+        self.proc = start_server_process(self.port, self.token_file, env=env)
         return agentenv.connect(self.url, TOKEN, retries=0)
 
     def died(self) -> bool:
@@ -51,6 +58,15 @@ class Server:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(timeout=30)
+
+
+def criu_killing_its_caller(folder: Path) -> Path:
+    """A CRIU (``$AGENTENV_CRIU``) that starts the real one, then SIGKILLs the process that ran it (the server) while
+    the real one runs."""
+    script = folder / "criu-killing-its-caller"
+    script.write_text(f'#!/bin/sh\n{shutil.which("criu")} "$@" &\nkill -9 "$PPID"\nwait "$!"\n')
+    script.chmod(0o755)
+    return script
 
 
 @pytest.fixture
@@ -106,7 +122,7 @@ def fork_killed_at(server, point: str, n: int, network: bool = False):
     return c, src.id, recovered(c)
 
 
-@pytest.mark.parametrize("point", ["fork:frozen", "fork:dumping@0.05", "fork:dumped", "fork:started"])
+@pytest.mark.parametrize("point", ["fork:frozen", "fork:criu", "fork:dumped", "fork:started"])
 def test_kill_9_mid_fork_thaws_the_source_and_leaves_no_child_or_snapshot(server, point):
     c, src_id, found = fork_killed_at(server, point, 3)
     assert src_id in found["running"]
@@ -148,7 +164,7 @@ def test_kill_9_after_the_children_ran_keeps_them_and_collects_the_fork_snapshot
         s.close()
 
 
-@pytest.mark.parametrize(("point", "ends"), [("pause:frozen", {"running"}), ("pause:dumping@0.05", {"running", "paused"}),
+@pytest.mark.parametrize(("point", "ends"), [("pause:frozen", {"running"}), ("pause:criu", {"running", "paused"}),
                                              ("pause:dumped", {"paused"}), ("pause:published", {"paused"})])
 def test_kill_9_mid_pause_ends_paused_or_running_never_lost(server, point, ends):
     c = server.start(crash_at=point)
