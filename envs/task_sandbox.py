@@ -22,6 +22,12 @@ finds that state unchanged skips counting the history's objects (and has nothing
 A task whose ``base_commit`` is ``"HEAD"`` is at the commit the setup leaves (the image's HEAD without
 setup commands); ``start_task`` returns the task with that commit filled in, which is what grading must
 diff against.
+
+What the datasets add (``envs.datasets``): a task's ``bug_patch`` (SWE-smith's published patch, which introduces
+the bug; its instance branches live on GitHub) is applied after the setup and /testbed restarted as one commit
+(``BUG_COMMIT``: fixed author and dates, so a fork or a second reset gets the same commit), which becomes the base
+commit: the parent that would show the bug is gone. A task's ``hidden_paths`` (R2E-Gym's ``/r2e_tests`` and its
+``run_tests.sh``) are removed before the agent starts; grading puts them back from the image.
 """
 
 from __future__ import annotations
@@ -88,6 +94,28 @@ echo "$state" > "$g/agentenv-scrubbed"
 """
 
 
+PATCH_EOF = "AGENTENV_BUG_PATCH_EOF"
+BUG_COMMIT = ("rm -rf .git && git init -q && git add -A && GIT_AUTHOR_NAME=agentenv GIT_COMMITTER_NAME=agentenv "
+              "GIT_AUTHOR_EMAIL=agentenv@localhost GIT_COMMITTER_EMAIL=agentenv@localhost "
+              "GIT_AUTHOR_DATE=2000-01-01T00:00:00+0000 GIT_COMMITTER_DATE=2000-01-01T00:00:00+0000 "
+              "git commit -q -m base")
+
+
+def bug_commands(bug_patch: str) -> list[str]:
+    """Shell commands (in /testbed) that apply a task's ``bug_patch`` and restart the history at the result."""
+    body = bug_patch if bug_patch.endswith("\n") else bug_patch + "\n"
+    if PATCH_EOF in body:
+        raise SetupError(f"the bug patch holds the line {PATCH_EOF}, which ends the here-document that carries it")
+    return [f"git apply --whitespace=nowarn <<'{PATCH_EOF}'\n{body}{PATCH_EOF}", BUG_COMMIT]
+
+
+def hide_command(paths: tuple[str, ...]) -> str:
+    """Remove ``paths`` and check that they are gone (a path the image lacks is fine: nothing to hide)."""
+    quoted = " ".join(shlex.quote(p) for p in paths)
+    return f"rm -rf -- {quoted} && for p in {quoted}; do if [ -e \"$p\" ] || [ -L \"$p\" ]; then " \
+           f"echo \"$p is still there\"; exit 3; fi; done"
+
+
 class SetupError(AgentEnvError):
     """A task's sandbox could not be brought to its base commit."""
 
@@ -118,6 +146,10 @@ def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tu
             f"git cat-file -e {base}^{{commit}} 2>/dev/null || {{ echo \"commit {task.base_commit} is not in the "
             f"repository (the image is at $(git rev-parse HEAD 2>&1))\"; exit 2; }}; "
             f"git checkout -q -f {base} && git clean -fdq"]
+        if task.bug_patch:
+            commands += bug_commands(task.bug_patch)
+        if task.hidden_paths:
+            commands.append(hide_command(task.hidden_paths))
         for cmd in commands:
             r = sb.exec(cmd, timeout=300, cwd=WORKDIR)
             if r.exit_code != 0:
@@ -129,13 +161,14 @@ def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tu
                              f"({r.exit_code}): {(r.stdout + r.stderr).strip()[-600:]}",
                              fix="check the image's /testbed repository (git fsck)")
         head = sb.exec("git rev-parse HEAD", timeout=60, cwd=WORKDIR).stdout.strip()
-        if not task.base_is_head and not head.startswith(task.base_commit):
+        resolve = task.base_is_head or bool(task.bug_patch)  # the bug's commit is made here
+        if not resolve and not head.startswith(task.base_commit):
             raise SetupError(f"task {task.instance_id}: /testbed is at {head}, not the base commit "
                              f"{task.base_commit}", fix=_setup_fix(task))
     except BaseException:
         sb.close()
         raise
-    return sb, (dataclasses.replace(task, base_commit=head) if task.base_is_head else task)
+    return sb, (dataclasses.replace(task, base_commit=head) if resolve else task)
 
 
 def start_task_sandbox(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> SandboxLike:
