@@ -38,7 +38,7 @@ from typing import Any
 
 import agentenv
 from agentenv.api import Backend, SandboxLike
-from agentenv.errors import AgentEnvError, ImageNotFound
+from agentenv.errors import AgentEnvError, ImageNotFound, ImageUnavailable
 from envs.base import TASK_LABEL
 from envs.images import DOCS, build_hint
 from envs.task import Task
@@ -121,14 +121,31 @@ class SetupError(AgentEnvError):
 
 
 class TaskImageMissing(SetupError, LookupError):
-    """The image a task names (field ``image``) is not on the sandbox host; says how to build it."""
+    """The image a task names (field ``image``) is not on the sandbox host and none of its sources had it; says
+    why (``reason``: what each source answered) and how to get it."""
 
-    def __init__(self, task: Task) -> None:
+    def __init__(self, task: Task, reason: str = "") -> None:
         self.task_id, self.field, self.image = task.instance_id, "image", task.image
-        self.repo, self.version = task.repo, task.version
-        super().__init__(f"task {task.instance_id!r}: field 'image': image {task.image!r} (repository "
-                         f"{task.repo!r}, version {task.version or '?'!r}) is not on the sandbox host",
-                         fix=build_hint(task.image))
+        self.repo, self.version, self.reason = task.repo, task.version, reason
+        why = f" ({reason})" if reason else ""
+        super().__init__(f"task {task.instance_id!r}: field 'image': image {task.image!r} ({task.dataset} record, "
+                         f"repository {task.repo!r}, version {task.version or '?'!r}) is not on the sandbox host"
+                         f"{why}", fix=build_hint(task.image) if task.dataset == "agentenv" else
+                         "load it (AGENTENV_IMAGE_TARBALLS), mirror it (AGENTENV_IMAGE_MIRRORS) or pull it where a "
+                         "registry is reachable; `python -m envs.tasks prewarm` fetches a task set's images")
+
+
+def fetch_image(task: Task, api: Backend) -> str:
+    """Get ``task.image`` onto the backend's host (``ensure_image``: a tarball, a mirror or a registry); "" when it
+    came, else why not. A backend without ``ensure_image`` (a Pool places sandboxes anywhere: prewarm it) says so."""
+    ensure = getattr(api, "ensure_image", None)
+    if not callable(ensure):
+        return "this backend cannot fetch images: prewarm its servers (python -m envs.tasks prewarm)"
+    try:
+        ensure(task.image)
+    except (ImageUnavailable, ImageNotFound) as e:
+        return str(e)
+    return ""
 
 
 def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tuple[SandboxLike, Task]:
@@ -139,7 +156,10 @@ def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tu
     try:
         sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
     except ImageNotFound as e:
-        raise TaskImageMissing(task) from e
+        why = fetch_image(task, api)  # the image by its dataset's rule, from wherever it can be had
+        if why:
+            raise TaskImageMissing(task, why) from e
+        sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
     try:
         base = shlex.quote(task.base_commit)
         commands = list(task.setup_commands) or [

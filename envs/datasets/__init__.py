@@ -12,6 +12,7 @@ The interface (names kept stable; the runners read them from the Task):
   what it lacks derived: the image by its dataset's rule, SWE-smith's gold fix as the reverse of its bug, R2E-Gym's
   id and gold patch); every published field is kept, the unknown ones in ``Task.metadata``;
 - ``image_for(dataset, record)``: the image a record of that dataset runs in when it names none;
+- ``record_id(record)``: the id its task gets (R2E-Gym's rows have none: ``<repo_name>__<commit_hash>``);
 - ``read_records(source)``: the records of a JSONL / JSON / Parquet file or a Hugging Face ``datasets`` object,
   as plain JSON values (``envs.datasets.files``).
 
@@ -37,7 +38,7 @@ What each dataset's fields become on the Task (``envs.task.Task``):
 from __future__ import annotations
 
 from envs.datasets.files import SourceError, read_records
-from envs.datasets.rules import DATASETS, RecordError, adapt, agentenv_image, detect, image_for
+from envs.datasets.rules import DATASETS, RecordError, adapt, agentenv_image, detect, image_for, record_id
 
 __all__ = ["DATASETS", "RecordError", "SourceError", "adapt", "agentenv_image", "detect", "image_for",
-           "read_records"]
+           "read_records", "record_id"]

@@ -142,6 +142,15 @@ def _known(dataset: Any) -> str:
     return str(dataset)
 
 
+def record_id(record: Mapping[str, Any]) -> str:
+    """The id a record's task gets: its ``instance_id``; R2E-Gym's rows have none: ``<repo_name>__<commit_hash>``
+    ("" when a record has neither)."""
+    iid = record.get("instance_id") or record.get("id")
+    if not iid and record.get("repo_name") and record.get("commit_hash"):
+        return f"{record['repo_name']}__{record['commit_hash']}"
+    return str(iid or "")
+
+
 def detect(record: Mapping[str, Any]) -> str:
     """The dataset a record comes from, by its fields: a ``dataset`` field names it; R2E-Gym's
     ``expected_output_json`` / ``parsed_commit_content``; SWE-rebench's ``install_config``; SWE-smith's
@@ -213,7 +222,8 @@ def _r2e(rec: dict[str, Any]) -> None:
     """R2E-Gym's rows: no instance id, repository, gold patch or FAIL_TO_PASS of SWE-bench's kind; derive them."""
     if "instance_id" not in rec or "repo" not in rec:
         repo = _text(rec, "repo_name", "R2E-Gym's repository")
-        rec.setdefault("instance_id", f"{repo}__{_text(rec, 'commit_hash', 'R2E-Gym names its instances by it')}")
+        _text(rec, "commit_hash", "R2E-Gym names its instances by it")
+        rec.setdefault("instance_id", record_id(rec))
         rec.setdefault("repo", repo)
     expected = rec.get("expected_output_json")
     if not isinstance(expected, str):
