@@ -41,7 +41,7 @@ from agentenv.api import Backend, SandboxLike
 from agentenv.errors import AgentEnvError, ImageNotFound, ImageUnavailable
 from envs.base import TASK_LABEL
 from envs.images import DOCS, build_hint
-from envs.task import Task
+from envs.task import HEAD, Task
 
 WORKDIR = "/testbed"
 
@@ -161,9 +161,11 @@ def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tu
             raise TaskImageMissing(task, why) from e
         sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
     try:
-        base = shlex.quote(task.base_commit)
+        # a bug patch is applied to the image's commit, and its commit (fixed dates) is the base: the same each time
+        checkout = HEAD if task.bug_patch else task.base_commit
+        base = shlex.quote(checkout)
         commands = list(task.setup_commands) or [
-            f"git cat-file -e {base}^{{commit}} 2>/dev/null || {{ echo \"commit {task.base_commit} is not in the "
+            f"git cat-file -e {base}^{{commit}} 2>/dev/null || {{ echo \"commit {checkout} is not in the "
             f"repository (the image is at $(git rev-parse HEAD 2>&1))\"; exit 2; }}; "
             f"git checkout -q -f {base} && git clean -fdq"]
         if task.bug_patch:
@@ -181,7 +183,7 @@ def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tu
                              f"({r.exit_code}): {(r.stdout + r.stderr).strip()[-600:]}",
                              fix="check the image's /testbed repository (git fsck)")
         head = sb.exec("git rev-parse HEAD", timeout=60, cwd=WORKDIR).stdout.strip()
-        resolve = task.base_is_head or bool(task.bug_patch)  # the bug's commit is made here
+        resolve = task.base_is_head
         if not resolve and not head.startswith(task.base_commit):
             raise SetupError(f"task {task.instance_id}: /testbed is at {head}, not the base commit "
                              f"{task.base_commit}", fix=_setup_fix(task))

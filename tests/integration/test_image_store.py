@@ -7,6 +7,7 @@ prewarming two env servers through their route."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import socket
@@ -202,7 +203,7 @@ def test_eviction_takes_the_least_recently_used_and_never_what_a_sandbox_stands_
         assert mine[ids[held]].held_by == f"sandbox {sb.id}" and mine[ids[new]].held_by is None
 
 
-def test_prewarm_makes_two_servers_ensure_every_image_with_progress(registry, names):
+def test_prewarm_makes_two_servers_ensure_every_image_with_progress(registry, names, tmp_path, capsys):
     name = pushed(registry, names)
     absent = swe_bench_image(uuid.uuid4().hex[:8])
     seen: list[tuple[str, int, int]] = []
@@ -218,6 +219,19 @@ def test_prewarm_makes_two_servers_ensure_every_image_with_progress(registry, na
         for url in (a, b):
             assert not by[(url, absent)].ok and absent in by[(url, absent)].error
             assert f"mirror {registry}/{absent}" in by[(url, absent)].error
+        # the task set's command: its images on the servers named, a line per image as each is done
+        from envs.tasks.__main__ import main
+
+        (tmp_path / "token").write_text(TOKEN)
+        record = {"repo": "demo/demo", "instance_id": name.split(".")[-1].split(":")[0].replace("_1776_", "__"),
+                  "base_commit": "a" * 40, "patch": "--- a/x\n+++ b/x\n", "problem_statement": "p",
+                  "version": "1.0", "FAIL_TO_PASS": '["t.py::t"]', "PASS_TO_PASS": "[]"}
+        assert Task.from_json(record).image == name
+        (tmp_path / "tasks.jsonl").write_text(json.dumps(record) + "\n")
+        assert main(["prewarm", "--tasks", str(tmp_path / "tasks.jsonl"), "--url", a, "--url", b,
+                     "--token-file", str(tmp_path / "token")]) == 0
+        out = capsys.readouterr().out
+        assert "[prewarm 2/2]" in out and "2/2 image(s) on their servers" in out
         with agentenv.connect(a, TOKEN) as client:
             usage = client.request("GET", "/v1/images")
             assert usage["total"] > 0 and any(name in i["tags"] for i in usage["images"])
