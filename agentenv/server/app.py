@@ -175,10 +175,13 @@ def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info",
           e2b: bool | None = None, warm_pool: int = 0, domain: str | None = None,
           shared_store: str | Path | None = None, transfer_key: str | Path | None = None,
-          pages: Sequence[Callable[[FastAPI], None]] = ()) -> None:
+          pages: Sequence[Callable[[FastAPI], None]] = (), image_mirrors: Sequence[str] | None = None,
+          image_tarballs: str | None = None, image_pull: bool | None = None,
+          pull_deadline: float | None = None) -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
                      warm_pool=warm_pool, domain=domain, shared_store=shared_store, transfer_key=transfer_key,
-                     pages=pages)
+                     pages=pages, image_mirrors=image_mirrors, image_tarballs=image_tarballs, image_pull=image_pull,
+                     pull_deadline=pull_deadline)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()
