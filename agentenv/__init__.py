@@ -14,13 +14,35 @@ settings (``config``, ``phases``) and the command line (``cli``, ``tour``).
 from typing import Any
 
 from agentenv import errors
-from agentenv.api import Backend, ExecResult, Limits, SandboxInfo, SandboxLike, SnapshotInfo, SnapshotLike
+from agentenv.api import (
+    Backend,
+    ExecResult,
+    ImageFetch,
+    Limits,
+    SandboxInfo,
+    SandboxLike,
+    SnapshotInfo,
+    SnapshotLike,
+)
 from agentenv.sandbox.core import Process, Sandbox
 from agentenv.sandbox.store import Snapshot
 
-__all__ = ["Backend", "ExecResult", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
-           "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "errors"]
+__all__ = ["Backend", "ExecResult", "ImageFetch", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
+           "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "ensure_image", "errors"]
 __version__ = "0.1.0"
+
+
+def ensure_image(image: str, *, deadline: float | None = None) -> ImageFetch:
+    """Make sure ``image`` is on this host: its local store, a ``docker load`` tarball, a mirror or a registry (the
+    sources ``AGENTENV_IMAGE_*`` name; ``agentenv.host.image_store``); where it came from, or ImageUnavailable."""
+    import dataclasses
+
+    from agentenv.host import image_store
+
+    sources = image_store.ImageSources.from_env()
+    if deadline is not None:
+        sources = dataclasses.replace(sources, deadline=deadline)
+    return image_store.ensure(image, sources)
 
 
 def __getattr__(name: str) -> Any:

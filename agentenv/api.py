@@ -203,6 +203,19 @@ class FileInfo(_Value):
     metadata: dict[str, str] | None = None  # its ``user.e2b.*`` extended attributes (E2B's file metadata), if any
 
 
+@dataclass(frozen=True)
+class ImageFetch(_Value):
+    """Where an image asked for (``ensure_image``) came from: ``source`` "local" (it was there), "tarball" (a
+    ``docker load`` of the file ``detail``), "mirror" (pulled as ``detail``, tagged with ``image``) or "registry"
+    (pulled by its own name); ``id`` the image's id, ``seconds`` how long it took."""
+
+    image: str
+    id: str
+    source: str
+    detail: str = ""
+    seconds: float = 0.0
+
+
 def info_of(obj: Any, cls: type[_V]) -> _V:
     """The ``cls`` value of any object that has its fields as attributes (a Sandbox, a Snapshot, ...)."""
     return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]

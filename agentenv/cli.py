@@ -26,6 +26,7 @@ app.add_typer(snapshots_app, name="snapshots")
 cluster_app = typer.Typer(help="The env-server fleet on a Ray cluster: one `agentenv serve` per node.",
                           no_args_is_help=True)
 app.add_typer(cluster_app, name="cluster")
+
 console = Console()
 
 
@@ -106,6 +107,18 @@ def show_volume() -> None:
                   f"disk limits hold; snapshot store limit: {'none' if cap is None else f'{cap / 2**30:.1f} GiB'}")
 
 
+ImageMirror = typer.Option("--image-mirror", help="a registry mirroring the images' namespaces (HOST:PORT, or "
+                                                  "HOST:PORT/PATH; "
+                                                  "repeatable), tried before the image's own registry "
+                                                  "(default: $AGENTENV_IMAGE_MIRRORS)")
+ImageTarballs = typer.Option(help="a folder of `docker save` tarballs, each <the image name, any character but "
+                                  "letters, digits and ._- made _>.tar "
+                                  "(default: $AGENTENV_IMAGE_TARBALLS)")
+ImagePull = typer.Option("--image-pull/--no-image-pull", help="pull from registries at all (default: "
+                                                              "$AGENTENV_IMAGE_PULL, else yes)")
+PullDeadline = typer.Option(help="seconds a pull may take (default: $AGENTENV_PULL_DEADLINE, else 600)")
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you mean otherwise)"),
@@ -134,6 +147,10 @@ def serve(
                                                            "docs/transfer.md)")] = None,
     runs: Annotated[Path | None, typer.Option(help="a folder of run folders: the console shows their trajectories "
                                                    "at /console/runs (docs/viewer.md)")] = None,
+    image_mirror: Annotated[list[str] | None, ImageMirror] = None,
+    image_tarballs: Annotated[Path | None, ImageTarballs] = None,
+    image_pull: Annotated[bool | None, ImagePull] = None,
+    pull_deadline: Annotated[float | None, PullDeadline] = None,
 ) -> None:
     """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token.
 
@@ -154,7 +171,8 @@ def serve(
         server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
                      warm_pool=warm_pool, domain=domain, shared_store=shared_store, transfer_key=transfer_key,
-                     pages=pages)
+                     pages=pages, image_mirrors=image_mirror, image_pull=image_pull, pull_deadline=pull_deadline,
+                     image_tarballs=str(image_tarballs) if image_tarballs else None)
     except ValueError as e:  # an option refused (a shared store, runs, not a directory, a bad --domain or key file)
         console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
@@ -225,6 +243,10 @@ def cluster_up(
     transfer_key: Annotated[Path | None, typer.Option(help="file (0600, at this path on every node) of the key the "
                                                            "servers share to move snapshots between them "
                                                            "(docs/transfer.md); default: each node's own")] = None,
+    image_mirror: Annotated[list[str] | None, ImageMirror] = None,
+    image_tarballs: Annotated[Path | None, ImageTarballs] = None,
+    image_pull: Annotated[bool | None, ImagePull] = None,
+    pull_deadline: Annotated[float | None, PullDeadline] = None,
 ) -> None:
     """Start an env server on every alive Ray node that has none (again: keeps those up); each a detached
     Ray actor pinned to its node, found by `agentenv.Pool.from_ray()` and `agentenv rollout --env-fleet`."""
@@ -238,6 +260,10 @@ def cluster_up(
     server: dict[str, Any] = {"max_sandboxes": max_sandboxes, "max_memory": max_memory, "max_disk": max_disk}
     if transfer_key is not None:
         server["transfer_key"] = str(transfer_key)
+    for key, value in (("image_mirrors", image_mirror), ("image_tarballs", image_tarballs and str(image_tarballs)),
+                       ("image_pull", image_pull), ("pull_deadline", pull_deadline)):
+        if value is not None:
+            server[key] = value
     rows = fleet.up(token, address=ray_address, host=host, port=port, cpus=cpus, home=home, server=server)
     console.print(_fleet_table(list(rows)))
 
@@ -261,6 +287,112 @@ def cluster_ls(ray_address: RayAddress = None) -> None:
     from agentenv.remote import fleet
 
     console.print(_fleet_table(list(fleet.servers(address=ray_address))))
+
+
+# --- images: where one comes from (agentenv.host.image_store), their disk, eviction ----------------------------
+
+images_app = typer.Typer(help="Docker images: where one comes from, their disk, eviction (least recently used).",
+                         no_args_is_help=True)
+
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+@images_app.command("ls")
+def list_images() -> None:
+    """Every image: its size, what it shares, its last use through agentenv, how agentenv got it, what holds it."""
+    from agentenv.host import image_store
+
+    now = image_store.usage()
+    t = Table("image", "GiB", "own GiB", "last used", "fetched", "held by")
+    for i in now.images:
+        when = _when(i.last_used) if i.last_used else "never"
+        t.add_row(plain(", ".join(i.tags) or i.id[7:19]), _gib(i.size), _gib(i.unique), when, plain(i.fetched or ""),
+                  plain(i.held_by or ""))
+    console.print(t)
+    console.print(f"images take {_gib(now.total)} GiB (shared layers once); last use: agentenv's record in the "
+                  "home's image-uses/ (Docker keeps none)")
+
+
+@images_app.command("pull")
+def pull_images(
+    images: list[str],
+    image_mirror: Annotated[list[str] | None, ImageMirror] = None,
+    image_tarballs: Annotated[Path | None, ImageTarballs] = None,
+    image_pull: Annotated[bool | None, ImagePull] = None,
+    pull_deadline: Annotated[float | None, PullDeadline] = None,
+) -> None:
+    """Make sure each image is on this host: its local store, a tarball, a mirror, its registry (with progress)."""
+    import dataclasses
+
+    from agentenv.errors import ImageUnavailable
+    from agentenv.host import image_store
+
+    env = image_store.ImageSources.from_env()
+    sources = dataclasses.replace(
+        env, mirrors=tuple(image_mirror) if image_mirror else env.mirrors,
+        tarballs=str(image_tarballs) if image_tarballs else env.tarballs,
+        pull=env.pull if image_pull is None else image_pull, deadline=pull_deadline or env.deadline)
+    failed = 0
+    for name in images:
+        try:
+            got = image_store.ensure(name, sources, say=lambda line: console.print(markup(line)))
+            console.print(f"{markup(name)}: {got.source} {markup(got.detail)} ({got.seconds:.1f} s)")
+        except ImageUnavailable as e:
+            console.print(f"[red]error:[/] {markup(e)}")
+            failed += 1
+    if failed:
+        raise typer.Exit(1)
+
+
+@images_app.command("evict")
+def evict_images(
+    budget: str = typer.Option(..., help="what the images may take after it, e.g. 500g"),
+    all_images: bool = typer.Option(False, "--all", help="also images agentenv did not fetch itself (yours)"),
+    dry_run: bool = typer.Option(False, help="say what would go, remove nothing"),
+) -> None:
+    """Remove images, least recently used first, until they fit the budget; never one a sandbox, a snapshot or a
+    container stands on, nor the base image."""
+    from agentenv.config import parse_size
+    from agentenv.host import image_store
+
+    gone = image_store.evict(parse_size(budget), only_fetched=not all_images, dry_run=dry_run,
+                             say=lambda line: console.print(markup(line)))
+    after = image_store.usage().total
+    console.print(f"{'would remove' if dry_run else 'removed'} {len(gone)} image(s), "
+                  f"{_gib(sum(i.unique for i in gone))} GiB; images take {_gib(after)} GiB now")
+
+
+def cluster_prewarm(
+    images: list[str],
+    ray_address: Annotated[str | None, typer.Option(help="the Ray cluster (default: the one on this machine)")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="the servers' token (else $AGENTENV_TOKEN)")] = None,
+    deadline: float | None = typer.Option(None, help="seconds each pull may take (at most the servers' own)"),
+) -> None:
+    """Get images onto every fleet server before a run (each server's own sources), a line per image done.
+    For a task set: `python -m envs.tasks prewarm --tasks FILE`."""
+    import os
+
+    from agentenv.remote.prewarm import Warmed, prewarm_fleet
+
+    token = (token_file.read_text() if token_file else os.environ.get("AGENTENV_TOKEN", "")).strip()
+    if not token:
+        console.print("[red]error:[/] give --token-file FILE or set $AGENTENV_TOKEN")
+        raise typer.Exit(2)
+
+    def show(w: Warmed, done: int, total: int) -> None:
+        what = f"{w.source} ({w.seconds:.1f} s)" if w.ok else f"[red]failed:[/] {markup(w.error)}"
+        console.print(f"[{done}/{total}] {markup(w.url)} {markup(w.image)}: {what}")
+
+    got = prewarm_fleet(token, images, address=ray_address, deadline=deadline, on_progress=show)
+    if not all(w.ok for w in got):
+        raise typer.Exit(1)
+
+
+app.add_typer(images_app, name="images")
+cluster_app.command("prewarm")(cluster_prewarm)
 
 
 def _mount_plugins() -> None:

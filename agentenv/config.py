@@ -62,6 +62,7 @@ class Paths:
         agents/             the in-sandbox agent, its parts joined, one file by content (bind-mounted read-only)
         exports/, imports/  snapshots packed for, and coming from, other servers (``agentenv.sandbox.transfer``)
         e2b-templates/      the E2B templates (``agentenv.server.e2b.template_store``)
+        image-uses/         when each Docker image last started a sandbox (``agentenv.host.image_store``)
         volume.img          the sparse btrfs image of the volume (when agentenv made it); volume.lock
         store-limit         the snapshot store's limit (``agentenv.sandbox.store.set_limit``)
         volume/             the volume: what sandboxes write, and the files of snapshots (one filesystem, so
@@ -139,14 +140,18 @@ class Paths:
         return self.home / "e2b-templates"
 
     @property
+    def image_uses(self) -> Path:
+        return self.home / "image-uses"
+
+    @property
     def tmp(self) -> Path:
         return self.home / "tmp"
 
     def folders(self) -> dict[Path, int]:
         """The home's own folders and their modes, the home first and ``tmp`` last."""
         passable = (self.home, self.sandboxes, self.snapshots, self.agents)
-        private = (self.runc_root, self.uids, self.exports, self.imports, self.templates, self.volume,
-                   self.tmp)
+        private = (self.runc_root, self.uids, self.exports, self.imports, self.templates, self.image_uses,
+                   self.volume, self.tmp)
         return {**{d: PASSABLE for d in passable}, **{d: PRIVATE_DIR for d in private}}
 
     def private_files(self) -> tuple[Path, ...]:

@@ -24,6 +24,11 @@ class ImageNotFound(AgentEnvError, LookupError):
                          fix="build it first, or pick one of the images present")
 
 
+class ImageUnavailable(AgentEnvError, LookupError):
+    """An image is not on the host and none of its sources gave it: no tarball, no mirror had it, no registry
+    answered before the deadline; the message names the image and each source's reason."""
+
+
 class SandboxNotFound(AgentEnvError, LookupError):
     """No sandbox with that id."""
 
@@ -120,7 +125,7 @@ class SandboxLost(SandboxStateError):
 
 _STATUS: list[tuple[type[BaseException], int]] = [
     (Unauthorized, 401), (DiskLimitRequired, 403), (NetworkRuleError, 400), (PageServerKeyError, 400),
-    (SandboxNotFound, 404), (SnapshotNotFound, 404), (ImageNotFound, 404),
+    (SandboxNotFound, 404), (SnapshotNotFound, 404), (ImageNotFound, 404), (ImageUnavailable, 404),
     (SandboxStateError, 409),
     (QuotaExceeded, 429),
     (StoreFullError, 507),

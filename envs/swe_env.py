@@ -1,6 +1,9 @@
 """SWEEnv (``agentenv/SWE-v0``): a coding agent fixes a repository in a sandbox; graded like SWE-bench.
 
-``reset(options={"task": ...})`` starts a sandbox of the task's image with the repository at its
+Tasks come as ``tasks=`` (a list of Tasks, records or ids; a task file: JSONL, JSON or Parquet; or a
+``datasets.Dataset``; ``dataset=`` names the dataset its records come from when their fields cannot tell, see
+``envs.datasets``) or ``task=``. ``reset(options={"task": ...})`` starts a sandbox of the task's image (fetched
+by its dataset's rule when the host lacks it: ``envs.task_sandbox.fetch_image``) with the repository at its
 base commit; the observation is the problem statement and the tool list. Each step is one action
 (K3 tool-call text or a dict) holding one or more tool calls (``bash``, ``view``, ``str_replace``,
 ``create``, ``submit``; see ``envs.tools``), run in order; the observation is their output.
@@ -28,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
@@ -88,10 +91,10 @@ class SWEEnv(SandboxEnv[Task]):
     """One task per episode in its own sandbox; actions are tool calls, reward comes from grading."""
 
     def __init__(self, task: Task | str | Mapping[str, Any] | None = None,
-                 tasks: Sequence[Task | str | Mapping[str, Any]] | str | os.PathLike[str] | None = None,
+                 tasks: Iterable[Task | str | Mapping[str, Any]] | str | os.PathLike[str] | None = None,
                  max_steps: int | None = DEFAULT_MAX_STEPS, max_output: int = 10_000,
                  bash_timeout: float = 60.0, test_timeout: float = 900.0, render_mode: str | None = None,
-                 api: Backend | None = None, **sandbox_kwargs: Any) -> None:
+                 api: Backend | None = None, dataset: str | None = None, **sandbox_kwargs: Any) -> None:
         super().__init__(api=api, max_steps=max_steps, render_mode=render_mode, sandbox_kwargs=sandbox_kwargs)
         self.observation_space = UnicodeText(MAX_OBSERVATION)
         self.action_space = UnicodeText(MAX_ACTION, min_length=1)
@@ -105,10 +108,12 @@ class SWEEnv(SandboxEnv[Task]):
         self._pool: list[Task] | None = None
         if isinstance(tasks, str | os.PathLike):
             path = Path(tasks)
-            if not path.is_file():
-                raise TaskError("tasks= takes a list of tasks or the path of a task file (JSONL or JSON)",
-                                where=str(path))
-            self._pool = [self._remember(t, source=path) for t in load_tasks(path)]
+            if not path.exists():
+                raise TaskError("tasks= takes a list of tasks, a datasets.Dataset, or the path of a task file "
+                                "(JSONL, JSON or Parquet, or a folder of Parquet files)", where=str(path))
+            self._pool = [self._remember(t, source=path) for t in load_tasks(path, dataset=dataset)]
+        elif tasks is not None and type(tasks).__module__.startswith("datasets."):  # a Hugging Face dataset
+            self._pool = [self._remember(t) for t in load_tasks(tasks, dataset=dataset)]
         elif tasks is not None:
             self._pool = [self._remember(t) for t in tasks]
 

@@ -1,15 +1,18 @@
 """The task record (SWE-bench instance fields plus what running it here needs) and its loaders.
 
-A task file is JSONL (one record a line) or JSON (a list of records, or ``{"tasks": [...]}``) in
-the SWE-bench shape, so SWE-bench, SWE-Gym or SWE-smith style files load as they are published:
-``FAIL_TO_PASS`` and ``PASS_TO_PASS`` may be lists or JSON-encoded lists (as in the Hugging Face
-datasets), fields this module does not know (``created_at``, ...) are kept in ``metadata``, and the
-fields such files lack have defaults (or can be given as ``defaults``):
+One task type for every dataset's records, loaded as they are published (``envs.datasets`` says, per dataset,
+what its fields become: SWE-bench 4.x and 5.x, SWE-Gym, SWE-smith, R2E-Gym, SWE-rebench, SWE-bench-extra, and
+agentenv's own). A task file is JSONL (one record a line), JSON (a list of records, or ``{"tasks": [...]}``) or
+Parquet (a file, or a folder of them as the Hugging Face hub lays them out); a ``datasets.Dataset`` loads too.
+``FAIL_TO_PASS`` and ``PASS_TO_PASS`` may be lists or JSON-encoded lists, ``version`` a string or a number, fields
+this module does not know (``created_at``, ...) are kept in ``metadata``, and the dataset a record comes from is
+detected from its fields or named by the caller (``dataset=``) and kept in ``Task.dataset``. The fields such
+files lack have defaults (or can be given as ``defaults``):
 
-- ``image``: named from the repository and version (``image_name``): ``agentenv/swe-<name>:<version>``,
-  where ``pypi/NAME`` gives ``NAME`` and ``OWNER/NAME`` gives ``OWNER__NAME`` (lowercased), e.g.
-  ``astropy/astropy`` 4.3 -> ``agentenv/swe-astropy__astropy:4.3``; what ``python -m envs.tasks images``
-  builds for a library of that name (or ``"repo"``) and version;
+- ``image``: the one the record names (``image``, or its dataset's own field), else its dataset's naming rule
+  (``envs.datasets.rules``); agentenv's own rule (``image_name``) is ``agentenv/swe-<name>:<version>``, where
+  ``pypi/NAME`` gives ``NAME`` and ``OWNER/NAME`` gives ``OWNER__NAME`` (lowercased), e.g. ``astropy/astropy`` 4.3
+  -> ``agentenv/swe-astropy__astropy:4.3``: what ``python -m envs.tasks images`` builds;
 - ``test_command``: ``PYTEST_COMMAND`` (pytest with the ``-rA`` summary the ``pytest`` log parser reads);
 - ``base_commit``: ``"HEAD"`` (also when omitted) means the commit /testbed is at once the image is
   started and the setup commands have run; it is resolved at reset (``envs.task_sandbox.start_task``).
@@ -26,9 +29,14 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from envs.datasets import DATASETS, RecordError, SourceError, adapt, agentenv_image, read_records
+
 SWE_FIELDS = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
               "FAIL_TO_PASS", "PASS_TO_PASS", "version", "environment_setup_commit")
 LOG_PARSERS = ("pytest",)  # kept in sync with grading.PARSERS (a unit test checks)
+# a dataset's own parser, named as its harness names it (swebench's PARSER_REGISTRY: parse_log_django, ...)
+_HARNESS_PARSER = re.compile(r"parse_log_[a-z0-9_]+")
+EVAL_TYPES = ("", "pass_and_fail", "fail_only")  # SWE-bench 5's eval_type ("" where the record has none)
 HEAD = "HEAD"  # a base_commit that means "the commit the image's /testbed is at" (resolved at reset)
 PYTEST_COMMAND = ("python3 -m pytest -p no:cacheprovider -o addopts= -rA --tb=short --color=no "
                   "-W ignore::DeprecationWarning {tests}")
@@ -64,8 +72,18 @@ class Task:
     version: str = ""
     environment_setup_commit: str = ""
     setup_commands: tuple[str, ...] = ()  # run in /testbed at reset; must leave HEAD at base_commit
-    log_parser: str = "pytest"
+    log_parser: str = "pytest"      # ours ("pytest"), a dataset harness's (parse_log_django, ...), or "" (by repo)
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    # what the datasets add (envs.datasets: which published field each comes from)
+    dataset: str = "agentenv"       # the dataset the record came from (envs.datasets.DATASETS)
+    bug_patch: str = ""             # applied at reset, before the agent (SWE-smith's published patch); then
+                                    # `patch`, the gold fix, is its reverse
+    eval_script: str = ""           # SWE-bench 5: the eval script as published
+    eval_type: str = ""             # SWE-bench 5: "pass_and_fail" or "fail_only"
+    install_config: Mapping[str, Any] = field(default_factory=dict)  # SWE-rebench: test_cmd, log_parser, ...
+    expected_output_json: str = ""  # R2E-Gym: the exact map test -> status the tests must give, as published
+    hidden_paths: tuple[str, ...] = ()  # absolute paths removed from the agent's sandbox at reset (R2E-Gym's
+                                        # /r2e_tests): grading puts them back from the image
 
     @property
     def base_is_head(self) -> bool:
@@ -85,18 +103,32 @@ class Task:
             seen.setdefault(t.split("::", 1)[0], None)
         return list(seen)
 
+    @property
+    def expected_output(self) -> dict[str, str]:
+        """R2E-Gym's expected map (test -> status); empty for the other datasets."""
+        return dict(json.loads(self.expected_output_json)) if self.expected_output_json else {}
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["FAIL_TO_PASS"], d["PASS_TO_PASS"] = list(self.FAIL_TO_PASS), list(self.PASS_TO_PASS)
         d["setup_commands"], d["metadata"] = list(self.setup_commands), dict(self.metadata)
+        d["hidden_paths"], d["install_config"] = list(self.hidden_paths), dict(self.install_config)
         return d
 
     @classmethod
-    def from_json(cls, record: Any, *, defaults: Mapping[str, Any] | None = None, where: str | None = None) -> Task:
-        """Validate one record (a dict in the SWE-bench shape) into a Task."""
+    def from_json(cls, record: Any, *, defaults: Mapping[str, Any] | None = None, where: str | None = None,
+                  dataset: str | None = None) -> Task:
+        """Validate one record, as its dataset publishes it (``dataset``: detected from its fields when None;
+        see ``envs.datasets``), into a Task."""
         if not isinstance(record, Mapping):
             raise TaskError(f"a task record must be a JSON object, got {type(record).__name__}", where=where)
         rec = {**(defaults or {}), **{k: v for k, v in record.items() if v is not None}}
+        raw_id = rec.get("instance_id")
+        try:
+            rec = adapt(rec, dataset)
+        except RecordError as e:
+            raise TaskError(str(e), task=raw_id if isinstance(raw_id, str) else None, field=e.field,
+                            where=where) from None
         tid = rec.get("instance_id")
         if not isinstance(tid, str) or not _ID.fullmatch(tid):
             raise TaskError(f"must be a non-empty id of letters, digits and _.:+@/-, got {tid!r}",
@@ -107,15 +139,8 @@ class Task:
 
         known = {f.name for f in fields(cls)}
         out: dict[str, Any] = {"instance_id": tid}
-        if isinstance(rec.get("version"), int | float) and not isinstance(rec.get("version"), bool):
-            rec["version"] = str(rec["version"])  # some dumps publish 3.0 as a number
         rec.setdefault("base_commit", HEAD)
         rec.setdefault("test_command", PYTEST_COMMAND)
-        if "image" not in rec and isinstance(rec.get("repo"), str) and rec["repo"].strip():
-            if not isinstance(rec.get("version"), str) or not rec["version"].strip():
-                raise err("image", "required when the record has no 'version' (the image is named from the "
-                                   "repository and version: agentenv/swe-<name>:<version>)")
-            rec["image"] = image_name(rec["repo"], rec["version"])
         for name in ("repo", "base_commit", "patch", "problem_statement", "image", "test_command"):
             v = rec.get(name)
             if not isinstance(v, str) or not v.strip():
@@ -124,24 +149,28 @@ class Task:
         if out["base_commit"] != HEAD and not _COMMIT.fullmatch(out["base_commit"]):
             raise err("base_commit", f"must be a git commit hash (7-40 hex digits) or {HEAD!r} (the image's "
                                      f"commit), got {out['base_commit']!r}")
-        for name in ("test_patch", "hints_text", "version", "environment_setup_commit", "log_parser"):
+        for name in ("test_patch", "hints_text", "version", "environment_setup_commit", "log_parser", "dataset",
+                     "bug_patch", "eval_script", "eval_type", "expected_output_json"):
             v = rec.get(name, "" if name != "log_parser" else "pytest")
             if not isinstance(v, str):
                 raise err(name, f"must be a string, got {type(v).__name__}")
             out[name] = v
-        if out["log_parser"] not in LOG_PARSERS:
-            raise err("log_parser", f"unknown parser {out['log_parser']!r}; known: {', '.join(LOG_PARSERS)}")
-        for name in ("patch", "test_patch"):
+        _check_dataset_fields(out, rec, err)
+        for name in ("patch", "test_patch", "bug_patch"):
             if out[name] and "\n+++ " not in out[name] and not out[name].startswith("+++ "):
                 raise err(name, "must be a unified diff (no '+++' header found)")
         for name in ("FAIL_TO_PASS", "PASS_TO_PASS"):
             out[name] = _str_list(rec.get(name, [] if name == "PASS_TO_PASS" else None), err, name)
-        if not out["FAIL_TO_PASS"]:
+        if not out["FAIL_TO_PASS"] and not out["expected_output_json"]:
             raise err("FAIL_TO_PASS", "needs at least one test (a task nothing can fail is not a task)")
         both = set(out["FAIL_TO_PASS"]) & set(out["PASS_TO_PASS"])
         if both:
             raise err("PASS_TO_PASS", f"tests listed in FAIL_TO_PASS too: {sorted(both)[:3]}")
         out["setup_commands"] = _str_list(rec.get("setup_commands", []), err, "setup_commands")
+        out["hidden_paths"] = _str_list(rec.get("hidden_paths", []), err, "hidden_paths")
+        for p in out["hidden_paths"]:
+            if not p.startswith("/") or "/../" in p + "/" or p.rstrip("/") in ("", "/testbed"):
+                raise err("hidden_paths", f"an absolute path inside the sandbox (not / or /testbed itself), got {p!r}")
         meta = rec.get("metadata", {})
         if not isinstance(meta, Mapping):
             raise err("metadata", f"must be an object, got {type(meta).__name__}")
@@ -153,11 +182,37 @@ class Task:
 
 
 def image_name(repo: str, version: str) -> str:
-    """The image a task of ``repo`` at ``version`` runs in when its record names none (see the module doc)."""
-    name = repo.strip()
-    name = name[len("pypi/"):] if name.startswith("pypi/") else name.replace("/", "__")
-    name = re.sub(r"[^a-z0-9._-]+", "-", name.lower())
-    return f"agentenv/swe-{name}:{re.sub(r'[^A-Za-z0-9_.-]+', '-', version.strip())}"
+    """agentenv's own image rule: what a task of ``repo`` at ``version`` runs in when its record names none (see
+    the module doc; the other datasets' rules are in ``envs.datasets.rules``)."""
+    return agentenv_image(repo, version)
+
+
+def _check_dataset_fields(out: dict[str, Any], rec: Mapping[str, Any], err: Any) -> None:
+    """The fields the datasets add: their types and values (``envs.datasets``)."""
+    if out["dataset"] not in DATASETS:
+        raise err("dataset", f"unknown dataset {out['dataset']!r}; known: {', '.join(DATASETS)}")
+    parser = out["log_parser"]
+    if out["dataset"] == "agentenv" and parser not in LOG_PARSERS:
+        raise err("log_parser", f"unknown parser {parser!r}; known: {', '.join(LOG_PARSERS)}")
+    if parser and parser not in LOG_PARSERS and not _HARNESS_PARSER.fullmatch(parser):
+        raise err("log_parser", f"unknown parser {parser!r}: ours ({', '.join(LOG_PARSERS)}) or a harness's "
+                                "parse_log_<name>")
+    if out["eval_type"] not in EVAL_TYPES:
+        raise err("eval_type", f"must be one of {EVAL_TYPES[1:]}, got {out['eval_type']!r}")
+    config = rec.get("install_config", {})
+    if not isinstance(config, Mapping):
+        raise err("install_config", f"must be an object, got {type(config).__name__}")
+    out["install_config"] = dict(config)
+    if out["expected_output_json"]:
+        try:
+            expected = json.loads(out["expected_output_json"])
+        except ValueError as e:
+            raise err("expected_output_json", f"not valid JSON: {e}") from None
+        if not isinstance(expected, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in expected.items()):
+            raise err("expected_output_json", "must be a JSON object of test -> status (strings)")
+        if not expected:
+            raise err("expected_output_json", "names no test (a task nothing can fail is not a task)")
 
 
 def diff_paths(patch: str) -> list[str]:
@@ -182,36 +237,22 @@ def _str_list(v: Any, err: Any, name: str) -> tuple[str, ...]:
     return tuple(v)
 
 
-def load_tasks(path: str | Path, *, defaults: Mapping[str, Any] | None = None) -> list[Task]:
-    """Every task in a JSONL or JSON file, validated; duplicate ids are an error."""
-    p = Path(path)
+def load_records(source: Any) -> list[tuple[str, Any]]:
+    """The raw records of a task file (JSONL, JSON, Parquet) or a ``datasets.Dataset``, with where each was read,
+    as plain JSON values (what ``reset(options={"task": ...})`` and Ray workers are given)."""
     try:
-        text = p.read_text()
-    except OSError as e:
-        raise TaskError(f"cannot read the task file: {e}", where=str(p)) from None
-    records: list[tuple[str, Any]] = []
-    stripped = text.lstrip()
-    if p.suffix == ".json" or stripped.startswith("["):
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise TaskError(f"not valid JSON: {e}", where=str(p)) from None
-        if isinstance(data, Mapping) and "tasks" in data:
-            data = data["tasks"]
-        if isinstance(data, Mapping):
-            data = [data]
-        if not isinstance(data, list):
-            raise TaskError("a JSON task file holds a list of task records", where=str(p))
-        records = [(f"{p}[{i}]", r) for i, r in enumerate(data)]
-    else:
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                records.append((f"{p}:{n}", json.loads(line)))
-            except ValueError as e:
-                raise TaskError(f"not valid JSON: {e}", where=f"{p}:{n}") from None
-    return _unique([Task.from_json(r, defaults=defaults, where=w) for w, r in records], str(p))
+        return read_records(source)
+    except SourceError as e:
+        raise TaskError(str(e).removeprefix(f"{e.where}: ") if e.where else str(e), where=e.where) from None
+
+
+def load_tasks(source: str | Path | Any, *, defaults: Mapping[str, Any] | None = None,
+               dataset: str | None = None) -> list[Task]:
+    """Every task of a JSONL / JSON / Parquet file or a ``datasets.Dataset``, validated (``dataset``: the dataset
+    the records come from, detected per record when None); duplicate ids are an error."""
+    where = str(source) if isinstance(source, str | Path) else type(source).__name__
+    return _unique([Task.from_json(r, defaults=defaults, where=w, dataset=dataset)
+                    for w, r in load_records(source)], where)
 
 
 def _unique(tasks: Iterable[Task], where: str) -> list[Task]:

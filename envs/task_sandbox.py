@@ -22,6 +22,12 @@ finds that state unchanged skips counting the history's objects (and has nothing
 A task whose ``base_commit`` is ``"HEAD"`` is at the commit the setup leaves (the image's HEAD without
 setup commands); ``start_task`` returns the task with that commit filled in, which is what grading must
 diff against.
+
+What the datasets add (``envs.datasets``): a task's ``bug_patch`` (SWE-smith's published patch, which introduces
+the bug; its instance branches live on GitHub) is applied after the setup and /testbed restarted as one commit
+(``BUG_COMMIT``: fixed author and dates, so a fork or a second reset gets the same commit), which becomes the base
+commit: the parent that would show the bug is gone. A task's ``hidden_paths`` (R2E-Gym's ``/r2e_tests`` and its
+``run_tests.sh``) are removed before the agent starts; grading puts them back from the image.
 """
 
 from __future__ import annotations
@@ -32,10 +38,10 @@ from typing import Any
 
 import agentenv
 from agentenv.api import Backend, SandboxLike
-from agentenv.errors import AgentEnvError, ImageNotFound
+from agentenv.errors import AgentEnvError, ImageNotFound, ImageUnavailable
 from envs.base import TASK_LABEL
 from envs.images import DOCS, build_hint
-from envs.task import Task
+from envs.task import HEAD, Task
 
 WORKDIR = "/testbed"
 
@@ -88,19 +94,58 @@ echo "$state" > "$g/agentenv-scrubbed"
 """
 
 
+PATCH_EOF = "AGENTENV_BUG_PATCH_EOF"
+BUG_COMMIT = ("rm -rf .git && git init -q && git add -A && GIT_AUTHOR_NAME=agentenv GIT_COMMITTER_NAME=agentenv "
+              "GIT_AUTHOR_EMAIL=agentenv@localhost GIT_COMMITTER_EMAIL=agentenv@localhost "
+              "GIT_AUTHOR_DATE=2000-01-01T00:00:00+0000 GIT_COMMITTER_DATE=2000-01-01T00:00:00+0000 "
+              "git commit -q -m base")
+
+
+def bug_commands(bug_patch: str) -> list[str]:
+    """Shell commands (in /testbed) that apply a task's ``bug_patch`` and restart the history at the result."""
+    body = bug_patch if bug_patch.endswith("\n") else bug_patch + "\n"
+    if PATCH_EOF in body:
+        raise SetupError(f"the bug patch holds the line {PATCH_EOF}, which ends the here-document that carries it")
+    return [f"git apply --whitespace=nowarn <<'{PATCH_EOF}'\n{body}{PATCH_EOF}", BUG_COMMIT]
+
+
+def hide_command(paths: tuple[str, ...]) -> str:
+    """Remove ``paths`` and check that they are gone (a path the image lacks is fine: nothing to hide)."""
+    quoted = " ".join(shlex.quote(p) for p in paths)
+    return f"rm -rf -- {quoted} && for p in {quoted}; do if [ -e \"$p\" ] || [ -L \"$p\" ]; then " \
+           f"echo \"$p is still there\"; exit 3; fi; done"
+
+
 class SetupError(AgentEnvError):
     """A task's sandbox could not be brought to its base commit."""
 
 
 class TaskImageMissing(SetupError, LookupError):
-    """The image a task names (field ``image``) is not on the sandbox host; says how to build it."""
+    """The image a task names (field ``image``) is not on the sandbox host and none of its sources had it; says
+    why (``reason``: what each source answered) and how to get it."""
 
-    def __init__(self, task: Task) -> None:
+    def __init__(self, task: Task, reason: str = "") -> None:
         self.task_id, self.field, self.image = task.instance_id, "image", task.image
-        self.repo, self.version = task.repo, task.version
-        super().__init__(f"task {task.instance_id!r}: field 'image': image {task.image!r} (repository "
-                         f"{task.repo!r}, version {task.version or '?'!r}) is not on the sandbox host",
-                         fix=build_hint(task.image))
+        self.repo, self.version, self.reason = task.repo, task.version, reason
+        why = f" ({reason})" if reason else ""
+        super().__init__(f"task {task.instance_id!r}: field 'image': image {task.image!r} ({task.dataset} record, "
+                         f"repository {task.repo!r}, version {task.version or '?'!r}) is not on the sandbox host"
+                         f"{why}", fix=build_hint(task.image) if task.dataset == "agentenv" else
+                         "load it (AGENTENV_IMAGE_TARBALLS), mirror it (AGENTENV_IMAGE_MIRRORS) or pull it where a "
+                         "registry is reachable; `python -m envs.tasks prewarm` fetches a task set's images")
+
+
+def fetch_image(task: Task, api: Backend) -> str:
+    """Get ``task.image`` onto the backend's host (``ensure_image``: a tarball, a mirror or a registry); "" when it
+    came, else why not. A backend without ``ensure_image`` (a Pool places sandboxes anywhere: prewarm it) says so."""
+    ensure = getattr(api, "ensure_image", None)
+    if not callable(ensure):
+        return "this backend cannot fetch images: prewarm its servers (python -m envs.tasks prewarm)"
+    try:
+        ensure(task.image)
+    except (ImageUnavailable, ImageNotFound) as e:
+        return str(e)
+    return ""
 
 
 def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tuple[SandboxLike, Task]:
@@ -111,13 +156,22 @@ def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tu
     try:
         sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
     except ImageNotFound as e:
-        raise TaskImageMissing(task) from e
+        why = fetch_image(task, api)  # the image by its dataset's rule, from wherever it can be had
+        if why:
+            raise TaskImageMissing(task, why) from e
+        sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
     try:
-        base = shlex.quote(task.base_commit)
+        # a bug patch is applied to the image's commit, and its commit (fixed dates) is the base: the same each time
+        checkout = HEAD if task.bug_patch else task.base_commit
+        base = shlex.quote(checkout)
         commands = list(task.setup_commands) or [
-            f"git cat-file -e {base}^{{commit}} 2>/dev/null || {{ echo \"commit {task.base_commit} is not in the "
+            f"git cat-file -e {base}^{{commit}} 2>/dev/null || {{ echo \"commit {checkout} is not in the "
             f"repository (the image is at $(git rev-parse HEAD 2>&1))\"; exit 2; }}; "
             f"git checkout -q -f {base} && git clean -fdq"]
+        if task.bug_patch:
+            commands += bug_commands(task.bug_patch)
+        if task.hidden_paths:
+            commands.append(hide_command(task.hidden_paths))
         for cmd in commands:
             r = sb.exec(cmd, timeout=300, cwd=WORKDIR)
             if r.exit_code != 0:
@@ -129,13 +183,14 @@ def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tu
                              f"({r.exit_code}): {(r.stdout + r.stderr).strip()[-600:]}",
                              fix="check the image's /testbed repository (git fsck)")
         head = sb.exec("git rev-parse HEAD", timeout=60, cwd=WORKDIR).stdout.strip()
-        if not task.base_is_head and not head.startswith(task.base_commit):
+        resolve = task.base_is_head
+        if not resolve and not head.startswith(task.base_commit):
             raise SetupError(f"task {task.instance_id}: /testbed is at {head}, not the base commit "
                              f"{task.base_commit}", fix=_setup_fix(task))
     except BaseException:
         sb.close()
         raise
-    return sb, (dataclasses.replace(task, base_commit=head) if task.base_is_head else task)
+    return sb, (dataclasses.replace(task, base_commit=head) if resolve else task)
 
 
 def start_task_sandbox(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> SandboxLike:

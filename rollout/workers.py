@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -195,12 +194,15 @@ class RolloutWorker:
 
 
 def load_task_refs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Task records from a JSONL file (one a line) or a JSON list, passed to ``reset(options={"task": ...})``."""
-    text = Path(path).read_text()
-    if text.lstrip().startswith("["):
-        records = json.loads(text)
-    else:
-        records = [json.loads(line) for line in text.splitlines() if line.strip()]
+    """Task records from a JSONL file (one a line), a JSON list, or a Parquet file or folder (a dataset as the
+    Hugging Face hub publishes it: ``envs.datasets``), as plain JSON values, passed to
+    ``reset(options={"task": ...})`` as they are (each env reads its own records)."""
+    from envs.datasets import SourceError, read_records
+
+    try:
+        records = [r for _, r in read_records(Path(path))]
+    except SourceError as e:
+        raise RolloutError(str(e)) from None
     if not all(isinstance(r, dict) for r in records):
         raise RolloutError(f"{path}: every task must be a JSON object")
     return records
@@ -208,7 +210,9 @@ def load_task_refs(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 def task_id_of(task: Any) -> str:
     if isinstance(task, Mapping):
-        return str(task.get("instance_id") or task.get("id") or "")
+        from envs.datasets import record_id
+
+        return record_id(task)  # its instance_id (R2E-Gym's rows get theirs from the repository and commit)
     return "" if task is None else str(getattr(task, "instance_id", None) or getattr(task, "id", None) or task)
 
 

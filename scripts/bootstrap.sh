@@ -40,6 +40,15 @@ apt_install btrfs-progs
 # The web console's browser tests (tests/integration/console): headless Chromium driven through Debian's own
 # chromedriver (Selenium is pointed at /usr/bin/chromedriver, so it never downloads a browser).
 apt_install chromium chromium-driver
+# A registry for the image-fetching tests (tests/integration/test_image_store.py): Debian's docker-registry, which
+# each test starts itself on a loopback port (Docker treats 127.0.0.0/8 registries as insecure: no TLS). The
+# package's own service would listen on every address: it is kept off.
+if ! dpkg-query -W -f='${Status}' docker-registry 2>/dev/null | grep -q "ok installed"; then
+    apt_install docker-registry
+    if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+        systemctl disable --now docker-registry.service >/dev/null 2>&1 || true
+    fi
+fi
 modprobe -q loop 2>/dev/null || true
 modprobe -q btrfs 2>/dev/null || true
 # Sandboxes run in user namespaces (agentenv/host/userns.py). A lazy restore's CRIU opens a userfaultfd from inside

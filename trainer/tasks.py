@@ -30,11 +30,11 @@ class TaskRef:
 
     @property
     def task_id(self) -> str:
-        if isinstance(self.task, dict):
-            return str(self.task.get("instance_id") or self.task.get("id") or "")
-        if self.task is not None:
-            return str(self.task)
-        return f"seed-{self.seed}"
+        if self.task is None:
+            return f"seed-{self.seed}"
+        from rollout.workers import task_id_of
+
+        return task_id_of(self.task)
 
 
 def resolve_function(ref: str) -> Callable[..., Any]:

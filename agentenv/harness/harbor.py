@@ -32,8 +32,10 @@ from harbor.environments.definition import (
 )
 from harbor.models.task.config import NetworkMode, NetworkPolicy
 
+import agentenv
 from agentenv import Sandbox, errors
 from agentenv.api import DEFAULT_DISK
+from agentenv.harness.fetch import create_sandbox
 from agentenv.host import images
 
 log = logging.getLogger(__name__)
@@ -99,14 +101,15 @@ class AgentenvEnvironment(BaseEnvironment):
                          on_output=lambda line: self.logger.debug(line))
         return tag
 
-    def _create(self, force_build: bool) -> Sandbox:
+    def _create(self, force_build: bool) -> Sandbox:  # docker_image: fetched when the host lacks it
         image = self._image(force_build)
         cpus, memory, storage = self._effective_cpus, self._effective_memory_mb, self._effective_storage_mb
         workdir = self.task_env_config.workdir or self._dockerfile_workdir
-        return Sandbox.create(image, cpus=float(cpus or 1), memory=f"{memory}m" if memory else "1g",
-                              disk=f"{storage}m" if storage else DEFAULT_DISK, network=self._startup_network(),
-                              env=self._startup_env(), workdir=workdir,
-                              labels={"harbor-session": self.session_id})
+        sb = create_sandbox(agentenv, image, cpus=float(cpus or 1), memory=f"{memory}m" if memory else "1g",
+                            disk=f"{storage}m" if storage else DEFAULT_DISK, network=self._startup_network(),
+                            env=self._startup_env(), workdir=workdir, labels={"harbor-session": self.session_id})
+        assert isinstance(sb, Sandbox)  # this host's, as agentenv's own module makes
+        return sb
 
     def _startup_network(self) -> bool | dict[str, list[str]]:
         """The startup policy's network; a no-network start whose later phases need one gets a network with

@@ -32,6 +32,7 @@ from inspect_ai.util import (
 )
 from pydantic import BaseModel, ConfigDict
 
+import agentenv
 from agentenv import ExecResult as AgentenvResult
 from agentenv import Sandbox, Snapshot, errors
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, JobEnd, JobOutput
@@ -86,9 +87,12 @@ def image_of(cfg: AgentenvSandboxConfig) -> str:
 
 
 async def ensure_image(cfg: AgentenvSandboxConfig) -> str:
-    """Build the config's Dockerfile (its folder the context) once per tag; the image's name."""
+    """Build the config's Dockerfile (its folder the context) once per tag, or fetch a named image the host lacks
+    (a dataset record's, by its dataset's rule: ``agentenv.ensure_image``); the image's name."""
     tag = image_of(cfg)
     if cfg.dockerfile is None:
+        if not await anyio.to_thread.run_sync(images.present, tag):
+            await anyio.to_thread.run_sync(agentenv.ensure_image, tag)
         return tag
     lock = _build_locks.setdefault(tag, anyio.Lock())
     async with lock:

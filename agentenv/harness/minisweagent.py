@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 import agentenv
 from agentenv.api import DEFAULT_IMAGE, Backend, SandboxLike, SnapshotLike
+from agentenv.harness.fetch import create_sandbox
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 SANDBOX_FIELDS = ("image", "cpus", "memory", "pids", "network", "sandbox_ttl")  # what making a sandbox takes
@@ -98,8 +99,8 @@ class AgentenvEnvironment:
                 "image": self.sandbox.image, "cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids,
                 "network": self.sandbox.network is not None, "sandbox_ttl": None})
         else:
-            self.sandbox = self.api.Sandbox.create(
-                self.config.image, cpus=self.config.cpus, memory=self.config.memory, pids=self.config.pids,
+            self.sandbox = create_sandbox(  # the record's image, fetched when the host lacks it
+                self.api, self.config.image, cpus=self.config.cpus, memory=self.config.memory, pids=self.config.pids,
                 network=self.config.network, ttl=self.config.sandbox_ttl)
         self._runner: Any = self._as_user(self.sandbox)
         self._uname: dict[str, str] | None = None

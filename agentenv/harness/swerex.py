@@ -78,6 +78,7 @@ from swerex.runtime.abstract import (
 
 import agentenv
 from agentenv.api import DEFAULT_IMAGE, Backend, JobEnd, JobOutput, SandboxLike, SnapshotLike
+from agentenv.harness.fetch import create_sandbox
 
 _T = TypeVar("_T")
 KILL_GRACE = 5.0  # seconds a timed-out command's shell has to print its marker once its processes are killed
@@ -353,7 +354,7 @@ class AgentenvDeployment(AbstractDeployment):
             if self._snapshot is not None:
                 self.sandbox = await _thread(self.api.Sandbox.restore, self._snapshot)
             else:
-                self.sandbox = await _thread(self.api.Sandbox.create, self.image, cpus=self.cpus, memory=self.memory,
+                self.sandbox = await _thread(create_sandbox, self.api, self.image, cpus=self.cpus, memory=self.memory,
                                              pids=self.pids, network=self.network, workdir=self.workdir)
         self._runtime = AgentenvRuntime(self.sandbox, logger=self.logger)
 

@@ -182,21 +182,92 @@ def present(name: str) -> bool:
     return True
 
 
-def pull(name: str) -> str | None:
-    """``docker pull`` of ``name``; None when it worked, else the engine's reason (no registry reachable, say)."""
-    import docker.errors
+PULL_DEADLINE = 600.0  # seconds a pull may take by default
 
+
+def pull(name: str, *, deadline: float = PULL_DEADLINE, on_progress: Callable[[str], None] | None = None) -> str | None:
+    """``docker pull`` of ``name``, its progress lines to ``on_progress`` (from a reader thread); None when it
+    worked, else why not: the engine's reason (no registry reachable, say), or the ``deadline`` (seconds) passed,
+    when the pull is stopped (the client goes, and the engine cancels a pull whose client left).
+
+    The ``docker`` command line runs it: a process can be stopped at a deadline, where a pull streamed through
+    the SDK holds a socket no other thread may close."""
+    import shutil
+    import subprocess
+
+    cli = shutil.which("docker")
+    if cli is None:
+        return "the docker command line is not installed (scripts/bootstrap.sh installs it)"
+    proc = subprocess.Popen([cli, "pull", name], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+    lines: list[str] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.rstrip()
+            lines.append(line)
+            del lines[:-20]
+            if on_progress is not None and line:
+                on_progress(line)
+
+    reader = threading.Thread(target=read, name="agentenv-pull", daemon=True)
+    reader.start()
     try:
-        docker_client().images.pull(name)
-    except docker.errors.APIError as e:
-        return str(e.explanation or e)
-    return None
+        code = proc.wait(timeout=deadline)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        reader.join(5)
+        return f"the pull did not finish within {deadline:g} s (a registry that does not answer, or one too slow)"
+    reader.join(5)
+    _recent.pop(name, None)
+    if code == 0 and present(name):
+        return None
+    said = [ln for ln in lines if ln.strip()]
+    return (said[-1] if said else f"docker pull exited with {code}").removeprefix("Error response from daemon: ")
 
 
 def remove(name: str) -> None:
     """Untag ``name`` (removing the image when no other tag holds it); nothing when it is already gone."""
     import docker.errors
 
-    with contextlib.suppress(docker.errors.ImageNotFound):
+    with contextlib.suppress(docker.errors.NotFound):  # ImageNotFound, or a reference another call just removed
         docker_client().images.remove(name)
     _recent.pop(name, None)
+
+
+def tag(image: str, name: str, *, unless_present: bool = False) -> None:
+    """``docker tag image name``; with ``unless_present``, nothing when ``name`` is there already (also when another
+    process tagged it and removed ``image`` meanwhile)."""
+    import docker.errors
+    from docker.utils import parse_repository_tag
+
+    repo, version = parse_repository_tag(name)
+    try:
+        if not (unless_present and present(name)):
+            docker_client().api.tag(image, repo, version or "latest")
+    except docker.errors.NotFound:
+        if not (unless_present and present(name)):
+            raise ImageNotFound(image, available()) from None
+    _recent.pop(name, None)
+
+
+def load_file(path: str) -> list[str]:
+    """``docker load`` of the tar (or gzipped tar) at ``path``; the tags it brought. AgentEnvError with the
+    engine's message when it refuses it."""
+    import docker.errors
+
+    try:
+        with open(path, "rb") as f:
+            loaded = docker_client().images.load(f)
+    except (OSError, docker.errors.DockerException) as e:
+        raise AgentEnvError(f"docker load refused {path}: {e}",
+                            fix="give a file `docker save IMAGE -o FILE` wrote (gzip is fine)") from e
+    return [t for image in loaded for t in image.tags]
+
+
+def disk_usage() -> dict[str, Any]:
+    """``docker system df``'s view of the images: ``LayersSize`` (bytes of every layer, shared ones once) and
+    ``Images`` (``Id``, ``RepoTags``, ``Size``, ``SharedSize``, ``Containers``, ``Created``)."""
+    return dict(docker_client().df())

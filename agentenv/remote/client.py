@@ -32,6 +32,7 @@ from agentenv.api import (
     MAX_FORK,
     ExecResult,
     FileInfo,
+    ImageFetch,
     JobEnd,
     JobInfo,
     JobOutput,
@@ -85,6 +86,14 @@ class Client:
     def server_info(self) -> dict[str, Any]:
         """Version, capacity (live and free sandboxes and memory) and what the server recovered at start."""
         return cast(dict[str, Any], self.request("GET", "/v1/server", idempotent=True))
+
+    def ensure_image(self, image: str, *, deadline: float | None = None) -> ImageFetch:
+        """Make sure ``image`` is on the server's host (its local store, a tarball, a mirror or a registry: the
+        server's own sources, ``agentenv.host.image_store``); where it came from. ImageUnavailable when none has
+        it. The call waits as long as the pull may take (``deadline``, at most the server's own)."""
+        wait = (deadline or 3600.0) + 60.0
+        return ImageFetch.from_wire(self.request("POST", "/v1/images/ensure", {"image": image, "deadline": deadline},
+                                                 timeout=wait))
 
     def request(self, method: str, path: str, body: Any = None, *, params: dict[str, Any] | None = None,
                 content: bytes | None = None, timeout: float | None = None, idempotent: bool = False) -> Any:

@@ -51,7 +51,7 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
-from agentenv.host import admission, images, ksm, lazy_pages, userns, volume
+from agentenv.host import admission, image_store, images, ksm, lazy_pages, userns, volume
 from agentenv.host import network as hostnet
 from agentenv.host.agent_process import AgentProcess, protect_agent
 from agentenv.host.hostcalls import proc_start_time
@@ -133,6 +133,8 @@ class Sandbox(Calls, Record):
              parent: str | None) -> Sandbox:
         """The record of a sandbox being made: state 'creating', owned by this process until it runs (if
         the process dies first, ``recover`` removes what there is of it)."""
+        with contextlib.suppress(OSError):  # the image's last use (agentenv.host.image_store): never fails a start
+            image_store.record_use(spec.image_id, [image] if image != spec.image_id else [])
         now = time.time()
         sid = store.new_id("sb")
         rec = {"id": sid, "image": image, "spec": spec.to_json(), "state": "creating",

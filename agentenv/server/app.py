@@ -19,10 +19,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentenv import __version__
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
+from agentenv.host.image_store import ImageSources
 from agentenv.sandbox import shared, store, trust, warm
 from agentenv.server import console
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
-from agentenv.server.routes import commands, files, jobs, migration, sandboxes, server, snapshots
+from agentenv.server.routes import commands, files, images, jobs, migration, sandboxes, server, snapshots
 from agentenv.server.routing import (
     WireResponse,
     complete_openapi,
@@ -42,7 +43,9 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
                max_store: str | int | None = None, unlimited_disk: bool = False,
                reap_interval: float = 5.0, e2b: bool | None = None, warm_pool: int = 0,
                domain: str | None = None, shared_store: str | Path | None = None,
-               transfer_key: str | Path | None = None, pages: Sequence[Callable[[FastAPI], None]] = ()) -> FastAPI:
+               transfer_key: str | Path | None = None, pages: Sequence[Callable[[FastAPI], None]] = (),
+               image_mirrors: Sequence[str] | None = None, image_tarballs: str | None = None,
+               image_pull: bool | None = None, pull_deadline: float | None = None) -> FastAPI:
     """The environment server's app; ``token`` guards every route but /health and /metrics (and /openapi.json,
     the spec: there is no docs page).
 
@@ -59,6 +62,8 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     the home's own key, which only servers of this home share). ``pages``: what other packages add to the
     console, each called with the app before the console's own pages (``agentenv serve --runs``: the trajectory
     viewer, found through the ``agentenv.console`` entry points: agentenv imports no other package).
+    ``image_mirrors``, ``image_tarballs``, ``image_pull``, ``pull_deadline``: where ``/v1/images/ensure`` finds an
+    image this host lacks (``agentenv.host.image_store.ImageSources``; each None: from the environment).
     """
     if not token:
         raise ValueError("the server needs a bearer token (--token-file or $AGENTENV_TOKEN)")
@@ -88,6 +93,12 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
                               "(Content-Type / Accept: application/msgpack).",
                   default_response_class=WireResponse, docs_url=None, redoc_url=None)
     app.state.service = service
+    env_sources = ImageSources.from_env()
+    app.state.image_sources = ImageSources(
+        mirrors=tuple(image_mirrors) if image_mirrors is not None else env_sources.mirrors,
+        tarballs=image_tarballs if image_tarballs is not None else env_sources.tarballs,
+        pull=image_pull if image_pull is not None else env_sources.pull,
+        deadline=pull_deadline if pull_deadline is not None else env_sources.deadline)
     app.state.expected_auth = f"Bearer {token}".encode()
     app.state.token = token
     app.state.auth_failures = AuthFailures()  # every check of a credential: the bearer, the console's, E2B's
@@ -106,7 +117,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
         with replying_as(request):
             return invalid_response(exc)
 
-    for module in (server, sandboxes, commands, jobs, files, snapshots, migration):
+    for module in (server, sandboxes, commands, jobs, files, snapshots, migration, images):
         app.include_router(module.router)
     for install in pages:  # before the console's /console/{page}, which would take their paths
         install(app)
@@ -164,10 +175,13 @@ def serve(token: str, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, max_
           unlimited_disk: bool = False, reap_interval: float = 5.0, log_level: str = "info",
           e2b: bool | None = None, warm_pool: int = 0, domain: str | None = None,
           shared_store: str | Path | None = None, transfer_key: str | Path | None = None,
-          pages: Sequence[Callable[[FastAPI], None]] = ()) -> None:
+          pages: Sequence[Callable[[FastAPI], None]] = (), image_mirrors: Sequence[str] | None = None,
+          image_tarballs: str | None = None, image_pull: bool | None = None,
+          pull_deadline: float | None = None) -> None:
     """Run the server until interrupted (sandbox calls run in uvicorn's thread pool)."""
     app = create_app(token, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
                      max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
                      warm_pool=warm_pool, domain=domain, shared_store=shared_store, transfer_key=transfer_key,
-                     pages=pages)
+                     pages=pages, image_mirrors=image_mirrors, image_tarballs=image_tarballs, image_pull=image_pull,
+                     pull_deadline=pull_deadline)
     uvicorn.Server(uvicorn_config(app, host, port, log_level)).run()

@@ -1,7 +1,9 @@
-"""python -m envs.tasks images | base-commit | scrub-script | search | build | validate — SWE task sets.
+"""python -m envs.tasks images | base-commit | scrub-script | search | build | validate | prewarm — SWE task sets.
 
 The shipped set by default; any other with ``--libraries FILE`` (the libraries images are built from,
-see envs/tasks/libraries.py) and ``--tasks FILE`` (task records, see envs/task.py).
+see envs/tasks/libraries.py) and ``--tasks FILE`` (task records, see envs/task.py: JSONL, JSON or Parquet, a
+published dataset's records as they are; ``--dataset NAME`` when their fields cannot tell which, see
+envs/datasets). ``prewarm`` gets a task set's images onto every env server of a fleet before a run.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from agentenv.terminal import clean
+from envs.datasets import DATASETS
 from envs.task import SHIPPED, TaskError, load_tasks
 from envs.tasks.libraries import LIBRARIES_FILE, LibraryError
 
@@ -61,6 +64,15 @@ def _parser() -> argparse.ArgumentParser:
     va.add_argument("--seed", type=int, default=0)
     va.add_argument("--budget", type=float, help="stop starting new tasks after this many seconds")
     va.add_argument("--no-images", action="store_true", help="do not build the images first")
+    va.add_argument("--dataset", choices=DATASETS, help="the dataset the records come from (default: detected)")
+    pw = sub.add_parser("prewarm", help="get a task set's images onto every env server (a Ray fleet or --url)")
+    pw.add_argument("--tasks", type=Path, required=True, metavar="FILE", help="task records (JSONL, JSON, Parquet)")
+    pw.add_argument("--dataset", choices=DATASETS, help="the dataset the records come from (default: detected)")
+    pw.add_argument("--url", action="append", metavar="URL", help="an env server (repeatable; default: the Ray "
+                    "fleet of `agentenv cluster up`)")
+    pw.add_argument("--ray-address", metavar="ADDRESS", help="the Ray cluster of the fleet (default: auto)")
+    pw.add_argument("--token-file", type=Path, metavar="FILE", help="the servers' token (default: $AGENTENV_TOKEN)")
+    pw.add_argument("--deadline", type=float, help="seconds each pull may take (at most the servers' own)")
     return p
 
 
@@ -85,6 +97,8 @@ def _run(args: argparse.Namespace) -> int:
 
         print(SCRUB, end="")
         return 0
+    if args.cmd == "prewarm":
+        return _prewarm(args)
     if args.cmd == "base-commit":
         for image in args.image:
             say(f"{image} {image_head(image)}")
@@ -127,7 +141,7 @@ def _run(args: argparse.Namespace) -> int:
             build_image(lib.recipe, log=say)
         build.build(libs, out=args.out or SHIPPED, mutations=mutations, log=say)
         return 0
-    tasks = load_tasks(args.tasks)
+    tasks = load_tasks(args.tasks, dataset=args.dataset)
     chosen = build.sample(tasks, args.sample, args.seed) if args.sample else tasks
     unusable = build.prepare_images(chosen, libs, build=not args.no_images, libraries_file=str(args.libraries),
                                     log=say)
@@ -135,6 +149,31 @@ def _run(args: argparse.Namespace) -> int:
     bad = [v for v in verdicts if not v.ok]
     print(f"[validate] {len(verdicts) - len(bad)}/{len(verdicts)} tasks valid ({len(tasks)} in the set)")
     return 1 if bad or not verdicts else 0
+
+
+def _prewarm(args: argparse.Namespace) -> int:
+    """Every image of the task set on every server; a line per image and server as each is done; non-zero when
+    one could not be had."""
+    import os
+
+    from agentenv.remote.prewarm import Warmed, prewarm, prewarm_fleet
+
+    tasks = load_tasks(args.tasks, dataset=args.dataset)
+    images = list(dict.fromkeys(t.image for t in tasks))
+    token = (args.token_file.read_text() if args.token_file else os.environ.get("AGENTENV_TOKEN", "")).strip()
+    if not token:
+        raise TaskError("the servers' token: give --token-file FILE or set $AGENTENV_TOKEN")
+
+    def show(w: Warmed, done: int, total: int) -> None:
+        what = f"from {w.source} in {w.seconds:.1f} s" if w.ok else f"FAILED: {w.error}"
+        say(f"[prewarm {done}/{total}] {w.url} {w.image}: {what}")
+
+    say(f"[prewarm] {len(images)} image(s) of {len(tasks)} task(s)")
+    got = (prewarm(args.url, token, images, deadline=args.deadline, on_progress=show) if args.url else
+           prewarm_fleet(token, images, address=args.ray_address, deadline=args.deadline, on_progress=show))
+    bad = [w for w in got if not w.ok]
+    say(f"[prewarm] {len(got) - len(bad)}/{len(got)} image(s) on their servers")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

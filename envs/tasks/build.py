@@ -323,23 +323,32 @@ def prepare_images(tasks: Iterable[Task], libraries: Iterable[Library], *, build
                    libraries_file: str = "LIBRARIES.json", log: Log = print) -> dict[str, str]:
     """Build (or find up to date) the images ``tasks`` need; image -> why it is not usable, for those that are not.
 
-    An image a library of ``libraries`` makes is built (unless ``build`` is false); any other image must
-    already be on this host.
+    An image a library of ``libraries`` makes is built (unless ``build`` is false); any other image must be on
+    this host, or, named by a published dataset's rule, come from one of its sources (a tarball, a mirror, a
+    registry: ``agentenv.ensure_image``).
     """
+    from agentenv.errors import ImageUnavailable
     from envs.images import build_image, image_exists
 
     by_image = {lib.image: lib for lib in libraries}
+    agentenv_rule = {t.image for t in tasks if t.dataset == "agentenv"}
     problems: dict[str, str] = {}
     for image in dict.fromkeys(t.image for t in tasks):
         lib = by_image.get(image)
         try:
             if lib is not None and build:
                 build_image(lib.recipe, log=log)
-            elif not image_exists(image):
-                problems[image] = (f"image {image} is missing: "
-                                   + (f"build it with `python -m envs.tasks images --libraries {libraries_file}`"
-                                      if lib is not None else f"no library in {libraries_file} makes it; "
-                                      + build_hint(image, libraries_file)))
+            elif lib is not None and not image_exists(image):
+                problems[image] = (f"image {image} is missing: build it with `python -m envs.tasks images "
+                                   f"--libraries {libraries_file}`")
+            elif lib is None and not image_exists(image):
+                if image in agentenv_rule:  # agentenv's own images are built here, never published
+                    raise ImageUnavailable(f"image {image} is missing: no library in {libraries_file} makes it; "
+                                           + build_hint(image, libraries_file))
+                got = agentenv.ensure_image(image)
+                log(f"[image] {image}: from {got.source} {got.detail}".rstrip())
+        except ImageUnavailable as e:
+            problems[image] = str(e)
         except AgentEnvError as e:
             problems[image] = f"image {image} could not be built: {e}"
     return problems

@@ -31,7 +31,8 @@ def test_a_new_home_is_private_but_for_the_folders_a_sandboxs_root_passes(home: 
     p = config.paths()
     assert {d.name: _mode(d) for d in p.folders()} == {
         "home": 0o711, "sandboxes": 0o711, "snapshots": 0o711, "agents": 0o711, "runc": 0o700, "uids": 0o700,
-        "exports": 0o700, "imports": 0o700, "e2b-templates": 0o700, "volume": 0o700, "tmp": 0o700}
+        "exports": 0o700, "imports": 0o700, "e2b-templates": 0o700, "image-uses": 0o700, "volume": 0o700,
+        "tmp": 0o700}
 
 
 def test_a_private_write_is_0600_from_its_creation_whatever_the_umask_or_a_leftover(tmp_path: Path) -> None:

@@ -102,7 +102,7 @@ def test_a_task_the_env_cannot_find_says_how_to_pass_it(backend, task_file):
     assert "mine__repo-7" in str(e.value)
     fresh.close()
     snap.delete()
-    with pytest.raises(TaskError, match="a list of tasks or the path of a task file"):
+    with pytest.raises(TaskError, match="a list of tasks, a datasets.Dataset, or the path of a task file"):
         SWEEnv(tasks="no-such-file.jsonl", api=backend)
 
 

@@ -117,7 +117,9 @@ def test_a_published_swe_bench_record_loads_as_it_is(tmp_path):
     assert t.FAIL_TO_PASS == ("astropy/tests/test_m.py::test_x",) and len(t.PASS_TO_PASS) == 2
     assert (t.version, t.environment_setup_commit) == ("4.3", PUBLISHED["environment_setup_commit"])
     assert t.metadata["created_at"] == "2022-03-03T15:14:54Z" and t.hints_text == ""
-    assert t.image == "agentenv/swe-astropy__astropy:4.3"  # the naming rule: repository and version
+    # SWE-bench's own image, by its rule; agentenv's rule is one among several (named: dataset="agentenv")
+    assert t.dataset == "swe-bench" and t.image == "swebench/sweb.eval.x86_64.astropy_1776_astropy-99999:latest"
+    assert load_tasks(p, dataset="agentenv")[0].image == "agentenv/swe-astropy__astropy:4.3"
     assert t.test_command == PYTEST_COMMAND and t.base_commit == PUBLISHED["base_commit"]
     assert t.gold_files == ["astropy/m.py"] and t.test_files == ["astropy/tests/test_m.py", "astropy/tests/test_n.py"]
     assert Task.from_json(t.to_json()) == t
