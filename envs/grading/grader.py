@@ -82,7 +82,7 @@ from envs.grading.results import (
     parse_pytest,
     statuses_from_junit,
 )
-from envs.grading.runners.judge import hardened_report, official_report
+from envs.grading.runners.judge import combine, hardened_report, official_report
 from envs.grading.runners.official import OfficialHarnessError
 from envs.grading.runners.spec import APPLY_5, Runner, RunnerError, runner_for
 from envs.grading.runners.verdicts import Report
@@ -369,11 +369,9 @@ def _hardened(sb: SandboxLike, run: _Run, folder: str, secret: str, canary_ids: 
     bad = [s for s in canaries.values() if s not in CANARY_OK]
     official, official_error = _official(run)
     timer.lap("official")
-    error = f"the test run was tampered with: {reasons[0]}" if reasons else ""
-    if not error and run.runner.family != "agentenv" and ours.resolved and not (official and official.resolved):
-        error = ("the official harness does not call it resolved: "
-                 + (official_error or (official.why if official else "") or (official.resolution if official else "")))
-    return GradeResult(resolved=ours.resolved and not error, patch=run.patch, exit_code=r_code, timed_out=False,
+    resolved, why = combine(run.runner, ours, official, official_error)
+    error = f"the test run was tampered with: {reasons[0]}" if reasons else why
+    return GradeResult(resolved=resolved and not error, patch=run.patch, exit_code=r_code, timed_out=False,
                        fail_to_pass={t: statuses.get(t, "MISSING") for t in task.FAIL_TO_PASS},
                        pass_to_pass={t: statuses.get(t, "MISSING") for t in task.PASS_TO_PASS},
                        error=error, log_tail=run.log[-4000:],
