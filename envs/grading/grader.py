@@ -297,7 +297,7 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
                         preamble=runner.preamble() if dataset else None, command=runner.test_command)
     if dataset:
         sb.write_file(f"{folder}/eval.sh", script.encode(), mode=0o600)
-        script = f"/bin/bash {folder}/eval.sh"
+        script = f"exec /bin/bash {folder}/eval.sh"  # no parent shell for its kill -1 to end
     r = sb.exec(script, timeout=timeout, cwd=WORKDIR)
     run.exit_code, run.timed_out, run.log = r.exit_code, r.timed_out, r.stdout + r.stderr
     timer.lap("tests")
