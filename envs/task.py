@@ -33,9 +33,13 @@ from envs.datasets import DATASETS, RecordError, SourceError, adapt, agentenv_im
 
 SWE_FIELDS = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
               "FAIL_TO_PASS", "PASS_TO_PASS", "version", "environment_setup_commit")
-LOG_PARSERS = ("pytest",)  # kept in sync with grading.PARSERS (a unit test checks)
-# a dataset's own parser, named as its harness names it (swebench's PARSER_REGISTRY: parse_log_django, ...)
-_HARNESS_PARSER = re.compile(r"parse_log_[a-z0-9_]+")
+# "pytest": ours (grading.PARSERS); the others: the official swebench 5 parsers of Python repositories, by the names
+# SWE-bench 5 rows and SWE-rebench's install_config carry (run in the official process; a unit test checks the names)
+LOG_PARSERS = ("pytest", "parse_log_pytest", "parse_log_pytest_options", "parse_log_pytest_v2", "parse_log_django",
+               "parse_log_sympy", "parse_log_matplotlib", "parse_log_seaborn", "parse_log_astroid", "parse_log_flask",
+               "parse_log_marshmallow", "parse_log_pvlib", "parse_log_pyvista", "parse_log_sqlfluff",
+               "parse_log_xarray", "parse_log_pydicom", "parse_log_requests", "parse_log_pylint", "parse_log_astropy",
+               "parse_log_scikit", "parse_log_sphinx")
 EVAL_TYPES = ("", "pass_and_fail", "fail_only")  # SWE-bench 5's eval_type ("" where the record has none)
 HEAD = "HEAD"  # a base_commit that means "the commit the image's /testbed is at" (resolved at reset)
 PYTEST_COMMAND = ("python3 -m pytest -p no:cacheprovider -o addopts= -rA --tb=short --color=no "
@@ -192,11 +196,9 @@ def _check_dataset_fields(out: dict[str, Any], rec: Mapping[str, Any], err: Any)
     if out["dataset"] not in DATASETS:
         raise err("dataset", f"unknown dataset {out['dataset']!r}; known: {', '.join(DATASETS)}")
     parser = out["log_parser"]
-    if out["dataset"] == "agentenv" and parser not in LOG_PARSERS:
-        raise err("log_parser", f"unknown parser {parser!r}; known: {', '.join(LOG_PARSERS)}")
-    if parser and parser not in LOG_PARSERS and not _HARNESS_PARSER.fullmatch(parser):
-        raise err("log_parser", f"unknown parser {parser!r}: ours ({', '.join(LOG_PARSERS)}) or a harness's "
-                                "parse_log_<name>")
+    if (parser or out["dataset"] == "agentenv") and parser not in LOG_PARSERS:
+        raise err("log_parser", f"unknown parser {parser!r}; known: {', '.join(LOG_PARSERS)}"
+                                + ("" if out["dataset"] == "agentenv" else ", or \"\" (SWE-bench 4: by repository)"))
     if out["eval_type"] not in EVAL_TYPES:
         raise err("eval_type", f"must be one of {EVAL_TYPES[1:]}, got {out['eval_type']!r}")
     config = rec.get("install_config", {})
