@@ -101,7 +101,7 @@ def test_r2e_gym_gets_an_id_a_gold_patch_and_hides_its_tests():
     ("r2e-gym", {"expected_output_json": "{}"}, "expected_output_json", "names no test"),
     ("r2e-gym", {"docker_image": ""}, "docker_image", "image name"),
     ("swe-bench-5", {"eval_type": "sometimes"}, "eval_type", "must be one of"),
-    ("swe-bench-5", {"log_parser": "Django!"}, "log_parser", "parse_log_<name>"),
+    ("swe-bench-5", {"log_parser": "Django!"}, "log_parser", "known: pytest, parse_log_pytest"),
     ("swe-bench-4", {"dataset": "swe-bench-xl"}, "dataset", "unknown dataset"),
     ("swe-bench-4", {"hidden_paths": ["r2e_tests"]}, "hidden_paths", "absolute path"),
     ("swe-bench-4", {"hidden_paths": ["/testbed"]}, "hidden_paths", "absolute path"),
