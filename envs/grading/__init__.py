@@ -21,7 +21,10 @@ interpreter and its site-packages, startup hooks and the commands on PATH were a
   derives the canaries from the task's own tests (copies under names like theirs, made to fail). Any
   sign sets ``info["grading"]["tampering"]`` with ``tampering_reasons`` (reward 0);
 - ``diff``: the git diff read as data (its sections, the paths and lines each adds), for ``patch``'s rule;
-- ``results``: the JUnit and ``-rA`` text parsers, and SWE-bench's decision rule.
+- ``results``: the JUnit and ``-rA`` text parsers;
+- ``runners``: each dataset's runner (eval script, patch-apply fallbacks, timeout), its official log parser and
+  verdict mode (SWE-bench 4 / 5, fail-only, SWE-smith, R2E-Gym's exact map, agentenv's strict rule), the pinned
+  official ``swebench`` harness in its own process, and what sets the reward per runner (``runners``'s doc).
 
 What it takes to rewrite outcomes now, and what remains possible. Rewriting pytest's reports at run time
 (a class attribute of the report, a module attribute of the runner, pluggy's hook calls, a registered
@@ -45,7 +48,8 @@ weakens a helper the tests import from the library itself (e.g. an ``assert rais
 always says yes), or returns objects that compare equal to anything: that is a change to what the tests
 test, for a reviewer of ``info["patch"]``. Under the guard no test can catch a signal (a handler set is
 a no-op; none of the shipped tasks needs one). A command that is not a plain pytest invocation runs
-without the guard, the isolated run and the canaries. Processes the tests leave behind are killed
+without the guard, the isolated run and the canaries: for a dataset's record its reward is then the official
+parser's reading of the log, which a patch can forge (``GradeResult.reward_source == "official-log"``). Processes the tests leave behind are killed
 before each result file is read.
 """
 
@@ -78,15 +82,16 @@ from envs.grading.results import (
     parse_pytest,
     split_message,
 )
+from envs.grading.runners import verdict
 from envs.task import Task, diff_paths
 
 
 def decide(task: Task, statuses: dict[str, str]) -> tuple[bool, dict[str, str], dict[str, str]]:
-    """(resolved, FAIL_TO_PASS results, PASS_TO_PASS results); absent tests are 'MISSING'."""
+    """(resolved, FAIL_TO_PASS results, PASS_TO_PASS results) by agentenv's strict rule; absent tests are
+    'MISSING'."""
     f2p = {t: statuses.get(t, "MISSING") for t in task.FAIL_TO_PASS}
     p2p = {t: statuses.get(t, "MISSING") for t in task.PASS_TO_PASS}
-    resolved = all(s in PASSING for s in f2p.values()) and all(s in PASSING for s in p2p.values())
-    return resolved, f2p, p2p
+    return verdict("strict", statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS).resolved, f2p, p2p
 
 
 def patch_files(patch: str) -> list[str]:

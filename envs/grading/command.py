@@ -1,11 +1,18 @@
-"""How the grader runs a task's tests: its ``test_command`` read as a pytest invocation, and the script that runs it.
+"""How the grader runs a task's tests: its test command read as a pytest invocation, and the script that runs it.
 
-The task's ``test_command`` is kept when it is a plain pytest invocation (``[VAR=value ...] python3 -m
-pytest ARGS``, ``pytest ARGS``): its ARGS stay (they are the task's, e.g. ``-o addopts= -W ...``) and the
-grader's options are added, and pytest is started by the grader's guard (``python guard.py CONFIG pytest
-ARGS``, see ``envs.grading.audit``) instead of ``-m pytest``, then the isolated run follows (``solo``, see
-``envs.grading.isolation``). Any other command runs as the task gives it, with the grader's options passed
-through ``PYTEST_ADDOPTS``, without the guard, the isolated run or a canary.
+The test command (the task's ``test_command``, or for a dataset's record the command between its eval
+script's markers: ``envs.grading.runners.spec``) is kept when it is a plain pytest invocation (``[VAR=value
+...] python3 -m pytest ARGS``, ``pytest ARGS``): its ARGS stay (they are the task's, e.g. ``-o addopts= -W
+...``) and the grader's options are added, and pytest is started by the grader's guard (``python guard.py
+CONFIG pytest ARGS``, see ``envs.grading.audit``) instead of ``-m pytest``, then the isolated run follows
+(``solo``, see ``envs.grading.isolation``). Any other command runs as given, without the guard, the isolated
+run or a canary (for agentenv's own tasks with the grader's options in ``PYTEST_ADDOPTS``).
+
+A dataset's record runs as its harness runs it (``run_script``'s ``preamble``): bash with ``set -uxo
+pipefail`` and stderr joined to stdout, the eval script's lines up to its start marker (conda ``testbed``
+activated, its ``eval_commands``), the ``>>>>> Start Test Output`` / ``>>>>> End Test Output`` markers around
+the test command, and the command's exit status printed after the end marker (``>>>>> Test Exit Code: N``,
+as ``swebench`` 5 records it), so the combined output is the log the official harness reads.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import posixpath
 import re
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from envs.grading.audit import CONFIG_FILE, GUARD_FILE
@@ -23,6 +31,9 @@ _PYTHON = re.compile(r"(?:.*/)?python[0-9.]*")
 _ASSIGN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=.*")
 _SHELL_OPS = frozenset("();<>|&")
 # -k / -m / --deselect select tests: the canary could be deselected, so it is not used with them
+START = ": '>>>>> Start Test Output'"    # swebench's markers, as its eval scripts write them
+END = ": '>>>>> End Test Output'"
+EXIT_CODE = ">>>>> Test Exit Code"          # swebench 5's record of the test command's exit status
 _SELECTING = ("-k", "-m", "--deselect", "--lf", "--last-failed", "--ff", "--sw", "--stepwise")
 
 
@@ -43,11 +54,13 @@ class Invocation:
     python_flags: tuple[str, ...] = ()
     args: tuple[str, ...] | None = None
 
-    @property
-    def canary_allowed(self) -> bool:
-        return self.args is not None and "{tests}" in self.args and not any(
+    def canary_allowed(self, test_file: str = "") -> bool:
+        """Canaries can go in ``test_file``: the command runs it (``{tests}`` or the path itself) and selects
+        no tests by name or mark."""
+        runs = self.args is not None and ("{tests}" in self.args or bool(test_file) and test_file in self.args)
+        return runs and not any(
             a == s or a.startswith(s + "=") or (s in ("-k", "-m") and a.startswith(s) and len(a) > 2)
-            for a in self.args for s in _SELECTING)
+            for a in self.args or () for s in _SELECTING)
 
 
 def parse_test_command(command: str) -> Invocation:
@@ -96,11 +109,13 @@ def _grader_options(task: Task, inv: Invocation, junit: str) -> list[str]:
 
 
 def run_script(task: Task, inv: Invocation, python: str, folder: str, *, guarded: bool = True,
-               solo: bool = False) -> str:
-    """The POSIX sh script that runs the tests in the grading sandbox (``envs.grading.grader``'s step 3c).
+               solo: bool = False, preamble: Sequence[str] | None = None, command: str = "") -> str:
+    """The script that runs the tests in the grading sandbox (``envs.grading.grader``'s step 3c).
 
     ``guarded``: pytest is started by the grader's guard in ``folder`` (a plain pytest invocation only);
-    ``solo``: the isolated run follows, once every process the tests left is killed.
+    ``solo``: the isolated run follows, once every process the tests left is killed. ``preamble``: a
+    dataset's eval-script lines (a bash script in the harness's shape, see the module doc); ``command``:
+    its test command, run as it is when not guarded.
     """
     junit = f"{folder}/junit.xml"
     tests = task.test_files
@@ -120,7 +135,12 @@ def run_script(task: Task, inv: Invocation, python: str, folder: str, *, guarded
         if guarded and solo:
             after = [kill, shlex.join([*env, python, *inv.python_flags, f"{folder}/{GUARD_FILE}",
                                        f"{folder}/{CONFIG_FILE}", "solo"]) + f" </dev/null >{folder}/solo.log 2>&1"]
+    elif preamble is not None:
+        cmd = command
     else:
         cmd = task.test_command.replace("{tests}", " ".join(shlex.quote(f) for f in task.test_files))
         exports += f" PYTEST_ADDOPTS={shlex.quote(shlex.join(opts))}"
-    return "\n".join([clean, exports, f"cd {WORKDIR}", cmd, "rc=$?", *after, kill, "exit $rc"])
+    if preamble is None:
+        return "\n".join([clean, exports, f"cd {WORKDIR}", cmd, "rc=$?", *after, kill, "exit $rc"])
+    return "\n".join(["exec 2>&1", "set -uxo pipefail", *preamble, clean, exports, f"cd {WORKDIR}", START, cmd,
+                      "rc=$?", END, f'echo "{EXIT_CODE}: $rc"', "set +x", *after, kill, "exit $rc"])

@@ -51,23 +51,21 @@ was there and well formed, and no sign of tampering showed (canaries, audit hook
 from __future__ import annotations
 
 import dataclasses
-import posixpath
 import secrets
-import shlex
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import agentenv
 from agentenv.api import Backend, SandboxLike, SnapshotLike
-from envs.grading import audit, canary, isolation
+from envs.grading import audit, canary, isolation, prepare
 from envs.grading.command import Invocation, declared_plugins, parse_test_command, run_script
 from envs.grading.diff import parse_numstat
+from envs.grading.outcome import GradeResult, failed
 from envs.grading.patch import (
     WORKDIR,
-    Dropped,
     FilteredPatch,
     PatchError,
     check_numstat,
@@ -78,70 +76,24 @@ from envs.grading.patch import (
 )
 from envs.grading.results import (
     MAX_RESULT_BYTES,
-    PASSING,
     ResultFileError,
     junit_cases,
     merge_text,
     parse_pytest,
     statuses_from_junit,
 )
+from envs.grading.runners.judge import hardened_report, official_report
+from envs.grading.runners.official import OfficialHarnessError
+from envs.grading.runners.spec import APPLY_5, Runner, RunnerError, runner_for
+from envs.grading.runners.verdicts import Report
 from envs.task import Task
 
+__all__ = ["GradeResult", "Invocation", "declared_plugins", "filter_for", "grade", "parse_test_command",
+           "protected_files", "run_script"]
 _T = TypeVar("_T")
+DEFAULT_TIMEOUT = 900.0
 GRADE_ROOT = "/var/lib/agentenv-grade-"
 CANARY_OK = frozenset({"FAILED", "ERROR"})
-
-
-@dataclass(frozen=True)
-class GradeResult:
-    resolved: bool
-    fail_to_pass: dict[str, str]
-    pass_to_pass: dict[str, str]
-    patch: str                      # the agent's change, as extracted: `git diff` against the base commit
-    exit_code: int = 0
-    timed_out: bool = False
-    error: str = ""                 # why the grade is 0 besides the tests (the patch, the run, tampering)
-    log_tail: str = field(default="", repr=False)
-    dropped: tuple[Dropped, ...] = ()   # files of the patch that were not graded, and why
-    tampering: bool = False         # a drop for a reason but `test`, a mismatched patch, or a tripped canary
-    graded_patch: str = field(default="", repr=False)  # what was applied (the patch less `dropped`)
-    canary: str = ""                # the canaries' status (FAILED or ERROR when they held); "" when none ran
-    timings: Mapping[str, float] = field(default_factory=dict)  # seconds per phase
-    canaries: Mapping[str, str] = field(default_factory=dict)   # each canary's node id -> its status
-    tampering_reasons: tuple[str, ...] = ()   # what the canaries, the audit hook and the isolated run saw
-    solo: Mapping[str, str] = field(default_factory=dict)       # the isolated run's verdicts
-    audit_events: tuple[Mapping[str, str], ...] = ()            # what the audit hook refused
-
-    @property
-    def reward(self) -> float:
-        return 1.0 if self.resolved else 0.0
-
-    def grading_info(self) -> dict[str, Any]:
-        """``info["grading"]``: what was dropped from the patch and why, tampering and why, the canaries, the
-        isolated run, what the audit hook refused, timings."""
-        reasons = [f"{d.path}: dropped ({d.reason})" for d in self.dropped if d.tampering]
-        out: dict[str, Any] = {"dropped": [d.to_info() for d in self.dropped], "tampering": self.tampering,
-                               "tampering_reasons": [*reasons, *self.tampering_reasons], "canary": self.canary,
-                               "canaries": dict(self.canaries), "solo": dict(self.solo),
-                               "audit_events": [dict(e) for e in self.audit_events],
-                               "timings_ms": {k: round(v * 1000, 1) for k, v in self.timings.items()}}
-        if self.dropped:
-            out["graded_patch"] = self.graded_patch
-        return out
-
-    def to_info(self) -> dict[str, Any]:
-        return {"resolved": self.resolved, "FAIL_TO_PASS": dict(self.fail_to_pass),
-                "PASS_TO_PASS": dict(self.pass_to_pass), "patch": self.patch, "grade_error": self.error,
-                "tests_timed_out": self.timed_out, "grading": self.grading_info()}
-
-    def summary(self) -> str:
-        """One line for the observation: the verdict, and what was dropped from the patch."""
-        verdict = "resolved" if self.resolved else "not resolved"
-        notes = []
-        if self.dropped:
-            notes.append("not graded: " + ", ".join(f"{d.path} ({d.reason})" for d in self.dropped[:5])
-                         + (f" and {len(self.dropped) - 5} more" if len(self.dropped) > 5 else ""))
-        return f"Graded: {verdict}." + (f" [{'; '.join(notes)}]" if notes else "")
 
 
 def protected_files(task: Task) -> list[str]:
@@ -160,60 +112,6 @@ def filter_for(task: Task, patch: bytes) -> FilteredPatch:
     paths, reasons = gold_exemptions(task.patch)
     return filter_patch(patch, tests=protected_files(task), runner_modules=declared_plugins(task),
                         exempt_paths=paths, exempt_reasons=reasons)
-
-
-def _prepare_script(folder: str, interpreter: str, has_patch: bool, has_test_patch: bool,
-                    canary_file: str = "") -> str:
-    """Step 3a: resolve the interpreter, list and apply the patch, apply the test patch, print the file the
-    canaries go in (when it is a plain file), list the links."""
-    q = shlex.quote
-    lines = ["set -u", f"chmod 700 {folder}", f"cd {WORKDIR}", "g=/usr/bin/git; [ -x \"$g\" ] || g=git",
-             f"echo \"python=$(command -v {q(interpreter)} || true)\"",
-             "p=$(command -v pytest || true); [ -n \"$p\" ] && echo \"pytest_shebang=$(head -n1 \"$p\")\""]
-    if has_patch:
-        lines += [f"\"$g\" apply --numstat -z {folder}/model.patch > {folder}/numstat 2> {folder}/err "
-                  f"|| {{ echo \"fail=numstat $(base64 -w0 {folder}/err)\"; exit 0; }}",
-                  f"echo \"numstat=$(base64 -w0 {folder}/numstat)\"",
-                  f"\"$g\" apply --whitespace=nowarn {folder}/model.patch 2> {folder}/err "
-                  f"|| {{ echo \"fail=apply $(base64 -w0 {folder}/err)\"; exit 0; }}"]
-    if has_test_patch:
-        lines += [f"\"$g\" apply --whitespace=nowarn {folder}/test.patch 2> {folder}/err "
-                  f"|| {{ echo \"fail=test_patch $(base64 -w0 {folder}/err)\"; exit 0; }}"]
-    if canary_file:
-        path = q(f"{WORKDIR}/{canary_file}")
-        lines += [f"if [ -f {path} ] && [ ! -L {path} ]; then echo \"canary_src=$(head -c 4000000 {path} | base64 -w0)\"; fi"]
-    lines += [f"echo \"links=$(find {WORKDIR} -path {WORKDIR}/.git -prune -o -type l -printf '%P\\0%l\\0' "
-              "| base64 -w0)\"", "echo ok=1"]
-    return "\n".join(lines)
-
-
-def _fields(stdout: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in stdout.splitlines():
-        k, sep, v = line.partition("=")
-        if sep and k.isidentifier():
-            out.setdefault(k, v)
-    return out
-
-
-def _b64(s: str) -> bytes:
-    import base64
-
-    try:
-        return base64.b64decode(s.strip() or b"", validate=True)
-    except ValueError:
-        return b""
-
-
-def _python(inv: Invocation, fields: dict[str, str]) -> str:
-    """The interpreter's absolute path, as the pristine sandbox resolves it (before the patch is applied)."""
-    if inv.interpreter.startswith("/"):
-        return inv.interpreter
-    if inv.interpreter == "pytest":
-        shebang = fields.get("pytest_shebang", "").removeprefix("#!").split()
-        if shebang and shebang[0].startswith("/") and posixpath.basename(shebang[0]) != "env":
-            return shebang[0]  # else (`#!/usr/bin/env python3`) python3 as PATH resolves it
-    return fields.get("python", "")
 
 
 class _Timer:
@@ -246,15 +144,16 @@ def _close_started(f: Future[tuple[SandboxLike, Task]]) -> None:
 
 
 def grade(sandbox: SandboxLike, task: Task, *, pristine: SnapshotLike | str | None = None,
-          api: Backend | None = None, timeout: float = 900.0,
+          api: Backend | None = None, timeout: float | None = None,
           closing: list[Future[None]] | None = None) -> GradeResult:
     """Grade the agent's /testbed in ``sandbox`` against ``task`` (see the module doc).
 
     ``pristine``: a filesystem snapshot of the task's sandbox taken before the agent acted (on ``api``,
     default this host); without one a fresh sandbox of the task is set up, which costs a reset. The
-    grading sandbox is restored while the patch is being extracted. ``closing``: close the grading
-    sandbox on a worker thread and append its future here (the caller waits for it later); by default
-    it is closed before ``grade`` returns. The agent's sandbox is left as it was.
+    grading sandbox is restored while the patch is being extracted. ``timeout``: seconds for the tests
+    (default: the dataset harness's own, else 900). ``closing``: close the grading sandbox on a worker thread
+    and append its future here (the caller waits for it later); by default it is closed before ``grade``
+    returns. The agent's sandbox is left as it was.
     """
     from envs import task_sandbox
 
@@ -270,18 +169,25 @@ def grade(sandbox: SandboxLike, task: Task, *, pristine: SnapshotLike | str | No
         if task.base_commit == "HEAD":  # the base commit is known once the task's sandbox is set up
             grader, task = starting.result()
             timer.lap("sandbox")
+        building = _POOL.submit(runner_for, task)  # a 4.x eval script comes from the official process
         try:
             raw = extract_patch(sandbox, task.base_commit)
         except PatchError as e:
             timer.lap("extract")
-            return dataclasses.replace(_failed(task, "", str(e)), timings=dict(timer.phases))
+            return dataclasses.replace(failed(task, "", str(e)), timings=dict(timer.phases))
         timer.lap("extract")
         filtered = filter_for(task, raw)
         timer.lap("filter")
+        try:
+            runner = building.result()
+        except (RunnerError, OfficialHarnessError) as e:
+            return dataclasses.replace(failed(task, raw.decode("utf-8", "replace"), str(e)),
+                                       timings=dict(timer.phases))
         if grader is None:
             grader, task = starting.result()
             timer.lap("sandbox")
-        result = _grade_in(grader, task, raw, filtered, timeout, timer)
+        limit = timeout if timeout is not None else (runner.timeout or DEFAULT_TIMEOUT)
+        result = _grade_in(grader, task, runner, raw, filtered, limit, timer)
     finally:
         if grader is None:  # extraction failed (or the start did): close the grading sandbox once it is up
             if closing is not None:
@@ -301,6 +207,7 @@ class _Run:
     """What one grading has found so far; ``fail`` turns it into a result that scores 0."""
 
     task: Task
+    runner: Runner
     patch: str
     filtered: FilteredPatch
     tampering: bool = False
@@ -313,18 +220,51 @@ class _Run:
     def fail(self, why: str, *, tampering: bool = False) -> GradeResult:
         if self.reasons:
             why = f"the test run was tampered with: {self.reasons[0]} ({why})"
-        r = _failed(self.task, self.patch, why, dropped=self.filtered.dropped, reasons=tuple(self.reasons),
-                    tampering=self.tampering or tampering or bool(self.reasons),
-                    graded_patch=self.filtered.kept.decode("utf-8", "replace"), exit_code=self.exit_code,
-                    timed_out=self.timed_out, log_tail=self.log[-4000:])
-        return dataclasses.replace(r, audit_events=self.audit_events)
+        r = failed(self.task, self.patch, why, dropped=self.filtered.dropped, reasons=tuple(self.reasons),
+                   tampering=self.tampering or tampering or bool(self.reasons),
+                   graded_patch=self.filtered.kept.decode("utf-8", "replace"), exit_code=self.exit_code,
+                   timed_out=self.timed_out, log_tail=self.log[-4000:])
+        return dataclasses.replace(r, audit_events=self.audit_events, runner=self.runner.family,
+                                   mode=self.runner.mode)
 
 
-def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, timeout: float,
+def _prepared(sb: SandboxLike, run: _Run, folder: str, interp: str, canary_file: str) -> dict[str, str] | GradeResult:
+    """Step 3a (``envs.grading.prepare``): the patches applied and checked; the fields it printed, or a failure."""
+    task, runner, filtered = run.task, run.runner, run.filtered
+    activate = [x for x in runner.preamble() if x.startswith(("source ", "conda activate", ". "))]
+    r = sb.exec(prepare.script(folder, interp, bool(filtered.kept), bool(task.test_patch), canary_file,
+                               apply=runner.apply, reset_between=runner.apply == APPLY_5, activate=activate),
+                timeout=300, cwd=WORKDIR)
+    found = prepare.fields(r.stdout)
+    if "fail" in found:
+        what, _, err = found["fail"].partition(" ")
+        why = {"numstat": "git cannot read the patch", "apply": "the patch does not apply to the base commit",
+               "test_patch": "the task's test patch does not apply"}.get(what, what)
+        return run.fail(f"{why}: {prepare.b64(err).decode('utf-8', 'replace').strip()[-400:]}")
+    if found.get("ok") != "1":
+        return run.fail(f"could not prepare the grading sandbox ({r.exit_code}): {(r.stdout + r.stderr).strip()[-400:]}")
+    if filtered.kept:
+        mismatch = check_numstat(filtered, parse_numstat(prepare.b64(found.get("numstat", ""))))
+        if mismatch:
+            return run.fail(f"the patch does not mean the same to the grader and to git: {mismatch}", tampering=True)
+        outside = prepare.changed_paths(prepare.b64(found.get("changed", ""))) - filtered.paths
+        if found.get("applied", "0") != "0" and outside:
+            return run.fail(f"the fallback {runner.apply[int(found['applied'])]!r} changed files the patch does not "
+                            f"name: {sorted(outside)[:5]}", tampering=True)
+    links = prepare.b64(found.get("links", "")).split(b"\0")
+    for path_b, target_b in zip(links[0::2], links[1::2], strict=False):
+        path, target = path_b.decode("utf-8", "surrogateescape"), target_b.decode("utf-8", "surrogateescape")
+        if path in filtered.paths and not link_stays_inside(path, target):
+            return run.fail(f"the patch made {path!r} a link to {target!r}, outside the repository", tampering=True)
+    return found
+
+
+def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered: FilteredPatch, timeout: float,
               timer: _Timer) -> GradeResult:
-    run = _Run(task, raw.decode("utf-8", "replace"), filtered, tampering=filtered.tampering)
+    run = _Run(task, runner, raw.decode("utf-8", "replace"), filtered, tampering=filtered.tampering)
     folder = GRADE_ROOT + secrets.token_hex(8)
-    inv = parse_test_command(task.test_command)
+    dataset = runner.family != "agentenv"
+    inv = parse_test_command(runner.test_command if dataset else task.test_command)
     guarded = inv.args is not None
     secret = isolation.new_secret()
     files = {**{f"{folder}/{name}": text for name, text in audit.guard_files().items()},
@@ -337,56 +277,75 @@ def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, 
         sb.write_file(path, data, mode=0o600)
     interp = inv.interpreter if inv.args is not None and inv.interpreter != "pytest" else "python3"
     canary_file = task.FAIL_TO_PASS[0].split("::", 1)[0] if task.FAIL_TO_PASS else ""
-    if not (inv.canary_allowed and canary_file.endswith(".py")):
+    if not (inv.canary_allowed(canary_file if dataset else "") and canary_file.endswith(".py")):
         canary_file = ""
-    r = sb.exec(_prepare_script(folder, interp, bool(filtered.kept), bool(task.test_patch), canary_file),
-                timeout=300, cwd=WORKDIR)
-    fields = _fields(r.stdout)
+    found = _prepared(sb, run, folder, interp, canary_file)
+    if isinstance(found, GradeResult):
+        return found
     timer.lap("apply")
-    if "fail" in fields:
-        what, _, err = fields["fail"].partition(" ")
-        why = {"numstat": "git cannot read the patch", "apply": "the patch does not apply to the base commit",
-               "test_patch": "the task's test patch does not apply"}.get(what, what)
-        return run.fail(f"{why}: {_b64(err).decode('utf-8', 'replace').strip()[-400:]}")
-    if fields.get("ok") != "1":
-        return run.fail(f"could not prepare the grading sandbox ({r.exit_code}): {(r.stdout + r.stderr).strip()[-400:]}")
-    if filtered.kept:
-        mismatch = check_numstat(filtered, parse_numstat(_b64(fields.get("numstat", ""))))
-        if mismatch:
-            return run.fail(f"the patch does not mean the same to the grader and to git: {mismatch}", tampering=True)
-    links = _b64(fields.get("links", "")).split(b"\0")
-    touched = filtered.paths
-    for path_b, target_b in zip(links[0::2], links[1::2], strict=False):
-        path, target = path_b.decode("utf-8", "surrogateescape"), target_b.decode("utf-8", "surrogateescape")
-        if path in touched and not link_stays_inside(path, target):
-            return run.fail(f"the patch made {path!r} a link to {target!r}, outside the repository", tampering=True)
-    python = _python(inv, fields) if inv.args is not None else ""
-    if inv.args is not None and not python.startswith("/"):
+    python = prepare.python(inv, found) if guarded else ""
+    if guarded and not python.startswith("/"):
         return run.fail(f"the image has no interpreter for {inv.interpreter!r} on its PATH")
-    canary_ids = _add_canaries(sb, canary_file, fields) if canary_file and "canary_src" in fields else []
+    canary_ids = _add_canaries(sb, canary_file, found) if canary_file and "canary_src" in found else []
     solo_ids = isolation.solo_tests(task.FAIL_TO_PASS, canary_ids) if guarded else []
     cfg = audit.config(folder, filtered, solo_ids)
+    if found.get("applied", "0") != "0":  # a fallback applied it: line numbers no longer follow the patch
+        cfg["patched"] = dict.fromkeys(cfg["patched"])
     sb.write_file(f"{folder}/{audit.CONFIG_FILE}", audit.config_bytes(cfg), mode=0o600)
     timer.lap("apply")
-    r = sb.exec(run_script(task, inv, python, folder, guarded=guarded, solo=bool(solo_ids)), timeout=timeout,
-                cwd=WORKDIR)
+    script = run_script(task, inv, python, folder, guarded=guarded, solo=bool(solo_ids),
+                        preamble=runner.preamble() if dataset else None, command=runner.test_command)
+    if dataset:
+        sb.write_file(f"{folder}/eval.sh", script.encode(), mode=0o600)
+        script = f"/bin/bash {folder}/eval.sh"
+    r = sb.exec(script, timeout=timeout, cwd=WORKDIR)
     run.exit_code, run.timed_out, run.log = r.exit_code, r.timed_out, r.stdout + r.stderr
     timer.lap("tests")
     if r.timed_out:
         return run.fail(f"the tests timed out after {timeout:g} s")
+    if dataset and not guarded:  # no hardened channel runs this runner: the official reading of the log decides
+        return _official_only(run, timer)
+    return _hardened(sb, run, folder, secret, canary_ids, solo_ids, timer, guarded=guarded)
+
+
+def _official(run: _Run) -> tuple[Report | None, str]:
+    try:
+        return official_report(run.runner, run.task, run.log), ""
+    except OfficialHarnessError as e:
+        return None, str(e)
+
+
+def _official_only(run: _Run, timer: _Timer) -> GradeResult:
+    report, err = _official(run)
+    timer.lap("results")
+    if report is None:
+        return run.fail(f"the official harness could not grade the log: {err}")
+    sm = report.statuses
+    return GradeResult(resolved=report.resolved, fail_to_pass={t: sm.get(t, "MISSING") for t in run.task.FAIL_TO_PASS},
+                       pass_to_pass={t: sm.get(t, "MISSING") for t in run.task.PASS_TO_PASS}, patch=run.patch,
+                       exit_code=run.exit_code, error="" if report.resolved else report.why,
+                       log_tail=run.log[-4000:], dropped=run.filtered.dropped, tampering=run.tampering,
+                       graded_patch=run.filtered.kept.decode("utf-8", "replace"), runner=run.runner.family,
+                       mode=run.runner.mode, reward_source="official-log", official=report)
+
+
+def _hardened(sb: SandboxLike, run: _Run, folder: str, secret: str, canary_ids: list[str], solo_ids: list[str],
+              timer: _Timer, *, guarded: bool) -> GradeResult:
+    """Step 3d: statuses from the JUnit file, the guard's log, the canaries and the isolated run; both verdicts."""
+    task, r_code = run.task, run.exit_code
     st = sb.exec(f"stat -L -c '%s %F' {folder}/junit.xml; for f in {audit.LOG_FILE} {isolation.RESULT_FILE}; do "
                  f"echo \"$f=$(head -c 1000000 {folder}/$f 2>/dev/null | base64 -w0)\"; done", timeout=60)
     size, _, kind = st.stdout.split("\n", 1)[0].strip().partition(" ")
-    outputs = _fields_raw(st.stdout)
-    guard_log = audit.read_log(_b64(outputs.get(audit.LOG_FILE, "")))
+    outputs = prepare.fields_raw(st.stdout)
+    guard_log = audit.read_log(prepare.b64(outputs.get(audit.LOG_FILE, "")))
     reasons = run.reasons = guard_log.reasons()
     run.audit_events = guard_log.events
-    if guarded and r.exit_code == audit.GUARD_EXIT:
+    if guarded and r_code == audit.GUARD_EXIT:
         reasons.append("the test process closed or replaced the audit hook's log")
     if guarded and guard_log.starts == 0 and not reasons:
         return run.fail("the grader's guard did not start in the grading sandbox")
     if st.exit_code != 0 or kind != "regular file" or not size.isdigit():
-        return run.fail(f"the test run wrote no result file (pytest exit code {r.exit_code})")
+        return run.fail(f"the test run wrote no result file (pytest exit code {r_code})")
     if int(size) > MAX_RESULT_BYTES:
         return run.fail(f"the result file is {size} bytes, over the {MAX_RESULT_BYTES} byte limit", tampering=True)
     try:
@@ -398,41 +357,37 @@ def _grade_in(sb: SandboxLike, task: Task, raw: bytes, filtered: FilteredPatch, 
     statuses = merge_text(statuses_from_junit(cases, expected), parse_pytest(run.log, expected))
     canaries = dict(statuses_from_junit(cases, canary_ids)) if canary_ids else {}
     canaries = {c: canaries.get(c, "MISSING") for c in canary_ids}
-    f2p = {t: statuses.get(t, "MISSING") for t in task.FAIL_TO_PASS}
-    p2p = {t: statuses.get(t, "MISSING") for t in task.PASS_TO_PASS}
-    tests_pass = all(s in PASSING for s in (*f2p.values(), *p2p.values()))
+    ours = hardened_report(run.runner, task, statuses)
     # a missing canary with failing tests is no sign (e.g. -x stopped the run before it); with passing ones it is
     for c, status in canaries.items():
-        if status not in CANARY_OK and (status != "MISSING" or tests_pass):
+        if status not in CANARY_OK and (status != "MISSING" or ours.resolved):
             reasons.append(f"the canary test {c}, which must fail, was reported {status}")
-    solo = isolation.read_solo(_b64(outputs.get(isolation.RESULT_FILE, "")), secret) if solo_ids \
+    solo = isolation.read_solo(prepare.b64(outputs.get(isolation.RESULT_FILE, "")), secret) if solo_ids \
         else isolation.SoloRun({})
     if solo_ids:
         reasons += isolation.disagreements(solo, solo_ids, statuses, canary_ids)
     bad = [s for s in canaries.values() if s not in CANARY_OK]
+    official, official_error = _official(run)
+    timer.lap("official")
     error = f"the test run was tampered with: {reasons[0]}" if reasons else ""
-    return GradeResult(resolved=tests_pass and not error, fail_to_pass=f2p, pass_to_pass=p2p, patch=run.patch,
-                       exit_code=r.exit_code, timed_out=False, error=error, log_tail=run.log[-4000:],
-                       dropped=filtered.dropped, tampering=run.tampering or bool(reasons),
-                       graded_patch=filtered.kept.decode("utf-8", "replace"),
+    if not error and run.runner.family != "agentenv" and ours.resolved and not (official and official.resolved):
+        error = ("the official harness does not call it resolved: "
+                 + (official_error or (official.why if official else "") or (official.resolution if official else "")))
+    return GradeResult(resolved=ours.resolved and not error, patch=run.patch, exit_code=r_code, timed_out=False,
+                       fail_to_pass={t: statuses.get(t, "MISSING") for t in task.FAIL_TO_PASS},
+                       pass_to_pass={t: statuses.get(t, "MISSING") for t in task.PASS_TO_PASS},
+                       error=error, log_tail=run.log[-4000:],
+                       dropped=run.filtered.dropped, tampering=run.tampering or bool(reasons),
+                       graded_patch=run.filtered.kept.decode("utf-8", "replace"),
                        canary=(bad[0] if bad else ("FAILED" if "FAILED" in canaries.values() else "ERROR"))
                        if canaries else "", canaries=canaries, tampering_reasons=tuple(reasons),
-                       solo=dict(solo.results), audit_events=guard_log.events)
+                       solo=dict(solo.results), audit_events=guard_log.events, runner=run.runner.family,
+                       mode=run.runner.mode, ours=ours, official=official, official_error=official_error)
 
 
-def _fields_raw(stdout: str) -> dict[str, str]:
-    """``name=value`` lines whose name is a file name (``audit.log=...``)."""
-    out: dict[str, str] = {}
-    for line in stdout.splitlines():
-        k, sep, v = line.partition("=")
-        if sep and k and "/" not in k and " " not in k:
-            out.setdefault(k, v)
-    return out
-
-
-def _add_canaries(sb: SandboxLike, test_file: str, fields: dict[str, str]) -> list[str]:
+def _add_canaries(sb: SandboxLike, test_file: str, found: dict[str, str]) -> list[str]:
     """Step 3b: the canaries written into ``test_file`` (derived from its tests; a plain one when it has none)."""
-    source = _b64(fields.get("canary_src", "")).decode("utf-8", "surrogateescape")
+    source = prepare.b64(found.get("canary_src", "")).decode("utf-8", "surrogateescape")
     derived = canary.derive(source)
     if derived is None:
         name = f"test_{secrets.token_hex(8)}"
@@ -441,14 +396,3 @@ def _add_canaries(sb: SandboxLike, test_file: str, fields: dict[str, str]) -> li
         text, names = derived.source, list(derived.names)
     sb.write_file(f"{WORKDIR}/{test_file}", text.encode("utf-8", "surrogateescape"))
     return [f"{test_file}::{n}" for n in names]
-
-
-def _failed(task: Task, patch: str = "", why: str = "", *, dropped: Sequence[Dropped] = (), tampering: bool = False,
-            reasons: tuple[str, ...] = (),
-            graded_patch: str = "", exit_code: int = -1, timed_out: bool = False, log_tail: str = "",
-            timings: Mapping[str, float] | None = None) -> GradeResult:
-    return GradeResult(resolved=False, fail_to_pass={t: "MISSING" for t in task.FAIL_TO_PASS},
-                       pass_to_pass={t: "MISSING" for t in task.PASS_TO_PASS}, patch=patch, exit_code=exit_code,
-                       timed_out=timed_out, error=why, log_tail=log_tail, dropped=tuple(dropped),
-                       tampering=tampering, graded_patch=graded_patch, timings=dict(timings or {}),
-                       tampering_reasons=reasons)

@@ -320,7 +320,7 @@ SHIPPED = ("python3 -m pytest -p no:cacheprovider -o addopts= -rA --tb=short --c
 def test_parse_test_command(command, interp, args, canary):
     inv = parse_test_command(command)
     assert inv.interpreter == interp and (list(inv.args) if inv.args is not None else None) == args
-    assert inv.canary_allowed == canary
+    assert inv.canary_allowed() == canary
 
 
 def task_with(command: str, **extra) -> Task:
