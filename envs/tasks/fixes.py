@@ -10,21 +10,19 @@ builder makes, offline but for pip on the host:
    ``base_commit``;
 2. each record's ``patch`` and ``test_patch``: the newer release's files written over /testbed and ``git diff``-ed
    (the real fix and the real test change, in git's format against the base commit);
-3. the record's ``eval_script`` as SWE-bench's harness writes one (``eval_script``: the ``testbed`` environment
-   activated, the test files reset and the test patch applied, the runner's own command between the ``>>>>> Start
-   / End Test Output`` markers), and its ``log_parser`` / ``eval_type`` (SWE-bench 5's fields);
+3. the record's ``eval_script``, built by the official ``swebench`` 4.1.0 (``make_eval_script_list``, in its own
+   process: ``envs.grading.runners.official``) from its specs for the repository and version (Django 5.0: ``./tests/
+   runtests.py --verbosity 2 --settings=test_sqlite --parallel 1`` on test modules; SymPy 1.13: ``bin/test -C
+   --verbose`` on test files; requests, which it has no 2.32 specs for: those of its 2.x, ``pytest -rA``), and its
+   ``log_parser`` / ``eval_type`` (SWE-bench 5's fields). Its reinstall step (``python -m pip install -e .``) fails
+   at once in these images (the testbed venv has no pip; the repository is installed by a ``.pth`` file);
 4. FAIL_TO_PASS and PASS_TO_PASS as SWE-bench's validation finds them: the eval script run in a sandbox of the
-   image without and with the gold patch, each log read by the official ``swebench`` parser of the runner
-   (``PARSER_REGISTRY[log_parser]``), so the ids are the runner's own (Django: ``test_x (module.Class.test_x)`` or
-   a docstring's first line, as Django's runner prints them under Python 3.11; SymPy: test function names; pytest:
+   image without and with the gold patch, each log read by the official parser of the runner (``swebench`` 5.0.2's
+   ``PARSER_REGISTRY[log_parser]``), so the ids are the runner's own (Django: ``test_x (module.Class.test_x)`` or a
+   docstring's first line, as Django's runner prints them under Python 3.11; SymPy: test function names; pytest:
    node ids). F2P: passes with the fix, not without; P2P: passes with and without.
 
-Per runner (``RUNNERS``), SWE-bench's test command and test directives: Django's ``./tests/runtests.py --verbosity 2
---settings=test_sqlite --parallel 1`` on test modules (``tests/a/tests.py`` -> ``a.tests``); SymPy's ``bin/test -C
---verbose`` on test files (the sdist has no bin/, the image carries agentenv's stand-in: ``sympy_bin_test.txt``);
-pytest's ``pytest -rA`` on test files. The eval script leaves out SWE-bench's ``python -m pip install -e .`` step:
-the image installs the repository through a ``.pth`` file, and nothing can be installed offline.
-
+SymPy's sdist has no bin/: the image carries agentenv's stand-in for ``bin/test`` (``sympy_bin_test.txt``).
 The images hold the whole sdist, Django's 200 test packages included: built from cached downloads, Django's takes
 about 17 s on the development machine, so CI builds it whole rather than a trimmed test tree.
 """
@@ -39,44 +37,19 @@ from pathlib import Path
 from typing import Any
 
 from envs.images import ImageRecipe, extract_sdist, fetch_sdist
-from envs.swebench_layout import ACTIVATE, instance_image
+from envs.swebench_layout import instance_image
 from envs.task import image_name
 
 FIXES_FILE = Path(__file__).with_name("fixes.json")
 RECORDS_FILE = Path(__file__).with_name("fixes_tasks.jsonl")
-HEREDOC = "EOF_114329324912"    # SWE-bench's own delimiter for the test patch
 START, END = ">>>>> Start Test Output", ">>>>> End Test Output"
-NON_TEST_EXTS = (".json", ".png", "csv", ".txt", ".md", ".jpg", ".jpeg", ".pkl", ".yml", ".yaml", ".toml")
 
 Log = Callable[[str], None]
 
 
-def _django_directives(files: list[str]) -> list[str]:
-    out = []
-    for f in files:
-        name = f.rsplit("/", 1)[-1]
-        if name == "tests.py" or name.startswith("test_") or "/tests/" in f or "/test_" in f:
-            out.append(f.removesuffix(".py").removeprefix("tests/").replace("/", "."))
-    return out
-
-
-@dataclass(frozen=True)
-class Runner:
-    """How SWE-bench runs a repository's tests: its command, the directives it passes, its log parser."""
-
-    test_cmd: str
-    log_parser: str
-    directives: Callable[[list[str]], list[str]] = list
-
-
-RUNNERS = {
-    "django": Runner("./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1", "parse_log_django",
-                     _django_directives),
-    "sympy": Runner("PYTHONWARNINGS='ignore::UserWarning,ignore::SyntaxWarning' bin/test -C --verbose",
-                    "parse_log_sympy"),
-    "pytest": Runner("pytest -rA", "parse_log_pytest_options"),
-}
-PARSERS_BY_REPO = {"psf/requests": "parse_log_requests"}   # SWE-bench's per-repository names of the same parsers
+# the official parser of each runner's log (SWE-bench 5's log_parser field); psf/requests has a name of its own
+PARSERS = {"django": "parse_log_django", "sympy": "parse_log_sympy", "pytest": "parse_log_pytest_options"}
+PARSERS_BY_REPO = {"psf/requests": "parse_log_requests"}
 
 
 @dataclass(frozen=True)
@@ -95,7 +68,7 @@ class Release:
     repo: str                       # owner/name, as SWE-bench names it
     dist: str                       # the distribution on PyPI
     series: str                     # SWE-bench's version (major.minor)
-    runner: str                     # a key of RUNNERS
+    runner: str                     # a key of PARSERS
     version: str
     sha256: str
     next: str
@@ -115,7 +88,7 @@ class Release:
 
     @property
     def log_parser(self) -> str:
-        return PARSERS_BY_REPO.get(self.repo, RUNNERS[self.runner].log_parser)
+        return PARSERS_BY_REPO.get(self.repo, PARSERS[self.runner])
 
 
 def load_releases(path: Path = FIXES_FILE) -> list[Release]:
@@ -124,67 +97,37 @@ def load_releases(path: Path = FIXES_FILE) -> list[Release]:
     for r in data["releases"]:
         fixes = tuple(Fix(f["instance_id"], tuple(f["code"]), tuple(f["tests"]), f["problem_statement"],
                           f["upstream"]) for f in r["fixes"])
-        if r["runner"] not in RUNNERS:
-            raise ValueError(f"{path}: {r['repo']}: unknown runner {r['runner']!r}; known: {', '.join(RUNNERS)}")
+        if r["runner"] not in PARSERS:
+            raise ValueError(f"{path}: {r['repo']}: unknown runner {r['runner']!r}; known: {', '.join(PARSERS)}")
         out.append(Release(r["repo"], r["dist"], r["series"], r["runner"], r["version"], r["sha256"], r["next"],
                            r["next_sha256"], fixes, tuple(r.get("requirements", ())), r.get("pythonpath", "."),
                            dict(r.get("overlay", {}))))
     return out
 
 
-def diff_files(test_patch: str) -> tuple[list[str], list[str]]:
-    """(files the diff modifies, files it creates), as SWE-bench's eval script resets them."""
-    modified, new = [], []
-    old = ""
-    for line in test_patch.splitlines():
-        if line.startswith("--- "):
-            old = line[4:].split("\t", 1)[0]
-        elif line.startswith("+++ "):
-            path = line[4:].split("\t", 1)[0].removeprefix("b/")
-            (new if old == "/dev/null" else modified).append(path)
-    return modified, new
+# SWE-bench 4.1.0 has no specs for requests 2.32: those of its 2.x versions (SPECS_REQUESTS)
+SPECS = {"psf/requests": {"python": "3.9", "packages": "pytest", "install": "python -m pip install .",
+                          "test_cmd": "pytest -rA"}}
 
 
-def eval_script(release: Release, base_commit: str, test_patch: str) -> str:
-    """The record's ``eval_script``, as SWE-bench's harness builds one for a Python repository (see the module doc)."""
-    modified, new = diff_files(test_patch)
-    reset = ([f"git checkout {base_commit} {' '.join(modified)}"] if modified else []) + (
-        [f"rm -f {' '.join(new)}"] if new else [])
-    runner = RUNNERS[release.runner]
-    files = [f for f in modified + new if not f.endswith(NON_TEST_EXTS)]
-    test = " ".join([runner.test_cmd, *runner.directives(files)])
-    body = test_patch if test_patch.endswith("\n") else test_patch + "\n"
-    lines = ["#!/bin/bash", "set -uxo pipefail", *ACTIVATE.split(" && "), "cd /testbed",
-             "git config --global --add safe.directory /testbed", "cd /testbed", "git status", "git show",
-             f"git -c core.fileMode=false diff {base_commit}", *ACTIVATE.split(" && "), *reset,
-             f"git apply -v - <<'{HEREDOC}'\n{body}{HEREDOC}", f": '{START}'", test, f": '{END}'", *reset]
-    return "\n".join(lines) + "\n"
+def eval_script(release: Release, base_commit: str, test_patch: str, instance_id: str = "") -> str:
+    """The record's ``eval_script``: what ``swebench`` 4.1.0's ``make_eval_script_list`` builds for it (in its own
+    process, ``envs.grading.runners.official``), with the package's specs for the repository and version."""
+    from envs.grading.runners import official
 
-
-def official(module: str) -> Any:
-    """A module of the official ``swebench`` harness (``grading``, ``log_parsers``, ``constants``), imported without
-    ``swebench.harness``'s ``__init__``, which imports docker, unidiff and modal; these import only the standard
-    library and ``swebench`` itself. ``swebench`` is installed by the bootstrap (``pip install --no-deps``)."""
-    import importlib
-    import importlib.util
-    import sys
-    import types
-
-    if "swebench.harness" not in sys.modules:
-        spec = importlib.util.find_spec("swebench")
-        if spec is None or not spec.submodule_search_locations:
-            raise ModuleNotFoundError("the swebench package is not installed: pip install --no-deps swebench==5.0.2")
-        package = types.ModuleType("swebench.harness")
-        package.__path__ = [str(Path(next(iter(spec.submodule_search_locations))) / "harness")]
-        sys.modules["swebench.harness"] = package
-    return importlib.import_module(f"swebench.harness.{module}")
+    inst = {"instance_id": instance_id or release.repo, "repo": release.repo, "version": release.series,
+            "base_commit": base_commit, "test_patch": test_patch}
+    ans = official.harness(4).call([{"op": "eval_script", "instance": inst, "specs": SPECS.get(release.repo)}])[0]
+    return str(ans["script"])
 
 
 def official_statuses(parser: str, log: str) -> dict[str, str]:
-    """The status map the official ``swebench`` parser reads from a test log (``PARSER_REGISTRY[parser]``), from the
-    part between the markers as its harness does."""
+    """The status map the official ``swebench`` 5.0.2 parser ``parser`` reads from a test log, from the part between
+    the markers as its harness does."""
+    from envs.grading.runners import official
+
     part = log.split(START, 1)[-1].split(END, 1)[0] if START in log else log
-    return dict(official("log_parsers").PARSER_REGISTRY[parser](part, None))
+    return dict(official.harness(5).call([{"op": "parse", "parser": parser, "log": part}])[0]["statuses"])
 
 
 def _git_diff(sb: Any, writes: Mapping[str, bytes]) -> str:
@@ -210,7 +153,7 @@ def build_release(release: Release, log: Log = print) -> list[dict[str, Any]]:
             for fix in release.fixes:
                 patch = _git_diff(sb, {p: (newer / p).read_bytes() for p in fix.code})
                 test_patch = _git_diff(sb, {p: (newer / p).read_bytes() for p in fix.tests})
-                script = eval_script(release, base, test_patch)
+                script = eval_script(release, base, test_patch, fix.instance_id)
                 before = _run_eval(sb, script, "")
                 after = _run_eval(sb, script, patch)
                 parse = release.log_parser
@@ -241,7 +184,7 @@ def _run_eval(sb: Any, script: str, patch: str) -> str:
     if patch:
         sb.write_file("/tmp/gold.patch", patch)
         prep = "git apply /tmp/gold.patch && "
-    r = sb.exec(f"{prep}bash /tmp/eval.sh", cwd="/testbed", timeout=1800)
+    r = sb.exec(f"{prep}bash /tmp/eval.sh 2>&1", cwd="/testbed", timeout=1800)
     sb.exec("git reset -q --hard && git clean -fdq", cwd="/testbed", timeout=120)
     return r.stdout + r.stderr
 
