@@ -17,8 +17,9 @@ for interactive shells. Conda cannot be installed offline here, so this layout s
   conda's (``install``, ``create``) exists, and asking for it says so.
 
 The repository is one commit of the sdist (the task's ``base_commit``, fixed author and dates: the same hash on
-every machine), and on top of it the empty commit ``SWE-bench`` that SWE-bench's own image setup ends with (``git
-commit --allow-empty -am SWE-bench``), so that an eval script's ``git show`` prints one small commit.
+every machine). git is configured with ``log.showRoot false``, so that an eval script's ``git show`` prints that
+commit's header, not the whole repository as a diff (SWE-bench's images have a real history, where it is one
+commit's diff).
 
 ``DOCKERFILE`` is built by ``envs.images.build_image`` for a recipe with ``layout="swebench"``; ``context_files`` are
 the stand-in's files, written into the build context.
@@ -106,11 +107,12 @@ RUN printf '{excludes}' > /etc/gitignore \\
  && git config --system core.excludesFile /etc/gitignore \\
  && git config --system init.defaultBranch main \\
  && git config --system advice.detachedHead false \\
- && git config --system safe.directory '*'
+ && git config --system safe.directory '*' \\
+ && git config --system log.showRoot false
 COPY src /testbed
 WORKDIR /testbed
 RUN echo /testbed/{pythonpath} > "$(/opt/miniconda3/envs/testbed/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/testbed.pth" \\
- && git init -q && git add -A && git commit -q -m '{repo} {version}' && git commit -q --allow-empty -m SWE-bench
+ && git init -q && git add -A && git commit -q -m '{repo} {version}'
 """
 
 

@@ -253,7 +253,7 @@ def drop_reason(path: str, *, tests: Iterable[str] = (), new_file: bool = False,
         return "unsafe-path"
     if any(fnmatch.fnmatchcase(path, pattern) for pattern in runner_files):
         return "test-config"
-    if path in set(tests) or any(fnmatch.fnmatchcase(path, pattern) for pattern in test_patterns):
+    if path in set(tests):
         return "test"
     parts = path.split("/")
     base = parts[-1]
@@ -269,6 +269,8 @@ def drop_reason(path: str, *, tests: Iterable[str] = (), new_file: bool = False,
         return "native-code"
     if any(p.endswith((".dist-info", ".egg-info", ".egg-link", ".egg")) for p in parts):
         return "package-metadata"
+    if any(fnmatch.fnmatchcase(path, pattern) for pattern in test_patterns):
+        return "test"
     if new_file:
         shadowed = SHADOWED | set(runner_modules)
         for root in roots:

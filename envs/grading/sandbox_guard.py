@@ -231,7 +231,10 @@ def _install(cfg):
             return
         state.busy = True
         try:
-            caller = getframe(1)
+            try:
+                caller = getframe(1)
+            except ValueError:  # no Python frame raised it (the interpreter's own, at exit): not the patch's code
+                return
             judge(event, args, caller)
         finally:
             state.busy = False

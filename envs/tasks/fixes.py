@@ -149,7 +149,7 @@ def build_release(release: Release, log: Log = print) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="agentenv-fixes-") as tmp:
         newer = extract_sdist(fetch_sdist(release.dist, release.next, release.next_sha256), Path(tmp) / "next")
         with agentenv.Sandbox.create(tag, cpus=1.0, memory="3g", network=False) as sb:
-            base = sb.exec("git rev-parse HEAD~1", cwd="/testbed").stdout.strip()
+            base = sb.exec("git rev-parse HEAD", cwd="/testbed").stdout.strip()
             for fix in release.fixes:
                 patch = _git_diff(sb, {p: (newer / p).read_bytes() for p in fix.code})
                 test_patch = _git_diff(sb, {p: (newer / p).read_bytes() for p in fix.tests})
