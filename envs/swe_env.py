@@ -90,7 +90,7 @@ class SWEEnv(SandboxEnv[Task]):
     def __init__(self, task: Task | str | Mapping[str, Any] | None = None,
                  tasks: Sequence[Task | str | Mapping[str, Any]] | str | os.PathLike[str] | None = None,
                  max_steps: int | None = DEFAULT_MAX_STEPS, max_output: int = 10_000,
-                 bash_timeout: float = 60.0, test_timeout: float = 900.0, render_mode: str | None = None,
+                 bash_timeout: float = 60.0, test_timeout: float | None = None, render_mode: str | None = None,
                  api: Backend | None = None, **sandbox_kwargs: Any) -> None:
         super().__init__(api=api, max_steps=max_steps, render_mode=render_mode, sandbox_kwargs=sandbox_kwargs)
         self.observation_space = UnicodeText(MAX_OBSERVATION)

@@ -160,6 +160,13 @@ if [ "$SKIP_VENV" = 0 ]; then
         pip install -q --no-deps "verifiers==0.4.0" "prime-sandboxes==0.5.1"
         echo "$WANT" >"$STAMP"
     fi
+    # the official SWE-bench harnesses the grader runs as their own processes (envs.grading.runners.official):
+    # 4.x and 5.x cannot share one environment, so each pinned version gets a folder of its own
+    for v in 4.1.0 5.0.2; do
+        [ -d "$VENV/swebench/$v/swebench-$v.dist-info" ] || "$VENV/bin/pip" install -q --no-deps \
+            --target "$VENV/swebench/$v" "swebench==$v" "unidiff==0.7.5" 2>&1 | grep -v "is ignored: it is neither" || true
+        [ -d "$VENV/swebench/$v/swebench-$v.dist-info" ] || die "swebench $v did not install into $VENV/swebench/$v"
+    done
     # CRIU's Python bindings: the packaged ones (Debian 13) or the ones built above.
     SITE="$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
     [ -d "$CACHE/pycriu" ] && echo "$CACHE" >"$SITE/agentenv-pycriu.pth"

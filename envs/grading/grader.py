@@ -82,7 +82,7 @@ from envs.grading.results import (
     parse_pytest,
     statuses_from_junit,
 )
-from envs.grading.runners.judge import hardened_report, official_report
+from envs.grading.runners.judge import combine, hardened_report, official_report
 from envs.grading.runners.official import OfficialHarnessError
 from envs.grading.runners.spec import APPLY_5, Runner, RunnerError, runner_for
 from envs.grading.runners.spec import field as record_field
@@ -306,7 +306,7 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
                         preamble=runner.preamble() if dataset else None, command=runner.test_command)
     if dataset:
         sb.write_file(f"{folder}/eval.sh", script.encode(), mode=0o600)
-        script = f"exec /bin/bash {folder}/eval.sh"  # bash itself, not a child of sh: its kill -1 spares it
+        script = f"exec /bin/bash {folder}/eval.sh"  # no parent shell for its kill -1 to end
     r = sb.exec(script, timeout=timeout, cwd=WORKDIR)
     run.exit_code, run.timed_out, run.log = r.exit_code, r.timed_out, r.stdout + r.stderr
     timer.lap("tests")
@@ -390,11 +390,9 @@ def _hardened(sb: SandboxLike, run: _Run, folder: str, secret: str, canary_ids: 
     bad = [s for s in canaries.values() if s not in CANARY_OK]
     official, official_error = _official(run)
     timer.lap("official")
-    error = f"the test run was tampered with: {reasons[0]}" if reasons else ""
-    if not error and run.runner.family != "agentenv" and ours.resolved and not (official and official.resolved):
-        error = ("the official harness does not call it resolved: "
-                 + (official_error or (official.why if official else "") or (official.resolution if official else "")))
-    return GradeResult(resolved=ours.resolved and not error, patch=run.patch, exit_code=r_code, timed_out=False,
+    resolved, why = combine(run.runner, ours, official, official_error)
+    error = f"the test run was tampered with: {reasons[0]}" if reasons else why
+    return GradeResult(resolved=resolved and not error, patch=run.patch, exit_code=r_code, timed_out=False,
                        fail_to_pass={t: statuses.get(t, "MISSING") for t in task.FAIL_TO_PASS},
                        pass_to_pass={t: statuses.get(t, "MISSING") for t in task.PASS_TO_PASS},
                        error=error, log_tail=run.log[-4000:],

@@ -74,3 +74,17 @@ def hardened_report(runner: Runner, task: Task, statuses: Mapping[str, str]) -> 
         return verdict("r2e-exact", keyed, task.FAIL_TO_PASS, task.PASS_TO_PASS, expected=_expected(task))
     files = list((runner.spec or {}).get("test_files", []))
     return verdict(runner.mode, statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS, test_files=files)
+
+
+def combine(runner: Runner, ours: Report, official: Report | None, official_error: str = "") -> tuple[bool, str]:
+    """(resolved, why not) from both verdicts by the runner's rule (see ``envs.grading.runners``): agentenv's own
+    tasks by ours alone; a dataset's record only when the official harness says resolved too."""
+    if not ours.resolved:
+        return False, ""
+    if runner.family == "agentenv":
+        return True, ""
+    if official is None:
+        return False, f"the official harness could not grade the log: {official_error}"
+    if not official.resolved:
+        return False, f"the official harness does not call it resolved ({official.resolution}{': ' + official.why if official.why else ''})"
+    return True, ""

@@ -161,7 +161,7 @@ def test_duplicates_are_refused_and_write_round_trips(tmp_path):
 
 
 def test_log_parser_names_match_the_graders():
-    assert set(LOG_PARSERS) == set(grading.PARSERS)
+    assert set(grading.PARSERS) == {p for p in LOG_PARSERS if not p.startswith("parse_log_")}
 
 
 def test_the_shipped_set_is_big_enough_and_well_formed():
