@@ -30,7 +30,6 @@ from __future__ import annotations
 ROOT = "/opt/miniconda3"
 ENV = "testbed"
 ENV_PYTHON = f"{ROOT}/envs/{ENV}/bin/python"
-ACTIVATE = f"source {ROOT}/bin/activate && conda activate {ENV}"
 
 # sourced (by bin/activate, .bashrc, eval scripts): POSIX sh, every variable read with a default (eval scripts run
 # under `set -u`)

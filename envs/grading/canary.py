@@ -41,6 +41,23 @@ def _words(names: list[str]) -> list[str]:
     return sorted({w for n in names for w in n.split("_")[1:] if re.fullmatch(r"[a-z][a-z0-9]*", w)})
 
 
+def _parsed(source: str) -> ast.Module | None:
+    try:
+        return ast.parse(source)
+    except (SyntaxError, ValueError):
+        return None
+
+
+def _fresh_name(base: str, words: list[str], taken: set[str], rng: random.Random) -> str:
+    """A name ``<base>_<one of words>`` not in ``taken`` (added to it); "" after 50 draws."""
+    for _ in range(50):
+        name = f"{base}_{rng.choice(words)}"
+        if name not in taken:
+            taken.add(name)
+            return name
+    return ""
+
+
 def _first_assert(fn: ast.FunctionDef, lines: list[str]) -> ast.Assert | None:
     for node in ast.walk(fn):
         if isinstance(node, ast.Assert) and node.lineno == node.test.lineno:
@@ -54,9 +71,8 @@ def derive(source: str, *, count: int = COUNT, rng: random.Random | None = None)
     """``source`` with up to ``count`` canaries derived from its tests (see the module doc); None when it has
     no test to copy or does not parse."""
     rng = rng or random.SystemRandom()
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    tree = _parsed(source)
+    if tree is None:
         return None
     lines = source.splitlines()
     taken = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
@@ -71,15 +87,9 @@ def derive(source: str, *, count: int = COUNT, rng: random.Random | None = None)
     inserts: list[tuple[int, list[str]]] = []
     names: list[str] = []
     for fn, first in chosen:
-        name = ""
-        for _ in range(50):
-            cand = f"{fn.name}_{rng.choice(words)}"
-            if cand not in taken:
-                name = cand
-                break
+        name = _fresh_name(fn.name, words, taken, rng)
         if not name:
             continue
-        taken.add(name)
         body = lines[fn.lineno - 1:fn.end_lineno]
         body[0] = re.sub(rf"\bdef {re.escape(fn.name)}\b", f"def {name}", body[0], count=1)
         test_text = ast.get_source_segment(source, first.test)
@@ -144,9 +154,8 @@ def derive_methods(source: str, *, prefer_class: str = "", count: int = COUNT,
     (``assertEqual`` -> ``assertNotEqual``, ``assert X`` -> ``assert not (X)``, ...) put before it, so that one of
     the two fails whatever the code under test does. None when no class has a method to copy."""
     rng = rng or random.SystemRandom()
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
+    tree = _parsed(source)
+    if tree is None:
         return None
     lines = source.splitlines()
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.bases]
@@ -166,10 +175,9 @@ def derive_methods(source: str, *, prefer_class: str = "", count: int = COUNT,
         inserts: list[tuple[int, list[str]]] = []
         made: list[tuple[str, str]] = []
         for fn, stmt, opposite in rng.sample(usable, min(count, len(usable))):
-            name = next((c for c in (f"{fn.name}_{rng.choice(words)}" for _ in range(50)) if c not in taken), "")
+            name = _fresh_name(fn.name, words, taken, rng)
             if not name:
                 continue
-            taken.add(name)
             start = fn.lineno - 1
             body = lines[start:fn.end_lineno]
             body[0] = re.sub(rf"\bdef {re.escape(fn.name)}\b", f"def {name}", body[0], count=1)
@@ -189,3 +197,20 @@ def derive_methods(source: str, *, prefer_class: str = "", count: int = COUNT,
             out[end:end] = block
         return MethodCanaries("\n".join(out) + "\n", tuple(made))
     return None
+
+
+def plain_method(source: str, prefer_class: str, name: str) -> MethodCanaries | None:
+    """``source`` with a method ``name`` that always fails added to a ``TestCase``-style class (``prefer_class`` when
+    there is one): the fallback when no method has an assertion to turn. None when the file has no such class."""
+    tree = _parsed(source)
+    if tree is None:
+        return None
+    classes = sorted((n for n in tree.body if isinstance(n, ast.ClassDef) and n.bases and n.end_lineno),
+                     key=lambda c: c.name != prefer_class)
+    if not classes:
+        return None
+    cls, lines = classes[0], source.splitlines()
+    indent = lines[cls.body[0].lineno - 1][:cls.body[0].col_offset]
+    block = ["", f"{indent}def {name}(self):", f"{indent}    raise AssertionError('{name} must fail')"]
+    end = cls.end_lineno or cls.lineno
+    return MethodCanaries("\n".join([*lines[:end], *block, *lines[end:]]) + "\n", ((cls.name, name),))

@@ -122,8 +122,13 @@ class Channel:
                 return source + canary.plain(name), [name]
             return derived.source, list(derived.names)
         first = task.FAIL_TO_PASS[0] if task.FAIL_TO_PASS else ""
-        prefer = first.rsplit(" (", 1)[1][:-1].split(".")[-2] if first.endswith(")") and " (" in first else ""
-        methods = canary.derive_methods(source, prefer_class=prefer, rng=rng)
+        prefer = ""
+        if first.endswith(")") and " (" in first:  # test_x (module.Class.test_x), or (module.Class) before 3.11
+            name, dotted = first[:-1].rsplit(" (", 1)
+            parts = dotted.split(".")
+            prefer = parts[-2] if parts[-1] == name.strip() and len(parts) > 1 else parts[-1]
+        methods = canary.derive_methods(source, prefer_class=prefer, rng=rng) or canary.plain_method(
+            source, prefer, f"test_{secrets.token_hex(8)}")
         if methods is None:
             return source, []
         module = test_file.removeprefix("tests/").removesuffix(".py").replace("/", ".")

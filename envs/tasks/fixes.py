@@ -190,7 +190,13 @@ def _run_eval(sb: Any, script: str, patch: str) -> str:
 
 
 def build(releases: list[Release] | None = None, out: Path = RECORDS_FILE, log: Log = print) -> list[dict[str, Any]]:
-    records = [rec for release in releases or load_releases() for rec in build_release(release, log)]
+    """Build the records of ``releases`` (default: all) into ``out``; the records ``out`` holds for other
+    repositories are kept."""
+    releases = releases or load_releases()
+    built = {r.repo for r in releases}
+    kept = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
+    records = [r for r in kept if r.get("repo") not in built]
+    records += [rec for release in releases for rec in build_release(release, log)]
     tmp = out.with_suffix(out.suffix + ".tmp")
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
     tmp.replace(out)

@@ -4,13 +4,11 @@ session, a record loaded as a Task, and a patch made in a sandbox of the record 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Callable
 
 from agentenv.api import SandboxLike
 from envs.grading import GradeResult, grade
-from envs.task import Task, TaskError
+from envs.task import Task, load_tasks
 from envs.task_sandbox import start_task
 from envs.tasks.fixes import RECORDS_FILE, load_releases
 
@@ -28,16 +26,10 @@ def build_images(repos: tuple[str, ...] = ()) -> None:
 
 
 def record(instance_id: str) -> Task:
-    """The record as a Task (its ``log_parser`` set after loading where this checkout's Task does not know
-    SWE-bench 5's parser names yet)."""
-    for line in RECORDS_FILE.read_text().splitlines():
-        rec = json.loads(line)
-        if rec["instance_id"] == instance_id:
-            try:
-                return Task.from_json(rec)
-            except TaskError:
-                parser = rec.pop("log_parser")
-                return dataclasses.replace(Task.from_json(rec), log_parser=parser)
+    """The record as a Task."""
+    for task in load_tasks(RECORDS_FILE):
+        if task.instance_id == instance_id:
+            return task
     raise KeyError(instance_id)
 
 

@@ -105,6 +105,13 @@ def test_method_canaries_copy_a_tests_method_with_the_opposite_first_assertion_a
         if right:
             assert "test_sum (test_c.Checks.test_sum)\nAdds one. ... ok" in r.stderr, r.stderr
     assert canary.derive_methods("def test_x():\n    assert 1\n") is None
+    plain = canary.plain_method("import unittest\n\n\nclass K(unittest.TestCase):\n    def test_a(self):\n"
+                                "        pass\n\n\nx = 1\n", "", "test_k")
+    assert plain is not None and plain.methods == (("K", "test_k"),)
+    (tmp_path / "test_k.py").write_text(plain.source)
+    r = subprocess.run([sys.executable, "-m", "unittest", "-v", "test_k"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert "test_k (test_k.K.test_k) ... FAIL" in r.stderr and "test_a (test_k.K.test_a) ... ok" in r.stderr
 
 
 def test_a_runners_own_files_and_its_test_suite_are_not_graded_and_the_runner_rewrite_is_tampering():
