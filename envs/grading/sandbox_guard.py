@@ -8,9 +8,11 @@ guard.py CONFIG solo``. Standard library only, Python 3.8+.
 Before any code of the repository runs it installs a PEP 578 audit hook, which nothing in the process can
 remove. The hook watches the means by which code could reach the test runner's objects or the grader's
 files from inside the process — frames (``sys._getframe``, a traceback's ``tb_frame``, a generator's
-``gi_frame``), ``gc`` walks, ``ctypes``, tracing and profiling hooks, writes to class attributes and
-function code, code compiled from strings, imports of the runner's modules, new processes, the grading
-folder and ``/proc`` — and flags such an event when it comes from the code the patch added (the config
+``gi_frame``), ``gc`` walks, ``ctypes``, tracing and profiling hooks, the writes to class and function
+attributes Python audits (``__code__``, ``__bases__``, ...: an ordinary class attribute write raises no event, which
+the watched state of ``solo.py`` and the canaries are for), code compiled from strings, imports of the runner's
+modules, new processes, the grading folder (by path, or by its name in a relative one; ``os.chdir`` too) and
+``/proc`` — and flags such an event when it comes from the code the patch added (the config
 lists, for each file the patch touches, its added lines; a new file is added throughout). A flagged
 event is written at once to the audit log (an append-only file opened before any repository code ran,
 checked to be the same file at each write) and then refused (the hook raises), so the attempt both
