@@ -316,3 +316,22 @@ def test_the_isolated_run_resolves_djangos_ids_and_sympys_names_from_the_source(
 def test_the_channel_names_the_runners_modules_for_the_audit_hook(command):
     ch = parse_test_command(command).channel
     assert ch is not None and ch.solo_config()["runner_modules"]
+
+
+def test_the_grading_folder_is_refused_to_the_patch_by_a_relative_path_too(tmp_path):
+    folder_name = "agentenv-grade-0123"
+    lib = ("import os\n"
+           f"os.chdir({str(tmp_path)!r})\n"
+           "for name in os.listdir('.'):\n"
+           "    if 'grade' in name:\n"
+           "        open(name + '/' + 'results.json', 'w').write('{}')\n"
+           "def f(x):\n    return x + 1\n")
+    root, folder = guard_repo(tmp_path, lib, [1, 2, 3, 4, 5], {"app/__init__.py": "", "app/tests.py": UNITTEST_TESTS,
+                                                               "run.py": RUNNER})
+    moved = folder.rename(tmp_path / folder_name)
+    cfg = json.loads((moved / "guard.json").read_text().replace(str(folder), str(moved)))
+    cfg["paths"] = [str(moved), "/proc/", str(tmp_path / "agentenv-grade")]
+    (moved / "guard.json").write_text(json.dumps(cfg))
+    r, got = run_guard(root, moved, "unittest", "run.py", "app.tests")
+    log = audit.read_log((moved / "audit.log").read_bytes())
+    assert [(e["event"], e["detail"]) for e in log.events] == [("open", f"{folder_name}/results.json")], r.stderr
