@@ -12,9 +12,16 @@ kept as the image label ``agentenv.inputs``: a rebuild with nothing changed is o
 Downloads are cached under ``$AGENTENV_CACHE`` (default ``/var/cache/agentenv/swe``).
 
 An image is named ``agentenv/swe-<name>:<version>`` (``envs.task.image_name``), the name a task record
-without an ``image`` field gets. ``image_head(tag)`` is the commit its /testbed is at: what a task's
-``base_commit`` must be (or ``"HEAD"``), printed after each build and by
-``python -m envs.tasks base-commit IMAGE``.
+without an ``image`` field gets, unless its recipe names it (``image``); ``tags`` gives it more names
+(``docker tag``: one image per repository and version, one name per task instance that runs in it).
+
+Two layouts (``layout``): ``agentenv`` (the interpreter of the base image, the dependencies installed into it) and
+``swebench`` (SWE-bench's: a ``testbed`` environment at /opt/miniconda3 beside the repository at /testbed, with a
+stand-in for conda; ``envs.swebench_layout``). A recipe may add files to the source (``overlay``: a program the
+sdist leaves out, e.g. SymPy's ``bin/test``), which are then part of what the image's commit holds.
+
+``image_head(tag)`` is the commit its /testbed is at: what a task's ``base_commit`` must be (or ``"HEAD"``),
+printed after each build and by ``python -m envs.tasks base-commit IMAGE``.
 """
 
 from __future__ import annotations
@@ -28,13 +35,14 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from agentenv.errors import AgentEnvError
 from agentenv.host import archives
 from agentenv.host.images import BuildFailed, build, docker_client
+from envs import swebench_layout
 from envs.task import image_name
 
 DOCS = "README.md, 'Bring your own tasks'"
@@ -63,6 +71,9 @@ WORKDIR /testbed
 RUN echo /testbed/{pythonpath} > "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/testbed.pth" \\
  && git init -q && git add -A && git commit -q -m '{repo} {version}'
 """
+
+
+LAYOUTS = {"agentenv": DOCKERFILE, "swebench": swebench_layout.DOCKERFILE}
 
 
 class ImageBuildError(AgentEnvError):
@@ -101,15 +112,29 @@ class ImageRecipe:
     requirements: tuple[str, ...] = field(default_factory=tuple)  # pinned wheels for the wheelhouse
     base: str = BASE_IMAGE
     image: str = ""                 # the tag; "" -> agentenv/swe-<repo>:<version>
+    layout: str = "agentenv"        # or "swebench" (envs.swebench_layout)
+    overlay: Mapping[str, str] = field(default_factory=dict)            # path -> text of a file added to the source
+    tags: tuple[str, ...] = ()      # more names for the built image (not an input: re-tagging is cheap)
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown image layout {self.layout!r}; known: {', '.join(LAYOUTS)}")
 
     @property
     def tag(self) -> str:
         return self.image or image_name(f"pypi/{self.repo}", self.version)
 
+    @property
+    def dockerfile(self) -> str:
+        return LAYOUTS[self.layout]
+
     def inputs_hash(self, base_id: str) -> str:
-        recipe = {k: v for k, v in asdict(self).items() if k != "image" or v}  # unnamed: the hash it always had
-        blob = json.dumps({"recipe": recipe, "dockerfile": DOCKERFILE, "base": base_id,
-                           "git": GIT_ENV, "excludes": GIT_EXCLUDES}, sort_keys=True)
+        defaults = {"image": "", "layout": "agentenv", "overlay": {}}
+        # a field at its default is left out: a recipe that does not use it keeps the hash it always had
+        recipe = {k: v for k, v in asdict(self).items() if k != "tags" and v != defaults.get(k, object())}
+        extra = {"layout": swebench_layout.context_files()} if self.layout == "swebench" else {}
+        blob = json.dumps({"recipe": recipe, "dockerfile": self.dockerfile, "base": base_id,
+                           "git": GIT_ENV, "excludes": GIT_EXCLUDES, **extra}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -233,7 +258,8 @@ def image_inputs(tag: str) -> str | None:
 
 
 def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str], None] | None = None) -> str:
-    """Build (or find, when its inputs are unchanged) the image of ``recipe``; returns its tag.
+    """Build (or find, when its inputs are unchanged) the image of ``recipe``, and give it its ``tags``; returns its
+    tag.
 
     With ``log``, progress goes there, and so does the image's base commit (one sandbox start to read it).
     """
@@ -247,6 +273,7 @@ def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str]
         raise ImageBuildError(f"base image {recipe.base!r} is missing", fix="run scripts/bootstrap.sh") from None
     digest = recipe.inputs_hash(base_id)
     if not force and image_inputs(recipe.tag) == digest:
+        _tag(recipe)
         if log is not None:
             log(f"[image] {recipe.tag} is up to date ({digest}), base commit {image_head(recipe.tag)}")
         return recipe.tag
@@ -255,12 +282,19 @@ def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str]
     wheels = fetch_wheels(recipe.requirements)
     with tempfile.TemporaryDirectory(prefix="agentenv-image-", dir=cache_dir()) as tmp:
         ctx = Path(tmp)
-        extract_sdist(sdist, ctx / "src")
+        shape_source(extract_sdist(sdist, ctx / "src"), recipe)
         shutil.copytree(wheels, ctx / "wheels")
         reqs = " ".join(_shell_word(r) for r in recipe.requirements)
-        install = (f"python3 -m pip install --no-index --find-links /tmp/wheels --break-system-packages "
-                   f"--no-warn-script-location -q {reqs} &&" if recipe.requirements else "")
-        (ctx / "Dockerfile").write_text(DOCKERFILE.format(
+        if recipe.layout == "swebench":
+            install = swebench_layout.install_command(reqs)
+            for rel, (text, mode) in swebench_layout.context_files().items():
+                (ctx / rel).parent.mkdir(parents=True, exist_ok=True)
+                (ctx / rel).write_text(text)
+                (ctx / rel).chmod(mode)
+        else:
+            install = (f"python3 -m pip install --no-index --find-links /tmp/wheels --break-system-packages "
+                       f"--no-warn-script-location -q {reqs} &&" if recipe.requirements else "")
+        (ctx / "Dockerfile").write_text(recipe.dockerfile.format(
             base=recipe.base, env=" ".join(f'{k}="{v}"' for k, v in GIT_ENV.items()), install=install,
             excludes="\\n".join(GIT_EXCLUDES) + "\\n", pythonpath=recipe.pythonpath,
             repo=recipe.repo, version=recipe.version))
@@ -271,9 +305,31 @@ def build_image(recipe: ImageRecipe, *, force: bool = False, log: Callable[[str]
             raise ImageBuildError(f"docker build of {recipe.tag} failed: {e.error}\n" + "\n".join(e.output[-20:])) from e
     if image_inputs(recipe.tag) != digest:
         raise ImageBuildError(f"docker build of {recipe.tag} finished but the image is not there")
+    _tag(recipe)
     if log is not None:  # one more sandbox start (~0.3 s): only when someone reads it
         log(f"[image] built {recipe.tag} base commit {image_head(recipe.tag)}")
     return recipe.tag
+
+
+def shape_source(src: Path, recipe: ImageRecipe) -> Path:
+    """The unpacked sdist at ``src`` with the recipe's files added (``overlay``; a file starting ``#!`` executable)."""
+    for rel, text in recipe.overlay.items():
+        parts = Path(rel).parts
+        if not parts or Path(rel).is_absolute() or ".." in parts:
+            raise ImageBuildError(f"overlay path {rel!r} is not a relative path inside the source", fix="fix the recipe")
+        dest = src.joinpath(*parts)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(text)
+        dest.chmod(0o755 if text.startswith("#!") else 0o644)
+    return src
+
+
+def _tag(recipe: ImageRecipe) -> None:
+    """Give the built image its other names (``docker tag``; an existing name is moved to it)."""
+    api = docker_client().api
+    for name in recipe.tags:
+        repository, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
+        api.tag(recipe.tag, repository, tag or "latest", force=True)
 
 
 def _shell_word(s: str) -> str:

@@ -47,10 +47,12 @@ indistinguishable from tests missing from the file the agent had). Neither check
 weakens a helper the tests import from the library itself (e.g. an ``assert raises(...)`` helper that
 always says yes), or returns objects that compare equal to anything: that is a change to what the tests
 test, for a reviewer of ``info["patch"]``. Under the guard no test can catch a signal (a handler set is
-a no-op; none of the shipped tasks needs one). A command that is not a plain pytest invocation runs
-without the guard, the isolated run and the canaries: for a dataset's record its reward is then the official
-parser's reading of the log, which a patch can forge (``GradeResult.reward_source == "official-log"``). Processes the tests leave behind are killed
-before each result file is read.
+a no-op; none of the shipped tasks needs one). Django's ``tests/runtests.py`` and SymPy's ``bin/test`` have hardened
+channels of their own (``channels``: the guard runs them with a recorder of their outcomes, the isolated run and the
+canaries extended to their tests). Any other command that is not a plain pytest invocation runs without the guard,
+the isolated run and the canaries: for a dataset's record its reward is then the official parser's reading of the
+log, which a patch can forge (``GradeResult.reward_source == "official-log"``). Processes the tests leave behind are
+killed before each result file is read.
 """
 
 from envs.grading.grader import (

@@ -28,13 +28,15 @@ _HUNK = re.compile(rb"^@@ -\d+(?:,\d+)? \+(\d+)(?:,\d+)? @@")
 
 
 SOLO_FILE = "solo.py"   # the isolated run, run by the guard from beside it (its SOLO_FILE)
+RUNNERS_FILE = "runners.py"   # the modes of runners other than pytest (its RUNNERS_FILE)
 
 
 def guard_files() -> dict[str, bytes]:
-    """The guard program's files, by their names in the grading folder: ``sandbox_guard.py`` and the
-    isolated run it loads (``sandbox_solo.py``)."""
+    """The guard program's files, by their names in the grading folder: ``sandbox_guard.py``, the isolated run it
+    loads (``sandbox_solo.py``) and the modes of other runners (``sandbox_runners.py``)."""
     here = Path(__file__).parent
-    return {GUARD_FILE: (here / "sandbox_guard.py").read_bytes(), SOLO_FILE: (here / "sandbox_solo.py").read_bytes()}
+    return {GUARD_FILE: (here / "sandbox_guard.py").read_bytes(), SOLO_FILE: (here / "sandbox_solo.py").read_bytes(),
+            RUNNERS_FILE: (here / "sandbox_runners.py").read_bytes()}
 
 
 def added_lines(text: bytes) -> list[int] | None:

@@ -5,8 +5,10 @@ script's markers: ``envs.grading.runners.spec``) is kept when it is a plain pyte
 ...] python3 -m pytest ARGS``, ``pytest ARGS``): its ARGS stay (they are the task's, e.g. ``-o addopts= -W
 ...``) and the grader's options are added, and pytest is started by the grader's guard (``python guard.py
 CONFIG pytest ARGS``, see ``envs.grading.audit``) instead of ``-m pytest``, then the isolated run follows
-(``solo``, see ``envs.grading.isolation``). Any other command runs as given, without the guard, the isolated
-run or a canary (for agentenv's own tasks with the grader's options in ``PYTEST_ADDOPTS``).
+(``solo``, see ``envs.grading.isolation``). Django's ``tests/runtests.py`` and SymPy's ``bin/test`` are started
+by the guard too, in their own modes (``python guard.py CONFIG unittest|sympy PROGRAM ARGS``: ``Invocation.channel``,
+see ``envs.grading.channels``), with their own arguments. Any other command runs as given, without the guard, the
+isolated run or a canary (for agentenv's own tasks with the grader's options in ``PYTEST_ADDOPTS``).
 
 A dataset's record runs as its harness runs it (``run_script``'s ``preamble``): bash with ``set -uxo
 pipefail`` and stderr joined to stdout, the eval script's lines up to its start marker (conda ``testbed``
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from envs.grading.audit import CONFIG_FILE, GUARD_FILE
+from envs.grading.channels import Channel, channel_for
 from envs.grading.patch import WORKDIR
 from envs.task import Task
 
@@ -53,6 +56,7 @@ class Invocation:
     interpreter: str = ""            # the word naming python, or "pytest" for the console script
     python_flags: tuple[str, ...] = ()
     args: tuple[str, ...] | None = None
+    channel: Channel | None = None   # another runner's (Django's, SymPy's): ``args`` are its program and arguments
 
     def canary_allowed(self, test_file: str = "") -> bool:
         """Canaries can go in ``test_file``: the command runs it (``{tests}`` or the path itself) and selects
@@ -79,6 +83,10 @@ def parse_test_command(command: str) -> Invocation:
     if not words:
         return Invocation()
     head = words[0]
+    channel = channel_for(words, assignments)
+    if channel is not None:  # Django's tests/runtests.py, SymPy's bin/test: run by the guard's mode for them
+        python = head if _PYTHON.fullmatch(head) else "python"   # the program's `#!/usr/bin/env python`
+        return Invocation(tuple(assignments), python, (), (channel.script, *channel.args), channel)
     if posixpath.basename(head) in ("pytest", "py.test"):
         return Invocation(tuple(assignments), "pytest", (), tuple(words[1:]))
     if _PYTHON.fullmatch(head):
@@ -130,7 +138,10 @@ def run_script(task: Task, inv: Invocation, python: str, folder: str, *, guarded
         for a in inv.args:
             args += tests if a == "{tests}" else [a.replace("{tests}", " ".join(tests))]
         env = ["env", *inv.assignments] if inv.assignments else []
-        start = [f"{folder}/{GUARD_FILE}", f"{folder}/{CONFIG_FILE}", "pytest"] if guarded else ["-m", "pytest"]
+        mode = inv.channel.mode if inv.channel is not None else "pytest"
+        start = [f"{folder}/{GUARD_FILE}", f"{folder}/{CONFIG_FILE}", mode] if guarded else ["-m", "pytest"]
+        if inv.channel is not None:  # the runner's own arguments, none of pytest's options
+            args, opts = list(inv.args), []
         cmd = shlex.join([*env, python, *inv.python_flags, *start, *args, *opts])
         if guarded and solo:
             after = [kill, shlex.join([*env, python, *inv.python_flags, f"{folder}/{GUARD_FILE}",

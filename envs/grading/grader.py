@@ -60,7 +60,7 @@ from typing import Any, TypeVar
 
 import agentenv
 from agentenv.api import Backend, SandboxLike, SnapshotLike
-from envs.grading import audit, canary, isolation, prepare
+from envs.grading import audit, canary, channels, isolation, prepare
 from envs.grading.command import Invocation, declared_plugins, parse_test_command, run_script
 from envs.grading.diff import parse_numstat
 from envs.grading.outcome import GradeResult, failed
@@ -85,6 +85,7 @@ from envs.grading.results import (
 from envs.grading.runners.judge import combine, hardened_report, official_report
 from envs.grading.runners.official import OfficialHarnessError
 from envs.grading.runners.spec import APPLY_5, Runner, RunnerError, runner_for
+from envs.grading.runners.spec import field as record_field
 from envs.grading.runners.verdicts import Report
 from envs.task import Task
 
@@ -108,10 +109,14 @@ def protected_files(task: Task) -> list[str]:
 
 
 def filter_for(task: Task, patch: bytes) -> FilteredPatch:
-    """``filter_patch`` with the task's test files, plugins and gold-patch exemptions."""
+    """``filter_patch`` with the task's test files, plugins and gold-patch exemptions, and its runner's own files
+    and test suite (``channels.protected``: Django's, SymPy's)."""
     paths, reasons = gold_exemptions(task.patch)
+    test_patterns, runner_files = channels.protected(task, str(record_field(task, "eval_script") or "")
+                                                     + task.test_command)
     return filter_patch(patch, tests=protected_files(task), runner_modules=declared_plugins(task),
-                        exempt_paths=paths, exempt_reasons=reasons)
+                        exempt_paths=paths, exempt_reasons=reasons, runner_files=runner_files,
+                        test_patterns=test_patterns)
 
 
 class _Timer:
@@ -277,7 +282,9 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
         sb.write_file(path, data, mode=0o600)
     interp = inv.interpreter if inv.args is not None and inv.interpreter != "pytest" else "python3"
     canary_file = task.FAIL_TO_PASS[0].split("::", 1)[0] if task.FAIL_TO_PASS else ""
-    if not (inv.canary_allowed(canary_file if dataset else "") and canary_file.endswith(".py")):
+    if inv.channel is not None:  # Django's, SymPy's: the file of the first FAIL_TO_PASS test, by its runner's ids
+        canary_file = inv.channel.canary_file(task)
+    elif not (inv.canary_allowed(canary_file if dataset else "") and canary_file.endswith(".py")):
         canary_file = ""
     found = _prepared(sb, run, folder, interp, canary_file)
     if isinstance(found, GradeResult):
@@ -286,9 +293,11 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
     python = prepare.python(inv, found) if guarded else ""
     if guarded and not python.startswith("/"):
         return run.fail(f"the image has no interpreter for {inv.interpreter!r} on its PATH")
-    canary_ids = _add_canaries(sb, canary_file, found) if canary_file and "canary_src" in found else []
+    canary_ids = _add_canaries(sb, task, inv, canary_file, found) if canary_file and "canary_src" in found else []
     solo_ids = isolation.solo_tests(task.FAIL_TO_PASS, canary_ids) if guarded else []
     cfg = audit.config(folder, filtered, solo_ids)
+    if inv.channel is not None:
+        cfg.update(inv.channel.solo_config())
     if found.get("applied", "0") != "0":  # a fallback applied it: line numbers no longer follow the patch
         cfg["patched"] = dict.fromkeys(cfg["patched"])
     sb.write_file(f"{folder}/{audit.CONFIG_FILE}", audit.config_bytes(cfg), mode=0o600)
@@ -305,7 +314,7 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
         return run.fail(f"the tests timed out after {timeout:g} s")
     if dataset and not guarded:  # no hardened channel runs this runner: the official reading of the log decides
         return _official_only(run, timer)
-    return _hardened(sb, run, folder, secret, canary_ids, solo_ids, timer, guarded=guarded)
+    return _hardened(sb, run, folder, secret, canary_ids, solo_ids, timer, guarded=guarded, channel=inv.channel)
 
 
 def _official(run: _Run) -> tuple[Report | None, str]:
@@ -330,10 +339,12 @@ def _official_only(run: _Run, timer: _Timer) -> GradeResult:
 
 
 def _hardened(sb: SandboxLike, run: _Run, folder: str, secret: str, canary_ids: list[str], solo_ids: list[str],
-              timer: _Timer, *, guarded: bool) -> GradeResult:
-    """Step 3d: statuses from the JUnit file, the guard's log, the canaries and the isolated run; both verdicts."""
+              timer: _Timer, *, guarded: bool, channel: channels.Channel | None = None) -> GradeResult:
+    """Step 3d: statuses from the JUnit file (another runner's: its recorder's file), the guard's log, the canaries
+    and the isolated run; both verdicts."""
     task, r_code = run.task, run.exit_code
-    st = sb.exec(f"stat -L -c '%s %F' {folder}/junit.xml; for f in {audit.LOG_FILE} {isolation.RESULT_FILE}; do "
+    result_file = channels.RESULTS_FILE if channel is not None else "junit.xml"
+    st = sb.exec(f"stat -L -c '%s %F' {folder}/{result_file}; for f in {audit.LOG_FILE} {isolation.RESULT_FILE}; do "
                  f"echo \"$f=$(head -c 1000000 {folder}/$f 2>/dev/null | base64 -w0)\"; done", timeout=60)
     size, _, kind = st.stdout.split("\n", 1)[0].strip().partition(" ")
     outputs = prepare.fields_raw(st.stdout)
@@ -348,15 +359,25 @@ def _hardened(sb: SandboxLike, run: _Run, folder: str, secret: str, canary_ids: 
         return run.fail(f"the test run wrote no result file (pytest exit code {r_code})")
     if int(size) > MAX_RESULT_BYTES:
         return run.fail(f"the result file is {size} bytes, over the {MAX_RESULT_BYTES} byte limit", tampering=True)
-    try:
-        cases = junit_cases(sb.read_file(f"{folder}/junit.xml"))
-    except ResultFileError as e:
-        return run.fail(str(e), tampering=True)
+    if channel is not None:
+        got = channels.read_results(sb.read_file(f"{folder}/{result_file}"))
+        if got.problem or not got.recorded:
+            return run.fail(got.problem or "the runner's outcomes were not recorded (its reporter never loaded)")
+        reasons += [f"the test run replaced the runner's {b}" for b in got.blunted]
+        statuses = got.statuses
+        canaries = {c: got.ids.get(c, statuses.get(c, "MISSING")) for c in canary_ids}
+    else:
+        try:
+            cases = junit_cases(sb.read_file(f"{folder}/junit.xml"))
+        except ResultFileError as e:
+            return run.fail(str(e), tampering=True)
+        expected = [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]
+        statuses = merge_text(statuses_from_junit(cases, expected), parse_pytest(run.log, expected))
+        if run.runner.family != "agentenv":  # named as the dataset's parser names them (cut at a space, ...)
+            statuses = channels.dataset_statuses(run.runner.parser, statuses)
+        canaries = dict(statuses_from_junit(cases, canary_ids)) if canary_ids else {}
+        canaries = {c: canaries.get(c, "MISSING") for c in canary_ids}
     timer.lap("results")
-    expected = [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]
-    statuses = merge_text(statuses_from_junit(cases, expected), parse_pytest(run.log, expected))
-    canaries = dict(statuses_from_junit(cases, canary_ids)) if canary_ids else {}
-    canaries = {c: canaries.get(c, "MISSING") for c in canary_ids}
     ours = hardened_report(run.runner, task, statuses)
     # a missing canary with failing tests is no sign (e.g. -x stopped the run before it); with passing ones it is
     for c, status in canaries.items():
@@ -383,9 +404,14 @@ def _hardened(sb: SandboxLike, run: _Run, folder: str, secret: str, canary_ids: 
                        mode=run.runner.mode, ours=ours, official=official, official_error=official_error)
 
 
-def _add_canaries(sb: SandboxLike, test_file: str, found: dict[str, str]) -> list[str]:
+def _add_canaries(sb: SandboxLike, task: Task, inv: Invocation, test_file: str, found: dict[str, str]) -> list[str]:
     """Step 3b: the canaries written into ``test_file`` (derived from its tests; a plain one when it has none)."""
     source = prepare.b64(found.get("canary_src", "")).decode("utf-8", "surrogateescape")
+    if inv.channel is not None:
+        text, ids = inv.channel.canaries(source, task, test_file)
+        if ids:
+            sb.write_file(f"{WORKDIR}/{test_file}", text.encode("utf-8", "surrogateescape"))
+        return ids
     derived = canary.derive(source)
     if derived is None:
         name = f"test_{secrets.token_hex(8)}"

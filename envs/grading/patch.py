@@ -14,12 +14,15 @@ tests run, and no file outside ``/testbed`` carries over.
 The rule (``filter_patch``; ``drop_reason`` for a path, ``content_reason`` for what a change adds). A
 change to a file is dropped — left out of what is graded, and reported — when its path (old or new) is:
 
-- ``test``: one of the task's test files (the files of FAIL_TO_PASS and PASS_TO_PASS) or a file the
-  task's test patch touches: the tests are the task's, as in SWE-bench;
+- ``test``: one of the task's test files (the files of FAIL_TO_PASS and PASS_TO_PASS), a file the
+  task's test patch touches, or a file of the runner's test suite (``test_patterns``: Django's ``tests/``):
+  the tests are the task's, as in SWE-bench;
 - ``test-config``: a file that changes how tests are collected or run rather than what they test:
   ``conftest.py`` anywhere, ``pytest.ini``, ``.pytest.ini``, ``pytest.toml``, ``.pytest.toml``,
   ``tox.ini``, ``setup.cfg`` or ``pyproject.toml`` anywhere (the whole file: their other sections do
-  not matter to a test run in the image, which is never reinstalled);
+  not matter to a test run in the image, which is never reinstalled); and a runner's own program, settings
+  and test machinery (``runner_files``: Django's ``tests/runtests.py`` and ``django/test/``, SymPy's
+  ``bin/test`` and ``sympy/testing/``; ``envs.grading.channels``);
 - ``startup-hook``: code the interpreter runs at startup: ``sitecustomize.py``, ``usercustomize.py``,
   ``*.pth``;
 - ``bytecode`` or ``native-code``: ``__pycache__/``, ``*.pyc``, ``*.pyo``; ``*.so``, ``*.pyd``,
@@ -73,6 +76,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fnmatch
 import posixpath
 import re
 import secrets
@@ -241,11 +245,14 @@ def _module_name(rel: str) -> str | None:
 
 
 def drop_reason(path: str, *, tests: Iterable[str] = (), new_file: bool = False,
-                roots: Iterable[str] = ("", "src"), runner_modules: Iterable[str] = ()) -> str | None:
+                roots: Iterable[str] = ("", "src"), runner_modules: Iterable[str] = (),
+                runner_files: Iterable[str] = (), test_patterns: Iterable[str] = ()) -> str | None:
     """The reason a change to ``path`` (relative to /testbed) is not graded, or None (see the module doc)."""
     if (not path or path.startswith("/") or "\0" in path or any(ord(c) < 32 or ord(c) == 127 for c in path)
             or any(p in ("", ".", "..") for p in path.split("/"))):
         return "unsafe-path"
+    if any(fnmatch.fnmatchcase(path, pattern) for pattern in runner_files):
+        return "test-config"
     if path in set(tests):
         return "test"
     parts = path.split("/")
@@ -262,6 +269,8 @@ def drop_reason(path: str, *, tests: Iterable[str] = (), new_file: bool = False,
         return "native-code"
     if any(p.endswith((".dist-info", ".egg-info", ".egg-link", ".egg")) for p in parts):
         return "package-metadata"
+    if any(fnmatch.fnmatchcase(path, pattern) for pattern in test_patterns):
+        return "test"
     if new_file:
         shadowed = SHADOWED | set(runner_modules)
         for root in roots:
@@ -321,12 +330,15 @@ def gold_exemptions(gold_patch: str) -> tuple[set[str], set[str]]:
 
 def filter_patch(patch: bytes, *, tests: Iterable[str] = (), roots: Iterable[str] | None = None,
                  runner_modules: Iterable[str] = (), exempt_paths: Iterable[str] = (),
-                 exempt_reasons: Iterable[str] = ()) -> FilteredPatch:
+                 exempt_reasons: Iterable[str] = (), runner_files: Iterable[str] = (),
+                 test_patterns: Iterable[str] = ()) -> FilteredPatch:
     """The rule of the module doc, applied to each section of ``patch``: what is kept and what is dropped.
 
     ``tests``: the task's test files and the files its test patch touches; ``roots``: the import roots
     (default: ``import_roots(tests)``); ``runner_modules``: the task's declared pytest plugins;
-    ``exempt_paths`` / ``exempt_reasons``: what the task's gold patch needs (``gold_exemptions``).
+    ``exempt_paths`` / ``exempt_reasons``: what the task's gold patch needs (``gold_exemptions``);
+    ``runner_files`` / ``test_patterns``: a runner's own files and test suite, as ``fnmatch`` patterns
+    (``envs.grading.channels.protected``: Django's ``tests/runtests.py``, ``django/test/*``, ``tests/*``).
     """
     tests = list(tests)
     roots = list(import_roots(tests) if roots is None else roots)
@@ -344,7 +356,8 @@ def filter_patch(patch: bytes, *, tests: Iterable[str] = (), roots: Iterable[str
             continue
         why: tuple[str, str] | None = None
         for p in change.paths:
-            r = drop_reason(p, tests=tests, new_file=change.new_file, roots=roots, runner_modules=plugins)
+            r = drop_reason(p, tests=tests, new_file=change.new_file, roots=roots, runner_modules=plugins,
+                            runner_files=runner_files, test_patterns=test_patterns)
             if r is not None and (p not in exempt or r in ("test", "unsafe-path")):
                 why = (r, "" if p == change.path else f"names {p!r}")
                 break

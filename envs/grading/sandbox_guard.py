@@ -8,9 +8,11 @@ guard.py CONFIG solo``. Standard library only, Python 3.8+.
 Before any code of the repository runs it installs a PEP 578 audit hook, which nothing in the process can
 remove. The hook watches the means by which code could reach the test runner's objects or the grader's
 files from inside the process — frames (``sys._getframe``, a traceback's ``tb_frame``, a generator's
-``gi_frame``), ``gc`` walks, ``ctypes``, tracing and profiling hooks, writes to class attributes and
-function code, code compiled from strings, imports of the runner's modules, new processes, the grading
-folder and ``/proc`` — and flags such an event when it comes from the code the patch added (the config
+``gi_frame``), ``gc`` walks, ``ctypes``, tracing and profiling hooks, the writes to class and function
+attributes Python audits (``__code__``, ``__bases__``, ...: an ordinary class attribute write raises no event, which
+the watched state of ``solo.py`` and the canaries are for), code compiled from strings, imports of the runner's
+modules, new processes, the grading folder (by path, or by its name in a relative one; ``os.chdir`` too) and
+``/proc`` — and flags such an event when it comes from the code the patch added (the config
 lists, for each file the patch touches, its added lines; a new file is added throughout). A flagged
 event is written at once to the audit log (an append-only file opened before any repository code ran,
 checked to be the same file at each write) and then refused (the hook raises), so the attempt both
@@ -27,13 +29,16 @@ Two things hold before the hook, by construction:
   (``main``), so a patch that rebinds ``builtins.getattr`` or ``json.dumps`` changes nothing they call.
 
 ``solo`` mode is the isolated run (``sandbox_solo.py``): FAIL_TO_PASS tests and canaries called without
-pytest's runner, so that rewriting pytest's reports changes nothing there.
+pytest's runner, so that rewriting pytest's reports changes nothing there. ``unittest`` and ``sympy`` modes run
+another runner's program with a recorder of its outcomes (``sandbox_runners.py``): ``python guard.py CONFIG
+unittest tests/runtests.py ARGS...`` for Django's, ``... sympy bin/test ARGS...`` for SymPy's.
 """
 
 import contextlib
 import sys
 
 SOLO_FILE = "solo.py"   # the isolated run (``sandbox_solo.py``), written beside this file
+RUNNERS_FILE = "runners.py"   # the modes of other runners (``sandbox_runners.py``), written beside this file
 
 
 def _load(path):
@@ -62,13 +67,15 @@ def _install(cfg):
     paths = tuple(cfg["paths"])
     runner_modules = frozenset(("_pytest", "pytest", "pluggy", "py", "ctypes", "_ctypes", "_testcapi",
                                 "_testinternalcapi", "_xxsubinterpreters"))
+    runner_prefixes = tuple(cfg.get("runner_modules", ()))   # another runner's modules (``django.test``, ...)
+    marker = paths[-1].rsplit("/", 1)[-1] if paths else ""  # the grading folders' name: in a relative path too
     frame_attrs = frozenset(("tb_frame", "gi_frame", "cr_frame", "ag_frame", "f_back"))
     any_events = frozenset(("gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
                             "sys.settrace", "sys.setprofile", "sys.addaudithook", "subprocess.Popen", "os.system",
                             "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "os.kill",
                             "os.killpg", "os.truncate", "code.__new__", "_thread.start_new_thread"))
     path_events = frozenset(("open", "os.listdir", "os.scandir", "os.remove", "os.rename", "os.rmdir",
-                             "os.chmod", "os.link", "os.symlink", "shutil.rmtree"))
+                             "os.chmod", "os.link", "os.symlink", "shutil.rmtree", "os.chdir"))
     state = _thread._local()
     code_type, str_, bytes_, qualname = type(_load.__code__), str, bytes, type.__dict__["__qualname__"].__get__
     fspath = os.fspath
@@ -191,7 +198,8 @@ def _install(cfg):
                 record(event, f"{what}.{brief((name,))}", f)
         elif event == "import":
             name = args[0] if args and type(args[0]) is str_ else ""
-            if name.split(".", 1)[0] in runner_modules:
+            if name.split(".", 1)[0] in runner_modules or any(
+                    name == m or name.startswith(m + ".") for m in runner_prefixes):
                 f = on_stack(caller)
                 if f is not None:
                     record(event, name, f)
@@ -213,8 +221,9 @@ def _install(cfg):
         elif event in path_events or event.startswith("ctypes."):
             target = as_path(args[0]) if args else None
             if event.startswith("ctypes.") or target == "" or (target is not None and (
-                    target.startswith(paths) or (event == "open" and target.endswith(".pyc") and len(args) > 1
-                                                 and type(args[1]) is str_ and "r" not in args[1]))):
+                    target.startswith(paths) or (marker and marker in target) or (
+                        event == "open" and target.endswith(".pyc") and len(args) > 1 and type(args[1]) is str_
+                        and "r" not in args[1]))):
                 f = on_stack(caller)
                 if f is not None:
                     record(event, target or brief(args[:1]), f)
@@ -224,7 +233,10 @@ def _install(cfg):
             return
         state.busy = True
         try:
-            caller = getframe(1)
+            try:
+                caller = getframe(1)
+            except ValueError:  # no Python frame raised it (the interpreter's own, at exit): not the patch's code
+                return
             judge(event, args, caller)
         finally:
             state.busy = False
@@ -330,6 +342,9 @@ def _run(cfg, mode, rest):
     if mode == "solo":
         solo(cfg, _install)  # type: ignore[name-defined]  # noqa: F821 (the isolated run's, loaded beside)
         return
+    if mode in ("unittest", "sympy"):
+        run_runner(cfg, mode, rest, _install)  # type: ignore[name-defined]  # noqa: F821 (runners.py's)
+        return
     import signal
 
     signals = (signal.valid_signals, signal.getsignal)
@@ -345,6 +360,10 @@ def main():
     """Seal signals (restarting), then run this file and the isolated run's in a namespace of their own, with
     builtins of their own: a patch can rebind ``builtins.getattr`` for everyone else, not for the hook."""
     if sys.argv[2] != "sealed":
+        if sys.argv[2:3] == ["sympy"] and not __import__("os").environ.get("PYTHONHASHSEED"):
+            # SymPy's runner starts a second, unguarded interpreter unless the seed is set: set it before the
+            # restart, so this process hashes with it too
+            __import__("os").environ["PYTHONHASHSEED"] = str(__import__("random").SystemRandom().randrange(2**32))
         _seal_and_restart()
     _check_sealed()
     import builtins
@@ -352,7 +371,7 @@ def main():
 
     folder = os.path.dirname(os.path.abspath(sys.argv[0]))
     space: dict = {"__builtins__": dict(vars(builtins)), "__name__": "agentenv_grader"}
-    for name in (os.path.basename(sys.argv[0]), SOLO_FILE):
+    for name in (os.path.basename(sys.argv[0]), SOLO_FILE, RUNNERS_FILE):
         path = os.path.join(folder, name)
         with open(path, encoding="utf-8") as f:
             exec(compile(f.read(), path, "exec"), space)

@@ -63,9 +63,12 @@ def _parametrize(dec):
     return tuple(names), dec.args[1], ids
 
 
-def plans(test_file, root):
+def plans(test_file, root, runner="pytest"):
     """Tests of ``test_file`` that can be called plainly, read from its source: node id (without parameters)
-    -> (class or "", name, first line, kind, the class's own methods, parametrize decorators bottom first)."""
+    -> (class or "", name, first line, kind, the class's own methods, parametrize decorators bottom first).
+
+    ``runner="django"``: the methods of unittest classes are taken with no decorator at all, ``async`` ones too
+    (Django's runner runs them), whatever their text says (they take no fixtures)."""
     with open(join_path(root, test_file), "rb") as f:
         source = f.read()
     tree = ast.parse(source)
@@ -75,7 +78,12 @@ def plans(test_file, root):
            for n in tree.body):
         return out
 
-    def plain(fn, self_arg):
+    def plain(fn, self_arg, kind=""):
+        if kind == "unittest" and runner == "django":
+            a = fn.args
+            simple = not (a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg or a.defaults) and len(a.args) == 1
+            return () if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and simple and not (
+                fn.decorator_list) else None
         if not isinstance(fn, ast.FunctionDef):
             return None
         params = [_parametrize(d) for d in fn.decorator_list]
@@ -97,7 +105,8 @@ def plans(test_file, root):
             params = plain(node, 0)
             if params is not None:
                 out[f"{test_file}::{node.name}"] = ("", node.name, first_line(node), "function", (), params)
-        elif isinstance(node, ast.ClassDef) and not node.decorator_list and not node.keywords:
+        elif isinstance(node, ast.ClassDef) and (runner == "django" or not node.decorator_list) and not node.keywords:
+            # (Django's class decorators, @override_settings and the like, act through setUpClass, which runs)
             methods = [m for m in node.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
             if not node.bases:  # a pytest-style class: only without setup methods
                 if not node.name.startswith("Test") or any(m.name.startswith(("setup", "teardown", "__init__"))
@@ -107,7 +116,7 @@ def plans(test_file, root):
             else:  # with bases: called only if it turns out to be a unittest.TestCase
                 kind = "unittest"
             for m in methods:
-                params = plain(m, 1) if m.name.startswith("test") else None
+                params = plain(m, 1, kind) if m.name.startswith("test") else None
                 if params is not None and not (kind == "unittest" and params):
                     out[f"{test_file}::{node.name}::{m.name}"] = (node.name, m.name, first_line(m), kind, (), params)
             if kind == "unittest":  # a test it inherits (from a mixin): its function is checked at run time
@@ -181,18 +190,24 @@ def _arguments(params, module, cls, where, param_set):
     return out
 
 
-def _watched_state():
+def _watched_state(runner_modules=()):
     """The test machinery a patch could blunt so that a test passes: the function and class attributes of
-    ``builtins``, ``unittest`` and pytest's modules, and of their classes (identities, kept alive)."""
+    ``builtins``, ``unittest`` and pytest's modules, and of their classes (identities, kept alive); with
+    ``runner_modules`` (dotted prefixes: ``django.test``), the functions and classes of those modules and the
+    callables of their classes instead (their other attributes change as their runner works)."""
     state: dict = {}
     for name, mod in list(sys.modules.items()):
-        if name == "builtins" or name.split(".", 1)[0] in ("unittest", "pytest", "_pytest"):
-            d = vars(mod)
-            for k, v in list(d.items()):
-                if callable(v) or name == "pytest":
-                    state[(name, k, "")] = (d, v)
-                if isinstance(v, type) and v.__module__ == name:
-                    for kk, vv in list(vars(v).items()):
+        mine = any(name == p or name.startswith(p + ".") for p in runner_modules)
+        if not mine and (runner_modules or not (name == "builtins" or name.split(".", 1)[0] in (
+                "unittest", "pytest", "_pytest"))):
+            continue
+        d = vars(mod)
+        for k, v in list(d.items()):
+            if callable(v) or (name == "pytest" and not mine):
+                state[(name, k, "")] = (d, v)
+            if isinstance(v, type) and v.__module__ == name:
+                for kk, vv in list(vars(v).items()):
+                    if not mine or callable(vv) or isinstance(vv, (classmethod, staticmethod, property)):
                         state[(name, k, kk)] = (vars(v), vv)
     return state
 
@@ -258,7 +273,9 @@ def _call(tid, found, cfg, test_case, skip_test, param_set):
     if kwargs is None:
         return "UNSUPPORTED"  # no parameter set has that id alone
     try:
-        if kind == "unittest":
+        if kind == "unittest" and cfg.get("runner") == "django":
+            call_django(cls, name)  # type: ignore[name-defined]  # noqa: F821 (runners.py's, loaded beside)
+        elif kind == "unittest":
             cls.setUpClass()
             case = cls(name)
             case.setUp()
@@ -280,21 +297,29 @@ def _call(tid, found, cfg, test_case, skip_test, param_set):
 
 
 def solo(cfg, install):
-    """Call ``cfg["solo"]``'s tests after ``install`` (the audit hook); write the verdicts and exit."""
+    """Call ``cfg["solo"]``'s tests after ``install`` (the audit hook); write the verdicts and exit.
+
+    ``cfg["runner"]``: ``pytest`` (node ids), or ``django`` / ``sympy``, whose ids are mapped to node ids from the
+    test files' source first (``runners.py``'s ``resolve``); Django is set up as its runner sets it up before the
+    tests are called (``django_environment``), and the functions of its ``django.test`` modules are watched too."""
     key_path = join_path(cfg["folder"], "solo.key")
     with open(key_path) as f:
         secret = f.read().strip()
     os.unlink(key_path)
     out = os.open(join_path(cfg["folder"], "solo.json"),
                   os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+    runner = cfg.get("runner", "pytest")
+    nodes = {t: t for t in cfg["solo"]} if runner == "pytest" else resolve(cfg)  # type: ignore[name-defined]  # noqa: F821
     found: dict = {}
     uses_pytest = False
     for tid in cfg["solo"]:
-        test_file = tid.split("::", 1)[0]
+        test_file = nodes[tid].split("::", 1)[0]
+        if not test_file or test_file in found:
+            continue
         try:
-            found.setdefault(test_file, plans(test_file, cfg["root"]))
+            found[test_file] = plans(test_file, cfg["root"], runner)
             with open(join_path(cfg["root"], test_file), encoding="utf-8", errors="replace") as f:
-                uses_pytest = uses_pytest or "pytest" in f.read()
+                uses_pytest = uses_pytest or (runner == "pytest" and "pytest" in f.read())
         except (OSError, SyntaxError, ValueError):
             found[test_file] = {}
     import unittest
@@ -305,14 +330,30 @@ def solo(cfg, install):
             from _pytest.mark.structures import ParameterSet as param_set
     watched = _watched_state()
     test_case, skip_test = unittest.TestCase, unittest.SkipTest
+    os.environ.update(cfg.get("env", {}))
     install(cfg)
     os.chdir(cfg["root"])
     results = {}
+    teardown: Any = None
+    if runner == "django":
+        try:
+            teardown = django_environment(cfg)  # type: ignore[name-defined]  # noqa: F821 (runners.py's)
+        except BaseException as e:  # as Django's runner reports it: every test errors
+            results = {tid: f"ERROR {type(e).__name__}" for tid in cfg["solo"]}
+        watched.update(_watched_state(("django.test",)))
     for tid in cfg["solo"]:
-        results[tid] = verdict = _call(tid, found, cfg, test_case, skip_test, param_set)
+        if tid in results:
+            continue
+        if not nodes[tid]:
+            results[tid] = "UNSUPPORTED"
+            continue
+        results[tid] = verdict = _call(nodes[tid], found, cfg, test_case, skip_test, param_set)
         blunted = _changed(watched) if verdict.startswith(("PASSED", "FAILED", "SKIPPED")) else []
         if blunted:
             results[tid] = "MISMATCH " + ",".join(blunted[:3])
+    if teardown is not None:
+        with suppress(BaseException):
+            teardown()
     body = ", ".join(quote(k) + ": " + quote(v) for k, v in results.items())
     write(out, ('{"secret": ' + quote(secret) + ', "results": {' + body + "}}").encode())
     _exit(0)

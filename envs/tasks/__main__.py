@@ -1,4 +1,4 @@
-"""python -m envs.tasks images | base-commit | scrub-script | search | build | validate | prewarm — SWE task sets.
+"""python -m envs.tasks images | base-commit | scrub-script | search | build | fixes | validate | prewarm — SWE task sets.
 
 The shipped set by default; any other with ``--libraries FILE`` (the libraries images are built from,
 see envs/tasks/libraries.py) and ``--tasks FILE`` (task records, see envs/task.py: JSONL, JSON or Parquet, a
@@ -55,6 +55,10 @@ def _parser() -> argparse.ArgumentParser:
     bu.add_argument("--mutations", type=Path, metavar="FILE", help="pinned mutations (default: the shipped file; "
                     "required with --libraries)")
     bu.add_argument("--out", type=Path, metavar="FILE", help="default: the shipped set (required with --libraries)")
+    fx = sub.add_parser("fixes", help="SWE-bench-shaped records of real upstream fixes between consecutive releases, "
+                        "their images in SWE-bench's layout (envs/tasks/fixes.py)")
+    fx.add_argument("--repo", action="append", metavar="OWNER/NAME", help="only these repositories (repeatable)")
+    fx.add_argument("--out", type=Path, metavar="FILE", help="default: the shipped envs/tasks/fixes_tasks.jsonl")
     va = sub.add_parser("validate", help="gold patch resolves; unchanged and wrong patches do not")
     libraries(va)
     va.add_argument("--tasks", type=Path, default=SHIPPED, metavar="FILE", help="default: the shipped set")
@@ -99,6 +103,12 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "prewarm":
         return _prewarm(args)
+    if args.cmd == "fixes":
+        from envs.tasks import fixes
+
+        releases = [r for r in fixes.load_releases() if not args.repo or r.repo in args.repo]
+        fixes.build(releases, out=args.out or fixes.RECORDS_FILE, log=say)
+        return 0
     if args.cmd == "base-commit":
         for image in args.image:
             say(f"{image} {image_head(image)}")
