@@ -39,7 +39,7 @@ from typing import Any
 from agentenv.api import Backend, SandboxLike, SnapshotLike
 from envs.base import TASK_LABEL, SandboxEnv
 from envs.grading import GradeResult, grade
-from envs.grading.grader import run_in_background
+from envs.grading.workers import run_in_background
 from envs.spaces import MAX_ACTION, MAX_OBSERVATION, UnicodeText
 from envs.task import Task, TaskError, load_tasks, resolve_task, shipped_tasks
 from envs.task_sandbox import start_task

@@ -148,18 +148,24 @@ def fetch_image(task: Task, api: Backend) -> str:
     return ""
 
 
-def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tuple[SandboxLike, Task]:
-    """A sandbox of ``task.image`` with /testbed at the task's base commit and no future in its git history,
-    and the task with its base commit resolved (``"HEAD"`` replaced by the commit). Grade against that task.
-    """
-    kwargs = {"cpus": 1.0, "memory": "2g", **sandbox_kwargs}
+def image_sandbox(task: Task, api: Backend, labels: dict[str, str] | None = None, **kwargs: Any) -> SandboxLike:
+    """A sandbox of ``task.image`` as the image is (nothing run in it), the image fetched by its dataset's rule
+    when the host lacks it (``TaskImageMissing`` when no source has it)."""
+    labels = {TASK_LABEL: task.instance_id, **(labels or {})}
     try:
-        sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
+        return api.Sandbox.create(task.image, labels=labels, **kwargs)
     except ImageNotFound as e:
         why = fetch_image(task, api)  # the image by its dataset's rule, from wherever it can be had
         if why:
             raise TaskImageMissing(task, why) from e
-        sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
+        return api.Sandbox.create(task.image, labels=labels, **kwargs)
+
+
+def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tuple[SandboxLike, Task]:
+    """A sandbox of ``task.image`` with /testbed at the task's base commit and no future in its git history,
+    and the task with its base commit resolved (``"HEAD"`` replaced by the commit). Grade against that task.
+    """
+    sb = image_sandbox(task, api, **{"cpus": 1.0, "memory": "2g", **sandbox_kwargs})
     try:
         # a bug patch is applied to the image's commit, and its commit (fixed dates) is the base: the same each time
         checkout = HEAD if task.bug_patch else task.base_commit
