@@ -189,14 +189,30 @@ def test_a_patch_cannot_touch_r2e_gyms_hidden_tests(tagged):
         assert any(e.get("detail") == "/r2e_tests" for e in result.audit_events), result.audit_events
 
 
-def test_validate_takes_a_parquet_file_of_published_records(tagged, tmp_path, capsys):
+def test_validate_runs_each_datasets_records_and_prints_the_tables(tagged, tmp_path, capsys):
+    """`python -m envs.tasks validate` on the records as published (SWE-Gym's, which its fields cannot tell apart,
+    from a Parquet folder with --dataset): every gold resolves and nothing else does, each by its runner."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from envs.tasks.__main__ import main
 
-    rec = json.loads((DATA / "swe-smith.json").read_text())["record"]
-    pq.write_table(pa.Table.from_pylist([rec]), tmp_path / "train-00000-of-00001.parquet")
-    assert main(["validate", "--tasks", str(tmp_path), "--no-images"]) == 0, capsys.readouterr().out
-    out = capsys.readouterr().out
-    assert f"ok   {rec['instance_id']}" in out and "1/1 tasks valid" in out
+    detected = [n for n in RUNNER if n != "swe-gym"]
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(record(n)[1]) + "\n" for n in detected))
+    assert main(["validate", "--tasks", str(tmp_path / "records.jsonl"), "--no-images", "--workers", "2"]) == 0, \
+        capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    rows = {r.split()[0]: r.split() for r in out if r.split() and r.split()[0] in {t.instance_id for t in tagged.values()}}
+    for name in detected:
+        row = rows[tagged[name].instance_id]
+        family, mode = RUNNER[name]
+        assert row[2] == f"{family}/{mode}" and row[3:7] == ["yes", "no", "no", "no" if name != "r2e-gym" else "-"]
+        assert row[7] == "agrees" and row[-1] == "ok", row  # (agentenv's: our own -rA reading of the log)
+    assert "6/6 tasks valid" in out[-1]
+    gym = tmp_path / "swe-gym"
+    gym.mkdir()
+    pq.write_table(pa.Table.from_pylist([record("swe-gym")[1]]), gym / "train-00000-of-00001.parquet")
+    assert main(["validate", "--tasks", str(gym), "--no-images", "--dataset", "swe-gym"]) == 0, capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert any(r.split()[:3] == [tagged["swe-gym"].instance_id, "swe-gym", "swe-gym/swebench-4"] for r in out), out
+    assert "1/1 tasks valid" in out[-1]
