@@ -39,6 +39,7 @@ from typing import Any
 import agentenv
 from agentenv.api import Backend, SandboxLike
 from agentenv.errors import AgentEnvError, ImageNotFound, ImageUnavailable
+from agentenv.harness.fetch import create_sandbox
 from envs.base import TASK_LABEL
 from envs.images import DOCS, build_hint
 from envs.task import HEAD, Task
@@ -135,30 +136,17 @@ class TaskImageMissing(SetupError, LookupError):
                          "registry is reachable; `python -m envs.tasks prewarm` fetches a task set's images")
 
 
-def fetch_image(task: Task, api: Backend) -> str:
-    """Get ``task.image`` onto the backend's host (``ensure_image``: a tarball, a mirror or a registry); "" when it
-    came, else why not. A backend without ``ensure_image`` (a Pool places sandboxes anywhere: prewarm it) says so."""
-    ensure = getattr(api, "ensure_image", None)
-    if not callable(ensure):
-        return "this backend cannot fetch images: prewarm its servers (python -m envs.tasks prewarm)"
-    try:
-        ensure(task.image)
-    except (ImageUnavailable, ImageNotFound) as e:
-        return str(e)
-    return ""
-
-
 def image_sandbox(task: Task, api: Backend, labels: dict[str, str] | None = None, **kwargs: Any) -> SandboxLike:
     """A sandbox of ``task.image`` as the image is (nothing run in it), the image fetched by its dataset's rule
     when the host lacks it (``TaskImageMissing`` when no source has it)."""
-    labels = {TASK_LABEL: task.instance_id, **(labels or {})}
     try:
-        return api.Sandbox.create(task.image, labels=labels, **kwargs)
+        return create_sandbox(api, task.image, labels={TASK_LABEL: task.instance_id, **(labels or {})}, **kwargs)
+    except ImageUnavailable as e:  # no tarball, mirror or registry had it: each one's answer
+        raise TaskImageMissing(task, str(e)) from e
     except ImageNotFound as e:
-        why = fetch_image(task, api)  # the image by its dataset's rule, from wherever it can be had
-        if why:
-            raise TaskImageMissing(task, why) from e
-        return api.Sandbox.create(task.image, labels=labels, **kwargs)
+        why = "" if callable(getattr(api, "ensure_image", None)) else \
+            "this backend cannot fetch images: prewarm its servers (python -m envs.tasks prewarm)"
+        raise TaskImageMissing(task, why) from e
 
 
 def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tuple[SandboxLike, Task]:

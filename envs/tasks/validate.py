@@ -41,7 +41,7 @@ class Check:
 
     label: str
     resolved: bool | None           # None: not graded (it could not be applied)
-    agree: bool | None = None       # None: no official verdict (agentenv's runner) or not graded
+    agree: bool | None = None       # None: no official verdict (it could not read the log) or not graded
 
 
 @dataclass(frozen=True)
