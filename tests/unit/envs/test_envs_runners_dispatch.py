@@ -85,3 +85,20 @@ def test_r2e_gym_is_judged_against_the_tasks_expected_map():
 def test_a_field_that_does_not_fit_its_datasets_runner_is_named(installed, name, change, field):
     with pytest.raises(spec.RunnerError, match=f"field '{field}'"):
         spec.runner_for(dataclasses.replace(fixture(name), **change))
+
+
+def test_r2e_gyms_hidden_paths_are_out_of_the_patchs_reach():
+    """run_tests.sh (inside /testbed) is dropped from a patch like a test file; the restore removes what stands at
+    each hidden path before unpacking the image's; the guard refuses the patch's code both paths and the link."""
+    from envs.grading import hidden
+    from envs.grading.grader import filter_for
+
+    task = fixture("r2e-gym")
+    patch = b"diff --git a/run_tests.sh b/run_tests.sh\nnew file mode 100644\n--- /dev/null\n+++ b/run_tests.sh\n" \
+            b"@@ -0,0 +1 @@\n+echo PASSED\n"
+    assert [(d.path, d.reason) for d in filter_for(task, patch).dropped] == [("run_tests.sh", "test")]
+    lines = hidden.restore_lines(task, "/var/lib/agentenv-grade-x", packed=True)
+    assert lines[0].startswith("rm -rf -- /r2e_tests /testbed/run_tests.sh ") and "tar -C / -xpf" in lines[1]
+    assert hidden.guard_paths(task, spec.runner_for(task).links) == ["/r2e_tests", "/testbed/run_tests.sh",
+                                                                     "/testbed/r2e_tests"]
+    assert hidden.restore_lines(fixture("swe-smith"), "/x", packed=False) == []
