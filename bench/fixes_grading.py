@@ -69,7 +69,7 @@ def _graded(task: Any, edit: Callable[[Any], None] | None) -> tuple[Any, float]:
 
 
 def validate(tasks: list[Any]) -> list[dict[str, Any]]:
-    from envs.tasks.build import noop_edit
+    from envs.tasks.validate import noop_edit
 
     rows = []
     for task in tasks:
@@ -88,12 +88,12 @@ def validate(tasks: list[Any]) -> list[dict[str, Any]]:
 def official_run(task: Any) -> tuple[float, bool | None]:
     """The official harness's steps under plain ``docker run``: (seconds, its verdict on the gold patch)."""
     from envs.grading.runners import official
-    from envs.grading.runners.spec import field, runner_for
+    from envs.grading.runners.spec import runner_for
 
     script = "\n".join([
         f"cat > /tmp/patch.diff <<'AGENTENV_PATCH_EOF'\n{task.patch.rstrip(chr(10))}\nAGENTENV_PATCH_EOF",
         "cd /testbed && git apply --verbose /tmp/patch.diff",
-        f"cat > /eval.sh <<'AGENTENV_EVAL_EOF'\n{field(task, 'eval_script')}"
+        f"cat > /eval.sh <<'AGENTENV_EVAL_EOF'\n{task.eval_script}"
         "AGENTENV_EVAL_EOF",
         "/bin/bash /eval.sh 2>&1"])
     spec = runner_for(task).spec

@@ -3,7 +3,7 @@
 Tasks come as ``tasks=`` (a list of Tasks, records or ids; a task file: JSONL, JSON or Parquet; or a
 ``datasets.Dataset``; ``dataset=`` names the dataset its records come from when their fields cannot tell, see
 ``envs.datasets``) or ``task=``. ``reset(options={"task": ...})`` starts a sandbox of the task's image (fetched
-by its dataset's rule when the host lacks it: ``envs.task_sandbox.fetch_image``) with the repository at its
+by its dataset's rule when the host lacks it: ``envs.task_sandbox.image_sandbox``) with the repository at its
 base commit; the observation is the problem statement and the tool list. Each step is one action
 (K3 tool-call text or a dict) holding one or more tool calls (``bash``, ``view``, ``str_replace``,
 ``create``, ``submit``; see ``envs.tools``), run in order; the observation is their output.
@@ -39,7 +39,7 @@ from typing import Any
 from agentenv.api import Backend, SandboxLike, SnapshotLike
 from envs.base import TASK_LABEL, SandboxEnv
 from envs.grading import GradeResult, grade
-from envs.grading.grader import run_in_background
+from envs.grading.workers import run_in_background
 from envs.spaces import MAX_ACTION, MAX_OBSERVATION, UnicodeText
 from envs.task import Task, TaskError, load_tasks, resolve_task, shipped_tasks
 from envs.task_sandbox import start_task

@@ -39,6 +39,7 @@ from typing import Any
 import agentenv
 from agentenv.api import Backend, SandboxLike
 from agentenv.errors import AgentEnvError, ImageNotFound, ImageUnavailable
+from agentenv.harness.fetch import create_sandbox
 from envs.base import TASK_LABEL
 from envs.images import DOCS, build_hint
 from envs.task import HEAD, Task
@@ -135,31 +136,24 @@ class TaskImageMissing(SetupError, LookupError):
                          "registry is reachable; `python -m envs.tasks prewarm` fetches a task set's images")
 
 
-def fetch_image(task: Task, api: Backend) -> str:
-    """Get ``task.image`` onto the backend's host (``ensure_image``: a tarball, a mirror or a registry); "" when it
-    came, else why not. A backend without ``ensure_image`` (a Pool places sandboxes anywhere: prewarm it) says so."""
-    ensure = getattr(api, "ensure_image", None)
-    if not callable(ensure):
-        return "this backend cannot fetch images: prewarm its servers (python -m envs.tasks prewarm)"
+def image_sandbox(task: Task, api: Backend, labels: dict[str, str] | None = None, **kwargs: Any) -> SandboxLike:
+    """A sandbox of ``task.image`` as the image is (nothing run in it), the image fetched by its dataset's rule
+    when the host lacks it (``TaskImageMissing`` when no source has it)."""
     try:
-        ensure(task.image)
-    except (ImageUnavailable, ImageNotFound) as e:
-        return str(e)
-    return ""
+        return create_sandbox(api, task.image, labels={TASK_LABEL: task.instance_id, **(labels or {})}, **kwargs)
+    except ImageUnavailable as e:  # no tarball, mirror or registry had it: each one's answer
+        raise TaskImageMissing(task, str(e)) from e
+    except ImageNotFound as e:
+        why = "" if callable(getattr(api, "ensure_image", None)) else \
+            "this backend cannot fetch images: prewarm its servers (python -m envs.tasks prewarm)"
+        raise TaskImageMissing(task, why) from e
 
 
 def start_task(task: Task, api: Backend = agentenv, **sandbox_kwargs: Any) -> tuple[SandboxLike, Task]:
     """A sandbox of ``task.image`` with /testbed at the task's base commit and no future in its git history,
     and the task with its base commit resolved (``"HEAD"`` replaced by the commit). Grade against that task.
     """
-    kwargs = {"cpus": 1.0, "memory": "2g", **sandbox_kwargs}
-    try:
-        sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
-    except ImageNotFound as e:
-        why = fetch_image(task, api)  # the image by its dataset's rule, from wherever it can be had
-        if why:
-            raise TaskImageMissing(task, why) from e
-        sb = api.Sandbox.create(task.image, labels={TASK_LABEL: task.instance_id}, **kwargs)
+    sb = image_sandbox(task, api, **{"cpus": 1.0, "memory": "2g", **sandbox_kwargs})
     try:
         # a bug patch is applied to the image's commit, and its commit (fixed dates) is the base: the same each time
         checkout = HEAD if task.bug_patch else task.base_commit

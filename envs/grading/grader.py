@@ -13,6 +13,9 @@ What runs where:
       outside /testbed); the image's git lists the files it will touch (``git apply --numstat``), which
       must be exactly the kept files in order (else the patch does not mean the same to the grader and
       to git: nothing runs, reward 0), then applies both; links the patch made must stay inside /testbed;
+      what the task hid from the agent (``hidden_paths``: R2E-Gym's tests) is then put back from its image,
+      over whatever the patch put there (``envs.grading.hidden``), and the guard refuses the patch's code
+      any access to it;
    b. canaries, tests that must fail, are derived from the tests of the first FAIL_TO_PASS test's file
       and written into it beside the tests they copy (``envs.grading.canary``; a plain one when the file
       has none to copy), so nothing on pytest's command line points to them;
@@ -52,15 +55,14 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 import agentenv
 from agentenv.api import Backend, SandboxLike, SnapshotLike
-from envs.grading import audit, canary, channels, isolation, prepare
+from agentenv.errors import AgentEnvError
+from envs.grading import audit, canary, channels, hidden, isolation, prepare
 from envs.grading.command import Invocation, declared_plugins, parse_test_command, run_script
 from envs.grading.diff import parse_numstat
 from envs.grading.outcome import GradeResult, failed
@@ -85,13 +87,12 @@ from envs.grading.results import (
 from envs.grading.runners.judge import combine, hardened_report, official_report
 from envs.grading.runners.official import OfficialHarnessError
 from envs.grading.runners.spec import APPLY_5, Runner, RunnerError, runner_for
-from envs.grading.runners.spec import field as record_field
 from envs.grading.runners.verdicts import Report
+from envs.grading.workers import Timer, close_later, close_started, run_in_background
 from envs.task import Task
 
 __all__ = ["GradeResult", "Invocation", "declared_plugins", "filter_for", "grade", "parse_test_command",
            "protected_files", "run_script"]
-_T = TypeVar("_T")
 DEFAULT_TIMEOUT = 900.0
 GRADE_ROOT = "/var/lib/agentenv-grade-"
 CANARY_OK = frozenset({"FAILED", "ERROR"})
@@ -101,7 +102,7 @@ def protected_files(task: Task) -> list[str]:
     """The task's test files and the files its test patch touches: never taken from the agent's patch."""
     from envs.grading.diff import parse_section, split_sections
 
-    files = list(task.test_files)
+    files = [*task.test_files, *hidden.inside(task)]
     if task.test_patch:
         for raw in split_sections(task.test_patch.encode("utf-8", "surrogateescape"))[1]:
             files += parse_section(raw).paths
@@ -112,40 +113,10 @@ def filter_for(task: Task, patch: bytes) -> FilteredPatch:
     """``filter_patch`` with the task's test files, plugins and gold-patch exemptions, and its runner's own files
     and test suite (``channels.protected``: Django's, SymPy's)."""
     paths, reasons = gold_exemptions(task.patch)
-    test_patterns, runner_files = channels.protected(task, str(record_field(task, "eval_script") or "")
-                                                     + task.test_command)
+    test_patterns, runner_files = channels.protected(task, task.eval_script + task.test_command)
     return filter_patch(patch, tests=protected_files(task), runner_modules=declared_plugins(task),
                         exempt_paths=paths, exempt_reasons=reasons, runner_files=runner_files,
                         test_patterns=test_patterns)
-
-
-class _Timer:
-    def __init__(self) -> None:
-        self.t = time.monotonic()
-        self.phases: dict[str, float] = {}
-
-    def lap(self, name: str) -> None:
-        now = time.monotonic()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self.t
-        self.t = now
-
-
-_POOL = ThreadPoolExecutor(max_workers=16, thread_name_prefix="agentenv-grade")
-
-
-def run_in_background(fn: Callable[..., _T], *args: Any) -> Future[_T]:
-    """``fn(*args)`` on the grading worker threads."""
-    return _POOL.submit(fn, *args)
-
-
-def close_later(sandbox: SandboxLike) -> Future[None]:
-    """Close ``sandbox`` on a worker thread (the caller waits for the future when it must, e.g. at env close)."""
-    return _POOL.submit(sandbox.close)
-
-
-def _close_started(f: Future[tuple[SandboxLike, Task]]) -> None:
-    if f.exception() is None:  # waits for it
-        f.result()[0].close()
 
 
 def grade(sandbox: SandboxLike, task: Task, *, pristine: SnapshotLike | str | None = None,
@@ -163,18 +134,19 @@ def grade(sandbox: SandboxLike, task: Task, *, pristine: SnapshotLike | str | No
     from envs import task_sandbox
 
     backend: Backend = agentenv if api is None else api
-    timer = _Timer()
+    timer = Timer()
     if pristine is None:
-        starting: Future[tuple[SandboxLike, Task]] = _POOL.submit(task_sandbox.start_task, task, backend)
+        starting: Future[tuple[SandboxLike, Task]] = run_in_background(task_sandbox.start_task, task, backend)
     else:
         labels = {"agentenv.kind": "grading", "agentenv.task": task.instance_id}
-        starting = _POOL.submit(lambda: (backend.Sandbox.restore(pristine, labels=labels), task))
+        starting = run_in_background(lambda: (backend.Sandbox.restore(pristine, labels=labels), task))
     grader: SandboxLike | None = None
     try:
         if task.base_commit == "HEAD":  # the base commit is known once the task's sandbox is set up
             grader, task = starting.result()
             timer.lap("sandbox")
-        building = _POOL.submit(runner_for, task)  # a 4.x eval script comes from the official process
+        building = run_in_background(runner_for, task)  # a 4.x eval script comes from the official process
+        packing = run_in_background(hidden.pack, task, backend) if task.hidden_paths else None  # from its image
         try:
             raw = extract_patch(sandbox, task.base_commit)
         except PatchError as e:
@@ -192,13 +164,13 @@ def grade(sandbox: SandboxLike, task: Task, *, pristine: SnapshotLike | str | No
             grader, task = starting.result()
             timer.lap("sandbox")
         limit = timeout if timeout is not None else (runner.timeout or DEFAULT_TIMEOUT)
-        result = _grade_in(grader, task, runner, raw, filtered, limit, timer)
+        result = _grade_in(grader, task, runner, raw, filtered, limit, timer, packing)
     finally:
         if grader is None:  # extraction failed (or the start did): close the grading sandbox once it is up
             if closing is not None:
-                closing.append(_POOL.submit(_close_started, starting))
+                closing.append(run_in_background(close_started, starting))
             else:
-                _close_started(starting)
+                close_started(starting)
         elif closing is not None:
             closing.append(close_later(grader))
         else:
@@ -233,18 +205,21 @@ class _Run:
                                    mode=self.runner.mode)
 
 
-def _prepared(sb: SandboxLike, run: _Run, folder: str, interp: str, canary_file: str) -> dict[str, str] | GradeResult:
+def _prepared(sb: SandboxLike, run: _Run, folder: str, interp: str, canary_file: str,
+              packed: bool) -> dict[str, str] | GradeResult:
     """Step 3a (``envs.grading.prepare``): the patches applied and checked; the fields it printed, or a failure."""
     task, runner, filtered = run.task, run.runner, run.filtered
     activate = [x for x in runner.preamble() if x.startswith(("source ", "conda activate", ". "))]
     r = sb.exec(prepare.script(folder, interp, bool(filtered.kept), bool(task.test_patch), canary_file,
-                               apply=runner.apply, reset_between=runner.apply == APPLY_5, activate=activate),
+                               apply=runner.apply, reset_between=runner.apply == APPLY_5, activate=activate,
+                               restore=hidden.restore_lines(task, folder, packed)),
                 timeout=300, cwd=WORKDIR)
     found = prepare.fields(r.stdout)
     if "fail" in found:
         what, _, err = found["fail"].partition(" ")
         why = {"numstat": "git cannot read the patch", "apply": "the patch does not apply to the base commit",
-               "test_patch": "the task's test patch does not apply"}.get(what, what)
+               "test_patch": "the task's test patch does not apply",
+               "hidden": "what the task hides from the agent could not be put back"}.get(what, what)
         return run.fail(f"{why}: {prepare.b64(err).decode('utf-8', 'replace').strip()[-400:]}")
     if found.get("ok") != "1":
         return run.fail(f"could not prepare the grading sandbox ({r.exit_code}): {(r.stdout + r.stderr).strip()[-400:]}")
@@ -265,7 +240,7 @@ def _prepared(sb: SandboxLike, run: _Run, folder: str, interp: str, canary_file:
 
 
 def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered: FilteredPatch, timeout: float,
-              timer: _Timer) -> GradeResult:
+              timer: Timer, packing: Future[bytes] | None) -> GradeResult:
     run = _Run(task, runner, raw.decode("utf-8", "replace"), filtered, tampering=filtered.tampering)
     folder = GRADE_ROOT + secrets.token_hex(8)
     dataset = runner.family != "agentenv"
@@ -278,6 +253,12 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
         files[f"{folder}/model.patch"] = filtered.kept
     if task.test_patch:
         files[f"{folder}/test.patch"] = task.test_patch.encode("utf-8", "surrogateescape")
+    try:
+        packed = packing.result() if packing is not None else b""
+    except AgentEnvError as e:
+        return run.fail(str(e))
+    if packed:
+        files[f"{folder}/{hidden.ARCHIVE}"] = packed
     for path, data in files.items():
         sb.write_file(path, data, mode=0o600)
     interp = inv.interpreter if inv.args is not None and inv.interpreter != "pytest" else "python3"
@@ -286,7 +267,7 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
         canary_file = inv.channel.canary_file(task)
     elif not (inv.canary_allowed(canary_file if dataset else "") and canary_file.endswith(".py")):
         canary_file = ""
-    found = _prepared(sb, run, folder, interp, canary_file)
+    found = _prepared(sb, run, folder, interp, canary_file, bool(packed))
     if isinstance(found, GradeResult):
         return found
     timer.lap("apply")
@@ -298,6 +279,7 @@ def _grade_in(sb: SandboxLike, task: Task, runner: Runner, raw: bytes, filtered:
     cfg = audit.config(folder, filtered, solo_ids)
     if inv.channel is not None:
         cfg.update(inv.channel.solo_config())
+    cfg["paths"] += hidden.guard_paths(task, runner.links)
     if found.get("applied", "0") != "0":  # a fallback applied it: line numbers no longer follow the patch
         cfg["patched"] = dict.fromkeys(cfg["patched"])
     sb.write_file(f"{folder}/{audit.CONFIG_FILE}", audit.config_bytes(cfg), mode=0o600)
@@ -324,7 +306,7 @@ def _official(run: _Run) -> tuple[Report | None, str]:
         return None, str(e)
 
 
-def _official_only(run: _Run, timer: _Timer) -> GradeResult:
+def _official_only(run: _Run, timer: Timer) -> GradeResult:
     report, err = _official(run)
     timer.lap("results")
     if report is None:
@@ -339,7 +321,7 @@ def _official_only(run: _Run, timer: _Timer) -> GradeResult:
 
 
 def _hardened(sb: SandboxLike, run: _Run, folder: str, secret: str, canary_ids: list[str], solo_ids: list[str],
-              timer: _Timer, *, guarded: bool, channel: channels.Channel | None = None) -> GradeResult:
+              timer: Timer, *, guarded: bool, channel: channels.Channel | None = None) -> GradeResult:
     """Step 3d: statuses from the JUnit file (another runner's: its recorder's file), the guard's log, the canaries
     and the isolated run; both verdicts."""
     task, r_code = run.task, run.exit_code

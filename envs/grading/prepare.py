@@ -4,8 +4,9 @@ The script resolves the interpreter the tests will run with (after the runner's 
 e.g. SWE-bench's ``conda activate testbed``, before the patch is applied), lets git list the files the kept
 patch touches (``git apply --numstat``: they must be exactly the kept files), applies it with the harness's
 own commands in order (SWE-bench's ``git apply``, then ``--reject``, then ``patch --fuzz=5``; 5.x also tries
-``--3way`` and resets the tree between tries), applies the task's test patch, prints the file the canaries go
-in and the links under /testbed. A patch applied by a fallback is checked again by what changed on disk
+``--3way`` and resets the tree between tries), applies the task's test patch, puts back what the task hid from
+the agent (R2E-Gym's tests, from its image: ``envs.grading.hidden``), prints the file the canaries go in and the
+links under /testbed. A patch applied by a fallback is checked again by what changed on disk
 (``git status``: only kept files, the ``.rej`` / ``.orig`` files the fallbacks leave removed), and the guard
 then counts the whole of each touched file as the patch's code (line numbers no longer follow the patch).
 
@@ -25,8 +26,10 @@ from envs.grading.patch import WORKDIR
 
 def script(folder: str, interpreter: str, has_patch: bool, has_test_patch: bool, canary_file: str = "", *,
            apply: Sequence[str] = ("git apply --whitespace=nowarn",), reset_between: bool = False,
-           activate: Sequence[str] = ()) -> str:
-    """The prepare script (see the module doc); ``apply``: the harness's patch-apply commands, tried in order."""
+           activate: Sequence[str] = (), restore: Sequence[str] = ()) -> str:
+    """The prepare script (see the module doc); ``apply``: the harness's patch-apply commands, tried in order;
+    ``restore``: lines that put back what the task hid from the agent (``envs.grading.hidden``), run after the
+    patches."""
     q = shlex.quote
 
     def resolve(name: str) -> str:  # the runner's activation needs bash (`source`); the path is the last line
@@ -54,6 +57,7 @@ def script(folder: str, interpreter: str, has_patch: bool, has_test_patch: bool,
     if has_test_patch:
         lines += [f"\"$g\" apply --whitespace=nowarn {folder}/test.patch 2> {folder}/err "
                   f"|| {{ echo \"fail=test_patch $(base64 -w0 {folder}/err)\"; exit 0; }}"]
+    lines += restore
     if canary_file:
         path = q(f"{WORKDIR}/{canary_file}")
         lines += [f"if [ -f {path} ] && [ ! -L {path} ]; then echo \"canary_src=$(head -c 4000000 {path} | base64 -w0)\"; fi"]

@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
                         "their images in SWE-bench's layout (envs/tasks/fixes.py)")
     fx.add_argument("--repo", action="append", metavar="OWNER/NAME", help="only these repositories (repeatable)")
     fx.add_argument("--out", type=Path, metavar="FILE", help="default: the shipped envs/tasks/fixes_tasks.jsonl")
-    va = sub.add_parser("validate", help="gold patch resolves; unchanged and wrong patches do not")
+    va = sub.add_parser("validate", help="gold patch resolves; unchanged and wrong patches do not (by each record's "
+                        "runner, in parallel; a per-record table)")
     libraries(va)
     va.add_argument("--tasks", type=Path, default=SHIPPED, metavar="FILE", help="default: the shipped set")
     group = va.add_mutually_exclusive_group()
@@ -69,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     va.add_argument("--budget", type=float, help="stop starting new tasks after this many seconds")
     va.add_argument("--no-images", action="store_true", help="do not build the images first")
     va.add_argument("--dataset", choices=DATASETS, help="the dataset the records come from (default: detected)")
+    va.add_argument("--workers", type=int, default=2, help="records validated at a time (default: 2)")
     pw = sub.add_parser("prewarm", help="get a task set's images onto every env server (a Ray fleet or --url)")
     pw.add_argument("--tasks", type=Path, required=True, metavar="FILE", help="task records (JSONL, JSON, Parquet)")
     pw.add_argument("--dataset", choices=DATASETS, help="the dataset the records come from (default: detected)")
@@ -95,6 +97,7 @@ def _run(args: argparse.Namespace) -> int:
     from envs.images import build_image, image_head
     from envs.tasks import build
     from envs.tasks.libraries import load_libraries
+    from envs.tasks.validate import table, validate
 
     if args.cmd == "scrub-script":
         from envs.task_sandbox import SCRUB
@@ -155,7 +158,9 @@ def _run(args: argparse.Namespace) -> int:
     chosen = build.sample(tasks, args.sample, args.seed) if args.sample else tasks
     unusable = build.prepare_images(chosen, libs, build=not args.no_images, libraries_file=str(args.libraries),
                                     log=say)
-    verdicts = build.validate(chosen, budget=args.budget, unusable=unusable, log=say)
+    verdicts = validate(chosen, workers=args.workers, budget=args.budget, unusable=unusable, log=say)
+    for row in table(verdicts):
+        say(row)
     bad = [v for v in verdicts if not v.ok]
     print(f"[validate] {len(verdicts) - len(bad)}/{len(verdicts)} tasks valid ({len(tasks)} in the set)")
     return 1 if bad or not verdicts else 0

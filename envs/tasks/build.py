@@ -11,11 +11,11 @@ Pipeline (``python -m envs.tasks ...``):
                 pristine code), run the tests with the bug, and write task records with the real
                 FAIL_TO_PASS / PASS_TO_PASS ids (PASS_TO_PASS: the other passing tests of the same test
                 files) and a problem statement made from the failing tests, to ``swe_tasks.jsonl``.
-4. ``validate`` every (or a sample of) task, from this set or any task file: the unchanged repository,
-                a wrong patch (a no-op edit of every file the gold patch touches) and a patch that
-                deletes the failing tests grade as not resolved; the gold patch grades as resolved. A
-                task that cannot be set up (a missing image, a base commit the image lacks) is a FAIL
-                with its reason; the others still run.
+4. ``validate`` every (or a sample of) task, from this set or any task file (``envs.tasks.validate``):
+                the unchanged repository, a wrong patch (a no-op edit of every file the gold patch
+                touches) and a patch that deletes the failing tests grade as not resolved; the gold
+                patch grades as resolved. A task that cannot be set up (a missing image, a base commit
+                the image lacks) is a FAIL with its reason; the others still run.
 
 ``search`` and ``build`` need a library's ``tests``, ``mutate`` and ``license``; ``images`` and
 ``validate`` need only what an image needs (see ``envs.tasks.libraries``), so they work for any
@@ -40,10 +40,9 @@ from typing import Any
 import agentenv
 from agentenv.api import SandboxLike
 from agentenv.errors import AgentEnvError
-from envs.grading import PASSING, grade, parse_pytest
+from envs.grading import PASSING, parse_pytest
 from envs.images import build_hint
 from envs.task import SHIPPED, Task, load_tasks, write_tasks
-from envs.task_sandbox import start_task
 from envs.tasks.libraries import TEST_COMMAND, Library, load_libraries
 from envs.tasks.mutate import KINDS, MutationError, MutationSpec, apply, candidates
 
@@ -253,72 +252,6 @@ def build(libraries: list[Library] | None = None, out: Path = SHIPPED, log: Log 
     return tasks
 
 
-@dataclass(frozen=True)
-class Verdict:
-    instance_id: str
-    ok: bool
-    detail: str
-
-
-WRONG_NOOP = "wrong patch (a no-op edit of the files the gold patch touches)"
-WRONG_TESTS = "wrong patch (the failing tests deleted)"
-
-
-def noop_edit(task: Task) -> str:
-    """A shell command that makes a change fixing nothing to each file the gold patch touches that exists
-    (a comment appended to source files, an empty line to others); it fails when git sees no change
-    although there was a file to edit."""
-    edits = []
-    for f in task.gold_files:
-        q = shlex.quote(f)
-        text = r"\n# agentenv: not a fix\n" if f.endswith((".py", ".pyi", ".sh", ".cfg", ".toml")) else r"\n"
-        edits.append(f"if [ -f {q} ]; then printf '{text}' >> {q}; n=1; fi")
-    return "; ".join(["n=0", *edits, '[ "$n" = 0 ] || git status --porcelain | grep -q .'])
-
-
-def validate_task(task: Task) -> Verdict:
-    """Unchanged and wrong patches must not resolve the task; the gold patch must.
-
-    A task whose sandbox cannot be set up (a missing image, a base commit the image lacks, ...) is not
-    valid; the verdict carries the reason instead of raising.
-    """
-    problems = []
-    try:
-        sb, task = start_task(task, cpus=1.0, memory="2g")
-    except Exception as e:  # a FAIL of this task, with its reason; the others still run
-        return Verdict(task.instance_id, False, f"setup: {_why(e)}")
-    try:
-        def check(label: str, prepare: str | None, want: bool) -> None:
-            sb.exec("git reset -q --hard && git clean -fdq", cwd="/testbed")
-            if prepare:
-                r = sb.exec(prepare, cwd="/testbed")
-                if r.exit_code != 0:
-                    problems.append(f"{label}: could not apply ({(r.stdout + r.stderr).strip()[:200]})")
-                    return
-            res = grade(sb, task, timeout=600)
-            if res.resolved != want:
-                bad = {t: s for t, s in {**res.fail_to_pass, **res.pass_to_pass}.items() if s not in PASSING}
-                problems.append(f"{label}: resolved={res.resolved}, expected {want} "
-                                f"(not passing: {dict(list(bad.items())[:3])}; {res.error})")
-
-        gold_file = "/tmp/.gold.patch"
-        check("unchanged repository", None, False)
-        check(WRONG_NOOP, noop_edit(task), False)
-        files = " ".join(shlex.quote(f) for f in {t.split('::', 1)[0] for t in task.FAIL_TO_PASS})
-        check(WRONG_TESTS, f"rm -f {files}", False)
-        sb.write_file(gold_file, task.patch)
-        check("gold patch", f"git apply --whitespace=nowarn {gold_file} && rm -f {gold_file}", True)
-    except Exception as e:
-        problems.append(f"grading: {_why(e)}")
-    finally:
-        sb.close()
-    return Verdict(task.instance_id, not problems, "; ".join(problems) or "ok")
-
-
-def _why(e: Exception) -> str:
-    return str(e) if isinstance(e, AgentEnvError) else f"{type(e).__name__}: {e}"
-
-
 def prepare_images(tasks: Iterable[Task], libraries: Iterable[Library], *, build: bool = True,
                    libraries_file: str = "LIBRARIES.json", log: Log = print) -> dict[str, str]:
     """Build (or find up to date) the images ``tasks`` need; image -> why it is not usable, for those that are not.
@@ -352,23 +285,6 @@ def prepare_images(tasks: Iterable[Task], libraries: Iterable[Library], *, build
         except AgentEnvError as e:
             problems[image] = f"image {image} could not be built: {e}"
     return problems
-
-
-def validate(tasks: list[Task], *, budget: float | None = None, log: Log = print,
-             unusable: dict[str, str] | None = None) -> list[Verdict]:
-    """Validate tasks in order until the time budget (seconds) is spent; a task whose image is in
-    ``unusable`` (image -> reason, see ``prepare_images``) fails with that reason without starting."""
-    out: list[Verdict] = []
-    t0 = time.monotonic()
-    for task in tasks:
-        if budget is not None and time.monotonic() - t0 > budget:
-            log(f"[validate] time budget of {budget:g} s spent after {len(out)} tasks")
-            break
-        why = (unusable or {}).get(task.image)
-        v = Verdict(task.instance_id, False, why) if why else validate_task(task)
-        out.append(v)
-        log(f"[validate] {'ok  ' if v.ok else 'FAIL'} {v.instance_id}" + ("" if v.ok else f": {v.detail}"))
-    return out
 
 
 def sample(tasks: list[Task], n: int, seed: int = 0) -> list[Task]:

@@ -1,14 +1,21 @@
 """Each dataset's test runner, log parser and verdict mode, in one typed place; and what sets the reward.
 
-- ``spec``: ``runner_for(task)`` -> ``Runner``: the dataset family of a record (SWE-bench 4.x / 5.x, SWE-Gym,
-  SWE-rebench, SWE-smith, R2E-Gym, agentenv's own), its eval script as its harness builds it, the test command
-  between its markers, its patch-apply fallbacks, its timeout, its official parser and verdict mode;
+- ``spec``: ``runner_for(task)`` -> ``Runner``: the dataset family of a record (``family``: from ``task.dataset``,
+  and for SWE-bench its ``eval_script``: 5.x or 4.x; SWE-Gym, SWE-rebench, SWE-smith, R2E-Gym, agentenv's own and
+  SWE-bench-extra's), its eval script as its harness builds it, the test command between its markers, its
+  patch-apply fallbacks, its timeout, its official parser and verdict mode;
 - ``official`` (+ ``official_worker.py``): the pinned ``swebench`` 4.1.0 and 5.0.2, each in its own folder and
   process, offline: eval scripts, log parsers, ``get_eval_report``;
 - ``parsers``: SWE-smith's and R2E-Gym's parsers (not in ``swebench``), written once from their harnesses;
 - ``verdicts``: the verdict modes (``swebench-4``, ``swebench-5``, ``fail-only``, ``swesmith``, ``r2e-exact``,
   ``strict``) and the official report's shape (``Report``);
 - ``judge``: the official verdict on the run's log, and the mode's verdict on a hardened channel's statuses.
+
+The runners read a record's fields from the Task only, under the Task's names (``dataset``, ``eval_script``,
+``eval_type``, ``log_parser``, "" for a 4.x row, ``install_config``, ``expected_output``, ``hidden_paths``):
+``envs.datasets`` is the one place that says what a published field means. (Changed in the integration of
+issue 41: ``spec.field``, which read published fields from ``task.metadata`` too, is gone; read ``task.eval_script``
+and the like. ``envs.grading.hidden`` puts a task's hidden paths back in the grading sandbox.)
 
 What sets the reward, per runner (``envs.grading.grader``; ``GradeResult.reward_source``):
 
@@ -28,8 +35,8 @@ the official one beside it, unchanged.
 """
 
 from envs.grading.runners.official import SWEBENCH_4, SWEBENCH_5, Harness, OfficialHarnessError
-from envs.grading.runners.spec import Family, Runner, RunnerError, family, runner_for
+from envs.grading.runners.spec import FAMILIES, Family, Runner, RunnerError, family, runner_for
 from envs.grading.runners.verdicts import MODES, Mode, Report, verdict
 
-__all__ = ["MODES", "SWEBENCH_4", "SWEBENCH_5", "Family", "Harness", "Mode", "OfficialHarnessError", "Report",
+__all__ = ["FAMILIES", "MODES", "SWEBENCH_4", "SWEBENCH_5", "Family", "Harness", "Mode", "OfficialHarnessError", "Report",
            "Runner", "RunnerError", "family", "runner_for", "verdict"]

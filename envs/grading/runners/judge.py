@@ -19,14 +19,9 @@ from typing import Any
 from envs.grading.results import parse_pytest
 from envs.grading.runners import official
 from envs.grading.runners.parsers import clean_r2e, parse_r2e, parse_swesmith, swesmith_test_output
-from envs.grading.runners.spec import Runner, field
-from envs.grading.runners.verdicts import Report, expected_map, not_found, r2e_key, resolution, verdict
+from envs.grading.runners.spec import Runner
+from envs.grading.runners.verdicts import Report, not_found, r2e_key, resolution, verdict
 from envs.task import Task
-
-
-def _expected(task: Task) -> dict[str, str]:
-    raw = field(task, "expected_output_json")
-    return expected_map(raw) if raw is not None else {}
 
 
 def _from_swebench(runner: Runner, task: Task, ans: Mapping[str, Any]) -> Report:
@@ -62,7 +57,7 @@ def official_report(runner: Runner, task: Task, log: str) -> Report:
         return verdict("swesmith", parse_swesmith(body), task.FAIL_TO_PASS, task.PASS_TO_PASS, test_files=files)
     if runner.official == "r2e-gym":
         return verdict("r2e-exact", parse_r2e(clean_r2e(log)), task.FAIL_TO_PASS, task.PASS_TO_PASS,
-                       expected=_expected(task))
+                       expected=task.expected_output)
     return verdict(runner.mode, parse_pytest(log, [*task.FAIL_TO_PASS, *task.PASS_TO_PASS]), task.FAIL_TO_PASS,
                    task.PASS_TO_PASS)
 
@@ -71,7 +66,7 @@ def hardened_report(runner: Runner, task: Task, statuses: Mapping[str, str]) -> 
     """The runner's verdict mode on a hardened channel's status map (node ids as the task names its tests)."""
     if runner.mode == "r2e-exact":
         keyed = {r2e_key(k): v for k, v in statuses.items() if v in ("PASSED", "FAILED", "ERROR")}
-        return verdict("r2e-exact", keyed, task.FAIL_TO_PASS, task.PASS_TO_PASS, expected=_expected(task))
+        return verdict("r2e-exact", keyed, task.FAIL_TO_PASS, task.PASS_TO_PASS, expected=task.expected_output)
     files = list((runner.spec or {}).get("test_files", []))
     return verdict(runner.mode, statuses, task.FAIL_TO_PASS, task.PASS_TO_PASS, test_files=files)
 

@@ -25,7 +25,6 @@ same maps to ``swebench`` 4.1 and 5.0's own functions (``tests/unit/envs/test_en
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -162,14 +161,6 @@ def r2e_key(test_id: str) -> str:
     """The key R2E-Gym's parser gives a pytest node id: its parts after the file, joined by dots
     (``r2e_tests/test_1.py::TestX::test_y[1]`` -> ``TestX.test_y[1]``); an id without ``::`` is kept."""
     return ".".join(test_id.split("::")[1:]) if "::" in test_id else test_id
-
-
-def expected_map(raw: str | Mapping[str, Any]) -> dict[str, str]:
-    """``expected_output_json`` (a JSON object of test key -> status, as published, or already decoded)."""
-    data = json.loads(raw) if isinstance(raw, str) else raw
-    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in data.items()):
-        raise ValueError("expected_output_json must be a JSON object of test name -> status string")
-    return dict(data)
 
 
 def _r2e_exact(statuses: Mapping[str, str], expected: Mapping[str, str], f2p: Sequence[str],

@@ -26,6 +26,7 @@ from envs.task import Task, load_tasks
 from envs.task_sandbox import SetupError, TaskImageMissing, start_task
 from envs.tasks import __main__ as cli
 from envs.tasks import build
+from envs.tasks.validate import validate
 
 pytestmark = pytest.mark.integration
 
@@ -212,7 +213,7 @@ def test_an_image_with_a_future_is_scrubbed_at_reset(task, history_image):
         assert_no_future(sb, base)
     finally:
         sb.close()
-    [verdict] = build.validate([real], log=lambda _m: None)
+    [verdict] = validate([real], log=lambda _m: None)
     assert verdict.ok, verdict.detail
     wrong = Task.from_json({**record, "base_commit": "0" * 40})
     with pytest.raises(SetupError, match="is not in the repository") as e:

@@ -24,8 +24,8 @@ def _as_swebench_5(task: Task) -> Task:
     script = "\n".join(["#!/bin/bash", "set -uxo pipefail", "cd /testbed", "git status",
                         ": '>>>>> Start Test Output'", cmd, ": '>>>>> End Test Output'",
                         f"git checkout {task.base_commit} {' '.join(task.test_files)}"]) + "\n"
-    meta = {**task.metadata, "eval_script": script, "log_parser": "parse_log_pytest", "eval_type": "pass_and_fail"}
-    return dataclasses.replace(task, metadata=meta)
+    return dataclasses.replace(task, dataset="swe-bench", eval_script=script, log_parser="parse_log_pytest",
+                               eval_type="pass_and_fail")
 
 
 def test_a_swebench_5_record_is_graded_by_its_script_with_both_verdicts():

@@ -15,6 +15,7 @@ from envs.swe_env import SWEEnv
 from envs.task import shipped_tasks
 from envs.tasks import build
 from envs.tasks.libraries import load_libraries
+from envs.tasks.validate import validate
 from envs.tool_env import ToolEnv
 
 pytestmark = pytest.mark.integration
@@ -61,7 +62,7 @@ def test_check_env_passes_for_both(task):
 
 def test_a_sample_of_shipped_tasks_validates(tasks):
     chosen = build.sample(tasks, 6, seed=int(time.time()) % 1000)  # one per library, a different one each run
-    verdicts = build.validate(chosen, budget=SAMPLE_BUDGET_S)
+    verdicts = validate(chosen, budget=SAMPLE_BUDGET_S)
     assert verdicts, "no task validated within the budget"
     bad = [f"{v.instance_id}: {v.detail}" for v in verdicts if not v.ok]
     assert not bad, bad

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from envs.datasets.rules import SWE_BENCH_REPOS
 from envs.grading.command import END, START, parse_test_command, run_script
 from envs.grading.runners import official, spec
 from envs.grading.runners.judge import official_report
@@ -106,7 +107,8 @@ def test_swe_smith_and_r2e_gym_records_get_their_harnesses_commands():
     assert smith.family == "swe-smith" and smith.mode == "swesmith"
     assert smith.test_command == ("pytest --disable-warnings --color=no --tb=no --verbose tests/test_a.py "
                                   "tests/test_b.py")
-    r2e = spec.runner_for(_task(expected_output_json=json.dumps({"test_a": "PASSED"})))
+    r2e = spec.runner_for(_task(expected_output_json=json.dumps({"test_a": "PASSED"}),
+                                docker_image="namanjain12/x_final:1"))
     assert (r2e.family, r2e.mode, r2e.timeout) == ("r2e-gym", "r2e-exact", 300.0)
     assert parse_test_command(r2e.test_command).interpreter == ".venv/bin/python"
 
@@ -120,7 +122,7 @@ def test_the_pins_match_the_packages_own_tables():
 
     parsers = assigned(official.SWEBENCH_4, "harness/log_parsers/python.py", "MAP_REPO_TO_PARSER_PY")
     assert isinstance(parsers, ast.Dict)
-    assert {ast.literal_eval(k) for k in parsers.keys if k is not None} == spec.SWEBENCH_REPOS
+    assert {ast.literal_eval(k) for k in parsers.keys if k is not None} == SWE_BENCH_REPOS
     assert tuple(ast.literal_eval(assigned(official.SWEBENCH_4, "harness/run_evaluation.py", "GIT_APPLY_CMDS"))) \
         == spec.APPLY_4
     assert tuple(ast.literal_eval(assigned(official.SWEBENCH_5, "harness/run_evaluation.py", "GIT_APPLY_CMDS"))) \

@@ -13,7 +13,7 @@ from envs.grading import GradeResult
 from envs.task import Task
 from envs.task_sandbox import SetupError
 from envs.tasks import __main__ as cli
-from envs.tasks import build
+from envs.tasks import validate as checks
 
 from .fakes import FakeSandbox, result
 
@@ -47,15 +47,15 @@ def fake_grading(monkeypatch, fail_setup=()):
         resolved = "git apply" in last
         return GradeResult(resolved=resolved, fail_to_pass={}, pass_to_pass={}, patch="")
 
-    monkeypatch.setattr(build, "start_task", start)
-    monkeypatch.setattr(build, "grade", grade)
+    monkeypatch.setattr(checks, "start_task", start)
+    monkeypatch.setattr(checks, "grade", grade)
     return seen
 
 
 def test_a_task_that_cannot_be_set_up_fails_alone_and_the_run_goes_on(monkeypatch):
     seen = fake_grading(monkeypatch, fail_setup={"demo__1"})
     logs: list[str] = []
-    verdicts = build.validate([task("demo__1"), task("demo__2")], log=logs.append)
+    verdicts = checks.validate([task("demo__1"), task("demo__2")], log=logs.append)
     assert [v.ok for v in verdicts] == [False, True]
     assert "reference is not a tree" in verdicts[0].detail and logs[0].startswith("[validate] FAIL demo__1: setup")
     assert {t.base_commit for _, t in seen} == {"c0ffee0"}  # grading got the resolved base commit
@@ -63,7 +63,7 @@ def test_a_task_that_cannot_be_set_up_fails_alone_and_the_run_goes_on(monkeypatc
 
 def test_the_wrong_patch_edits_the_files_the_gold_patch_touches(monkeypatch):
     seen = fake_grading(monkeypatch)
-    [v] = build.validate([task()], log=lambda _m: None)
+    [v] = checks.validate([task()], log=lambda _m: None)
     assert v.ok, v.detail
     [noop] = [c for c, _ in seen if "not a fix" in c]
     assert "pkg/core.py" in noop and "tests/test_core.py" not in noop
@@ -74,7 +74,7 @@ def test_the_noop_edit_changes_the_gold_files_and_nothing_else(tmp_path):
     subprocess.run("git init -q && mkdir pkg tests && echo 'x = 1' > pkg/core.py && echo ok > tests/test_core.py"
                    " && git add -A && git -c user.name=a -c user.email=a@x commit -qm base", shell=True, cwd=tmp_path,
                    check=True)
-    r = subprocess.run(["sh", "-c", build.noop_edit(task())], cwd=tmp_path, capture_output=True, text=True, check=False)
+    r = subprocess.run(["sh", "-c", checks.noop_edit(task())], cwd=tmp_path, capture_output=True, text=True, check=False)
     assert r.returncode == 0, r.stderr
     changed = subprocess.run(["git", "status", "--porcelain"], cwd=tmp_path, capture_output=True, text=True,
                              check=True).stdout.split()
@@ -112,3 +112,33 @@ def test_base_commit_of_a_missing_image_says_how_to_build_it(monkeypatch, capsys
     err = capsys.readouterr().err
     assert "not on this host" in err and "python -m envs.tasks images --libraries" in err
     assert '"name": "six", "version": "1.16.0"' in err and "Traceback" not in err
+
+
+def test_records_are_validated_in_parallel_and_summed_up_in_tables(monkeypatch):
+    """Two workers: both records are set up before either is graded (a barrier that one worker would never pass);
+    the tables show, per record, what each patch graded and the official agreement, and per runner the counts."""
+    import threading
+
+    from envs.grading.runners.verdicts import verdict
+
+    both = threading.Barrier(2, timeout=60)
+
+    def start(t, **kw):
+        both.wait()
+        return Recorder(), t
+
+    def grade(sb, t, timeout):
+        resolved = "git apply" in (sb.commands[-1] if len(sb.commands) > 1 else "")
+        report = verdict("swebench-4", {"tests/test_core.py::test_x": "PASSED" if resolved else "FAILED"},
+                         t.FAIL_TO_PASS, ())
+        return GradeResult(resolved=resolved, fail_to_pass={}, pass_to_pass={}, patch="", runner="swebench",
+                           mode="swebench-4", ours=report, official=report)
+
+    monkeypatch.setattr(checks, "start_task", start)
+    monkeypatch.setattr(checks, "grade", grade)
+    verdicts = checks.validate([task("demo__1"), task("demo__2")], workers=2, log=lambda _m: None)
+    assert [v.instance_id for v in verdicts] == ["demo__1", "demo__2"] and all(v.ok for v in verdicts)
+    rows = checks.table(verdicts)
+    assert rows[0].split()[:8] == ["record", "dataset", "runner/mode", "gold", "empty", "no-op", "tests-rm", "official"]
+    assert rows[1].split()[:8] == ["demo__1", "agentenv", "swebench/swebench-4", "yes", "no", "no", "no", "agrees"]
+    assert rows[-1].split() == ["swebench/swebench-4", "2", "2", "0", "2/2"]
