@@ -94,8 +94,10 @@ class SWEEnv(SandboxEnv[Task]):
                  tasks: Iterable[Task | str | Mapping[str, Any]] | str | os.PathLike[str] | None = None,
                  max_steps: int | None = DEFAULT_MAX_STEPS, max_output: int = 10_000,
                  bash_timeout: float = 60.0, test_timeout: float | None = None, render_mode: str | None = None,
-                 api: Backend | None = None, dataset: str | None = None, **sandbox_kwargs: Any) -> None:
+                 api: Backend | None = None, dataset: str | None = None, trust_official_log: bool = False,
+                 **sandbox_kwargs: Any) -> None:
         super().__init__(api=api, max_steps=max_steps, render_mode=render_mode, sandbox_kwargs=sandbox_kwargs)
+        self.trust_official_log = trust_official_log  # envs.grading.grade: a forgeable reading may set the reward
         self.observation_space = UnicodeText(MAX_OBSERVATION)
         self.action_space = UnicodeText(MAX_ACTION, min_length=1)
         self.max_output, self.bash_timeout, self.test_timeout = max_output, bash_timeout, test_timeout
@@ -256,4 +258,4 @@ class SWEEnv(SandboxEnv[Task]):
         pristine = self.pristine()
         self._closing = [f for f in self._closing if not f.done()]
         return grade(sandbox, pristine.task, pristine=pristine.snapshot, api=self.api, timeout=self.test_timeout,
-                     closing=self._closing)
+                     closing=self._closing, trust_official_log=self.trust_official_log)

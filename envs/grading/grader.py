@@ -121,7 +121,7 @@ def filter_for(task: Task, patch: bytes) -> FilteredPatch:
 
 def grade(sandbox: SandboxLike, task: Task, *, pristine: SnapshotLike | str | None = None,
           api: Backend | None = None, timeout: float | None = None,
-          closing: list[Future[None]] | None = None) -> GradeResult:
+          closing: list[Future[None]] | None = None, trust_official_log: bool = False) -> GradeResult:
     """Grade the agent's /testbed in ``sandbox`` against ``task`` (see the module doc).
 
     ``pristine``: a filesystem snapshot of the task's sandbox taken before the agent acted (on ``api``,
@@ -130,7 +130,23 @@ def grade(sandbox: SandboxLike, task: Task, *, pristine: SnapshotLike | str | No
     (default: the dataset harness's own, else 900). ``closing``: close the grading sandbox on a worker thread
     and append its future here (the caller waits for it later); by default it is closed before ``grade``
     returns. The agent's sandbox is left as it was.
+
+    A runner no hardened channel runs is read from its output alone (``forgeable``: the code under test prints
+    that output, and can print a runner's result lines), which scores 0 whatever it says, with the official verdict
+    recorded and the reason given; ``trust_official_log=True`` lets that reading set the reward (for tasks whose
+    code you trust, never for RL on a policy's patches).
     """
+    result = _graded(sandbox, task, pristine, api, timeout, closing)
+    if result.forgeable and result.resolved and not trust_official_log:
+        return dataclasses.replace(result, resolved=False, error=(
+            f"no hardened channel runs this runner ({result.runner}): only the official parser's reading of the "
+            "output says resolved, and the code under test writes that output (it can print result lines); "
+            "grade(..., trust_official_log=True) / SWEEnv(trust_official_log=True) takes it for tasks you trust"))
+    return result
+
+
+def _graded(sandbox: SandboxLike, task: Task, pristine: SnapshotLike | str | None, api: Backend | None,
+            timeout: float | None, closing: list[Future[None]] | None) -> GradeResult:
     from envs import task_sandbox
 
     backend: Backend = agentenv if api is None else api

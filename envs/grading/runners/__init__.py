@@ -22,7 +22,8 @@ What sets the reward, per runner (``envs.grading.grader``; ``GradeResult.reward_
 | runner's test command | reward | when the two disagree |
 |---|---|---|
 | a pytest invocation (SWE-bench's pytest-family parsers, SWE-smith, SWE-rebench, R2E-Gym, agentenv) | ``hardened``: the mode's verdict on pytest's JUnit file in the grading folder, under the guard, with the isolated re-run and the canaries — **and**, for a dataset's record, the official verdict on the same run's log | 0, with both verdicts and the reason in ``info["grading"]["verdict"]`` (a forged log cannot raise a reward; a hardened pass the official harness does not confirm is not a pass by the dataset's rules) |
-| any other (Django's ``runtests.py``, SymPy's ``bin/test``, until a hardened channel runs them) | ``official-log``: the official parser's verdict on the run's output (``forgeable``: a patch can print result lines) | there is no second verdict |
+| Django's ``runtests.py``, SymPy's ``bin/test`` | ``hardened`` likewise, through their channels (``envs.grading.channels``) | as for pytest |
+| any other command | ``official-log``: the official parser's verdict on the run's output (``forgeable``: a patch can print result lines), recorded; the reward is 0 unless ``grade(..., trust_official_log=True)`` | there is no second verdict |
 
 Interface for the hardened channels of other runners (Django, SymPy: a guard, an isolated re-run, canaries):
 ``envs.grading.command.parse_test_command`` recognises a test command as an ``Invocation`` the grader's guard

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.tasks.build import noop_edit
 from envs.tasks.fixes import RECORDS_FILE
+from envs.tasks.validate import noop_edit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixes_records import applying, build_images, graded, record  # noqa: E402

@@ -55,3 +55,39 @@ def test_a_swebench_5_record_is_graded_by_its_script_with_both_verdicts():
         assert ">>>>> Test Exit Code: " in gold.log_tail  # recorded after the end marker, as swebench 5 does
     finally:
         env.close()
+
+
+def test_a_runner_no_hardened_channel_runs_scores_0_unless_its_log_is_trusted():
+    """A test command that is not a plain pytest invocation runs without the guard, so only the official parser's
+    reading of the output decides, which the code under test writes: a patch that prints pytest's result lines at
+    exit makes that reading say resolved without a fix. Such a reading scores 0 (the official verdict recorded, the
+    reason given); ``trust_official_log=True`` lets it set the reward, for tasks whose code is trusted."""
+    try:
+        Harness(SWEBENCH_5).check()
+    except OfficialHarnessError as e:
+        pytest.skip(str(e))
+    with reset_env("toolz") as (shipped, _):
+        pass
+    task = _as_swebench_5(shipped)
+    cmd = shipped.test_command.replace("{tests}", " ".join(shlex.quote(f) for f in shipped.test_files))
+    task = dataclasses.replace(task, eval_script=task.eval_script.replace(cmd, f"bash -c {shlex.quote(cmd)}"))
+    # the F2P tests passed, and one failure of a test that is not the task's, so that the exit status has its failure
+    forged = "".join(f"PASSED {t}\n" for t in task.FAIL_TO_PASS) + f"FAILED {shipped.test_files[0]}::test_decoy\n"
+    package = shipped.gold_files[0].split("/", 1)[0]
+    for trust in (False, True):
+        env = SWEEnv(task=task, trust_official_log=trust)
+        try:
+            env.reset()
+            sb = env.sandbox
+            assert sb is not None
+            init = f"/testbed/{package}/__init__.py"  # at exit, after pytest's capture, the lines a parser reads
+            sb.write_file(init, sb.read_file(init) + b"\nimport os as _o\nclass _Late:\n"
+                          + b"    def __del__(self, write=_o.write):\n"
+                          + f"        write(1, {forged.encode()!r})\n_late = _Late()\n".encode())
+            lie = env.grade()
+            assert lie.forgeable and lie.official is not None and lie.official.resolved  # the reading is fooled
+            assert lie.resolved is trust
+            if not trust:
+                assert "no hardened channel" in lie.error
+        finally:
+            env.close()
