@@ -28,14 +28,18 @@ def _as_swebench_5(task: Task) -> Task:
                                eval_type="pass_and_fail")
 
 
-def test_a_swebench_5_record_is_graded_by_its_script_with_both_verdicts():
+def _shipped_toolz() -> Task:
+    """The shipped toolz task, once swebench 5.0.2's pinned folder is there (the bootstrap installs it)."""
     try:
         Harness(SWEBENCH_5).check()
     except OfficialHarnessError as e:
         pytest.skip(str(e))
     with reset_env("toolz") as (shipped, _):
-        pass
-    task = _as_swebench_5(shipped)
+        return shipped
+
+
+def test_a_swebench_5_record_is_graded_by_its_script_with_both_verdicts():
+    task = _as_swebench_5(_shipped_toolz())
     env = SWEEnv(task=task)
     try:
         env.reset()
@@ -62,12 +66,7 @@ def test_a_runner_no_hardened_channel_runs_scores_0_unless_its_log_is_trusted():
     reading of the output decides, which the code under test writes: a patch that prints pytest's result lines at
     exit makes that reading say resolved without a fix. Such a reading scores 0 (the official verdict recorded, the
     reason given); ``trust_official_log=True`` lets it set the reward, for tasks whose code is trusted."""
-    try:
-        Harness(SWEBENCH_5).check()
-    except OfficialHarnessError as e:
-        pytest.skip(str(e))
-    with reset_env("toolz") as (shipped, _):
-        pass
+    shipped = _shipped_toolz()
     task = _as_swebench_5(shipped)
     cmd = shipped.test_command.replace("{tests}", " ".join(shlex.quote(f) for f in shipped.test_files))
     task = dataclasses.replace(task, eval_script=task.eval_script.replace(cmd, f"bash -c {shlex.quote(cmd)}"))
