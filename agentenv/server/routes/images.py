@@ -11,7 +11,7 @@ import dataclasses
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Request, Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from starlette.concurrency import run_in_threadpool
 
 from agentenv.api import ImageFetch
@@ -24,14 +24,16 @@ IMAGE_NAME = r"^[a-z0-9]+([._/:@-][A-Za-z0-9_]+|[._-]{2}[a-z0-9]+)*(:[A-Za-z0-9_
 
 
 class EnsureRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     image: str = Field(max_length=512, pattern=IMAGE_NAME, description="a Docker image reference")
-    deadline: float | None = Field(None, gt=0, description="seconds a pull may take (at most the server's own)")
+    deadline: StrictFloat | StrictInt | None = Field(None, gt=0, description="seconds a pull may take (at most the server's own)")
 
 
 class EvictRequest(BaseModel):
-    budget: int = Field(ge=0, description="bytes the images' layers may take after the eviction")
-    only_fetched: bool = Field(True, description="only images agentenv loaded or pulled itself")
-    dry_run: bool = False
+    model_config = ConfigDict(extra="forbid")
+    budget: StrictInt = Field(ge=0, description="bytes the images' layers may take after the eviction")
+    only_fetched: StrictBool = Field(True, description="only images agentenv loaded or pulled itself")
+    dry_run: StrictBool = False
 
 
 def sources(request: Request, deadline: float | None) -> image_store.ImageSources:
