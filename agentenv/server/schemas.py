@@ -47,6 +47,7 @@ def _number(v: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_number)]
 Float = Annotated[float, BeforeValidator(_number)]
+Seconds = Annotated[float, Field(gt=0), BeforeValidator(_number)]  # the bound inside, so the schema says exclusiveMinimum
 Text = Annotated[str, Field(pattern=_NO_NUL, max_length=1 << 20)]
 Name = Annotated[str, Field(pattern=_NO_NUL, max_length=4096)]
 

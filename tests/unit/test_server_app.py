@@ -73,7 +73,7 @@ def test_bad_bodies_are_4xx_with_a_reason(client):
             ("DELETE", "/v1/sandboxes/sb-x/files", {"params": {}}, "path"),
             ("POST", "/v1/images/evict", {"json": {"budget": 0, "dry_run": 0}}, "dry_run"),
             ("POST", "/v1/images/evict", {"json": {"budget": 0, "only_fetched": "yes"}}, "only_fetched"),
-            ("POST", "/v1/images/evict", {"json": {"budget": 1.5}}, "budget"),
+            ("POST", "/v1/images/evict", {"json": {"budget": "5"}}, "budget"),
             ("POST", "/v1/images/evict", {"json": {"budget": 0, "surprise": 1}}, "surprise"),
             ("POST", "/v1/images/ensure", {"json": {"image": "a:b", "deadline": "5"}}, "deadline"),
             ("POST", "/v1/images/ensure", {"json": {"image": "a:b", "pull_from": "x"}}, "pull_from")]:

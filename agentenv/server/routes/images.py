@@ -11,13 +11,13 @@ import dataclasses
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 from starlette.concurrency import run_in_threadpool
 
 from agentenv.api import ImageFetch
 from agentenv.host import image_store
 from agentenv.server.routing import WireResponse, WireRoute
-from agentenv.server.schemas import error_responses
+from agentenv.server.schemas import Int, Seconds, error_responses
 
 router = APIRouter(route_class=WireRoute, tags=["images"])
 IMAGE_NAME = r"^[a-z0-9]+([._/:@-][A-Za-z0-9_]+|[._-]{2}[a-z0-9]+)*(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
@@ -26,12 +26,12 @@ IMAGE_NAME = r"^[a-z0-9]+([._/:@-][A-Za-z0-9_]+|[._-]{2}[a-z0-9]+)*(:[A-Za-z0-9_
 class EnsureRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     image: str = Field(max_length=512, pattern=IMAGE_NAME, description="a Docker image reference")
-    deadline: StrictFloat | StrictInt | None = Field(None, gt=0, description="seconds a pull may take (at most the server's own)")
+    deadline: Seconds | None = Field(None, description="seconds a pull may take (at most the server's own)")
 
 
 class EvictRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    budget: StrictInt = Field(ge=0, description="bytes the images' layers may take after the eviction")
+    budget: Int = Field(ge=0, description="bytes the images' layers may take after the eviction")
     only_fetched: StrictBool = Field(True, description="only images agentenv loaded or pulled itself")
     dry_run: StrictBool = False
 
