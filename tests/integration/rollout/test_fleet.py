@@ -1,6 +1,7 @@
 """The env-server fleet on the two-node Ray cluster: ``up`` starts one server per node (each with its own sandbox
 home, as separate machines have), again keeps them, ``Pool.from_ray`` places sandboxes on both by free capacity,
-rollout workers use their own node's server through Ray, and ``down`` leaves no actor, port or sandbox."""
+rollout workers use their own node's server through Ray, ``prewarm`` gets an image onto every server, and ``down``
+leaves no actor, port or sandbox."""
 
 from __future__ import annotations
 
@@ -113,6 +114,10 @@ def test_the_cli_joins_the_cluster_and_its_servers_outlive_it(ray_cluster, homes
     assert _cli("up", *args).count("kept") == 2  # again: the same servers, and still there after the CLI exited
     urls = found.urls()
     assert len(urls) == 2
+    warm = _cli("prewarm", "--ray-address", ray_cluster.address, "--token-file", str(token_file), "agentenv/base")
+    for url in urls.values():  # every fleet server made sure of the image, with a progress line each
+        assert f"{url} agentenv/base: local" in warm, warm
+    assert "[2/2]" in warm
     with agentenv.Pool.from_ray(TOKEN) as pool:
         sb = pool.Sandbox.create(ttl=300)
         node = next(n for n, u in urls.items() if u == sb.client.url)
