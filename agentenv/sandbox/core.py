@@ -202,7 +202,7 @@ class Sandbox(Calls, Record):
             self._rec["address"] = (self._container.link() or {}).get("address")
             crash_point(f"{op}:started")
             self._agent = None
-            self._rec.update(init_pid=pid, init_start=proc_start_time(pid), state="running", owner=None)
+            self.transition("running", init_pid=pid, init_start=proc_start_time(pid), owner=None)
             protect_agent(pid)
             self._starting = True
             try:
@@ -355,8 +355,7 @@ class Sandbox(Calls, Record):
         """The end of a pause whose snapshot is in the store: the container and its layer go."""
         self._container.destroy()
         self._drop_layer()
-        self._rec.update(state="paused", paused_snapshot=snap_id, pausing=None, owner=None, init_pid=None,
-                         init_start=None)
+        self.transition("paused", paused_snapshot=snap_id, pausing=None, owner=None, init_pid=None, init_start=None)
         self._agent = None
         self._save()
         self._unshare()
@@ -372,7 +371,7 @@ class Sandbox(Calls, Record):
             try:
                 self._start(snap, "resume", memory)
             except BaseException:
-                self._rec.update(state="paused", init_pid=None, init_start=None)
+                self.transition("paused", init_pid=None, init_start=None)
                 self._agent = None
                 self._save()
                 raise
@@ -385,7 +384,7 @@ class Sandbox(Calls, Record):
     def close(self) -> None:
         """Stop every process and remove the sandbox (its snapshots stay in the store); idempotent."""
         if not self._container.bundle.exists():
-            self._rec["state"] = "closed"
+            self.transition("closed")
             return
         with self._locked(allow_closed=True):
             paused = self._rec.get("paused_snapshot")
@@ -397,7 +396,7 @@ class Sandbox(Calls, Record):
     def _destroy(self) -> None:
         self._container.destroy()
         self._agent = None
-        self._rec["state"] = "closed"
+        self.transition("closed")
         self._drop_layer()  # before the record goes: a close cut short is closed again
         remove_tree(self._container.bundle)  # never through a layer mount a start cut short left there
         self._unshare()

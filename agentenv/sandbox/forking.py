@@ -99,8 +99,8 @@ def _from_pool(parent: S, spec: ContainerSpec, lineage: str | None) -> S | None:
         return None
     with sb._locked():
         retired = sb._rec["layer"]
-        sb._rec.update(state="creating", owner=store.owner(), parent_snapshot=lineage,
-                       layer=f"{sb.id}.{uuid.uuid4().hex[:6]}", retired_layers=[retired])
+        sb.transition("creating", owner=store.owner(), parent_snapshot=lineage,
+                      layer=f"{sb.id}.{uuid.uuid4().hex[:6]}", retired_layers=[retired])
         sb._save()
     sb._container.layer = paths().layers / sb._rec["layer"]
     return sb
@@ -128,7 +128,7 @@ def _boot_child(kid: S) -> None:
                 kid._start(None, "fork")
                 return
         crash_point("fork:started")
-        kid._rec["state"] = "running"  # on disk still 'creating' (removed if this process dies) until saved below
+        kid.transition("running")  # on disk still 'creating' (removed if this process dies) until saved below
         kid._starting = True
         try:
             # the agent starts again from the new root: nothing of the old one stays in use (CRIU could not
@@ -144,7 +144,7 @@ def _boot_child(kid: S) -> None:
         kid._rec.update(owner=None)
         kid._save()
     except BaseException:
-        kid._rec["state"] = "creating"
+        kid.transition("creating")
         raise
 
 

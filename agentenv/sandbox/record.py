@@ -2,7 +2,8 @@
 state, agent, labels, ttl, address), written whole by rename and changed under a file lock that spans processes.
 
 ``Sandbox`` is a ``Record`` with a lifecycle (``agentenv.sandbox.core``): this module is the fields it reads, the save
-and reload, the check that it runs, and the lock.
+and reload, the check that it runs, the lock, and the states a record goes through (``TRANSITIONS``: every change of
+state goes through ``Record.transition``, which refuses one the table does not list).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from agentenv import netpolicy
@@ -20,6 +22,25 @@ from agentenv.api import Limits, Network, State
 from agentenv.config import write_private
 from agentenv.errors import SandboxNotFound, SandboxStateError
 from agentenv.host.runtime import Container, ContainerSpec
+
+# The states a sandbox's record goes through and the changes allowed; staying in a state is always allowed. 'lost' is
+# never recorded: it is what ``state`` and ``recover`` report of a sandbox whose processes are gone.
+TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType({
+    "creating": frozenset({"running", "closed"}),  # started; its making failed, or its maker died (recover)
+    # paused (or a resume cut short, back to paused); closed; a pooled sandbox taken to become a fork's child, or
+    # such a child whose start failed, is 'creating' again
+    "running": frozenset({"paused", "closed", "creating"}),
+    "paused": frozenset({"running", "closed"}),  # resumed; closed
+    "closed": frozenset(),
+    "lost": frozenset(),
+})
+
+
+def check_transition(sandbox_id: str, old: State, new: State) -> None:
+    """SandboxStateError unless a record in state ``old`` may go to ``new`` (``TRANSITIONS``)."""
+    if new != old and new not in TRANSITIONS[old]:
+        raise SandboxStateError(f"sandbox {sandbox_id} cannot go from {old} to {new}",
+                                fix="this is a bug in agentenv's lifecycle code: report it with the sandbox's log")
 
 
 class Record:
@@ -44,6 +65,12 @@ class Record:
         meanwhile, and a sandbox being paused still reads 'running'): what a caller acting on the state reads."""
         with self._locked(allow_closed=True):
             return self._rec["state"]
+
+    def transition(self, new: State, **fields: Any) -> None:
+        """Move the record (in memory: ``_save`` writes it) to state ``new``, checked against ``TRANSITIONS``, with
+        ``fields`` changed alongside; the lifecycle modules change a sandbox's state only through this."""
+        check_transition(self.id, self._rec["state"], new)
+        self._rec.update(fields, state=new)
 
     def exists(self) -> bool:
         """True while the sandbox is on this host (running or paused); False once closed."""
@@ -96,7 +123,7 @@ class Record:
         with contextlib.suppress(FileNotFoundError):
             self._rec = json.loads((self._container.bundle / "sandbox.json").read_text())
             return
-        self._rec["state"] = "closed"
+        self.transition("closed")  # its bundle is gone: another process closed it
 
     def require_running(self) -> None:
         """SandboxStateError unless the sandbox is running (e.g. paused or closed)."""

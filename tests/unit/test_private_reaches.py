@@ -27,7 +27,7 @@ REACHES = {
     "agentenv/remote/pool.py": 1,
     "agentenv/sandbox/core.py": 17,
     "agentenv/sandbox/expiry.py": 4,
-    "agentenv/sandbox/forking.py": 35,
+    "agentenv/sandbox/forking.py": 32,
     "agentenv/sandbox/jobs.py": 1,
     "agentenv/sandbox/migration.py": 6,
     "agentenv/sandbox/recovery.py": 30,
