@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from rollout.trajectory import Trajectory
 from trainer.advantages import AdvantageConfig, grpo_advantages
 from trainer.health import batch_health
 
@@ -46,7 +47,7 @@ class Sample:
         return sum(self.loss_mask[1:])
 
     @classmethod
-    def from_trajectory(cls, traj: Any, advantage: float = 0.0) -> Sample:
+    def from_trajectory(cls, traj: Trajectory, advantage: float = 0.0) -> Sample:
         """A ``rollout.trajectory.Trajectory`` (or anything with its fields) as a training sample."""
         versions = [t.weight_version for t in getattr(traj, "turns", [])]
         return cls(list(traj.token_ids), list(traj.loss_mask), list(traj.logprobs), advantage,
@@ -70,7 +71,7 @@ class Batch:
         return sum(len(s) for s in self.samples)
 
 
-def episode_stats(trajectories: Sequence[Any], current_version: int | None = None, pass_threshold: float = 1.0,
+def episode_stats(trajectories: Sequence[Trajectory], current_version: int | None = None, pass_threshold: float = 1.0,
                   prefix: str = "train") -> dict[str, float]:
     """Reward, pass rate, response length and staleness of a set of episodes (infrastructure failures counted)."""
     rewards = [t.reward for t in trajectories if t.reward is not None]
@@ -88,7 +89,7 @@ def episode_stats(trajectories: Sequence[Any], current_version: int | None = Non
     return out
 
 
-def pass_rate(trajectories: Sequence[Any], threshold: float) -> tuple[float, float, int]:
+def pass_rate(trajectories: Sequence[Trajectory], threshold: float) -> tuple[float, float, int]:
     """(pass rate, reward mean, rewarded episodes); infrastructure failures count as failures here."""
     rewards = [t.reward for t in trajectories]
     n = len(rewards)
@@ -102,13 +103,13 @@ def pass_rate(trajectories: Sequence[Any], threshold: float) -> tuple[float, flo
 # --- staleness ------------------------------------------------------------------------------------------------
 
 
-def staleness(traj: Any, current_version: int) -> int:
+def staleness(traj: Trajectory, current_version: int) -> int:
     """Versions between the current weights and the oldest that generated a token of ``traj`` (0: none)."""
     versions = [t.weight_version for t in traj.turns]
     return max(0, current_version - min(versions)) if versions else 0
 
 
-def allowed_staleness(traj: Any, max_staleness: int) -> int:
+def allowed_staleness(traj: Trajectory, max_staleness: int) -> int:
     """The bound for ``traj``: ``max_staleness``, plus the weight versions pushed while it was paused
     (``metadata["paused_versions"]``, trainer/partial.py): a partial rollout spans the versions it waited through,
     and no more. A trajectory paused before that count existed: one per pause (``resumes``)."""
@@ -118,7 +119,7 @@ def allowed_staleness(traj: Any, max_staleness: int) -> int:
     return max_staleness + int(md.get("resumes", 0) or 0)
 
 
-def filter_stale(trajectories: Sequence[Any], current_version: int, max_staleness: int
+def filter_stale(trajectories: Sequence[Trajectory], current_version: int, max_staleness: int
                  ) -> tuple[list[Any], list[Any]]:
     """(kept, dropped): a trajectory is dropped when it is more versions old than its bound allows."""
     kept: list[Any] = []
@@ -128,7 +129,7 @@ def filter_stale(trajectories: Sequence[Any], current_version: int, max_stalenes
     return kept, dropped
 
 
-def rl_batch(trajectories: Sequence[Any], cfg: AdvantageConfig | None = None, *,
+def rl_batch(trajectories: Sequence[Trajectory], cfg: AdvantageConfig | None = None, *,
              current_version: int | None = None, pass_threshold: float = 1.0) -> Batch:
     """GRPO advantages over ``trajectories`` (grouped by ``group_id``), then the kept episodes as samples.
 

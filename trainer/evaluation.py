@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from rollout.trajectory import Trajectory
+
 BOOTSTRAP = 2000
 LEVEL = 0.95
 
@@ -65,7 +67,7 @@ def paired_gain(before: Mapping[str, Sequence[bool]], after: Mapping[str, Sequen
             "gain_ci": _boot(diff, seed)}
 
 
-def per_task_passes(trajectories: Sequence[Any], threshold: float) -> dict[str, list[bool]]:
+def per_task_passes(trajectories: Sequence[Trajectory], threshold: float) -> dict[str, list[bool]]:
     """``{task_id: [passed, ...]}`` of evaluation trajectories (an unscored one, an infra error, adds nothing)."""
     out: dict[str, list[bool]] = {}
     for t in trajectories:
@@ -75,13 +77,13 @@ def per_task_passes(trajectories: Sequence[Any], threshold: float) -> dict[str, 
     return out
 
 
-def tool_use(trajectories: Sequence[Any], threshold: float) -> dict[str, Any]:
+def tool_use(trajectories: Sequence[Trajectory], threshold: float) -> dict[str, Any]:
     """What the policy did, beside whether it passed: the share of episodes that called a tool before answering
     (on Lookup-v0: looked before answering, what RL should teach), and the pass rate of those that did and did not."""
     used = [t for t in trajectories if t.tool_calls > 0]
     not_used = [t for t in trajectories if t.tool_calls == 0]
 
-    def rate(ts: Sequence[Any]) -> float:
+    def rate(ts: Sequence[Trajectory]) -> float:
         return sum(1 for t in ts if t.reward is not None and t.reward >= threshold) / len(ts) if ts else math.nan
     return {"used_tools": len(used) / len(trajectories) if trajectories else math.nan,
             "pass_rate_with_tools": rate(used), "pass_rate_without_tools": rate(not_used),

@@ -35,6 +35,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rollout.trajectory import Trajectory
+
 HEALTH_PANELS: list[tuple[str, list[str]]] = [
     ("PPO ratio (min / mean / max)", ["ratio_min", "ratio", "ratio_max"]),
     ("TIS weight (min / mean / max)", ["tis_weight_min", "tis_weight", "tis_weight_max"]),
@@ -96,7 +98,7 @@ def replay_coverage(mb: Any) -> dict[str, float]:
             "replay_loss_positions": float(loss.sum()), "replay_loss_covered": float((covered & loss).sum())}
 
 
-def batch_health(trajectories: Sequence[Any], advantages: Iterable[float], groups_all_equal: int) -> dict[str, float]:
+def batch_health(trajectories: Sequence[Trajectory], advantages: Iterable[float], groups_all_equal: int) -> dict[str, float]:
     """Advantage statistics, all-equal groups and the malformed-call rate of one iteration's episodes."""
     adv = [float(a) for a in advantages]
     n = len(adv)
