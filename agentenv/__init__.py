@@ -19,12 +19,13 @@ from agentenv.api import (
     ExecResult,
     ImageFetch,
     Limits,
+    Process,
     SandboxInfo,
     SandboxLike,
     SnapshotInfo,
     SnapshotLike,
 )
-from agentenv.sandbox.core import Process, Sandbox
+from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.store import Snapshot
 
 __all__ = ["Backend", "ExecResult", "ImageFetch", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
