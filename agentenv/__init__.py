@@ -6,9 +6,10 @@ environments live in the ``envs`` package, so importing this one stays light.
 
 The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, CRIU, the volume), ``sandbox/``
 (the ``Sandbox`` and its lifecycle: calls, fork, snapshots, recovery, the warm pool, the store), ``inside/``
-(the standard-library programs that run in a sandbox), ``remote/`` (client, pool, wire) and ``server/``
-(``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``), the
-settings (``config``, ``phases``) and the command line (``cli``, ``tour``).
+(the standard-library programs that run in a sandbox), ``remote/`` (client, pool) and ``server/``
+(``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``, and
+``wire``: the HTTP bodies both ends read), the settings (``config``, ``phases``) and the command line (``cli``,
+``tour``, ``terminal``).
 """
 
 from typing import Any

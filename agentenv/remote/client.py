@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import httpx
 
-from agentenv import errors, netpolicy
+from agentenv import errors, netpolicy, wire
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
@@ -45,7 +45,6 @@ from agentenv.api import (
     SnapshotLike,
 )
 from agentenv.errors import ConnectionLost, SandboxNotFound, from_wire
-from agentenv.remote import wire
 
 DEFAULT_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 5.0
