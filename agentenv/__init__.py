@@ -10,9 +10,12 @@ The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, CR
 (``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``, and
 ``wire``: the HTTP bodies both ends read), the settings (``config``, ``phases``) and the command line (``cli``,
 ``tour``, ``terminal``).
+
+Importing this module loads the contract only: ``Sandbox`` and ``Snapshot`` (the host stack) are imported on first
+use, like ``connect`` and ``Pool`` (httpx), so a client of a server never loads the host's modules.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentenv import errors
 from agentenv.api import (
@@ -26,8 +29,10 @@ from agentenv.api import (
     SnapshotInfo,
     SnapshotLike,
 )
-from agentenv.sandbox.core import Sandbox
-from agentenv.sandbox.store import Snapshot
+
+if TYPE_CHECKING:  # what __getattr__ gives, as type checkers see it (connect and Pool stay untyped there, as before)
+    from agentenv.sandbox.core import Sandbox
+    from agentenv.sandbox.store import Snapshot
 
 __all__ = ["Backend", "ExecResult", "ImageFetch", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
            "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "ensure_image", "errors"]
@@ -48,7 +53,8 @@ def ensure_image(image: str, *, deadline: float | None = None) -> ImageFetch:
 
 
 def __getattr__(name: str) -> Any:
-    """``connect`` and ``Pool`` (the remote API) are imported on first use: httpx is not needed locally."""
+    """``connect`` and ``Pool`` (the remote API) are imported on first use, so httpx is not needed locally; so are
+    ``Sandbox`` and ``Snapshot`` (the local API), so a remote user never loads the host."""
     if name == "connect":
         from agentenv.remote.client import connect
 
@@ -57,4 +63,12 @@ def __getattr__(name: str) -> Any:
         from agentenv.remote.pool import Pool
 
         return Pool
+    if name == "Sandbox":
+        from agentenv.sandbox.core import Sandbox
+
+        return Sandbox
+    if name == "Snapshot":
+        from agentenv.sandbox.store import Snapshot
+
+        return Snapshot
     raise AttributeError(f"module 'agentenv' has no attribute {name!r}")
