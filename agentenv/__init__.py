@@ -6,12 +6,16 @@ environments live in the ``envs`` package, so importing this one stays light.
 
 The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, CRIU, the volume), ``sandbox/``
 (the ``Sandbox`` and its lifecycle: calls, fork, snapshots, recovery, the warm pool, the store), ``inside/``
-(the standard-library programs that run in a sandbox), ``remote/`` (client, pool, wire) and ``server/``
-(``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``), the
-settings (``config``, ``phases``) and the command line (``cli``, ``tour``).
+(the standard-library programs that run in a sandbox), ``remote/`` (client, pool) and ``server/``
+(``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``, and
+``wire``: the HTTP bodies both ends read), the settings (``config``, ``phases``) and the command line (``cli``,
+``tour``, ``terminal``).
+
+Importing this module loads the contract only: ``Sandbox`` and ``Snapshot`` (the host stack) are imported on first
+use, like ``connect`` and ``Pool`` (httpx), so a client of a server never loads the host's modules.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentenv import errors
 from agentenv.api import (
@@ -19,13 +23,16 @@ from agentenv.api import (
     ExecResult,
     ImageFetch,
     Limits,
+    Process,
     SandboxInfo,
     SandboxLike,
     SnapshotInfo,
     SnapshotLike,
 )
-from agentenv.sandbox.core import Process, Sandbox
-from agentenv.sandbox.store import Snapshot
+
+if TYPE_CHECKING:  # what __getattr__ gives, as type checkers see it (connect and Pool stay untyped there, as before)
+    from agentenv.sandbox.core import Sandbox
+    from agentenv.sandbox.store import Snapshot
 
 __all__ = ["Backend", "ExecResult", "ImageFetch", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
            "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "ensure_image", "errors"]
@@ -46,7 +53,8 @@ def ensure_image(image: str, *, deadline: float | None = None) -> ImageFetch:
 
 
 def __getattr__(name: str) -> Any:
-    """``connect`` and ``Pool`` (the remote API) are imported on first use: httpx is not needed locally."""
+    """``connect`` and ``Pool`` (the remote API) are imported on first use, so httpx is not needed locally; so are
+    ``Sandbox`` and ``Snapshot`` (the local API), so a remote user never loads the host."""
     if name == "connect":
         from agentenv.remote.client import connect
 
@@ -55,4 +63,12 @@ def __getattr__(name: str) -> Any:
         from agentenv.remote.pool import Pool
 
         return Pool
+    if name == "Sandbox":
+        from agentenv.sandbox.core import Sandbox
+
+        return Sandbox
+    if name == "Snapshot":
+        from agentenv.sandbox.store import Snapshot
+
+        return Snapshot
     raise AttributeError(f"module 'agentenv' has no attribute {name!r}")

@@ -4,13 +4,15 @@ Three things implement it: the local API (the ``agentenv`` module: ``agentenv.Sa
 ``agentenv.Snapshot``), a server's client (``agentenv.connect(url, token)``) and a ``Pool`` of
 servers. Code that takes a ``Backend`` runs against any of them unchanged; mypy checks that each one
 satisfies it (``tests/unit/test_contract.py``). The value types are plain dataclasses: the server
-sends them (``to_wire``), the client rebuilds them (``from_wire``), so a new field is one edit here.
+sends them (``to_wire``), the client rebuilds them (``from_wire``), so a new field is one edit here. ``Process``
+(what ``spawn`` returns) is here too, but for the two calls each side makes its own way: the client needs no host.
 Standard library only: a user who wants sandboxes alone needs nothing else to read this contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
@@ -240,6 +242,41 @@ class ProcessLike(Protocol):
     def kill(self, signal: int = 9) -> None: ...
 
     def wait(self, timeout: float = 60.0) -> int: ...
+
+
+class Process:
+    """A ``ProcessLike`` of any sandbox, local or on a server: the part that needs no transport. How a subclass
+    asks about it is its own (``exit_code``, ``kill``): ``agentenv.sandbox.calls.Process`` through the sandbox's
+    agent, ``agentenv.remote.client.RemoteProcess`` over HTTP; ``isinstance(p, agentenv.Process)`` holds for both."""
+
+    def __init__(self, sandbox: Any, pid: int, log: str, command: str) -> None:  # sandbox: the subclass's kind
+        self.sandbox, self.pid, self.log, self.command = sandbox, pid, log, command
+
+    def __repr__(self) -> str:
+        return f"Process(pid={self.pid}, command={self.command!r})"
+
+    @property
+    def exit_code(self) -> int | None:
+        """None while it runs, else its exit code (128 + signal when killed)."""
+        raise NotImplementedError
+
+    def output(self) -> str:
+        """Everything it wrote so far (stdout and stderr interleaved)."""
+        return self.sandbox.read_file(self.log).decode(errors="replace")
+
+    def kill(self, signal: int = 9) -> None:
+        raise NotImplementedError
+
+    def info(self) -> ProcessInfo:
+        return ProcessInfo(pid=self.pid, log=self.log, command=self.command, exit_code=self.exit_code)
+
+    def wait(self, timeout: float = 60.0) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.exit_code) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self!r} still running after {timeout} s")
+            time.sleep(0.02)
+        return code
 
 
 @runtime_checkable

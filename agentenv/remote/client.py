@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import httpx
 
-from agentenv import errors, netpolicy
+from agentenv import errors, netpolicy, wire
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
@@ -39,13 +39,12 @@ from agentenv.api import (
     Limits,
     Network,
     OutputCallback,
+    Process,
     SandboxInfo,
     SnapshotInfo,
     SnapshotLike,
 )
 from agentenv.errors import ConnectionLost, SandboxNotFound, from_wire
-from agentenv.remote import wire
-from agentenv.sandbox.core import Process
 
 DEFAULT_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 5.0
@@ -209,10 +208,10 @@ def _snapshot(client: Client, info: dict[str, Any]) -> RemoteSnapshot:
 class RemoteProcess(Process):
     """A background process in a remote sandbox."""
 
-    sandbox: RemoteSandbox  # type: ignore[assignment]
+    sandbox: RemoteSandbox
 
     def __init__(self, sandbox: RemoteSandbox, pid: int, log: str, command: str) -> None:
-        super().__init__(cast(Any, sandbox), pid, log, command)
+        super().__init__(sandbox, pid, log, command)
 
     @property
     def exit_code(self) -> int | None:

@@ -15,10 +15,10 @@ import builtins
 import errno
 import posixpath
 import socket
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from agentenv import api
 from agentenv.api import (
     DEFAULT_EXEC_TIMEOUT,
     ExecResult,
@@ -27,7 +27,6 @@ from agentenv.api import (
     JobInfo,
     JobOutput,
     OutputCallback,
-    ProcessInfo,
 )
 from agentenv.inside import agent, frames
 from agentenv.inside.jobs import MAX_OUTPUT
@@ -38,14 +37,14 @@ if TYPE_CHECKING:
     from agentenv.host.runtime import ContainerSpec
 
 
-class Process:
-    """A background process started with ``Sandbox.spawn``; it survives snapshots and forks."""
+class Process(api.Process):
+    """A background process started with ``Sandbox.spawn``; it survives snapshots and forks. What its sandbox's
+    agent answers is this subclass's; the rest, shared with a server's processes, is ``agentenv.api.Process``."""
+
+    sandbox: Calls
 
     def __init__(self, sandbox: Calls, pid: int, log: str, command: str) -> None:
-        self.sandbox, self.pid, self.log, self.command = sandbox, pid, log, command
-
-    def __repr__(self) -> str:
-        return f"Process(pid={self.pid}, command={self.command!r})"
+        super().__init__(sandbox, pid, log, command)
 
     @property
     def exit_code(self) -> int | None:
@@ -54,23 +53,8 @@ class Process:
         entry = reply["procs"].get(str(self.pid))
         return None if entry is None else entry["exit_code"]
 
-    def output(self) -> str:
-        """Everything it wrote so far (stdout and stderr interleaved)."""
-        return self.sandbox.read_file(self.log).decode(errors="replace")
-
     def kill(self, signal: int = 9) -> None:
         self.sandbox._channel.call({"op": "kill", "pid": self.pid, "signal": signal})
-
-    def info(self) -> ProcessInfo:
-        return ProcessInfo(pid=self.pid, log=self.log, command=self.command, exit_code=self.exit_code)
-
-    def wait(self, timeout: float = 60.0) -> int:
-        deadline = time.monotonic() + timeout
-        while (code := self.exit_code) is None:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self!r} still running after {timeout} s")
-            time.sleep(0.02)
-        return code
 
 
 class Calls:

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from agentenv.remote import wire
+from agentenv import wire
 
 MAX_UPLOAD = 1 << 30      # bytes of one file upload
 MAX_BODY = 32 << 20       # bytes of any other request body (an exec's command, env and all)

@@ -22,8 +22,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from agentenv import errors
-from agentenv.remote import wire
+from agentenv import errors, wire
 from agentenv.server.limits import BodyTooLarge, too_large_body
 from agentenv.server.service import RETRY_AFTER
 from policy.authlimit import AuthFailures, Spent

@@ -16,8 +16,8 @@ import msgpack
 import pytest
 
 import agentenv
+from agentenv import wire
 from agentenv.errors import DiskLimitRequired, QuotaExceeded, SandboxStateError, Unauthorized
-from agentenv.remote import wire
 from agentenv.sandbox import warm
 
 from .server_fixtures import TOKEN, threaded_server

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agentenv import api
+from agentenv import api, wire
 from agentenv.api import ExecResult, Limits, ProcessInfo, SandboxInfo, SnapshotInfo
-from agentenv.remote import wire
 from agentenv.remote.client import RemoteSnapshot
 from agentenv.sandbox.store import Snapshot
 

@@ -21,7 +21,8 @@ MAY_IMPORT = {"agentenv": set(), "policy": set(), "envs": {"agentenv"}, "rollout
 # check, kept in policy because importing it there starts nothing else, where agentenv's import starts its sandboxes)
 SHARED_LEAVES = {"policy.chat": {"envs"}, "policy.authlimit": {"agentenv"}}
 # inside agentenv, each room imports only the rooms below it (and the contract at the top: api, errors, config, ...)
-CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "agentenv.phases", "agentenv.netpolicy"}
+CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "agentenv.phases", "agentenv.netpolicy",
+            "agentenv.wire"}
 ROOMS = {"agentenv.inside": set(), "agentenv.host": {"agentenv.inside"},
          "agentenv.sandbox": {"agentenv.inside", "agentenv.host"},
          "agentenv.remote": {"agentenv.sandbox", "agentenv.inside", "agentenv.host"},
@@ -149,6 +150,22 @@ def test_each_room_of_agentenv_imports_only_the_rooms_below_it():
                    if t.startswith("agentenv") and room(t) != room(m) and room(t) not in ROOMS[room(m)]
                    and t not in CONTRACT)
     assert wrong == []
+
+
+# a server's client stands apart from the host: the remote API and the wire format its bodies travel in import neither
+# the sandbox nor the host room, so ``agentenv.connect`` loads none of them (``test_light_import.py``); but for
+# the one module of remote that runs on a server, which is why remote's entry in ROOMS still allows them
+HOSTLESS = ("agentenv.remote", "agentenv.wire")
+ON_A_SERVER = {"agentenv.remote.transfer"}  # POST /v1/snapshots/import: pulls a snapshot into this host's store
+
+
+def test_the_remote_api_and_the_wire_import_neither_the_sandbox_nor_the_host():
+    wrong = sorted((m, t) for m, ts in GRAPH.items() if room(m) in HOSTLESS and m not in ON_A_SERVER for t in ts
+                   if room(t) in ("agentenv.sandbox", "agentenv.host"))
+    assert wrong == []
+    assert GRAPH["agentenv.wire"] <= CONTRACT, "the wire format is the contract's: it stands on the contract alone"
+    for m in ON_A_SERVER:  # an exception that no longer needs to be one is taken off the list
+        assert {room(t) for t in GRAPH[m]} & {"agentenv.sandbox", "agentenv.host"}, m
 
 
 def test_what_runs_inside_a_sandbox_imports_the_standard_library_only():

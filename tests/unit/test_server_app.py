@@ -7,10 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from agentenv import errors, server
+from agentenv import errors, server, wire
 from agentenv.cli import app as cli_app
 from agentenv.host import volume
-from agentenv.remote import wire
 from agentenv.server.service import Service
 
 TOKEN = "unit-token"

@@ -8,9 +8,8 @@ import json
 import msgpack
 import pytest
 
-from agentenv import errors
+from agentenv import errors, wire
 from agentenv.errors import from_wire, status_of, to_wire
-from agentenv.remote import wire
 
 
 def test_content_type_and_accept_negotiation():

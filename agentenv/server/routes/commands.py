@@ -10,9 +10,8 @@ from fastapi import APIRouter, Body, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from agentenv import errors
+from agentenv import errors, wire
 from agentenv.api import ExecResult, ProcessInfo
-from agentenv.remote import wire
 from agentenv.sandbox.core import Process, Sandbox
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routes.sandboxes import SB_ERRORS

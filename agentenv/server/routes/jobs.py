@@ -14,10 +14,9 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from agentenv import errors
+from agentenv import errors, wire
 from agentenv.api import JobInfo, JobOutput
 from agentenv.inside.jobs import MAX_OUTPUT
-from agentenv.remote import wire
 from agentenv.sandbox.core import Sandbox
 from agentenv.server.routes import BINARY, ServiceDep
 from agentenv.server.routes.sandboxes import SB_ERRORS

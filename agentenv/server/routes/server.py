@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
-from agentenv import __version__
-from agentenv.remote import wire
+from agentenv import __version__, wire
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import ServerInfo, error_responses

@@ -4,6 +4,11 @@ msgpack (``application/msgpack``) is the default of the Python client: it is sma
 carries bytes as bytes. JSON is accepted and produced on every route too; in JSON, byte strings (the
 output chunks of a streamed exec) travel as base64 text. A streamed exec is a sequence of frames:
 concatenated msgpack objects, or one JSON object per line (``application/x-ndjson``).
+
+Both ends read this one module: the client (``agentenv.remote.client``) and the server (``agentenv.server``'s
+``routing``, ``limits`` and routes). It is part of the contract, beside ``agentenv.api``, so that neither end imports
+the other's room and the client stays apart from the host; it imports the standard library and msgpack only. (A
+package rather than ``agentenv/wire.py``: agentenv keeps at most ten modules at its top, ``tests/unit/test_layout.py``.)
 """
 
 from __future__ import annotations
