@@ -1,4 +1,4 @@
-"""The sandbox contract, written once: the value types and the Protocols of DESIGN.md §3.
+"""The sandbox contract, written once: the value types and the Protocols of docs/architecture.md §3.
 
 Three things implement it: the local API (the ``agentenv`` module: ``agentenv.Sandbox`` and
 ``agentenv.Snapshot``), a server's client (``agentenv.connect(url, token)``) and a ``Pool`` of

@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-validate", action="store_true")
     args = p.parse_args(argv)
     here = Path(__file__).resolve().parent  # run as a file: bench/ first on sys.path shadows the packages
-    sys.path[:] = [x for x in sys.path if Path(x or ".").resolve() != here]
+    sys.path[:] = [str(here.parent), *(x for x in sys.path if Path(x or ".").resolve() != here)]
+    from bench.harness import machine_info
     from envs.images import build_image
     from envs.task import load_tasks
     from envs.tasks.fixes import RECORDS_FILE, load_releases
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     tasks = load_tasks(RECORDS_FILE)
     by_id = {t.instance_id: t for t in tasks}
     chosen = [by_id[i] for i in args.records] if args.records else tasks
-    result: dict[str, Any] = {"machine": "see DESIGN.md §4", "rounds": args.rounds}
+    result: dict[str, Any] = {"machine": machine_info(), "rounds": args.rounds}
     if not args.skip_validate:
         rows = validate(chosen)
         result["validate"] = rows

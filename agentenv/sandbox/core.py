@@ -1,4 +1,4 @@
-"""Sandboxes: containers you exec in, snapshot, fork, pause and restore (DESIGN.md §3).
+"""Sandboxes: containers you exec in, snapshot, fork, pause and restore (docs/architecture.md §3).
 
 A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 is the agent
 (see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can

@@ -1,4 +1,4 @@
-"""The host boundary of a sandbox with network (DESIGN.md §10): its own namespace and address, the outside through
+"""The host boundary of a sandbox with network (docs/architecture.md §8): its own namespace and address, the outside through
 NAT, never the host, another sandbox, loopback services or link-local addresses; the rules a user sets, on a
 running sandbox too; forks, pauses and restores keep each child's network. Every address the sandboxes are sent
 to is a test host on this machine (``net_hosts``): no traffic leaves it."""

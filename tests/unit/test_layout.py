@@ -12,7 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("agentenv", "envs", "policy", "rollout", "trainer")
-# what each package may import of the others (DESIGN.md's layout: the sandbox library and the policy stand alone)
+# what each package may import of the others (docs/architecture.md §1: the sandbox library and the policy stand alone)
 MAY_IMPORT = {"agentenv": set(), "policy": set(), "envs": {"agentenv"}, "rollout": {"agentenv", "envs", "policy"},
               "trainer": {"agentenv", "envs", "policy", "rollout"}}
 # the modules of another package that a package outside the order may import, because each is a leaf (standard

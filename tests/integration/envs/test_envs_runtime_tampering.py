@@ -1,4 +1,4 @@
-"""Patches that rewrite test outcomes at run time from inside the test process (issue 24, point 6; DESIGN.md §9).
+"""Patches that rewrite test outcomes at run time from inside the test process (issue 24, point 6; docs/architecture.md §7).
 
 Each attack changes only the library file the task's bug is in, appending code that runs when the library is
 imported, spelled so that no word of the text rule (``envs.grading.patch``) appears: names are built at run

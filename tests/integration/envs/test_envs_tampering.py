@@ -1,5 +1,5 @@
 """Known ways to make an SWE grader say "resolved" without fixing the bug: each must score 0, while the gold
-patch still scores 1 on the same task (issue 9 §1; DESIGN.md §9). The set is never finished: add to it.
+patch still scores 1 on the same task (issue 9 §1; docs/architecture.md §7). The set is never finished: add to it.
 
 Two shipped tasks (toolz: tests in a package; boltons: tests beside a pristine conftest.py). Each attack
 starts from the task's pristine state (a sandbox restored from the env's pristine snapshot, as an agent's
