@@ -8,7 +8,8 @@ The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, CR
 (the ``Sandbox`` and its lifecycle: calls, fork, snapshots, recovery, the warm pool, the store), ``inside/``
 (the standard-library programs that run in a sandbox), ``remote/`` (client, pool, wire) and ``server/``
 (``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``), the
-settings (``config``, ``phases``) and the command line (``cli``, ``tour``).
+settings (``config``, ``phases``; ``config`` also holds the one atomic file writer every package uses) and the
+command line (``cli``, ``tour``).
 """
 
 from typing import Any
