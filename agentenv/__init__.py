@@ -8,8 +8,8 @@ The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, CR
 (the ``Sandbox`` and its lifecycle: calls, fork, snapshots, recovery, the warm pool, the store), ``inside/``
 (the standard-library programs that run in a sandbox), ``remote/`` (client, pool) and ``server/``
 (``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``, and
-``wire``: the HTTP bodies both ends read), the settings (``config``, ``phases``) and the command line (``cli``,
-``tour``, ``terminal``).
+``wire``: the HTTP bodies both ends read), the settings (``config``, ``phases``; ``config`` also holds the one atomic
+file writer every package uses) and the command line (``cli``, ``tour``, ``terminal``).
 
 Importing this module loads the contract only: ``Sandbox`` and ``Snapshot`` (the host stack) are imported on first
 use, like ``connect`` and ``Pool`` (httpx), so a client of a server never loads the host's modules.

@@ -22,8 +22,17 @@ OutputCallback = Callable[[str, bytes], None]  # (stream: 'stdout' | 'stderr', d
 DEFAULT_IMAGE = "agentenv/base"
 DEFAULT_EXEC_TIMEOUT = 600.0
 DEFAULT_DISK = "10g"
-MAX_FORK = 64
+MAX_FORK = 64  # children one fork makes at most: ``fork_count`` holds every fork to it (the servers' schemas say it)
 MAX_DEPTH = 4096  # levels a listing goes down at most (a path of 4096 bytes has at most 2048)
+
+
+def fork_count(count: object) -> int:
+    """``count`` as the number of children of a fork: an int from 1 to ``MAX_FORK``, else ValueError (bad input,
+    a 400 on the wire). Every fork checks its count here, where it is asked for: ``Sandbox.fork``,
+    ``RemoteSandbox.fork`` (a pool's spread fork included) and the server's ``Service.fork``."""
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK:
+        raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {count!r}")
+    return count
 
 _V = TypeVar("_V")
 

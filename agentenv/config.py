@@ -1,4 +1,6 @@
-"""Where agentenv keeps its state, the parsing of user-facing sizes, and the crash points of the tests."""
+"""Where agentenv keeps its state, the parsing of user-facing sizes, the crash points of the tests, and the one way
+every package writes a file whole (``replacing``, ``write_atomic``, ``write_json``; ``write_private`` for a file of
+the home that is its owner's alone)."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import os
 import re
 import signal
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any, BinaryIO, Literal, TextIO, overload
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -230,14 +234,87 @@ def gate(folder: Path, gid: int) -> None:
     os.chmod(folder, GATE)
 
 
-def write_private(path: Path, data: str | bytes) -> None:
-    """Write ``path`` whole, by rename, 0600 from its creation (``<name>.tmp`` beside it first)."""
-    tmp = path.with_name(f"{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, PRIVATE_FILE)
-    with open(fd, "wb") as f:
-        os.fchmod(fd, PRIVATE_FILE)  # a leftover of a crash keeps its mode through O_CREAT
+def _temporary(path: Path) -> Path:
+    """A fresh hidden name beside ``path`` (random: writers of one file in several threads or processes never meet;
+    the name's start kept short enough for any file system)."""
+    return path.with_name(f".{path.name[:200]}.{os.urandom(8).hex()}.tmp")
+
+
+@overload
+def replacing(path: str | os.PathLike[str], *, mode: int | None = ..., fsync: bool = ...,
+              text: Literal[False] = ...) -> contextlib.AbstractContextManager[BinaryIO]: ...
+
+
+@overload
+def replacing(path: str | os.PathLike[str], *, mode: int | None = ..., fsync: bool = ...,
+              text: Literal[True]) -> contextlib.AbstractContextManager[TextIO]: ...
+
+
+def replacing(path: str | os.PathLike[str], *, mode: int | None = None, fsync: bool = False,
+              text: bool = False) -> contextlib.AbstractContextManager[IO[Any]]:
+    """Write ``path`` whole or not at all: the block writes a new temporary file beside it (binary, or UTF-8 text
+    with ``text``), renamed over ``path`` when the block ends (a reader sees the old file or the new one, never a
+    part) and removed if it raises. ``f.name`` is the temporary file's path, for a writer that takes only a path
+    (one that makes the file there anew gives it its own mode).
+
+    The temporary file is made with ``O_CREAT | O_EXCL | O_NOFOLLOW``: a new file, never one already there nor
+    what a symlink planted at its name points to. Its mode by default is what ``open`` gives (``0o666`` less the
+    umask); a ``mode`` given is the file's exactly, from its creation: made with it (the umask can take bits off,
+    never add one) and, where the umask took some, set on the open file before a byte is written, so a file made
+    ``PRIVATE_FILE`` is never readable by others at any moment. With ``fsync`` the data is on the disk before the
+    rename; syncing the folder, where the rename itself must survive a crash, is the caller's.
+    """
+    return _replacing(Path(path), mode, fsync, text)
+
+
+@contextlib.contextmanager
+def _replacing(path: Path, mode: int | None, fsync: bool, text: bool) -> Iterator[IO[Any]]:
+    tmp = _temporary(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o666 if mode is None else mode)
+    try:
+        try:
+            if mode is not None and stat.S_IMODE(os.fstat(fd).st_mode) != mode:
+                os.fchmod(fd, mode)  # the umask narrowed it: still empty, and never wider than ``mode``
+        except BaseException:
+            os.close(fd)
+            raise
+        # the file just made, named by its path (``open`` owns the descriptor from here, and closes it on a failure)
+        with open(tmp, "w" if text else "wb", encoding="utf-8" if text else None, opener=lambda _p, _f: fd) as f:
+            yield f
+        if fsync:  # by its name: a writer given ``f.name`` may have made the file there anew (safetensors does)
+            synced = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                os.fsync(synced)
+            finally:
+                os.close(synced)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, mode: int | None = None,
+                 fsync: bool = False) -> None:
+    """Write ``data`` (a str as UTF-8) to ``path`` whole or not at all (``replacing``: the same ``mode`` and
+    ``fsync``)."""
+    with replacing(path, mode=mode, fsync=fsync) as f:
         f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+
+
+def write_json(path: str | os.PathLike[str], obj: Any, *, mode: int | None = None, fsync: bool = False,
+               **dumps: Any) -> None:
+    """Write ``obj`` as JSON (``json.dumps(obj, **dumps)``) to ``path`` whole or not at all (``write_atomic``). A
+    value the encoder refuses raises before any file is made."""
+    write_atomic(path, json.dumps(obj, **dumps), mode=mode, fsync=fsync)
+
+
+def write_private(path: Path, data: str | bytes) -> None:
+    """Write ``path`` whole, by rename, 0600 from its creation (``write_atomic``). The temporary name an agentenv
+    before the shared writer used (``<name>.tmp``) goes too: a crash's leftover, perhaps made open to all."""
+    write_atomic(path, data, mode=PRIVATE_FILE)
+    path.with_name(f"{path.name}.tmp").unlink(missing_ok=True)
 
 
 CRASH_ENV = "AGENTENV_CRASH_AT"

@@ -11,7 +11,7 @@ the sample itself, and anyone can recompute a figure from ``samples_ms`` with ``
 
 Results: a ``Report`` holds ``Result`` objects (samples, an error text, a note, sub-phase samples, further
 fields) keyed by operation, ratios between them, free-form ``info`` and notes; ``Report.write()`` writes one
-JSON document atomically (temporary file + ``os.replace``) to ``bench/results/<benchmark>.json``::
+JSON document atomically (``agentenv.config.write_atomic``: a temporary file renamed) to ``bench/results/<benchmark>.json``::
 
     {"schema": 1, "benchmark": "sandbox", "started_at": "2025-01-01T12:00:00Z", "duration_s": 81.2,
      "commit": "<git HEAD or 'unknown'>", "dirty": false, "machine": {...}, "args": {...},
@@ -33,7 +33,6 @@ import os
 import platform
 import shutil
 import subprocess
-import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -43,6 +42,8 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from agentenv.config import write_atomic
 
 SCHEMA = 1
 ROOT = Path(__file__).resolve().parent.parent
@@ -285,22 +286,10 @@ def cpu_ticks() -> tuple[int, int] | None:
 
 
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> Path:
-    """Write ``doc`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
+    """Write ``doc`` to ``path`` (its folder made if need be) as the results' JSON, whole, synced and renamed into
+    place (``agentenv.config.write_atomic``: a results file reads like any other, ``0o666`` less the umask)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a results file reads like any other
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(doc, indent=2, default=str) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(doc, indent=2, default=str) + "\n", fsync=True)
     return path
 
 

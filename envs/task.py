@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from agentenv.config import write_atomic
 from envs.datasets import DATASETS, RecordError, SourceError, adapt, agentenv_image, read_records
 
 SWE_FIELDS = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "hints_text",
@@ -270,10 +271,7 @@ def _unique(tasks: Iterable[Task], where: str) -> list[Task]:
 
 def write_tasks(tasks: Iterable[Task], path: str | Path) -> None:
     """Write tasks as JSONL (sorted keys, one record a line)."""
-    p = Path(path)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(t.to_json(), sort_keys=True) + "\n" for t in tasks))
-    tmp.replace(p)
+    write_atomic(path, "".join(json.dumps(t.to_json(), sort_keys=True) + "\n" for t in tasks))
 
 
 SHIPPED = Path(__file__).with_name("tasks") / "swe_tasks.jsonl"

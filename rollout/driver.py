@@ -49,7 +49,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -60,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from agentenv.config import write_json
 from policy.client import PolicyClient
 from rollout.groups import GroupResult, GroupSpec, failed, policy_alive
 from rollout.ownership import RUN_FILE, RUN_LABEL, sweep, sweep_run
@@ -173,9 +173,7 @@ class Rollout:
             return
         doc = {"run_id": self.run_id, "started_at": time.time(), "workers": self.n_workers,
                "ray_address": self.ray_address, "config": self.config.to_json()}
-        tmp = self.out / f".{RUN_FILE}.tmp"
-        tmp.write_text(json.dumps(doc, indent=1, default=str))
-        os.replace(tmp, self.out / RUN_FILE)
+        write_json(self.out / RUN_FILE, doc, indent=1, default=str)
 
     async def start(self) -> None:
         """Check the policy answers, start Ray (unless joining a running one) and the workers."""
@@ -295,9 +293,7 @@ class Rollout:
     def _write_summary(self) -> None:
         if self.out is None:
             return
-        tmp = self.out / f".{SUMMARY_FILE}.tmp"
-        tmp.write_text(json.dumps(self.summary(), indent=1, default=str))
-        os.replace(tmp, self.out / SUMMARY_FILE)
+        write_json(self.out / SUMMARY_FILE, self.summary(), indent=1, default=str)
 
     # ---- the run ------------------------------------------------------------------------------------------
 

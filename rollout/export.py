@@ -29,13 +29,15 @@ text in parquet (a parquet struct needs one shape for every row) and objects in 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
+from agentenv.config import replacing
 from rollout import trajectory as tj
 from rollout.trajectory import Trajectory
 
@@ -186,53 +188,64 @@ def _jsonable(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_jsonl(records: Iterable[dict[str, Any]], out: Path) -> int:
+    """JSON lines, one record a line; ``out`` is written (whole, by rename) only where there is a record."""
+    first, records = _peek(records)
+    if first is None:
+        return 0
     n = 0
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w") as f:
+    with replacing(out, text=True) as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False) + "\n")
             n += 1
-    if n:
-        os.replace(tmp, out)
     return n
+
+
+def _peek(records: Iterable[dict[str, Any]]) -> tuple[dict[str, Any] | None, Iterator[dict[str, Any]]]:
+    """The first record (None where there is none) and all of them, that one included."""
+    it = iter(records)
+    first = next(it, None)
+    return first, (it if first is None else itertools.chain([first], it))
 
 
 def write_parquet(records: Iterable[dict[str, Any]], out: Path, rows_per_group: int = 1024) -> int:
     """Parquet in row groups of ``rows_per_group``. The first group fixes the schema; a column that is null in
-    all of it (the rewards of infrastructure errors) takes its type from ``nullable``, so later groups fit."""
+    all of it (the rewards of infrastructure errors) takes its type from ``nullable``, so later groups fit.
+    ``out`` is written (whole, by rename) only where there is a record."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
+    first, records = _peek(records)
+    if first is None:
+        return 0
 
     nullable = {"reward": pa.float64(), "seed": pa.int64(), "token_level_scores": pa.list_(pa.float64()),
                 "token_level_rewards": pa.list_(pa.float64())}
     n = 0
     writer: Any = None
-    tmp = out.with_name(f".{out.name}.tmp")
     batch: list[dict[str, Any]] = []
 
-    def flush() -> None:
+    def flush(sink: BinaryIO) -> None:
         nonlocal writer
         table = pa.Table.from_pylist([_jsonable(r) for r in batch])
         if writer is None:
             fields = [pa.field(f.name, nullable.get(f.name, pa.string())) if pa.types.is_null(f.type) else f
                       for f in table.schema]
-            writer = pq.ParquetWriter(tmp, pa.schema(fields))
+            writer = pq.ParquetWriter(sink, pa.schema(fields))
         writer.write_table(table.cast(writer.schema))
         batch.clear()
 
-    try:
-        for r in records:
-            batch.append(r)
-            n += 1
-            if len(batch) >= rows_per_group:
-                flush()
-        if batch:
-            flush()
-    finally:
-        if writer is not None:
-            writer.close()
-    if n:
-        os.replace(tmp, out)
+    with replacing(out) as f:
+        try:
+            for r in records:
+                batch.append(r)
+                n += 1
+                if len(batch) >= rows_per_group:
+                    flush(f)
+            if batch:
+                flush(f)
+        finally:
+            if writer is not None:
+                writer.close()
     return n
 
 
@@ -247,7 +260,6 @@ def export(path: str | os.PathLike[str], out: str | os.PathLike[str], fmt: str =
     records = rows(path, schema, decode=decode, keep_errors=keep_errors, skipped=skipped)
     n = write_jsonl(records, target) if fmt == "jsonl" else write_parquet(records, target)
     if n == 0:
-        Path(target.with_name(f".{target.name}.tmp")).unlink(missing_ok=True)
         why = f" ({len(skipped)} infrastructure-error episodes left out; --keep-errors writes them)" if skipped else ""
         raise ExportError(f"{path} holds no trajectory to export{why}")
     return {"rows": n, "skipped_infra_errors": len(skipped), "out": str(target), "format": fmt, "schema": schema}

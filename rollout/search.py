@@ -30,9 +30,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.config import write_json
 from policy.client import PolicyClient, PolicyError
 from rollout.agent import DEFAULT_CONFIG, AgentConfig, EnvFailed, Episode, Step, Tokenizer, begin, play
-from rollout.trajectory import Trajectory, write_json_atomic
+from rollout.trajectory import Trajectory
 
 Scorer = Callable[[Any, Step], float]  # (the child's env, the step it just took) -> higher is better
 
@@ -71,8 +72,8 @@ class SearchResult:
         name = name or time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         out = Path(folder) / "searches" / f"{name}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(out, {**self.to_dict(), "kind": self.kind, "task_id": self.best.task_id,
-                                "env_id": self.best.env_id, "created_at": time.time()})
+        write_json(out, {**self.to_dict(), "kind": self.kind, "task_id": self.best.task_id,
+                         "env_id": self.best.env_id, "created_at": time.time()}, indent=1)
         return out
 
     def render(self, width: int = 60) -> str:

@@ -33,6 +33,8 @@ from typing import Any, Literal
 
 import msgpack
 
+from agentenv.config import replacing, write_json
+
 SCHEMA = 1
 FinishReason = Literal["submitted", "max_turns", "max_tokens", "context_limit", "env_error", "policy_error"]
 FINISH_REASONS: tuple[str, ...] = ("submitted", "max_turns", "max_tokens", "context_limit", "env_error",
@@ -184,15 +186,11 @@ class ShardWriter:
         if not self._pending:
             return
         name = f"shard-{self._next:05d}.msgpack"
-        tmp = self.folder / f".{name}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
+        with replacing(self.folder / name, fsync=True) as f:
             for rec in self._pending:
                 f.write(rec)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.folder / name)
         self._index["shards"].append({"name": name, "records": len(self._pending)})
-        write_json_atomic(self.folder / "index.json", self._index)
+        write_json(self.folder / "index.json", self._index, indent=1)
         self._next += 1
         self._pending = []
 
@@ -220,12 +218,6 @@ def _load_index(folder: Path) -> dict[str, Any]:
         if p.name not in listed:
             index["shards"].append({"name": p.name, "records": sum(1 for _ in _records(p))})
     return index
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
 
 
 def _records(path: Path) -> Iterator[dict[str, Any]]:
@@ -264,12 +256,10 @@ def write(path: str | os.PathLike[str], trajectories: Iterable[Trajectory], reco
 def to_jsonl(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> int:
     """Export a run as JSON lines (one trajectory a line) for people and other tools; returns how many."""
     n = 0
-    tmp = Path(out).with_name(f".{Path(out).name}.tmp")
-    with open(tmp, "w") as f:
+    with replacing(out, text=True) as f:
         for t in read(path):
             f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
             n += 1
-    os.replace(tmp, out)
     return n
 
 

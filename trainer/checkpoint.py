@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from agentenv.config import write_atomic, write_json
+
 LATEST = "latest"
 META = "meta.json"
 
@@ -38,15 +40,6 @@ def fsync_path(path: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def begin(root: str | os.PathLike[str], step: int) -> Path:
@@ -72,7 +65,7 @@ def save_rank(tmp: Path, rank: int, state: dict[str, Any]) -> None:
 def commit(root: str | os.PathLike[str], step: int, tmp: Path, meta: dict[str, Any], keep: int = 2) -> Path:
     """Write ``meta.json``, rename the folder into place, point ``latest`` at it, and keep the newest ``keep``."""
     root = Path(root)
-    write_bytes_atomic(tmp / META, json.dumps({**meta, "step": step}, indent=1).encode())
+    write_json(tmp / META, {**meta, "step": step}, indent=1, fsync=True)
     fsync_path(tmp)
     final = step_dir(root, step)
     if final.exists():   # a step redone after a crash between this rename and the next ``latest``
@@ -84,7 +77,7 @@ def commit(root: str | os.PathLike[str], step: int, tmp: Path, meta: dict[str, A
             shutil.rmtree(old, ignore_errors=True)
     newest = latest(root)
     assert newest is not None
-    write_bytes_atomic(root / LATEST, newest.name.encode())
+    write_atomic(root / LATEST, newest.name, fsync=True)
     fsync_path(root)
     return final
 

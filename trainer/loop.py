@@ -52,6 +52,7 @@ from typing import Any
 
 from rich.console import Console
 
+from agentenv.config import write_json
 from agentenv.terminal import markup
 from rollout.driver import init_ray
 from trainer.batch import filter_stale, pass_rate
@@ -65,7 +66,6 @@ from trainer.services import (
     preflight,
     read_token,
     swe_task_records,
-    write_json_atomic,
 )
 from trainer.tasks import TaskRef, TaskSource, step_limit
 from trainer.trackers import for_run
@@ -493,7 +493,7 @@ class Loop:
             "counts": dict(self.counts), "time_s": times,
             "config": to_dict(cfg), "run_dir": str(self.dir),
         })
-        write_json_atomic(self.dir / "summary.json", self.summary)
+        write_json(self.dir / "summary.json", self.summary, indent=1, default=str)
         with contextlib.suppress(Exception):
             plot(rows, self.dir / "metrics.png", title=f"{cfg.name}: RL metrics")
         with contextlib.suppress(Exception):

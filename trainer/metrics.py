@@ -25,6 +25,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentenv.config import replacing
+
 if TYPE_CHECKING:
     from trainer.trackers import Tracker
 
@@ -60,13 +62,9 @@ class MetricsLog:
         self.tracker = tracker
         if self.path.exists():
             keep = [r for r in read_jsonl(self.path) if resume_step is not None and r.get("step", 0) <= resume_step]
-            tmp = self.path.with_name(f".{self.path.name}.tmp")
-            with open(tmp, "w") as f:
+            with replacing(self.path, text=True, fsync=True) as f:
                 for r in keep:
                     f.write(json.dumps(r) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
 
     def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
         row = {"step": step, "time": time.time(), **{k: _clean(v) for k, v in metrics.items() if k != "step"}}
@@ -151,10 +149,9 @@ def save_figure(fig: Any, out: str | os.PathLike[str]) -> Path:
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=90)
+    with replacing(out) as f:
+        fig.savefig(f, dpi=90, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
     return out
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from agentenv.config import replacing
 from policy.config import K3Config
 from policy.ep import shard_state_dict
 from policy.model import K3Model
@@ -294,10 +295,8 @@ def write_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadat
     """Write ``state`` as safetensors through a temporary file in the same folder, fsync, rename: a server never
     reads a half-written file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file(state, str(tmp), metadata=metadata)
-    ckpt.fsync_path(tmp)
-    os.replace(tmp, path)
+    with replacing(path, fsync=True) as f:
+        save_file(state, f.name, metadata=metadata)  # safetensors writes by path: the same file
     ckpt.fsync_path(path.parent)
     return path
 

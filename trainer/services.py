@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import secrets
 import signal
@@ -366,7 +365,3 @@ def check_endpoint(url: str, token: str | None, model: str | None, mode: str) ->
     return asyncio.run(_quick_check(url, token, model))
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1, default=str))
-    os.replace(tmp, path)

@@ -135,9 +135,9 @@ def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: b
 
 def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: bool, progress: bool | None,
                 say: Callable[[str], None], add_time: Callable[[str, float], None] | None) -> tuple[str, dict[str, Any]]:
+    from agentenv.config import write_json
     from policy.config import model_config
     from rollout.trajectory import read
-    from trainer.services import write_json_atomic
     from trainer.tasks import resolve_function
     from trainer.train import TrainConfig, Trainer
 
@@ -183,7 +183,7 @@ def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: 
     summary = {"demonstrations": len(trajs), "demonstrations_solved": solved, "samples": len(samples),
                "steps": cfg.sft.steps, "loss_first": rows[0].get("loss") if rows else None,
                "loss_last": rows[-1].get("loss") if rows else None, "nll_last": nll[-1] if nll else None}
-    write_json_atomic(summary_file, summary)
+    write_json(summary_file, summary, indent=1, default=str)
     return str(final), summary
 
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from agentenv.config import write_atomic
 from policy.config import K3Config
 from policy.model import K3Model
 from trainer import checkpoint as ckpt
@@ -238,7 +239,7 @@ class Trainer:
         tmp = ckpt.begin(root, step)
         self._call("save_checkpoint", tmp=str(tmp))
         for name, data in (files or {}).items():
-            ckpt.write_bytes_atomic(tmp / name, data)
+            write_atomic(tmp / name, data, fsync=True)
         meta = {"data": data_state or {}, "world": self.world, "ep_size": self.ep_size,
                 "model_config": self.model_cfg.to_dict(), "train_config": self.cfg.to_dict(), "time": time.time(),
                 **(extra or {})}

@@ -23,13 +23,12 @@ import binascii
 import functools
 import hashlib
 import marshal
-import os
 import re
 import sys
-import threading
 import zlib
 from pathlib import Path
 
+from agentenv.config import write_atomic
 from agentenv.inside import agent, files, frames, jobs, pty, tunnel, users
 
 PARTS = (frames, users, pty, jobs, files, tunnel, agent)  # in the order they run: each uses only the names of those before it
@@ -62,11 +61,8 @@ def agent_file(folder: Path) -> Path:
     path = folder / f"agent-{hashlib.sha256(source.encode()).hexdigest()[:16]}.py"
     if not path.is_file():
         folder.mkdir(parents=True, exist_ok=True)
-        # a name of this thread's own: the first restores on a fresh server run in parallel and write it at once
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(source)
-        tmp.chmod(0o644)
-        os.replace(tmp, path)
+        # the first restores on a fresh server run in parallel and write it at once (each its own temporary file)
+        write_atomic(path, source, mode=0o644)
     return path
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pycriu import images as criu_images
 
+from agentenv.config import PRIVATE_FILE, replacing, write_json
 from agentenv.host import userns
 from agentenv.host.criu import RUNC_STATE
 
@@ -60,7 +60,7 @@ def rehome(images: Path, base: int, caps: Sequence[str]) -> None:
         for dev in config.get("devices") or []:
             dev["uid"] = dev["gid"] = base
         config["capabilities"] = {k: sorted(caps) for k in ("Bounding", "Effective", "Permitted")}
-        _write(state, json.dumps(record).encode())
+        write_json(state, record, mode=PRIVATE_FILE)
 
 
 def _maps(entry: dict[str, Any], base: int, name: str) -> None:
@@ -86,15 +86,5 @@ def _edit(img: Path, change: Callable[[dict[str, Any]], None]) -> None:
         data = criu_images.load(f)
     for entry in data["entries"]:
         change(entry)
-    tmp = img.with_name(f".{img.name}.tmp")
-    with open(tmp, "wb") as f:
+    with replacing(img) as f:
         criu_images.dump(data, f)
-    os.replace(tmp, img)
-
-
-def _write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

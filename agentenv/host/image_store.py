@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.api import DEFAULT_IMAGE, ImageFetch
-from agentenv.config import PRIVATE_FILE, paths
+from agentenv.config import PRIVATE_FILE, paths, write_json
 from agentenv.errors import AgentEnvError, ImageUnavailable
 from agentenv.host import images
 
@@ -176,11 +176,7 @@ def record_use(image_id: str, names: Iterable[str] = (), *, fetched: str | None 
             return
     old = _read_use(f)
     record = {"names": sorted(set(names) | set(old.get("names", []))), "fetched": fetched or old.get("fetched")}
-    tmp = f.with_name(f".{f.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE)
-    with os.fdopen(fd, "w") as out:
-        json.dump(record, out)
-    tmp.replace(f)
+    write_json(f, record, mode=PRIVATE_FILE)
 
 
 def _read_use(f: Path) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from agentenv.config import write_json
 from agentenv.errors import MemorySharingUnsupported, SandboxError
 
 KSM = Path("/sys/kernel/mm/ksm")
@@ -180,9 +181,7 @@ def switch(on: bool, saved: Path) -> None:
             return
         tuned = {k: v for k, v in TUNED.items() if (KSM / k).is_file()}  # no advisor before kernel 6.7
         found = _settings(["run", *tuned])  # in the order they go back: the advisor's mode first
-        tmp = saved.with_name(saved.name + ".tmp")
-        tmp.write_text(json.dumps(found))
-        os.replace(tmp, saved)
+        write_json(saved, found)
         if found["run"] == "1":  # the host runs KSM itself: leave its settings alone
             return
         for name, value in tuned.items():

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from pycriu import images as criu_images
 
+from agentenv.config import replacing
 from agentenv.errors import CheckpointError
 from agentenv.host import page_channel, postcopy
 from agentenv.host.criu import rundir
@@ -297,10 +298,8 @@ def eager_pages(pagemap: Path) -> None:
             entry["flags"] = int(entry.get("flags", 0)) & ~_PE_LAZY
     except (OSError, ValueError, TypeError, KeyError, criu_images.MagicException):
         return
-    tmp = pagemap.with_name(pagemap.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with replacing(pagemap) as f:
         criu_images.dump(image, f)
-    os.replace(tmp, pagemap)
 
 
 _PE_LAZY = 1 << 1  # criu/include/pagemap.h

@@ -52,7 +52,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentenv.config import PRIVATE_DIR, PRIVATE_FILE, Paths, parse_size, paths
+from agentenv.config import PRIVATE_DIR, PRIVATE_FILE, Paths, parse_size, paths, write_atomic
 from agentenv.errors import DiskLimitUnsupported, SandboxError
 from agentenv.host.hostcalls import mountinfo, seal_mount
 from agentenv.host.trees import remove_tree
@@ -385,9 +385,7 @@ def _begin_with(layer: Path, inherited: int, disk: int | None) -> None:
     copy's reflinks), which its group never counts. They are noted (``INHERITED``, for ``referenced``) and
     taken off its limit, so that ``disk`` bounds what it holds, as with full quota groups; but deleting them
     gives no room back (their blocks stay where they came from)."""
-    tmp = layer / f".{INHERITED}.tmp"
-    tmp.write_text(str(inherited))
-    os.replace(tmp, layer / INHERITED)
+    write_atomic(layer / INHERITED, str(inherited))
     if disk is not None:
         _set_limit(layer, max(disk - inherited, 0))
 

@@ -204,7 +204,8 @@ def write_stream(path: str, conn: _socket.socket, n: int, mode: int, metadata: d
     """
     left = n
     # a fresh name, made only if nothing is there (O_EXCL: never through a symlink that the sandbox's code
-    # planted at a name it could guess, which would send a root write and chmod wherever it points)
+    # planted at a name it could guess, which would send a root write and chmod wherever it points); written here,
+    # not by ``agentenv.config.replacing``: what runs in a sandbox imports the standard library alone
     tmp = os.path.join(os.path.dirname(path), f".agentenv-tmp-{os.urandom(8).hex()}")  # short, whatever the name
     try:
         os.makedirs(os.path.dirname(path) or "/", exist_ok=True)

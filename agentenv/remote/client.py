@@ -29,7 +29,6 @@ from agentenv.api import (
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
     MAX_DEPTH,
-    MAX_FORK,
     ExecResult,
     FileInfo,
     ImageFetch,
@@ -43,6 +42,7 @@ from agentenv.api import (
     SandboxInfo,
     SnapshotInfo,
     SnapshotLike,
+    fork_count,
 )
 from agentenv.errors import ConnectionLost, SandboxNotFound, from_wire
 
@@ -427,11 +427,10 @@ class RemoteSandbox:
 
     def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
         """``n`` sandboxes that continue from this instant, on its server (a Pool's: spread, ``remote.spread``)."""
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
-            raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
+        count = fork_count(n)
         if self._client.spread is not None:
-            return self._client.spread(self, n, bool(memory))
-        return self.fork_here(n, memory=memory)
+            return self._client.spread(self, count, bool(memory))
+        return self.fork_here(count, memory=memory)
 
     def fork_here(self, n: int, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
         """``n`` children on this sandbox's server (QuotaExceeded when it lacks room for them all)."""

@@ -94,8 +94,8 @@ class Pool:
         with self._lock:
             self._known[sb.id] = sb
 
-    def _spread(self, sandbox: RemoteSandbox, n: int, memory: bool) -> list[RemoteSandbox]:
-        return spread.fork(self._each(lambda c: c.server_info()), sandbox, n, memory)
+    def _spread(self, sandbox: RemoteSandbox, count: int, memory: bool) -> list[RemoteSandbox]:
+        return spread.fork(self._each(lambda c: c.server_info()), sandbox, count, memory)
 
     def up(self) -> list[Client]:
         """The servers not marked down (a down one is probed again once ``reprobe`` seconds have passed)."""

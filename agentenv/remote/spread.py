@@ -1,5 +1,5 @@
 """A fork spread over a ``Pool``'s servers (what ``fork`` of a pool's sandbox does): the children go on the
-source's server up to its free room, the rest on the roomiest other servers, so ``fork(n)`` is not capped by one
+source's server up to its free room, the rest on the roomiest other servers, so a fork's count is not capped by one
 server's quota.
 
 Where the source's server has room for all, it is a plain fork there. Otherwise one snapshot of the source is
@@ -39,39 +39,41 @@ def room(info: dict[str, Any], limits: Limits) -> int:
     return max(0, min(fits))
 
 
-def plan(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbox, n: int) -> list[tuple[Client, int]]:
-    """How many of ``n`` children each server gets (``servers``: those that answer, with their ``server_info()``):
-    the source's server first, up to its room, then the others with the most room; QuotaExceeded (nothing made)
-    when they lack room for ``n``."""
+def plan(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbox,
+         count: int) -> list[tuple[Client, int]]:
+    """How many of ``count`` children each server gets (``servers``: those that answer, with their
+    ``server_info()``): the source's server first, up to its room, then the others with the most room;
+    QuotaExceeded (nothing made) when they lack room for ``count``."""
     source, limits = sandbox.client, sandbox.limits
     rooms = {c: room(info, limits) for c, info in servers}
     order = [source] + sorted((c for c in rooms if c is not source), key=lambda c: rooms[c], reverse=True)
-    where, left = [], n
+    where, left = [], count
     for c in order:
         if (take := min(left, rooms.get(c, 0))) > 0:
             where.append((c, take))
             left -= take
     if left:
-        raise QuotaExceeded(f"the pool's servers that answer have room for {n - left} of the {n} children of "
+        raise QuotaExceeded(f"the pool's servers that answer have room for {count - left} of the {count} children of "
                             f"{sandbox.id} ({limits.memory} bytes of memory each)", retry_after=5.0)
     return where
 
 
-def fork(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbox, n: int,
+def fork(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbox, count: int,
          memory: bool) -> list[RemoteSandbox]:
-    """``n`` children of ``sandbox`` over ``servers`` (see ``plan`` and the module doc), the source's server's first."""
-    where = plan(servers, sandbox, n)
+    """``count`` children of ``sandbox`` over ``servers`` (see ``plan`` and the module doc), the source's server's
+    first."""
+    where = plan(servers, sandbox, count)
     source = sandbox.client
-    if where == [(source, n)]:
-        return sandbox.fork_here(n, memory=memory)
+    if where == [(source, count)]:
+        return sandbox.fork_here(count, memory=memory)
     if sandbox.info().state != "running":
         raise SandboxStateError(f"sandbox {sandbox.id} is {sandbox.info().state}: its server has room for "
-                                f"{dict(where).get(source, 0)} of the {n} children, and only a running sandbox's "
+                                f"{dict(where).get(source, 0)} of the {count} children, and only a running sandbox's "
                                 "fork spreads over servers", fix="resume it first, or fork fewer")
     labels = sandbox.labels
     with phase("spread: dump"):
         snap = sandbox.snapshot(memory, labels={LABEL: sandbox.id})
-    made: list[RemoteSandbox | None] = [None] * n
+    made: list[RemoteSandbox | None] = [None] * count
     copies: list[Client] = []  # servers that hold an imported copy of the snapshot
     lock = threading.Lock()
 
@@ -92,15 +94,15 @@ def fork(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbo
         with phase("spread: export"):  # packed once, before any restore (CRIU's restore touches the folder) or pull
             source.request("GET", f"/v1/snapshots/{snap.id}/export", idempotent=True,
                            timeout=max(source.timeout, PACK_TIMEOUT))
-        with ThreadPoolExecutor(max_workers=n + len(where), thread_name_prefix="agentenv-spread") as ex:
-            slots = iter(range(n))
+        with ThreadPoolExecutor(max_workers=count + len(where), thread_name_prefix="agentenv-spread") as ex:
+            slots = iter(range(count))
             pulls = {t: ex.submit(pull, t) for t, _ in where if t is not source}
             futures += pulls.values()
-            for target, count in where:
+            for target, share in where:
                 # the source's share once every pull is done: its restores would only slow the pulls, whose
                 # restores come last (on one host they share its CPUs; apart, the source serves the chunks)
                 after = list(pulls.values()) if target is source else [pulls[target]]
-                futures += [ex.submit(restore, next(slots), target, after) for _ in range(count)]
+                futures += [ex.submit(restore, next(slots), target, after) for _ in range(share)]
         if errors := [err for f in futures if (err := f.exception()) is not None]:
             raise errors[0]
     except BaseException:

@@ -36,12 +36,12 @@ from agentenv import netpolicy
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_IMAGE,
-    MAX_FORK,
     Limits,
     Network,
     SandboxInfo,
     SnapshotLike,
     State,
+    fork_count,
 )
 from agentenv.config import PRIVATE_DIR, crash_point, parse_disk, parse_size, paths
 from agentenv.errors import (
@@ -336,9 +336,7 @@ class Sandbox(Calls, Record):
         With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
         and all an episode needs when its state lives in files. How: ``agentenv.sandbox.forking``.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_FORK:
-            raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {n!r}")
-        return forking.fork(self, n, memory)
+        return forking.fork(self, fork_count(n), memory)
 
     def pause(self, memory: bool = True) -> Snapshot:
         """Free the sandbox's CPU and memory; its whole state goes to the snapshot store (with ``memory=False``

@@ -1,4 +1,4 @@
-"""Fork: ``n`` sandboxes that continue from one instant of another, which keeps running (``Sandbox.fork``).
+"""Fork: ``count`` sandboxes that continue from one instant of another, which keeps running (``Sandbox.fork``).
 
 Forking is what the platform is for (GRPO groups from one state, parallel search), so it takes the
 cheapest path its children allow:
@@ -14,7 +14,7 @@ cheapest path its children allow:
   costs a clone and a few system calls instead of a runc start and an interpreter coming up. Nothing
   untrusted has run in a pooled sandbox, so nothing it could have left there carries over; one that runs
   anything besides its agent (it is listed like any sandbox: someone may have used it) is booted afresh instead.
-- Otherwise (processes too, or a volume without subvolumes): one snapshot in the store, restored ``n``
+- Otherwise (processes too, or a volume without subvolumes): one snapshot in the store, restored ``count``
   times in parallel, then deleted off the caller's path.
 
 Either way nothing half-made outlives a ``kill -9``: the children's records are written first (state
@@ -48,14 +48,14 @@ S = TypeVar("S", bound=Parts)  # the sandbox class: its children are of it
 log = logging.getLogger("agentenv")
 
 
-def fork(parent: S, n: int, memory: bool) -> builtins.list[S]:
-    """``n`` running children of ``parent`` (checked by the caller: 1 <= n <= MAX_FORK); see the module doc."""
+def fork(parent: S, count: int, memory: bool) -> builtins.list[S]:
+    """``count`` running children of ``parent`` (a count ``api.fork_count`` passed); see the module doc."""
     if not memory and volume.can_clone(parent._container.layer, paths().layers):
-        return _fork_files(parent, n)
-    return _fork_snapshot(parent, n, memory)
+        return _fork_files(parent, count)
+    return _fork_snapshot(parent, count, memory)
 
 
-def _fork_files(parent: S, n: int) -> builtins.list[S]:
+def _fork_files(parent: S, count: int) -> builtins.list[S]:
     """Children with the parent's files and fresh processes, their layers cloned from the parent's."""
     kids: builtins.list[S] = []
     try:
@@ -63,7 +63,7 @@ def _fork_files(parent: S, n: int) -> builtins.list[S]:
             parent.require_running()
             spec = parent._spec()
             lineage = parent._rec.get("parent_snapshot")  # no snapshot of its own: the children descend from the parent's
-            for _ in range(n):
+            for _ in range(count):
                 kids.append(_from_pool(parent, spec, lineage)
                             or type(parent)._new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage))
             disk = spec.limits.disk
@@ -73,7 +73,7 @@ def _fork_files(parent: S, n: int) -> builtins.list[S]:
         # the others are clones of the first child's copy (the parent already runs on), each started as soon as
         # its layer is there; the first child starts last, once nothing is cloned from it any more
         # (if a clone fails, leaving the pool waits for the children already starting: then all go)
-        with ThreadPoolExecutor(max_workers=n, thread_name_prefix="agentenv-fork") as pool:
+        with ThreadPoolExecutor(max_workers=count, thread_name_prefix="agentenv-fork") as pool:
             futures = []
             for k in kids[1:]:
                 with phase("clone"):
@@ -154,7 +154,7 @@ def _retire(kid: S) -> None:
         volume.drop_layer(paths().layers / name)
 
 
-def _fork_snapshot(parent: S, n: int, memory: bool) -> builtins.list[S]:
+def _fork_snapshot(parent: S, count: int, memory: bool) -> builtins.list[S]:
     """Children restored from one snapshot of the parent (its processes too with ``memory``)."""
     with parent._locked():
         parent.require_running()
@@ -162,13 +162,13 @@ def _fork_snapshot(parent: S, n: int, memory: bool) -> builtins.list[S]:
             snap = snapshotting.take(parent, memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND},
                                     op="fork", owner=store.owner())
     try:
-        made: builtins.list[S | None] = [None] * n
+        made: builtins.list[S | None] = [None] * count
 
         def one(i: int) -> None:
             made[i] = type(parent)._restore(snap, parent.labels, "fork")
 
         try:
-            _all(list(range(n)), one)
+            _all(list(range(count)), one)
         except BaseException:
             for k in made:
                 if k is not None:

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from agentenv.config import paths
+from agentenv.config import paths, write_json
 from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
 from agentenv.host import userns
 from agentenv.sandbox import imported, store, trust
@@ -85,10 +85,7 @@ def manifest_of(folder: Path, snapshot_id: str, chunk: int) -> dict[str, Any]:
 
 def _write_manifest(folder: Path, snapshot_id: str, digests: _Digests, parts: dict[str, Any]) -> dict[str, Any]:
     out = {"id": snapshot_id, "size": digests.size, "chunk": digests.chunk, "digests": digests.digests(), **parts}
-    manifest = folder / f"manifest-{digests.chunk}.json"
-    tmp = manifest.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(out))
-    os.replace(tmp, manifest)
+    write_json(folder / f"manifest-{digests.chunk}.json", out)
     return out
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentenv import errors
+from agentenv.api import fork_count
 from agentenv.host import network, userns
 from agentenv.sandbox import migration
 from agentenv.sandbox.core import Sandbox
@@ -154,26 +155,26 @@ class Service:
     def reserve(self, count: int, memory: int, disk: int | None = None) -> Iterator[None]:
         """Hold room for ``count`` new live sandboxes using ``memory`` and ``disk`` bytes each, or raise
         QuotaExceeded."""
-        want = (count, count * memory, count * (disk or 0))
+        held = (count, count * memory, count * (disk or 0))  # sandboxes, memory, disk: as ``_pending`` counts them
         with self._lock:
             live, used, disk_used = (a + b for a, b in zip(self._usage(), self._pending, strict=True))
             if live + count > self.max_sandboxes:
                 raise errors.QuotaExceeded(f"{live} of {self.max_sandboxes} sandboxes are live; {count} more do not fit",
                                            retry_after=RETRY_AFTER)
-            if used + want[1] > self.max_memory:
+            if used + held[1] > self.max_memory:
                 raise errors.QuotaExceeded(f"{used} of {self.max_memory} bytes of sandbox memory are in use; "
                                            f"{count} x {memory} more do not fit", retry_after=RETRY_AFTER)
-            if disk_used + want[2] > self.max_disk:
+            if disk_used + held[2] > self.max_disk:
                 raise errors.QuotaExceeded(f"{disk_used} of {self.max_disk} bytes of sandbox disk are promised; "
                                            f"{count} x {disk} more do not fit", retry_after=RETRY_AFTER)
-            for i, n in enumerate(want):
-                self._pending[i] += n
+            for i, amount in enumerate(held):
+                self._pending[i] += amount
         try:
             yield
         finally:
             with self._lock:
-                for i, n in enumerate(want):
-                    self._pending[i] -= n
+                for i, amount in enumerate(held):
+                    self._pending[i] -= amount
 
     # sandboxes made within the quotas: the operations that start sandboxes, for every route that does
     def restore(self, snap: Snapshot, labels: dict[str, str] | None = None,
@@ -187,24 +188,25 @@ class Service:
         with self.reserve(1, int(limits.get("memory", 1 << 30)), limits.get("disk")):
             return self.remember(Sandbox.restore(snap, labels=labels, page_server_key=page_server_key))
 
-    def fork(self, sandbox_id: str, n: int, memory: bool) -> list[Sandbox]:
-        """``n`` children of a sandbox, their room reserved first; those of a paused one (memory and all) are
-        restored from its pause snapshot, which it keeps."""
+    def fork(self, sandbox_id: str, count: int, memory: bool) -> list[Sandbox]:
+        """``count`` children of a sandbox (``api.fork_count``), their room reserved first; those of a paused one
+        (memory and all) are restored from its pause snapshot, which it keeps."""
+        count = fork_count(count)
         sb = self.sandbox(sandbox_id)
         limits = sb.limits
-        with self.reserve(n, limits.memory, limits.disk):
+        with self.reserve(count, limits.memory, limits.disk):
             if memory and sb.state == "paused" and (snap_id := sb.paused_snapshot):
-                kids = self._restore_n(Snapshot.get(snap_id), n, sb.labels)
+                kids = self._restore_n(Snapshot.get(snap_id), count, sb.labels)
             else:
-                kids = self.call(sandbox_id, lambda s: s.fork(n, memory=memory))
+                kids = self.call(sandbox_id, lambda s: s.fork(count, memory=memory))
         return [self.remember(k) for k in kids]
 
     @staticmethod
-    def _restore_n(snap: Snapshot, n: int, labels: dict[str, str]) -> list[Sandbox]:
-        """``n`` sandboxes restored from ``snap``; none is left if one fails."""
+    def _restore_n(snap: Snapshot, count: int, labels: dict[str, str]) -> list[Sandbox]:
+        """``count`` sandboxes restored from ``snap``; none is left if one fails."""
         kids: list[Sandbox] = []
         try:
-            for _ in range(n):
+            for _ in range(count):
                 kids.append(Sandbox.restore(snap, labels=labels))
         except BaseException:
             for k in kids:

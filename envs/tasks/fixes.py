@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agentenv.config import write_atomic
 from envs.images import ImageRecipe, extract_sdist, fetch_sdist
 from envs.swebench_layout import instance_image
 from envs.task import image_name
@@ -197,8 +198,6 @@ def build(releases: list[Release] | None = None, out: Path = RECORDS_FILE, log: 
     kept = [json.loads(line) for line in out.read_text().splitlines() if line.strip()] if out.exists() else []
     records = [r for r in kept if r.get("repo") not in built]
     records += [rec for release in releases for rec in build_release(release, log)]
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
-    tmp.replace(out)
+    write_atomic(out, "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
     log(f"[fixes] wrote {len(records)} records to {out}")
     return records

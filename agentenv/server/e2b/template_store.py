@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from agentenv.config import paths
+from agentenv.config import paths, write_json
 from agentenv.sandbox.store import pid_alive
 
 DEFAULT_TAG = "default"
@@ -72,13 +72,6 @@ def locked() -> Iterator[None]:
         yield
 
 
-def write_json(path: Path, data: Any) -> None:
-    """Write ``data`` to ``path`` atomically: a temporary file renamed into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-
-
 def split_name(name: str) -> tuple[str, str]:
     """``name[:tag]`` as (name, tag); TemplateRefused for a name or tag E2B would not take."""
     base, _, tag = name.partition(":")
@@ -112,7 +105,7 @@ def load(template_id: str) -> dict[str, Any]:
 
 
 def save(rec: dict[str, Any]) -> None:
-    write_json(_path(rec["id"]), rec)
+    write_json(_path(rec["id"]), rec, indent=1, sort_keys=True)
 
 
 def all_records() -> list[dict[str, Any]]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import tarfile
 import threading
 import time
+from pathlib import Path
 from typing import Annotated, Any
 from urllib.parse import urlencode
 
@@ -24,6 +24,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentenv.config import replacing
 from agentenv.host.archives import UnsafeArchive
 from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import template_build, template_plan
@@ -119,21 +120,16 @@ async def upload(request: Request, files_hash: str, expires: int, signature: str
     if expires < time.time() or not hmac.compare_digest(signature, _signature(request.app.state.token, files_hash,
                                                                              expires)):
         raise E2BError(403, "the upload URL is expired or its signature is wrong: ask for a new one")
-    path = store.file_path(files_hash)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.{time.monotonic_ns()}")
-    try:
-        with open(tmp, "wb") as f:
-            async for chunk in request.stream():
-                await run_in_threadpool(f.write, chunk)
-        if not await run_in_threadpool(tarfile.is_tarfile, tmp):
+    with replacing(store.file_path(files_hash)) as f:  # kept only once it is checked
+        async for chunk in request.stream():
+            await run_in_threadpool(f.write, chunk)
+        f.flush()
+        if not await run_in_threadpool(tarfile.is_tarfile, f.name):
             raise E2BError(400, "the upload is not a tar archive (the SDK sends one, gzipped or not)")
         try:
-            await run_in_threadpool(template_build.check_upload, tmp)
+            await run_in_threadpool(template_build.check_upload, Path(f.name))
         except (UnsafeArchive, tarfile.TarError) as e:
             raise E2BError(400, f"the upload is refused: {e}") from None
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return Response(status_code=200)
 
 

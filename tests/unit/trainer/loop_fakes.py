@@ -16,6 +16,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from rollout_fakes import FORKY, TOK, FakeBackend  # noqa: E402
 
+from agentenv.config import write_atomic  # noqa: E402
 from policy.client import PolicyClient  # noqa: E402
 from rollout import scripted  # noqa: E402
 from rollout.workers import RolloutConfig  # noqa: E402
@@ -83,7 +84,7 @@ class FakeTrainer:
         """A real checkpoint folder (trainer/checkpoint.py) with the loop's data state and files, no model."""
         tmp = ckpt.begin(root, self.step_count)
         for name, data in (files or {}).items():
-            ckpt.write_bytes_atomic(tmp / name, data)
+            write_atomic(tmp / name, data, fsync=True)
         return ckpt.commit(root, self.step_count, tmp, {"data": data_state or {}}, keep)
 
     def close(self) -> None:
