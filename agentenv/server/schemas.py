@@ -228,7 +228,7 @@ _SOURCE = (r"^https?://[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"  # a host 
 
 
 class ImportRequest(_Body):
-    """Pull a snapshot from another server (``agentenv.remote.transfer``)."""
+    """Pull a snapshot from another server (``agentenv.server.pull``)."""
 
     id: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$", description="the snapshot's id on the source")
     source: str = Field(pattern=_SOURCE, max_length=200,

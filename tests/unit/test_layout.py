@@ -25,7 +25,7 @@ CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "a
             "agentenv.wire"}
 ROOMS = {"agentenv.inside": set(), "agentenv.host": {"agentenv.inside"},
          "agentenv.sandbox": {"agentenv.inside", "agentenv.host"},
-         "agentenv.remote": {"agentenv.sandbox", "agentenv.inside", "agentenv.host"},
+         "agentenv.remote": set(),  # a client of servers: no host stack (test_light_import.py)
          # sandbox providers for agent harnesses: above the sandbox and its remote API, which they use
          "agentenv.harness": {"agentenv.remote", "agentenv.sandbox", "agentenv.inside", "agentenv.host"}}
 
@@ -153,19 +153,17 @@ def test_each_room_of_agentenv_imports_only_the_rooms_below_it():
 
 
 # a server's client stands apart from the host: the remote API and the wire format its bodies travel in import neither
-# the sandbox nor the host room, so ``agentenv.connect`` loads none of them (``test_light_import.py``); but for
-# the one module of remote that runs on a server, which is why remote's entry in ROOMS still allows them
+# the sandbox nor the host room (remote's entry in ROOMS allows neither), so ``agentenv.connect`` loads none of them
+# (``test_light_import.py``); a server pulling a snapshot from another (``agentenv.server.pull``) lives on the server
 HOSTLESS = ("agentenv.remote", "agentenv.wire")
-ON_A_SERVER = {"agentenv.remote.transfer"}  # POST /v1/snapshots/import: pulls a snapshot into this host's store
 
 
 def test_the_remote_api_and_the_wire_import_neither_the_sandbox_nor_the_host():
-    wrong = sorted((m, t) for m, ts in GRAPH.items() if room(m) in HOSTLESS and m not in ON_A_SERVER for t in ts
+    wrong = sorted((m, t) for m, ts in GRAPH.items() if room(m) in HOSTLESS for t in ts
                    if room(t) in ("agentenv.sandbox", "agentenv.host"))
     assert wrong == []
+    assert not ROOMS["agentenv.remote"] & {"agentenv.sandbox", "agentenv.host"}
     assert GRAPH["agentenv.wire"] <= CONTRACT, "the wire format is the contract's: it stands on the contract alone"
-    for m in ON_A_SERVER:  # an exception that no longer needs to be one is taken off the list
-        assert {room(t) for t in GRAPH[m]} & {"agentenv.sandbox", "agentenv.host"}, m
 
 
 def test_what_runs_inside_a_sandbox_imports_the_standard_library_only():

@@ -10,9 +10,9 @@ from fastapi import Path as PathParam
 
 from agentenv.api import SandboxInfo, SnapshotInfo
 from agentenv.errors import SnapshotNotFound
-from agentenv.remote.transfer import pull
 from agentenv.sandbox import shared, transfer
 from agentenv.sandbox.store import Snapshot
+from agentenv.server.pull import pull
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import (
