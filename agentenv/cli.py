@@ -180,7 +180,7 @@ def serve(
 
 def _console_pages(name: str, folder: Path) -> Callable[[Any], None]:
     """The console pages another package declares as entry point ``name`` of ``agentenv.console`` (``runs``: the
-    trajectory viewer, ``trainer.viewer_web.install``), bound to ``folder``; ValueError when none is installed."""
+    trajectory viewer, ``trainer.viewer.web.install``), bound to ``folder``; ValueError when none is installed."""
     found = [ep for ep in entry_points(group="agentenv.console") if ep.name == name]
     if not found:
         raise ValueError(f"no console pages named {name!r} are installed (the trajectory viewer comes with the "

@@ -11,8 +11,8 @@ parallelism, weight sync to the policy servers, checkpoints, and metrics.
     sync.py         weight sync: atomic safetensors, then /update_weights (ours) or SGLang's / vLLM's reload
     metrics.py      per-iteration JSONL, PNG plots, a rich live display, optional TensorBoard
     cli.py          ``python -m trainer sft ...`` and ``python -m trainer plot ...``
-    viewer.py       the trajectory viewer's data: runs, filtered episodes, tokens with mask and logprob, groups
-    viewer_web.py   its pages and routes: ``agentenv view RUN``, and ``agentenv serve --runs DIR``'s console
+    viewer/         the trajectory viewer: runs, filtered episodes, tokens with mask and logprob, groups (data,
+                    runs), its pages and routes (web, static/): ``agentenv view RUN``, ``agentenv serve --runs DIR``
 
 The RL loop (``agentenv train``): ``config`` (TOML), ``tasks``, ``rollouts`` and ``partial`` (groups, partial
 rollouts), ``services`` (pre-flight, the policy server), ``loop``, ``evaluation``, ``schedule`` (bounded staleness),

@@ -1,5 +1,5 @@
 """The console's login: a page that takes the server's token and sets a session cookie, the sessions, and the
-headers and static files every console page is served with (the console's pages, ``trainer.viewer_web``'s).
+headers and static files every console page is served with (the console's pages, ``trainer.viewer.web``'s).
 
 The cookie holds a random session id, never the token, scoped to ``/console`` (HttpOnly, SameSite=Strict); the
 sessions live in this process (a restart logs everyone out). Every reply carries a CSP that runs this server's
@@ -97,8 +97,9 @@ def console_page(request: Request, name: str) -> Response:
     return page_file(name, replace=(MORE_LINKS, f'<span id="more-links">{links}</span>') if links else None)
 
 
-def page_file(name: str, status: int = 200, replace: tuple[str, str] | None = None) -> Response:
-    text = (STATIC / name).read_text()
+def page_file(name: str, status: int = 200, replace: tuple[str, str] | None = None, folder: Path = STATIC) -> Response:
+    """A file of ``folder`` (the console's own, or the one a package added with ``serve_static``) with its headers."""
+    text = (folder / name).read_text()
     if replace is not None:
         text = text.replace(*replace)
     return Response(text, status, headers=HEADERS, media_type=TYPES[Path(name).suffix])
@@ -182,9 +183,18 @@ def logout(request: Request) -> Response:
     return reply
 
 
+def serve_static(app: FastAPI, folder: Path) -> None:
+    """Serve the scripts and styles of ``folder`` (a package's own pages, e.g. the trajectory viewer's) under
+    ``/console/static/`` beside the console's; a name the console's folder has stays the console's."""
+    app.state.console_static = (*getattr(app.state, "console_static", ()), folder)
+
+
 @auth.get("/static/{name}")
-def static(name: str) -> Response:
-    """The console's scripts and style (nothing secret: they hold no data), by name from the package only."""
-    if name not in {p.name for p in STATIC.iterdir()} or Path(name).suffix not in (".js", ".css"):
-        return Response("not found", 404, headers=HEADERS, media_type="text/plain")
-    return page_file(name)
+def static(request: Request, name: str) -> Response:
+    """The console's scripts and style (nothing secret: they hold no data), by name from the packages' folders only:
+    the name must be one a folder lists, so no path reaches past them."""
+    if Path(name).suffix in (".js", ".css"):
+        for folder in (STATIC, *getattr(request.app.state, "console_static", ())):
+            if name in {p.name for p in folder.iterdir() if p.is_file()}:
+                return page_file(name, folder=folder)
+    return Response("not found", 404, headers=HEADERS, media_type="text/plain")

@@ -93,7 +93,8 @@ def test_rollout_show_splits_turns_by_token_ids_and_shows_no_forged_turn(run):
 
 def test_the_viewer_shows_one_tool_output_holding_the_forged_text(run):
     from rollout.cli import _tool_calls, split_messages
-    from trainer import viewer, viewer_runs
+    from trainer.viewer import data as viewer
+    from trainer.viewer import runs as viewer_runs
 
     out, traj = run
     episode = viewer.episode(viewer_runs.load(out.parent, out.name), traj.episode_id, TOK.decode, _tool_calls,

@@ -1,4 +1,4 @@
-"""The trajectory viewer's data (trainer.viewer) over shards written by rollout.trajectory's writer, and its routes in
+"""The trajectory viewer's data (trainer.viewer.data) over shards written by rollout.trajectory's writer, and its routes in
 ``agentenv serve --runs``'s app (no Docker: no lifespan): runs and the path rules, filters, an episode's tokens with
 mask and logprob, groups with the run's advantage settings, saved searches, metrics with intervals."""
 
@@ -16,9 +16,11 @@ from rollout import scripted, search
 from rollout import trajectory as tj
 from rollout.agent import LocalTokenizer
 from rollout.cli import _tool_calls, split_messages
-from trainer import viewer, viewer_runs, viewer_web
 from trainer.advantages import AdvantageConfig, group_advantages
 from trainer.metrics import MetricsLog
+from trainer.viewer import data as viewer
+from trainer.viewer import runs as viewer_runs
+from trainer.viewer import web as viewer_web
 
 TOK = LocalTokenizer()
 ROOT = Path(__file__).resolve().parents[3]
@@ -217,14 +219,19 @@ def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):
     plain = TestClient(create_app(TOKEN, e2b=False), base_url="http://127.0.0.1:8700", follow_redirects=False)
     plain.post("/console/login", data={"token": TOKEN})
     assert plain.get("/console/runs").status_code == 404  # no --runs, no viewer
+    # the viewer's script and style come from its own package, beside the console's, by listed name only
+    assert c.get("/console/static/viewer.js").status_code == 200 and c.get("/console/static/console.js").status_code == 200
+    assert plain.get("/console/static/viewer.js").status_code == 404 and plain.get("/console/static/console.css").status_code == 200
+    for name in ("runs.html", "..%2Fweb.py", "%2E%2E%2Fstatic%2Fviewer.js", "web.py"):
+        assert c.get(f"/console/static/{name}").status_code == 404, name
 
 
 def test_agentenv_view_is_the_viewers_command():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["agentenv.commands"]
-    assert scripts["view"] == "trainer.viewer_web:app"
+    assert scripts["view"] == "trainer.viewer.web:app"
     pages = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["agentenv.console"]
-    assert pages["runs"] == "trainer.viewer_web:install"
-    page = (ROOT / "agentenv/server/console_static/run.html").read_text()  # its form sends every filter
+    assert pages["runs"] == "trainer.viewer.web:install"
+    page = (ROOT / "trainer/viewer/static/run.html").read_text()  # its form sends every filter
     assert all(f'name="{f}"' in page for f in viewer.FILTERS)
 
 

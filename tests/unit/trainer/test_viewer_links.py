@@ -12,7 +12,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from rollout import trajectory as tj
-from trainer import viewer, viewer_runs, viewer_web
+from trainer.viewer import data as viewer
+from trainer.viewer import runs as viewer_runs
+from trainer.viewer import web as viewer_web
 
 from .test_viewer import episode
 

@@ -1,9 +1,10 @@
-"""The trajectory viewer's pages and routes (their data: ``trainer.viewer``), and ``agentenv view RUN``.
+"""The trajectory viewer's pages and routes (their data: ``trainer.viewer.data``), and ``agentenv view RUN``.
 
 Served two ways, under the same paths (``/console/runs/...``): by ``agentenv view RUN`` (a server of its own on
 127.0.0.1 with a token it generates, or ``--token-file``) and inside ``agentenv serve --runs DIR``'s console. Both
-use the console's login, session cookie, headers (its CSP) and static files (``agentenv.server.console``): the
-pages are plain HTML in ``console_static/`` and ``viewer.js`` sets every run-made text with ``textContent``.
+use the console's login, session cookie, headers (its CSP) and static route (``agentenv.server.console_auth``): the
+pages are plain HTML in ``static/`` beside this module, and ``viewer.js`` sets every run-made text with
+``textContent``.
 
     agentenv view runs/NAME [--port 8701] [--token-file FILE]
 """
@@ -22,8 +23,10 @@ from fastapi.responses import JSONResponse, RedirectResponse
 from agentenv import errors
 from agentenv.server import console_auth as console
 from rollout import trajectory as tj
-from trainer import viewer, viewer_runs
+from trainer.viewer import data as viewer
+from trainer.viewer import runs as viewer_runs
 
+STATIC = Path(__file__).with_name("static")  # the viewer's pages, script and style
 PAGES = {"runs": "runs.html", "run": "run.html", "episode": "episode.html", "group": "group.html",
          "searches": "searches.html", "metrics": "metrics.html"}
 DEFAULT_PORT = 8701
@@ -39,6 +42,7 @@ def install(app: FastAPI, root: str | Path, mode: str = "serve") -> None:
     if not folder.is_dir():
         raise ValueError(f"--runs {folder}: not a folder (give the folder that holds the run folders)")
     app.state.viewer_root, app.state.viewer_mode = folder, mode
+    console.serve_static(app, STATIC)
     if mode == "serve":  # beside the sandboxes: the console's pages link here
         app.state.console_links = [*getattr(app.state, "console_links", ()), (f"{console.PREFIX}/runs", "Runs")]
     app.include_router(router)
@@ -100,7 +104,8 @@ def _page(request: Request, page: str, run: str | None = None) -> Response:
         except (viewer_runs.BadViewerRequest, viewer_runs.RunNotFound) as e:
             return _error(e)
     served = request.app.state.viewer_mode == "serve"  # beside the sandboxes: the console's links shown
-    return console.page_file(PAGES[page], replace=(CONSOLE_LINKS, CONSOLE_LINKS.replace(" hidden", "")) if served else None)
+    return console.page_file(PAGES[page], replace=(CONSOLE_LINKS, CONSOLE_LINKS.replace(" hidden", "")) if served else None,
+                             folder=STATIC)
 
 
 def _root(request: Request) -> Path:
@@ -217,5 +222,5 @@ def view(
     server.run()
 
 
-if __name__ == "__main__":  # python -m trainer.viewer_web RUN: agentenv view before the package is installed
+if __name__ == "__main__":  # python -m trainer.viewer.web RUN: agentenv view before the package is installed
     app()

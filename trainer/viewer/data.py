@@ -1,7 +1,7 @@
 """What the trajectory viewer shows of a run: its episodes (filtered), one episode as its conversation with every
 token's loss mask and logprob, a GRPO group with its advantages, saved search trees and the metrics a train run
-logged. Runs are found and loaded, from their own files only, by ``trainer.viewer_runs``; the pages and their
-routes are ``trainer.viewer_web``; this module never serves.
+logged. Runs are found and loaded, from their own files only, by ``trainer.viewer.runs``; the pages and their
+routes are ``trainer.viewer.web``; this module never serves.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 from rollout import trajectory as tj
 from trainer.advantages import AdvantageConfig, group_advantages
 from trainer.metrics import read_jsonl
-from trainer.viewer_runs import NAME, SEARCHES, BadViewerRequest, Run, RunNotFound, checked_name, own
+from trainer.viewer.runs import NAME, SEARCHES, BadViewerRequest, Run, RunNotFound, checked_name, own
 
 MAX_ROWS = 500  # episodes per page of the episode list
 FILTERS = ("reward_min", "reward_max", "finish", "task", "group", "weight_version", "malformed", "tampering",

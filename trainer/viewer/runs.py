@@ -1,4 +1,4 @@
-"""The runs the trajectory viewer shows (``trainer.viewer`` reads what is in them; ``trainer.viewer_web`` serves
+"""The runs the trajectory viewer shows (``trainer.viewer.data`` reads what is in them; ``trainer.viewer.web`` serves
 them): found by listing the viewer's root, loaded from each run's own files.
 
 A run is a folder under the viewer's root (the root itself, or one of its sub-folders): a rollout run's shards
