@@ -72,7 +72,7 @@ def anon_rss(sbs: list[agentenv.Sandbox]) -> int:
 
 def agent_memory(sb: agentenv.Sandbox) -> tuple[int, int]:
     """The agent's RSS and PSS (bytes), from the host's /proc."""
-    pid = sb._rec["init_pid"]
+    pid = sb.record.init_pid
     rss = next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text().splitlines()
                if ln.startswith("VmRSS:"))
     pss = next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-import json
 import logging
 import os
 import threading
@@ -59,11 +58,11 @@ from agentenv.host.runtime import Container, ContainerSpec
 from agentenv.host.trees import remove_tree
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import expiry, forking, migration, recovery, shared, snapshotting, store, warm
+from agentenv.sandbox import expiry, forking, migration, record, recovery, shared, snapshotting, store, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT
-from agentenv.sandbox.record import Record
+from agentenv.sandbox.record import Record, SandboxRecord
 from agentenv.sandbox.recovery import RECOVER_PING_TIMEOUT, HostProcess
 from agentenv.sandbox.store import Snapshot
 
@@ -83,11 +82,11 @@ def _gate(sandbox_id: str) -> Gate:
 class Sandbox(Calls, Record):
     """An isolated Linux environment with fast snapshot, fork, pause and restore."""
 
-    def __init__(self, record: dict[str, Any]) -> None:
+    def __init__(self, record: SandboxRecord) -> None:
         self._rec = record
-        self.id: str = record["id"]
+        self.id: str = record.id
         p = paths()
-        layer = record.get("layer")  # its name; absent in records made before the volume: the bundle then
+        layer = record.layer  # its name; None in records made before the volume: the bundle then
         self._container = Container(f"ae-{self.id}", p.sandboxes / self.id, p.runc_root,
                                     p.layers / layer if layer else None)
         self._channel = Channel(self._root, _gate(self.id))
@@ -137,11 +136,9 @@ class Sandbox(Calls, Record):
             image_store.record_use(spec.image_id, [image] if image != spec.image_id else [])
         now = time.time()
         sid = store.new_id("sb")
-        rec = {"id": sid, "image": image, "spec": spec.to_json(), "state": "creating",
-               "created_at": now, "expires_at": now + ttl if ttl else None, "labels": dict(labels or {}),
-               "init_pid": None, "paused_snapshot": None, "parent_snapshot": parent,
-               "layer": sid, "owner": store.owner(), "pausing": None}
-        sb = cls(rec)
+        sb = cls(SandboxRecord(id=sid, image=image, spec=spec.to_json(), state="creating", created_at=now,
+                               expires_at=now + ttl if ttl else None, labels=dict(labels or {}),
+                               parent_snapshot=parent, layer=sid, owner=store.owner()))
         sb._container.bundle.mkdir(mode=PRIVATE_DIR)  # the gate of its range once it holds one (userns)
         sb._save()
         return sb
@@ -167,14 +164,14 @@ class Sandbox(Calls, Record):
             spec = self._spec()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
-                self._rec["spec"] = spec.to_json()
+                self.amend(spec=spec.to_json())
             if spec.uids is None:  # a new family (agentenv.host.userns); snapshots and forks keep their parent's range
                 if snap is not None:
                     raise CheckpointError(f"the snapshot {snap.id} was taken before sandboxes ran in user namespaces "
                                         "and cannot be restored into one",
                                         fix="create the sandbox afresh and take a new snapshot")
                 spec.uids = userns.allocate(self._container.bundle)
-                self._rec["spec"] = spec.to_json()
+                self.amend(spec=spec.to_json())
             else:
                 userns.hold(spec.uids, self._container.bundle)
             fs_from = snap.fs_dir if snap else None
@@ -192,14 +189,15 @@ class Sandbox(Calls, Record):
             txn = volume.account_copy(self._container.layer, spec.limits.disk) if fs_from else None
             if restoring is not None:  # lazily where it pays: the record names the daemon until it is done
                 work = self._container.bundle / "criu-restore"
-                pid, self._rec["lazy_pages"] = restoring.run(
+                pid, daemon = restoring.run(
                     lambda images, lazy: self._container.restore(images, work, spec, restoring.criu, lazy=lazy,
-                                                                 address=self._rec.get("address")))
+                                                                 address=self._rec.address))
+                self.amend(lazy_pages=daemon)
             else:
                 with phase("runc run"):
                     pid = self._container.start()
-            self._container.connect(spec, pid, restored=restoring is not None, address=self._rec.get("address"))
-            self._rec["address"] = (self._container.link() or {}).get("address")
+            self._container.connect(spec, pid, restored=restoring is not None, address=self._rec.address)
+            self.amend(address=(self._container.link() or {}).get("address"))
             crash_point(f"{op}:started")
             self._agent = None
             self.transition("running", init_pid=pid, init_start=proc_start_time(pid), owner=None)
@@ -254,19 +252,14 @@ class Sandbox(Calls, Record):
     @classmethod
     def get(cls, sandbox_id: str) -> Sandbox:
         try:
-            rec = json.loads((paths().sandboxes / os.path.basename(sandbox_id) / "sandbox.json").read_text())
+            return cls(record.load(paths().sandboxes / os.path.basename(sandbox_id) / "sandbox.json"))
         except FileNotFoundError:
             raise SandboxNotFound(f"no sandbox {sandbox_id!r}") from None
-        return cls(rec)
 
     @classmethod
     def list(cls) -> list[Sandbox]:
         """Every sandbox on this host, running or paused, oldest first."""
-        found = []
-        for d in paths().sandboxes.iterdir():
-            with contextlib.suppress(FileNotFoundError, json.JSONDecodeError):
-                found.append(cls(json.loads((d / "sandbox.json").read_text())))
-        return sorted(found, key=lambda s: s.created_at)
+        return sorted((cls(rec) for rec in record.listed(paths().sandboxes)), key=lambda s: s.created_at)
 
     # --- properties ---------------------------------------------------------------------------
 
@@ -279,7 +272,7 @@ class Sandbox(Calls, Record):
         under way: its container goes before the record says paused, and a pause cut short is recovered)."""
         self._reload()
         st = self.recorded_state
-        if st == "running" and not self._rec.get("pausing"):
+        if st == "running" and not self._rec.pausing:
             runc = self._container.state()
             if runc is None or runc.get("status") not in ("running", "paused", "created"):
                 return "lost"
@@ -306,10 +299,10 @@ class Sandbox(Calls, Record):
             if not spec.network:
                 raise SandboxStateError(f"sandbox {self.id} was made without network: it has no rules to change",
                                         fix="create it with network=True (or rules) to give it an outside link")
-            if self._rec["state"] == "running":
+            if self._rec.state == "running":
                 self._container.set_rules(rules)
             spec.rules = rules.to_json()
-            self._rec["spec"] = spec.to_json()
+            self.amend(spec=spec.to_json())
             self._save()
         assert (net := self.network) is not None
         return net
@@ -317,7 +310,7 @@ class Sandbox(Calls, Record):
     def set_ttl(self, ttl: float) -> None:
         """Extend (or shorten) the time to live, counted from now."""
         with self._locked():
-            self._rec["expires_at"] = time.time() + ttl
+            self.amend(expires_at=time.time() + ttl)
             self._save()
 
     # --- snapshots ----------------------------------------------------------------------------
@@ -362,9 +355,9 @@ class Sandbox(Calls, Record):
         """Bring a paused sandbox back where it was; with ``memory=False`` (or from a files-only pause) boot it
         afresh from its files instead: its processes are gone, the agent starts anew."""
         with self._locked():
-            if self._rec["state"] != "paused":
-                raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}, not paused")
-            snap = Snapshot.get(self._rec["paused_snapshot"])
+            if self._rec.state != "paused":
+                raise SandboxStateError(f"sandbox {self.id} is {self._rec.state}, not paused")
+            snap = Snapshot.get(self._rec.paused_snapshot or "")
             self._drop_layer()
             try:
                 self._start(snap, "resume", memory)
@@ -373,7 +366,7 @@ class Sandbox(Calls, Record):
                 self._agent = None
                 self._save()
                 raise
-            self._rec["paused_snapshot"] = None
+            self.amend(paused_snapshot=None)
             self._save()
         snap.delete(background=True)
 
@@ -385,7 +378,7 @@ class Sandbox(Calls, Record):
             self.transition("closed")
             return
         with self._locked(allow_closed=True):
-            paused = self._rec.get("paused_snapshot")
+            paused = self._rec.paused_snapshot
             self._destroy()
         if paused:
             with contextlib.suppress(Exception):
@@ -401,7 +394,7 @@ class Sandbox(Calls, Record):
 
     def _unshare(self) -> None:
         """After a sharing sandbox stopped running: KSM off if it was the host's last (``ksm.sync``)."""
-        if self._rec.get("spec", {}).get("share_memory"):
+        if self._rec.spec.get("share_memory"):
             ksm.sync()
 
     def _has_own_layer(self) -> bool:
@@ -411,7 +404,7 @@ class Sandbox(Calls, Record):
     def _drop_layer(self) -> None:
         if self._has_own_layer():
             volume.drop_layer(self._container.layer)
-            for name in self._rec.get("retired_layers") or []:  # a pooled sandbox's own, before a fork took it
+            for name in self._rec.retired_layers or []:  # a pooled sandbox's own, before a fork took it
                 volume.drop_layer(paths().layers / name)
         else:
             for d in (self._container.upper, self._container.work):
@@ -467,12 +460,12 @@ class Sandbox(Calls, Record):
         """
         for _attempt in range(3):
             ref = self._agent
-            pid = self._rec.get("init_pid")
+            pid = self._rec.init_pid
             if ref is None or ref.pid != pid:
                 ref = None
-                if self._rec["state"] == "running" and pid:
+                if self._rec.state == "running" and pid:
                     with contextlib.suppress(OSError):
-                        ref = AgentProcess(pid, self._rec.get("init_start"), self._container.cgroup)
+                        ref = AgentProcess(pid, self._rec.init_start, self._container.cgroup)
                 self._agent = ref
             if ref is not None:
                 with contextlib.suppress(OSError):
@@ -481,12 +474,12 @@ class Sandbox(Calls, Record):
             if self._starting:
                 raise SandboxError(f"the agent of sandbox {self.id} (pid {pid}) exited as it started",
                                    fix=f"check that the image has python3 (docker run --rm {self.image} python3 -V)")
-            seen = pid, self._rec.get("init_start")
+            seen = pid, self._rec.init_start
             self._reload()
             self.require_running()
-            if (self._rec.get("init_pid"), self._rec.get("init_start")) == seen:
+            if (self._rec.init_pid, self._rec.init_start) == seen:
                 break
-        raise SandboxLost(f"sandbox {self.id} is lost: its agent (pid {self._rec.get('init_pid')}) is gone",
+        raise SandboxLost(f"sandbox {self.id} is lost: its agent (pid {self._rec.init_pid}) is gone",
                           fix="close it; restore one of its snapshots to go on from there")
 
 

@@ -53,7 +53,7 @@ def expire(sb: Parts) -> str | None:
     migration holds it frozen: the move decides where it goes (a later round reaps it if it stays here), and a
     pause would wait out the quiesce deadline on an agent CRIU holds, with the sandbox's lock (and its calls)."""
     with sb._locked():
-        if not due(sb._rec.get("expires_at"), sb._rec["state"]):
+        if not due(sb.expires_at, sb.recorded_state):
             return None
         if (snap := migration.moving(sb.id)) is not None:
             raise SandboxStateError(f"sandbox {sb.id} is being migrated post-copy (snapshot {snap})",

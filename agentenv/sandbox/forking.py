@@ -62,7 +62,7 @@ def _fork_files(parent: S, count: int) -> builtins.list[S]:
         with parent._locked():
             parent.require_running()
             spec = parent._spec()
-            lineage = parent._rec.get("parent_snapshot")  # no snapshot of its own: the children descend from the parent's
+            lineage = parent.parent_snapshot  # no snapshot of its own: the children descend from the parent's
             for _ in range(count):
                 kids.append(_from_pool(parent, spec, lineage)
                             or type(parent)._new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage))
@@ -98,17 +98,17 @@ def _from_pool(parent: S, spec: ContainerSpec, lineage: str | None) -> S | None:
     if sb is None:
         return None
     with sb._locked():
-        retired = sb._rec["layer"]
-        sb.transition("creating", owner=store.owner(), parent_snapshot=lineage,
-                      layer=f"{sb.id}.{uuid.uuid4().hex[:6]}", retired_layers=[retired])
+        retired, layer = sb.record.layer, f"{sb.id}.{uuid.uuid4().hex[:6]}"
+        assert retired is not None  # the pool's sandboxes are new: each has a layer of its own
+        sb.transition("creating", owner=store.owner(), parent_snapshot=lineage, layer=layer, retired_layers=[retired])
         sb._save()
-    sb._container.layer = paths().layers / sb._rec["layer"]
+    sb._container.layer = paths().layers / layer
     return sb
 
 
 def _boot_child(kid: S) -> None:
     """Start a child whose layer is there: boot it, or, for one from the pool, give its processes the files."""
-    if not kid._rec.get("retired_layers"):
+    if not kid.record.retired_layers:
         kid._start(None, "fork")
         return
     spec = kid._spec()
@@ -116,7 +116,7 @@ def _boot_child(kid: S) -> None:
         with phase("swap root"):
             try:
                 # its agent pinned as for every call: the pid in a record may name another sandbox's process by now
-                init = AgentProcess(kid._rec["init_pid"] or 0, kid._rec.get("init_start"), kid._container.cgroup)
+                init = AgentProcess(kid.record.init_pid or 0, kid.record.init_start, kid._container.cgroup)
                 if kid._container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
                     raise SandboxError("the pooled sandbox runs processes besides its agent")
                 kid._container.take_root(spec, init)
@@ -141,7 +141,7 @@ def _boot_child(kid: S) -> None:
         finally:
             kid._starting = False
         _retire(kid)
-        kid._rec.update(owner=None)
+        kid.amend(owner=None)
         kid._save()
     except BaseException:
         kid.transition("creating")
@@ -150,7 +150,9 @@ def _boot_child(kid: S) -> None:
 
 def _retire(kid: S) -> None:
     """Delete the layers a pooled child no longer runs on (its record keeps their names until it is saved)."""
-    for name in kid._rec.pop("retired_layers", None) or []:
+    retired = kid.record.retired_layers or []
+    kid.amend(retired_layers=None)
+    for name in retired:
         volume.drop_layer(paths().layers / name)
 
 

@@ -114,7 +114,7 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int = 0) -> Outgoing:
     with sb._locked():
         sb.require_running()
         refuse_calls(sb.id)
-        if sb._rec.get("paused_snapshot"):
+        if sb.paused_snapshot:
             raise SandboxStateError(f"sandbox {sb.id} is paused: resume it before migrating it post-copy")
         try:
             channel = page_channel.Listener(address, port)  # bound now: the label names a port that is ours
@@ -164,5 +164,5 @@ def moving(sandbox_id: str) -> str | None:
 def all_in(sb: Parts, timeout: float = ALL_IN_TIMEOUT) -> bool:
     """True once a sandbox restored from a post-copy snapshot in this process has every page (its lazy-pages
     daemon exited 0), waiting at most ``timeout`` s; False if the transfer failed or is not done."""
-    daemon = sb._rec.get("lazy_pages")
+    daemon = sb.record.lazy_pages
     return daemon is not None and postcopy.pulled(int(daemon[0]), timeout)

@@ -16,17 +16,18 @@ from agentenv.api import State
 if TYPE_CHECKING:
     from agentenv.host.runtime import Container, ContainerSpec
     from agentenv.sandbox.channel import Channel
+    from agentenv.sandbox.record import SandboxRecord
     from agentenv.sandbox.store import Snapshot
 
 START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
 
 
 class Parts(Protocol):
-    """The record (``_rec``, saved and reloaded under ``_locked``), the container, the channel to the agent,
-    and the steps of the lifecycle (see ``agentenv.sandbox.core.Sandbox`` for what each does)."""
+    """The record (read through ``record``, changed by ``transition`` and ``amend``, saved and reloaded under
+    ``_locked``), the container, the channel to the agent, and the steps of the lifecycle (see
+    ``agentenv.sandbox.core.Sandbox`` for what each does)."""
 
     id: str
-    _rec: dict[str, Any]
     _container: Container
     _channel: Channel
     _starting: bool
@@ -37,6 +38,16 @@ class Parts(Protocol):
     def labels(self) -> dict[str, str]: ...
     @property
     def state(self) -> State: ...
+    @property
+    def record(self) -> SandboxRecord: ...
+    @property
+    def recorded_state(self) -> State: ...
+    @property
+    def paused_snapshot(self) -> str | None: ...
+    @property
+    def parent_snapshot(self) -> str | None: ...
+    @property
+    def expires_at(self) -> float | None: ...
 
     def _spec(self) -> ContainerSpec: ...
     def _save(self) -> None: ...
@@ -44,6 +55,7 @@ class Parts(Protocol):
     def _locked(self, allow_closed: bool = False, wait: float | None = None) -> AbstractContextManager[None]: ...
     def require_running(self) -> None: ...
     def transition(self, new: State, **fields: Any) -> None: ...
+    def amend(self, **fields: Any) -> None: ...
 
     @classmethod
     def _new(cls, spec: ContainerSpec, image: str, ttl: float | None, labels: dict[str, str] | None,

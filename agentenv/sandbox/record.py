@@ -1,27 +1,40 @@
 """A sandbox's record: ``<home>/sandboxes/<id>/sandbox.json``, what every process knows of a sandbox (its spec,
 state, agent, labels, ttl, address), written whole by rename and changed under a file lock that spans processes.
 
-``Sandbox`` is a ``Record`` with a lifecycle (``agentenv.sandbox.core``): this module is the fields it reads, the save
-and reload, the check that it runs, the lock, and the states a record goes through (``TRANSITIONS``: every change of
-state goes through ``Record.transition``, which refuses one the table does not list).
+``Sandbox`` is a ``Record`` with a lifecycle (``agentenv.sandbox.core``): this module is the record's fields
+(``SandboxRecord``, typed and frozen) and their form on disk, the save and reload, the check that it runs, the lock,
+and the states a record goes through (``TRANSITIONS``: every change of state goes through ``Record.transition``,
+which refuses one the table does not list; other fields change through ``Record.amend``).
+
+On disk a record is one JSON object: ``{"version": 2, <every field>}``. A record without ``"version"`` is the form
+an agentenv before version 2 wrote (version 1: the same keys, each present only once set); it is read as that, and
+written back in the current form at its next save. A record of a later version, with a key that is no field, or a
+field of the wrong type is refused (``RecordError``, naming what): it is never read as something it is not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
+import logging
 import os
 import time
+import types
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from agentenv import netpolicy
 from agentenv.api import Limits, Network, State
 from agentenv.config import write_private
-from agentenv.errors import SandboxNotFound, SandboxStateError
+from agentenv.errors import SandboxError, SandboxNotFound, SandboxStateError
 from agentenv.host.runtime import Container, ContainerSpec
+
+log = logging.getLogger("agentenv")
 
 # The states a sandbox's record goes through and the changes allowed; staying in a state is always allowed. 'lost' is
 # never recorded: it is what ``state`` and ``recover`` report of a sandbox whose processes are gone.
@@ -34,6 +47,121 @@ TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType({
     "closed": frozenset(),
     "lost": frozenset(),
 })
+RECORD_VERSION = 2  # the form ``SandboxRecord.to_json`` writes; 1: the unversioned form before it
+
+
+class RecordError(SandboxError):
+    """A sandbox record this agentenv cannot read as one: of a later version, or with unknown or ill-typed fields."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxRecord:
+    """What ``sandbox.json`` holds, one typed field a key; frozen: a ``Record`` changes it by replacing it."""
+
+    id: str  # the sandbox's id (``sb-...``), also the name of its bundle's folder
+    image: str  # the image it was created from, as the caller named it (or the image's id)
+    spec: dict[str, Any]  # its ContainerSpec as ``ContainerSpec.to_json`` writes it (``Record._spec`` reads it)
+    state: State  # where it is in TRANSITIONS ('lost' is never recorded); changed by ``Record.transition`` only
+    created_at: float  # when the record was made (``time.time()``)
+    expires_at: float | None = None  # when its TTL ends (``time.time()`` scale); None: it has none
+    labels: dict[str, str] = field(default_factory=dict)  # the caller's labels (``agentenv.on_expiry`` among them)
+    init_pid: int | None = None  # the pid of its agent (PID 1) while it runs
+    init_start: int | None = None  # that process's start time (``proc_start_time``): a reused pid is never followed
+    owner: list[int] | None = None  # [pid, start time] of the process making or pausing it (``store.owner``)
+    pausing: str | None = None  # the snapshot a pause under way writes: ``recover`` finishes or rolls it back
+    paused_snapshot: str | None = None  # the snapshot a paused sandbox is kept in
+    parent_snapshot: str | None = None  # the snapshot it was restored or forked from (None: made from an image)
+    layer: str | None = None  # its layer's folder under ``paths().layers``; None in records older than the volume
+    retired_layers: list[str] | None = None  # a pooled sandbox's layers before a fork took it, dropped once it runs
+    lazy_pages: list[int] | None = None  # [pid, start time] of the lazy-pages daemon bringing its memory in
+    address: str | None = None  # its address on the sandboxes' network; None: loopback only
+
+    @classmethod
+    def leftover(cls, sandbox_id: str) -> SandboxRecord:
+        """The record of a sandbox folder whose own never got written: closed, with its layer of its name (so that
+        ``_destroy`` removes whatever there is of it)."""
+        return cls(id=sandbox_id, image="", spec={}, state="closed", created_at=0.0, layer=sandbox_id)
+
+    def to_json(self) -> dict[str, Any]:
+        """The current on-disk form: ``{"version": RECORD_VERSION, <every field>}``."""
+        return {"version": RECORD_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "") -> SandboxRecord:
+        """The record in ``data`` (any version up to ``RECORD_VERSION``: the module doc); RecordError, naming what
+        and ``where`` it was read from, for one of a later version, with unknown, missing or ill-typed fields."""
+        def refuse(what: str, fix: str = "the file was not written by this agentenv: close the sandbox with the "
+                                         "agentenv that made it, or remove its folder") -> RecordError:
+            return RecordError(f"sandbox record {where or '(unnamed)'}: {what}", fix=fix)
+
+        if not isinstance(data, dict):
+            raise refuse(f"not a JSON object but {type(data).__name__}")
+        version = data.get("version", 1)  # unversioned: the form before version 2
+        if type(version) is not int or version < 1:
+            raise refuse(f"version {version!r} is no record version")
+        if version > RECORD_VERSION:
+            raise refuse(f"version {version} is of a later agentenv (this one reads versions up to {RECORD_VERSION})",
+                         fix="use the agentenv that wrote it (or a later one) on this home")
+        values = {k: v for k, v in data.items() if k != "version"}  # version 1's keys are the fields: no renames
+        if unknown := sorted(set(values) - _HINTS.keys()):
+            raise refuse(f"unknown field(s) {', '.join(unknown)} (a version {version} record has none such)")
+        if missing := [f.name for f in dataclasses.fields(cls) if f.name not in values and _required(f)]:
+            raise refuse(f"missing field(s) {', '.join(missing)}")
+        if wrong := [f"{k}={v!r}" for k, v in values.items() if not _fits(v, _HINTS[k])]:
+            raise refuse(f"ill-typed field(s) {', '.join(wrong)}")
+        if values["state"] == "lost":
+            raise refuse("state 'lost' is never recorded")
+        return cls(**values)
+
+
+def _required(f: dataclasses.Field[Any]) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a JSON value is of a field's type (containers checked as such: their items are not)."""
+    origin = get_origin(hint)
+    if origin in (Union, types.UnionType):
+        return any(_fits(value, arg) for arg in get_args(hint))
+    if origin is Literal:
+        return value in get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if isinstance(value, bool):  # JSON's true/false are no numbers here
+        return hint is bool
+    if hint is float:
+        return isinstance(value, int | float)
+    return isinstance(value, origin or hint)
+
+
+_HINTS: Mapping[str, Any] = MappingProxyType(get_type_hints(SandboxRecord))
+_FIXED = frozenset({"id", "state"})  # never amended: a record keeps its id, and its state changes by ``transition``
+
+
+def load(path: Path) -> SandboxRecord:
+    """The record in the file ``path`` (FileNotFoundError, json.JSONDecodeError as reading it raises them)."""
+    return SandboxRecord.from_json(json.loads(path.read_text()), str(path))
+
+
+def save(path: Path, rec: SandboxRecord) -> None:
+    """Write ``rec`` to ``path`` whole, in the current form, 0600 (its env holds secrets)."""
+    write_private(path, json.dumps(rec.to_json()))
+
+
+def listed(folder: Path) -> Iterator[SandboxRecord]:
+    """The records of the sandboxes in ``folder`` (``paths().sandboxes``); one gone or half-removed meanwhile is
+    passed over, and so, with a warning, is one this agentenv cannot read (``RecordError``)."""
+    for d in folder.iterdir():
+        try:
+            rec = load(d / "sandbox.json")
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+        except RecordError as e:
+            log.warning("passing over sandbox %s: %s", d.name, e)
+            continue
+        yield rec
 
 
 def check_transition(sandbox_id: str, old: State, new: State) -> None:
@@ -43,34 +171,55 @@ def check_transition(sandbox_id: str, old: State, new: State) -> None:
                                 fix="this is a bug in agentenv's lifecycle code: report it with the sandbox's log")
 
 
+def _check_fields(fields: Mapping[str, Any]) -> None:
+    """TypeError for a change of a field the record does not have, or of its id or state (``_FIXED``)."""
+    if unknown := sorted(set(fields) - _HINTS.keys()):
+        raise TypeError(f"a sandbox record has no field(s) {', '.join(unknown)}")
+    if fixed := sorted(set(fields) & _FIXED):
+        raise TypeError(f"cannot change {', '.join(fixed)} of a sandbox record: its id is fixed, and its state "
+                        "changes by transition(new) alone")
+
+
 class Record:
-    """The record of sandbox ``id`` (``_rec``), kept in its bundle (``_container.bundle``)."""
+    """The record of sandbox ``id`` (``_rec``, read through ``record``), kept in its bundle (``_container.bundle``)."""
 
     id: str
-    _rec: dict[str, Any]
+    _rec: SandboxRecord
     _container: Container
+
+    @property
+    def record(self) -> SandboxRecord:
+        """The record as this handle last read or changed it (frozen: it changes by ``transition`` and ``amend``)."""
+        return self._rec
 
     def made_here(self) -> bool:
         """True if this process is making the sandbox (its record is in state 'creating' on its behalf)."""
-        who = self._rec.get("owner")
-        return isinstance(who, list) and bool(who) and who[0] == os.getpid()
+        who = self._rec.owner or []
+        return bool(who) and who[0] == os.getpid()
 
     @property
     def recorded_state(self) -> State:
         """The state in the sandbox's record, without asking runc whether its processes still live."""
-        return self._rec["state"]
+        return self._rec.state
 
     def settled_state(self) -> State:
         """The recorded state once a change under way is done (a pause, resume, snapshot or fork holds the lock
         meanwhile, and a sandbox being paused still reads 'running'): what a caller acting on the state reads."""
         with self._locked(allow_closed=True):
-            return self._rec["state"]
+            return self._rec.state
 
     def transition(self, new: State, **fields: Any) -> None:
         """Move the record (in memory: ``_save`` writes it) to state ``new``, checked against ``TRANSITIONS``, with
         ``fields`` changed alongside; the lifecycle modules change a sandbox's state only through this."""
-        check_transition(self.id, self._rec["state"], new)
-        self._rec.update(fields, state=new)
+        _check_fields(fields)
+        check_transition(self.id, self._rec.state, new)
+        self._rec = dataclasses.replace(self._rec, **fields, state=new)
+
+    def amend(self, **fields: Any) -> None:
+        """Change ``fields`` of the record (in memory: ``_save`` writes it); TypeError for a field it does not have,
+        or for its id or state (``transition`` changes that)."""
+        _check_fields(fields)
+        self._rec = dataclasses.replace(self._rec, **fields)
 
     def exists(self) -> bool:
         """True while the sandbox is on this host (running or paused); False once closed."""
@@ -78,30 +227,30 @@ class Record:
 
     @property
     def image(self) -> str:
-        return str(self._rec["image"])
+        return self._rec.image
 
     @property
     def created_at(self) -> float:
-        return float(self._rec["created_at"])
+        return float(self._rec.created_at)
 
     @property
     def labels(self) -> dict[str, str]:
-        return dict(self._rec["labels"])
+        return dict(self._rec.labels)
 
     @property
     def paused_snapshot(self) -> str | None:
         """The snapshot a paused sandbox is kept in (None unless paused)."""
-        return self._rec.get("paused_snapshot")
+        return self._rec.paused_snapshot
 
     @property
     def parent_snapshot(self) -> str | None:
         """The snapshot this sandbox was restored or forked from (None for one created from an image); it may
         have been deleted since (a fork's own snapshot is)."""
-        return self._rec.get("parent_snapshot")
+        return self._rec.parent_snapshot
 
     @property
     def expires_at(self) -> float | None:
-        return self._rec.get("expires_at")
+        return self._rec.expires_at
 
     @property
     def limits(self) -> Limits:
@@ -114,27 +263,27 @@ class Record:
         if not spec.network:
             return None
         rules = netpolicy.Rules.from_json(spec.rules)
-        return Network(rules.allow_out, rules.deny_out, self._rec.get("address"), rules.resolved)
+        return Network(rules.allow_out, rules.deny_out, self._rec.address, rules.resolved)
 
     def _spec(self) -> ContainerSpec:
-        return ContainerSpec.from_json(self._rec["spec"])
+        return ContainerSpec.from_json(self._rec.spec)
 
     def _reload(self) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self._rec = json.loads((self._container.bundle / "sandbox.json").read_text())
+            self._rec = load(self._container.bundle / "sandbox.json")
             return
         self.transition("closed")  # its bundle is gone: another process closed it
 
     def require_running(self) -> None:
         """SandboxStateError unless the sandbox is running (e.g. paused or closed)."""
-        if self._rec["state"] != "running":
+        if self._rec.state != "running":
             self._reload()
-        if self._rec["state"] != "running":
-            raise SandboxStateError(f"sandbox {self.id} is {self._rec['state']}",
+        if self._rec.state != "running":
+            raise SandboxStateError(f"sandbox {self.id} is {self._rec.state}",
                                     fix="resume() a paused sandbox; a closed one is gone")
 
     def _save(self) -> None:
-        write_private(self._container.bundle / "sandbox.json", json.dumps(self._rec))  # its env holds secrets
+        save(self._container.bundle / "sandbox.json", self._rec)
 
     @contextlib.contextmanager
     def _locked(self, allow_closed: bool = False, wait: float | None = None) -> Iterator[None]:
@@ -147,9 +296,9 @@ class Record:
         try:
             _flock(fd, wait)
             self._reload()
-            if self._rec["state"] == "closed" and not allow_closed:
+            if self._rec.state == "closed" and not allow_closed:
                 raise SandboxStateError(f"sandbox {self.id} is closed")
-            if self._rec["state"] == "running" and self._container.frozen():
+            if self._rec.state == "running" and self._container.frozen():
                 self._container.freeze(False)  # a snapshotter died holding it frozen; the lock is ours now
             yield
         finally:

@@ -79,16 +79,16 @@ def recover(sb: Parts, procs: builtins.list[HostProcess] | None = None,
             ping_timeout: float = RECOVER_PING_TIMEOUT) -> str:
     """``Sandbox.recover`` (what it returns and mends: its docstring)."""
     sb._reload()
-    if sb._rec["state"] == "closed":
+    if sb.recorded_state == "closed":
         return "closed"
-    if store.owner_alive(sb._rec.get("owner")):
+    if store.owner_alive(sb.record.owner):
         return "busy"
     _wait_for_orphans(sb, host_processes() if procs is None else procs)
     try:
         with sb._locked(allow_closed=True, wait=LOCK_WAIT):
-            if sb._rec["state"] == "closed":
+            if sb.recorded_state == "closed":
                 return "closed"
-            if store.owner_alive(sb._rec.get("owner")):
+            if store.owner_alive(sb.record.owner):
                 return "busy"
             where = _recover_locked(sb)
     except TimeoutError:
@@ -107,19 +107,19 @@ def recover(sb: Parts, procs: builtins.list[HostProcess] | None = None,
 
 
 def _recover_locked(sb: Parts) -> str:
-    state = sb._rec["state"]
+    state = sb.recorded_state
     if state == "creating":  # its maker died: a half-made sandbox (a fork's child, say)
         log.warning("removing sandbox %s: the process making it died", sb.id)
         sb._destroy()
         return "discarded"
-    if sb._rec.get("pausing"):
-        return _recover_pause(sb, sb._rec["pausing"])
+    if pausing := sb.record.pausing:
+        return _recover_pause(sb, pausing)
     if state == "paused":
         if sb._container.state() is not None or cgroups.existing(sb._container.cgroup):
             sb._container.destroy()  # a resume cut short left a container (or processes): the snapshot stays
         if sb._has_own_layer() and os.path.lexists(sb._container.layer):
             sb._drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
-        paused = sb._rec.get("paused_snapshot")
+        paused = sb.paused_snapshot
         return "paused" if paused and (paths().snapshots / paused / "meta.json").exists() else "lost"
     return "running"  # _locked thawed it if a dead snapshotter left it frozen
 
@@ -133,7 +133,7 @@ def _recover_pause(sb: Parts, snap_id: str) -> str:
         for t in tmps:
             store.discard(t)
         store.remove([paths().snapshot_files / snap_id])
-        sb._rec.update(pausing=None, owner=None)
+        sb.amend(pausing=None, owner=None)
         sb._save()
         log.warning("rolled back the interrupted pause of sandbox %s: it runs on", sb.id)
         return "running"
@@ -145,7 +145,7 @@ def _recover_pause(sb: Parts, snap_id: str) -> str:
             for t in tmps:
                 store.discard(t)
             store.remove([files])
-            sb._rec.update(pausing=None, owner=None)
+            sb.amend(pausing=None, owner=None)
             sb._save()
             return "lost"
         # CRIU dumped every process (and ended them): publish what it wrote, as the pause would have
@@ -167,7 +167,7 @@ def _container_alive(sb: Parts) -> bool:
 def thaw_abandoned(sb: Parts, procs: builtins.list[HostProcess] | None = None) -> bool:
     """``Sandbox.thaw_abandoned``: thaw ``sb`` if a dead process left it frozen; True if it did."""
     try:
-        if sb._rec["state"] != "running" or not sb._container.frozen():
+        if sb.recorded_state != "running" or not sb._container.frozen():
             return False
         if _orphans(sb, host_processes() if procs is None else procs):
             return False
@@ -200,7 +200,7 @@ def _wait_for_orphans(sb: Parts, procs: builtins.list[HostProcess]) -> None:
             os.kill(p.pid, signal.SIGKILL)
     # a post-copy move whose server died: its page server went with it (CRIU, its socket closed, ends by itself
     # and leaves the sandbox frozen), and so did the pages its snapshot names
-    if dumps or (sb._rec["state"] == "running" and sb._container.frozen()):
+    if dumps or (sb.recorded_state == "running" and sb._container.frozen()):
         for snap in store.orphaned_forks():
             if snap.labels.get("agentenv.kind") == store.MIGRATE_KIND and snap.sandbox_id == sb.id:
                 snap.delete()

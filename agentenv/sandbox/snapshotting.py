@@ -46,9 +46,9 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
     With ``page_server``, a lazy dump whose pages are served there (post-copy: ``agentenv.sandbox.migration``),
     its running CRIU appended to ``served``; the sandbox is left frozen by it."""
     snap_id = snap_id or store.new_id("snap")
-    if memory and sb._rec.get("lazy_pages"):  # restored lazily: its memory must be all in before a dump
-        lazy_pages.await_memory(sb._rec["lazy_pages"], sb.id)
-        sb._rec["lazy_pages"] = None
+    if memory and (daemon := sb.record.lazy_pages):  # restored lazily: its memory must be all in before a dump
+        lazy_pages.await_memory(daemon, sb.id)
+        sb.amend(lazy_pages=None)
         sb._save()
     with store.writing(snap_id) as folder:
         uids = sb._spec().uids
@@ -116,9 +116,9 @@ def meta(sb: Parts, snap_id: str, folder: Path, memory: bool, labels: dict[str, 
          owner: builtins.list[int] | None = None) -> Snapshot:
     """The record of a snapshot of ``sb`` written into ``folder`` (also how recovery completes a cut-off pause)."""
     layer = any(volume.is_subvolume(f) for f in (store.files_of(folder), paths().snapshot_files / snap_id))
-    return Snapshot(id=snap_id, parent_id=sb._rec.get("parent_snapshot"), created_at=time.time(),
+    return Snapshot(id=snap_id, parent_id=sb.parent_snapshot, created_at=time.time(),
                     size_bytes=store.size_of(folder), has_memory=memory, sandbox_id=sb.id,
-                    spec=sb._rec["spec"], labels={"image": sb.image, **(labels or {})},
+                    spec=sb.record.spec, labels={"image": sb.image, **(labels or {})},
                     criu_stats=dump_stats(folder / "criu") if memory else {}, owner=owner, layer=layer)
 
 
@@ -160,12 +160,12 @@ def pause(sb: Parts, memory: bool) -> Snapshot:
     sandbox is down, so that ``recover`` can finish or roll back a pause its process did not live to end."""
     sb.require_running()
     snap_id = store.new_id("snap")
-    sb._rec.update(pausing=snap_id, owner=store.owner())
+    sb.amend(pausing=snap_id, owner=store.owner())
     sb._save()
     try:
         snap = take(sb, memory, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause", snap_id=snap_id)
     except BaseException:
-        sb._rec.update(pausing=None, owner=None)
+        sb.amend(pausing=None, owner=None)
         sb._save()
         raise
     crash_point("pause:published")

@@ -19,6 +19,7 @@ from agentenv.config import paths
 from agentenv.host import network, volume
 from agentenv.sandbox import store
 from agentenv.sandbox.core import Sandbox
+from agentenv.sandbox.record import SandboxRecord
 from agentenv.sandbox.recovery import host_processes
 
 log = logging.getLogger("agentenv")
@@ -88,7 +89,7 @@ def _collect() -> None:
         with contextlib.suppress(OSError):
             if not (bundle / "sandbox.json").exists() and now - bundle.stat().st_mtime > LEFTOVER_AGE:
                 log.warning("removing the sandbox folder %s: it has no record", bundle.name)
-                Sandbox({"id": bundle.name, "state": "closed", "layer": bundle.name})._destroy()
+                Sandbox(SandboxRecord.leftover(bundle.name))._destroy()
     for veth in network.sweep(f"{p.sandboxes}/"):
         log.warning("removed the network link %s: its sandbox is gone", veth)
     for name in store.gc():

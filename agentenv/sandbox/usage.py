@@ -103,7 +103,7 @@ def stall_hint(sb: Parts) -> str:
                 said.append(f"{pids} pids of {_text(d / 'pids.max') or '?'}")
             if _text(d / "freezer.state") not in ("", "THAWED") or _text(d / "cgroup.freeze") == "1":
                 said.append("frozen")
-        agent = sb._rec.get("init_pid")
+        agent = sb.record.init_pid
         for pid in [agent] if isinstance(agent, int) else sb._container.pids()[:1]:  # else the first started
             states: dict[str, int] = {}
             with contextlib.suppress(OSError):

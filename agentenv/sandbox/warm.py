@@ -125,7 +125,7 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
         _last_take = time.monotonic()
         _lock.notify_all()  # the filler starts a replacement, once takes pause
     with found._locked():
-        found._rec.update(labels=dict(labels or {}), expires_at=time.time() + ttl if ttl else None)
+        found.amend(labels=dict(labels or {}), expires_at=time.time() + ttl if ttl else None)
         found._save()
     return found
 

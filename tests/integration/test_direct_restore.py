@@ -58,12 +58,12 @@ def test_a_direct_restore_gives_the_limits_asked_for_and_runc_knows_the_sandbox(
         devices = cgroup_file(sb, "devices", "devices.list").splitlines()
         assert "a *:* rwm" not in devices and "c 1:3 rwm" in devices and not any(d.startswith("b 8") for d in devices)
         pids = sb._container.pids()
-        assert sb._rec["init_pid"] in pids and len(pids) >= 2
+        assert sb.record.init_pid in pids and len(pids) >= 2
         for pid in pids:  # every process in the sandbox's own cgroup, in every hierarchy
             for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
                 assert line.endswith(sb._container.cgroup), line
         state = sb._container.state()
-        assert state is not None and state["status"] == "running" and state["pid"] == sb._rec["init_pid"]
+        assert state is not None and state["status"] == "running" and state["pid"] == sb.record.init_pid
         with sb.fork(1, memory=True)[0] as child:  # a later dump reads the record the restore wrote
             assert ask(child) == 5
     finally:

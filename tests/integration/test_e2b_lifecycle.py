@@ -178,7 +178,7 @@ def test_a_connect_during_a_pause_waits_for_it_and_resumes(sandbox: Sandbox) -> 
     pausing = threading.Thread(target=native.pause)
     pausing.start()
     try:
-        wait_for(lambda: agentenv.Sandbox.get(sandbox.sandbox_id)._rec.get("pausing") is not None
+        wait_for(lambda: agentenv.Sandbox.get(sandbox.sandbox_id).record.pausing is not None
                  or agentenv.Sandbox.get(sandbox.sandbox_id).recorded_state == "paused", "the pause to begin")
         resumed = sandbox.connect()
     finally:

@@ -152,7 +152,7 @@ def test_a_pooled_sandbox_whose_agent_pid_names_another_sandbox_never_swaps_that
         pooled = pool(2)
         victim = next(sb for sb in agentenv.Sandbox.list() if sb.id in pooled)
         with victim._locked():  # as if its agent had died and the bystander's got its pid
-            victim._rec["init_pid"] = bystander._rec["init_pid"]
+            victim.amend(init_pid=bystander.record.init_pid)
             victim._save()
         try:
             kids = parent.fork(2, memory=False)

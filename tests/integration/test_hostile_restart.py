@@ -213,7 +213,7 @@ def test_one_stopped_sandbox_does_not_hold_up_the_restart(server):
     c = server.start()
     stuck = c.Sandbox.create(memory="256m")
     fine = c.Sandbox.create(memory="256m")
-    pid = local(stuck.id)._rec["init_pid"]
+    pid = local(stuck.id).record.init_pid
     os.kill(server.proc.pid, signal.SIGKILL)
     assert server.died()
     os.kill(pid, signal.SIGSTOP)

@@ -111,11 +111,11 @@ def test_a_dead_sandbox_whose_pid_went_to_another_agent_is_lost_not_redirected()
         c_host = c.exec("hostname").stdout
         assert a.exec("hostname").stdout != c_host  # (pins A's agent in this handle)
         os.kill(agent_pid(a), signal.SIGKILL)  # OOM, pids exhaustion ...: the agent is gone
-        wait_gone(a._rec["init_pid"])
+        wait_gone(a.record.init_pid)
         # the pid reuse, made deterministic: A's record now names C's agent (A's start time kept, then C's too)
         record = a._container.bundle / "sandbox.json"
         rec = json.loads(record.read_text())
-        for start in (rec.get("init_start"), c._rec.get("init_start")):
+        for start in (rec.get("init_start"), c.record.init_start):
             rec.update(init_pid=agent_pid(c), init_start=start)
             record.write_text(json.dumps(rec))
             for handle in (a, agentenv.Sandbox.get(a.id)):  # the old handle and a fresh one

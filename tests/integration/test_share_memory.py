@@ -39,7 +39,7 @@ def flagged(sb: agentenv.Sandbox) -> bool:
     """The sandbox's agent has the flag (host view), and a command it starts inherits it (the sandbox's view)."""
     inside = sb.exec(GET_MERGE)
     assert inside.exit_code == 0, inside.stderr
-    host = ksm.merge_any(sb._rec["init_pid"])
+    host = ksm.merge_any(sb.record.init_pid)
     assert host == (inside.stdout.strip() == "1")
     return host
 
@@ -53,7 +53,7 @@ def signal_digest(sb: agentenv.Sandbox, pid: int, sig: str) -> str:
 
 def holder_host_pid(sb: agentenv.Sandbox) -> int:
     """The host pid of the holder (the sandbox's process with the most merged or resident pages)."""
-    pids = [p for p in sb._container.pids() if p != sb._rec["init_pid"]]
+    pids = [p for p in sb._container.pids() if p != sb.record.init_pid]
     return max(pids, key=lambda p: int(open(f"/proc/{p}/statm").read().split()[1]))
 
 
@@ -67,7 +67,7 @@ def test_a_sandbox_without_the_opt_in_has_no_mergeable_memory_and_cannot_ask_for
         assert not flagged(sb)
         r = sb.exec(ASK_MERGE)  # its code asks itself (seccomp: EPERM), and still has no mergeable memory
         assert r.stdout.split() == ["-1", "-1", "1"], (r.stdout, r.stderr)
-        assert not flagged(sb) and ksm.merging_pages(sb._rec["init_pid"]) == 0
+        assert not flagged(sb) and ksm.merging_pages(sb.record.init_pid) == 0
 
 
 def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged():
@@ -116,6 +116,6 @@ def test_the_remote_api_carries_the_opt_in():
     with threaded_server() as url, agentenv.connect(url, TOKEN) as client:
         with client.Sandbox.create(memory="256m", share_memory=True) as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "1"
-            assert ksm.merge_any(agentenv.Sandbox.get(sb.id)._rec["init_pid"])
+            assert ksm.merge_any(agentenv.Sandbox.get(sb.id).record.init_pid)
         with client.Sandbox.create(memory="256m") as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "0"

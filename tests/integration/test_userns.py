@@ -44,7 +44,7 @@ def test_root_in_the_sandbox_is_an_unprivileged_host_uid(sb):
     inside, outside, size = _uid_map(sb)
     assert (inside, size) == (0, userns.SIZE) and outside == _root_uid(sb) >= userns.FIRST
     assert sb.exec("id -u").stdout.strip() == "0"  # still root in there: images work as they did
-    pid = sb._rec["init_pid"]
+    pid = sb.record.init_pid
     status = Path(f"/proc/{pid}/status").read_text()
     real = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
     assert real == outside  # the agent, the sandbox's PID 1, as the host sees it
@@ -74,7 +74,7 @@ def test_a_process_in_only_the_sandboxs_user_namespace_holds_nothing_on_the_host
     victim = tmp_path / "host-file"
     victim.write_text("host\n")
     victim.chmod(0o644)
-    pid = sb._rec["init_pid"]
+    pid = sb.record.init_pid
     script = (
         "import os, ctypes, sys\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
