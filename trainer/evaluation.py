@@ -5,7 +5,8 @@ that pass; ``pass@k`` the mean over tasks of "at least one of k passes" (the unb
 when a task has more samples than ``k``). Both get a percentile-bootstrap 95% interval over tasks (the tasks are the
 sample: a new draw of tasks is what a reader's next run would see). The gain of RL is a *paired* difference: the same
 tasks after RL minus after the warm start, bootstrapped over tasks, so the task-to-task spread cancels out. The
-bootstrap generator is seeded, so a run's figures repeat. ``evaluate`` plays an evaluation on the loop's workers.
+bootstrap generator is seeded, so a run's figures repeat. ``evaluate`` plays an evaluation on the workers it is
+given (the loop's).
 """
 
 from __future__ import annotations
@@ -13,12 +14,19 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from rollout.groups import GroupSpec
+    from trainer.config import RunConfig
+    from trainer.rollouts import Collected
+    from trainer.tasks import TaskRef
+    from trainer.trackers import Tracker
 
 BOOTSTRAP = 2000
 LEVEL = 0.95
@@ -90,16 +98,31 @@ def tool_use(trajectories: Sequence[Trajectory], threshold: float) -> dict[str, 
             "malformed_calls": sum(t.malformed_calls for t in trajectories)}
 
 
-async def evaluate(loop: Any, tag: str, split: str = "heldout") -> dict[str, Any]:
-    """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (a group forked from
-    one reset per task) with the loop's current weights: mean@k and pass@k with 95% intervals, the tool use;
-    kept in ``loop.evals[tag]``."""
-    cfg = loop.cfg
-    src = loop.heldout_src if split == "heldout" else loop.validation_src
-    assert src is not None, "validation evaluations need env.validation_tasks (checked by validate)"
-    refs = src.first(cfg.eval.episodes)
+def swe_stats(groups: int, trajectories: Sequence[Trajectory]) -> dict[str, Any]:
+    """What the SWE iteration's episodes (of ``groups`` groups) show: the share resolved, the mean reward, how they
+    finished, how many were graded, the groups' ids and whether the first group's episodes share their prompt (were
+    forked from one state)."""
+    from trainer.batch import pass_rate
+
+    trajs = list(trajectories)
+    rate, reward, _ = pass_rate(trajs, 1.0)
+    return {"groups": groups, "episodes": len(trajs), "resolved": rate, "reward_mean": reward,
+            "finish_reasons": dict(Counter(t.finish_reason for t in trajs)), "graded": sum(1 for t in trajs if t.grade),
+            "group_ids": sorted({t.group_id for t in trajs}),
+            "shared_prompt": all(t.token_ids[:t.prompt_len] == trajs[0].token_ids[:trajs[0].prompt_len]
+                                 for t in trajs if t.group_id == trajs[0].group_id and t.prompt_len) if trajs else None}
+
+
+async def evaluate(refs: Sequence[TaskRef], group: Callable[[TaskRef], GroupSpec],
+                   play: Callable[[list[GroupSpec]], Awaitable[Collected]], cfg: RunConfig, *, tag: str, split: str,
+                   version: int, iteration: int, say: Callable[[str], None],
+                   tracker: Tracker | None = None) -> dict[str, Any]:
+    """``eval.samples`` samples of each task of ``refs`` (of ``split``): ``group(ref)`` is a task's group (forked
+    from one reset), ``play`` plays groups (``Loop.collect``) with the current weights, of logical ``version``
+    after ``iteration`` iterations. Returns mean@k and pass@k with 95% intervals, the tool use and ``time_s`` (the
+    caller keeps it); ``say`` reports it, and ``tracker`` gets a sample table."""
     t0 = time.perf_counter()
-    got = await loop.collect([loop._spec(r, "eval", cfg.eval.samples) for r in refs])
+    got = await play([group(r) for r in refs])
     trajs = got.trajectories
     per_task = per_task_passes(trajs, cfg.rl.pass_threshold)
     stats = summarize(per_task, cfg.eval.samples, seed=cfg.seed)
@@ -110,19 +133,15 @@ async def evaluate(loop: Any, tag: str, split: str = "heldout") -> dict[str, Any
     res: dict[str, Any] = {"tag": tag, "split": split, **stats, "pass_rate": stats["mean_at_k"],
            "reward_mean": reward, "episodes": len(trajs),
            "passed": sum(1 for t in trajs if t.reward is not None and t.reward >= cfg.rl.pass_threshold),
-           "infra_errors": len(trajs) - scored, "weight_version": loop.logical_version,
-           "iteration": loop.iteration, "time_s": elapsed,
+           "infra_errors": len(trajs) - scored, "weight_version": version,
+           "iteration": iteration, "time_s": elapsed,
            "finish_reasons": dict(Counter(t.finish_reason for t in trajs)), **tool_use(trajs, cfg.rl.pass_threshold),
            "per_task": per_task}
-    loop.add_time("eval", elapsed)
-    loop.evals[tag] = res
-    tracker = getattr(getattr(loop, "metrics", None), "tracker", None)  # a sample table per evaluation
-    if tracker is not None:
+    if tracker is not None:   # a sample table per evaluation
         from trainer.trackers import episode_table
 
-        tracker.table(loop.iteration, f"samples/{split}", *episode_table(trajs))
+        tracker.table(iteration, f"samples/{split}", *episode_table(trajs))
     lo, hi = stats["mean_at_k_ci"]
-    loop.say(f"{split} eval ({tag}): mean@{stats['k']} {stats['mean_at_k']:.3f} [{lo:.3f}, {hi:.3f}], "
-             f"pass@{stats['k']} {stats['pass_at_k']:.3f} on {stats['tasks']} tasks, weights "
-             f"v{loop.logical_version}")
+    say(f"{split} eval ({tag}): mean@{stats['k']} {stats['mean_at_k']:.3f} [{lo:.3f}, {hi:.3f}], "
+        f"pass@{stats['k']} {stats['pass_at_k']:.3f} on {stats['tasks']} tasks, weights v{version}")
     return res

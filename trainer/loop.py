@@ -8,7 +8,7 @@ A run, in order (``Loop.run``)::
     trainer + policy server                 Trainer(weights) in this process; `agentenv policy serve --ep 2` started
                                             with the same weights (or an existing endpoint), health-waited, checked
     rollout workers (trainer/rollouts.py)   a local Ray (or an existing cluster) with LoopWorkers; 0: in-process
-    eval before RL                          held-out tasks (trainer/tasks.py), greedy unless eval.temperature
+    eval before RL (trainer/evaluation.py)  held-out tasks (trainer/tasks.py), greedy unless eval.temperature
     iterations                              rollouts -> staleness filter -> rl_batch -> Trainer.step -> WeightSync.push
                                             -> checkpoint -> metrics (-> eval every N)
     eval after RL, SWE iteration            the same path on SWE-v0 tasks: a group forked from one state, SWE grading
@@ -47,68 +47,96 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
 
 from rich.console import Console
 
-from agentenv.config import write_json
 from agentenv.terminal import markup
+from rollout.agent import AgentConfig
 from rollout.driver import init_ray
+from rollout.groups import GroupSpec
+from trainer import evaluation, parts
 from trainer.batch import filter_stale, pass_rate
 from trainer.config import RunConfig, describe
-from trainer.partial import PAUSED_FILE, PartialRollouts
-from trainer.report import iteration_line, plan, reward_plot, summary_table
-from trainer.rollouts import Collected
-from trainer.services import (
-    PolicyServer,
-    check_endpoint,
-    preflight,
-    read_token,
-    swe_task_records,
-)
-from trainer.tasks import TaskRef, TaskSource, step_limit
+from trainer.metrics import MetricsLog, Progress
+from trainer.partial import PAUSED_FILE, DataState, PartialRollouts, collect
+from trainer.report import eval_row, iteration_line, plan, run_summary, summary_table, write_summary
+from trainer.rollouts import Collected, LoopRollout
+from trainer.services import PolicyServer, check_endpoint, preflight, read_token, swe_task_records
+from trainer.tasks import TaskRef, TaskSource
 from trainer.trackers import for_run
-from trainer.typed_toml import to_dict
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def started(part: T | None, name: str) -> T:
+    """``part`` once the run started it (a unit test sets its own)."""
+    if part is None:
+        raise RuntimeError(f"the loop's {name} has not started")
+    return part
 
 
 # --- the loop -----------------------------------------------------------------------------------------------------
 
 
 class Loop:
-    """One ``agentenv train`` run (see the module docstring)."""
+    """One ``agentenv train`` run (see the module docstring). Its parts, in the order they are made: the task sources
+    and the paused groups with the loop, the others by ``run`` from the settings (trainer/parts.py; None until then,
+    and a unit test sets its own)."""
+
+    # -- the settings --
+    cfg: RunConfig
+    resume: bool                              # continue the run folder's newest checkpoint (--resume)
+    dir: Path                                 # the run folder (cfg.run_dir)
+    console: Console
+    # -- the parts --
+    train_src: TaskSource                     # the training tasks (trainer/tasks.py)
+    heldout_src: TaskSource                   # the tasks of the evaluations before and after RL
+    validation_src: TaskSource | None         # the tasks of the evaluations every eval.every iterations
+    partial: PartialRollouts                  # the paused groups between batches (trainer/partial.py)
+    trainer: parts.Steps | None = None        # trainer.train.Trainer
+    server: PolicyServer | None = None        # the policy server this run started (None: policy.url's)
+    sync: parts.Pushes | None = None          # trainer.sync.WeightSync, to the policy endpoint
+    rollout: LoopRollout | None = None        # the rollout workers (trainer/rollouts.py)
+    metrics: MetricsLog | None = None         # metrics.jsonl, and a tracker (trainer/trackers.py)
+    bar: Progress | None = None               # the live display, during the iterations
+    # -- the policy's weights --
+    url: str                                  # the policy endpoint, and its token
+    token: str | None
+    start_weights: str | None = None          # what the policy starts from (the warm start's, a resume's)
+    version: int = 0                          # the policy server's weight version now
+    version_base: int = 0                     # trainer steps taken before this server's version 0 (resume)
+    # -- the data position (a checkpoint's: trainer/partial.py, DataState) --
+    iteration: int = 0                        # RL iterations done
+    task_cursor: int                          # training tasks handed out (demonstrations first)
+    trained_cursor: int | None = None         # the task cursor as the newest trained batch left it
+    group_seq: int = 0                        # groups made (their ids stay unique)
+    counts: Counter[str]                      # what was dropped, kept, left (shared with ``partial``)
+    evals: dict[str, dict[str, Any]]          # the evaluations by tag (before, iter<N>, after)
+    # -- the record --
+    times: dict[str, float]                   # seconds per phase
+    summary: dict[str, Any]                   # summary.json
+    on_sigterm: Callable[[int, FrameType | None], Any] | None = None   # the command's (installed again after Ray)
+    _own_ray: bool = False                    # this run joined Ray for its trainer's ranks (trainer.placement "ray")
 
     def __init__(self, cfg: RunConfig, *, resume: bool = False, console: Console | None = None) -> None:
-        self.cfg, self.resume = cfg, resume
+        self.cfg, self.resume, self.dir = cfg, resume, cfg.run_dir
         self.console = console or Console()
-        self.dir = cfg.run_dir
-        self.times: dict[str, float] = {}
-        self.summary: dict[str, Any] = {"name": cfg.name, "seed": cfg.seed}
-        self.server: PolicyServer | None = None
-        self.trainer: Any = None
-        self.sync: Any = None
-        self.rollout: Any = None
+        self.times, self.summary = {}, {"name": cfg.name, "seed": cfg.seed}
         self.url, self.token = cfg.policy.url, read_token(cfg.policy.token_file)
-        self.version = 0                      # the policy server's weight version now
-        self.version_base = 0                 # trainer steps taken before this server's version 0 (resume)
-        self.iteration = 0                    # RL iterations done
-        self.task_cursor = cfg.sft.demonstrations if cfg.sft.enabled else 0   # training tasks handed out (demos first)
-        self.counts: Counter[str] = Counter()
+        self.task_cursor = cfg.sft.demonstrations if cfg.sft.enabled else 0
+        self.counts = Counter()
         remote = cfg.ray.env_url or ("fleet" if cfg.ray.env_fleet else "")   # paused groups (remote: swept)
         self.partial = PartialRollouts(cfg.rl.max_resumes, remote, counts=self.counts)
-        self._own_ray = False  # this run joined Ray for its trainer's ranks (trainer.placement "ray")
-        self.trained_cursor: int | None = None   # the task cursor as the newest trained batch left it
-        self.evals: dict[str, dict[str, Any]] = {}
+        self.evals = {}
         self.train_src = TaskSource(cfg.env.train_tasks, cfg.seed)
         self.heldout_src = TaskSource(cfg.env.heldout_tasks, cfg.seed)
         self.validation_src = TaskSource(cfg.env.validation_tasks, cfg.seed) if cfg.env.validation_tasks.strip() \
             else None
-        self._group_seq = 0
-        self.metrics: Any = None
-        self.bar: Any = None
-        self.on_sigterm: Any = None           # the command's SIGTERM handler (installed again after Ray starts)
 
     # -- output --
     def say(self, text: str) -> None:
@@ -141,8 +169,8 @@ class Loop:
             if self.cfg.trainer.placement == "ray" and self.cfg.trainer.world > 1:  # the ranks are Ray actors
                 self._own_ray = init_ray(self.cfg.ray.address or None)
             weights = self._warm_start()
-            self._start_trainer(weights)
-            self._start_policy()
+            self.start_trainer(weights)
+            self.start_policy()
             asyncio.run(self._rl())
         finally:
             self._close()
@@ -181,39 +209,24 @@ class Loop:
         return {"auto": None, "on": True, "off": False}[self.cfg.progress]
 
     # -- 2. trainer and policy server --
-    def _start_trainer(self, weights: str | None) -> None:
-        cfg = self.cfg
-        from policy.config import model_config
-        from trainer.losses import LossConfig
-        from trainer.train import TrainConfig, Trainer
-
-        loss = LossConfig(eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high,
-                          tis_cap=cfg.rl.tis_cap if cfg.rl.tis_cap > 0 else None, kl_coef=cfg.rl.kl_coef,
-                          temperature=cfg.env.temperature, dual_clip=cfg.rl.dual_clip)
-        tcfg = TrainConfig(lr=cfg.rl.lr, warmup_steps=cfg.rl.warmup_steps, grad_clip=cfg.rl.grad_clip,
-                           micro_batch_tokens=cfg.rl.micro_batch_tokens, mini_batches=cfg.rl.mini_batches,
-                           routing_replay=cfg.rl.routing_replay, router_bias_rate=cfg.rl.router_bias_rate,
-                           dtype=cfg.trainer.dtype, loss=loss, seed=cfg.seed)
+    def start_trainer(self, weights: str | None) -> None:
+        """The trainer, on ``weights`` (None: the seed's); with ``--resume``, at the newest checkpoint."""
         with self.timed("trainer_start"):
-            self.trainer = Trainer(model_config(cfg.policy.preset), tcfg, world=cfg.trainer.world,
-                                   ep_size=cfg.trainer.ep, weights=weights, device=cfg.trainer.device,
-                                   placement=cfg.trainer.placement)
+            self.trainer = trainer = parts.build_trainer(self.cfg, weights)
         self.start_weights = weights
-        meta = self.trainer.resume(self.dir / "checkpoints") if self.resume else None
+        meta = trainer.resume(self.dir / "checkpoints") if self.resume else None
         if meta is not None:
             from trainer.checkpoint import latest
-            from trainer.partial import restore_data
 
-            restore_data(self, meta.get("data", {}), latest(self.dir / "checkpoints"))
-            self.version_base = self.trainer.step_count
-            path = self.dir / "weights" / f"resume-{self.trainer.step_count:08d}.safetensors"
-            self.start_weights = str(self.trainer.save_weights(path))
-            self.say(f"resumed at iteration {self.iteration} (trainer step {self.trainer.step_count})")
+            self.restore_data(meta.get("data", {}), latest(self.dir / "checkpoints"))
+            self.version_base = trainer.step_count
+            path = self.dir / "weights" / f"resume-{trainer.step_count:08d}.safetensors"
+            self.start_weights = str(trainer.save_weights(path))
+            self.say(f"resumed at iteration {self.iteration} (trainer step {trainer.step_count})")
 
-    def _start_policy(self) -> None:
+    def start_policy(self) -> None:
+        """The policy server (or ``policy.url``'s), checked, and the weight sync to it."""
         cfg = self.cfg
-        from trainer.sync import Endpoint, WeightSync
-
         if not cfg.policy.url:
             self.server = PolicyServer(cfg, self.dir, self.start_weights)
             self.say(f"starting the policy server: {' '.join(self.server.command()[1:])}")
@@ -224,16 +237,16 @@ class Loop:
         with self.timed("policy_check"):
             info = check_endpoint(self.url, self.token, cfg.policy.model, cfg.policy.verify)
         self.say(f"policy endpoint {self.url}: {json.dumps(info)[:200]}")
-        self.sync = WeightSync([Endpoint(self.url, cfg.policy.kind, self.token)], str(self.dir / "weights"),
-                               mode=cfg.policy.sync_mode)
+        self.sync = sync = parts.build_weight_sync(cfg, self.url, self.token, self.dir)
         if isinstance(info.get("weight_version"), int):
             self.version = int(info["weight_version"])
         if cfg.policy.url and self.start_weights and cfg.policy.kind == "agentenv":
             self.say(f"loading {self.start_weights} into {cfg.policy.url}")
+            steps = started(self.trainer, "trainer").step_count
             with self.timed("sync"):   # an existing server of ours: give it the trainer's starting weights
-                res = self.sync.load(self.start_weights, self.trainer.step_count)
+                res = sync.load(self.start_weights, steps)
             self.version = res.version if res.version is not None else self.version
-            self.version_base = self.trainer.step_count - self.version
+            self.version_base = steps - self.version
         elif cfg.policy.url and cfg.policy.kind != "agentenv":
             self.say(f"{cfg.policy.url} ({cfg.policy.kind}) keeps the weights it serves until the first push")
 
@@ -242,60 +255,35 @@ class Loop:
         return self.version_base + self.version
 
     # -- 3. rollouts --
-    def _rollout(self) -> Any:
-        cfg = self.cfg
-        from rollout.agent import AgentConfig
-        from rollout.workers import RolloutConfig
-        from trainer.rollouts import LoopRollout
+    def agent_config(self, phase: str) -> AgentConfig:
+        return parts.agent_config(self.cfg, phase)
 
-        rc = RolloutConfig(cfg.env.id, self.url, policy_token=self.token, policy_model=cfg.policy.model or None,
-                           agent=AgentConfig(), env_urls={"*": cfg.ray.env_url} if cfg.ray.env_url else None,
-                           env_fleet=cfg.ray.env_fleet,
-                           groups_per_worker=cfg.ray.groups_per_worker, worker_cpus=cfg.ray.worker_cpus,
-                           memory_fork=cfg.ray.memory_fork, seed=cfg.seed)
-        return LoopRollout(rc, workers=cfg.ray.workers, out=self.dir / "trajectories",
-                           ray_address=cfg.ray.address or None, run_id=f"{cfg.name}-{time.strftime('%H%M%S')}")
+    def _spec(self, ref: TaskRef, phase: str, group_size: int, env_id: str | None = None) -> GroupSpec:
+        self.group_seq += 1
+        gid = f"{self.cfg.name}-{phase}-i{self.iteration:04d}-g{self.group_seq:05d}"
+        job = parts.job(self.cfg, ref, phase, self.iteration, self.version, env_id)
+        return GroupSpec(gid, job, ref.task_id, group_size, ref.seed, self.group_seq)
 
-    def agent_config(self, phase: str) -> Any:
-        from rollout.agent import AgentConfig
-
-        e = self.cfg.env
-        route = self.cfg.rl.routing_replay and phase != "eval"   # trained episodes record every position's experts
-        if phase == "swe":
-            s = self.cfg.swe
-            return AgentConfig(max_turns=s.max_turns, max_new_tokens=s.max_new_tokens,
-                               max_total_tokens=s.max_total_tokens, context_limit=s.context_limit,
-                               temperature=e.temperature, top_p=e.top_p, return_routed_experts=route)
-        return AgentConfig(max_turns=e.max_turns, max_new_tokens=e.max_new_tokens, max_total_tokens=e.max_total_tokens,
-                           context_limit=e.context_limit,
-                           temperature=self.cfg.eval.temperature if phase == "eval" else e.temperature,
-                           top_p=1.0 if phase == "eval" else e.top_p, system_prompt=e.system_prompt or None,
-                           return_routed_experts=route)
-
-    def _job(self, ref: TaskRef, phase: str, env_id: str | None = None) -> Any:
-        from trainer.rollouts import Job
-
-        env_id = env_id or self.cfg.env.id
-        turns = self.cfg.swe.max_turns if phase == "swe" else self.cfg.env.max_turns
-        kwargs = dict(self.cfg.swe.env_kwargs if phase == "swe" else self.cfg.env.kwargs)
-        return Job(env_id, ref.task, {**step_limit(env_id, turns), **kwargs}, self.agent_config(phase), phase,
-                   self.iteration, self.cfg.ray.memory_fork, weight_version=self.version)
-
-    def _spec(self, ref: TaskRef, phase: str, group_size: int, env_id: str | None = None) -> Any:
-        from rollout.groups import GroupSpec
-
-        self._group_seq += 1
-        gid = f"{self.cfg.name}-{phase}-i{self.iteration:04d}-g{self._group_seq:05d}"
-        return GroupSpec(gid, self._job(ref, phase, env_id), ref.task_id, group_size, ref.seed, self._group_seq)
-
-    async def collect(self, specs: list[Any], need: int | None = None) -> Collected:
+    async def collect(self, specs: list[GroupSpec], need: int | None = None) -> Collected:
         """Play ``specs`` on the workers; with ``need``, stop once ``need`` groups are complete and pause the rest
         (partial rollouts, trainer/partial.py). Paused groups go to ``self.partial``."""
-        from trainer.partial import collect
+        return await collect(started(self.rollout, "rollout"), self.partial, specs, need, version=lambda: self.version)
 
-        return await collect(self, specs, need)
+    async def rollout_batch(self) -> Collected:
+        """One iteration's groups: paused ones resumed first, then new ones; partial rollouts cut the tail. The batch
+        records the task cursor, the groups paused at its end and the env states it resumed from (for the
+        checkpoint of its step)."""
+        rl = self.cfg.rl
+        resumed, consumed = self.partial.resume_specs(self.version, self.iteration) if rl.partial_rollouts \
+            else ([], [])
+        launch = rl.groups_per_iteration + (rl.extra_groups if rl.partial_rollouts else 0)
+        specs = resumed + self._train_specs(max(0, launch - len(resumed)))
+        cursor = self.task_cursor
+        got = await self.collect(specs, rl.groups_per_iteration if rl.partial_rollouts else None)
+        got.cursor, got.consumed, got.pending = cursor, consumed, self.partial.dump()
+        return got
 
-    def _train_specs(self, n_new: int) -> list[Any]:
+    def _train_specs(self, n_new: int) -> list[GroupSpec]:
         specs = []
         for _ in range(n_new):
             ref = self.train_src.at(self.task_cursor)
@@ -303,62 +291,55 @@ class Loop:
             specs.append(self._spec(ref, "train", self.cfg.rl.group_size))
         return specs
 
-    async def rollout_batch(self) -> Collected:
-        """One iteration's groups: paused ones resumed first, then new ones; partial rollouts cut the tail."""
-        from trainer.partial import rollout_batch
-
-        return await rollout_batch(self)
-
     # -- 4. evaluation --
     async def evaluate(self, tag: str, split: str = "heldout") -> dict[str, Any]:
-        """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (trainer/evaluation.py)."""
-        from trainer.evaluation import evaluate
-
-        return await evaluate(self, tag, split)
-
-    def _eval_row(self, res: dict[str, Any]) -> dict[str, Any]:
-        """The metrics row of an evaluation: ``pass_rate/<split>`` is its mean@k, with the interval's ends."""
-        split = res["split"]
-        lo, hi = res["mean_at_k_ci"]
-        return {f"pass_rate/{split}": res["mean_at_k"], f"pass_rate/{split}_lo": lo, f"pass_rate/{split}_hi": hi,
-                f"pass_at_k/{split}": res["pass_at_k"], f"reward/{split}": res["reward_mean"]}
+        """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (trainer/evaluation.py),
+        kept in ``evals[tag]``."""
+        cfg = self.cfg
+        src = self.heldout_src if split == "heldout" else self.validation_src
+        assert src is not None, "validation evaluations need env.validation_tasks (checked by validate)"
+        res = await evaluation.evaluate(src.first(cfg.eval.episodes), lambda r: self._spec(r, "eval", cfg.eval.samples),
+                                        self.collect, cfg, tag=tag, split=split, version=self.logical_version,
+                                        iteration=self.iteration, say=self.say,
+                                        tracker=self.metrics.tracker if self.metrics is not None else None)
+        self.add_time("eval", res["time_s"])
+        self.evals[tag] = res
+        return res
 
     # -- 5. the iterations --
     async def _rl(self) -> None:
-        from trainer.metrics import MetricsLog
-
         cfg = self.cfg
-        self.rollout = self._rollout()
-        self.rollout.keep_snapshots = set(self.partial.referenced)   # a resumed checkpoint's paused episodes
-        self.metrics = MetricsLog(self.dir / "metrics.jsonl", resume_step=self.iteration if self.resume else None,
-                                  tracker=for_run(cfg, self.dir))
+        self.rollout = rollout = parts.build_rollout(cfg, self.url, self.token, self.dir)
+        rollout.keep_snapshots = set(self.partial.referenced)   # a resumed checkpoint's paused episodes
+        self.metrics = metrics = MetricsLog(self.dir / "metrics.jsonl",
+                                            resume_step=self.iteration if self.resume else None,
+                                            tracker=for_run(cfg, self.dir))
         try:
             with self.timed("workers_start"):
-                await self.rollout.start()
+                await rollout.start()
             if self.on_sigterm is not None:   # Ray's driver installs its own SIGTERM handler: ours again
                 import signal
                 signal.signal(signal.SIGTERM, self.on_sigterm)
             self.say(f"rollout workers: {cfg.ray.workers} ({'Ray at ' + cfg.ray.address if cfg.ray.address else 'local Ray' if cfg.ray.workers else 'in-process'})")
             if cfg.eval.enabled and "before" not in self.evals:
                 res = await self.evaluate("before")
-                self.metrics.write(self.iteration, {**self._eval_row(res), "eval": "before"})
+                metrics.write(self.iteration, {**eval_row(res), "eval": "before"})
             await self.iterations()
             self.partial.finish()    # partial episodes the last iteration left: kept for --resume or dropped, counted
             if cfg.eval.enabled and cfg.rl.iterations > 0:
                 res = await self.evaluate("after")
-                self.metrics.write(self.iteration, {**self._eval_row(res), "eval": "after"})
+                metrics.write(self.iteration, {**eval_row(res), "eval": "after"})
             if cfg.swe.enabled:
                 await self._swe()
         finally:
             with contextlib.suppress(Exception):
-                await self.rollout.aclose()
-            self.summary["rollout"] = self.rollout.summary()
-            self.metrics.close()
+                await rollout.aclose()
+            self.summary["rollout"] = rollout.summary()
+            metrics.close()
 
     async def iterations(self) -> None:
         """The RL iterations, synchronous (max_staleness 0) or with a producer ahead of the trainer."""
         from trainer import schedule
-        from trainer.metrics import Progress
 
         with Progress(self.cfg.rl.iterations, "GRPO", enabled=self._progress_on()) as bar:
             self.bar = bar
@@ -366,15 +347,20 @@ class Loop:
             try:
                 await schedule.run(self.cfg.rl.iterations, self.cfg.rl.max_staleness, lambda: self.iteration,
                                    lambda: self.version, self.rollout_batch,
-                                   lambda batch, v: self._train_iteration(batch, produced_at=v))
+                                   lambda batch, v: self.train_iteration(batch, produced_at=v))
             finally:
                 self.bar = None
 
-    async def _train_iteration(self, got: Collected, produced_at: int, phase: str = "train") -> dict[str, Any]:
+    async def train_iteration(self, got: Collected, produced_at: int, phase: str = "train") -> dict[str, Any]:
+        """One step on the batch ``got`` (played from weight version ``produced_at``): the staleness filter,
+        advantages, the step, the push, a checkpoint, the metrics row (returned), an evaluation every
+        ``eval.every`` iterations."""
         from trainer.advantages import AdvantageConfig
         from trainer.batch import rl_batch
 
         cfg = self.cfg
+        trainer, sync = started(self.trainer, "trainer"), started(self.sync, "weight sync")
+        rollout, metrics = started(self.rollout, "rollout"), started(self.metrics, "metrics")
         trajs = got.trajectories
         current = self.version
         kept, dropped = filter_stale(trajs, current, cfg.rl.max_staleness)
@@ -390,12 +376,12 @@ class Loop:
         m["pass_rate/train_all"], _, _ = pass_rate(trajs, cfg.rl.pass_threshold)
         if batch.samples:
             t0 = time.perf_counter()
-            m.update(await asyncio.to_thread(self.trainer.step, batch))
+            m.update(await asyncio.to_thread(trainer.step, batch))
             self.add_time("train", time.perf_counter() - t0)
             t0 = time.perf_counter()
-            res = await asyncio.to_thread(self.sync.push, self.trainer)
+            res = await asyncio.to_thread(sync.push, trainer)
             self.version = res.version if res.version is not None else self.version + 1
-            await self.rollout.set_version(self.version)   # turns the server does not version are stamped with it
+            await rollout.set_version(self.version)   # turns the server does not version are stamped with it
             m.update(res.metrics())
             self.add_time("sync", time.perf_counter() - t0)
         else:
@@ -410,8 +396,7 @@ class Loop:
         every = cfg.eval.every
         if phase == "train" and cfg.eval.enabled and every > 0 and self.iteration % every == 0 \
                 and self.iteration < cfg.rl.iterations:
-            res = await self.evaluate(f"iter{self.iteration}", split="validation")
-            m.update(self._eval_row(res))
+            m.update(eval_row(await self.evaluate(f"iter{self.iteration}", split="validation")))
         last = self.iteration >= cfg.rl.iterations or phase != "train"
         if got.cursor is not None:
             self.trained_cursor = got.cursor
@@ -419,27 +404,35 @@ class Loop:
         if cfg.rl.ckpt_every > 0 and (self.iteration % cfg.rl.ckpt_every == 0 or last) and batch.samples:
             t0 = time.perf_counter()
             files = {PAUSED_FILE: got.pending} if got.pending is not None else None
-            await asyncio.to_thread(self.trainer.checkpoint, self.dir / "checkpoints", self._data_state(),
+            await asyncio.to_thread(trainer.checkpoint, self.dir / "checkpoints", self._data_state().meta(),
                                     cfg.rl.keep_checkpoints, files=files)
             checkpointed = True
             self.add_time("checkpoint", time.perf_counter() - t0)
-        self.rollout.keep_snapshots = set(self.partial.trained(got.consumed, checkpointed, got.pending,
-                                                               cfg.rl.ckpt_every > 0))
+        rollout.keep_snapshots = set(self.partial.trained(got.consumed, checkpointed, got.pending,
+                                                          cfg.rl.ckpt_every > 0))
         step = self.iteration if phase == "train" else self.iteration + 1
-        row = self.metrics.write(step, {f"{phase}/{k}" if phase != "train" else k: v for k, v in m.items()})
-        self._report(m, phase)
+        row = metrics.write(step, {f"{phase}/{k}" if phase != "train" else k: v for k, v in m.items()})
+        label = f"iter {self.iteration}/{cfg.rl.iterations}" if phase == "train" else phase.upper()
+        self.say(iteration_line(label, m, self.logical_version))
         if self.bar is not None and phase == "train":
             self.bar.update(self.iteration, m)
         return row
 
-    def _data_state(self) -> dict[str, Any]:
-        from trainer.partial import data_state
+    def _data_state(self) -> DataState:
+        cursor = self.task_cursor if self.trained_cursor is None else self.trained_cursor
+        return DataState(self.iteration, cursor, self.group_seq, dict(self.counts), self.evals, self.logical_version)
 
-        return data_state(self)
-
-    def _report(self, m: dict[str, Any], phase: str) -> None:
-        label = f"iter {self.iteration}/{self.cfg.rl.iterations}" if phase == "train" else phase.upper()
-        self.say(iteration_line(label, m, self.logical_version))
+    def restore_data(self, data: dict[str, Any], folder: Path | None) -> None:
+        """``--resume``: the data position ``data`` (a checkpoint's ``DataState``) and the paused groups of the
+        checkpoint ``folder``."""
+        state = DataState.read(data, self.iteration)
+        self.iteration, self.task_cursor, self.group_seq = state.iteration, state.task_cursor, state.group_seq
+        self.counts.update(state.counts)
+        self.evals = state.evals
+        if folder is not None and self.partial.restore(folder):
+            self.say(f"resumed {len(self.partial.groups)} paused group(s) from {folder}")
+        if self.rollout is not None:
+            self.rollout.keep_snapshots = set(self.partial.referenced)
 
     # -- 6. one SWE iteration --
     async def _swe(self) -> None:
@@ -452,54 +445,22 @@ class Loop:
                  for i, r in enumerate(records)]
         got = await self.collect(specs)
         trajs = got.trajectories
-        rate, reward, _ = pass_rate(trajs, 1.0)
-        res: dict[str, Any] = {"groups": len(got.groups), "episodes": len(trajs), "resolved": rate,
-                               "reward_mean": reward, "finish_reasons": dict(Counter(t.finish_reason for t in trajs)),
-                               "graded": sum(1 for t in trajs if t.grade),
-                               "group_ids": sorted({t.group_id for t in trajs}),
-                               "shared_prompt": all(t.token_ids[:t.prompt_len] == trajs[0].token_ids[:trajs[0].prompt_len]
-                                                    for t in trajs if t.group_id == trajs[0].group_id and t.prompt_len)
-                               if trajs else None}
+        res = evaluation.swe_stats(len(got.groups), trajs)
         if cfg.swe.train and trajs:
-            row = await self._train_iteration(got, produced_at=self.version, phase="swe")
+            row = await self.train_iteration(got, produced_at=self.version, phase="swe")
             res["trained"] = "swe/loss" in row
             res["weight_version_after"] = self.logical_version
         res["time_s"] = time.perf_counter() - t0
         self.add_time("swe", res["time_s"])
         self.summary["swe"] = res
-        self.say(f"SWE iteration: resolved {res['resolved']:.2f}, reward {reward:.3f}, graded {res['graded']}/"
-                 f"{len(trajs)}, finish {res['finish_reasons']}")
+        self.say(f"SWE iteration: resolved {res['resolved']:.2f}, reward {res['reward_mean']:.3f}, graded "
+                 f"{res['graded']}/{len(trajs)}, finish {res['finish_reasons']}")
 
     # -- 7. the summary --
     def _finish(self) -> None:
-        cfg = self.cfg
-        from trainer.evaluation import paired_gain
-        from trainer.health import plot_health
-        from trainer.metrics import plot, read_jsonl
-
-        rows = read_jsonl(self.dir / "metrics.jsonl") if (self.dir / "metrics.jsonl").is_file() else []
-        before, after = self.evals.get("before"), self.evals.get("after")
-        gain = paired_gain(before["per_task"], after["per_task"], seed=cfg.seed) if before and after else None
-        times = {k: round(v, 2) for k, v in sorted(self.times.items())}
-        self.summary.update({
-            "iterations": self.iteration, "weight_version": self.logical_version,
-            "heldout": {"after_sft": before, "after_rl": after, "gain": gain},
-            "validation": {k: v for k, v in self.evals.items() if k not in ("before", "after")},
-            "pass_rate_after_sft": before["mean_at_k"] if before else None,
-            "pass_rate_after_sft_ci": before["mean_at_k_ci"] if before else None,
-            "pass_rate_after_rl": after["mean_at_k"] if after else None,
-            "pass_rate_after_rl_ci": after["mean_at_k_ci"] if after else None,
-            "rl_gain": gain["gain"] if gain else None, "rl_gain_ci": gain["gain_ci"] if gain else None,
-            "counts": dict(self.counts), "time_s": times,
-            "config": to_dict(cfg), "run_dir": str(self.dir),
-        })
-        write_json(self.dir / "summary.json", self.summary, indent=1, default=str)
-        with contextlib.suppress(Exception):
-            plot(rows, self.dir / "metrics.png", title=f"{cfg.name}: RL metrics")
-        with contextlib.suppress(Exception):
-            plot_health(rows, self.dir / "rl_health.png", title=f"{cfg.name}: RL health")
-        with contextlib.suppress(Exception):
-            reward_plot(rows, self.evals, self.dir / "reward.png", title=f"{cfg.name} (seed {cfg.seed})")
+        self.summary.update(run_summary(self.cfg, self.dir, self.evals, iterations=self.iteration,
+                                        version=self.logical_version, counts=self.counts, times=self.times))
+        write_summary(self.cfg, self.dir, self.summary, self.evals)
         self.console.print(summary_table(self.summary))
 
     def plan(self) -> str:

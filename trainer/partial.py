@@ -26,12 +26,13 @@ import contextlib
 import pickle
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from trainer.rollouts import Collected, turn_times
+from rollout.groups import GroupResult, GroupSpec
+from trainer.rollouts import Collected, LoopRollout, turn_times
 
 PAUSED_FILE = "paused-groups.pkl"
 
@@ -40,7 +41,7 @@ PAUSED_FILE = "paused-groups.pkl"
 class PausedGroup:
     """A group that came back paused, and the loop's weight version when it did."""
 
-    result: Any          # GroupResult with info["paused"] (and info["finished"])
+    result: GroupResult  # with info["paused"] (and info["finished"])
     version: int
 
 
@@ -61,19 +62,17 @@ class PartialRollouts:
         self.referenced_groups: set[str] = set()      # and its paused groups' ids
         self.counts: Counter[str] = Counter() if counts is None else counts
 
-    def add(self, result: Any, version: int) -> None:
+    def add(self, result: GroupResult, version: int) -> None:
         self.groups.append(PausedGroup(result, version))
 
     def dump(self) -> bytes:
         """The paused groups as they are now (a copy: resuming them later changes the objects)."""
         return pickle.dumps(self.groups)
 
-    def resume_specs(self, version: int, iteration: int) -> tuple[list[Any], list[dict[str, Any]]]:
+    def resume_specs(self, version: int, iteration: int) -> tuple[list[GroupSpec], list[dict[str, Any]]]:
         """Jobs that resume every paused group under weight version ``version`` (groups paused more than
         ``max_resumes`` times are dropped, counted), and the env states they consume."""
-        from rollout.groups import GroupSpec
-
-        specs: list[Any] = []
+        specs: list[GroupSpec] = []
         consumed: list[dict[str, Any]] = []
         for g in self.groups:
             spec, paused = g.result.spec, g.result.info["paused"]
@@ -149,27 +148,30 @@ class PartialRollouts:
 # --- the loop's data position in a checkpoint -----------------------------------------------------------------
 
 
-def data_state(loop: Any) -> dict[str, Any]:
-    """What a checkpoint's ``meta.json`` holds of ``loop`` (a ``trainer.loop.Loop``): the iteration, the task cursor
-    as the newest trained batch left it (module docstring), the group counter (group ids stay unique), counts,
-    evaluations, the weight version. The paused groups go beside it (``PAUSED_FILE``)."""
-    cursor = loop.task_cursor if loop.trained_cursor is None else loop.trained_cursor
-    return {"iteration": loop.iteration, "task_cursor": cursor, "group_seq": loop._group_seq,
-            "counts": dict(loop.counts), "evals": loop.evals, "version": loop.logical_version}
+@dataclass
+class DataState:
+    """What a checkpoint's ``meta.json`` holds of the loop's data position: the iteration, the task cursor as the
+    newest trained batch left it (module docstring), the group counter (group ids stay unique), counts, evaluations,
+    the weight version. The paused groups go beside it (``PAUSED_FILE``)."""
 
+    iteration: int = 0
+    task_cursor: int = 0
+    group_seq: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    version: int = 0
 
-def restore_data(loop: Any, data: dict[str, Any], folder: Path | None) -> None:
-    """``--resume``: put ``data`` (``data_state``'s) and the paused groups of the checkpoint ``folder`` back into
-    ``loop``."""
-    loop.iteration = int(data.get("iteration", loop.iteration))
-    loop.task_cursor = int(data.get("task_cursor", 0))
-    loop._group_seq = int(data.get("group_seq", 0))
-    loop.counts.update(data.get("counts", {}))
-    loop.evals = dict(data.get("evals", {}))
-    if folder is not None and loop.partial.restore(folder):
-        loop.say(f"resumed {len(loop.partial.groups)} paused group(s) from {folder}")
-    if loop.rollout is not None:
-        loop.rollout.keep_snapshots = set(loop.partial.referenced)
+    def meta(self) -> dict[str, Any]:
+        """As ``meta.json`` holds it (``Trainer.checkpoint``'s ``data_state``)."""
+        return {"iteration": self.iteration, "task_cursor": self.task_cursor, "group_seq": self.group_seq,
+                "counts": self.counts, "evals": self.evals, "version": self.version}
+
+    @classmethod
+    def read(cls, data: Mapping[str, Any], iteration: int = 0) -> DataState:
+        """``meta()``'s dict back, for ``--resume`` (a missing iteration: ``iteration``)."""
+        return cls(int(data.get("iteration", iteration)), int(data.get("task_cursor", 0)),
+                   int(data.get("group_seq", 0)), dict(data.get("counts", {})), dict(data.get("evals", {})),
+                   int(data.get("version", 0)))
 
 
 # --- a batch of the loop, cut short ------------------------------------------------------------------------------
@@ -179,14 +181,16 @@ class InfraError(RuntimeError):
     """Every episode of a batch or an evaluation failed on infrastructure (env or policy): nothing to learn from."""
 
 
-async def collect(loop: Any, specs: list[Any], need: int | None = None) -> Collected:
-    """``Loop.collect``: play ``specs``; with ``need``, once ``need`` groups are complete the workers are asked to
-    pause and the groups still running come back paused, kept in ``loop.partial`` with the version now."""
+async def collect(rollout: LoopRollout, partial: PartialRollouts, specs: list[GroupSpec], need: int | None = None,
+                  *, version: Callable[[], int]) -> Collected:
+    """``Loop.collect``: play ``specs`` on ``rollout``; with ``need``, once ``need`` groups are complete the workers
+    are asked to pause and the groups still running come back paused, kept in ``partial`` with the weight version
+    ``version()`` as it is when each comes back (a push may land while a producer's batch plays)."""
     out = Collected(launched=len(specs))
     out.resumed = sum(len(s.task.resume) for s in specs)
     stop = False
 
-    def feed() -> Iterator[Any]:
+    def feed() -> Iterator[GroupSpec]:
         for s in specs:
             if stop:
                 return
@@ -194,37 +198,24 @@ async def collect(loop: Any, specs: list[Any], need: int | None = None) -> Colle
 
     t0 = time.perf_counter()
     if need is not None:
-        await loop.rollout.unpause()
-    async for result in loop.rollout.stream(feed()):
+        await rollout.unpause()
+    async for result in rollout.stream(feed()):
         paused = result.info.get("paused")
         trajs = list(result.trajectories) or [*result.info.get("finished", []), *(p.traj for p in paused or [])]
         env_s, policy_s = turn_times(trajs)
         out.env_s += env_s
         out.policy_s += policy_s
         if paused:
-            loop.partial.add(result, loop.version)
+            partial.add(result, version())
             out.paused += len(paused)
         else:
             out.groups.append(result)
         if need is not None and not stop and len(out.groups) >= need:
             stop = True
-            await loop.rollout.pause()
+            await rollout.pause()
     out.wall_s = time.perf_counter() - t0
     trajs = out.trajectories
     if trajs and all(t.infra_error for t in trajs):   # the env or the policy is down: stop, never train on nothing
         raise InfraError(f"every one of the {len(trajs)} episodes failed on infrastructure "
                          f"({trajs[0].finish_reason}: {trajs[0].error[:400]})")
     return out
-
-
-async def rollout_batch(loop: Any) -> Collected:
-    """``Loop.rollout_batch``: paused groups resumed first, then new tasks; the batch records the task cursor, the
-    groups paused at its end and the env states it resumed from (for the checkpoint of its step)."""
-    rl = loop.cfg.rl
-    resumed, consumed = loop.partial.resume_specs(loop.version, loop.iteration) if rl.partial_rollouts else ([], [])
-    launch = rl.groups_per_iteration + (rl.extra_groups if rl.partial_rollouts else 0)
-    specs = resumed + loop._train_specs(max(0, launch - len(resumed)))
-    cursor = loop.task_cursor
-    got = await collect(loop, specs, rl.groups_per_iteration if rl.partial_rollouts else None)
-    got.cursor, got.consumed, got.pending = cursor, consumed, loop.partial.dump()
-    return got

@@ -1,4 +1,5 @@
-"""What a run shows of itself: the plan (``--dry-run``), the reward figure and the summary table.
+"""What a run shows of itself: the plan (``--dry-run``), a line and a metrics row per iteration and evaluation,
+``summary.json`` with its figures, and the summary table.
 
 ``reward.png`` is the figure a reader looks at first: the training pass rate per iteration (and the reward where it
 is not the same curve), the validation mean@k during RL and the held-out mean@k after the warm start and after RL,
@@ -8,16 +9,19 @@ at once and a rise inside the intervals is not mistaken for one. The other metri
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
+from agentenv.config import write_json
 from trainer.config import RunConfig
 from trainer.metrics import save_figure
 from trainer.services import PolicyServer
+from trainer.typed_toml import to_dict
 
 
 def plan(cfg: RunConfig, run_dir: Path, resume: bool = False) -> str:
@@ -111,6 +115,52 @@ def iteration_line(label: str, m: dict[str, Any], version: int) -> str:
             f"{f('staleness/mean', '.2f')} dropped {int(m.get('staleness/dropped', 0))} paused "
             f"{int(m.get('partial/paused', 0))} | env {f('time/env', '.1f')}s policy {f('time/policy', '.1f')}s "
             f"train {f('time/train', '.1f')}s sync {f('time/sync', '.2f')}s | weights v{version}")
+
+
+def eval_row(res: dict[str, Any]) -> dict[str, Any]:
+    """The metrics row of an evaluation: ``pass_rate/<split>`` is its mean@k, with the interval's ends."""
+    split = res["split"]
+    lo, hi = res["mean_at_k_ci"]
+    return {f"pass_rate/{split}": res["mean_at_k"], f"pass_rate/{split}_lo": lo, f"pass_rate/{split}_hi": hi,
+            f"pass_at_k/{split}": res["pass_at_k"], f"reward/{split}": res["reward_mean"]}
+
+
+def run_summary(cfg: RunConfig, run_dir: Path, evals: Mapping[str, dict[str, Any]], *, iterations: int, version: int,
+                counts: Mapping[str, int], times: Mapping[str, float]) -> dict[str, Any]:
+    """What ``summary.json`` holds of a finished run beside its phases' own entries: the held-out evaluations after
+    the warm start and after RL with their paired gain, the validation ones, counts, times and the settings."""
+    from trainer.evaluation import paired_gain
+
+    before, after = evals.get("before"), evals.get("after")
+    gain = paired_gain(before["per_task"], after["per_task"], seed=cfg.seed) if before and after else None
+    return {
+        "iterations": iterations, "weight_version": version,
+        "heldout": {"after_sft": before, "after_rl": after, "gain": gain},
+        "validation": {k: v for k, v in evals.items() if k not in ("before", "after")},
+        "pass_rate_after_sft": before["mean_at_k"] if before else None,
+        "pass_rate_after_sft_ci": before["mean_at_k_ci"] if before else None,
+        "pass_rate_after_rl": after["mean_at_k"] if after else None,
+        "pass_rate_after_rl_ci": after["mean_at_k_ci"] if after else None,
+        "rl_gain": gain["gain"] if gain else None, "rl_gain_ci": gain["gain_ci"] if gain else None,
+        "counts": dict(counts), "time_s": {k: round(v, 2) for k, v in sorted(times.items())},
+        "config": to_dict(cfg), "run_dir": str(run_dir),
+    }
+
+
+def write_summary(cfg: RunConfig, run_dir: Path, summary: dict[str, Any], evals: dict[str, dict[str, Any]]) -> None:
+    """``summary.json``, and the figures of ``metrics.jsonl``: ``metrics.png``, ``rl_health.png`` (trainer/health.py)
+    and ``reward.png`` (a figure that cannot be drawn is left out)."""
+    from trainer.health import plot_health
+    from trainer.metrics import plot, read_jsonl
+
+    rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []
+    write_json(run_dir / "summary.json", summary, indent=1, default=str)
+    with contextlib.suppress(Exception):
+        plot(rows, run_dir / "metrics.png", title=f"{cfg.name}: RL metrics")
+    with contextlib.suppress(Exception):
+        plot_health(rows, run_dir / "rl_health.png", title=f"{cfg.name}: RL health")
+    with contextlib.suppress(Exception):
+        reward_plot(rows, evals, run_dir / "reward.png", title=f"{cfg.name} (seed {cfg.seed})")
 
 
 def summary_table(s: dict[str, Any]) -> Table:

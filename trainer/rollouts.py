@@ -92,7 +92,7 @@ PauseCheck = Callable[[], bool]
 class Collected:
     """What one collection of groups brought back."""
 
-    groups: list[Any] = field(default_factory=list)        # complete GroupResults
+    groups: list[GroupResult] = field(default_factory=list)  # complete groups
     wall_s: float = 0.0
     env_s: float = 0.0                                      # summed over episodes: reset, fork, steps
     policy_s: float = 0.0
@@ -104,7 +104,7 @@ class Collected:
     consumed: list[dict[str, Any]] = field(default_factory=list)   # env states its resumed groups started from
 
     @property
-    def trajectories(self) -> list[Any]:
+    def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
 
     def split(self) -> dict[str, float]:

@@ -43,11 +43,9 @@ REACHES = {
     "bench/swe.py": 1,
     "envs/grading/sandbox_guard.py": 4,
     "envs/grading/sandbox_runners.py": 1,
-    "trainer/evaluation.py": 1,
-    "trainer/partial.py": 1,
     "trainer/rollouts.py": 1,
 }
-TESTS_REACH = 131  # the tests' own reaches, in total (``sb._container``, ``sb._rec``, ...): a named test helper instead
+TESTS_REACH = 124  # the tests' own reaches, in total (``sb._container``, ``sb._rec``, ...): a named test helper instead
 
 
 def _defined(tree: ast.AST) -> set[str]:

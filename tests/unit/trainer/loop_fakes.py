@@ -108,6 +108,9 @@ class FakeSync:
 
         return Result()
 
+    def close(self) -> None:
+        return None
+
 
 def loop_with_fakes(tmp_path: Path, script: scripted.Script, overrides: list[str], delay: float = 0.0,
                     backend: FakeBackend | None = None, gate: Gate | None = None, resume: bool = False

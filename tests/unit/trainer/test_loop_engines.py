@@ -76,7 +76,7 @@ def test_vllm_turns_carry_the_loops_version_and_training_goes_on(tmp_path):
                               "rl.group_size=2"])
         loop = Loop(cfg)
         loop.trainer, loop.start_weights = WeightTrainer(), None
-        loop._start_policy()                             # the real pre-flight of the endpoint, and its WeightSync
+        loop.start_policy()                             # the real pre-flight of the endpoint, and its WeightSync
         backend = FakeBackend()
         rc = RolloutConfig(cfg.env.id, url, backend_factory=lambda: backend, tokenizer_factory=lambda: TOK)
         loop.rollout = LoopRollout(rc, workers=0, out=tmp_path / "trajectories", run_id="unit")

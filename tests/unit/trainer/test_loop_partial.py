@@ -180,10 +180,10 @@ def test_the_loop_cuts_the_tail_and_resumes_it_next_iteration(tmp_path):
         await loop.rollout.start()
         try:
             first = await loop.rollout_batch()
-            await loop._train_iteration(first, produced_at=0)
+            await loop.train_iteration(first, produced_at=0)
             gates.batch = 2
             second = await loop.rollout_batch()
-            await loop._train_iteration(second, produced_at=1)
+            await loop.train_iteration(second, produced_at=1)
             return first, second
         finally:
             await loop.rollout.aclose()
@@ -236,7 +236,7 @@ def test_resume_restores_the_paused_groups_and_the_trained_batchs_task_cursor(tm
     after step 1's checkpoint. --resume hands tasks 4-6 out again (batch 2 was never trained on) and resumes d from
     the snapshot it was paused to in batch 1, which survived the sweeps because the checkpoint names it."""
     from trainer import checkpoint as ckpt
-    from trainer.partial import PAUSED_FILE, restore_data, snapshot_ids
+    from trainer.partial import PAUSED_FILE, snapshot_ids
 
     gates = Gates()
     loop, versions, backend = _gated_loop(tmp_path, ["rl.max_staleness=1", "rl.iterations=4"], gates)
@@ -248,7 +248,7 @@ def test_resume_restores_the_paused_groups_and_the_trained_batchs_task_cursor(tm
             gates.batch = 2
             await loop.rollout_batch()                 # the producer is one batch ahead
             assert loop.task_cursor == 7
-            await loop._train_iteration(first, produced_at=0)
+            await loop.train_iteration(first, produced_at=0)
         finally:
             await loop.rollout.aclose()                 # the run ends here (killed after the checkpoint)
 
@@ -263,8 +263,8 @@ def test_resume_restores_the_paused_groups_and_the_trained_batchs_task_cursor(tm
     gates2 = Gates(batch=2)
     again, _, _ = _gated_loop(tmp_path, ["rl.max_staleness=1", "rl.iterations=4"], gates2, backend=backend,
                               resume=True)
-    restore_data(again, data, folder)
-    assert again.task_cursor == 4 and again.iteration == 1 and again._group_seq == data["group_seq"]
+    again.restore_data(data, folder)
+    assert again.task_cursor == 4 and again.iteration == 1 and again.group_seq == data["group_seq"]
     assert [g.result.spec.task_id for g in again.partial.groups] == ["d"]
     assert snapshot_ids(again.partial.groups) == named and again.rollout.keep_snapshots == named
 
@@ -272,7 +272,7 @@ def test_resume_restores_the_paused_groups_and_the_trained_batchs_task_cursor(tm
         await again.rollout.start()
         try:
             got = await again.rollout_batch()
-            await again._train_iteration(got, produced_at=0)
+            await again.train_iteration(got, produced_at=0)
             return got
         finally:
             await again.rollout.aclose()

@@ -99,7 +99,7 @@ def test_stale_trajectories_are_dropped_and_counted(tmp_path):
         try:
             old = await loop.rollout_batch()          # played under v0
             versions.now = loop.version = 2           # two updates landed meanwhile
-            return await loop._train_iteration(old, produced_at=0)
+            return await loop.train_iteration(old, produced_at=0)
         finally:
             await loop.rollout.aclose()
 
