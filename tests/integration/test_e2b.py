@@ -171,7 +171,8 @@ def test_the_code_interpreter_keeps_state_across_pause_and_fork(e2b_url: str) ->
             kid.run_code(f"x = {i}")
         assert [k.run_code("x").text for k in kids] == ["0", "1"] and ci.run_code("x").text == "41"
         with pytest.raises(TimeoutException):  # the client gives up; the server interrupts the kernel
-            ci.run_code("import time\nfor i in range(300):\n    time.sleep(0.1)", timeout=1.5)
+            early = ci.run_code("import time\nfor i in range(300):\n    time.sleep(0.1)", timeout=1.5)
+            pytest.fail(f"a 30 s execution ended before its 1.5 s timeout: {early!r}")  # what ended it, if it does
         after = ci.run_code("x * 2")  # the interrupted execution's leftovers are not this one's
         assert after.text == "82" and after.error is None
         streamed: list[str] = []

@@ -161,7 +161,7 @@ def test_a_files_only_pause_boots_afresh_from_the_disk_and_never_wakes_on_traffi
     try:
         sb.files.write("/home/user/marker.txt", "persisted")
         sb.commands.run("sleep 600", background=True)
-        assert not _gone(sb)
+        wait_for(lambda: not _gone(sb), "the background sleep running")  # started is not yet exec'd as sleep
         assert sb.pause(keep_memory=False)
         assert not sb.is_running()  # auto_resume: yet a files-only pause waits for connect, as in E2B
         assert sb.get_info().state.value == "paused"
@@ -182,6 +182,7 @@ def test_a_timeout_pauses_files_only_when_asked_and_reboot_drops_a_memory_pause(
         wait_for(lambda: timed.get_info().state.value == "paused", "the timeout pauses it (the reaper looks often)")
         back = Sandbox.connect(timed.sandbox_id)
         assert back.files.read("/tmp/marker.txt") == "kept" and _gone(back)
+        wait_for(lambda: not _gone(full), "the background sleep running")  # so that its going away means something
         full.pause()
         rebooted = Sandbox.connect(full.sandbox_id, on_resume="reboot")  # memory false: boot from the files
         assert rebooted.files.read("/tmp/marker.txt") == "kept" and _gone(rebooted)
