@@ -4,8 +4,9 @@ The contract (value types and Protocols) is ``agentenv.api``; this module is its
 (``agentenv.Sandbox``, ``agentenv.Snapshot``), ``connect`` and ``Pool`` its remote ones. Gymnasium
 environments live in the ``envs`` package, so importing this one stays light.
 
-The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, CRIU, the volume), ``sandbox/``
-(the ``Sandbox`` and its lifecycle: calls, fork, snapshots, recovery, the warm pool, the store), ``inside/``
+The rooms: ``host/`` (what a sandbox stands on: runtime, namespaces, cgroups, the volume), ``snapshot/`` (CRIU's
+dump and restore, lazy pages, post-copy, the store, export and import), ``sandbox/`` (the ``Sandbox`` and its
+lifecycle: calls, fork, snapshots, recovery, the warm pool), ``inside/``
 (the standard-library programs that run in a sandbox), ``remote/`` (client, pool) and ``server/``
 (``agentenv serve``, E2B's API included); at the top, the contract (``api``, ``errors``, ``netpolicy``, and
 ``wire``: the HTTP bodies both ends read), the settings (``config``, ``phases``; ``config`` also holds the one atomic
@@ -32,7 +33,7 @@ from agentenv.api import (
 
 if TYPE_CHECKING:  # what __getattr__ gives, as type checkers see it (connect and Pool stay untyped there, as before)
     from agentenv.sandbox.core import Sandbox
-    from agentenv.sandbox.store import Snapshot
+    from agentenv.snapshot.store import Snapshot
 
 __all__ = ["Backend", "ExecResult", "ImageFetch", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
            "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "ensure_image", "errors"]
@@ -68,7 +69,7 @@ def __getattr__(name: str) -> Any:
 
         return Sandbox
     if name == "Snapshot":
-        from agentenv.sandbox.store import Snapshot
+        from agentenv.snapshot.store import Snapshot
 
         return Snapshot
     raise AttributeError(f"module 'agentenv' has no attribute {name!r}")

@@ -76,7 +76,8 @@ def collect(
     """Mend what a killed process left (frozen sandboxes, half-made ones, interrupted pauses, fork snapshots),
     pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
     from agentenv import Sandbox
-    from agentenv.sandbox import store, sweep
+    from agentenv.sandbox import sweep
+    from agentenv.snapshot import store
 
     for where, ids in sweep.recover_all().items():
         if where in ("discarded", "lost") and ids:
@@ -93,7 +94,7 @@ def show_volume() -> None:
     import os
 
     from agentenv.host import volume
-    from agentenv.sandbox import store
+    from agentenv.snapshot import store
 
     v = volume.ensure()
     if not v.quotas:

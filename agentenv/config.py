@@ -64,11 +64,11 @@ class Paths:
         runc/, tmp/         runc's state; scratch
         uids/               the leases of the sandboxes' uid ranges (``agentenv.host.userns``)
         agents/             the in-sandbox agent, its parts joined, one file by content (bind-mounted read-only)
-        exports/, imports/  snapshots packed for, and coming from, other servers (``agentenv.sandbox.transfer``)
+        exports/, imports/  snapshots packed for, and coming from, other servers (``agentenv.snapshot.transfer``)
         e2b-templates/      the E2B templates (``agentenv.server.e2b.template_store``)
         image-uses/         when each Docker image last started a sandbox (``agentenv.host.image_store``)
         volume.img          the sparse btrfs image of the volume (when agentenv made it); volume.lock
-        store-limit         the snapshot store's limit (``agentenv.sandbox.store.set_limit``)
+        store-limit         the snapshot store's limit (``agentenv.snapshot.store.set_limit``)
         volume/             the volume: what sandboxes write, and the files of snapshots (one filesystem, so
                             that a snapshot's files are reflinks of the sandbox's, and a restore's of the snapshot's)
           layers/<id>/      a sandbox's overlay upper and work folders: one subvolume, its disk limit

@@ -60,7 +60,7 @@ class TransferError(AgentEnvError):
 
 class UntrustedSnapshot(TransferError):
     """A snapshot archive refused for what it is, not for a damaged chunk: not sealed with the key this server shares
-    with its sender (``agentenv.sandbox.trust``), or holding what no agentenv server packs (a device node, an owner
+    with its sender (``agentenv.snapshot.trust``), or holding what no agentenv server packs (a device node, an owner
     outside the sandbox's ids, a record asking for what a create is refused); nothing was kept."""
 
 

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentenv.sandbox.core import Sandbox
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot.store import Snapshot
 from agentenv.terminal import clean, markup
 
 T = TypeVar("T")

@@ -6,7 +6,7 @@ every child's agent answering, against the issue's targets (fork(1) <= 100 ms, f
 restore runs in one of two modes, alternated run by run on the same source so that the machine's load falls on both
 alike:
 
-- ``lazy``: the default, children restored with CRIU's ``--lazy-pages`` (``agentenv.host.lazy_pages``): they run
+- ``lazy``: the default, children restored with CRIU's ``--lazy-pages`` (``agentenv.snapshot.lazy_pages``): they run
   before their memory is in;
 - ``eager``: every page copied before a child runs (``$AGENTENV_LAZY_PAGES=0``), the path before lazy restores.
 
@@ -31,7 +31,7 @@ from rich.table import Table
 
 import agentenv
 from agentenv import phases
-from agentenv.host.lazy_pages import LAZY_ENV
+from agentenv.snapshot.lazy_pages import LAZY_ENV
 from bench.harness import Report, Result, Row, Timer, add_output_arg, console, median, print_table
 from bench.sandbox_common import CPUS, IMAGE, MEM_CODE, MEM_MB, MEMORY, wait_until
 

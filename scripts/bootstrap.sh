@@ -89,7 +89,7 @@ log "docker $($DOCKER version --format '{{.Server.Version}}') is up"
 # --- 2. CRIU >= 4 -------------------------------------------------------------------------
 # Patches to 4.1.1 (scripts/criu-patches): kernels >= 6.16 answer EOPNOTSUPP for SO_PASSCRED on
 # TCP sockets, which makes CRIU 4.1.1 fail to dump any process holding one (0001); --empty-ns net also
-# skips the namespace's conntrack tables, ~20 ms of every memory snapshot (0002, see agentenv/host/criu.py);
+# skips the namespace's conntrack tables, ~20 ms of every memory snapshot (0002, see agentenv/snapshot/criu.py);
 # CRIU's helper tasks no longer share fs with their parent, which made the restore of any sandbox with a
 # process whose session leader had exited ('cmd &') fail (0003, upstream c7395f4, in CRIU 4.2); an empty
 # read-only tmpfs (runc's mask over /proc/acpi, /sys/firmware...) is saved and restored without running tar,

@@ -1,7 +1,8 @@
 """What a sandbox stands on: the Linux machinery of the host.
 
 System calls Python lacks (``hostcalls``), cgroups, the seccomp profile, user namespaces (``userns``), the
-disk volume and its quotas (``volume``), CRIU checkpoints and lazy page restores (``criu``, ``lazy_pages``),
+disk volume and its quotas (``volume``),
 networking (``network``), images, admission under memory pressure, the OCI runtime (``runtime``) and the
-agent process as the host starts and knows it (``agent_start``, ``agent_process``). Nothing here knows a ``Sandbox``.
+agent process as the host starts and knows it (``agent_start``, ``agent_process``). Nothing here knows a ``Sandbox``
+or CRIU: dumps and restores are the snapshot room's (``agentenv.snapshot``).
 """

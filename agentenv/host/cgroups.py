@@ -1,4 +1,4 @@
-"""The sandboxes' cgroups: made as runc makes them, for restores that run CRIU without runc (``agentenv.host.criu``),
+"""The sandboxes' cgroups: made as runc makes them, for restores that run CRIU without runc (``agentenv.snapshot.criu``),
 removed where runc cannot, and moved into fast (``favor_dynmods``).
 
 ``runc restore`` creates the container's cgroups and writes its limits before CRIU puts the restored processes
@@ -143,3 +143,22 @@ def _mounts() -> list[str]:
         return Path("/proc/self/mounts").read_text().splitlines()
     except OSError:
         return []
+
+
+VFORK_WAITS = ("kernel_clone", "wait_for_vfork_done")  # where a vfork parent sleeps (/proc/TID/wchan; inlined or not)
+
+
+def vfork_waiters(tasks: Path) -> list[int]:
+    """The threads listed in a cgroup's ``tasks`` file that wait for a vfork child to exec or exit."""
+    try:
+        tids = [int(t) for t in tasks.read_text().split()]
+    except (OSError, ValueError):
+        return []
+    waiting = []
+    for tid in tids:
+        try:
+            if Path(f"/proc/{tid}/wchan").read_text().strip() in VFORK_WAITS:
+                waiting.append(tid)
+        except OSError:
+            continue  # gone meanwhile
+    return waiting

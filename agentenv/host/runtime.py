@@ -13,7 +13,6 @@ capability set, no-new-privileges, a seccomp allowlist modelled on Docker's defa
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import subprocess
@@ -27,15 +26,10 @@ from agentenv import netpolicy
 from agentenv.api import Limits
 from agentenv.config import paths, write_private
 from agentenv.errors import CheckpointError, SandboxError
-from agentenv.host import cgroups, criu, ksm, lazy_pages, network, page_channel, postcopy, userns
+from agentenv.host import cgroups, ksm, network, userns
 from agentenv.host.agent_process import AgentProcess
 from agentenv.host.agent_start import AGENT_DEST, agent_command, agent_env, agent_file
-from agentenv.host.criu import DIRECT_RESTORE_ENV, LINK, tcp_mode
-from agentenv.host.criu import dump as criu_dump
-from agentenv.host.criu import fix as criu_fix
-from agentenv.host.criu import hand_over as criu_hand_over
-from agentenv.host.criu import reason as criu_reason
-from agentenv.host.criu import restore as criu_restore
+from agentenv.host.cgroups import vfork_waiters
 from agentenv.host.hostcalls import (
     bind_netns,
     drop_netns,
@@ -46,6 +40,7 @@ from agentenv.host.hostcalls import (
     umount,
 )
 from agentenv.host.seccomp import seccomp_profile
+from agentenv.host.trees import copy_tree
 from agentenv.phases import phase
 
 DEFAULT_CAPS = ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",
@@ -55,6 +50,7 @@ _MASKED = ["/proc/acpi", "/proc/asound", "/proc/kcore", "/proc/keys", "/proc/lat
 _READONLY = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"]
 CPU_PERIOD = 100_000
 FREEZE_ATTEMPTS = 20
+LINK = "link.json"  # a networked sandbox's link (network.attach's record) in its bundle, and with a dump's images
 DEV_SIZE = 256 << 20  # the /dev tmpfs (with /dev/shm): at most this, and at most half the memory limit
 
 @dataclass
@@ -191,14 +187,12 @@ class Container:
     def cgroup(self) -> str:
         return f"/agentenv/{self.cid}"
 
-    def _runc(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    def runc(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run runc; its errors come back in ``stderr``. The container's own stdio is /dev/null.
 
         runc's log goes to a file of this call's own outside the bundle, read and removed at once: a call racing
         ``close()`` must not bring the removed sandbox folder back (runc creates its log's folder).
         """
-        if "restore" in args:
-            criu.rundir()
         fd, name = tempfile.mkstemp(prefix=f"agentenv-runc-{self.cid}.", suffix=".log")
         os.close(fd)
         log = Path(name)
@@ -320,21 +314,20 @@ class Container:
     def start(self) -> int:
         """Run the container detached; returns the host pid of its init (the agent)."""
         pidfile = self.bundle / "init.pid"
-        r = self._runc("run", "--detach", "--bundle", str(self.bundle), "--pid-file", str(pidfile), self.cid)
+        r = self.runc("run", "--detach", "--bundle", str(self.bundle), "--pid-file", str(pidfile), self.cid)
         if r.returncode != 0:
             raise SandboxError(f"runc run failed: {r.stderr.strip()}")
         return int(pidfile.read_text())
 
     def state(self) -> dict[str, Any] | None:
         """runc's view of the container (status, pid), or None if runc does not know it."""
-        r = self._runc("state", self.cid)
+        r = self.runc("state", self.cid)
         return json.loads(r.stdout) if r.returncode == 0 else None
 
     def destroy(self) -> None:
         """Kill every process, delete the runc container and unmount; tolerant of half-made state."""
-        self._runc("delete", "--force", self.cid)
+        self.runc("delete", "--force", self.cid)
         cgroups.remove(cgroups.existing(self.cgroup))  # what runc had no record of (a direct restore cut short)
-        lazy_pages.stop_lazy_daemons(self.bundle)  # a lazy restore's, if its memory was still coming in
         self.unmount()
         network.detach(self.link())
         drop_netns(self.netns)
@@ -394,91 +387,3 @@ class Container:
             return False
         state = f.read_text().strip()
         return state != "THAWED" if f.name == "freezer.state" else state == "1"
-
-    # --- CRIU --------------------------------------------------------------------------------
-
-    def checkpoint(self, images: Path, work: Path, leave_running: bool, criu: str | None = None,
-                   page_server: page_channel.Listener | None = None) -> postcopy.PageServer | None:
-        """Dump every process of the container with CRIU into ``images``, in the form ``runc restore`` takes
-        (CRIU run directly, with runc's options and fewer costs: see ``agentenv.host.criu``). With
-        ``page_server`` (a migration's listener), a lazy dump whose pages are then served through it
-        (``agentenv.host.postcopy``), returned running."""
-        f = self.freezer()
-        waiting = vfork_waiters(f.parent / "tasks") if f is not None and self.frozen() else []
-        if waiting:  # CRIU would try to seize them for its whole timeout, then fail
-            raise CheckpointError(f"process(es) {', '.join(map(str, waiting))} of the sandbox wait for a vfork child "
-                                  "that has not run its program yet: CRIU cannot save a process in that state. "
-                                  "Nothing was saved and the sandbox runs on",
-                                  fix="retry once the child has started its program (or exited)")
-        try:
-            if self.link_file.exists():  # what a restore compares its own address with (criu.tcp_mode)
-                images.mkdir(mode=0o700, parents=True, exist_ok=True)
-                write_private(images / LINK, self.link_file.read_bytes())
-            if page_server is not None:
-                return postcopy.PageServer.start(self.runc_root / self.cid / "state.json", images, work,
-                                                 page_server, criu)
-            criu_dump(self.runc_root / self.cid / "state.json", images, work, leave_running, criu)
-            return None
-        except CheckpointError:
-            with contextlib.suppress(OSError):  # kept: the snapshot folder is removed on failure
-                write_private(self.bundle / "last-dump.log", (work / "dump.log").read_bytes())
-            raise
-
-    def restore(self, images: Path, work: Path, spec: ContainerSpec, criu: str | None = None, lazy: bool = False,
-                address: str | None = None) -> int:
-        """Restore a CRIU dump into this (prepared) bundle; returns the host pid of init. Its network namespace is
-        set up (``connect``, on ``address`` where free) before any of its processes runs. With ``lazy``, the
-        processes run before their memory is in: a ``criu lazy-pages`` daemon listening in ``work`` serves it
-        (``agentenv.host.lazy_pages.start_lazy_pages``)."""
-        criu_hand_over(images, work, self.bundle)
-        if os.environ.get(DIRECT_RESTORE_ENV, "1") != "0":
-            pid = criu_restore(images, work, self.bundle, self.cid, self.runc_root, lazy, criu,
-                               setup=lambda pid: self.connect(spec, pid, restored=True, address=address),
-                               address=address)
-            if pid is not None:
-                return pid
-        pidfile = self.bundle / "init.pid"
-        work.mkdir(parents=True, exist_ok=True)
-        r = self._runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),
-                       "--work-path", str(work), "--bundle", str(self.bundle), "--pid-file", str(pidfile),
-                       # the namespace is set up after runc's restore: connections through eth0 cannot come back
-                       *(["--tcp-established"] if tcp_mode(images, None) == "--tcp-established" else []),
-                       "--file-locks", *(["--lazy-pages"] if lazy else []), self.cid,
-                       timeout=300)
-        if r.returncode != 0:
-            raise CheckpointError(f"CRIU restore failed: {criu_reason(r.stderr, work / 'restore.log')}",
-                                  fix=criu_fix(criu))
-        return int(pidfile.read_text())
-
-
-def copy_tree(src: Path, dst: Path) -> None:
-    """Copy a folder's content with owners, modes, xattrs and overlay whiteouts (``cp -a``)."""
-    dst.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["cp", "-a", "--reflink=auto", f"{src}/.", str(dst)], capture_output=True, text=True,
-                       check=False)
-    if r.returncode != 0:
-        msg = r.stderr.strip()
-        if "No space left" in msg:
-            raise OSError(errno.ENOSPC, f"no space left copying to {dst}: {msg}")
-        if "quota exceeded" in msg.lower():
-            raise OSError(errno.EDQUOT, f"disk quota exceeded copying to {dst}: {msg}")
-        raise SandboxError(f"copying {src} failed: {msg}")
-
-
-VFORK_WAITS = ("kernel_clone", "wait_for_vfork_done")  # where a vfork parent sleeps (/proc/TID/wchan; inlined or not)
-
-
-def vfork_waiters(tasks: Path) -> list[int]:
-    """The threads listed in a cgroup's ``tasks`` file that wait for a vfork child to exec or exit."""
-    try:
-        tids = [int(t) for t in tasks.read_text().split()]
-    except (OSError, ValueError):
-        return []
-    waiting = []
-    for tid in tids:
-        try:
-            if Path(f"/proc/{tid}/wchan").read_text().strip() in VFORK_WAITS:
-                waiting.append(tid)
-        except OSError:
-            continue  # gone meanwhile
-    return waiting

@@ -1,4 +1,4 @@
-"""Deleting a folder tree without ever deleting through a mount inside it.
+"""Copying a folder tree (``copy_tree``), and deleting one without ever deleting through a mount inside it.
 
 A sandbox's bundle holds mounts for moments: while its root is assembled, each image layer is bind-mounted (an
 idmapped mount) under ``bundle/lower/<i>`` until the overlay over them is made. A start killed in that window, or a
@@ -15,8 +15,10 @@ import contextlib
 import errno
 import logging
 import os
+import subprocess
 from pathlib import Path
 
+from agentenv.errors import SandboxError
 from agentenv.host.hostcalls import umount
 
 log = logging.getLogger(__name__)
@@ -105,3 +107,17 @@ def _open_on(fd: int, name: str, path: Path, mnt: int) -> tuple[int | None, bool
             with contextlib.suppress(OSError):
                 umount(path, lazy=True)
     return None, True
+
+
+def copy_tree(src: Path, dst: Path) -> None:
+    """Copy a folder's content with owners, modes, xattrs and overlay whiteouts (``cp -a``)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["cp", "-a", "--reflink=auto", f"{src}/.", str(dst)], capture_output=True, text=True,
+                       check=False)
+    if r.returncode != 0:
+        msg = r.stderr.strip()
+        if "No space left" in msg:
+            raise OSError(errno.ENOSPC, f"no space left copying to {dst}: {msg}")
+        if "quota exceeded" in msg.lower():
+            raise OSError(errno.EDQUOT, f"disk quota exceeded copying to {dst}: {msg}")
+        raise SandboxError(f"copying {src} failed: {msg}")

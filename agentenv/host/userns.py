@@ -195,7 +195,7 @@ def _made(base: int, path: Path | None) -> int:
 def as_seen_inside(folder: Path, base: int, view: Path) -> Iterator[Path]:
     """``folder`` (files of the range whose root is ``base``) mounted on the empty folder ``view`` through an idmapped
     mount that shows every owner as the sandbox sees it: host id base+k as k, any id outside the range as nobody
-    (65534). What ``tar`` then packs names the sandbox's ids, not this host's (``agentenv.sandbox.transfer``); root
+    (65534). What ``tar`` then packs names the sandbox's ids, not this host's (``agentenv.snapshot.transfer``); root
     still reads everything there, ``trusted.`` attributes too. Unmounted (and ``view`` removed) after."""
     ns = make_userns(0, SIZE, None, inside=base)  # its ids base.. are the host's 0..: the inverse of the range's
     try:

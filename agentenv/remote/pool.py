@@ -13,7 +13,7 @@ which first pulls the snapshot from its owner (``POST /v1/snapshots/import``: ch
 resumable); ``move`` takes a sandbox to another server that way (pause, pull, restore there, close here), or
 running (``post_copy=True``: its memory follows it, served by CRIU's page server; docs/transfer.md).
 Servers started with the same ``--shared-store`` see each other's snapshots there: a snapshot whose server is
-gone is restored on one of them (``agentenv.sandbox.shared``).
+gone is restored on one of them (``agentenv.snapshot.shared``).
 """
 
 from __future__ import annotations

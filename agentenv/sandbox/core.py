@@ -50,21 +50,23 @@ from agentenv.errors import (
     SandboxNotFound,
     SandboxStateError,
 )
-from agentenv.host import admission, image_store, images, ksm, lazy_pages, userns, volume
+from agentenv.host import admission, image_store, images, ksm, userns, volume
 from agentenv.host import network as hostnet
 from agentenv.host.agent_process import AgentProcess, protect_agent
 from agentenv.host.hostcalls import proc_start_time
-from agentenv.host.runtime import Container, ContainerSpec
+from agentenv.host.runtime import ContainerSpec
 from agentenv.host.trees import remove_tree
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import expiry, forking, migration, record, recovery, shared, snapshotting, store, warm
+from agentenv.sandbox import expiry, forking, migration, record, recovery, snapshotting, warm
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT
 from agentenv.sandbox.record import Record, SandboxRecord
 from agentenv.sandbox.recovery import RECOVER_PING_TIMEOUT, HostProcess
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot import lazy_pages, shared, store
+from agentenv.snapshot.container import Container
+from agentenv.snapshot.store import Snapshot
 
 __all__ = ["Process", "Sandbox", "max_output"]  # Process and max_output live in agentenv.sandbox.calls
 

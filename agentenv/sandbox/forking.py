@@ -37,8 +37,9 @@ from agentenv.host import volume
 from agentenv.host.agent_process import AgentProcess
 from agentenv.host.agent_start import agent_command, agent_env
 from agentenv.phases import phase
-from agentenv.sandbox import snapshotting, store, warm
+from agentenv.sandbox import snapshotting, warm
 from agentenv.sandbox.parts import START_TIMEOUT, Parts
+from agentenv.snapshot import store
 
 if TYPE_CHECKING:
     from agentenv.host.runtime import ContainerSpec

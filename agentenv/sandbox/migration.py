@@ -19,10 +19,10 @@ import ipaddress
 import threading
 
 from agentenv.errors import CheckpointError, PageServerKeyError, SandboxStateError
-from agentenv.host import page_channel, postcopy
-from agentenv.sandbox import snapshotting, store
+from agentenv.sandbox import snapshotting
 from agentenv.sandbox.parts import Parts
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot import page_channel, postcopy, store
+from agentenv.snapshot.store import Snapshot
 
 PAGE_SERVER = "agentenv.page_server"  # label of a post-copy snapshot: "address:port" of its page server
 CONNECT_TIMEOUT = 60.0  # seconds the page server waits for a receiver before the source resumes

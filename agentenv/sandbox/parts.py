@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any, Protocol, Self
 from agentenv.api import State
 
 if TYPE_CHECKING:
-    from agentenv.host.runtime import Container, ContainerSpec
+    from agentenv.host.runtime import ContainerSpec
     from agentenv.sandbox.channel import Channel
     from agentenv.sandbox.record import SandboxRecord
-    from agentenv.sandbox.store import Snapshot
+    from agentenv.snapshot.container import Container
+    from agentenv.snapshot.store import Snapshot
 
 START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
 

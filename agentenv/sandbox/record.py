@@ -32,7 +32,8 @@ from agentenv import netpolicy
 from agentenv.api import Limits, Network, State
 from agentenv.config import write_private
 from agentenv.errors import SandboxError, SandboxNotFound, SandboxStateError
-from agentenv.host.runtime import Container, ContainerSpec
+from agentenv.host.runtime import ContainerSpec
+from agentenv.snapshot.container import Container
 
 log = logging.getLogger("agentenv")
 

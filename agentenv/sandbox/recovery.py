@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 from agentenv.config import paths
 from agentenv.errors import AgentEnvError, SandboxNotFound
 from agentenv.host import cgroups
-from agentenv.sandbox import snapshotting, store
+from agentenv.sandbox import snapshotting
+from agentenv.snapshot import store
 
 if TYPE_CHECKING:
     from agentenv.sandbox.parts import Parts

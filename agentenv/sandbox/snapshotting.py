@@ -22,11 +22,12 @@ from typing import TYPE_CHECKING
 
 from agentenv.config import crash_point, paths
 from agentenv.errors import CheckpointError, ConnectionLost
-from agentenv.host import lazy_pages, page_channel, postcopy, userns, volume
-from agentenv.host.criu import dump_stats
+from agentenv.host import userns, volume
 from agentenv.phases import note, phase
-from agentenv.sandbox import shared, store, usage
-from agentenv.sandbox.store import Snapshot
+from agentenv.sandbox import usage
+from agentenv.snapshot import lazy_pages, page_channel, postcopy, shared, store
+from agentenv.snapshot.criu import dump_stats
+from agentenv.snapshot.store import Snapshot
 
 if TYPE_CHECKING:
     from agentenv.sandbox.parts import Parts

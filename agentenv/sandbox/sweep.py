@@ -17,10 +17,10 @@ from concurrent.futures import wait as futures_wait
 
 from agentenv.config import paths
 from agentenv.host import network, volume
-from agentenv.sandbox import store
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.record import SandboxRecord
 from agentenv.sandbox.recovery import host_processes
+from agentenv.snapshot import store
 
 log = logging.getLogger("agentenv")
 

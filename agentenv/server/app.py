@@ -20,7 +20,7 @@ from agentenv import __version__
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
 from agentenv.host.image_store import ImageSources
-from agentenv.sandbox import shared, store, trust, warm
+from agentenv.sandbox import warm
 from agentenv.server import console
 from agentenv.server.limits import MAX_CONNECTIONS, BodyLimit, GuardedHttpProtocol
 from agentenv.server.routes import commands, files, images, jobs, migration, sandboxes, server, snapshots
@@ -32,6 +32,7 @@ from agentenv.server.routing import (
     replying_as,
 )
 from agentenv.server.service import Service
+from agentenv.snapshot import shared, store, trust
 from policy.authlimit import AuthFailures
 
 DEFAULT_PORT = 8700
@@ -57,8 +58,8 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
     ``domain``: what E2B's ``get_host`` names (``{port}-{id}.{domain}``): requests with such a ``Host`` reach
     that port of the sandbox (a wildcard DNS name to this server makes them work, see docs/e2b.md).
     ``shared_store``: a folder every server sees, where each pause and snapshot is also published and from which
-    a snapshot this store lacks is imported (``agentenv.sandbox.shared``). ``transfer_key``: the file of the key the
-    servers that exchange snapshots share (``agentenv.sandbox.trust``; None: ``$AGENTENV_TRANSFER_KEY_FILE``, else
+    a snapshot this store lacks is imported (``agentenv.snapshot.shared``). ``transfer_key``: the file of the key the
+    servers that exchange snapshots share (``agentenv.snapshot.trust``; None: ``$AGENTENV_TRANSFER_KEY_FILE``, else
     the home's own key, which only servers of this home share). ``pages``: what other packages add to the
     console, each called with the app before the console's own pages (``agentenv serve --runs``: the trajectory
     viewer, found through the ``agentenv.console`` entry points: agentenv imports no other package).

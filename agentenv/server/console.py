@@ -26,7 +26,6 @@ from fastapi.responses import JSONResponse, RedirectResponse, StreamingResponse
 
 from agentenv.sandbox import usage
 from agentenv.sandbox.core import Sandbox
-from agentenv.sandbox.store import Snapshot
 from agentenv.server import console_metrics, console_sandbox
 from agentenv.server.console_auth import (
     HEADERS,
@@ -43,6 +42,7 @@ from agentenv.server.routes import sandboxes, snapshots
 from agentenv.server.routing import error_response
 from agentenv.server.schemas import ForkRequest, SandboxId, SnapshotRequest
 from agentenv.server.service import Service
+from agentenv.snapshot.store import Snapshot
 
 TICK = 1.0  # seconds between two readings on an event stream
 STREAM_SECONDS = 15.0  # an event stream ends after this long (the browser reconnects), so none holds a shutdown up

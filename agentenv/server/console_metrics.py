@@ -12,8 +12,8 @@ from typing import Any
 
 from agentenv.host import admission
 from agentenv.sandbox import warm
-from agentenv.sandbox.store import Snapshot
 from agentenv.server.service import Service
+from agentenv.snapshot.store import Snapshot
 
 HISTORY = 300  # readings kept (five minutes at one a second)
 

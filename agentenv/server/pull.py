@@ -1,7 +1,7 @@
 """Pulling a snapshot from another server (``POST /v1/snapshots/import`` runs this on the receiving one).
 
 The manifest and then each chunk missing here are asked of the sender with its token; each chunk is checked
-against the manifest's sha256 before it is kept (``agentenv.sandbox.transfer.receive``). A dropped
+against the manifest's sha256 before it is kept (``agentenv.snapshot.transfer.receive``). A dropped
 connection is retried ``retries`` times per request; past that the import fails and the next one resumes from
 the chunks already in. Once the snapshot is in the store the sender is told to drop its packed archive.
 """
@@ -15,8 +15,8 @@ import httpx
 
 from agentenv.errors import AgentEnvError, TransferError
 from agentenv.remote.client import Client
-from agentenv.sandbox import transfer
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot import transfer
+from agentenv.snapshot.store import Snapshot
 
 PACK_TIMEOUT = 600.0  # seconds the sender may take to pack a large snapshot before it answers the manifest
 

@@ -22,10 +22,10 @@ from agentenv.api import fork_count
 from agentenv.host import network, userns
 from agentenv.sandbox import migration
 from agentenv.sandbox.core import Sandbox
-from agentenv.sandbox.imported import ORIGIN
-from agentenv.sandbox.store import Snapshot
 from agentenv.sandbox.sweep import recover_all
 from agentenv.server.schemas import Capacity
+from agentenv.snapshot.imported import ORIGIN
+from agentenv.snapshot.store import Snapshot
 
 log = logging.getLogger("agentenv.server")
 RETRY_AFTER = 5.0  # seconds a client is told to wait when a quota is full

@@ -1,4 +1,4 @@
-"""Restores that run CRIU without runc (agentenv.host.criu.restore): runc's work done by agentenv, and nothing lost.
+"""Restores that run CRIU without runc (agentenv.snapshot.restore): runc's work done by agentenv, and nothing lost.
 
 The restored sandbox must get the cgroups and limits that ``runc restore`` would have given it, runc must know
 it afterwards (state, delete, later dumps), images without runc's record must still restore (through runc), and
@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 import agentenv
-from agentenv.host import cgroups, criu, runtime
+from agentenv.host import cgroups, runtime
+from agentenv.snapshot import criu, restore
 
 from .test_snapshots import ask, start_counter
 
@@ -27,14 +28,14 @@ pytestmark = pytest.mark.integration
 def runc_restores(monkeypatch):
     """The number of ``runc restore`` runs made while the test runs (a list: one entry a run)."""
     calls: list[tuple[str, ...]] = []
-    real = runtime.Container._runc
+    real = runtime.Container.runc
 
     def counting(self, *args, **kw):
         if "restore" in args:
             calls.append(args)
         return real(self, *args, **kw)
 
-    monkeypatch.setattr(runtime.Container, "_runc", counting)
+    monkeypatch.setattr(runtime.Container, "runc", counting)
     return calls
 
 
@@ -80,7 +81,7 @@ def test_restores_fall_back_to_runc(how, runc_restores, monkeypatch):
         if how.startswith("images"):
             (snap.criu_dir / criu.RUNC_STATE).unlink()  # as a snapshot taken before direct restores
         else:
-            monkeypatch.setenv(criu.DIRECT_RESTORE_ENV, "0")
+            monkeypatch.setenv(restore.DIRECT_RESTORE_ENV, "0")
         with agentenv.Sandbox.restore(snap) as r:
             assert len(runc_restores) == 1
             assert ask(r) == 2

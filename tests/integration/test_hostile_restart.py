@@ -22,7 +22,8 @@ import agentenv
 from agentenv.config import CRASH_ENV, paths
 from agentenv.errors import ConnectionLost
 from agentenv.remote.client import Client
-from agentenv.sandbox import store, sweep
+from agentenv.sandbox import sweep
+from agentenv.snapshot import store
 
 from .server_fixtures import TOKEN, free_port, start_server_process
 

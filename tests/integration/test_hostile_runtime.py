@@ -33,7 +33,8 @@ from agentenv.errors import (
 )
 from agentenv.host import volume
 from agentenv.inside import agent
-from agentenv.sandbox import channel, expiry, snapshotting, store
+from agentenv.sandbox import channel, expiry, snapshotting
+from agentenv.snapshot import store
 
 from .conftest import cleanup
 

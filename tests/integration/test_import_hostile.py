@@ -33,7 +33,7 @@ import pytest
 from agentenv.errors import AgentEnvError, TransferError
 from agentenv.host import userns
 from agentenv.remote.client import Client
-from agentenv.sandbox.trust import KEY_ENV, seal
+from agentenv.snapshot.trust import KEY_ENV, seal
 
 from .server_fixtures import TOKEN, threaded_server
 
@@ -48,7 +48,7 @@ Edit = Callable[[dict[str, Any]], None]
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[Client, Path, Path]]:
     """The server's client, its shared store, and a scratch folder of the host (outside every sandbox)."""
-    from agentenv.sandbox import shared
+    from agentenv.snapshot import shared
 
     folder = Path(tempfile.mkdtemp(prefix="agentenv-hostile-import-", dir="/var/tmp"))
     store, scratch = folder / "shared", folder / "host"

@@ -22,7 +22,7 @@ import pytest
 
 import agentenv
 from agentenv.config import paths
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot.store import Snapshot
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""The memory path: CRIU dumps run directly (agentenv.host.criu) and restores bring memory in lazily.
+"""The memory path: CRIU dumps run directly (agentenv.snapshot.criu) and restores bring memory in lazily.
 
 Every byte of a process's memory must come back, whether the snapshot and its source still exist or not, and a
 snapshot of a sandbox whose memory is still coming in must not miss the pages not in yet.
@@ -15,8 +15,8 @@ import pytest
 
 import agentenv
 from agentenv.config import paths
-from agentenv.host import criu, lazy_pages
 from agentenv.host.hostcalls import proc_start_time
+from agentenv.snapshot import criu, lazy_pages
 
 from .test_snapshots import ask, start_counter
 
@@ -247,7 +247,7 @@ def test_a_failed_lazy_restore_leaves_no_daemon_and_no_sandbox(monkeypatch):
         assert lazy  # the daemon was up, waiting for this restore
         raise agentenv.errors.CheckpointError("refused for the test")
 
-    monkeypatch.setattr("agentenv.host.runtime.Container.restore", refuse)
+    monkeypatch.setattr("agentenv.snapshot.container.Container.restore", refuse)
     with pytest.raises(agentenv.errors.CheckpointError):
         agentenv.Sandbox.restore(snap)
     snap.delete()

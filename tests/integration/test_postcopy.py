@@ -14,8 +14,8 @@ import pytest
 
 import agentenv
 from agentenv.errors import CheckpointError, SandboxStateError, SnapshotNotFound
-from agentenv.host import lazy_pages, page_channel
 from agentenv.sandbox import expiry, migration, usage
+from agentenv.snapshot import lazy_pages, page_channel
 
 from .server_fixtures import TOKEN
 from .test_transfer import servers  # noqa: F401 - the two servers (A holds one sandbox)

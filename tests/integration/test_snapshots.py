@@ -308,7 +308,7 @@ def test_a_process_waiting_on_its_vfork_child_is_not_dumped_mid_spawn():
     which glibc runs between clone(CLONE_VFORK) and exec) makes the memory snapshot fail clearly (before CRIU tries), the sandbox runs
     on, and once the child execs the snapshot succeeds."""
     from agentenv.errors import CheckpointError
-    from agentenv.host.runtime import vfork_waiters
+    from agentenv.host.cgroups import vfork_waiters
 
     spawn = ("import os\nos.mkfifo('/tmp/gate')\n"
              "pid = os.posix_spawn('/bin/true', ['true'], {}, file_actions=[(os.POSIX_SPAWN_OPEN, 3, '/tmp/gate', "

@@ -12,7 +12,7 @@ import agentenv
 from agentenv.config import paths
 from agentenv.errors import StoreFullError
 from agentenv.host import volume
-from agentenv.sandbox import store
+from agentenv.snapshot import store
 
 pytestmark = pytest.mark.integration
 

@@ -156,7 +156,7 @@ while True:  # a line written to /tmp/in goes through the established connection
 
 def test_a_loopback_connection_comes_back_established_in_a_restore(sb):
     """CRIU makes a restored sandbox's network namespace empty; the host brings its loopback up before any socket
-    comes back (criu.NamespaceHook), so connections between its own processes survive a pause and a restore."""
+    comes back (restore.NamespaceHook), so connections between its own processes survive a pause and a restore."""
     sb.write_file("/tmp/pair.py", ECHO_PAIR)
     sb.spawn("python3 /tmp/pair.py")
     assert sb.exec("for i in $(seq 100); do test -e /tmp/ready && break; sleep 0.1; done; test -e /tmp/ready"

@@ -11,7 +11,7 @@ from agentenv.api import Backend, ProcessLike, SandboxLike, SnapshotLike
 from agentenv.remote.client import Client, RemoteProcess, RemoteSandbox, RemoteSnapshot
 from agentenv.remote.pool import Pool
 from agentenv.sandbox.core import Process, Sandbox
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot.store import Snapshot
 
 
 def local_backend() -> Backend:

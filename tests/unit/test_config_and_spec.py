@@ -15,7 +15,7 @@ from agentenv.errors import DiskLimitUnsupported, SnapshotNotFound, StoreFullErr
 from agentenv.host import userns, volume
 from agentenv.host.runtime import DEFAULT_CAPS, ContainerSpec, Limits, dev_size, oci_config
 from agentenv.host.seccomp import seccomp_profile
-from agentenv.sandbox import store
+from agentenv.snapshot import store
 
 
 @pytest.mark.parametrize(("text", "n"), [("1g", 1 << 30), ("512m", 512 << 20), ("1.5GiB", 3 << 29), ("4096", 4096),

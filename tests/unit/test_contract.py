@@ -10,7 +10,7 @@ import pytest
 from agentenv import api, wire
 from agentenv.api import ExecResult, Limits, ProcessInfo, SandboxInfo, SnapshotInfo
 from agentenv.remote.client import RemoteSnapshot
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot.store import Snapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 VALUES = [

@@ -1,4 +1,4 @@
-"""CRIU's setup-namespaces action served by the restoring process (criu.NamespaceHook), run as CRIU would run it."""
+"""CRIU's setup-namespaces action served by the restoring process (restore.NamespaceHook), run as CRIU would run it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from agentenv.host.criu import NamespaceHook
+from agentenv.snapshot.restore import NamespaceHook
 
 
 def _run(hook: NamespaceHook, action: str, pid: int = 4242) -> int:

@@ -1,4 +1,4 @@
-"""An imported memory snapshot's CRIU images moved into its new range (``agentenv.host.criu_images``), without a
+"""An imported memory snapshot's CRIU images moved into its new range (``agentenv.snapshot.criu_images``), without a
 dump: the user namespace's maps and runc's record name the new range, every capability past the sandbox's set is
 cut, and a map agentenv never dumps is refused. (A real dump restored elsewhere: tests/integration/test_transfer.py.)"""
 
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 from pycriu import images
 
-from agentenv.host import criu_images, userns
+from agentenv.host import userns
 from agentenv.host.runtime import DEFAULT_CAPS
+from agentenv.snapshot import criu_images
 
 
 def write(path: Path, magic: str, entries: list[dict[str, object]]) -> None:

@@ -1,4 +1,4 @@
-"""When a restore may run CRIU without runc (agentenv.host.criu._restore_plan), and runc's device rules as the kernel
+"""When a restore may run CRIU without runc (agentenv.snapshot.restore._restore_plan), and runc's device rules as the kernel
 takes them: no infrastructure needed."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from agentenv.host import cgroups, criu
+from agentenv.host import cgroups
+from agentenv.snapshot import restore
 
 
 def test_device_rules_read_as_the_v1_devices_controller_takes_them():
@@ -33,15 +34,15 @@ def bundle(tmp_path: Path, mounts: list[dict[str, str]]) -> tuple[Path, Path]:
 
 def test_images_without_runcs_record_go_to_runc(tmp_path):
     images, b = bundle(tmp_path, [])
-    assert criu._restore_plan(images, b) is None
+    assert restore._restore_plan(images, b) is None
 
 
 def test_a_mount_point_behind_a_symbolic_link_goes_to_runc(tmp_path):
     images, b = bundle(tmp_path, [{"destination": "/.agentenv/agent.py", "type": "bind", "source": "/x"}])
     (b / "rootfs" / ".agentenv").symlink_to("/etc")  # a hostile root: the mount point would resolve on the host
-    assert not criu._plain_path(b / "rootfs", "/.agentenv/agent.py")
+    assert not restore._plain_path(b / "rootfs", "/.agentenv/agent.py")
     (b / "rootfs" / ".agentenv").unlink()
     (b / "rootfs" / ".agentenv").mkdir()
-    assert not criu._plain_path(b / "rootfs", "/.agentenv/agent.py")  # missing: runc makes it
+    assert not restore._plain_path(b / "rootfs", "/.agentenv/agent.py")  # missing: runc makes it
     (b / "rootfs" / ".agentenv" / "agent.py").touch()
-    assert criu._plain_path(b / "rootfs", "/.agentenv/agent.py")
+    assert restore._plain_path(b / "rootfs", "/.agentenv/agent.py")

@@ -24,10 +24,13 @@ SHARED_LEAVES = {"policy.chat": {"envs"}, "policy.authlimit": {"agentenv"}}
 CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "agentenv.phases", "agentenv.netpolicy",
             "agentenv.wire"}
 ROOMS = {"agentenv.inside": set(), "agentenv.host": {"agentenv.inside"},
-         "agentenv.sandbox": {"agentenv.inside", "agentenv.host"},
+         # dump, restore, lazy pages, post-copy, the store, export and import: below the sandbox, which calls it
+         "agentenv.snapshot": {"agentenv.inside", "agentenv.host"},
+         "agentenv.sandbox": {"agentenv.inside", "agentenv.host", "agentenv.snapshot"},
          "agentenv.remote": set(),  # a client of servers: no host stack (test_light_import.py)
          # sandbox providers for agent harnesses: above the sandbox and its remote API, which they use
-         "agentenv.harness": {"agentenv.remote", "agentenv.sandbox", "agentenv.inside", "agentenv.host"}}
+         "agentenv.harness": {"agentenv.remote", "agentenv.sandbox", "agentenv.snapshot", "agentenv.inside",
+                              "agentenv.host"}}
 
 
 def modules(root: Path, packages: Iterable[str]) -> dict[str, Path]:
@@ -160,9 +163,9 @@ HOSTLESS = ("agentenv.remote", "agentenv.wire")
 
 def test_the_remote_api_and_the_wire_import_neither_the_sandbox_nor_the_host():
     wrong = sorted((m, t) for m, ts in GRAPH.items() if room(m) in HOSTLESS for t in ts
-                   if room(t) in ("agentenv.sandbox", "agentenv.host"))
+                   if room(t) in ("agentenv.sandbox", "agentenv.snapshot", "agentenv.host"))
     assert wrong == []
-    assert not ROOMS["agentenv.remote"] & {"agentenv.sandbox", "agentenv.host"}
+    assert not ROOMS["agentenv.remote"] & {"agentenv.sandbox", "agentenv.snapshot", "agentenv.host"}
     assert GRAPH["agentenv.wire"] <= CONTRACT, "the wire format is the contract's: it stands on the contract alone"
 
 

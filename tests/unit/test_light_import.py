@@ -1,6 +1,6 @@
 """Importing what a server's client needs loads nothing of the host: ``from agentenv import connect, Pool``.
 
-``agentenv`` imports its local API (``Sandbox``, ``Snapshot``: the sandbox and host rooms) on first use, and the
+``agentenv`` imports its local API (``Sandbox``, ``Snapshot``: the sandbox, snapshot and host rooms) on first use, and the
 client, the pool and the wire format they share with the server import neither room (``test_layout.py`` holds them
 to it by their source; this test by what a fresh interpreter actually loads).
 """
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-HOST_ROOMS = ("agentenv.host", "agentenv.sandbox")
+HOST_ROOMS = ("agentenv.host", "agentenv.snapshot", "agentenv.sandbox")
 
 
 def loaded_after(statement: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The post-copy page server's authenticated connection (agentenv.host.page_channel), without CRIU: the test holds
+"""The post-copy page server's authenticated connection (agentenv.snapshot.page_channel), without CRIU: the test holds
 CRIU's end of the socket pair; and which snapshots take a migration's key (agentenv.sandbox.migration)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import threading
 import pytest
 
 from agentenv.errors import CheckpointError, PageServerKeyError, status_of
-from agentenv.host import page_channel
-from agentenv.host.page_channel import Endpoint, Listener
 from agentenv.sandbox import migration
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot import page_channel
+from agentenv.snapshot.page_channel import Endpoint, Listener
+from agentenv.snapshot.store import Snapshot
 
 
 @pytest.fixture

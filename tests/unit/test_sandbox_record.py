@@ -16,8 +16,8 @@ from agentenv.api import Limits
 from agentenv.config import paths
 from agentenv.host import volume
 from agentenv.host.runtime import ContainerSpec
-from agentenv.sandbox import store
 from agentenv.sandbox.record import RECORD_VERSION, Record, RecordError, SandboxRecord, load, save
+from agentenv.snapshot import store
 
 SPEC = ContainerSpec(image_id="sha256:" + "ab" * 32, layers=["/var/lib/docker/overlay2/l1/diff"],
                      env=["PATH=/usr/bin:/bin", "TOKEN=secret"], workdir="/", limits=Limits(disk=10 << 30),

@@ -9,8 +9,8 @@ import os
 import pytest
 
 from agentenv.errors import SnapshotNotFound, TransferError
-from agentenv.sandbox import shared, store
 from agentenv.server.app import create_app
+from agentenv.snapshot import shared, store
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The member checks of an imported archive (``agentenv.sandbox.tarcheck``), without Docker: what GNU tar packs of a
+"""The member checks of an imported archive (``agentenv.snapshot.tarcheck``), without Docker: what GNU tar packs of a
 sandbox's files passes, in pieces of any size; each thing only an attacker sends is refused, naming the member,
 at the byte that completes its header (so tar, fed after the check, never gets all of it)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.errors import UntrustedSnapshot
-from agentenv.sandbox import tarcheck
+from agentenv.snapshot import tarcheck
 
 
 def gnu_tar(folder: Path) -> bytes:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from agentenv.errors import TransferError, UntrustedSnapshot
-from agentenv.sandbox import transfer, trust
+from agentenv.snapshot import transfer, trust
 
 CHUNK = transfer.MIN_CHUNK
 
@@ -101,7 +101,7 @@ def test_the_routes_refuse_bad_chunk_sizes_and_unknown_snapshots(client):
 
 def test_gc_drops_the_packed_archives_of_snapshots_gone_and_keeps_the_others(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTENV_HOME", str(tmp_path))
-    from agentenv.sandbox import store
+    from agentenv.snapshot import store
 
     for sid in ("snap-kept", "snap-gone"):
         (store.exports() / sid).mkdir(parents=True)

@@ -1,4 +1,4 @@
-"""The transfer key and the seal of a manifest (``agentenv.sandbox.trust``), without Docker: the home's key is made
+"""The transfer key and the seal of a manifest (``agentenv.snapshot.trust``), without Docker: the home's key is made
 once (0600) and reused, a key file others may read or too short is refused saying what to do, a seal checks with
 its key only, and ``agentenv serve`` refuses a bad --transfer-key before it starts."""
 
@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from agentenv.cli import app
 from agentenv.errors import TransferError, UntrustedSnapshot
-from agentenv.sandbox import trust
+from agentenv.snapshot import trust
 
 
 @pytest.fixture

@@ -39,10 +39,10 @@ from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, MAX_FORK
 from agentenv.config import parse_size
 from agentenv.sandbox import expiry
 from agentenv.sandbox.core import Sandbox
-from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import ports, template_store
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, envd_token, traffic_token
 from agentenv.server.service import Service
+from agentenv.snapshot.store import Snapshot
 from policy.authlimit import AuthFailures, Spent
 
 TEMPLATES = {"base": DEFAULT_IMAGE, "code-interpreter-v1": DEFAULT_IMAGE, "code-interpreter": DEFAULT_IMAGE}

@@ -24,10 +24,10 @@ from starlette.types import Receive, Scope, Send
 
 from agentenv import errors
 from agentenv.sandbox.core import Sandbox
-from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import bridge, tokens
 from agentenv.server.e2b.tokens import ENVD_PORT, INTERPRETER_PORT
 from agentenv.server.service import Service
+from agentenv.snapshot.store import Snapshot
 from policy.authlimit import Address, AuthFailures, Peer, Spent
 
 # the headers that say which sandbox, port and token a request is for: each may come once (the checks here read

@@ -314,7 +314,7 @@ def start_snapshot(service: Service, image: str, spec: dict[str, Any], build: di
 
 
 def _discard(image: str | None, snapshot: str | None) -> None:
-    from agentenv.sandbox.store import Snapshot
+    from agentenv.snapshot.store import Snapshot
 
     if snapshot is not None:
         with contextlib.suppress(LookupError):
@@ -325,7 +325,7 @@ def _discard(image: str | None, snapshot: str | None) -> None:
 
 def discard_template(rec: dict[str, Any]) -> None:
     """Remove the outputs of a deleted template's builds: snapshots, and images no sandbox or snapshot stands on."""
-    from agentenv.sandbox.store import Snapshot
+    from agentenv.snapshot.store import Snapshot
 
     for build in rec["builds"].values():
         _discard(None, build.get("snapshot"))

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.config import paths, write_json
-from agentenv.sandbox.store import pid_alive
+from agentenv.snapshot.store import pid_alive
 
 DEFAULT_TAG = "default"
 BUILTIN = ("base", "code-interpreter-v1", "code-interpreter")  # templates every server has (control.TEMPLATES)

@@ -26,10 +26,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv.config import replacing
 from agentenv.host.archives import UnsafeArchive
-from agentenv.sandbox.store import Snapshot
 from agentenv.server.e2b import template_build, template_plan
 from agentenv.server.e2b import template_store as store
 from agentenv.server.e2b.control import CPUS, DISK, MEMORY, E2BError, E2BRoute, ServiceDep, _api_key, _time
+from agentenv.snapshot.store import Snapshot
 
 UPLOAD_PATH = "/e2b/template-files"
 UPLOAD_TTL = 3600  # seconds an upload URL is valid

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Body, Query, Response
 
 from agentenv.api import SandboxInfo
 from agentenv.errors import SnapshotNotFound
-from agentenv.sandbox import migration, shared
+from agentenv.sandbox import migration
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
 from agentenv.server.schemas import (
@@ -26,6 +26,7 @@ from agentenv.server.schemas import (
     SnapshotId,
     error_responses,
 )
+from agentenv.snapshot import shared
 
 router = APIRouter(route_class=WireRoute, tags=["migration"])
 

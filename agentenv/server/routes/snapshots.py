@@ -1,5 +1,5 @@
 """Snapshots: take one, fork, pause and resume a sandbox; list, get, delete and restore snapshots; export one in
-chunks and import one from another server (``agentenv.sandbox.transfer``)."""
+chunks and import one from another server (``agentenv.snapshot.transfer``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from fastapi import Path as PathParam
 
 from agentenv.api import SandboxInfo, SnapshotInfo
 from agentenv.errors import SnapshotNotFound
-from agentenv.sandbox import shared, transfer
-from agentenv.sandbox.store import Snapshot
 from agentenv.server.pull import pull
 from agentenv.server.routes import ServiceDep
 from agentenv.server.routing import WireResponse, WireRoute
@@ -26,6 +24,8 @@ from agentenv.server.schemas import (
     SnapshotRequest,
     error_responses,
 )
+from agentenv.snapshot import shared, transfer
+from agentenv.snapshot.store import Snapshot
 
 router = APIRouter(route_class=WireRoute, tags=["snapshots"])
 

@@ -5,8 +5,8 @@ Every field of the record (``meta.json``) is recomputed here or refused (Untrust
 
 - the image's layers: the folders of the local image with the record's image id (ImageNotFound where there is none);
 - the capabilities: the runtime's defaults (``DEFAULT_CAPS``), which every sandbox has;
-- the uid range: the one leased to the import (``agentenv.sandbox.unpack`` unpacked the files into it), and a memory
-  snapshot's CRIU images moved into it, their capabilities cut to the defaults (``agentenv.host.criu_images``);
+- the uid range: the one leased to the import (``agentenv.snapshot.unpack`` unpacked the files into it), and a memory
+  snapshot's CRIU images moved into it, their capabilities cut to the defaults (``agentenv.snapshot.criu_images``);
 - what the sandbox's creator asked for (limits, network and its rules, ``share_memory``, env, workdir): checked as a
   create on this server checks them (``Limits.checked``; ``netpolicy.check`` with this host's subnet, host names
   resolved here again; KSM present), so an import asks for nothing a create here could not, and refused otherwise.
@@ -27,11 +27,11 @@ from typing import Any
 from agentenv import netpolicy
 from agentenv.api import Limits
 from agentenv.errors import AgentEnvError, UntrustedSnapshot
-from agentenv.host import criu_images, images, ksm, volume
+from agentenv.host import images, ksm, volume
 from agentenv.host import network as hostnet
 from agentenv.host.runtime import DEFAULT_CAPS, ContainerSpec
-from agentenv.sandbox import store
-from agentenv.sandbox.store import Snapshot
+from agentenv.snapshot import criu_images, store
+from agentenv.snapshot.store import Snapshot
 
 ORIGIN = "agentenv.imported_from"  # label of an imported snapshot: the url of the server it came from
 _IMAGE_ID = re.compile(r"^sha256:[0-9a-f]{64}$")

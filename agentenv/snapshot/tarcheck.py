@@ -1,7 +1,7 @@
 """What an imported snapshot's archive may hold: its members checked one by one as its bytes stream to tar, each
 header before tar sees it (issue 40: an archive is whatever its sender, or a writer of the shared store, made).
 
-An archive has two parts (``agentenv.sandbox.transfer``). ``Record``: the snapshot's record and CRIU's images, which
+An archive has two parts (``agentenv.snapshot.transfer``). ``Record``: the snapshot's record and CRIU's images, which
 root unpacks as root's files. Regular files and folders only, named ``meta.json``, ``criu`` or below ``criu/`` (not
 the folder they unpack in, whose mode is the receiver's), owned by 0, without a setuid, setgid or sticky bit.
 

@@ -1,7 +1,7 @@
 """An imported memory snapshot's CRIU images moved into the uid range its new server leased it (issue 40).
 
 A snapshot's processes are restored by CRIU as its images say, and the images are the one part of an import the
-receiving server cannot rebuild (``agentenv.sandbox.trust`` authenticates them). Two things in them are host facts
+receiving server cannot rebuild (``agentenv.snapshot.trust`` authenticates them). Two things in them are host facts
 of the sender, and are set here to this server's:
 
 - the user namespace's maps (``userns-*.img``, and runc's record of the container kept beside the images): CRIU
@@ -26,7 +26,7 @@ from pycriu import images as criu_images
 
 from agentenv.config import PRIVATE_FILE, replacing, write_json
 from agentenv.host import userns
-from agentenv.host.criu import RUNC_STATE
+from agentenv.snapshot.criu import RUNC_STATE
 
 # Linux's capability numbers (linux/capability.h)
 CAPS = ("CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL", "CAP_SETGID",

@@ -41,10 +41,10 @@ from pycriu import images as criu_images
 
 from agentenv.config import replacing
 from agentenv.errors import CheckpointError
-from agentenv.host import page_channel, postcopy
-from agentenv.host.criu import rundir
 from agentenv.host.hostcalls import proc_start_time, run_program
 from agentenv.phases import phase
+from agentenv.snapshot import page_channel, postcopy
+from agentenv.snapshot.criu import rundir
 
 log = logging.getLogger("agentenv")
 
@@ -62,7 +62,7 @@ class Restore:
     """A restore of a dump's processes, begun early: where ``lazy_worth_it``, the lazy-pages daemon starts in a
     thread at once (~8 ms), getting ready while the caller mounts the sandbox's root; ``run`` then restores, and
     ``cancel`` ends the daemon if ``run`` never came (the start failed before it). With ``page_server`` (a
-    post-copy migration's: ``agentenv.host.postcopy``) the pages are not in the images: the daemon pulls them
+    post-copy migration's: ``agentenv.snapshot.postcopy``) the pages are not in the images: the daemon pulls them
     from there, and a restore that cannot be lazy fails instead of copying pages up front."""
 
     def __init__(self, images: Path, bundle: Path, criu: str | None = None,

@@ -1,7 +1,7 @@
 """An imported snapshot's archive unpacked into the store's staging folders, checked as it streams (issue 40).
 
-Two tar processes, one per part of the archive (``agentenv.sandbox.transfer``), are fed its bytes in order, each piece
-checked first (``agentenv.sandbox.tarcheck``: a refused member never reaches tar):
+Two tar processes, one per part of the archive (``agentenv.snapshot.transfer``), are fed its bytes in order, each piece
+checked first (``agentenv.snapshot.tarcheck``: a refused member never reaches tar):
 
 - the record and CRIU's images into the staging folder, by root, as root's files (``--no-same-owner``);
 - the sandbox's files into its layer's ``upper`` folder (a subvolume where the volume has quotas, so that restores
@@ -23,7 +23,7 @@ from typing import Any
 
 from agentenv.errors import TransferError, UntrustedSnapshot
 from agentenv.host import userns, volume
-from agentenv.sandbox import store, tarcheck
+from agentenv.snapshot import store, tarcheck
 
 NOT_A_SNAPSHOT = "holds no valid snapshot"
 _EXTRACT = ["tar", "--extract", "--file=-", "--numeric-owner"]

@@ -38,8 +38,7 @@ from agentenv.config import PRIVATE_DIR, parse_size, paths, write_private
 from agentenv.errors import CheckpointError, SnapshotNotFound, StoreFullError
 from agentenv.host import volume
 from agentenv.host.hostcalls import proc_start_time
-from agentenv.host.runtime import copy_tree
-from agentenv.host.trees import remove_tree
+from agentenv.host.trees import copy_tree, remove_tree
 
 FORK_KIND = "fork"  # the ``agentenv.kind`` label of a fork's snapshot (deleted when the fork is done)
 MIGRATE_KIND = "migrate"  # ... and of a post-copy migration's (its pages live only in its sender's page server)
@@ -135,7 +134,7 @@ _shared: list[Path] = []  # the shared store of this process, if any (agentenv s
 
 
 def shared_root() -> Path | None:
-    """The folder where this server publishes its snapshots for others (``agentenv.sandbox.shared``), or None."""
+    """The folder where this server publishes its snapshots for others (``agentenv.snapshot.shared``), or None."""
     return _shared[0] if _shared else None
 
 
@@ -168,7 +167,7 @@ def shared_trash(snapshot_id: str) -> Path | None:
 
 
 def exports() -> Path:
-    """Where snapshots packed for another server lie (``agentenv.sandbox.transfer``): ``<home>/exports/<id>/``."""
+    """Where snapshots packed for another server lie (``agentenv.snapshot.transfer``): ``<home>/exports/<id>/``."""
     return paths().exports
 
 

@@ -1,7 +1,7 @@
 """A snapshot store that outlives a node (``agentenv serve --shared-store DIR``, DIR on storage every server sees).
 
 Every pause and snapshot the server takes is also published in DIR as the transfer archive
-(``agentenv.sandbox.transfer``: the same ``archive``, ``parts.json`` and ``manifest-<chunk>.json``) plus its
+(``agentenv.snapshot.transfer``: the same ``archive``, ``parts.json`` and ``manifest-<chunk>.json``) plus its
 ``info.json``, built in this host's hidden ``DIR/.staging-<host>/`` and renamed to ``DIR/<id>``: a reader never
 sees half of one. A server
 asked for a snapshot its own store lacks imports it from there with ``transfer.receive`` (the manifest's seal,
@@ -19,8 +19,8 @@ from typing import Any
 
 from agentenv.config import paths
 from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
-from agentenv.sandbox import store, transfer, trust
-from agentenv.sandbox.store import FORK_KIND, Snapshot
+from agentenv.snapshot import store, transfer, trust
+from agentenv.snapshot.store import FORK_KIND, Snapshot
 
 
 def configure(folder: str | Path | None) -> Path | None:
@@ -53,7 +53,7 @@ def _collect() -> None:
 
 
 def _checked_id(snapshot_id: str) -> str:
-    if not transfer._ID.match(snapshot_id):
+    if not transfer.SNAPSHOT_ID.match(snapshot_id):
         raise ValueError(f"{snapshot_id!r} is not a snapshot id (letters, digits, '.', '_', '-', at most 128, "
                          "not starting with '.' or '-'); pass the id a snapshot or pause returned")
     return snapshot_id

@@ -5,13 +5,13 @@ The sending side (``export``) packs a snapshot's record and CRIU images (its sto
 files (what the sandbox's overlay upper folder held, its owners written as the sandbox sees them: 0..65535, not its
 range's host ids) as two tar archives, one after the other in ``<home>/exports/<id>/archive`` (numeric owners,
 xattrs, overlay's whiteouts), and lists the sha256 of every chunk in a manifest, which it seals with the key the
-servers share (``agentenv.sandbox.trust``). The receiving side (``receive``) refuses a manifest not sealed with its
+servers share (``agentenv.snapshot.trust``). The receiving side (``receive``) refuses a manifest not sealed with its
 key before it asks for a chunk, then writes each chunk, once its digest matches, to a hidden part file under
 ``<home>/imports/``: a dropped connection leaves the chunks already checked, and the next try asks from the first
 one missing. A chunk that does not match is refused (TransferError) and never written. Checked chunks are unpacked
-as they come (``agentenv.sandbox.unpack``: every member checked before tar sees it, the files unpacked inside the
+as they come (``agentenv.snapshot.unpack``: every member checked before tar sees it, the files unpacked inside the
 user namespace of a uid range leased to the import), into the store's own staging folders (``store.writing``); the
-record is rebuilt from this server's facts (``agentenv.sandbox.imported``) and the whole renamed into place once
+record is rebuilt from this server's facts (``agentenv.snapshot.imported``) and the whole renamed into place once
 the last chunk is in: nothing half-made is ever listed.
 """
 
@@ -38,15 +38,15 @@ from typing import Any, BinaryIO
 from agentenv.config import paths, write_json
 from agentenv.errors import SandboxError, SnapshotNotFound, TransferError
 from agentenv.host import userns
-from agentenv.sandbox import imported, store, trust
-from agentenv.sandbox.store import FORK_KIND, Snapshot
-from agentenv.sandbox.unpack import NOT_A_SNAPSHOT, Unpacker, unpack_failed
+from agentenv.snapshot import imported, store, trust
+from agentenv.snapshot.store import FORK_KIND, Snapshot
+from agentenv.snapshot.unpack import NOT_A_SNAPSHOT, Unpacker, unpack_failed
 
 CHUNK = 8 << 20  # bytes per chunk unless the receiver asks otherwise
 MIN_CHUNK, MAX_CHUNK = 64 << 10, 16 << 20  # the server answers bodies up to 32 MiB
 AHEAD = 3  # chunk requests a receiver keeps in flight
 FORMAT = 2  # the archive's layout: 2 since the files' owners are the sandbox's ids (issue 40), not the host's
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")  # a snapshot id as a manifest and the shared store name it
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -188,7 +188,7 @@ def _checked(manifest: Any) -> dict[str, Any]:
     """The manifest, its fields checked (bad input from the sender is a TransferError, not a crash)."""
     try:
         sid, size, chunk, digests = manifest["id"], manifest["size"], manifest["chunk"], manifest["digests"]
-        ok = (isinstance(sid, str) and _ID.match(sid) and isinstance(size, int) and isinstance(chunk, int)
+        ok = (isinstance(sid, str) and SNAPSHOT_ID.match(sid) and isinstance(size, int) and isinstance(chunk, int)
               and MIN_CHUNK <= chunk <= MAX_CHUNK and isinstance(digests, list)
               and len(digests) == -(-size // chunk) and all(isinstance(d, str) and _HEX.match(d) for d in digests))
         for part in ("meta", "files"):

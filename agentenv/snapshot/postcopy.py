@@ -3,7 +3,7 @@
 
 ``PageServer.start`` runs ``criu dump --lazy-pages --ps-socket FD``: CRIU freezes the sandbox, writes every image
 but the (lazy) anonymous pages, keeps those in pipes and serves them over FD, one end of a socket pair whose other
-end agentenv's own listener (``agentenv.host.page_channel``) joins to the first connection that proves the
+end agentenv's own listener (``agentenv.snapshot.page_channel``) joins to the first connection that proves the
 migration's key: CRIU never listens itself, so no stranger reaches it. Its status fd says when it serves.
 The dump runs with ``--leave-running``: when the transfer ends, well or not, CRIU puts the cgroup freezer back
 as it found it (frozen, by ``snapshotting.frozen``) and lets go, so the source is still whole and frozen. The
@@ -27,9 +27,9 @@ import threading
 from pathlib import Path
 
 from agentenv.errors import CheckpointError
-from agentenv.host import criu as criu_mod
-from agentenv.host import page_channel
-from agentenv.host.criu import fix, reason, rundir
+from agentenv.snapshot import criu as criu_mod
+from agentenv.snapshot import page_channel
+from agentenv.snapshot.criu import fix, reason, rundir
 
 READY_TIMEOUT = 60.0  # seconds for CRIU to dump all but the pages and listen (or the daemon to connect)
 END_TIMEOUT = 10.0  # seconds CRIU has to let go of the source once its transfer ended

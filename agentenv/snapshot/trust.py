@@ -3,7 +3,7 @@ HMAC-SHA256 keyed by a secret the servers share, and one it imports is refused u
 
 Why: an import's CRIU images restore processes, mounts and namespaces exactly as they say, and nothing on the
 receiving server can rebuild them; the chunks' sha256 only prove that the bytes are those the sender (or whoever
-wrote the shared store) advertised. The manifest lists the sha256 of every chunk (``agentenv.sandbox.transfer``), so
+wrote the shared store) advertised. The manifest lists the sha256 of every chunk (``agentenv.snapshot.transfer``), so
 a seal over the manifest covers every byte of the record, the images and the files. Only servers holding the key
 can seal: a peer without it, or a writer of the shared store, cannot make an archive a server imports (issue 40).
 
