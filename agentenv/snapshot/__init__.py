@@ -11,10 +11,11 @@ contract's, in ``agentenv.errors``, since callers of every room catch them. By l
 2. Memory that comes later: ``lazy_pages`` (a restored sandbox runs before its memory is in), ``postcopy`` (a
    migration's pages served from the source), ``page_channel`` (the authenticated connection they travel on).
 3. The container: ``container`` (the runtime's ``Container`` with its CRIU half: checkpoint, restore).
-4. The store: ``store`` (this host's snapshots and their limit), ``shared`` (a store every server sees).
-5. Between hosts: ``transfer`` (export: packed and sent in checked chunks; import: received and unpacked),
-   ``trust`` (the manifest's seal), ``tarcheck`` and ``unpack`` (an archive checked member by member, unpacked
-   unprivileged), ``imported`` (an imported record rebuilt from this host's facts).
+4. The store: ``store`` (this host's snapshots, their folders and their limit).
+5. Between hosts: ``trust`` (the manifest's seal), ``tarcheck`` and ``unpack`` (an archive checked member by
+   member, unpacked unprivileged), ``imported`` (an imported record rebuilt from this host's facts), ``transfer``
+   (export: packed and sent in sealed, checked chunks; import: received and unpacked), ``shared`` (a store every
+   server sees, in the transfer's form).
 
 Each layer imports only those below it.
 """

@@ -19,11 +19,11 @@ from agentenv.errors import CheckpointError
 from agentenv.host import runtime
 from agentenv.host.cgroups import vfork_waiters
 from agentenv.host.runtime import LINK, ContainerSpec
-from agentenv.snapshot import criu as criu_mod
 from agentenv.snapshot import lazy_pages, page_channel, postcopy
 from agentenv.snapshot.criu import dump as criu_dump
 from agentenv.snapshot.criu import fix as criu_fix
 from agentenv.snapshot.criu import reason as criu_reason
+from agentenv.snapshot.criu import rundir
 from agentenv.snapshot.restore import DIRECT_RESTORE_ENV, tcp_mode
 from agentenv.snapshot.restore import hand_over as criu_hand_over
 from agentenv.snapshot.restore import restore as criu_restore
@@ -74,7 +74,7 @@ class Container(runtime.Container):
                 return pid
         pidfile = self.bundle / "init.pid"
         work.mkdir(parents=True, exist_ok=True)
-        criu_mod.rundir()
+        rundir()
         r = self.runc(*(["--criu", criu] if criu else []), "restore", "--detach", "--image-path", str(images),
                       "--work-path", str(work), "--bundle", str(self.bundle), "--pid-file", str(pidfile),
                       # the namespace is set up after runc's restore: connections through eth0 cannot come back

@@ -119,10 +119,10 @@ class Snapshot(SnapshotInfo):
             raise SnapshotNotFound(f"no snapshot {self.id!r} in the store") from None
         with contextlib.suppress(FileNotFoundError):
             os.rename(p.snapshot_files / self.id, trash[1])
-        with contextlib.suppress(FileNotFoundError):  # its archive packed for another server (sandbox.transfer)
+        with contextlib.suppress(FileNotFoundError):  # its archive packed for another server (snapshot.transfer)
             os.rename(exports() / self.id, exports() / f".del-{self.id}-{os.getpid()}")
             trash.append(exports() / f".del-{self.id}-{os.getpid()}")
-        if (shared := shared_trash(self.id)) is not None:  # its copy in the shared store (sandbox.shared)
+        if (shared := shared_trash(self.id)) is not None:  # its copy in the shared store (snapshot.shared)
             trash.append(shared)
         if background:
             threading.Thread(target=remove, args=(trash,), name="agentenv-discard").start()

@@ -119,7 +119,7 @@ def stream_threads() -> int:
 
 def came_back(sandbox_id: str) -> bool:
     """Whether a closed sandbox's folder is there again (once, a runc call racing close() brought it back with
-    only runc's log in it: ``Container._runc`` now logs outside the bundle)."""
+    only runc's log in it: ``Container.runc`` now logs outside the bundle)."""
     return (Path(os.environ["AGENTENV_HOME"]) / "sandboxes" / sandbox_id).exists()
 
 
