@@ -155,6 +155,19 @@ def test_each_room_of_agentenv_imports_only_the_rooms_below_it():
     assert wrong == []
 
 
+
+# the snapshot room's layers, bottom up (agentenv/snapshot/__init__.py): each imports only its own and those below
+SNAPSHOT_LAYERS = (("criu", "restore", "criu_images"), ("page_channel", "postcopy", "lazy_pages"), ("container",),
+                   ("store",), ("trust", "tarcheck", "unpack", "imported", "transfer", "shared"))
+
+
+def test_the_snapshot_rooms_layers_import_downwards():
+    level = {f"agentenv.snapshot.{m}": i for i, layer in enumerate(SNAPSHOT_LAYERS) for m in layer}
+    room_modules = {m for m in GRAPH if m.startswith("agentenv.snapshot.")}
+    assert room_modules == set(level), "a module of agentenv/snapshot/ missing from SNAPSHOT_LAYERS, or one gone"
+    wrong = sorted((m, t) for m in room_modules for t in GRAPH[m] if t in level and level[t] > level[m])
+    assert wrong == []
+
 # a server's client stands apart from the host: the remote API and the wire format its bodies travel in import neither
 # the sandbox nor the host room (remote's entry in ROOMS allows neither), so ``agentenv.connect`` loads none of them
 # (``test_light_import.py``); a server pulling a snapshot from another (``agentenv.server.pull``) lives on the server
