@@ -1,4 +1,4 @@
-"""CRIU run directly rather than through runc: the dumps of memory snapshots and the restores of them.
+"""CRIU run directly rather than through runc: the dumps of memory snapshots, and running CRIU (dumps and restores).
 
 A memory snapshot is a CRIU dump of every process of the sandbox. ``runc checkpoint`` did it through
 CRIU's RPC with settings runc fixes. Measured on a 100 MB sandbox (2 cores, kernel 6.18, CRIU 4.1.1), CRIU's
@@ -32,7 +32,8 @@ leaves runc's record untouched (``--leave-running``), or, for a pause, ends the 
 The command lines name the container (the dump's freezer cgroup path, the restore's cgroup root), so recovery
 still finds a CRIU that a killed process left working on a sandbox (``recovery._orphans``).
 
-The restore, run the same way, is ``agentenv.snapshot.restore``.
+The restore, run the same way, is ``agentenv.snapshot.restore``; both run CRIU with ``run`` (its log, its limits, its
+reason when it fails) after ``rundir``.
 
 Tried and dropped, with figures: images written to a tmpfs first (a dump to /dev/shm took longer than to the
 home's ext4: memdump+memwrite 114 vs 68 ms for 100 MB), CRIU's log at level 2 instead of 4 (no measurable
