@@ -3,9 +3,9 @@
 Three things implement it: the local API (the ``agentenv`` module: ``agentenv.Sandbox`` and
 ``agentenv.Snapshot``), a server's client (``agentenv.connect(url, token)``) and a ``Pool`` of
 servers. Code that takes a ``Backend`` runs against any of them unchanged; mypy checks that each one
-satisfies it (``tests/unit/test_contract.py``). The value types are plain dataclasses: the server
-sends them (``to_wire``), the client rebuilds them (``from_wire``), so a new field is one edit here. ``Process``
-(what ``spawn`` returns) is here too, but for the two calls each side makes its own way: the client needs no host.
+satisfies it (``tests/unit/test_contract.py``). The value types are plain dataclasses that travel as dicts
+(``to_wire``, ``from_wire``: ``agentenv.values``), so a new field is one edit here. ``Process`` (what ``spawn``
+returns) is here too, but for the two calls each side makes its own way: the client needs no host.
 Standard library only: a user who wants sandboxes alone needs nothing else to read this contract.
 """
 
@@ -15,7 +15,10 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+from agentenv.values import Value
+from agentenv.values import info_of as info_of  # the contract's name for it
 
 State = Literal["creating", "running", "paused", "closed", "lost"]
 OutputCallback = Callable[[str, bytes], None]  # (stream: 'stdout' | 'stderr', data)
@@ -34,39 +37,9 @@ def fork_count(count: object) -> int:
         raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {count!r}")
     return count
 
-_V = TypeVar("_V")
-
-
-class _Value:
-    """Wire helpers shared by the value types: a dict of the fields, and back (unknown keys ignored)."""
-
-    _nested: ClassVar[dict[str, type[_Value]]] = {}  # fields that are value types themselves
-
-    def to_wire(self) -> dict[str, Any]:
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-
-    @classmethod
-    def from_wire(cls: type[_V], data: dict[str, Any]) -> _V:
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        kwargs = {k: v for k, v in data.items() if k in names}
-        for name, sub in cls._nested.items():  # type: ignore[attr-defined]
-            if isinstance(kwargs.get(name), dict):
-                kwargs[name] = sub.from_wire(kwargs[name])
-        return cls(**kwargs)
-
-
-def _plain(v: Any) -> Any:
-    if isinstance(v, _Value):
-        return v.to_wire()
-    if isinstance(v, dict):
-        return dict(v)
-    if isinstance(v, tuple):
-        return list(v)
-    return v
-
 
 @dataclass(frozen=True)
-class Limits(_Value):
+class Limits(Value):
     """Resource limits of one sandbox: CPU, memory and pids enforced by its cgroup, ``disk`` (bytes its files
     may take; None: no limit) by a quota on its writable layer."""
 
@@ -94,7 +67,7 @@ class Limits(_Value):
 
 
 @dataclass(frozen=True)
-class Network(_Value):
+class Network(Value):
     """A sandbox's link to the outside and its outbound rules, in E2B's shape (``agentenv.netpolicy`` says what
     they mean: an allowed destination wins over a denied one; the host, the other sandboxes and link-local
     addresses are never reachable; private ranges only where allowed). ``address`` (the sandbox's own) and
@@ -105,15 +78,9 @@ class Network(_Value):
     address: str | None = None
     resolved: dict[str, list[str]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:  # lists from the wire, or from a caller
-        for name in ("allow_out", "deny_out"):
-            value = getattr(self, name)
-            if isinstance(value, list):
-                object.__setattr__(self, name, tuple(value))
-
 
 @dataclass(frozen=True)
-class ExecResult(_Value):
+class ExecResult(Value):
     """The outcome of one command."""
 
     exit_code: int
@@ -128,7 +95,7 @@ class ExecResult(_Value):
 
 
 @dataclass(frozen=True)
-class SandboxInfo(_Value):
+class SandboxInfo(Value):
     """What a sandbox is, at one instant: the body of the server's sandbox routes."""
 
     id: str
@@ -140,11 +107,11 @@ class SandboxInfo(_Value):
     limits: Limits
     network: Network | None = None  # None: loopback only
 
-    _nested: ClassVar[dict[str, type[_Value]]] = {"limits": Limits, "network": Network}
+    _nested: ClassVar[dict[str, type[Value]]] = {"limits": Limits, "network": Network}
 
 
 @dataclass(frozen=True)
-class SnapshotInfo(_Value):
+class SnapshotInfo(Value):
     """A saved sandbox state: its filesystem, and with ``has_memory`` every process too."""
 
     id: str
@@ -157,7 +124,7 @@ class SnapshotInfo(_Value):
 
 
 @dataclass(frozen=True)
-class ProcessInfo(_Value):
+class ProcessInfo(Value):
     """A background process started with ``spawn``; ``exit_code`` is None while it runs."""
 
     pid: int
@@ -167,7 +134,7 @@ class ProcessInfo(_Value):
 
 
 @dataclass(frozen=True)
-class JobInfo(_Value):
+class JobInfo(Value):
     """A job made by ``start``: its request, and ``exit_code`` once it ended (None while it runs)."""
 
     pid: int
@@ -180,7 +147,7 @@ class JobInfo(_Value):
 
 
 @dataclass(frozen=True)
-class JobOutput(_Value):
+class JobOutput(Value):
     """A piece of a job's output: ``data`` starts at the absolute byte ``offset`` of its ``stream``."""
 
     stream: str  # "stdout" | "stderr" ("pty": a terminal's one stream, for ``Sandbox.start_terminal``)
@@ -189,7 +156,7 @@ class JobOutput(_Value):
 
 
 @dataclass(frozen=True)
-class JobEnd(_Value):
+class JobEnd(Value):
     """How a job ended: the last item of ``output``."""
 
     exit_code: int
@@ -198,7 +165,7 @@ class JobEnd(_Value):
 
 
 @dataclass(frozen=True)
-class FileInfo(_Value):
+class FileInfo(Value):
     """A file in a sandbox; ``type`` is that of what a symlink points to ('file' if nothing), the rest its own."""
 
     name: str
@@ -215,7 +182,7 @@ class FileInfo(_Value):
 
 
 @dataclass(frozen=True)
-class ImageFetch(_Value):
+class ImageFetch(Value):
     """Where an image asked for (``ensure_image``) came from: ``source`` "local" (it was there), "tarball" (a
     ``docker load`` of the file ``detail``), "mirror" (pulled as ``detail``, tagged with ``image``) or "registry"
     (pulled by its own name); ``id`` the image's id, ``seconds`` how long it took."""
@@ -225,11 +192,6 @@ class ImageFetch(_Value):
     source: str
     detail: str = ""
     seconds: float = 0.0
-
-
-def info_of(obj: Any, cls: type[_V]) -> _V:
-    """The ``cls`` value of any object that has its fields as attributes (a Sandbox, a Snapshot, ...)."""
-    return cls(**{f.name: getattr(obj, f.name) for f in dataclasses.fields(cls)})  # type: ignore[arg-type]
 
 
 # --- the Protocols --------------------------------------------------------------------------------

@@ -14,9 +14,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
+from urllib.parse import quote
 
 import docker
 import docker.errors
+import requests
 from docker.models.containers import Container as DockerContainer
 
 from bench.harness import Result, Timer, recording
@@ -49,22 +52,28 @@ class DockerSide(Side):
         self.root = Path(client.info()["DockerRootDir"])
         self.burst_size = BURST  # --docker-burst: a smaller burst where 64 docker runs take too long
 
-    # low-level helpers: the SDK has no checkpoint calls
+    # low-level helpers: the SDK has no checkpoint calls, so they are plain requests on its session
+    def engine(self, method: str, path: str, **kw: Any) -> None:
+        """``method`` on the engine's versioned ``path`` (its parts URL-quoted by the caller); an error status
+        raises the SDK's own ``APIError``, as its wrapped calls do."""
+        url = f"{self.api.base_url}/v{self.api.api_version}{path}"
+        try:
+            self.api.request(method, url, timeout=self.api.timeout, **kw).raise_for_status()
+        except requests.exceptions.HTTPError as e:
+            raise docker.errors.create_api_error_from_http_exception(e) from e
+
     def checkpoint(self, cid: str, name: str, exit_: bool) -> None:
-        res = self.api._post_json(self.api._url("/containers/{0}/checkpoints", cid),
-                                  data={"CheckpointID": name, "Exit": exit_})
-        self.api._raise_for_status(res)
+        self.engine("POST", f"/containers/{quote(cid)}/checkpoints", json={"CheckpointID": name, "Exit": exit_})
 
     def delete_checkpoint(self, cid: str, name: str) -> None:
         with contextlib.suppress(Exception):
-            self.api._raise_for_status(self.api._delete(self.api._url("/containers/{0}/checkpoints/{1}", cid, name)))
+            self.engine("DELETE", f"/containers/{quote(cid)}/checkpoints/{quote(name)}")
 
     def start_from_checkpoint(self, cid: str, name: str, m: Result) -> None:
         """Start from a checkpoint; the known 'already exists' race is retried (the time counts) and logged."""
         for attempt in range(START_RETRIES + 1):
-            res = self.api._post(self.api._url("/containers/{0}/start", cid), params={"checkpoint": name})
             try:
-                self.api._raise_for_status(res)
+                self.engine("POST", f"/containers/{quote(cid)}/start", params={"checkpoint": name})
                 return
             except docker.errors.APIError as e:
                 if "already exists" not in str(e) or attempt == START_RETRIES:

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     here = Path(__file__).resolve().parent  # run as a file: bench/ first on sys.path shadows the packages
     sys.path[:] = [str(here.parent), *(x for x in sys.path if Path(x or ".").resolve() != here)]
-    from bench.harness import machine_info
+    from bench.machine import machine_info
     from envs.images import build_image
     from envs.task import load_tasks
     from envs.tasks.fixes import RECORDS_FILE, load_releases

@@ -21,6 +21,7 @@ JSON document atomically (``agentenv.config.write_atomic``: a temporary file ren
      "errors": {"<op>": "<error text>"}, "fatal": null, "info": {...}, "notes": [...]}
 
 An operation that fails keeps its error text and only the samples it really took; no figure is invented.
+What a report says of where it ran (the machine, its speed and CPU steal, the commit) is ``bench.machine``'s.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ import contextlib
 import json
 import math
 import os
-import platform
 import shutil
-import subprocess
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentenv.config import write_atomic
+from bench.machine import cpu_probe, cpu_ticks, git_commit, machine_info
 
 SCHEMA = 1
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,71 +220,6 @@ def recording(result: Result, what: str) -> Iterator[None]:
         console.print(traceback.format_exc(limit=4), style="dim", markup=False, highlight=False)
 
 
-def _cmd(*args: str, timeout: float = 10) -> str | None:
-    """First line of a command's output, or None when it is missing, fails or hangs."""
-    try:
-        r = subprocess.run(args, capture_output=True, text=True, timeout=timeout, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    out = r.stdout.strip()
-    return out.splitlines()[0] if r.returncode == 0 and out else None
-
-
-def git_commit(root: Path = ROOT) -> tuple[str, bool | None]:
-    """(HEAD commit, whether the work tree differs from it); ("unknown", None) outside a git checkout."""
-    head = _cmd("git", "-C", str(root), "rev-parse", "HEAD")
-    if head is None:
-        return "unknown", None
-    try:
-        r = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
-                           timeout=30, check=False)
-    except (OSError, subprocess.SubprocessError):
-        return head, None
-    return head, bool(r.stdout.strip()) if r.returncode == 0 else None
-
-
-def machine_info() -> dict[str, Any]:
-    """Cheap facts about this machine; anything unavailable is None."""
-    cpu_model = mem_gib = os_name = None
-    with contextlib.suppress(OSError):
-        cpu_model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                          if ln.startswith("model name")), None)
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        kb = next((ln.split()[1] for ln in Path("/proc/meminfo").read_text().splitlines()
-                   if ln.startswith("MemTotal:")), None)
-        mem_gib = round(int(kb) / 2**20, 1) if kb else None
-    with contextlib.suppress(OSError):
-        os_name = next((ln.split("=", 1)[1].strip().strip('"') for ln in Path("/etc/os-release").read_text()
-                        .splitlines() if ln.startswith("PRETTY_NAME=")), None)
-    load = None
-    with contextlib.suppress(OSError):
-        load = [round(x, 2) for x in os.getloadavg()]
-    return {"hostname": platform.node(), "cpus": os.cpu_count(), "cpu_model": cpu_model or platform.processor() or None,
-            "mem_total_gib": mem_gib, "kernel": platform.release(), "os": os_name,
-            "python": platform.python_version(),
-            "docker": _cmd("docker", "version", "--format", "{{.Server.Version}}"),
-            "criu": _cmd("criu", "--version"), "runc": _cmd("runc", "--version"), "loadavg_start": load}
-
-
-def cpu_probe(rounds: int = 5) -> float:
-    """How fast this machine runs Python now: the median ms of a fixed loop (a shared or throttled host shows
-    here, so that two runs' figures can be set side by side)."""
-    times = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        sum(i * i for i in range(200_000))
-        times.append((time.perf_counter() - t) * 1000)
-    return round(sorted(times)[rounds // 2], 2)
-
-
-def cpu_ticks() -> tuple[int, int] | None:
-    """(all, steal) CPU ticks since boot from /proc/stat; None where it cannot be read."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-        return sum(fields[:8]), fields[7]
-    return None
-
-
 def write_json_atomic(path: Path, doc: dict[str, Any]) -> Path:
     """Write ``doc`` to ``path`` (its folder made if need be) as the results' JSON, whole, synced and renamed into
     place (``agentenv.config.write_atomic``: a results file reads like any other, ``0o666`` less the umask)."""
@@ -306,7 +241,7 @@ class Report:
         self.benchmark = benchmark
         self.args = dict(vars(args) if isinstance(args, argparse.Namespace) else args or {})
         self.started = time.time()
-        self.commit, self.dirty = git_commit()
+        self.commit, self.dirty = git_commit(ROOT)
         self.machine = machine_info()
         self.machine["cpu_probe_ms_start"] = cpu_probe()
         self.ticks = cpu_ticks()

@@ -2,7 +2,7 @@
 sandbox's Python can run it.
 
 The agent is written as a few standard-library modules in ``agentenv/inside`` (``PARTS``: the wire, the
-image's accounts, terminals, jobs, file calls, ports, the entry), which the host also imports. In a sandbox they run as one module: ``agent_source``
+image's accounts, terminals, starting commands, jobs, file calls, ports, the entry), which the host also imports. In a sandbox they run as one module: ``agent_source``
 joins them in order, without their imports of each other (every name is then a global of the one module) and
 with one ``from __future__`` line on top; ``test_agent_start`` checks that no part defines a name another does.
 
@@ -29,9 +29,9 @@ import zlib
 from pathlib import Path
 
 from agentenv.config import write_atomic
-from agentenv.inside import agent, files, frames, jobs, pty, tunnel, users
+from agentenv.inside import agent, commands, files, frames, jobs, pty, tunnel, users
 
-PARTS = (frames, users, pty, jobs, files, tunnel, agent)  # in the order they run: each uses only the names of those before it
+PARTS = (frames, users, pty, commands, jobs, files, tunnel, agent)  # in the order they run: each uses only the names of those before it
 AGENT_DEST = "/.agentenv/agent.py"  # where the joined agent is bind-mounted (read-only) in every sandbox
 CODE_ENV = "AGENTENV_AGENT_CODE"
 LOADER = ("import os,sys;__file__={dest!r};_c=os.environ.pop({var!r},'');exec(__import__('marshal').loads("

@@ -24,7 +24,7 @@ Why btrfs: the kernels this runs on (6.18 here) are built without XFS quotas (CO
 the quota format ext4's project quotas need (CONFIG_QFMT_V2); btrfs quota groups are what is left that
 limits what a folder holds, and reflinks come with them. Reflinked data does not count against a quota
 group when it is cloned (only when it is written), so the store's limit is also checked by the store
-itself, from the snapshots' sizes.
+itself, from the snapshots' sizes. The calls to btrfs (ioctls, not btrfs-progs) are ``btrfs.py``'s.
 
 Why simple quotas (squota, Linux 6.7+), on a new volume where the kernel has them: full quota groups find,
 for every shared block a write or a deleted snapshot touches, every subvolume that refers to it (a backref
@@ -45,7 +45,6 @@ import fcntl
 import logging
 import os
 import shutil
-import struct
 import subprocess
 import threading
 from collections.abc import Iterator
@@ -54,6 +53,8 @@ from pathlib import Path
 
 from agentenv.config import PRIVATE_DIR, PRIVATE_FILE, Paths, parse_size, paths, write_atomic
 from agentenv.errors import DiskLimitUnsupported, SandboxError
+from agentenv.host import btrfs
+from agentenv.host.btrfs import is_subvolume
 from agentenv.host.hostcalls import mountinfo, seal_mount
 from agentenv.host.trees import remove_tree
 
@@ -63,29 +64,7 @@ VOLUME_ENV = "AGENTENV_VOLUME"  # "off": never make a volume (sandboxes then nee
 QUOTAS_ENV = "AGENTENV_QUOTAS"  # "full": full quota groups on a new volume (default: simple ones where possible)
 SIZE_ENV = "AGENTENV_VOLUME_SIZE"  # the size of a volume agentenv makes, e.g. "200g"
 MIN_SIZE = 1 << 30
-# btrfs ioctls (linux/btrfs.h): _IOW(0x94, 1/14/15, btrfs_ioctl_vol_args), _IOR(0x94, 43, qgroup_limit_args),
-# _IOWR(0x94, 40, quota_ctl_args)
-_SNAP_CREATE = 0x50009401  # _IOW(0x94, 1, btrfs_ioctl_vol_args): a snapshot of the subvolume whose fd is in args
-_SUBVOL_CREATE = 0x5000940E
-_SNAP_DESTROY = 0x5000940F
-_QGROUP_LIMIT = 0x8030942B
-_QUOTA_CTL = 0xC0109428
-_TREE_SEARCH = 0xD0009411  # _IOWR(0x94, 17, btrfs_ioctl_search_args): items of a tree (here: the quota tree)
-_INO_LOOKUP = 0xD0009412  # _IOWR(0x94, 18, btrfs_ioctl_ino_lookup_args): with objectid 256, the fd's subvolume id
-_START_SYNC = 0x80089418  # _IOR(0x94, 24, __u64)
-_WAIT_SYNC = 0x40089416  # _IOW(0x94, 22, __u64)
-_QUOTA_ENABLE, _QUOTA_ENABLE_SIMPLE = 1, 4
-_LIMIT_MAX_RFER = 1
-_CLEAR = (1 << 64) - 1
-_VOL_ARGS = 4096  # struct btrfs_ioctl_vol_args: __s64 fd; char name[4088]
-_SUBVOL_INO = 256  # every subvolume's root folder has this inode number
-_QUOTA_TREE = 8  # BTRFS_QUOTA_TREE_OBJECTID
-_QGROUP_STATUS_KEY, _QGROUP_INFO_KEY = 240, 242
-_QGROUP_INEXACT = 0b0110  # status flags RESCAN, INCONSISTENT: the counts are not (yet) exact
-_QGROUP_SIMPLE = 0b1000  # status flag SIMPLE_MODE
 INHERITED = "inherited"  # in a layer's folder (beside upper/ and work/), with simple quotas: the bytes it began with
-_SEARCH_KEY = struct.Struct("=7Q4I4Q")  # btrfs_ioctl_search_key: tree, min/max objectid, offset, transid; ...
-_SEARCH_HEADER = struct.Struct("=3Q2I")  # btrfs_ioctl_search_header: transid, objectid, offset, type, len
 
 
 @dataclass(frozen=True)
@@ -140,7 +119,8 @@ def _ensure(p: Paths) -> Volume:
                 reason = f"{vol} is a mounted {fstype} filesystem, not btrfs"
             else:
                 try:
-                    simple = _enable_quotas(vol)
+                    simple = btrfs.enable_quotas(vol, simple=os.path.exists("/sys/fs/btrfs/features/simple_quota")
+                                                 and os.environ.get(QUOTAS_ENV, "").strip().lower() != "full")
                     _make_dirs(p, subvolumes=True)
                 except OSError as e:
                     reason = f"could not turn btrfs quotas on at {vol}: {e}"
@@ -227,7 +207,7 @@ def _make_dirs(p: Paths, subvolumes: bool) -> None:
         with contextlib.suppress(OSError):
             files.rmdir()  # an empty plain folder left from before the volume was there
     if not files.exists():
-        _subvolume_create(files)
+        btrfs.create_subvolume(files)
 
 
 def _fstype(mountpoint: Path) -> str | None:
@@ -246,68 +226,6 @@ def _flock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def _dir_fd(path: Path) -> Iterator[int]:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _vol_args(name: str) -> bytearray:
-    raw = name.encode()
-    if not raw or len(raw) >= _VOL_ARGS - 8 or b"/" in raw:
-        raise ValueError(f"bad subvolume name {name!r}")
-    args = bytearray(_VOL_ARGS)
-    args[8:8 + len(raw)] = raw
-    return args
-
-
-def _enable_quotas(vol: Path) -> bool:
-    """Turn quotas on where they are off, simple ones if the kernel has them (and ``$AGENTENV_QUOTAS`` is not
-    "full"); a volume keeps the mode it has. True if its quotas are simple."""
-    with _dir_fd(vol) as fd:
-        flags = _quota_flags(fd)
-        if flags is None:
-            simple = (os.path.exists("/sys/fs/btrfs/features/simple_quota")
-                      and os.environ.get(QUOTAS_ENV, "").strip().lower() != "full")
-            cmd = _QUOTA_ENABLE_SIMPLE if simple else _QUOTA_ENABLE
-            fcntl.ioctl(fd, _QUOTA_CTL, bytearray(struct.pack("=QQ", cmd, 0)))
-            flags = _quota_flags(fd)
-        return bool((flags or 0) & _QGROUP_SIMPLE)
-
-
-def _quota_flags(fd: int) -> int | None:
-    """The quota status flags of the volume open at ``fd``; None while quotas are off."""
-    try:
-        status = _search_quota_tree(fd, _QGROUP_STATUS_KEY, 0)
-    except FileNotFoundError:  # no quota tree
-        return None
-    return None if status is None else int(struct.unpack_from("=3Q", status)[2])
-
-
-def _subvolume_create(path: Path) -> None:
-    with _dir_fd(path.parent) as fd:
-        fcntl.ioctl(fd, _SUBVOL_CREATE, _vol_args(path.name))
-
-
-def _set_limit(path: Path, nbytes: int | None) -> None:
-    """Limit what the subvolume at ``path`` refers to (its quota group's max_rfer); None lifts the limit."""
-    with _dir_fd(path) as fd:
-        args = struct.pack("=QQQQQQ", 0, _LIMIT_MAX_RFER, _CLEAR if nbytes is None else nbytes, 0, 0, 0)
-        fcntl.ioctl(fd, _QGROUP_LIMIT, bytearray(args))
-
-
-def is_subvolume(path: Path) -> bool:
-    """True if ``path`` is the root folder of a btrfs subvolume."""
-    try:
-        st, parent = os.lstat(path), os.lstat(path.parent)
-    except FileNotFoundError:
-        return False
-    return st.st_ino == _SUBVOL_INO and st.st_dev != parent.st_dev
-
-
 def make_layer(path: Path, disk: int | None) -> None:
     """Make a sandbox's layer folder: a subvolume limited to ``disk`` bytes where the volume has quotas, else
     a plain folder (DiskLimitUnsupported if ``disk`` is a limit then)."""
@@ -317,12 +235,12 @@ def make_layer(path: Path, disk: int | None) -> None:
         path.mkdir(parents=True)
         return
     try:
-        _subvolume_create(path)
+        btrfs.create_subvolume(path)
     except OSError as e:
         raise SandboxError(f"could not create the sandbox's subvolume {path}: {e}") from e
     if disk is not None:
         try:
-            _set_limit(path, disk)
+            btrfs.set_limit(path, disk)
         except OSError as e:
             drop_layer(path)
             raise SandboxError(f"could not set the disk limit of {path}: {e}",
@@ -349,23 +267,20 @@ def clone_layer(src: Path, dst: Path, disk: int | None) -> None:
     refuses otherwise; nothing of ``dst`` is left then.
     """
     try:
-        with _dir_fd(src) as sfd, _dir_fd(dst.parent) as pfd:
-            args = _vol_args(dst.name)
-            args[:8] = struct.pack("=q", sfd)
-            fcntl.ioctl(pfd, _SNAP_CREATE, args)
+        btrfs.snapshot_subvolume(src, dst)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):  # out of space: an OSError, as from a copy (the store says so)
             raise
         raise SandboxError(f"could not snapshot the layer {src} to {dst}: {e}",
                            fix=f"check the volume: btrfs filesystem usage {ensure().path}") from e
     try:
-        _set_limit(dst, None)  # a snapshot keeps its source's limit, which may leave no room for the work folder
+        btrfs.set_limit(dst, None)  # a snapshot keeps its source's limit, which may leave no room for the work folder
         reset_work(dst)
         if ensure().simple:  # the clone's group counts what it writes from now on: note what it begins with
             held = referenced(src)
             _begin_with(dst, disk_usage(src) if held is None else held, disk)
         elif disk is not None:
-            _set_limit(dst, disk)
+            btrfs.set_limit(dst, disk)
     except BaseException as e:
         drop_layer(dst)
         if isinstance(e, OSError):
@@ -387,7 +302,7 @@ def _begin_with(layer: Path, inherited: int, disk: int | None) -> None:
     gives no room back (their blocks stay where they came from)."""
     write_atomic(layer / INHERITED, str(inherited))
     if disk is not None:
-        _set_limit(layer, max(disk - inherited, 0))
+        btrfs.set_limit(layer, max(disk - inherited, 0))
 
 
 def account_copy(path: Path, disk: int | None) -> int | None:
@@ -404,10 +319,7 @@ def account_copy(path: Path, disk: int | None) -> int | None:
     if disk is None:
         return None
     try:
-        with _dir_fd(path) as fd:
-            buf = bytearray(8)
-            fcntl.ioctl(fd, _START_SYNC, buf)
-            return int(struct.unpack("=Q", buf)[0])
+        return btrfs.start_sync(path)
     except OSError:
         return None
 
@@ -416,23 +328,8 @@ def wait_accounted(path: Path, transid: int | None) -> None:
     """Wait for the commit ``account_copy`` started (usually long done by then). Best effort."""
     if transid is None:
         return
-    with contextlib.suppress(OSError), _dir_fd(path) as fd:
-        fcntl.ioctl(fd, _WAIT_SYNC, bytearray(struct.pack("=Q", transid)))
-
-
-def _search_quota_tree(fd: int, key_type: int, offset: int) -> bytes | None:
-    """The one item (0, ``key_type``, ``offset``) of the quota tree, or None."""
-    args = bytearray(_VOL_ARGS)
-    _SEARCH_KEY.pack_into(args, 0, _QUOTA_TREE, 0, 0, offset, offset, 0, _CLEAR, key_type, key_type, 1, 0,
-                          0, 0, 0, 0)
-    fcntl.ioctl(fd, _TREE_SEARCH, args)
-    if _SEARCH_KEY.unpack_from(args)[9] == 0:  # nr_items found
-        return None
-    _, objectid, found, kind, length = _SEARCH_HEADER.unpack_from(args, _SEARCH_KEY.size)
-    if (objectid, found, kind) != (0, offset, key_type):
-        return None
-    start = _SEARCH_KEY.size + _SEARCH_HEADER.size
-    return bytes(args[start:start + length])
+    with contextlib.suppress(OSError):
+        btrfs.wait_sync(path, transid)
 
 
 def referenced(path: Path) -> int | None:
@@ -446,22 +343,11 @@ def referenced(path: Path) -> int | None:
     and what it began with is added (``_begin_with``): an upper bound of what it refers to."""
     if not is_subvolume(path):
         return None
-    try:
-        with _dir_fd(path) as fd:
-            lookup = bytearray(_VOL_ARGS)
-            struct.pack_into("=QQ", lookup, 0, 0, _SUBVOL_INO)
-            fcntl.ioctl(fd, _INO_LOOKUP, lookup)
-            subvol = struct.unpack_from("=Q", lookup)[0]
-            flags = _quota_flags(fd)
-            if flags is None or flags & _QGROUP_INEXACT:
-                return None
-            info = _search_quota_tree(fd, _QGROUP_INFO_KEY, subvol)
-    except OSError:
+    got = btrfs.group_count(path)
+    if got is None:
         return None
-    if info is None:
-        return None
-    counted = int(struct.unpack_from("=2Q", info)[1])
-    if flags & _QGROUP_SIMPLE:
+    counted, simple = got
+    if simple:
         try:
             counted += int((path / INHERITED).read_text())
         except FileNotFoundError:  # a layer made empty
@@ -485,8 +371,7 @@ def drop_layer(path: Path) -> None:
     """Remove a layer folder and everything in it (a subvolume goes at once; the kernel frees it behind)."""
     if is_subvolume(path):
         try:
-            with _dir_fd(path.parent) as fd:
-                fcntl.ioctl(fd, _SNAP_DESTROY, _vol_args(path.name))
+            btrfs.delete_subvolume(path)
             return
         except OSError as e:
             log.warning("could not delete the subvolume %s (%s); removing its files", path, e)
@@ -498,4 +383,4 @@ def limit_store(nbytes: int | None) -> None:
     v = ensure()
     v.require(nbytes)
     if v.quotas and is_subvolume(paths().snapshot_files):
-        _set_limit(paths().snapshot_files, nbytes)
+        btrfs.set_limit(paths().snapshot_files, nbytes)

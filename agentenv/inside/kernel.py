@@ -9,7 +9,7 @@ events with :func:`split_events`: exactly the NDJSON objects of e2b's ``/execute
 SIGINT interrupts the running request. The protocol channel is private: fds 0, 1 and 2 become /dev/null and
 two pipes drained into stdout/stderr events, so neither user code nor its subprocesses can corrupt it.
 IPython's lines (``!cmd``, ``%pip``, ``%cd``, ``%env``, ``%%bash``) and bash requests come from ``magics.py``,
-JavaScript requests from ``nodejs.py``.
+JavaScript requests from ``nodejs.py``, what a value, a figure or an error shows as from ``results.py``.
 
 Chosen over IPython in the image (issue 26, ``bench/kernel.py``): both survive fork and pause under CRIU, but
 IPython's bare shell takes 4-6x as long to its first result (0.5-0.7 s against 0.1-0.2 s), and must be in every image.
@@ -18,7 +18,6 @@ IPython's bare shell takes 4-6x as long to its first result (0.5-0.7 s against 0
 from __future__ import annotations
 
 import ast
-import base64
 import builtins
 import codecs
 import contextlib
@@ -31,13 +30,13 @@ import select
 import signal
 import sys
 import threading
-import traceback
 import types
 from collections.abc import Iterator
 from typing import Any
 
 from agentenv.inside.magics import MAGIC, Magics, Shell, transform
 from agentenv.inside.nodejs import Node
+from agentenv.inside.results import error_text, figures, formats
 
 ENV_NAME = "AGENTENV_KERNEL"  # carries the source; the loader pops it, so user code never inherits it
 MAX_LINE = 64 << 20  # bytes of one request line; a longer one is answered with an error and skipped
@@ -46,28 +45,20 @@ READ_CHUNK = 1 << 20  # bytes read from stdin at a time
 PIPE_READ = 1 << 16  # bytes of one stdout/stderr event at most
 MAX_DRAIN = 1024  # reads of one drain: a process writing without pause cannot hold a request open forever
 LANGUAGES = ("python", "bash", "javascript")  # Python cells, bash scripts (``magics.Shell``), node (``nodejs``)
+PARTS = ("magics", "nodejs", "results", "kernel")  # the files of the kernel, joined in this order (``source``)
 _CO_COROUTINE = 0x80  # a cell with top-level await compiles to a coroutine
 _LOADER = f'import os;exec(compile(os.environ.pop("{ENV_NAME}"),"<kernel>","exec"))'
 _ID = re.compile(rb'^\s*\{\s*"id"\s*:\s*("(?:[^"\\]|\\.){0,256}")')  # the id of a line too long to parse
-_MIMES = {  # Jupyter's MIME types and the keys of e2b's Result; any other goes to ``extra``
-    "text/plain": "text", "text/html": "html", "text/markdown": "markdown", "image/svg+xml": "svg",
-    "image/png": "png", "image/jpeg": "jpeg", "application/pdf": "pdf", "text/latex": "latex",
-    "application/json": "json", "application/javascript": "javascript", "e2b/data": "data",
-    "e2b/chart": "chart",
-}
-_REPRS = [(mime, f"_repr_{key}_") for mime, key in _MIMES.items() if key not in ("text", "data", "chart")]
-_BINARY = ("png", "jpeg", "pdf")  # base64 text on the wire
-_FILE = (lambda: None).__code__.co_filename  # the kernel's own frames are left out of user tracebacks
 _write, _dumps, _loads = os.write, json.dumps, json.loads  # bound once: user code may patch the modules
 
 
 # ---- host side ----
 
 def source() -> str:
-    """The kernel as one module: ``magics.py`` then this file, their import of each other and ``from __future__``
+    """The kernel as one module: its ``PARTS`` in order, their import of each other and ``from __future__``
     lines taken out (the sandbox has no agentenv package to import from)."""
     parts = []
-    for path in [os.path.join(os.path.dirname(__file__), f"{name}.py") for name in ("magics", "nodejs", "kernel")]:
+    for path in [os.path.join(os.path.dirname(__file__), f"{name}.py") for name in PARTS]:
         with open(path, encoding="utf-8") as f:
             text = f.read().replace("from __future__ import annotations\n", "")
         parts.append(re.sub(r"^from agentenv\.inside\.\w+ import [^\n]*\n", "", text, flags=re.M))
@@ -112,58 +103,6 @@ def _now() -> str:
 
 def _writer(fd: int) -> Any:
     return open(fd, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
-
-
-def _own(filename: str) -> bool:
-    return filename == _FILE or f"{os.sep}asyncio{os.sep}" in filename
-
-
-def _call(obj: Any, name: str, *args: Any) -> Any:
-    """``obj.name(*args)``, or None where it is missing or fails (as IPython's formatters skip it)."""
-    if isinstance(obj, type):
-        return None
-    try:
-        method = getattr(obj, name, None)
-        return method(*args) if callable(method) else None
-    except Exception:
-        return None
-
-
-def _formats(obj: Any, raw: bool = False) -> dict[str, Any]:
-    """The formats of e2b's Result for ``obj`` (a MIME bundle itself where ``raw``)."""
-    bundle = obj if raw and isinstance(obj, dict) else _call(obj, "_repr_mimebundle_", None, None)
-    if isinstance(bundle, tuple) and bundle:
-        bundle = bundle[0]
-    mimes: dict[str, Any] = dict(bundle) if isinstance(bundle, dict) else {}
-    if not raw:
-        for mime, name in _REPRS:
-            if mime not in mimes and (value := _call(obj, name)) is not None:
-                mimes[mime] = value
-        if "text/plain" not in mimes:
-            mimes["text/plain"] = repr(obj)
-    out: dict[str, Any] = {}
-    extra: dict[str, Any] = {}
-    for mime, value in mimes.items():
-        key = _MIMES.get(mime)
-        if isinstance(value, tuple) and len(value) == 2:  # (data, metadata)
-            value = value[0]
-        if isinstance(value, (bytes, bytearray)):
-            value = base64.b64encode(value).decode() if key in _BINARY else bytes(value).decode("utf-8", "replace")
-        if key is not None and not isinstance(value, dict if key in ("json", "data", "chart") else str):
-            continue
-        try:
-            _dumps(value)
-        except Exception:
-            continue
-        if key is None:
-            extra[str(mime)] = value
-        else:
-            out[key] = value
-    text = out.get("text")
-    if isinstance(text, str) and len(text) > 1 and text[0] == text[-1] == "'":
-        out["text"] = text[1:-1]  # as e2b's server gives a string: without its quotes
-    out["extra"] = extra
-    return out
 
 
 def _silenced(code: str, node: ast.stmt) -> bool:
@@ -297,9 +236,9 @@ class Kernel:
             self.pump(name, MAX_DRAIN)
 
     def show(self, obj: Any, main: bool, raw: bool = False) -> None:
-        formats = _formats(obj, raw)
+        result = formats(obj, raw)
         self.sync()  # what was printed before comes first
-        self.emit({"type": "result", **formats, "is_main_result": main})
+        self.emit({"type": "result", **result, "is_main_result": main})
 
     def display(self, *objs: Any, raw: bool = False, **_: Any) -> None:
         """IPython's ``display``: each object as a result that is not the main one."""
@@ -336,18 +275,9 @@ class Kernel:
 
     def figures(self) -> None:
         """Matplotlib's open figures as png results, then closed (as Jupyter's inline backend does)."""
-        plt = sys.modules.get("matplotlib.pyplot")
-        if plt is None:
-            return
-        import io
-        for num in plt.get_fignums():
-            fig = plt.figure(num)
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", bbox_inches="tight")
+        for result in figures():
             self.sync()
-            self.emit({"type": "result", "text": repr(fig), "png": base64.b64encode(buf.getvalue()).decode(),
-                       "extra": {}, "is_main_result": False})
-        plt.close("all")
+            self.emit({"type": "result", **result, "is_main_result": False})
 
     def other(self, language: str, code: str, env: dict[str, str]) -> None:
         """A bash script or a JavaScript cell: its value or its error as events."""
@@ -371,16 +301,7 @@ class Kernel:
         name = type(exc).__name__
         self.running = True  # a user's __str__ may loop: interruptible
         try:
-            value = str(exc)
-            top = traceback.TracebackException(type(exc), exc, exc.__traceback__)
-            todo, seen = [top], set()
-            while todo:  # the exception and those it chains
-                te = todo.pop()
-                if id(te) not in seen:
-                    seen.add(id(te))
-                    te.stack = traceback.StackSummary.from_list([f for f in te.stack if not _own(f.filename)])
-                    todo += [c for c in (te.__cause__, te.__context__) if c is not None]
-            text = "".join(top.format())
+            value, text = str(exc), error_text(exc)
         except BaseException:
             value, text = "", f"{name}: <exception str() failed>\n"
         self.running = False

@@ -12,8 +12,8 @@ import _socket
 import _thread
 import errno
 
+from agentenv.inside.commands import Starved
 from agentenv.inside.frames import send_frame, suppress
-from agentenv.inside.jobs import Starved
 
 TUNNEL_CONNECT_TIMEOUT = 5.0  # seconds for the sandbox's listener to accept
 TUNNEL_CHUNK = 1 << 16

@@ -6,31 +6,24 @@ methods of the sandboxes they return take the same arguments, return the same ty
 code written against the local API (the ``agentenv.api.Backend`` contract) runs unchanged against a
 server.
 
-Connections are pooled (httpx, keep-alive) and bodies are msgpack. A call that could not reach the
-server is retried (a connection that was never made cannot have done anything); a call that may have
-reached it is retried only when it is idempotent. Every call has a timeout; a server that does not
-answer raises ``ConnectionLost``.
+The calls go over ``transport.Transport`` (pooled connections, msgpack bodies, retries, timeouts); this module
+is what they mean: the server, its sandboxes, processes and snapshots.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
-import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import httpx
-
-from agentenv import errors, netpolicy, wire
+from agentenv import errors, netpolicy
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
-    MAX_DEPTH,
     ExecResult,
-    FileInfo,
     ImageFetch,
     JobEnd,
     JobInfo,
@@ -44,29 +37,20 @@ from agentenv.api import (
     SnapshotLike,
     fork_count,
 )
-from agentenv.errors import ConnectionLost, SandboxNotFound, from_wire
+from agentenv.errors import ConnectionLost, SandboxNotFound
+from agentenv.remote.files import RemoteFiles
+from agentenv.remote.transport import DEFAULT_TIMEOUT, Transport
 
-DEFAULT_TIMEOUT = 120.0
-CONNECT_TIMEOUT = 5.0
 INPUT_PIECE = 16 << 20  # bytes of stdin sent per request (the server takes bodies up to 32 MiB)
-_RETRY_ALWAYS = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-_RETRY_IDEMPOTENT = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadTimeout)
 
 
-class Client:
+class Client(Transport):
     """One server: an HTTP connection pool with the token, and ``Sandbox`` / ``Snapshot`` like the module's."""
 
     def __init__(self, url: str, token: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3) -> None:
-        self.url = url.rstrip("/")
-        self.token = token  # handed to another server only to pull a snapshot from this one (Pool.restore)
-        self.timeout, self.retries = timeout, retries
-        self.down = False
+        super().__init__(url, token, timeout=timeout, retries=retries)
         self.on_sandbox: Callable[[RemoteSandbox], None] | None = None  # told of every sandbox it hands out
         self.spread: Callable[[RemoteSandbox, int, bool], list[RemoteSandbox]] | None = None  # a Pool's fork
-        self._http = httpx.Client(
-            base_url=self.url, timeout=httpx.Timeout(timeout, connect=CONNECT_TIMEOUT),
-            headers={"Authorization": f"Bearer {token}", "Accept": wire.MSGPACK},
-            limits=httpx.Limits(max_connections=128, max_keepalive_connections=64, keepalive_expiry=4.0))
         self.Sandbox = SandboxAPI(self)
         self.Snapshot = SnapshotAPI(self)
 
@@ -79,9 +63,6 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        self._http.close()  # the connection pool; sandboxes on the server are not touched
-
     def server_info(self) -> dict[str, Any]:
         """Version, capacity (live and free sandboxes and memory) and what the server recovered at start."""
         return cast(dict[str, Any], self.request("GET", "/v1/server", idempotent=True))
@@ -93,90 +74,6 @@ class Client:
         wait = (deadline or 3600.0) + 60.0
         return ImageFetch.from_wire(self.request("POST", "/v1/images/ensure", {"image": image, "deadline": deadline},
                                                  timeout=wait))
-
-    def request(self, method: str, path: str, body: Any = None, *, params: dict[str, Any] | None = None,
-                content: bytes | None = None, timeout: float | None = None, idempotent: bool = False) -> Any:
-        """One call, retried on connection errors; the decoded reply, or the server's error re-raised."""
-        headers = {}
-        if body is not None:
-            content = wire.encode(body, True)
-            headers["Content-Type"] = wire.MSGPACK
-        elif content is not None:
-            headers["Content-Type"] = "application/octet-stream"
-        t = httpx.Timeout(self.timeout if timeout is None else timeout, connect=CONNECT_TIMEOUT)
-        r = self._send(lambda: self._http.request(method, path, content=content, params=params, headers=headers,
-                                                  timeout=t), idempotent)
-        return self._decode(r)
-
-    def _send(self, call: Callable[[], httpx.Response], idempotent: bool) -> httpx.Response:
-        delay = 0.05
-        for attempt in range(self.retries + 1):
-            try:
-                r = call()
-                self.down = False
-                return r
-            except _RETRY_ALWAYS + _RETRY_IDEMPOTENT as e:
-                retry = isinstance(e, _RETRY_ALWAYS) or idempotent
-                if not retry or attempt == self.retries:
-                    self.down = isinstance(e, _RETRY_ALWAYS)
-                    raise ConnectionLost(f"the server at {self.url} does not answer ({type(e).__name__}: {e})",
-                                         fix="check that 'agentenv serve' runs there and is reachable") from e
-                time.sleep(delay)
-                delay *= 2
-            except httpx.TimeoutException as e:
-                raise ConnectionLost(f"the server at {self.url} did not answer in time ({e})") from e
-        raise AssertionError("unreachable")
-
-    @staticmethod
-    def _decode(r: httpx.Response) -> Any:
-        ctype = r.headers.get("content-type", "")
-        if ctype.startswith("application/octet-stream"):
-            data: Any = r.content
-        elif r.content:
-            try:
-                data = wire.decode(r.content, ctype)
-            except wire.WireError:
-                data = {"message": r.text[:500]}
-        else:
-            data = None
-        if r.status_code >= 400:
-            raise from_wire(data, r.status_code)
-        return data
-
-    def exec_stream(self, sandbox_id: str, body: dict[str, Any], on_output: OutputCallback,
-                    timeout: float | None) -> dict[str, Any]:
-        """Run a command with its output passed to ``on_output`` as it comes; returns the result fields."""
-        with contextlib.closing(self.stream(f"/v1/sandboxes/{sandbox_id}/exec/stream", body, timeout)) as frames:
-            for item in frames:
-                if "stream" in item:
-                    on_output(item["stream"], item["data"])
-                elif "result" in item:
-                    return cast(dict[str, Any], item["result"])
-        raise ConnectionLost(f"the server at {self.url} ended the stream without a result")
-
-    def stream(self, path: str, body: dict[str, Any], timeout: float | None) -> Generator[dict[str, Any], None, None]:
-        """POST ``body`` to a streaming route: its frames as they come, an error frame raised (not retried once
-        the request may have reached the server). Close it to drop the connection."""
-        t = httpx.Timeout(timeout, connect=CONNECT_TIMEOUT)
-        headers = {"Content-Type": wire.MSGPACK}
-
-        def call() -> httpx.Response:
-            req = self._http.build_request("POST", path, content=wire.encode(body, True), headers=headers, timeout=t)
-            return self._http.send(req, stream=True)
-
-        r = self._send(call, idempotent=False)
-        try:
-            if r.status_code >= 400:
-                r.read()
-                self._decode(r)
-            for item in wire.read_frames(r.iter_bytes(), wire.is_msgpack(r.headers.get("content-type"))):
-                if "error" in item:
-                    raise from_wire(item["error"], 500)
-                yield item
-        except (httpx.ReadError, httpx.RemoteProtocolError, httpx.ReadTimeout) as e:
-            raise ConnectionLost(f"the server at {self.url} broke off the stream ({type(e).__name__}: {e})") from e
-        finally:
-            r.close()
 
     def _sandbox(self, info: dict[str, Any]) -> RemoteSandbox:
         sb = RemoteSandbox(self, SandboxInfo.from_wire(info))
@@ -224,7 +121,7 @@ class RemoteProcess(Process):
                                      {"signal": signal})
 
 
-class RemoteSandbox:
+class RemoteSandbox(RemoteFiles):
     """A sandbox on a server, with the methods and properties of ``agentenv.Sandbox``."""
 
     def __init__(self, client: Client, info: SandboxInfo) -> None:
@@ -309,7 +206,7 @@ class RemoteSandbox:
         assert self._info.network is not None  # the server answers 409 for a sandbox without network
         return self._info.network
 
-    # commands and files
+    # commands (the file calls are RemoteFiles')
     def exec(self, command: str, *, timeout: float | None = DEFAULT_EXEC_TIMEOUT, cwd: str | None = None,
              env: dict[str, str] | None = None, on_output: OutputCallback | None = None) -> ExecResult:
         """Run ``command`` with /bin/sh in the sandbox; ``on_output`` streams output as it comes."""
@@ -330,14 +227,6 @@ class RemoteSandbox:
     def processes(self) -> builtins.list[RemoteProcess]:
         return [RemoteProcess(self, p["pid"], p["log"], p["command"])
                 for p in self._call("GET", "/processes", idempotent=True)]
-
-    def read_file(self, path: str) -> bytes:
-        return cast(bytes, self._call("GET", "/files", params={"path": _checked(path)}, idempotent=True))
-
-    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
-        """Write a whole file atomically, creating parent folders."""
-        payload = data.encode() if isinstance(data, str) else bytes(data)
-        self._call("PUT", "/files", params={"path": _checked(path), "mode": mode}, content=payload, idempotent=True)
 
     # jobs
     def start(self, command: str, *, cwd: str | None = None, env: dict[str, str] | None = None,
@@ -396,31 +285,6 @@ class RemoteSandbox:
         """Send ``sig`` to the process group of a job (or of a spawned process)."""
         self._call("POST", f"/jobs/{pid}/signal", {"signal": int(sig)})
 
-    # the file system
-    def stat(self, path: str) -> FileInfo:
-        """What is at ``path`` (FileNotFoundError if nothing)."""
-        return FileInfo.from_wire(self._call("GET", "/stat", params={"path": _checked(path)}, idempotent=True))
-
-    def list_dir(self, path: str, depth: int = 1) -> builtins.list[FileInfo]:
-        """The entries under ``path`` down to ``depth`` levels (1: its children), symlinked folders not followed."""
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 1:
-            raise ValueError(f"depth must be an integer >= 1, got {depth!r}")
-        found = self._call("GET", "/list", params={"path": _checked(path), "depth": min(depth, MAX_DEPTH)},
-                           idempotent=True)
-        return [FileInfo.from_wire(f) for f in found]
-
-    def make_dir(self, path: str) -> bool:
-        """Make a folder and its parents; False if it already was one (FileExistsError if a file is there)."""
-        return bool(self._call("POST", "/mkdir", {"path": _checked(path)})["made"])
-
-    def move(self, src: str, dst: str) -> FileInfo:
-        """Rename ``src`` to ``dst`` (across file systems too); the info of ``dst``."""
-        return FileInfo.from_wire(self._call("POST", "/move", {"src": _checked(src), "dst": _checked(dst)}))
-
-    def remove(self, path: str) -> None:
-        """Remove a file, a symlink or a whole folder (FileNotFoundError if nothing is there)."""
-        self._call("DELETE", "/files", params={"path": _checked(path)})
-
     # snapshots
     def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> RemoteSnapshot:
         return _snapshot(self._client, self._call("POST", "/snapshot", {"memory": memory, "labels": labels or {}}))
@@ -459,13 +323,6 @@ def _network_body(network: bool | Network | Mapping[str, Any] | None) -> bool | 
     if lists is None or network is True:
         return lists is not None
     return {"allow_out": lists[0], "deny_out": lists[1]}
-
-
-def _checked(path: str) -> str:
-    """A path as the local API takes one (the server resolves it inside the sandbox), else ValueError."""
-    if not isinstance(path, str) or not path or "\0" in path:
-        raise ValueError(f"path must be a non-empty string, got {path!r}")
-    return path
 
 
 class SandboxAPI:

@@ -50,9 +50,9 @@ def _load(path):
 
 def _install(cfg):
     """Install the audit hook (see the module doc); return a function that writes a line to the audit log."""
-    import _thread
     import json
     import os
+    import threading
     from bisect import bisect_left
 
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0)
@@ -76,7 +76,7 @@ def _install(cfg):
                             "os.killpg", "os.truncate", "code.__new__", "_thread.start_new_thread"))
     path_events = frozenset(("open", "os.listdir", "os.scandir", "os.remove", "os.rename", "os.rmdir",
                              "os.chmod", "os.link", "os.symlink", "shutil.rmtree", "os.chdir"))
-    state = _thread._local()
+    state = threading.local()
     code_type, str_, bytes_, qualname = type(_load.__code__), str, bytes, type.__dict__["__qualname__"].__get__
     fspath = os.fspath
     import pathlib
@@ -268,7 +268,6 @@ def _seal_and_restart():
     import os
     import platform
     import struct
-    import subprocess
 
     arch, nr = {"x86_64": (0xC000003E, 13), "aarch64": (0xC00000B7, 134)}.get(platform.machine(), (0, 0))
     if not arch:
@@ -296,7 +295,9 @@ def _seal_and_restart():
     if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
         sys.exit(f"agentenv grader: cannot seal signal handlers: {os.strerror(ctypes.get_errno())}")
     exe = sys.executable or "/proc/self/exe"
-    flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    with open("/proc/self/cmdline", "rb") as f:  # the interpreter's own options (-I, -X ..., -W ...), as given
+        cmdline = [os.fsdecode(a) for a in f.read().split(b"\0")[:-1]]
+    flags = cmdline[1:len(cmdline) - len(sys.argv)]
     os.execv(exe, [exe, *flags, sys.argv[0], sys.argv[1], "sealed", *sys.argv[2:]])
 
 

@@ -13,8 +13,8 @@ import pytest
 
 import agentenv
 from agentenv import phases
+from agentenv.cli.tour import ASK, COUNTER  # a counter kept only in a TCP server's memory
 from agentenv.errors import SandboxStateError
-from agentenv.tour import ASK, COUNTER  # a counter kept only in a TCP server's memory
 
 from .conftest import restart_dockerd
 

@@ -376,12 +376,13 @@ def test_transform_finds_logical_line_starts_only():
 
 
 def test_the_joined_parts_define_no_name_twice():
-    """kernel.source() runs magics, nodejs and kernel as one module: a name defined in two would be overwritten."""
+    """kernel.source() runs its parts (magics, nodejs, results, kernel) as one module: a name defined in two would be
+    overwritten."""
     import ast
     from pathlib import Path
 
     seen: dict[str, str] = {}
-    for name in ("magics", "nodejs", "kernel"):
+    for name in kernel.PARTS:
         tree = ast.parse((Path(kernel.__file__).parent / f"{name}.py").read_text())
         for node in tree.body:
             if isinstance(node, ast.FunctionDef | ast.ClassDef):

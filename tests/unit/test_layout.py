@@ -21,8 +21,8 @@ MAY_IMPORT = {"agentenv": set(), "policy": set(), "envs": {"agentenv"}, "rollout
 # check, kept in policy because importing it there starts nothing else, where agentenv's import starts its sandboxes)
 SHARED_LEAVES = {"policy.chat": {"envs"}, "policy.authlimit": {"agentenv"}}
 # inside agentenv, each room imports only the rooms below it (and the contract at the top: api, errors, config, ...)
-CONTRACT = {"agentenv", "agentenv.api", "agentenv.errors", "agentenv.config", "agentenv.phases", "agentenv.netpolicy",
-            "agentenv.wire"}
+CONTRACT = {"agentenv", "agentenv.api", "agentenv.values", "agentenv.errors", "agentenv.config", "agentenv.phases",
+            "agentenv.netpolicy", "agentenv.wire"}
 ROOMS = {"agentenv.inside": set(), "agentenv.host": {"agentenv.inside"},
          # dump, restore, lazy pages, post-copy, the store, export and import: below the sandbox, which calls it
          "agentenv.snapshot": {"agentenv.inside", "agentenv.host"},

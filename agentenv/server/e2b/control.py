@@ -8,13 +8,13 @@ sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox w
 in E2B, unless it was made with ``autoPause`` (``lifecycle={"on_timeout": "pause"}``): then it is paused, and
 ``Sandbox.connect`` brings it back (the choice is its ``agentenv.on_expiry`` label). ``connect`` and ``refresh``
 never shorten a longer timeout; ``set_timeout`` sets it. A paused sandbox forks too (E2B answers 409): its
-children are restored from its pause snapshot. A key of a body that agentenv does not know is a 400 naming it.
-Errors are ``{code, message}``; a full quota is a 429 with ``Retry-After``, which the SDK retries.
+children are restored from its pause snapshot. A key of a body that agentenv does not know is a 400 naming it
+(the bodies: ``bodies``). Errors are ``{code, message}``; a full quota is a 429 with ``Retry-After``, which the SDK
+retries (``plane``: the errors, the API key and the router that every E2B control route shares).
 
 The network: ``allow_internet_access`` absent or true is a sandbox with network (E2B's default), false one with
 loopback only; ``network.allowOut`` / ``denyOut`` are the sandbox's outbound rules (``agentenv.netpolicy``: an
-allowed destination wins, as in E2B), and ``allow_internet_access: false`` with an ``allowOut`` list adds
-``0.0.0.0/0`` to ``denyOut``, as E2B reads it. ``PUT /sandboxes/{id}/network`` (``Sandbox.update_network``)
+allowed destination wins, as in E2B), as ``bodies`` reads them. ``PUT /sandboxes/{id}/network`` (``Sandbox.update_network``)
 replaces the rules; a sandbox made with loopback only has none to replace (409). ``allowPublicTraffic`` and
 ``maskRequestHost`` become labels that ``ports`` enforces; ``lifecycle.autoResume`` one that ``ports`` wakes the
 paused sandbox on. What agentenv does not enforce (``dnsServers``, ``egressProxy``, per-host ``rules``,
@@ -23,236 +23,43 @@ paused sandbox on. What agentenv does not enforce (``dnsServers``, ``egressProxy
 
 from __future__ import annotations
 
-import datetime as dt
 import time
-from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Depends, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
+from fastapi import Body, Query, Request, Response
 from fastapi.responses import JSONResponse
-from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field
 
 from agentenv import errors, netpolicy
-from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, MAX_FORK
+from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE
 from agentenv.config import parse_size
 from agentenv.sandbox import expiry
 from agentenv.sandbox.core import Sandbox
 from agentenv.server.e2b import ports, template_store
+from agentenv.server.e2b.bodies import (
+    DEFAULT_TIMEOUT,
+    ConnectBody,
+    ForkBody,
+    NetworkConfig,
+    NetworkUpdate,
+    NewSandbox,
+    PauseBody,
+    Refresh,
+    SnapshotBody,
+    Timeout,
+)
+from agentenv.server.e2b.plane import E2BError, ServiceDep, e2b_time, router_for
 from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, envd_token, traffic_token
 from agentenv.server.service import Service
 from agentenv.snapshot.store import Snapshot
-from policy.authlimit import AuthFailures, Spent
 
 TEMPLATES = {"base": DEFAULT_IMAGE, "code-interpreter-v1": DEFAULT_IMAGE, "code-interpreter": DEFAULT_IMAGE}
-DEFAULT_TIMEOUT = 300  # seconds: E2B's default sandbox lifetime
 MEMORY, DISK, CPUS = 1 << 30, parse_size(DEFAULT_DISK), 1.0  # what every E2B sandbox gets: Sandbox.create's
 # defaults (E2B takes them from the template), so that `agentenv serve --warm-pool N` has them started
 TEMPLATE_LABEL = "e2b.template"
 META_PREFIX = "e2b.meta."
 
 
-class E2BError(Exception):
-    """An error answered as E2B's ``{code, message}`` with that HTTP status."""
-
-    def __init__(self, code: int, message: str, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.code, self.message, self.headers = code, message, headers or {}
-
-
-def error_response(exc: BaseException) -> JSONResponse:
-    """The ``{code, message}`` reply of any exception a route raised (500 for bugs, without a retry)."""
-    if not isinstance(exc, E2BError):
-        exc = as_e2b_error(exc)
-    return JSONResponse({"code": exc.code, "message": exc.message}, exc.code, headers=exc.headers)
-
-
-def as_e2b_error(exc: BaseException) -> E2BError:
-    status = errors.status_of(exc) or 500
-    headers = {"Should-Retry": "false"} if status >= 500 else {}
-    if isinstance(exc, errors.QuotaExceeded):
-        headers = {"Retry-After": str(int(exc.retry_after + 0.999))}
-    return E2BError(status, str(exc), headers)
-
-
-def _api_key(request: Request) -> None:
-    """The SDK sends the API key as ``X-API-KEY``; it is the server's token (a bearer token works too). A wrong one
-    spends its sender's budget of failed authentication (``policy.authlimit``): a 429 once it is spent."""
-    token: str = request.app.state.token
-    given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
-    failures: AuthFailures = request.app.state.auth_failures
-    try:
-        right = failures.matches(request.scope, given.encode(), token.encode())
-    except Spent as e:
-        raise E2BError(429, str(e), {"Retry-After": str(e.seconds)}) from None
-    if not right:
-        raise E2BError(401, "Invalid API key: set E2B_API_KEY to the agentenv server's token")
-
-
-class E2BRoute(APIRoute):
-    """A route that answers every failure as E2B's ``{code, message}`` (bad input: 400, as E2B's API does)."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def e2b_handler(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as e:
-                return error_response(E2BError(400, "; ".join(f"{'.'.join(map(str, err.get('loc', ())))}: "
-                                                              f"{err.get('msg')}" for err in e.errors())))
-            except Exception as e:  # noqa: BLE001 - mapped to E2B's error body
-                return error_response(e)
-
-        return e2b_handler
-
-
-def router_for() -> APIRouter:
-    """A router of E2B's control plane: under the API key, every failure as E2B's ``{code, message}``."""
-    return APIRouter(tags=["e2b"], dependencies=[Depends(_api_key)], include_in_schema=False, route_class=E2BRoute)
-
-
 router = router_for()
-
-
-def _service(request: Request) -> Service:
-    service: Service = request.app.state.service
-    return service
-
-
-ServiceDep = Annotated[Service, Depends(_service)]
-
-
-class _Body(BaseModel):
-    """A request body: a key it does not name is refused (400 naming it), never ignored."""
-
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-
-_NOTHING: tuple[Any, ...] = (None, {}, [])  # an option sent with one of these asks for nothing (dnsServers aside)
-
-
-class NetworkConfig(BaseModel):
-    """E2B's ``SandboxNetworkConfig`` (create) and ``SandboxNetworkUpdateConfig`` (update), camelCase or snake_case;
-    other keys are kept (``extra``) so that ``unenforced`` can name them."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-    allow_out: list[str] | None = Field(None, alias="allowOut", max_length=netpolicy.MAX_ENTRIES)
-    deny_out: list[str] | None = Field(None, alias="denyOut", max_length=netpolicy.MAX_ENTRIES)
-    allow_public_traffic: bool | None = Field(None, alias="allowPublicTraffic")
-    # the Host header its ports' requests carry (``${PORT}``: the port); printable ASCII, no spaces
-    mask_request_host: str | None = Field(None, alias="maskRequestHost", min_length=1, max_length=512,
-                                          pattern=r"^[\x21-\x7e]+$")
-
-    def unenforced(self) -> list[str]:
-        """The options asked for that agentenv does not enforce: every key but an empty one and those it does
-        (``dnsServers: []`` asks for no DNS server, which is not enforced either)."""
-        return sorted(k for k, v in (self.model_extra or {}).items()
-                      if k in ("dnsServers", "dns_servers") or not any(v == n for n in _NOTHING))
-
-    def labels(self) -> dict[str, str]:
-        """The sandbox labels that carry ``allowPublicTraffic`` and ``maskRequestHost`` (``ports`` reads them, on
-        every request and after restarts; forks keep their parent's labels, so these too)."""
-        out = {ports.PUBLIC_LABEL: "true"} if self.allow_public_traffic else {}
-        if self.mask_request_host is not None:
-            out[ports.MASK_LABEL] = self.mask_request_host
-        return out
-
-    def rules(self, internet: bool | None) -> tuple[list[str], list[str]]:
-        """``(allow_out, deny_out)``: E2B's ``allow_internet_access: false`` is ``denyOut`` ``0.0.0.0/0``."""
-        if bad := self.unenforced():
-            raise E2BError(400, f"network option(s) {bad} are not enforced by agentenv: only allowOut, denyOut, "
-                                "allowPublicTraffic and maskRequestHost are; leave the others out")
-        allow, deny = list(self.allow_out or []), list(self.deny_out or [])
-        if internet is False and netpolicy.ALL_TRAFFIC not in deny:
-            deny.append(netpolicy.ALL_TRAFFIC)
-        return allow, deny
-
-
-class NetworkUpdate(NetworkConfig):
-    allow_internet_access: bool | None = Field(None, alias="allowInternetAccess")
-
-    def unenforced(self) -> list[str]:
-        """As at create, and the two options E2B only takes at create (its update config has neither)."""
-        fixed = [k for k, v in (("allowPublicTraffic", self.allow_public_traffic),
-                                ("maskRequestHost", self.mask_request_host)) if v is not None]
-        return fixed + super().unenforced()
-
-
-class AutoResume(_Body):
-    enabled: bool
-
-
-class NewSandbox(_Body):
-    template_id: str = Field(alias="templateID", min_length=1, max_length=256)
-    timeout: int = Field(DEFAULT_TIMEOUT, ge=0, le=30 * 86400)
-    metadata: dict[str, str] | None = None
-    env_vars: dict[str, str] | None = Field(None, alias="envVars")
-    allow_internet_access: bool | None = None
-    network: NetworkConfig | None = None
-    auto_pause: bool | None = Field(None, alias="autoPause")
-    auto_pause_memory: bool | None = Field(None, alias="autoPauseMemory")
-    auto_resume: AutoResume | None = Field(None, alias="autoResume")
-    secure: bool | None = None  # E2B ignores it too: access to a sandbox always needs its token
-    mcp: dict[str, Any] | None = None
-    iam: dict[str, Any] | None = None
-    volume_mounts: list[dict[str, Any]] | None = Field(None, alias="volumeMounts")
-
-    def on_expiry(self) -> str:
-        """What the sandbox's timeout does ('kill', E2B's default, or 'pause' with ``autoPause``); a 400 for
-        what agentenv does not offer rather than a sandbox that behaves otherwise."""
-        unoffered = [k for k, v in (("mcp", self.mcp), ("iam", self.iam), ("volumeMounts", self.volume_mounts))
-                     if v]
-        if unoffered:
-            raise E2BError(400, f"{unoffered} are not offered by agentenv (E2B cloud features): leave them out")
-        if self.auto_resume is not None and self.auto_resume.enabled and not self.auto_pause:
-            raise E2BError(400, "autoResume needs the timeout to pause the sandbox (lifecycle.on_timeout 'pause'): "
-                                "a killed sandbox has nothing to resume")
-        if self.auto_resume is not None and self.auto_resume.enabled and self.auto_pause_memory is False:
-            raise E2BError(400, "autoResume cannot go with a filesystem-only pause (autoPauseMemory false): such a "
-                                "sandbox boots afresh on Sandbox.connect, not on traffic")
-        return "pause" if self.auto_pause else "kill"
-
-    def network_asked(self) -> bool | dict[str, list[str]]:
-        """``Sandbox.create``'s ``network``: True when neither is given (E2B's default is internet access), False
-        for ``allow_internet_access: false`` without an ``allowOut`` list, else the rules."""
-        allow, deny = (self.network or NetworkConfig.model_validate({})).rules(self.allow_internet_access)
-        if self.allow_internet_access is False and not allow:
-            return False
-        return {"allow_out": allow, "deny_out": deny} if allow or deny else True
-
-
-class Timeout(_Body):
-    timeout: int | None = Field(None, ge=0, le=30 * 86400)
-
-
-class ConnectBody(Timeout):
-    memory: bool | None = None  # false: boot a paused sandbox afresh from its files (on_resume="reboot")
-
-
-class Refresh(_Body):
-    duration: int | None = Field(None, ge=0, le=30 * 86400)
-
-
-class ForkBody(_Body):
-    timeout: int | None = Field(None, ge=0, le=30 * 86400)
-    count: int = Field(1, ge=1, le=MAX_FORK)
-
-
-class SnapshotBody(_Body):
-    name: str | None = Field(None, max_length=256)
-    memory: bool | None = None
-
-
-class PauseBody(_Body):
-    memory: bool | None = None
-    require_healthy_guest: bool | None = Field(None, alias="requireHealthyGuest")  # a pause always needs the agent
-
-
-def _time(t: float | None) -> str:
-    stamp = dt.datetime.fromtimestamp(t or 0, dt.UTC)
-    return stamp.isoformat().replace("+00:00", "Z")
 
 
 def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, detail: bool = False) -> dict[str, Any]:
@@ -268,7 +75,7 @@ def sandbox_json(request: Request, sb: Sandbox, state: str | None = None, *, det
         body["domain"] = request.app.state.e2b_domain  # the SDK's sandbox_domain: what get_host names
     if detail:
         limits, network = sb.limits, sb.network
-        body.update(startedAt=_time(sb.created_at), endAt=_time(sb.expires_at), cpuCount=max(1, round(limits.cpus)),
+        body.update(startedAt=e2b_time(sb.created_at), endAt=e2b_time(sb.expires_at), cpuCount=max(1, round(limits.cpus)),
                     memoryMB=limits.memory >> 20, diskSizeMB=(limits.disk or 0) >> 20, state=state or sb.state,
                     metadata={k[len(META_PREFIX):]: v for k, v in labels.items() if k.startswith(META_PREFIX)},
                     allowInternetAccess=network is not None,

@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse
 
 from agentenv.sandbox import warm
 from agentenv.sandbox.core import Sandbox
-from agentenv.server.e2b.control import META_PREFIX, TEMPLATE_LABEL, E2BError, router_for, sandbox_json
+from agentenv.server.e2b.control import META_PREFIX, TEMPLATE_LABEL, sandbox_json
+from agentenv.server.e2b.plane import E2BError, router_for
 
 router = router_for()
 PARAMS = frozenset({"state", "metadata", "startedAfter", "template", "order", "limit", "nextToken"})

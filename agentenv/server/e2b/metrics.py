@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse
 
 from agentenv.sandbox import usage
 from agentenv.sandbox.core import Sandbox
-from agentenv.server.e2b.control import E2BError, ServiceDep, router_for
 from agentenv.server.e2b.listing import refuse_unknown
+from agentenv.server.e2b.plane import E2BError, ServiceDep, router_for
 
 router = router_for()
 BUCKET = 5  # seconds: E2B aligns its points to buckets this long, and its query times are whole seconds

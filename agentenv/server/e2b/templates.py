@@ -28,13 +28,14 @@ from agentenv.config import replacing
 from agentenv.host.archives import UnsafeArchive
 from agentenv.server.e2b import template_build, template_plan
 from agentenv.server.e2b import template_store as store
-from agentenv.server.e2b.control import CPUS, DISK, MEMORY, E2BError, E2BRoute, ServiceDep, _api_key, _time
+from agentenv.server.e2b.control import CPUS, DISK, MEMORY
+from agentenv.server.e2b.plane import E2BError, E2BRoute, ServiceDep, api_key, e2b_time
 from agentenv.snapshot.store import Snapshot
 
 UPLOAD_PATH = "/e2b/template-files"
 UPLOAD_TTL = 3600  # seconds an upload URL is valid
 
-router = APIRouter(tags=["e2b"], dependencies=[Depends(_api_key)], include_in_schema=False, route_class=E2BRoute)
+router = APIRouter(tags=["e2b"], dependencies=[Depends(api_key)], include_in_schema=False, route_class=E2BRoute)
 uploads = APIRouter(include_in_schema=False, route_class=E2BRoute)  # signed URLs, no API key (as S3's)
 
 
@@ -185,7 +186,7 @@ def alias(alias: str) -> Response:
 def tags(template_id: str) -> Response:
     rec = store.get(template_id)
     rows = sorted(rec["tags"].items(), key=lambda kv: kv[1]["at"])
-    return JSONResponse([{"tag": t, "buildID": v["build"], "createdAt": _time(v["at"])} for t, v in rows])
+    return JSONResponse([{"tag": t, "buildID": v["build"], "createdAt": e2b_time(v["at"])} for t, v in rows])
 
 
 @router.post("/templates/tags")

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from policy.chat import parse_assistant
 from policy.engine import SamplingParams
 from policy.grammar import Constraint, json_schema_grammar
-from policy.verify import schema_errors
+from policy.jsonschema import schema_errors
 
 pytest.importorskip("llguidance")
 

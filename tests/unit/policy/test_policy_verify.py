@@ -12,8 +12,9 @@ import torch
 
 import policy.engine
 from policy.chat import IM_SYSTEM, IM_USER, Control, chat_pieces
+from policy.jsonschema import schema_errors
 from policy.server import create_app
-from policy.verify import PASS, SKIP, schema_errors, verify
+from policy.verify import PASS, SKIP, verify
 
 TOKEN = "t"
 

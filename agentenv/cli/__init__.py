@@ -1,0 +1,223 @@
+"""The ``agentenv`` command line. Other packages add subcommands through the ``agentenv.commands``
+entry-point group (e.g. ``agentenv policy serve``), so this package imports none of them.
+
+What it prints of a sandbox (labels, ids a server chose, outputs), of an error or of a log goes through
+``agentenv.terminal`` (escape sequences made visible, rich markup escaped); tokens come from files or the
+environment, never from the command line, where every local user would read them.
+
+This module holds the app, the commands on this host's sandboxes and snapshots, and ``serve``; the command groups
+of a Ray fleet (``cluster.py``) and of Docker images (``images.py``) are their own modules, what they share
+(the console, the image-source options) is ``shared.py``, and ``agentenv tour`` is ``tour.py``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from agentenv.cli import cluster, images
+from agentenv.cli.shared import ImageMirror, ImagePull, ImageTarballs, PullDeadline, console, when
+from agentenv.terminal import guard_logs, markup, plain
+
+app = typer.Typer(help="agentenv: sandboxes that snapshot, fork and resume fast.", no_args_is_help=True)
+snapshots_app = typer.Typer(help="The snapshot store.", no_args_is_help=True)
+app.add_typer(snapshots_app, name="snapshots")
+app.add_typer(cluster.app, name="cluster")
+
+
+@app.command("tour")
+def run_tour(image: str = typer.Option("agentenv/base", help="image to run the tour in")) -> None:
+    """Create, snapshot, fork 4 ways, pause/resume and restore a sandbox, timing each step."""
+    from agentenv.cli import tour
+
+    tour.run(image)
+
+
+@app.command("ls")
+def list_sandboxes() -> None:
+    """List sandboxes on this host."""
+    from agentenv import Sandbox
+
+    t = Table("id", "state", "image", "created")
+    t.add_column("labels", overflow="fold")   # shown whole, over several lines if need be
+    for sb in Sandbox.list():
+        t.add_row(plain(sb.id), plain(sb.state), plain(sb.image), when(sb.created_at), _labels(sb.labels))
+    console.print(t)
+
+
+def _labels(labels: dict[str, str]) -> Text:
+    """A sandbox's or snapshot's labels as one cell (whoever made it chose them: printed as text)."""
+    return plain(",".join(f"{k}={v}" for k, v in labels.items()))
+
+
+@app.command("rm")
+def remove_sandbox(ids: list[str]) -> None:
+    """Close sandboxes by id."""
+    from agentenv import Sandbox
+
+    for sid in ids:
+        Sandbox.get(sid).close()
+        console.print(f"closed {markup(sid)}")
+
+
+@app.command("gc")
+def collect(
+    max_age: float | None = typer.Option(None, help="also delete snapshots older than this many seconds"),
+) -> None:
+    """Mend what a killed process left (frozen sandboxes, half-made ones, interrupted pauses, fork snapshots),
+    pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
+    from agentenv import Sandbox
+    from agentenv.sandbox import sweep
+    from agentenv.snapshot import store
+
+    for where, ids in sweep.recover_all().items():
+        if where in ("discarded", "lost") and ids:
+            console.print(f"{where}: {markup(', '.join(ids))}")
+    for sid in Sandbox.reap_expired():
+        console.print(f"reaped expired sandbox {markup(sid)} (paused, or closed where it asked to be)")
+    for name in store.gc(max_age):
+        console.print(f"removed {markup(name)}")
+
+
+@app.command("volume")
+def show_volume() -> None:
+    """Mount (and on first use make) this home's sandbox volume, where disk limits hold; show it."""
+    import os
+
+    from agentenv.host import volume
+    from agentenv.snapshot import store
+
+    v = volume.ensure()
+    if not v.quotas:
+        console.print(f"[red]no disk limits at {markup(v.path)}:[/] {markup(v.reason)}")
+        raise typer.Exit(1)
+    st = os.statvfs(v.path)
+    size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
+    cap = store.limit()
+    mode = "simple" if v.simple else "full"
+    console.print(f"{markup(v.path)}: btrfs with {mode} quotas, {size / 2**30:.1f} GiB ({free / 2**30:.1f} free); sandboxes' "
+                  f"disk limits hold; snapshot store limit: {'none' if cap is None else f'{cap / 2**30:.1f} GiB'}")
+
+
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="address to bind (loopback unless you mean otherwise)"),
+    port: int = typer.Option(8700, help="TCP port"),
+    token_file: Annotated[Path | None, typer.Option(help="file holding the bearer token (else $AGENTENV_TOKEN); "
+                                                         "made with a new e2b_ token if missing")] = None,
+    max_sandboxes: int = typer.Option(64, help="quota: live sandboxes on this server"),
+    max_memory: str = typer.Option("64g", help="quota: memory of the live sandboxes together"),
+    max_disk: str = typer.Option("640g", help="quota: disk limits of the live sandboxes together"),
+    max_store: str | None = typer.Option(None, help="limit of the snapshot store (e.g. 200g); default: left as set"),
+    unlimited_disk: bool = typer.Option(False, help="let clients make sandboxes without a disk limit (disk: null)"),
+    reap_interval: float = typer.Option(5.0, help="seconds between TTL checks (expired sandboxes are paused)"),
+    e2b: Annotated[bool | None, typer.Option("--e2b/--no-e2b", help="serve E2B's API too (default: when the e2b "
+                                                                     "package is installed)")] = None,
+    warm_pool: int = typer.Option(0, min=0, help="sandboxes of the default image and limits kept started, so "
+                                                 "that a burst of creates gets them at once (0: none)"),
+    domain: str | None = typer.Option(None, help="the domain E2B's get_host names ({port}-{id}.DOMAIN): requests "
+                                                 "with such a Host reach that sandbox port (docs/e2b.md)"),
+    shared_store: Annotated[Path | None, typer.Option(help="a folder every server sees (e.g. NFS): each pause and "
+                                                           "snapshot is also published there, and a snapshot this "
+                                                           "store lacks is imported from it (docs/transfer.md)")] = None,
+    transfer_key: Annotated[Path | None, typer.Option(help="file (0600) of the key shared by the servers that "
+                                                           "exchange snapshots, directly or through --shared-store: "
+                                                           "imports not sealed with it are refused (default: "
+                                                           "$AGENTENV_TRANSFER_KEY_FILE, else this home's own key; "
+                                                           "docs/transfer.md)")] = None,
+    runs: Annotated[Path | None, typer.Option(help="a folder of run folders: the console shows their trajectories "
+                                                   "at /console/runs (docs/viewer.md)")] = None,
+    image_mirror: Annotated[list[str] | None, ImageMirror] = None,
+    image_tarballs: Annotated[Path | None, ImageTarballs] = None,
+    image_pull: Annotated[bool | None, ImagePull] = None,
+    pull_deadline: Annotated[float | None, PullDeadline] = None,
+) -> None:
+    """Serve the sandbox API over HTTP (msgpack or JSON); every route but /health and /metrics needs the token.
+
+    E2B's SDKs run against it unchanged: E2B_API_URL=E2B_SANDBOX_URL=http://127.0.0.1:8700, E2B_API_KEY=<token>."""
+    try:
+        from agentenv import server
+    except ImportError as e:
+        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({markup(e)}); pip install 'agentenv\[server]'")
+        raise typer.Exit(2) from None
+
+    try:
+        token = server.load_token(token_file)
+    except (ValueError, OSError) as e:
+        console.print(f"[red]error:[/] {markup(e)}")
+        raise typer.Exit(2) from None
+    try:
+        pages = [] if runs is None else [_console_pages("runs", runs)]
+        server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
+                     max_store=max_store, unlimited_disk=unlimited_disk, reap_interval=reap_interval, e2b=e2b,
+                     warm_pool=warm_pool, domain=domain, shared_store=shared_store, transfer_key=transfer_key,
+                     pages=pages, image_mirrors=image_mirror, image_pull=image_pull, pull_deadline=pull_deadline,
+                     image_tarballs=str(image_tarballs) if image_tarballs else None)
+    except ValueError as e:  # an option refused (a shared store, runs, not a directory, a bad --domain or key file)
+        console.print(f"[red]error:[/] {markup(e)}")
+        raise typer.Exit(2) from None
+
+
+def _console_pages(name: str, folder: Path) -> Callable[[Any], None]:
+    """The console pages another package declares as entry point ``name`` of ``agentenv.console`` (``runs``: the
+    trajectory viewer, ``trainer.viewer.web.install``), bound to ``folder``; ValueError when none is installed."""
+    found = [ep for ep in entry_points(group="agentenv.console") if ep.name == name]
+    if not found:
+        raise ValueError(f"no console pages named {name!r} are installed (the trajectory viewer comes with the "
+                         "trainer package: pip install -e . from the checkout)")
+    install = found[0].load()
+    return lambda app: install(app, folder)
+
+
+@snapshots_app.command("ls")
+def list_snapshots() -> None:
+    """List snapshots in the store."""
+    from agentenv import Snapshot
+
+    t = Table("id", "parent", "memory", "size MB", "created", "sandbox")
+    t.add_column("labels", overflow="fold")
+    for s in Snapshot.list():
+        t.add_row(plain(s.id), plain(s.parent_id or "-"), "yes" if s.has_memory else "no", f"{s.size_bytes / 1e6:.1f}",
+                  when(s.created_at), plain(s.sandbox_id or "-"), _labels(s.labels))
+    console.print(t)
+
+
+@snapshots_app.command("rm")
+def remove_snapshots(ids: list[str]) -> None:
+    """Delete snapshots by id."""
+    from agentenv import Snapshot
+
+    for sid in ids:
+        Snapshot.get(sid).delete()
+        console.print(f"deleted {markup(sid)}")
+
+
+app.add_typer(images.app, name="images")
+
+
+def _mount_plugins() -> None:
+    for ep in entry_points(group="agentenv.commands"):
+        try:
+            sub = ep.load()
+        except ImportError as e:  # a package that is not installed adds no command
+            console.print(f"[yellow]agentenv {markup(ep.name)} unavailable: {markup(e)}[/]")
+            continue
+        app.add_typer(sub, name=ep.name)
+
+
+def main() -> None:
+    """Entry point of the console script."""
+    guard_logs()
+    _mount_plugins()
+    from agentenv.errors import AgentEnvError
+
+    try:
+        app()
+    except AgentEnvError as e:
+        console.print(f"[red]error:[/] {markup(e)}")
+        raise SystemExit(1) from None
