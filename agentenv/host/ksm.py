@@ -100,7 +100,7 @@ def check_flag(sandbox_id: str, pid: int) -> None:
     """SandboxError unless the agent ``pid`` of a sharing sandbox has its pages mergeable (an image's python3
     without ctypes cannot set the flag): sharing is never promised and then silently missing."""
     if not merge_any(pid):
-        raise SandboxError(f"the agent of sandbox {sandbox_id} could not mark its memory mergeable "
+        raise SandboxError(f"the keeper of sandbox {sandbox_id} could not mark its memory mergeable "
                            "(PR_SET_MEMORY_MERGE)", fix="use an image whose python3 has ctypes, or create the "
                                                         "sandbox without share_memory")
 

@@ -33,7 +33,7 @@ def check_own(path: str, own_dirs: tuple[str, ...], tree: bool = False) -> str:
     for d in own_dirs:
         if real == d or real.startswith(d.rstrip("/") + "/") or (tree and (d + "/").startswith(
                 real.rstrip("/") + "/")):
-            raise PermissionError(13, f"{path} is or holds the agent's own folder {d}: refused")
+            raise PermissionError(13, f"{path} is or holds the keeper's own folder {d}: refused")
     return path
 
 

@@ -157,7 +157,7 @@ class Jobs:
         self.lock."""
         acct = None if header.get("user") is None else account(header["user"])
         env = dict(os.environ)
-        env.pop("AGENTENV_AGENT", None)
+        env.pop("AGENTENV_KEEPER", None)
         cwd = header.get("cwd") or (acct.home if acct is not None else None)
         if cwd and not isinstance(cwd, str):
             raise TypeError(f"'cwd' must be a path, not {type(cwd).__name__}")

@@ -28,7 +28,7 @@ from agentenv.api import (
     JobOutput,
     OutputCallback,
 )
-from agentenv.inside import agent, frames
+from agentenv.inside import frames, keeper
 from agentenv.inside.jobs import MAX_OUTPUT
 from agentenv.sandbox import jobs
 from agentenv.sandbox.channel import Channel
@@ -259,11 +259,11 @@ def _own_checked(path: str, write: bool) -> str:
     """``path`` normalized (the path checked is the path sent), unless it is one of the agent's own files
     (PermissionError); reads of its process logs pass. The agent checks writes again, symlinks resolved."""
     norm = "/" + posixpath.normpath(path).lstrip("/")
-    if not write and norm.startswith(agent.LOG_DIR + "/"):
+    if not write and norm.startswith(keeper.LOG_DIR + "/"):
         return norm
-    for d in agent.OWN_DIRS:
+    for d in keeper.OWN_DIRS:
         if norm == d or norm.startswith(d + "/"):
-            raise PermissionError(errno.EACCES, f"{path} is in the sandbox agent's own folder {d}; "
+            raise PermissionError(errno.EACCES, f"{path} is in the sandbox keeper's own folder {d}; "
                                                 "the file API does not touch it")
     return norm
 

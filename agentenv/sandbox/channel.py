@@ -1,4 +1,4 @@
-"""The host end of the agent connection: exec, spawn and files over the sandbox's unix socket.
+"""The host end of the keeper connection: exec, spawn and files over the sandbox's unix socket.
 
 One short-lived connection per call (a connect costs tens of microseconds), so a memory snapshot
 only has to close the connections of calls in flight; such a call reconnects through ``gate`` and
@@ -26,8 +26,8 @@ from typing import Any
 
 from agentenv.api import OutputCallback
 from agentenv.errors import ConnectionLost, SandboxError, from_wire
-from agentenv.host.agent_process import Root
-from agentenv.inside import agent, frames
+from agentenv.host.keeper_process import Root
+from agentenv.inside import frames, keeper
 from agentenv.inside import jobs as agent_jobs
 
 CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
@@ -67,7 +67,7 @@ class Channel:
     """Calls into one sandbox's agent: the socket at ``path`` inside the root ``root()`` returns
     (a ``Root`` pinned to the sandbox's agent, or a plain folder in tests)."""
 
-    def __init__(self, root: Callable[[], str | Root], gate: Gate, path: str = agent.SOCKET_PATH) -> None:
+    def __init__(self, root: Callable[[], str | Root], gate: Gate, path: str = keeper.SOCKET_PATH) -> None:
         self.root, self.path, self.gate = root, path, gate
 
     def connect(self, wait: float = 0.0, *, through_gate: bool = True, deadline: float | None = None) -> socket.socket:
@@ -86,7 +86,7 @@ class Channel:
             except OSError as e:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise ConnectionLost(f"the sandbox agent does not answer ({e})",
+                    raise ConnectionLost(f"the sandbox keeper does not answer ({e})",
                                          fix="the sandbox may have been closed or paused; check Sandbox.list()") from e
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, START_POLL)
@@ -143,7 +143,7 @@ class Channel:
             except ConnectionLost:
                 raise
             except ConnectionError as e:  # closed without an answer: the agent's failure, not the port's
-                raise ConnectionLost(f"the sandbox agent closed the connection instead of opening port {port} ({e})",
+                raise ConnectionLost(f"the sandbox keeper closed the connection instead of opening port {port} ({e})",
                                      fix="the sandbox may be out of memory or processes; check its state") from e
             raise_for(reply)  # nothing listens: an OSError (ConnectionRefusedError, mostly)
         except BaseException:
@@ -183,7 +183,7 @@ class Channel:
                         if "fd" in h:
                             fd = h["fd"]
                             if fd not in (1, 2) or len(out[fd - 1]) + len(data) > agent_jobs.MAX_OUTPUT:
-                                raise frames.FrameError("an output frame past the agent's limits")
+                                raise frames.FrameError("an output frame past the keeper's limits")
                             out[fd - 1] += data
                             if data:
                                 failures = 0  # progress: a later close is not the same failure again
@@ -194,7 +194,7 @@ class Channel:
                         tail = (data[:n], data[n:])
                         for i, name in ((0, "stdout"), (1, "stderr")):
                             if len(out[i]) + len(tail[i]) > agent_jobs.MAX_OUTPUT:
-                                raise frames.FrameError("a result frame past the agent's limits")
+                                raise frames.FrameError("a result frame past the keeper's limits")
                             out[i] += tail[i]
                             if on_output and tail[i]:
                                 on_output(name, tail[i])
@@ -217,8 +217,8 @@ class Channel:
         failures += 1
         left = None if deadline is None else deadline - time.monotonic()
         if failures >= RETRIES or (left is not None and left <= 0):
-            raise ConnectionLost(f"the sandbox agent closed the connection {failures} times without answering ({err})",
-                                 fix="the sandbox may be out of memory or processes, or its agent's socket was "
+            raise ConnectionLost(f"the sandbox keeper closed the connection {failures} times without answering ({err})",
+                                 fix="the sandbox may be out of memory or processes, or its keeper's socket was "
                                      "replaced from inside; check its state, or close it") from err
         pause = min(BACKOFF[0] * 2 ** (failures - 1), BACKOFF[1])
         time.sleep(pause if left is None else min(pause, left))
@@ -257,12 +257,12 @@ def typed_failures(op: str, seconds: float) -> Iterator[None]:
 
 
 def _broken(e: Exception) -> ConnectionLost:
-    return ConnectionLost(f"what answers on the sandbox's agent socket broke the protocol ({e})",
-                          fix="a process in the sandbox may have replaced the agent's socket; close the sandbox")
+    return ConnectionLost(f"what answers on the sandbox's keeper socket broke the protocol ({e})",
+                          fix="a process in the sandbox may have replaced the keeper's socket; close the sandbox")
 
 
 def _silent(op: str, seconds: float) -> ConnectionLost:
-    return ConnectionLost(f"the sandbox agent did not answer {op} within {seconds:g} s",
+    return ConnectionLost(f"the sandbox keeper did not answer {op} within {seconds:g} s",
                           fix="the sandbox may be frozen or out of memory; check its state, or close it")
 
 
@@ -305,7 +305,7 @@ def connect_in_root(root: str | Root, path: str) -> socket.socket:
             if isinstance(root, Root):
                 peer = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
                 if peer != root.pid:
-                    raise ConnectionRefusedError(f"{path} in the sandbox is served by pid {peer}, not by its agent "
+                    raise ConnectionRefusedError(f"{path} in the sandbox is served by pid {peer}, not by its keeper "
                                                  f"(pid {root.pid}): replaced from inside?")
         except OSError:
             s.close()

@@ -32,7 +32,7 @@ from agentenv.errors import (
     StoreFullError,
 )
 from agentenv.host import volume
-from agentenv.inside import agent
+from agentenv.inside import keeper
 from agentenv.sandbox import channel, expiry, snapshotting, store
 
 from .conftest import cleanup
@@ -93,7 +93,7 @@ while True:
             if s.exec("test -e /tmp/fake-up", timeout=10).exit_code == 0:
                 return
         except ConnectionLost as e:
-            if "not by its agent" in str(e):
+            if "not by its keeper" in str(e):
                 return  # swapped between the test and the answer
             # else the socket was between the fake's unlink and its bind: not up yet
         time.sleep(0.01)
@@ -154,9 +154,9 @@ def test_a_fake_agent_on_the_socket_is_refused(sb, behaviour):
     """A 4 GiB frame made one read_file grow the host by 1.4 GB; accept-and-close kept a call spinning."""
     fake_agent(sb, behaviour)
     before = peak_rss()
-    with pytest.raises(ConnectionLost, match="not by its agent"):
+    with pytest.raises(ConnectionLost, match="not by its keeper"):
         sb.read_file("/etc/hostname")
-    with pytest.raises(ConnectionLost, match="not by its agent"):
+    with pytest.raises(ConnectionLost, match="not by its keeper"):
         sb.exec("true")
     assert peak_rss() - before < 64 << 20
 
@@ -294,7 +294,7 @@ def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_
     try:
         with pytest.raises(ConnectionLost, match="did not get ready") as e:
             sb.snapshot(memory=True)
-        assert re.search(r"agent threads: \d+ T ", str(e.value)), e.value  # the error says it is stopped
+        assert re.search(r"keeper threads: \d+ T ", str(e.value)), e.value  # the error says it is stopped
         assert not sb._container.frozen()
         with pytest.raises(ConnectionLost, match="did not answer"):
             sb.exec("true", timeout=1)
@@ -451,6 +451,6 @@ def test_the_file_api_refuses_the_agents_folder_through_a_symlink(sb):
 
 
 def test_a_symlinked_socket_folder_cannot_send_the_host_elsewhere(sb):
-    sb.exec(f"mv {agent.SOCKET_DIR} /dev/real && ln -s /run {agent.SOCKET_DIR}")
+    sb.exec(f"mv {keeper.SOCKET_DIR} /dev/real && ln -s /run {keeper.SOCKET_DIR}")
     with pytest.raises(ConnectionLost):
         sb.exec("true")
