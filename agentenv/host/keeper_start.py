@@ -15,6 +15,15 @@ compiled by the host (``AGENTENV_KEEPER_CODE``: marshalled, compressed, base64, 
 bind-mounted source (``keeper_file``, the joined parts). Either way the code is the host's own, run in the
 ``__main__`` module as a script is. The loader takes the variable out of the environment first, so no
 command the keeper starts inherits it, and ``ps`` shows a short command line.
+
+The keeper was called the agent until issue 42, mounted at ``/.agentenv/agent.py`` (``OLD_DEST``). A CRIU image
+records every mount of the sandbox it saved, and CRIU refuses to restore one whose bind mount the new sandbox's
+config does not have; the process it brings back runs on with the code it had, which knows only its own path. So
+a restore of images dumped before the rename (a snapshot, a paused sandbox, an E2B template, and every snapshot of
+a sandbox restored from one of those) mounts the keeper where they have it (``mount_as_dumped``). Nothing else of
+the old process needs the old name: its code is one ``__main__`` module that imports only the standard library
+(never a module of agentenv), the loader read the file once (or ran the code from its environment) and holds no
+descriptor of it, and its socket (``/dev/agentenv/agent.sock``) and wire are unchanged.
 """
 
 from __future__ import annotations
@@ -22,17 +31,22 @@ from __future__ import annotations
 import binascii
 import functools
 import hashlib
+import json
 import marshal
 import re
 import sys
 import zlib
 from pathlib import Path
 
-from agentenv.config import write_atomic
+from agentenv.config import write_atomic, write_private
 from agentenv.inside import files, frames, jobs, keeper, pty, tunnel, users
 
 PARTS = (frames, users, pty, jobs, files, tunnel, keeper)  # in the order they run: each uses only the names of those before it
 KEEPER_DEST = "/.agentenv/keeper.py"  # where the joined keeper is bind-mounted (read-only) in every sandbox
+OLD_DEST = "/.agentenv/agent.py"  # where it was before its rename (agent -> keeper): older CRIU images record it
+# a mount point as CRIU's record of the mounts holds it (mountpoints-<id>.img: mnt_entry, criu/images/mnt.proto):
+# field 7, a string (tag byte 7 << 3 | 2), its length in one byte, the path
+_DUMPED_AT_OLD_DEST = bytes([7 << 3 | 2, len(OLD_DEST)]) + OLD_DEST.encode()
 CODE_ENV = "AGENTENV_KEEPER_CODE"
 LOADER = ("import os,sys;__file__={dest!r};_c=os.environ.pop({var!r},'');exec(__import__('marshal').loads("
           "__import__('zlib').decompress(__import__('binascii').a2b_base64(_c))) if _c and "
@@ -77,3 +91,24 @@ def keeper_env() -> str:
     """The variable that carries this host's keeper, compiled (``NAME=value``, for ``process.env``)."""
     code = compile(keeper_source(), KEEPER_DEST, "exec")
     return f"{CODE_ENV}={binascii.b2a_base64(zlib.compress(marshal.dumps(code), 9), newline=False).decode()}"
+
+
+def dumped_dest(images: Path) -> str:
+    """Where the keeper was mounted in the sandbox that a CRIU dump in ``images`` saved: ``OLD_DEST`` in images
+    dumped before the rename, else ``KEEPER_DEST``. Read from CRIU's own record of the mounts, which every dump
+    has (runc's and ours, with runc's record of the container or without)."""
+    dumped = any(_DUMPED_AT_OLD_DEST in image.read_bytes() for image in images.glob("mountpoints-*.img"))
+    return OLD_DEST if dumped else KEEPER_DEST
+
+
+def mount_as_dumped(config: Path, images: Path) -> None:
+    """Mount the keeper where the dump in ``images`` had it: the bundle's ``config`` (config.json) changed in
+    place before a restore, if the dump was made before the rename (a new sandbox's has it at ``KEEPER_DEST``)."""
+    dest = dumped_dest(images)
+    if dest == KEEPER_DEST:
+        return
+    oci = json.loads(config.read_text())
+    for m in oci["mounts"]:
+        if m["destination"] == KEEPER_DEST:
+            m["destination"] = dest
+    write_private(config, json.dumps(oci))  # as prepare wrote it: the host's alone

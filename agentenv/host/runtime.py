@@ -44,7 +44,7 @@ from agentenv.host.hostcalls import (
     umount,
 )
 from agentenv.host.keeper_process import KeeperProcess
-from agentenv.host.keeper_start import KEEPER_DEST, keeper_command, keeper_env, keeper_file
+from agentenv.host.keeper_start import KEEPER_DEST, keeper_command, keeper_env, keeper_file, mount_as_dumped
 from agentenv.host.seccomp import seccomp_profile
 from agentenv.phases import phase
 
@@ -430,6 +430,7 @@ class Container:
         set up (``connect``, on ``address`` where free) before any of its processes runs. With ``lazy``, the
         processes run before their memory is in: a ``criu lazy-pages`` daemon listening in ``work`` serves it
         (``agentenv.host.lazy_pages.start_lazy_pages``)."""
+        mount_as_dumped(self.bundle / "config.json", images)  # images dumped before the keeper's rename
         criu_hand_over(images, work, self.bundle)
         if os.environ.get(DIRECT_RESTORE_ENV, "1") != "0":
             pid = criu_restore(images, work, self.bundle, self.cid, self.runc_root, lazy, criu,

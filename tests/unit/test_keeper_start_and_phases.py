@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import binascii
+import json
 import marshal
 import os
 import subprocess
@@ -18,11 +19,14 @@ from agentenv.host.keeper_start import (
     CODE_ENV,
     KEEPER_DEST,
     LOADER,
+    OLD_DEST,
     PARTS,
+    dumped_dest,
     keeper_command,
     keeper_env,
     keeper_file,
     keeper_source,
+    mount_as_dumped,
 )
 
 PROBE = "import os, sys\nprint(sys.argv[1:], __name__, __file__.endswith('keeper.py'), os.environ.get({var!r}))\n"
@@ -99,6 +103,31 @@ def test_the_keeper_file_is_the_joined_source_named_by_its_content(tmp_path: Pat
     path = keeper_file(tmp_path)
     assert path.read_text() == keeper_source() and keeper_file(tmp_path) == path
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+
+
+def mount_entry(point: str, root: str = "/var/lib/agentenv/agents/agent-0123456789abcdef.py") -> bytes:
+    """A bind mount's entry as CRIU's mountpoints image holds it (mnt.proto: 6 root, 7 mountpoint, 8 source)."""
+    return b"".join(bytes([field << 3 | 2, len(v)]) + v.encode() for field, v in ((6, root), (7, point), (8, "none")))
+
+
+def test_a_restore_mounts_the_keeper_where_the_dump_had_it(tmp_path: Path) -> None:
+    """Images dumped before the rename name OLD_DEST as a mount point: the config moves the keeper's mount there.
+    The same path as another field (a bind mount's root), or a longer one, is not that mount point."""
+    images, config = tmp_path / "criu", tmp_path / "config.json"
+    images.mkdir()
+    mounts = [{"destination": "/proc", "type": "proc"}, {"destination": KEEPER_DEST, "type": "bind", "source": "/k"}]
+    config.write_text(json.dumps({"mounts": mounts}))
+    (images / "mountpoints-13.img").write_bytes(b"\x54\xd5\x22\x00" + mount_entry(KEEPER_DEST)
+                                                + mount_entry("/etc/resolv.conf", root=OLD_DEST)
+                                                + mount_entry(OLD_DEST + "c"))
+    assert dumped_dest(images) == KEEPER_DEST
+    mount_as_dumped(config, images)
+    assert json.loads(config.read_text())["mounts"] == mounts  # untouched
+    (images / "mountpoints-13.img").write_bytes(b"\x54\xd5\x22\x00" + mount_entry(OLD_DEST))
+    assert dumped_dest(images) == OLD_DEST
+    mount_as_dumped(config, images)
+    assert json.loads(config.read_text())["mounts"] == [mounts[0], {**mounts[1], "destination": OLD_DEST}]
+    assert config.stat().st_mode & 0o777 == 0o600
 def _wait(name: str, seconds: float) -> None:
     with phases.phase(name):
         time.sleep(seconds)
