@@ -344,7 +344,7 @@ def files_routes(service: Service, uploads: Uploads) -> Router:
                 await call(functools.partial(sb.write_file, path, data, metadata=metadata))
                 info = await call(sb.stat, path)
                 if (info.metadata or {}) != metadata:  # an agent from before metadata, say: never dropped silently
-                    raise ValueError(f"the metadata of {info.path} was not stored (the sandbox's agent or file "
+                    raise ValueError(f"the metadata of {info.path} was not stored (the sandbox's keeper or file "
                                      "system does not keep it)")
                 uploads.add(sb.id, info)
                 written.append({"name": info.name, "type": "file", "path": info.path,
