@@ -195,7 +195,7 @@ def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(pool, parent):
             assert [p.name for p in paths().layers.iterdir() if p.name.startswith(k.id)] == [k._container.layer.name]
         warm.drain()
         with parent.fork(1, memory=False)[0] as booted:  # no pool now: a child that runc started
-            assert mounts(kids[0]) == mounts(booted)  # /proc's masks, /dev, /sys read-only, the agent's file
+            assert mounts(kids[0]) == mounts(booted)  # /proc's masks, /dev, /sys read-only, the keeper's file
         # nothing of the pooled sandbox's first root stays in use: CRIU dumps and restores the child
         kids[0].spawn("sleep 1000")
         snap = kids[0].snapshot(memory=True)

@@ -430,7 +430,7 @@ def test_signals_to_pid_1_from_inside_do_not_end_the_agent(sb, sig):
 # --- 9 and the socket: the file API and symlinks cannot break the agent ---------------------------
 
 
-@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/agent.py",
+@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/keeper.py",
                                   "//dev/agentenv/../agentenv/agent.sock", "../../dev/agentenv/agent.sock"])
 def test_the_file_api_refuses_the_agents_own_files(sb, path):
     with pytest.raises(PermissionError):
