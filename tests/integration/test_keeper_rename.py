@@ -12,6 +12,7 @@ way.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -54,6 +55,7 @@ def counting(sb: agentenv.Sandbox) -> None:
     for _ in range(200):
         if sb.exec(ASK).exit_code == 0:
             return
+        time.sleep(0.05)
     raise AssertionError("counter did not start")
 
 
