@@ -63,7 +63,7 @@ class Paths:
                             which writes them several times faster than btrfs does)
         runc/, tmp/         runc's state; scratch
         uids/               the leases of the sandboxes' uid ranges (``agentenv.host.userns``)
-        agents/             the in-sandbox agent, its parts joined, one file by content (bind-mounted read-only)
+        agents/             the keeper (PID 1 of every sandbox), its parts joined, one file by content (bind-mounted read-only)
         exports/, imports/  snapshots packed for, and coming from, other servers (``agentenv.snapshot.transfer``)
         e2b-templates/      the E2B templates (``agentenv.server.e2b.template_store``)
         image-uses/         when each Docker image last started a sandbox (``agentenv.host.image_store``)

@@ -42,7 +42,7 @@ class SandboxStateError(AgentEnvError):
 
 
 class SandboxError(AgentEnvError):
-    """The sandbox runtime (runc, overlayfs, the in-sandbox agent) failed."""
+    """The sandbox runtime (runc, overlayfs, the in-sandbox keeper) failed."""
 
 
 class CheckpointError(AgentEnvError):
@@ -93,7 +93,7 @@ class NetworkUnavailable(AgentEnvError):
 
 
 class ConnectionLost(AgentEnvError, ConnectionError):
-    """The in-sandbox agent or the remote server stopped answering."""
+    """The in-sandbox keeper or the remote server stopped answering."""
 
 
 class QuotaExceeded(AgentEnvError):
@@ -113,7 +113,7 @@ class UnknownUser(AgentEnvError, LookupError):
 
 
 class SandboxLost(SandboxStateError):
-    """The sandbox's agent (its PID 1) is gone: its processes died behind our back (state 'lost').
+    """The sandbox's keeper (its PID 1) is gone: its processes died behind our back (state 'lost').
 
     Nothing reaches it any more, and nothing else is reached in its place; close it.
     """
@@ -121,7 +121,7 @@ class SandboxLost(SandboxStateError):
 
 # --- on the wire ---------------------------------------------------------------------------------
 # One table for every hop: the server answers an exception with its HTTP status and ``to_wire`` body;
-# the client and the host end of the agent channel rebuild the same class with ``from_wire``.
+# the client and the host end of the keeper channel rebuild the same class with ``from_wire``.
 
 _STATUS: list[tuple[type[BaseException], int]] = [
     (Unauthorized, 401), (DiskLimitRequired, 403), (NetworkRuleError, 400), (PageServerKeyError, 400),
@@ -197,7 +197,7 @@ def from_wire(body: Any, status: int | None = None, *,
     if agentenv_cls is None:
         fallback = _BY_STATUS.get(status or 0)
         if fallback is None or not issubclass(fallback, AgentEnvError):
-            where = f"server error {status}" if status else f"agent error {name}"
+            where = f"server error {status}" if status else f"keeper error {name}"
             return (fallback or unknown)(f"{where}: {message}")
         agentenv_cls = fallback
     exc = agentenv_cls.__new__(agentenv_cls)

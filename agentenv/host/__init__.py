@@ -3,6 +3,6 @@
 System calls Python lacks (``hostcalls``), cgroups, the seccomp profile, user namespaces (``userns``), the
 disk volume and its quotas (``volume``),
 networking (``network``), images, admission under memory pressure, the OCI runtime (``runtime``) and the
-agent process as the host starts and knows it (``agent_start``, ``agent_process``). Nothing here knows a ``Sandbox``
+keeper process as the host starts and knows it (``keeper_start``, ``keeper_process``). Nothing here knows a ``Sandbox``
 or CRIU: dumps and restores are the snapshot room's (``agentenv.snapshot``).
 """

@@ -1,8 +1,8 @@
 """The host's KSM switch for sandboxes that share memory (``Sandbox.create(share_memory=True)``).
 
-KSM (kernel samepage merging) merges identical pages of the processes that asked for it: a sandbox's agent
+KSM (kernel samepage merging) merges identical pages of the processes that asked for it: a sandbox's keeper
 sets ``PR_SET_MEMORY_MERGE`` on itself (every process it starts inherits it; CRIU restores each mapping's
-mergeable bit, and a restored agent sets its flag again), so the children of one memory fork share the pages
+mergeable bit, and a restored keeper sets its flag again), so the children of one memory fork share the pages
 they have not written. Host processes do not set it, and sandboxes without the opt-in may not (seccomp), so
 nothing of theirs is scanned. ksmd costs CPU while it runs, so it runs only while a sharing sandbox lives:
 ``switch(True)`` saves the settings it finds and applies throttled ones, ``switch(False)`` puts back what it
@@ -30,7 +30,7 @@ from agentenv.errors import MemorySharingUnsupported, SandboxError
 KSM = Path("/sys/kernel/mm/ksm")
 PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
 STATE = Path(os.environ.get("AGENTENV_KSM_STATE", "/run/agentenv-ksm"))  # host-wide: .lock, .json (found settings)
-MERGE_ENV = "AGENTENV_SHARE_MEMORY"  # in the agent's environment: set the flag on itself (the agent pops it)
+MERGE_ENV = "AGENTENV_SHARE_MEMORY"  # in the keeper's environment: set the flag on itself (the keeper pops it)
 # While on: a fixed rate, PAGES per SLEEP_MS wake (up to ~1 GB/s; ksmd then takes at most one CPU, less once
 # smart_scan skips pages that never merge). Not the kernel's scan-time advisor: it re-tunes only at the end of a
 # full scan and refuses pages_to_scan meanwhile, so after a scan of little memory it wakes for a handful of pages
@@ -97,10 +97,10 @@ def merge_any(pid: int) -> bool:
 
 
 def check_flag(sandbox_id: str, pid: int) -> None:
-    """SandboxError unless the agent ``pid`` of a sharing sandbox has its pages mergeable (an image's python3
+    """SandboxError unless the keeper ``pid`` of a sharing sandbox has its pages mergeable (an image's python3
     without ctypes cannot set the flag): sharing is never promised and then silently missing."""
     if not merge_any(pid):
-        raise SandboxError(f"the agent of sandbox {sandbox_id} could not mark its memory mergeable "
+        raise SandboxError(f"the keeper of sandbox {sandbox_id} could not mark its memory mergeable "
                            "(PR_SET_MEMORY_MERGE)", fix="use an image whose python3 has ctypes, or create the "
                                                         "sandbox without share_memory")
 

@@ -6,7 +6,7 @@ The layer (``write_layer``) is the upper folder of a stopped sandbox (a snapshot
 writes), walked by file descriptors without following a link, as a tar in the form Docker's layers take: owners
 mapped back from the sandbox's uid range to the image's ids, overlay whiteouts (0:0 character devices) as
 ``.wh.NAME`` files and opaque folders (``trusted.overlay.opaque``) with a ``.wh..wh..opq`` file, hard links as
-links. The agent's own mount point (``/.agentenv``) is left out, and so are sockets (as Docker does); a name
+links. The keeper's own mount point (``/.agentenv``) is left out, and so are sockets (as Docker does); a name
 Docker would take for a whiteout, a device node, or an owner outside the range is refused.
 
 The image (``load``): a ``docker load`` archive of ``manifest.json``, the image config (the base's, with the
@@ -32,11 +32,11 @@ from typing import IO, Any, cast
 
 from agentenv.errors import AgentEnvError
 from agentenv.host import images
-from agentenv.host.agent_start import AGENT_DEST
+from agentenv.host.keeper_start import KEEPER_DEST
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
-_SKIPPED = {AGENT_DEST.strip("/").split("/")[0]}  # top-level names that are the runtime's, not the sandbox's
+_SKIPPED = {KEEPER_DEST.strip("/").split("/")[0]}  # top-level names that are the runtime's, not the sandbox's
 _OVERLAY_PARAMS = Path("/sys/module/overlay/parameters")
 
 

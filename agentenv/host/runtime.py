@@ -27,8 +27,8 @@ from agentenv.api import Limits
 from agentenv.config import paths, write_private
 from agentenv.errors import CheckpointError, SandboxError
 from agentenv.host import cgroups, ksm, network, userns
-from agentenv.host.agent_process import AgentProcess
-from agentenv.host.agent_start import AGENT_DEST, agent_command, agent_env, agent_file
+from agentenv.host.keeper_process import KeeperProcess
+from agentenv.host.keeper_start import KEEPER_DEST, keeper_command, keeper_env, keeper_file
 from agentenv.host.cgroups import vfork_waiters
 from agentenv.host.hostcalls import (
     bind_netns,
@@ -79,7 +79,7 @@ class ContainerSpec:
 
 
 def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | None = None) -> dict[str, Any]:
-    """The runc config.json of a sandbox whose PID 1 is the agent.
+    """The runc config.json of a sandbox whose PID 1 is the keeper.
 
     Every namespace is new, the user namespace too: the sandbox's ids 0..65535 are ``spec.uids``.. on the host
     (``agentenv.host.userns``), never the host's root. Its network namespace (runc makes it, owned by that user
@@ -104,7 +104,7 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
          "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
         {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue", "options": ["nosuid", "noexec", "nodev"]},
         {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec", "nodev", "ro"]},
-        {"destination": AGENT_DEST, "type": "bind", "source": str(agent_file(paths().agents)),
+        {"destination": KEEPER_DEST, "type": "bind", "source": str(keeper_file(paths().agents)),
          "options": ["rbind", "ro"]},
     ]
     if spec.network:
@@ -115,8 +115,8 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": agent_command(),
-            "env": spec.env + ["AGENTENV_AGENT=1", agent_env()] + ([f"{ksm.MERGE_ENV}=1"] if spec.share_memory else []),
+            "args": keeper_command(),
+            "env": spec.env + ["AGENTENV_KEEPER=1", keeper_env()] + ([f"{ksm.MERGE_ENV}=1"] if spec.share_memory else []),
             "cwd": spec.workdir or "/",
             "capabilities": {k: caps for k in ("bounding", "effective", "permitted")},
             "noNewPrivileges": True,
@@ -302,7 +302,7 @@ class Container:
                 with contextlib.suppress(OSError):
                     umount(self.rootfs, lazy=True)
 
-    def take_root(self, spec: ContainerSpec, init: AgentProcess) -> None:
+    def take_root(self, spec: ContainerSpec, init: KeeperProcess) -> None:
         """Give the running container a new root: the overlay of ``spec``'s image over ``self.layer`` (which a fork
         just cloned), mounted here and swapped in under its processes (``swap_root``; ``init``: its init, pinned)."""
         self.unmount()  # this namespace's copy; the container has its own until the swap
@@ -312,7 +312,7 @@ class Container:
     # --- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> int:
-        """Run the container detached; returns the host pid of its init (the agent)."""
+        """Run the container detached; returns the host pid of its init (the keeper)."""
         pidfile = self.bundle / "init.pid"
         r = self.runc("run", "--detach", "--bundle", str(self.bundle), "--pid-file", str(pidfile), self.cid)
         if r.returncode != 0:

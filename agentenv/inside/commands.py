@@ -4,7 +4,7 @@ stderr as pipes, a file or a terminal, as root or as another account of the imag
 
 Commands start by posix_spawn, not subprocess, whose imports would cost every sandbox start (see ``frames``), or
 as another account by ``users.spawn_as``; every process the agent starts is the OOM killer's first choice, never
-the agent. A part of the agent (``agentenv.host.agent_start.PARTS``), apart from ``jobs.py`` because none of this
+the agent. A part of the agent (``agentenv.host.keeper_start.PARTS``), apart from ``jobs.py`` because none of this
 holds state: the job table, the reaper and the job's output are ``jobs.py``'s.
 """
 
@@ -52,7 +52,7 @@ def start_command(header: dict[str, Any], job_id: int, output: int | None = None
     imports); as another account of the image (``header["user"]``), ``users.spawn_as``."""
     acct = None if header.get("user") is None else account(header["user"])
     env = dict(os.environ)
-    env.pop("AGENTENV_AGENT", None)
+    env.pop("AGENTENV_KEEPER", None)
     cwd = header.get("cwd") or (acct.home if acct is not None else None)
     if cwd and not isinstance(cwd, str):
         raise TypeError(f"'cwd' must be a path, not {type(cwd).__name__}")

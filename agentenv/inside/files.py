@@ -1,7 +1,7 @@
-"""The agent's file calls: stat, list, mkdir, move and remove, and files streamed both ways.
+"""The keeper's file calls: stat, list, mkdir, move and remove, and files streamed both ways.
 
-Files move in ``CHUNK``-sized pieces, never whole in the agent's memory; an upload is written to a temporary
-file and renamed, so a reader never sees half of it. The agent's own folders (its socket, its code) are
+Files move in ``CHUNK``-sized pieces, never whole in the keeper's memory; an upload is written to a temporary
+file and renamed, so a reader never sees half of it. The keeper's own folders (its socket, its code) are
 refused to every call that would change them.
 """
 
@@ -26,14 +26,14 @@ META_PREFIX = "user.e2b."  # the extended attributes that are a file's metadata 
 
 
 def check_own(path: str, own_dirs: tuple[str, ...], tree: bool = False) -> str:
-    """``path``, unless it (or a folder it goes through, symlinks resolved) is one of the agent's own;
+    """``path``, unless it (or a folder it goes through, symlinks resolved) is one of the keeper's own;
     with ``tree``, also unless one of them is inside it (a folder removed or moved whole)."""
     real = os.path.join(os.path.realpath(os.path.dirname(path) or "/"), os.path.basename(path))
     real = os.path.normpath(real)
     for d in own_dirs:
         if real == d or real.startswith(d.rstrip("/") + "/") or (tree and (d + "/").startswith(
                 real.rstrip("/") + "/")):
-            raise PermissionError(13, f"{path} is or holds the agent's own folder {d}: refused")
+            raise PermissionError(13, f"{path} is or holds the keeper's own folder {d}: refused")
     return path
 
 
@@ -196,7 +196,7 @@ def move(src: str, dst: str) -> None:
 
 def write_stream(path: str, conn: _socket.socket, n: int, mode: int, metadata: dict[str, str] | None = None) -> None:
     """Write the next ``n`` bytes of ``conn`` to ``path`` atomically (temporary file and rename), creating
-    parent folders, a ``CHUNK`` at a time: an upload never sits in the agent's memory. ``metadata`` becomes
+    parent folders, a ``CHUNK`` at a time: an upload never sits in the keeper's memory. ``metadata`` becomes
     the new file's ``user.e2b.*`` xattrs; the file replaced takes its own with it (an overwrite clears them).
 
     On a failure (disk full, say) the rest of the bytes are read and dropped, so the connection stays

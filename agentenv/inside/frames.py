@@ -1,10 +1,10 @@
-"""The agent's wire, shared by both ends, and the standard-library pieces it stands on instead of heavier ones.
+"""The keeper's wire, shared by both ends, and the standard-library pieces it stands on instead of heavier ones.
 
 Wire format, both ways: ``>II`` (header length, blob length), a JSON header, then raw bytes. Every frame is capped
 (``MAX_HEADER``, and a blob limit the reader chooses); big blobs move in ``CHUNK``-sized pieces. The host imports
-this module as it is; in a sandbox it is the first part of the agent (``agentenv.host.agent_start`` joins them).
+this module as it is; in a sandbox it is the first part of the keeper (``agentenv.host.keeper_start`` joins them).
 
-Every sandbox start waits for the agent to import, so this imports only C modules (and struct): json, socket,
+Every sandbox start waits for the keeper to import, so this imports only C modules (and struct): json, socket,
 threading and contextlib cost ~13 ms of each start (enum, re, functools, collections under them), as much as the
 interpreter's own start. So locks come from _thread, and JSON goes through _json (see ``_codec``).
 """

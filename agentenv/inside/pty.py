@@ -1,8 +1,8 @@
-"""The agent's terminals: a job started with ``pty`` runs on a pseudo-terminal the agent opens (E2B's ``pty``).
+"""The keeper's terminals: a job started with ``pty`` runs on a pseudo-terminal the keeper opens (E2B's ``pty``).
 
 The command's stdin, stdout and stderr are the terminal's slave end, which is also the controlling terminal of
 its session (``take_terminal``, in the forked child), so ``tty``, job control and SIGWINCH work as in a login.
-The agent keeps the master end: what the command writes there is the job's one output stream, what ``input``
+The keeper keeps the master end: what the command writes there is the job's one output stream, what ``input``
 sends is typed at it, and ``resize`` sets its size. fcntl and termios are imported with the first terminal,
 not at every sandbox start.
 """

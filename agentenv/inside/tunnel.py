@@ -1,8 +1,8 @@
-"""A sandbox's TCP ports reached through its agent: the host asks for a port, the agent connects to it on the
+"""A sandbox's TCP ports reached through its keeper: the host asks for a port, the keeper connects to it on the
 sandbox's own loopback and then splices bytes both ways between that connection and the host's.
 
 The connection is made inside the sandbox's network namespace, so a sandbox with no network at all still serves
-its ports, and the host asks nothing of the sandbox's network. Only the host may ask (the agent's socket is
+its ports, and the host asks nothing of the sandbox's network. Only the host may ask (the keeper's socket is
 root's, and the request is refused from any process of the sandbox): a command inside has loopback of its own.
 """
 

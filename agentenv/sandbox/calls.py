@@ -1,11 +1,11 @@
-"""Calls into a running sandbox: commands, background processes, jobs and files (what the agent does for us).
+"""Calls into a running sandbox: commands, background processes, jobs and files (what the keeper does for us).
 
-``Calls`` is the half of ``Sandbox`` that works inside a running sandbox through its agent, apart from its
+``Calls`` is the half of ``Sandbox`` that works inside a running sandbox through its keeper, apart from its
 lifecycle (create, snapshot, pause, close: ``agentenv.sandbox.core``): ``exec``, ``spawn``, ``read_file`` and
 ``write_file``, the job calls (``start``, ``output``, ``send_input``...) and the file system calls (``stat``,
 ``list_dir``, ``move``...), whose host side is ``agentenv.sandbox.jobs``. Every call goes through the sandbox's
 channel (``agentenv.sandbox.channel``); paths are checked here first: relative ones are taken from the working
-directory, and the agent's own folders are refused. (``hostcalls`` is another thing: the kernel calls that
+directory, and the keeper's own folders are refused. (``hostcalls`` is another thing: the kernel calls that
 set a sandbox up.)
 """
 
@@ -28,7 +28,7 @@ from agentenv.api import (
     JobOutput,
     OutputCallback,
 )
-from agentenv.inside import agent, frames
+from agentenv.inside import frames, keeper
 from agentenv.inside.jobs import MAX_OUTPUT
 from agentenv.sandbox import jobs
 from agentenv.sandbox.channel import Channel
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 class Process(api.Process):
     """A background process started with ``Sandbox.spawn``; it survives snapshots and forks. What its sandbox's
-    agent answers is this subclass's; the rest, shared with a server's processes, is ``agentenv.api.Process``."""
+    keeper answers is this subclass's; the rest, shared with a server's processes, is ``agentenv.api.Process``."""
 
     sandbox: Calls
 
@@ -110,20 +110,20 @@ class Calls:
         return [Process(self, int(pid), p["log"], p["cmd"]) for pid, p in reply["procs"].items()]
 
     def open_port(self, port: int, timeout: float = 10.0) -> socket.socket:
-        """A connection to what listens on TCP ``port`` of the sandbox's loopback (through its agent, so a sandbox
+        """A connection to what listens on TCP ``port`` of the sandbox's loopback (through its keeper, so a sandbox
         without a network serves it too); ``ConnectionRefusedError`` when nothing does."""
         self.require_running()
         return self._channel.tunnel(port, timeout)
 
     def read_file(self, path: str) -> bytes:
-        """A whole file (at most 1 GiB); the agent's own files are refused (PermissionError), its
+        """A whole file (at most 1 GiB); the keeper's own files are refused (PermissionError), its
         process logs excepted."""
         self.require_running()
         return self._channel.call({"op": "read", "path": _own_checked(_abs(path, self._workdir()), False)})[1]
 
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644, *,
                    metadata: dict[str, str] | None = None) -> None:
-        """Write a whole file (at most 1 GiB) atomically, creating parent folders; the agent's own
+        """Write a whole file (at most 1 GiB) atomically, creating parent folders; the keeper's own
         folders are refused (PermissionError). ``metadata``: the new file's ``user.e2b.*`` xattrs (those of
         the file it replaces go with it)."""
         self.require_running()
@@ -170,7 +170,7 @@ class Calls:
         return jobs.tail(self._channel, pid, size)
 
     def discard(self, pid: int, offsets: tuple[int, int]) -> None:
-        """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
+        """Let the keeper drop a job's buffered output below ``offsets`` (never to be read again)."""
         jobs.discard(self._channel, pid, offsets)
 
     def send_input(self, pid: int, data: bytes) -> None:
@@ -229,7 +229,7 @@ class AsUser(Calls):
 
 
 class _UserChannel:
-    """A sandbox's channel whose requests all carry ``"user"`` (the agent runs each as that account)."""
+    """A sandbox's channel whose requests all carry ``"user"`` (the keeper runs each as that account)."""
 
     def __init__(self, channel: Channel, user: str) -> None:
         self.channel, self.user = channel, user
@@ -245,25 +245,25 @@ class _UserChannel:
 
 
 def max_output(memory: int) -> int:
-    """Bytes of one command's output the agent keeps per stream: 64 MiB, or a sixteenth of the sandbox's
-    memory when that is less (the agent holds them, in the sandbox's memory)."""
+    """Bytes of one command's output the keeper keeps per stream: 64 MiB, or a sixteenth of the sandbox's
+    memory when that is less (the keeper holds them, in the sandbox's memory)."""
     return min(MAX_OUTPUT, max(1 << 20, memory // 16))
 
 
 def _dropped(n: int) -> str:
-    """The visible marker for output past the agent's per-stream cap (``max_output``)."""
+    """The visible marker for output past the keeper's per-stream cap (``max_output``)."""
     return f"\n[agentenv: {n} more bytes of output were dropped]\n" if n else ""
 
 
 def _own_checked(path: str, write: bool) -> str:
-    """``path`` normalized (the path checked is the path sent), unless it is one of the agent's own files
-    (PermissionError); reads of its process logs pass. The agent checks writes again, symlinks resolved."""
+    """``path`` normalized (the path checked is the path sent), unless it is one of the keeper's own files
+    (PermissionError); reads of its process logs pass. The keeper checks writes again, symlinks resolved."""
     norm = "/" + posixpath.normpath(path).lstrip("/")
-    if not write and norm.startswith(agent.LOG_DIR + "/"):
+    if not write and norm.startswith(keeper.LOG_DIR + "/"):
         return norm
-    for d in agent.OWN_DIRS:
+    for d in keeper.OWN_DIRS:
         if norm == d or norm.startswith(d + "/"):
-            raise PermissionError(errno.EACCES, f"{path} is in the sandbox agent's own folder {d}; "
+            raise PermissionError(errno.EACCES, f"{path} is in the sandbox keeper's own folder {d}; "
                                                 "the file API does not touch it")
     return norm
 

@@ -1,4 +1,4 @@
-"""The host end of the agent connection: exec, spawn and files over the sandbox's unix socket.
+"""The host end of the keeper connection: exec, spawn and files over the sandbox's unix socket.
 
 One short-lived connection per call (a connect costs tens of microseconds), so a memory snapshot
 only has to close the connections of calls in flight; such a call reconnects through ``gate`` and
@@ -7,7 +7,7 @@ resumes its job from the byte offsets it already has.
 What answers on the socket is not trusted: a process in the sandbox can replace it with a server of
 its own. So every call has a deadline, every frame a size cap, reconnecting after a closed connection
 is bounded (``RETRIES``, with backoff), and a connection to a sandbox is refused unless the process
-serving it is that sandbox's agent (``SO_PEERCRED`` against the pid the caller pinned, see ``Root``).
+serving it is that sandbox's keeper (``SO_PEERCRED`` against the pid the caller pinned, see ``Root``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from typing import Any
 
 from agentenv.api import OutputCallback
 from agentenv.errors import ConnectionLost, SandboxError, from_wire
-from agentenv.host.agent_process import Root
-from agentenv.inside import agent, frames
-from agentenv.inside import jobs as agent_jobs
+from agentenv.host.keeper_process import Root
+from agentenv.inside import frames, keeper
+from agentenv.inside import jobs as keeper_jobs
 
-CALL_TIMEOUT = 120.0  # seconds an agent may stay silent on a request (beyond an exec's own timeout)
+CALL_TIMEOUT = 120.0  # seconds a keeper may stay silent on a request (beyond an exec's own timeout)
 RETRIES = 10  # connections in a row closed before an answer (no snapshot explaining it): the call fails
 BACKOFF = (0.004, 0.5)  # seconds slept after the first such close, doubling up to the second figure
-START_POLL = 0.005  # seconds at most between attempts to reach an agent still starting (it answers in tens of ms)
+START_POLL = 0.005  # seconds at most between attempts to reach a keeper still starting (it answers in tens of ms)
 
 
 class Gate:
@@ -64,14 +64,14 @@ class Gate:
 
 
 class Channel:
-    """Calls into one sandbox's agent: the socket at ``path`` inside the root ``root()`` returns
-    (a ``Root`` pinned to the sandbox's agent, or a plain folder in tests)."""
+    """Calls into one sandbox's keeper: the socket at ``path`` inside the root ``root()`` returns
+    (a ``Root`` pinned to the sandbox's keeper, or a plain folder in tests)."""
 
-    def __init__(self, root: Callable[[], str | Root], gate: Gate, path: str = agent.SOCKET_PATH) -> None:
+    def __init__(self, root: Callable[[], str | Root], gate: Gate, path: str = keeper.SOCKET_PATH) -> None:
         self.root, self.path, self.gate = root, path, gate
 
     def connect(self, wait: float = 0.0, *, through_gate: bool = True, deadline: float | None = None) -> socket.socket:
-        """Open a connection, retrying for up to ``wait`` seconds (the agent may still be starting).
+        """Open a connection, retrying for up to ``wait`` seconds (the keeper may still be starting).
 
         Through the gate, it waits for a snapshot in progress, until ``deadline`` at most.
         """
@@ -86,18 +86,18 @@ class Channel:
             except OSError as e:
                 left = end - time.monotonic()
                 if left <= 0:
-                    raise ConnectionLost(f"the sandbox agent does not answer ({e})",
+                    raise ConnectionLost(f"the sandbox keeper does not answer ({e})",
                                          fix="the sandbox may have been closed or paused; check Sandbox.list()") from e
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, START_POLL)
 
     def call(self, header: dict[str, Any], blob: bytes = b"", *, timeout: float | None = None,
              max_blob: int = frames.MAX_BLOB) -> tuple[dict[str, Any], bytes]:
-        """One request and its reply within ``timeout`` seconds (``CALL_TIMEOUT``); agent-side errors
+        """One request and its reply within ``timeout`` seconds (``CALL_TIMEOUT``); keeper-side errors
         become exceptions.
 
         A connection closed under the call (by a snapshot) is retried: every request carries a
-        ``key``, and the agent answers a repeated key from memory instead of acting twice.
+        ``key``, and the keeper answers a repeated key from memory instead of acting twice.
         """
         limit = CALL_TIMEOUT if timeout is None else timeout
         deadline = time.monotonic() + limit
@@ -118,7 +118,7 @@ class Channel:
             return reply, data
 
     def last_word(self, header: dict[str, Any], timeout: float) -> None:
-        """A request the agent answers and then closes its end on (quiesce; reroot, as it execs itself): returns
+        """A request the keeper answers and then closes its end on (quiesce; reroot, as it execs itself): returns
         once it has closed. Not retried, and not through the gate (a snapshot shuts it to send a quiesce);
         TimeoutError past ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
@@ -127,10 +127,10 @@ class Channel:
             reply, _ = frames.recv_frame(s, 0, deadline)
             raise_for(reply)
             with contextlib.suppress(ConnectionError):
-                frames.recv_frame(s, 0, deadline)  # returns only when the agent closed its end
+                frames.recv_frame(s, 0, deadline)  # returns only when the keeper closed its end
 
     def tunnel(self, port: int, timeout: float) -> socket.socket:
-        """A connection to ``127.0.0.1:port`` inside the sandbox, made by its agent in the sandbox's namespace: once
+        """A connection to ``127.0.0.1:port`` inside the sandbox, made by its keeper in the sandbox's namespace: once
         this returns, its bytes are the port's both ways (blocking; the caller sets its own deadlines and closes
         it). ``ConnectionRefusedError`` (or another ``OSError``) when nothing accepts there; not retried."""
         deadline = time.monotonic() + timeout
@@ -142,8 +142,8 @@ class Channel:
                     reply, _ = frames.recv_frame(s, 0, deadline)
             except ConnectionLost:
                 raise
-            except ConnectionError as e:  # closed without an answer: the agent's failure, not the port's
-                raise ConnectionLost(f"the sandbox agent closed the connection instead of opening port {port} ({e})",
+            except ConnectionError as e:  # closed without an answer: the keeper's failure, not the port's
+                raise ConnectionLost(f"the sandbox keeper closed the connection instead of opening port {port} ({e})",
                                      fix="the sandbox may be out of memory or processes; check its state") from e
             raise_for(reply)  # nothing listens: an OSError (ConnectionRefusedError, mostly)
         except BaseException:
@@ -156,12 +156,12 @@ class Channel:
         """Run a command to completion; the final header carries 'stdout'/'stderr' as bytes.
 
         If a snapshot closes the connection, the call reconnects with the same key and resumes from
-        the byte offsets it already has; the agent never starts the command twice.
+        the byte offsets it already has; the keeper never starts the command twice.
         """
         stream = on_output is not None
         out = [bytearray(), bytearray()]
         request = {**header, "op": "exec", "stream": stream, "key": uuid.uuid4().hex}
-        # the agent enforces the command's timeout; this one only catches an agent that went silent
+        # the keeper enforces the command's timeout; this one only catches a keeper that went silent
         limit = None if header.get("timeout") is None else float(header["timeout"]) + CALL_TIMEOUT
         deadline = None if limit is None else time.monotonic() + limit
         failures = 0
@@ -172,18 +172,18 @@ class Channel:
                     frames.send_frame(s, {**request, "offsets": [len(b) for b in out]}, deadline=_soonest(deadline))
                     first, _ = frames.recv_frame(s, 0, _soonest(deadline))
                     raise_for(first)
-                    # an agent that sends heartbeats is silent for CALL_TIMEOUT at most; one from an older
+                    # a keeper that sends heartbeats is silent for CALL_TIMEOUT at most; one from an older
                     # snapshot only answers when the command ends
                     beats = bool(first.get("beat"))
                     while True:
-                        h, data = frames.recv_frame(s, agent_jobs.MAX_EXEC_BLOB, _soonest(deadline) if beats else deadline)
+                        h, data = frames.recv_frame(s, keeper_jobs.MAX_EXEC_BLOB, _soonest(deadline) if beats else deadline)
                         raise_for(h)
                         if h.get("beat"):
                             continue
                         if "fd" in h:
                             fd = h["fd"]
-                            if fd not in (1, 2) or len(out[fd - 1]) + len(data) > agent_jobs.MAX_OUTPUT:
-                                raise frames.FrameError("an output frame past the agent's limits")
+                            if fd not in (1, 2) or len(out[fd - 1]) + len(data) > keeper_jobs.MAX_OUTPUT:
+                                raise frames.FrameError("an output frame past the keeper's limits")
                             out[fd - 1] += data
                             if data:
                                 failures = 0  # progress: a later close is not the same failure again
@@ -193,8 +193,8 @@ class Channel:
                         n = _checked_result(h, len(data))
                         tail = (data[:n], data[n:])
                         for i, name in ((0, "stdout"), (1, "stderr")):
-                            if len(out[i]) + len(tail[i]) > agent_jobs.MAX_OUTPUT:
-                                raise frames.FrameError("a result frame past the agent's limits")
+                            if len(out[i]) + len(tail[i]) > keeper_jobs.MAX_OUTPUT:
+                                raise frames.FrameError("a result frame past the keeper's limits")
                             out[i] += tail[i]
                             if on_output and tail[i]:
                                 on_output(name, tail[i])
@@ -209,7 +209,7 @@ class Channel:
         """After a connection closed before the answer: go on (with backoff) or give up (ConnectionLost).
 
         A close while a snapshot in this process shut the gate is expected and costs nothing; any other
-        counts, and ``RETRIES`` in a row (or the deadline) end the call: an agent that accepts and closes
+        counts, and ``RETRIES`` in a row (or the deadline) end the call: a keeper that accepts and closes
         at once (a fake one, or one out of memory) cannot keep a caller spinning.
         """
         if self.gate.epoch != epoch:
@@ -217,8 +217,8 @@ class Channel:
         failures += 1
         left = None if deadline is None else deadline - time.monotonic()
         if failures >= RETRIES or (left is not None and left <= 0):
-            raise ConnectionLost(f"the sandbox agent closed the connection {failures} times without answering ({err})",
-                                 fix="the sandbox may be out of memory or processes, or its agent's socket was "
+            raise ConnectionLost(f"the sandbox keeper closed the connection {failures} times without answering ({err})",
+                                 fix="the sandbox may be out of memory or processes, or its keeper's socket was "
                                      "replaced from inside; check its state, or close it") from err
         pause = min(BACKOFF[0] * 2 ** (failures - 1), BACKOFF[1])
         time.sleep(pause if left is None else min(pause, left))
@@ -246,7 +246,7 @@ def _checked_result(h: dict[str, Any], blob_len: int) -> int:
 
 @contextlib.contextmanager
 def typed_failures(op: str, seconds: float) -> Iterator[None]:
-    """A call's wire failures as ``ConnectionLost``: a frame that breaks the protocol, or an agent silent for
+    """A call's wire failures as ``ConnectionLost``: a frame that breaks the protocol, or a keeper silent for
     ``seconds`` (what stays a plain ``ConnectionError`` is a close the caller may retry)."""
     try:
         yield
@@ -257,12 +257,12 @@ def typed_failures(op: str, seconds: float) -> Iterator[None]:
 
 
 def _broken(e: Exception) -> ConnectionLost:
-    return ConnectionLost(f"what answers on the sandbox's agent socket broke the protocol ({e})",
-                          fix="a process in the sandbox may have replaced the agent's socket; close the sandbox")
+    return ConnectionLost(f"what answers on the sandbox's keeper socket broke the protocol ({e})",
+                          fix="a process in the sandbox may have replaced the keeper's socket; close the sandbox")
 
 
 def _silent(op: str, seconds: float) -> ConnectionLost:
-    return ConnectionLost(f"the sandbox agent did not answer {op} within {seconds:g} s",
+    return ConnectionLost(f"the sandbox keeper did not answer {op} within {seconds:g} s",
                           fix="the sandbox may be frozen or out of memory; check its state, or close it")
 
 
@@ -285,7 +285,7 @@ def connect_in_root(root: str | Root, path: str) -> socket.socket:
     refusing anything but a socket at the end means a symlink planted there cannot send the host
     to a socket of its own (the Docker socket, say). With a ``Root`` (whose descriptor this closes),
     the socket must also be served by the process ``root.pid``: a server that a process of the
-    sandbox put in the agent's place is refused before a byte is exchanged.
+    sandbox put in the keeper's place is refused before a byte is exchanged.
     """
     rootfd = root.fd if isinstance(root, Root) else os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -305,7 +305,7 @@ def connect_in_root(root: str | Root, path: str) -> socket.socket:
             if isinstance(root, Root):
                 peer = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
                 if peer != root.pid:
-                    raise ConnectionRefusedError(f"{path} in the sandbox is served by pid {peer}, not by its agent "
+                    raise ConnectionRefusedError(f"{path} in the sandbox is served by pid {peer}, not by its keeper "
                                                  f"(pid {root.pid}): replaced from inside?")
         except OSError:
             s.close()
@@ -316,6 +316,6 @@ def connect_in_root(root: str | Root, path: str) -> socket.socket:
 
 
 def raise_for(reply: dict[str, Any]) -> None:
-    """Raise the exception an agent error reply stands for (an unknown name is a SandboxError)."""
+    """Raise the exception a keeper error reply stands for (an unknown name is a SandboxError)."""
     if reply.get("error") is not None:
         raise from_wire(reply, unknown=SandboxError)

@@ -52,7 +52,7 @@ from agentenv.errors import (
 )
 from agentenv.host import admission, image_store, images, ksm, userns, volume
 from agentenv.host import network as hostnet
-from agentenv.host.agent_process import AgentProcess, protect_agent
+from agentenv.host.keeper_process import KeeperProcess, protect_keeper
 from agentenv.host.hostcalls import proc_start_time
 from agentenv.host.runtime import ContainerSpec
 from agentenv.host.trees import remove_tree
@@ -92,7 +92,7 @@ class Sandbox(Calls, Record):
         self._container = Container(f"ae-{self.id}", p.sandboxes / self.id, p.runc_root,
                                     p.layers / layer if layer else None)
         self._channel = Channel(self._root, _gate(self.id))
-        self._agent: AgentProcess | None = None  # the pinned agent, once a call has needed it
+        self._agent: KeeperProcess | None = None  # the pinned keeper, once a call has needed it
         self._starting = False  # in _start: the record on disk does not name the new agent yet
 
     # --- creation ------------------------------------------------------------------------------
@@ -203,10 +203,10 @@ class Sandbox(Calls, Record):
             crash_point(f"{op}:started")
             self._agent = None
             self.transition("running", init_pid=pid, init_start=proc_start_time(pid), owner=None)
-            protect_agent(pid)
+            protect_keeper(pid)
             self._starting = True
             try:
-                with phase("agent answers"):
+                with phase("keeper answers"):
                     self.wait_started(START_TIMEOUT)
             finally:
                 self._starting = False
@@ -467,21 +467,21 @@ class Sandbox(Calls, Record):
                 ref = None
                 if self._rec.state == "running" and pid:
                     with contextlib.suppress(OSError):
-                        ref = AgentProcess(pid, self._rec.init_start, self._container.cgroup)
+                        ref = KeeperProcess(pid, self._rec.init_start, self._container.cgroup)
                 self._agent = ref
             if ref is not None:
                 with contextlib.suppress(OSError):
                     return ref.root()
                 self._agent = None
             if self._starting:
-                raise SandboxError(f"the agent of sandbox {self.id} (pid {pid}) exited as it started",
+                raise SandboxError(f"the keeper of sandbox {self.id} (pid {pid}) exited as it started",
                                    fix=f"check that the image has python3 (docker run --rm {self.image} python3 -V)")
             seen = pid, self._rec.init_start
             self._reload()
             self.require_running()
             if (self._rec.init_pid, self._rec.init_start) == seen:
                 break
-        raise SandboxLost(f"sandbox {self.id} is lost: its agent (pid {self._rec.init_pid}) is gone",
+        raise SandboxLost(f"sandbox {self.id} is lost: its keeper (pid {self._rec.init_pid}) is gone",
                           fix="close it; restore one of its snapshots to go on from there")
 
 

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from agentenv.config import crash_point, paths
 from agentenv.errors import SandboxError
 from agentenv.host import volume
-from agentenv.host.agent_process import AgentProcess
-from agentenv.host.agent_start import agent_command, agent_env
+from agentenv.host.keeper_process import KeeperProcess
+from agentenv.host.keeper_start import keeper_command, keeper_env
 from agentenv.phases import phase
 from agentenv.sandbox import snapshotting, warm
 from agentenv.sandbox.parts import START_TIMEOUT, Parts
@@ -117,9 +117,9 @@ def _boot_child(kid: S) -> None:
         with phase("swap root"):
             try:
                 # its agent pinned as for every call: the pid in a record may name another sandbox's process by now
-                init = AgentProcess(kid.record.init_pid or 0, kid.record.init_start, kid._container.cgroup)
+                init = KeeperProcess(kid.record.init_pid or 0, kid.record.init_start, kid._container.cgroup)
                 if kid._container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
-                    raise SandboxError("the pooled sandbox runs processes besides its agent")
+                    raise SandboxError("the pooled sandbox runs processes besides its keeper")
                 kid._container.take_root(spec, init)
             except (OSError, SandboxError) as e:  # e.g. a mount point the parent made a symlink: boot it instead
                 log.warning("fork: could not give the pooled sandbox %s its files (%s); starting it afresh", kid.id, e)
@@ -134,10 +134,10 @@ def _boot_child(kid: S) -> None:
         try:
             # the agent starts again from the new root: nothing of the old one stays in use (CRIU could not
             # dump a process that maps files of a root that is no longer mounted)
-            name, _, code = agent_env().partition("=")
-            kid._channel.last_word({"op": "reroot", "cwd": spec.workdir or "/", "argv": agent_command(),
+            name, _, code = keeper_env().partition("=")
+            kid._channel.last_word({"op": "reroot", "cwd": spec.workdir or "/", "argv": keeper_command(),
                                     "env": {name: code}}, START_TIMEOUT)
-            with phase("agent answers"):
+            with phase("keeper answers"):
                 kid.wait_started(START_TIMEOUT)
         finally:
             kid._starting = False

@@ -1,12 +1,12 @@
 """The host end of jobs and file system calls: what ``Sandbox.start``, ``output``, ``stat`` and the rest send.
 
-A job made by ``start`` runs on its own; the agent buffers its output (both streams, up to its
+A job made by ``start`` runs on its own; the keeper buffers its output (both streams, up to its
 ``max_output``) until ``output`` reads it, from absolute byte offsets, so a reader may stop and come back
-later, from another process or after a snapshot, and a reader that will never look back lets the agent
-drop what it read (``discard``). The agent forgets the job once ``output`` delivered its end; ``tail`` looks at
+later, from another process or after a snapshot, and a reader that will never look back lets the keeper
+drop what it read (``discard``). The keeper forgets the job once ``output`` delivered its end; ``tail`` looks at
 the last bytes and takes nothing (a console's view).
 
-What the agent answers is checked like every reply (``agentenv.sandbox.channel``): frames capped, offsets and
+What the keeper answers is checked like every reply (``agentenv.sandbox.channel``): frames capped, offsets and
 results validated, reconnecting bounded.
 """
 
@@ -86,7 +86,7 @@ def output(ch: Channel, pid: int, offsets: tuple[int, int] | None, follow: bool)
 
 class Reading(Iterator[JobOutput | JobEnd | None]):
     """What ``output`` returns (it connects when first iterated). ``interrupt`` (from any thread) ends it at once
-    by shutting its connection, so an end the agent has not sent yet stays with the agent for the next reader
+    by shutting its connection, so an end the keeper has not sent yet stays with the keeper for the next reader
     (a server whose client went away must not swallow it)."""
 
     def __init__(self, ch: Channel, pid: int, offsets: tuple[int, int] | None, follow: bool) -> None:
@@ -110,7 +110,7 @@ class Reading(Iterator[JobOutput | JobEnd | None]):
 
     @contextlib.contextmanager
     def connected(self, ch: Channel) -> Iterator[socket.socket | None]:
-        """A connection to the agent that ``interrupt`` can shut (never once closed); None once interrupted."""
+        """A connection to the keeper that ``interrupt`` can shut (never once closed); None once interrupted."""
         s = ch.connect()
         with self._lock:
             self._sock = None if self.interrupted else s
@@ -176,7 +176,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
 
 
 def _offsets(value: Any, floor: list[int] | None) -> list[int]:
-    """Two absolute offsets from the agent, none below what this reader already has (it never goes back)."""
+    """Two absolute offsets from the keeper, none below what this reader already has (it never goes back)."""
     if not (isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)):
         raise frames.FrameError("malformed offsets")
     if floor is not None and any(v < f for v, f in zip(value, floor, strict=True)):
@@ -206,7 +206,7 @@ def discard(ch: Channel, pid: int, offsets: tuple[int, int]) -> None:
 
 
 def send_input(ch: Channel, pid: int, data: bytes) -> None:
-    """Write ``data`` to the job's stdin, a piece at a time (each one a request the agent takes once)."""
+    """Write ``data`` to the job's stdin, a piece at a time (each one a request the keeper takes once)."""
     view = memoryview(bytes(data))
     for at in range(0, max(len(view), 1), frames.SMALL_BLOB):  # nothing: still one request (is there such a job?)
         ch.call({"op": "input", "pid": pid}, bytes(view[at:at + frames.SMALL_BLOB]),

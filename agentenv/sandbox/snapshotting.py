@@ -150,9 +150,9 @@ def _quiesce(sb: Parts) -> None:
     try:
         sb._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
     except TimeoutError:
-        raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s "
+        raise ConnectionLost(f"the sandbox keeper did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s "
                              f"({usage.stall_hint(sb)}); nothing was saved and the sandbox was left running",
-                             fix="the agent may be stopped (traced) or starved of CPU; retry, or close the "
+                             fix="the keeper may be stopped (traced) or starved of CPU; retry, or close the "
                                  "sandbox") from None
 
 

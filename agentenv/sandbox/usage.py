@@ -112,7 +112,7 @@ def stall_hint(sb: Parts) -> str:
                         state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
                         key = f"{state} {_text(task / 'wchan')}" if state in ("D", "T") else state
                         states[key] = states.get(key, 0) + 1
-            said.append("agent threads: " + (", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "none"))
+            said.append("keeper threads: " + (", ".join(f"{n} {k}" for k, n in sorted(states.items())) or "none"))
     return "; ".join(said) or "no cgroup (not running)"
 
 

@@ -2,7 +2,7 @@
 read-only file browser) and what the server page draws (``/console/api/server``: the history of its figures).
 
 Every read goes through the server's ``Service`` with the calls the API's routes make (``Sandbox.processes``,
-``jobs``, ``list_dir``, ``stat``, ``read_file``), so the same path rules hold (the agent's own folders answer 403
+``jobs``, ``list_dir``, ``stat``, ``read_file``), so the same path rules hold (the keeper's own folders answer 403
 here as there). A job's tail is ``Sandbox.tail``: a look that leaves the output and the job's end for its owner's
 ``output``. What is shown is capped (TAIL_BYTES, MAX_ENTRIES, MAX_FILE), and the page says so. Sandbox-made text
 (file names, output, commands) goes out as JSON strings that the page sets as text only.

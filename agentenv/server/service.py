@@ -96,7 +96,7 @@ class Service:
         self._cache.pop(sandbox_id, None)
 
     def call(self, sandbox_id: str, fn: Callable[[Sandbox], Any]) -> Any:
-        """Run ``fn`` on a sandbox; if its agent stopped answering, drop the cached object and say why. Refused
+        """Run ``fn`` on a sandbox; if its keeper stopped answering, drop the cached object and say why. Refused
         while a post-copy migration holds it frozen (``migration.refuse_calls``)."""
         migration.refuse_calls(sandbox_id)
         sb = self.sandbox(sandbox_id)
@@ -110,9 +110,9 @@ class Service:
 
     def failed(self, sandbox_id: str, exc: BaseException) -> BaseException:
         """What a call on a sandbox that raised ``exc`` should raise (``call``'s handling, for a stream): if its
-        agent stopped answering, the cached object is dropped, and a sandbox no longer running says so."""
+        keeper stopped answering, the cached object is dropped, and a sandbox no longer running says so."""
         if isinstance(exc, errors.SandboxLost):
-            self.forget(sandbox_id)  # its pinned agent is gone: the next call starts from the record
+            self.forget(sandbox_id)  # its pinned keeper is gone: the next call starts from the record
         elif isinstance(exc, errors.ConnectionLost):
             self.forget(sandbox_id)
             try:

@@ -3,7 +3,7 @@
 A stream (a job's output, a directory watch) can last as long as the command does, so it gets a thread of
 its own rather than one of the event loop's few pool threads, and hands items over through a bounded queue:
 a client that stops reading (a background command's handle never reads) stops the thread, the output stays
-buffered in the sandbox's agent, and nothing grows without bound on the server. The native routes
+buffered in the sandbox's keeper, and nothing grows without bound on the server. The native routes
 (``routes/jobs.py``) and E2B's services (``e2b/bridge.py``) both stream this way.
 """
 
@@ -27,8 +27,8 @@ async def iterate(make: Callable[[], Iterator[T]],
     What it raises is raised here (as ``error(exc)`` when given). When the consumer stops first, the iterator's
     ``interrupt()`` (where it has one, as a job's ``output`` does) is called at once, so that it takes nothing
     more from the sandbox (a job's end it read would be lost to the next reader); otherwise the thread notices
-    at its next item (the sandbox's agent sends a heartbeat every few seconds, so that is soon). The iterator
-    is closed, which closes its agent connection.
+    at its next item (the sandbox's keeper sends a heartbeat every few seconds, so that is soon). The iterator
+    is closed, which closes its keeper connection.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Any] = asyncio.Queue(QUEUE)

@@ -18,6 +18,7 @@ from agentenv.config import write_private
 from agentenv.errors import CheckpointError
 from agentenv.host import runtime
 from agentenv.host.cgroups import vfork_waiters
+from agentenv.host.keeper_start import mount_as_dumped
 from agentenv.host.runtime import LINK, ContainerSpec
 from agentenv.snapshot import lazy_pages, page_channel, postcopy
 from agentenv.snapshot.criu import dump as criu_dump
@@ -65,6 +66,7 @@ class Container(runtime.Container):
         set up (``connect``, on ``address`` where free) before any of its processes runs. With ``lazy``, the
         processes run before their memory is in: a ``criu lazy-pages`` daemon listening in ``work`` serves it
         (``agentenv.snapshot.lazy_pages.start_lazy_pages``)."""
+        mount_as_dumped(self.bundle / "config.json", images)  # images dumped before the keeper's rename
         criu_hand_over(images, work, self.bundle)
         if os.environ.get(DIRECT_RESTORE_ENV, "1") != "0":
             pid = criu_restore(images, work, self.bundle, self.cid, self.runc_root, lazy, criu,

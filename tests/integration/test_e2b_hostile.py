@@ -249,7 +249,7 @@ def test_calls_that_block_in_one_sandbox_take_no_threads_of_another(e2b_url: str
         r = in_time(lambda: httpx.get(f"{e2b_url}/sandboxes", headers={"X-API-KEY": TOKEN}, timeout=10), 15,
                     "the control plane")
         assert r.status_code == 200
-    # (closing with calls in flight once failed with EBADF: a refused AgentProcess pin closed its pidfd twice)
+    # (closing with calls in flight once failed with EBADF: a refused KeeperProcess pin closed its pidfd twice)
     in_time(lambda: Sandbox.kill(spent.sandbox_id), 30, "killing the sandbox whose calls block")
     for t in writers:
         t.join(60)

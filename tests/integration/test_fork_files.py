@@ -195,7 +195,7 @@ def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(pool, parent):
             assert [p.name for p in paths().layers.iterdir() if p.name.startswith(k.id)] == [k._container.layer.name]
         warm.drain()
         with parent.fork(1, memory=False)[0] as booted:  # no pool now: a child that runc started
-            assert mounts(kids[0]) == mounts(booted)  # /proc's masks, /dev, /sys read-only, the agent's file
+            assert mounts(kids[0]) == mounts(booted)  # /proc's masks, /dev, /sys read-only, the keeper's file
         # nothing of the pooled sandbox's first root stays in use: CRIU dumps and restores the child
         kids[0].spawn("sleep 1000")
         snap = kids[0].snapshot(memory=True)
@@ -216,8 +216,8 @@ def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(pool, parent):
 
 def test_a_parent_that_plants_a_symlink_at_a_mount_point_gets_children_booted_afresh(pool, parent, caplog):
     pool = pool()
-    # the parent moves the agent's folder away and puts a link where the agent's file is mounted
-    r = parent.exec("mv /.agentenv /.agentenv-x && mkdir /.agentenv && ln -s /etc/hostname /.agentenv/agent.py")
+    # the parent moves the keeper's folder away and puts a link where the keeper's file is mounted
+    r = parent.exec("mv /.agentenv /.agentenv-x && mkdir /.agentenv && ln -s /etc/hostname /.agentenv/keeper.py")
     assert r.exit_code == 0, r.stderr
     host_hostname = Path("/etc/hostname").read_text()
     kids = parent.fork(1, memory=False)

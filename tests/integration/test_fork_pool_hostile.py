@@ -60,7 +60,7 @@ def pool():
 
 ATTACK = r'''
 import json, os, socket, struct, time
-IMPOSTOR = ("src = open('/.agentenv/agent.py').read().replace('_CHILD_PREFIX + str(header[\"cmd\"])', "
+IMPOSTOR = ("src = open('/.agentenv/keeper.py').read().replace('_CHILD_PREFIX + str(header[\"cmd\"])', "
             "'\"echo impostor; \" + str(header[\"cmd\"])'); exec(compile(src, 'impostor', 'exec'))")
 s = socket.socket(socket.AF_UNIX)
 s.connect("/dev/agentenv/agent.sock")

@@ -32,7 +32,7 @@ from agentenv.errors import (
     StoreFullError,
 )
 from agentenv.host import volume
-from agentenv.inside import agent
+from agentenv.inside import keeper
 from agentenv.sandbox import channel, expiry, snapshotting
 from agentenv.snapshot import store
 
@@ -94,7 +94,7 @@ while True:
             if s.exec("test -e /tmp/fake-up", timeout=10).exit_code == 0:
                 return
         except ConnectionLost as e:
-            if "not by its agent" in str(e):
+            if "not by its keeper" in str(e):
                 return  # swapped between the test and the answer
             # else the socket was between the fake's unlink and its bind: not up yet
         time.sleep(0.01)
@@ -155,9 +155,9 @@ def test_a_fake_agent_on_the_socket_is_refused(sb, behaviour):
     """A 4 GiB frame made one read_file grow the host by 1.4 GB; accept-and-close kept a call spinning."""
     fake_agent(sb, behaviour)
     before = peak_rss()
-    with pytest.raises(ConnectionLost, match="not by its agent"):
+    with pytest.raises(ConnectionLost, match="not by its keeper"):
         sb.read_file("/etc/hostname")
-    with pytest.raises(ConnectionLost, match="not by its agent"):
+    with pytest.raises(ConnectionLost, match="not by its keeper"):
         sb.exec("true")
     assert peak_rss() - before < 64 << 20
 
@@ -295,7 +295,7 @@ def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_
     try:
         with pytest.raises(ConnectionLost, match="did not get ready") as e:
             sb.snapshot(memory=True)
-        assert re.search(r"agent threads: \d+ T ", str(e.value)), e.value  # the error says it is stopped
+        assert re.search(r"keeper threads: \d+ T ", str(e.value)), e.value  # the error says it is stopped
         assert not sb._container.frozen()
         with pytest.raises(ConnectionLost, match="did not answer"):
             sb.exec("true", timeout=1)
@@ -431,7 +431,7 @@ def test_signals_to_pid_1_from_inside_do_not_end_the_agent(sb, sig):
 # --- 9 and the socket: the file API and symlinks cannot break the agent ---------------------------
 
 
-@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/agent.py",
+@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/keeper.py",
                                   "//dev/agentenv/../agentenv/agent.sock", "../../dev/agentenv/agent.sock"])
 def test_the_file_api_refuses_the_agents_own_files(sb, path):
     with pytest.raises(PermissionError):
@@ -452,6 +452,6 @@ def test_the_file_api_refuses_the_agents_folder_through_a_symlink(sb):
 
 
 def test_a_symlinked_socket_folder_cannot_send_the_host_elsewhere(sb):
-    sb.exec(f"mv {agent.SOCKET_DIR} /dev/real && ln -s /run {agent.SOCKET_DIR}")
+    sb.exec(f"mv {keeper.SOCKET_DIR} /dev/real && ln -s /run {keeper.SOCKET_DIR}")
     with pytest.raises(ConnectionLost):
         sb.exec("true")

@@ -120,7 +120,7 @@ def test_the_ttl_reaper_leaves_a_sandbox_alone_while_a_migration_holds_it(on_exp
                 capture_output=True, text=True, timeout=120, check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
             assert sb.id not in other.stdout and "could not reap" not in other.stderr, other.stderr
             assert sb.state == "running"
-            assert re.search(r"agent threads: \d+ t\b", usage.stall_hint(sb))  # seized by CRIU: what an error says
+            assert re.search(r"keeper threads: \d+ t\b", usage.stall_hint(sb))  # seized by CRIU: what an error says
         finally:
             assert not out.finish(False)
         assert sb.id in agentenv.Sandbox.reap_expired()

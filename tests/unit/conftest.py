@@ -1,5 +1,5 @@
 """Fixtures shared by unit tests: an env server app in this process, with no sandbox capacity (no Docker), and
-the sandbox agent run as a plain process on a temporary socket."""
+the sandbox keeper run as a plain process on a temporary socket."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from agentenv import server
-from agentenv.host.agent_start import agent_file
+from agentenv.host.keeper_start import keeper_file
 from agentenv.sandbox.channel import Channel, Gate
 
 TOKEN = "unit-token"  # the tests' modules send it as "Authorization: Bearer unit-token"
@@ -29,9 +29,9 @@ def client(tmp_path, monkeypatch) -> Iterator[TestClient]:
 
 @pytest.fixture
 def ch(tmp_path: Path) -> Iterator[Channel]:
-    """The joined agent as a plain process (no container) and the host's channel to it, heartbeats every 0.1 s."""
-    path = str(tmp_path / "agent" / "agent.sock")  # the folder is the agent's own: the file API refuses it
-    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
+    """The joined keeper as a plain process (no container) and the host's channel to it, heartbeats every 0.1 s."""
+    path = str(tmp_path / "keeper" / "agent.sock")  # the folder is the keeper's own: the file API refuses it
+    proc = subprocess.Popen([sys.executable, str(keeper_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
     channel = Channel(lambda: "/", Gate(), path)
     channel.connect(wait=10).close()
     yield channel

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from agentenv.errors import ConnectionLost
-from agentenv.host.agent_start import agent_file
+from agentenv.host.keeper_start import keeper_file
 from agentenv.inside import frames
 from agentenv.inside import jobs as agent_jobs
 from agentenv.sandbox import channel as channel_mod
@@ -204,7 +204,7 @@ def test_a_snapshot_held_gate_is_bounded_by_the_call_deadline(fake, monkeypatch)
 @pytest.fixture
 def real(tmp_path: Path) -> Iterator[tuple[Channel, subprocess.Popen[bytes]]]:
     path = str(tmp_path / "agent" / "agent.sock")
-    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
+    proc = subprocess.Popen([sys.executable, str(keeper_file(tmp_path)), path], env={**os.environ, "AGENTENV_HEARTBEAT": "0.1"})
     ch = Channel(lambda: "/", Gate(), path)
     ch.connect(wait=10).close()
     yield ch, proc

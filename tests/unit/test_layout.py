@@ -183,7 +183,7 @@ def test_the_remote_api_and_the_wire_import_neither_the_sandbox_nor_the_host():
 
 
 def test_what_runs_inside_a_sandbox_imports_the_standard_library_only():
-    """Apart from each other (the agent's parts, which the host joins into one: ``agent_start``)."""
+    """Apart from each other (the keeper's parts, which the host joins into one: ``keeper_start``)."""
     import sys
 
     for name, path in modules(ROOT, ["agentenv"]).items():

@@ -145,4 +145,4 @@ class SnapshotBody(_Body):
 
 class PauseBody(_Body):
     memory: bool | None = None
-    require_healthy_guest: bool | None = Field(None, alias="requireHealthyGuest")  # a pause always needs the agent
+    require_healthy_guest: bool | None = Field(None, alias="requireHealthyGuest")  # a pause always needs the keeper

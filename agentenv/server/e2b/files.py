@@ -1,13 +1,13 @@
 """envd's ``filesystem.Filesystem`` service and its ``/files`` and ``/health`` routes, over a sandbox's files.
 
-Stat, list, make, move and remove are the agent's own file calls (``Sandbox.stat`` and friends), made as the
+Stat, list, make, move and remove are the keeper's own file calls (``Sandbox.stat`` and friends), made as the
 account the request names (``bridge.acting``): relative paths start at its home, and what is written is its own. Watching a
 directory compares listings: a watcher keeps the last listing of its folder and reports what appeared
 (create, and write for a non-empty file), changed (write, chmod) or went (remove) since; so it needs no
 inotify descriptor in the sandbox, which CRIU could not carry through a pause or fork. Events between two
 looks that cancel out (a file made and removed in between) are not seen. A file ``/files`` wrote gets envd's
 CHMOD too (``Uploads``). An upload's ``X-Metadata-*`` headers become the file's ``user.e2b.*`` xattrs, set by
-the agent inside the sandbox as the account (``agentenv.inside.files.write_metadata``).
+the keeper inside the sandbox as the account (``agentenv.inside.files.write_metadata``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from agentenv.server.e2b.signed import SCOPE_KEY
 from agentenv.server.limits import MAX_UPLOAD
 from agentenv.server.service import Service
 
-HEALTH_PING_TIMEOUT = 5.0  # seconds /health waits for the agent's answer
+HEALTH_PING_TIMEOUT = 5.0  # seconds /health waits for the keeper's answer
 MAX_WATCHERS = 1024  # watchers kept per server; past it, the oldest of the sandbox that holds the most goes
 MAX_SANDBOX_WATCHERS = 64  # watchers one sandbox may hold: one more is refused, so no sandbox pushes out another's
 MAX_UPLOADS = 4096  # files written through /files remembered for the watchers (``Uploads``)
@@ -260,7 +260,7 @@ def _remove(sb: Calls, path: str) -> None:
 def http_error(exc: BaseException) -> JSONResponse:
     """envd's HTTP error body ``{code, message}``; the SDK maps 404 to FileNotFoundException, and so on."""
     err = connect_error(exc)
-    # a full disk (ENOSPC) or disk limit (EDQUOT): an OSError, or (from an agent of a snapshot made before) a
+    # a full disk (ENOSPC) or disk limit (EDQUOT): an OSError, or (from a keeper of a snapshot made before) a
     # SandboxError whose message carries the errno
     full = isinstance(exc, OSError) and exc.errno in _FULL or any(f"[Errno {n}]" in err.message for n in _FULL)
     status = 507 if full else _HTTP.get(err.code, 500)
@@ -299,11 +299,11 @@ def files_routes(service: Service, uploads: Uploads) -> Router:
                       user_named(request.headers, request.query_params))
 
     async def health(request: Request) -> Response:
-        """204 while the sandbox's agent runs, else the 502 ``was not found`` of E2B's proxy. Asked of runc and
-        the agent, not the record: the SDK probes here when a stream breaks, and a kill under way still reads
+        """204 while the sandbox's keeper runs, else the 502 ``was not found`` of E2B's proxy. Asked of runc and
+        the keeper, not the record: the SDK probes here when a stream breaks, and a kill under way still reads
         'running' in the record (and, for an instant, in runc: an exiting init is no zombie until the rest of
-        its namespace is gone) after the agent's connections closed; this answer lets it say the sandbox was
-        killed. An agent that is slow to answer is still running (a gone one is SandboxLost)."""
+        its namespace is gone) after the keeper's connections closed; this answer lets it say the sandbox was
+        killed. A keeper that is slow to answer is still running (a gone one is SandboxLost)."""
         sid = request.headers.get("e2b-sandbox-id", "")
 
         def state() -> str | None:
@@ -313,7 +313,7 @@ def files_routes(service: Service, uploads: Uploads) -> Router:
                 if now == "running":
                     try:
                         sb.ping(timeout=HEALTH_PING_TIMEOUT)
-                    except errors.SandboxStateError:  # its agent gone (SandboxLost), or closed meanwhile
+                    except errors.SandboxStateError:  # its keeper gone (SandboxLost), or closed meanwhile
                         return "lost"
                     except errors.AgentEnvError:
                         pass  # busy, not gone: the SDK is told it runs
@@ -343,8 +343,8 @@ def files_routes(service: Service, uploads: Uploads) -> Router:
             for path, data in await _uploads(request):
                 await call(functools.partial(sb.write_file, path, data, metadata=metadata))
                 info = await call(sb.stat, path)
-                if (info.metadata or {}) != metadata:  # an agent from before metadata, say: never dropped silently
-                    raise ValueError(f"the metadata of {info.path} was not stored (the sandbox's agent or file "
+                if (info.metadata or {}) != metadata:  # a keeper from before metadata, say: never dropped silently
+                    raise ValueError(f"the metadata of {info.path} was not stored (the sandbox's keeper or file "
                                      "system does not keep it)")
                 uploads.add(sb.id, info)
                 written.append({"name": info.name, "type": "file", "path": info.path,

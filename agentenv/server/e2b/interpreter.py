@@ -3,7 +3,7 @@ live inside the sandbox. ``/execute`` runs code, so it takes the sandbox's envd 
 which the SDK sends it beside the traffic token); the contexts take either (the SDK sends them the traffic token).
 
 A context is a persistent Python process (``agentenv.inside.kernel``; of ``language`` python, bash, or
-javascript where the image has node: the kernel's request kinds) run as a job of the sandbox's agent (as
+javascript where the image has node: the kernel's request kinds) run as a job of the sandbox's keeper (as
 E2B's ``user`` where the image has that account, else root: ``bridge.acting``), with its
 stdin fed requests and its stdout read for events; it is found again by its job tag, so the server keeps no
 state of its own. Because the kernel is an ordinary process of the sandbox, a memory snapshot, a pause or a
@@ -264,7 +264,7 @@ def _interrupt(sb: Sandbox, pid: int) -> None:
 
 
 def _drain(sb: Sandbox, pid: int) -> None:
-    """Read a killed kernel's job to its end, so that the agent forgets it (a stream that followed the job
+    """Read a killed kernel's job to its end, so that the keeper forgets it (a stream that followed the job
     may have read its end first: then it is forgotten already)."""
     with contextlib.suppress(ProcessLookupError):
         for item in sb.output(pid):

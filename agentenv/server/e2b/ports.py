@@ -1,5 +1,5 @@
 """Every other port of a sandbox: an HTTP request for it is proxied to what listens there, through the sandbox's
-agent (``Sandbox.open_port``: the connection is made inside the sandbox, so one without a network serves too).
+keeper (``Sandbox.open_port``: the connection is made inside the sandbox, so one without a network serves too).
 
 The request goes on as it came (method, path, headers, streamed body) less the hop-by-hop headers and E2B's
 routing ones (the sandbox's token never reaches its programs), and the response streams back as the listener
@@ -35,7 +35,7 @@ from policy.authlimit import Address, AuthFailures, Peer, Spent
 ROUTING = (b"e2b-sandbox-id", b"e2b-sandbox-port", b"x-access-token", b"e2b-traffic-access-token")
 HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
                         b"trailer", b"transfer-encoding", b"upgrade", b"proxy-connection"})
-OPEN_TIMEOUT = 10.0   # seconds for the sandbox's agent to connect to the port
+OPEN_TIMEOUT = 10.0   # seconds for the sandbox's keeper to connect to the port
 IDLE_TIMEOUT = 300.0  # seconds the listener (or the client, sending a body) may stay silent mid-request
 CHUNK = 1 << 16
 PUBLIC_LABEL = "e2b.allow_public_traffic"  # "true": network.allowPublicTraffic, its ports open without the token
@@ -235,7 +235,7 @@ async def open_port(sb: Sandbox, port: int) -> socket.socket:
     """A connection to ``port`` in ``sb``; ``Refused`` (E2B's 502) when nothing listens or the sandbox is gone."""
     try:
         return await bridge.run(sb.open_port, port, OPEN_TIMEOUT)
-    except errors.AgentEnvError as e:  # the agent's failure (gone, starved, paused under the call), not the port's
+    except errors.AgentEnvError as e:  # the keeper's failure (gone, starved, paused under the call), not the port's
         raise Refused(502, f"The sandbox {sb.id} cannot be reached: {e}", sandboxId=sb.id, port=port) from e
     except OSError as e:
         raise Refused(502, **closed(sb.id, port)) from e

@@ -1,14 +1,14 @@
 """envd's ``process.Process`` service over a sandbox's jobs: start, connect, list, stdin, signals.
 
-A command is a job of the sandbox's agent (``Sandbox.start``): its output is buffered inside the sandbox
+A command is a job of the sandbox's keeper (``Sandbox.start``): its output is buffered inside the sandbox
 until read, so a background command whose handle never reads loses nothing and a dropped client does not
 kill it; ``Connect`` replays what is still buffered and follows. The Start call's deadline
-(``Connect-Timeout-Ms``, the SDK's ``timeout``) is the command's own: past it the agent kills the process
-group and the stream ends with ``deadline_exceeded``, as E2B documents. Jobs live in the agent, PID 1 of
+(``Connect-Timeout-Ms``, the SDK's ``timeout``) is the command's own: past it the keeper kills the process
+group and the stream ends with ``deadline_exceeded``, as E2B documents. Jobs live in the keeper, PID 1 of
 the sandbox, so pause/resume and fork carry every command along. A command runs as the account its request
 names (envd's ``Authorization: Basic``; ``bridge.acting``): that account's uid, gid, groups and environment
 from the image's /etc/passwd and /etc/group, in its home unless a cwd is given; an account the image lacks is
-E2B's ``unauthenticated`` "invalid username". A Start with ``pty`` runs the command on a terminal the agent
+E2B's ``unauthenticated`` "invalid username". A Start with ``pty`` runs the command on a terminal the keeper
 opens (``Sandbox.start_terminal``): its output comes as ``pty`` data, ``pty`` input is typed at it, ``Update``
 resizes it, and a kill ends it as any command.
 """

@@ -72,7 +72,7 @@ STEP_TIMEOUT = 3600.0  # seconds one RUN step may take
 _SHELL = 'command -v bash >/dev/null 2>&1 && exec bash -c "$1" || exec sh -c "$1"'  # bash where there is one
 _UNPACK_ENV = "AGENTENV_UNPACK"
 _UNPACK = f'exec python3 -I -S -c \'import os;exec(os.environ.pop("{_UNPACK_ENV}"))\''
-_STRAYS = "kill -9 -1 2>/dev/null; true"  # every process but the agent (PID 1) and this shell
+_STRAYS = "kill -9 -1 2>/dev/null; true"  # every process but the keeper (PID 1) and this shell
 Say = Callable[..., None]
 
 

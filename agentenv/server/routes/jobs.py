@@ -1,6 +1,6 @@
 """Jobs in a sandbox: start, list, read output (streamed, from byte offsets), discard, stdin and signals.
 
-A job's output waits in the sandbox's agent until read, so ``output`` may be called again later (after a
+A job's output waits in the sandbox's keeper until read, so ``output`` may be called again later (after a
 pause and resume, from another client) from the offsets reached. Its stream runs in a thread of its own
 (``agentenv.server.streaming``), never in one of the event loop's pool threads, however long the job lasts.
 """

@@ -1,4 +1,4 @@
-"""The agent process, as the host knows it: a sandbox's PID 1 pinned by pidfd, start time and cgroup, so that no
+"""The keeper process, as the host knows it: a sandbox's PID 1 pinned by pidfd, start time and cgroup, so that no
 call ever acts on a later process that got its pid number, and kept out of the OOM killer's reach."""
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ def in_cgroup(pid: int, cgroup: str) -> bool:
     return any(line.split(":", 2)[-1].endswith(cgroup) for line in lines)
 
 
-class AgentProcess:
-    """A sandbox's agent (its PID 1), pinned: a pidfd names that very process, never a later one that
+class KeeperProcess:
+    """A sandbox's keeper (its PID 1), pinned: a pidfd names that very process, never a later one that
     happens to get its pid number.
 
-    Pinning checks the pid against what the sandbox's record says of its agent (start time, cgroup)
+    Pinning checks the pid against what the sandbox's record says of its keeper (start time, cgroup)
     *after* opening the pidfd, so the pidfd cannot belong to another process; each ``root()`` then
     opens ``/proc/<pid>/root`` and checks that the pinned process is still alive *after* the open, so
     the root cannot be another process's either. ProcessLookupError when the process is gone or is not
-    the sandbox's agent.
+    the sandbox's keeper.
     """
 
     def __init__(self, pid: int, start: int | None, cgroup: str) -> None:
@@ -46,7 +46,7 @@ class AgentProcess:
         self._fd = os.pidfd_open(pid)
         try:
             if (start is not None and proc_start_time(pid) != start) or not in_cgroup(pid, cgroup) or not self.alive():
-                raise ProcessLookupError(3, f"pid {pid} is not the sandbox's agent any more")
+                raise ProcessLookupError(3, f"pid {pid} is not the sandbox's keeper any more")
         except BaseException:
             os.close(self._fd)
             self._fd = -1  # closed: __del__ must not close the number again (by then another file's, in a thread)
@@ -60,11 +60,11 @@ class AgentProcess:
         return True
 
     def root(self) -> Root:
-        """An O_PATH descriptor of the agent's root folder (the caller closes it)."""
+        """An O_PATH descriptor of the keeper's root folder (the caller closes it)."""
         fd = os.open(f"/proc/{self.pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         if not self.alive():
             os.close(fd)
-            raise ProcessLookupError(3, f"the agent (pid {self.pid}) is gone")
+            raise ProcessLookupError(3, f"the keeper (pid {self.pid}) is gone")
         return Root(fd, self.pid)
 
     def __del__(self) -> None:  # the last user let go of it: no other thread can still use the pidfd
@@ -74,12 +74,12 @@ class AgentProcess:
             self._fd = -1
 
 
-def protect_agent(pid: int) -> bool:
-    """Take the agent out of the OOM killer's reach where the host may (CAP_SYS_RESOURCE); True if done.
+def protect_keeper(pid: int) -> bool:
+    """Take the keeper out of the OOM killer's reach where the host may (CAP_SYS_RESOURCE); True if done.
 
     Written through the legacy ``oom_adj`` (-17 is -1000 in ``oom_score_adj``), which, unlike
     ``oom_score_adj``, leaves the floor its children inherit at 0: they cannot make themselves
-    unkillable too. (The agent also starts every child at the highest score, so even without this the
+    unkillable too. (The keeper also starts every child at the highest score, so even without this the
     kernel chooses them first.)
     """
     try:

@@ -1,5 +1,5 @@
-"""File metadata in the agent: ``user.e2b.*`` xattrs set by a write, read back by stat and list, cleared by an
-overwrite (the joined agent as a plain process, ``ch``; needs a temporary folder with user xattrs)."""
+"""File metadata in the keeper: ``user.e2b.*`` xattrs set by a write, read back by stat and list, cleared by an
+overwrite (the joined keeper as a plain process, ``ch``; needs a temporary folder with user xattrs)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,21 @@
-"""The in-sandbox agent: PID 1 of every sandbox, serving exec, spawn and files over a unix socket.
+"""The keeper: PID 1 of every sandbox, serving exec, spawn and files over a unix socket. (It was called the
+agent before the name went to the LLM agent, ``rollout/agent.py``; its socket keeps its name, ``agent.sock``:
+sandboxes paused and snapshots taken before then listen there, ``agentenv.host.keeper_start``.)
 
 It runs inside the container with the image's own python3 and the standard library only, so any
 image with python3 works. The host reaches it at ``/proc/<pid>/root/dev/agentenv/agent.sock``,
-which avoids ``docker exec``'s round trip, and because the agent *is* the container's init, a CRIU
+which avoids ``docker exec``'s round trip, and because the keeper *is* the container's init, a CRIU
 snapshot carries every job, its buffered output and the listening socket along.
 
-The agent is seven files, sent into the sandbox as one (``agentenv.host.agent_start`` joins them in this order):
+The keeper is seven files, sent into the sandbox as one (``agentenv.host.keeper_start`` joins them in this order):
 ``frames`` (the wire, shared with the host), ``users`` (the image's accounts), ``pty`` (terminals), ``jobs``
 (commands and their output), ``files`` (the file calls),
-``tunnel`` (ports reached from the host) and this one, which answers requests and runs the agent as a sandbox's init.
+``tunnel`` (ports reached from the host) and this one, which answers requests and runs the keeper as a sandbox's init.
 
 Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
-server, or connect to the agent itself (so ``reroot``, which re-executes the agent with the argv it is
+server, or connect to the keeper itself (so ``reroot``, which re-executes the keeper with the argv it is
 given, is refused unless the peer is outside the sandbox's pid namespace: the host). Every frame is capped,
-files are streamed rather than held in memory, and the agent survives what its sandbox can throw at it:
+files are streamed rather than held in memory, and the keeper survives what its sandbox can throw at it:
 SIGTERM/SIGINT from inside, running out of pids (it answers an error instead of dying), ptrace (it is not
 dumpable), memory pressure (its children get the highest OOM score, so the kernel picks them first).
 """
@@ -53,12 +55,12 @@ else:
 SOCKET_DIR = "/dev/agentenv"  # on the sandbox's private /dev tmpfs: saved with the processes
 SOCKET_PATH = SOCKET_DIR + "/agent.sock"
 LOG_DIR = SOCKET_DIR + "/proc"
-OWN_DIRS = (SOCKET_DIR, "/.agentenv")  # the agent's own files: the file API refuses to write there
+OWN_DIRS = (SOCKET_DIR, "/.agentenv")  # the keeper's own files: the file API refuses to write there
 _PR_SET_DUMPABLE = 4
 _PR_SET_MEMORY_MERGE = 67
 
 
-class Agent(Jobs):
+class Keeper(Jobs):
     """The sandbox's init: its jobs (``Jobs``), and the handlers of the requests its connections bring."""
 
     def __init__(self, log_dir: str = LOG_DIR, own_dirs: tuple[str, ...] = OWN_DIRS) -> None:
@@ -202,13 +204,13 @@ class Agent(Jobs):
             elif op == "read":
                 with as_account(h):
                     send_file(conn, h["path"])
-            elif op == "reroot":  # a fork gave this (pooled) sandbox another root: run from it, as a new agent
-                if peer_pid(conn) != 0:  # sent from inside: the sandbox's own program would become its agent
+            elif op == "reroot":  # a fork gave this (pooled) sandbox another root: run from it, as a new keeper
+                if peer_pid(conn) != 0:  # sent from inside: the sandbox's own program would become its keeper
                     raise PermissionError(errno.EPERM, "reroot is the host's request alone: refused")
                 argv, env = [str(a) for a in h["argv"]], {**os.environ, **{str(k): str(v) for k, v in h["env"].items()}}
                 os.makedirs(str(h["cwd"]), exist_ok=True)  # as runc makes a missing working folder
                 os.chdir(str(h["cwd"]))
-                os.unlink(self.socket_path)  # a connect from now on reaches the new agent, or waits for it
+                os.unlink(self.socket_path)  # a connect from now on reaches the new keeper, or waits for it
                 send_frame(conn, {"ok": True})
                 os.execve(sys.executable, argv, env)  # what ran from the old root (interpreter, modules) is gone
             elif op == "tunnel":  # the host's connection to a port of the sandbox: raw bytes after the answer
@@ -237,7 +239,7 @@ class Agent(Jobs):
         except OSError as e:
             send_frame(conn, {"error": type(e).__name__, "errno": e.errno, "message": str(e)})
         except MemoryError:
-            send_frame(conn, {"error": "SandboxError", "message": "the agent ran out of memory serving the request",
+            send_frame(conn, {"error": "SandboxError", "message": "the keeper ran out of memory serving the request",
                               "fix": "free memory in the sandbox (kill processes, delete /dev/shm files)"})
 
     def quiesce(self, keep: _socket.socket) -> None:
@@ -261,7 +263,7 @@ class Agent(Jobs):
 
 
 class _AsRoot:
-    """What a request that names no account (or root) runs as: the agent's own ids, unchanged."""
+    """What a request that names no account (or root) runs as: the keeper's own ids, unchanged."""
 
     def __enter__(self) -> None:
         return None
@@ -279,7 +281,7 @@ def as_account(h: dict[str, Any]) -> AsAccount | _AsRoot:
 
 
 def peer_pid(conn: _socket.socket) -> int:
-    """The pid of the process that connected ``conn``, as the agent's pid namespace numbers it: 0 for one outside
+    """The pid of the process that connected ``conn``, as the keeper's pid namespace numbers it: 0 for one outside
     that namespace (the host), which no process of the sandbox can be (it may not make pid namespaces)."""
     return int(struct.unpack("3i", conn.getsockopt(_socket.SOL_SOCKET, _socket.SO_PEERCRED, 12))[0])
 
@@ -290,9 +292,9 @@ _merging: list[bool] = []  # [True] in a sandbox made with share_memory (kept th
 
 
 def not_dumpable() -> None:
-    """PR_SET_DUMPABLE 0: no process of the sandbox can ptrace the agent, read its memory or its /proc files.
+    """PR_SET_DUMPABLE 0: no process of the sandbox can ptrace the keeper, read its memory or its /proc files.
 
-    Best effort: an image's python3 without ctypes still runs the agent.
+    Best effort: an image's python3 without ctypes still runs the keeper.
     """
     with suppress(Exception):
         if not _prctl:
@@ -304,7 +306,7 @@ def not_dumpable() -> None:
 
 def merge_memory() -> None:
     """PR_SET_MEMORY_MERGE 1 where the host asked for it (a sandbox made with ``share_memory``): KSM may merge any
-    page of the agent and of every process it starts with identical pages of other flagged processes. The host
+    page of the keeper and of every process it starts with identical pages of other flagged processes. The host
     checks the flag took (``agentenv.host.ksm``), so a failure here is not silent. Again on every ping:
     CRIU restores each mapping's mergeable bit but not the process's flag, which new mappings need."""
     if os.environ.pop("AGENTENV_SHARE_MEMORY", None) == "1":
@@ -320,9 +322,9 @@ def merge_memory() -> None:
 
 
 def main(path: str = SOCKET_PATH) -> None:
-    """Serve forever on ``path`` (another path is for running the agent outside a sandbox, in tests)."""
+    """Serve forever on ``path`` (another path is for running the keeper outside a sandbox, in tests)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    if path == SOCKET_PATH:  # root's alone: a command run as another account must not reach the agent (root)
+    if path == SOCKET_PATH:  # root's alone: a command run as another account must not reach the keeper (root)
         os.chmod(SOCKET_DIR, 0o700)
     if path == SOCKET_PATH and not os.path.isdir("/dev/shm"):  # POSIX shared memory lives on /dev's tmpfs
         os.makedirs("/dev/shm")
@@ -335,7 +337,7 @@ def main(path: str = SOCKET_PATH) -> None:
         except OSError:
             os.open("/dev/null", os.O_RDWR)  # the lowest free number: this one
     here = os.path.dirname(path)
-    agent = Agent(log_dir=os.path.join(here, "proc"), own_dirs=OWN_DIRS if path == SOCKET_PATH else (here,))
+    keeper = Keeper(log_dir=os.path.join(here, "proc"), own_dirs=OWN_DIRS if path == SOCKET_PATH else (here,))
     not_dumpable()
     merge_memory()
     # PID 1 of its namespace gets only the signals it handles from inside: handle these, and do nothing.
@@ -345,9 +347,9 @@ def main(path: str = SOCKET_PATH) -> None:
         _signal.signal(sig, _ignore)
     server = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     server.bind(path)
-    agent.socket_path = path
+    keeper.socket_path = path
     server.listen(128)
-    _thread.start_new_thread(agent.reap_forever, ())
+    _thread.start_new_thread(keeper.reap_forever, ())
     while True:  # nothing a request does may end this loop: the sandbox lives as long as it runs
         try:
             conn = _socket.socket(fileno=server._accept()[0])  # type: ignore[attr-defined]
@@ -355,13 +357,13 @@ def main(path: str = SOCKET_PATH) -> None:
             time.sleep(0.01)
             continue
         try:
-            with agent.lock:
-                agent.conns.add(conn)  # before the thread starts: quiesce must never miss a connection
+            with keeper.lock:
+                keeper.conns.add(conn)  # before the thread starts: quiesce must never miss a connection
             try:
-                _thread.start_new_thread(agent.serve, (conn,))
+                _thread.start_new_thread(keeper.serve, (conn,))
             except RuntimeError:  # can't start new thread: out of pids or memory
                 conn.settimeout(2.0)
-                agent.serve(conn, starved=True)
+                keeper.serve(conn, starved=True)
         except Exception:  # noqa: BLE001 - e.g. MemoryError: drop this connection, keep serving
             with suppress(Exception):
                 conn.close()
@@ -369,7 +371,7 @@ def main(path: str = SOCKET_PATH) -> None:
 
 
 def _ignore(signum: int, frame: Any) -> None:
-    """The agent's answer to SIGTERM, SIGINT and SIGHUP from inside the sandbox: none."""
+    """The keeper's answer to SIGTERM, SIGINT and SIGHUP from inside the sandbox: none."""
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The agent's lean start: what it uses instead of json, threading, contextlib and subprocess (whose imports
-would cost every sandbox start) behaves as they do. The agent runs as a plain process (no container)."""
+"""The keeper's lean start: what it uses instead of json, threading, contextlib and subprocess (whose imports
+would cost every sandbox start) behaves as they do. The keeper runs as a plain process (no container)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentenv.host.agent_start import agent_file
+from agentenv.host.keeper_start import keeper_file
 from agentenv.inside import frames
 from agentenv.sandbox.channel import Channel, Gate
 
@@ -23,11 +23,11 @@ HEAVY = ("json", "re", "subprocess", "threading", "socket", "signal", "selectors
          "collections", "typing", "functools")
 
 
-def test_the_agent_imports_none_of_the_heavy_modules(tmp_path):
+def test_the_keeper_imports_none_of_the_heavy_modules(tmp_path):
     """The property the start time rests on, checked where it can fail: a fresh interpreter runs the joined
-    agent as the sandbox gets it."""
-    probe = (f"import sys; exec(compile(open({str(agent_file(tmp_path))!r}).read(), 'agent', 'exec'), "
-             f"{{'__name__': 'agent'}}); "
+    keeper as the sandbox gets it."""
+    probe = (f"import sys; exec(compile(open({str(keeper_file(tmp_path))!r}).read(), 'keeper', 'exec'), "
+             f"{{'__name__': 'keeper'}}); "
              f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-I", "-S", "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
@@ -112,11 +112,11 @@ def test_suppress_stops_the_exceptions_given_only():
 
 @contextmanager
 def serving(tmp_path: Path, prelude: str = "", shell: str = "") -> Iterator[Channel]:
-    path = str(tmp_path / "agent" / "agent.sock")
-    code = "\n".join(["import runpy, sys", prelude, f"sys.argv = ['agent', {path!r}]",
-                      f"runpy.run_path({str(agent_file(tmp_path))!r}, run_name='__main__')"])
+    path = str(tmp_path / "keeper" / "agent.sock")
+    code = "\n".join(["import runpy, sys", prelude, f"sys.argv = ['keeper', {path!r}]",
+                      f"runpy.run_path({str(keeper_file(tmp_path))!r}, run_name='__main__')"])
     argv = [sys.executable, "-c", code]
-    if shell:  # the agent started with the shell's redirections (its own stdio closed, say)
+    if shell:  # the keeper started with the shell's redirections (its own stdio closed, say)
         argv = ["/bin/sh", "-c", 'exec "$@" ' + shell, "sh", *argv]
     proc = subprocess.Popen(argv)
     try:
@@ -171,7 +171,7 @@ def test_cwd_is_taken_as_given_and_checked(channel, tmp_path):
         run(channel, "pwd", cwd=3)
 
 
-def test_an_agent_started_without_stdio_keeps_each_stream_apart(tmp_path):
+def test_a_keeper_started_without_stdio_keeps_each_stream_apart(tmp_path):
     """Its commands' pipes must not take numbers 0-2, which the child's own stdio are set up by."""
     with serving(tmp_path, shell="<&- >&- 2>&-") as channel:
         assert run(channel, "echo out; echo err >&2; readlink /proc/self/fd/0") == (0, "out\n/dev/null\n", "err\n")

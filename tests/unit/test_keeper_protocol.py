@@ -1,4 +1,4 @@
-"""The agent and its host channel, run as a plain process on a temporary socket (no container)."""
+"""The keeper and its host channel, run as a plain process on a temporary socket (no container)."""
 
 from __future__ import annotations
 
@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 
-from agentenv.host.agent_start import agent_file
+from agentenv.host.keeper_start import keeper_file
 from agentenv.inside import frames
 from agentenv.sandbox.channel import Channel, Gate, raise_for
 
 
 @pytest.fixture
 def channel(tmp_path: Path):
-    path = str(tmp_path / "agent" / "agent.sock")  # the folder is the agent's own: the file API refuses it
-    proc = subprocess.Popen([sys.executable, str(agent_file(tmp_path)), path])
+    path = str(tmp_path / "keeper" / "agent.sock")  # the folder is the keeper's own: the file API refuses it
+    proc = subprocess.Popen([sys.executable, str(keeper_file(tmp_path)), path])
     ch = Channel(lambda: "/", Gate(), path)
     ch.connect(wait=10).close()
     yield ch
@@ -50,7 +50,7 @@ def test_exec_timeout_kills_the_group(channel):
     assert subprocess.run(["pgrep", "-f", f"^sleep 1?{mark}$"], capture_output=True).returncode == 1
 
 
-def test_exec_resumes_after_the_agent_closes_connections(channel):
+def test_exec_resumes_after_the_keeper_closes_connections(channel):
     """A snapshot closes every connection; the call reconnects and loses no output."""
     result: dict = {}
     t = threading.Thread(target=lambda: result.update(channel.exec(
@@ -62,7 +62,7 @@ def test_exec_resumes_after_the_agent_closes_connections(channel):
     frames.send_frame(s, {"op": "quiesce"})
     assert frames.recv_frame(s)[0] == {"ok": True}
     with pytest.raises(ConnectionError):
-        frames.recv_frame(s)  # the agent closed the control connection too
+        frames.recv_frame(s)  # the keeper closed the control connection too
     s.close()
     time.sleep(0.1)
     channel.gate.open()
@@ -125,14 +125,14 @@ def test_raise_for_maps_errors():
         raise_for({"error": "PermissionError", "errno": 13, "message": "no"})
 
 
-def test_a_silent_agent_is_an_error_not_a_hang(tmp_path, monkeypatch):
+def test_a_silent_keeper_is_an_error_not_a_hang(tmp_path, monkeypatch):
     from agentenv.errors import ConnectionLost
     from agentenv.sandbox import channel as channel_mod
 
     path = str(tmp_path / "mute.sock")
     mute = socket.socket(socket.AF_UNIX)
     mute.bind(path)
-    mute.listen(4)  # accepts, never answers (a frozen agent)
+    mute.listen(4)  # accepts, never answers (a frozen keeper)
     monkeypatch.setattr(channel_mod, "CALL_TIMEOUT", 0.3)
     ch = Channel(lambda: "/", Gate(), path)
     with pytest.raises(ConnectionLost, match="did not answer"):
@@ -143,8 +143,8 @@ def test_a_silent_agent_is_an_error_not_a_hang(tmp_path, monkeypatch):
 
 
 def test_a_tunnel_is_the_hosts_request_alone(channel):
-    """A process in the agent's own pid namespace (here: this test, as a command of the sandbox would be) is refused
-    a tunnel to a port; the agent answers, and keeps serving."""
+    """A process in the keeper's own pid namespace (here: this test, as a command of the sandbox would be) is refused
+    a tunnel to a port; the keeper answers, and keeps serving."""
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()

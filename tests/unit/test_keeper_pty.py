@@ -1,4 +1,4 @@
-"""Jobs on a terminal (``pty``, E2B's PTYs): the agent run as a plain process on a temporary socket (no
+"""Jobs on a terminal (``pty``, E2B's PTYs): the keeper run as a plain process on a temporary socket (no
 container), driven through the host end (``agentenv.sandbox.jobs``)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Jobs (start, attach, stdin, discard, signals) and the file system ops of the agent, run as a plain process
+"""Jobs (start, attach, stdin, discard, signals) and the file system ops of the keeper, run as a plain process
 on a temporary socket (no container), driven through the host end (``agentenv.sandbox.jobs``)."""
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def test_input_errors(ch):
     assert read_all(ch, pid)[2].exit_code == 137
 
 
-def test_input_to_a_job_that_does_not_read_does_not_hang_the_agent(ch):
+def test_input_to_a_job_that_does_not_read_does_not_hang_the_keeper(ch):
     pid = start(ch, "sleep 30", stdin=True)
     answered: list[bool] = []
     replied = threading.Event()
@@ -200,7 +200,7 @@ def test_start_is_idempotent_by_key(ch):
     read_all(ch, first["pid"])
 
 
-def test_output_resumes_after_the_agent_closes_connections(ch):
+def test_output_resumes_after_the_keeper_closes_connections(ch):
     """A memory snapshot closes every connection: output reconnects through the gate and loses nothing."""
     pid = start(ch, "for i in $(seq 30); do echo $i; sleep 0.02; done")
     result: list = []
@@ -282,8 +282,8 @@ def test_make_dir_move_remove(ch, tmp_path):
         jobs.remove(ch, str(tmp_path / "tree"))
 
 
-def test_writing_ops_refuse_the_agents_own_folder(ch, tmp_path):
-    own = tmp_path / "agent"
+def test_writing_ops_refuse_the_keepers_own_folder(ch, tmp_path):
+    own = tmp_path / "keeper"
     for call in (lambda: jobs.make_dir(ch, str(own / "x")),
                  lambda: jobs.remove(ch, str(own / "agent.sock")),
                  lambda: jobs.remove(ch, str(tmp_path)),  # holds it
