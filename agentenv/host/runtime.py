@@ -27,8 +27,6 @@ from agentenv.api import Limits
 from agentenv.config import paths, write_private
 from agentenv.errors import CheckpointError, SandboxError
 from agentenv.host import cgroups, ksm, network, userns
-from agentenv.host.keeper_process import KeeperProcess
-from agentenv.host.keeper_start import KEEPER_DEST, keeper_command, keeper_env, keeper_file
 from agentenv.host.cgroups import vfork_waiters
 from agentenv.host.hostcalls import (
     bind_netns,
@@ -39,6 +37,8 @@ from agentenv.host.hostcalls import (
     swap_root,
     umount,
 )
+from agentenv.host.keeper_process import KeeperProcess
+from agentenv.host.keeper_start import KEEPER_DEST, keeper_command, keeper_env, keeper_file
 from agentenv.host.seccomp import seccomp_profile
 from agentenv.host.trees import copy_tree
 from agentenv.phases import phase

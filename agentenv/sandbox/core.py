@@ -52,8 +52,8 @@ from agentenv.errors import (
 )
 from agentenv.host import admission, image_store, images, ksm, userns, volume
 from agentenv.host import network as hostnet
-from agentenv.host.keeper_process import KeeperProcess, protect_keeper
 from agentenv.host.hostcalls import proc_start_time
+from agentenv.host.keeper_process import KeeperProcess, protect_keeper
 from agentenv.host.runtime import ContainerSpec
 from agentenv.host.trees import remove_tree
 from agentenv.inside import frames

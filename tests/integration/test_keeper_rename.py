@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 import agentenv
+from agentenv.cli.tour import ASK, COUNTER
 from agentenv.host import runtime
-from agentenv.host.criu import DIRECT_RESTORE_ENV
 from agentenv.host.keeper_start import CODE_ENV, KEEPER_DEST, OLD_DEST
-from agentenv.sandbox.store import Snapshot
-from agentenv.tour import ASK, COUNTER
+from agentenv.snapshot.restore import DIRECT_RESTORE_ENV
+from agentenv.snapshot.store import Snapshot
 
 pytestmark = pytest.mark.integration
 
