@@ -49,16 +49,16 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
     if memory and (daemon := sb.record.lazy_pages):  # restored lazily: its memory must be all in before a dump
         lazy_pages.await_memory(daemon, sb.id)
         sb.amend(lazy_pages=None)
-        sb._save()
+        sb.save_record()
     with store.writing(snap_id) as folder:
-        uids = sb._spec().uids
+        uids = sb.container_spec().uids
         if uids is not None:  # the snapshot holds its family's uid range: its files are those uids
             userns.hold(uids, folder)
         failed: CheckpointError | None = None
         for attempt in range(DUMP_ATTEMPTS):
             with frozen(sb, quiesce=memory):
                 with phase("fs"):
-                    store.save_files(sb._container.layer, sb._container.upper, store.files_of(folder))
+                    store.save_files(sb.lifecycle.container.layer, sb.lifecycle.container.upper, store.files_of(folder))
                 crash_point(f"{op}:frozen")
                 if not memory:
                     break
@@ -66,8 +66,8 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
                     crash_point(f"{op}:dumping")
                     with phase("criu dump"):
                         # a lazy dump's log and work files outside the snapshot: it is exported while CRIU runs
-                        work = folder / "criu" if page_server is None else sb._container.bundle / "criu-migrate"
-                        server = sb._container.checkpoint(folder / "criu", work,
+                        work = folder / "criu" if page_server is None else sb.lifecycle.container.bundle / "criu-migrate"
+                        server = sb.lifecycle.container.checkpoint(folder / "criu", work,
                                                           leave_running=leave_running,
                                                           criu=os.environ.get("AGENTENV_CRIU"),
                                                           page_server=page_server)
@@ -96,7 +96,7 @@ def _terminals_named(sb: Parts, e: CheckpointError) -> CheckpointError:
     if "tty" not in str(e):
         return e
     try:
-        reply, _ = sb._channel.call({"op": "jobs"})
+        reply, _ = sb.lifecycle.channel.call({"op": "jobs"})
         open_ttys = [j for j in reply.get("jobs", []) if isinstance(j, dict) and j.get("pty") is True]
     except (OSError, ConnectionLost):
         return e
@@ -125,7 +125,7 @@ def meta(sb: Parts, snap_id: str, folder: Path, memory: bool, labels: dict[str, 
 @contextlib.contextmanager
 def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
     """Hold every process of ``sb`` still (cgroup freezer); with ``quiesce``, first close the host's connections."""
-    gate = sb._channel.gate
+    gate = sb.lifecycle.channel.gate
     if quiesce:
         gate.shut()
     try:
@@ -134,11 +134,11 @@ def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
                 _quiesce(sb)
         try:
             with phase("freeze"):
-                sb._container.freeze(True)
+                sb.lifecycle.container.freeze(True)
             yield
         finally:
-            if sb._container.freezer() is not None:
-                sb._container.freeze(False)
+            if sb.lifecycle.container.freezer() is not None:
+                sb.lifecycle.container.freeze(False)
     finally:
         if quiesce:
             gate.open()
@@ -147,7 +147,7 @@ def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
 def _quiesce(sb: Parts) -> None:
     """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
     try:
-        sb._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
+        sb.lifecycle.channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
     except TimeoutError:
         raise ConnectionLost(f"the sandbox agent did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s "
                              f"({usage.stall_hint(sb)}); nothing was saved and the sandbox was left running",
@@ -161,14 +161,14 @@ def pause(sb: Parts, memory: bool) -> Snapshot:
     sb.require_running()
     snap_id = store.new_id("snap")
     sb.amend(pausing=snap_id, owner=store.owner())
-    sb._save()
+    sb.save_record()
     try:
         snap = take(sb, memory, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause", snap_id=snap_id)
     except BaseException:
         sb.amend(pausing=None, owner=None)
-        sb._save()
+        sb.save_record()
         raise
     crash_point("pause:published")
-    sb._paused(snap_id)
+    sb.lifecycle.paused(snap_id)
     shared.publish(snap)  # with a shared store, another server can resume it, even once this one is gone
     return snap

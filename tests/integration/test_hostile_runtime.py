@@ -50,7 +50,7 @@ def sb():
 
 
 def agent_pid(s: agentenv.Sandbox) -> int:
-    return int(json.loads((s._container.bundle / "sandbox.json").read_text())["init_pid"])
+    return int(json.loads((s.lifecycle.container.bundle / "sandbox.json").read_text())["init_pid"])
 
 
 def agent_state(pid: int) -> str:
@@ -113,7 +113,7 @@ def test_a_dead_sandbox_whose_pid_went_to_another_agent_is_lost_not_redirected()
         os.kill(agent_pid(a), signal.SIGKILL)  # OOM, pids exhaustion ...: the agent is gone
         wait_gone(a.record.init_pid)
         # the pid reuse, made deterministic: A's record now names C's agent (A's start time kept, then C's too)
-        record = a._container.bundle / "sandbox.json"
+        record = a.lifecycle.container.bundle / "sandbox.json"
         rec = json.loads(record.read_text())
         for start in (rec.get("init_start"), c.record.init_start):
             rec.update(init_pid=agent_pid(c), init_start=start)
@@ -295,7 +295,7 @@ def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_
         with pytest.raises(ConnectionLost, match="did not get ready") as e:
             sb.snapshot(memory=True)
         assert re.search(r"agent threads: \d+ T ", str(e.value)), e.value  # the error says it is stopped
-        assert not sb._container.frozen()
+        assert not sb.lifecycle.container.frozen()
         with pytest.raises(ConnectionLost, match="did not answer"):
             sb.exec("true", timeout=1)
         with pytest.raises(ConnectionLost):
