@@ -207,7 +207,8 @@ class Sandbox(Calls, Record):
         return snap
 
     def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[Sandbox]:
-        """``n`` independent sandboxes that continue from this instant; this one keeps running.
+        """``n`` independent sandboxes that continue from this instant; this one keeps running (a paused one, forked
+        with its memory, stays paused: its children continue from where it was paused).
 
         With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
         and all an episode needs when its state lives in files. How: ``agentenv.sandbox.forking``.

@@ -15,7 +15,8 @@ cheapest path its children allow:
   untrusted has run in a pooled sandbox, so nothing it could have left there carries over; one that runs
   anything besides its agent (it is listed like any sandbox: someone may have used it) is booted afresh instead.
 - Otherwise (processes too, or a volume without subvolumes): one snapshot in the store, restored ``count``
-  times in parallel, then deleted off the caller's path.
+  times in parallel, then deleted off the caller's path. A paused sandbox forks (memory and all) from its pause
+  snapshot the same way, which it keeps; the server's fork route comes here too.
 
 Either way nothing half-made outlives a ``kill -9``: the children's records are written first (state
 'creating', owned by this process), so ``recover`` removes children whose maker died, thaws a parent left
@@ -111,19 +112,19 @@ def _boot_child(kid: S) -> None:
     if not kid.record.retired_layers:
         kid.lifecycle.start(None, "fork")
         return
-    spec = kid.container_spec()
+    spec, container = kid.container_spec(), kid.lifecycle.container
     try:
         with phase("swap root"):
             try:
                 # its agent pinned as for every call: the pid in a record may name another sandbox's process by now
-                init = AgentProcess(kid.record.init_pid or 0, kid.record.init_start, kid.lifecycle.container.cgroup)
-                if kid.lifecycle.container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
+                init = AgentProcess(kid.record.init_pid or 0, kid.record.init_start, container.cgroup)
+                if container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
                     raise SandboxError("the pooled sandbox runs processes besides its agent")
-                kid.lifecycle.container.take_root(spec, init)
+                container.take_root(spec, init)
             except (OSError, SandboxError) as e:  # e.g. a mount point the parent made a symlink: boot it instead
                 log.warning("fork: could not give the pooled sandbox %s its files (%s); starting it afresh", kid.id, e)
-                kid.lifecycle.container.destroy()
-                volume.reset_work(kid.lifecycle.container.layer)  # the overlay mounted for the swap used it
+                container.destroy()
+                volume.reset_work(container.layer)  # the overlay mounted for the swap used it
                 _retire(kid)
                 kid.lifecycle.start(None, "fork")
                 return
@@ -135,7 +136,7 @@ def _boot_child(kid: S) -> None:
             # dump a process that maps files of a root that is no longer mounted)
             name, _, code = agent_env().partition("=")
             kid.lifecycle.channel.last_word({"op": "reroot", "cwd": spec.workdir or "/", "argv": agent_command(),
-                                    "env": {name: code}}, START_TIMEOUT)
+                                             "env": {name: code}}, START_TIMEOUT)
             with phase("agent answers"):
                 kid.lifecycle.wait_started(START_TIMEOUT)
         finally:
@@ -157,12 +158,17 @@ def _retire(kid: S) -> None:
 
 
 def _fork_snapshot(parent: S, count: int, memory: bool) -> builtins.list[S]:
-    """Children restored from one snapshot of the parent (its processes too with ``memory``)."""
+    """Children restored in parallel from one snapshot of the parent (its processes too with ``memory``); those of
+    a paused parent, memory and all, from its pause snapshot, which it keeps."""
     with parent.locked():
-        parent.require_running()
-        with phase("snapshot"):  # a fork's snapshot: gc() removes it if this process dies
-            snap = snapshotting.take(parent, memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND},
-                                    op="fork", owner=store.owner())
+        kept = parent.paused_snapshot if memory and parent.recorded_state == "paused" else None
+        if kept:
+            snap = store.Snapshot.get(kept)
+        else:
+            parent.require_running()
+            with phase("snapshot"):  # a fork's snapshot: gc() removes it if this process dies
+                snap = snapshotting.take(parent, memory, leave_running=True,
+                                         labels={"agentenv.kind": store.FORK_KIND}, op="fork", owner=store.owner())
     try:
         made: builtins.list[S | None] = [None] * count
 
@@ -179,7 +185,8 @@ def _fork_snapshot(parent: S, count: int, memory: bool) -> builtins.list[S]:
         crash_point("fork:children")
         return [k for k in made if k is not None]
     finally:
-        snap.delete(background=True)
+        if not kept:
+            snap.delete(background=True)
 
 
 def _all(items: builtins.list[T], fn: Callable[[T], object]) -> None:

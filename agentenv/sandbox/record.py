@@ -79,7 +79,7 @@ class SandboxRecord:
     @classmethod
     def leftover(cls, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox folder whose own never got written: closed, with its layer of its name (so that
-        ``_destroy`` removes whatever there is of it)."""
+        ``lifecycle.destroy`` removes whatever there is of it)."""
         return cls(id=sandbox_id, image="", spec={}, state="closed", created_at=0.0, layer=sandbox_id)
 
     def to_json(self) -> dict[str, Any]:

@@ -115,13 +115,14 @@ def _recover_locked(sb: Parts) -> str:
     if pausing := sb.record.pausing:
         return _recover_pause(sb, pausing)
     if state == "paused":
-        if sb.lifecycle.container.state() is not None or cgroups.existing(sb.lifecycle.container.cgroup):
-            sb.lifecycle.container.destroy()  # a resume cut short left a container (or processes): the snapshot stays
-        if sb.lifecycle.has_own_layer() and os.path.lexists(sb.lifecycle.container.layer):
+        container = sb.lifecycle.container
+        if container.state() is not None or cgroups.existing(container.cgroup):
+            container.destroy()  # a resume cut short left a container (or processes): the snapshot stays
+        if sb.lifecycle.has_own_layer() and os.path.lexists(container.layer):
             sb.lifecycle.drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
         paused = sb.paused_snapshot
         return "paused" if paused and (paths().snapshots / paused / "meta.json").exists() else "lost"
-    return "running"  # _locked thawed it if a dead snapshotter left it frozen
+    return "running"  # locked() thawed it if a dead snapshotter left it frozen
 
 
 def _recover_pause(sb: Parts, snap_id: str) -> str:
@@ -181,7 +182,8 @@ def thaw_abandoned(sb: Parts, procs: builtins.list[HostProcess] | None = None) -
 
 def _orphans(sb: Parts, procs: builtins.list[HostProcess]) -> builtins.list[int]:
     """The host processes still working on this sandbox for someone else (runc, CRIU, cp)."""
-    needles = (sb.lifecycle.container.cid.encode(), str(sb.lifecycle.container.layer).encode() + b"/")
+    container = sb.lifecycle.container
+    needles = (container.cid.encode(), str(container.layer).encode() + b"/")
     return [p.pid for p in procs if any(n in p.cmdline for n in needles)]
 
 

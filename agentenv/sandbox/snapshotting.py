@@ -50,6 +50,7 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
         lazy_pages.await_memory(daemon, sb.id)
         sb.amend(lazy_pages=None)
         sb.save_record()
+    container = sb.lifecycle.container
     with store.writing(snap_id) as folder:
         uids = sb.container_spec().uids
         if uids is not None:  # the snapshot holds its family's uid range: its files are those uids
@@ -58,7 +59,7 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
         for attempt in range(DUMP_ATTEMPTS):
             with frozen(sb, quiesce=memory):
                 with phase("fs"):
-                    store.save_files(sb.lifecycle.container.layer, sb.lifecycle.container.upper, store.files_of(folder))
+                    store.save_files(container.layer, container.upper, store.files_of(folder))
                 crash_point(f"{op}:frozen")
                 if not memory:
                     break
@@ -66,11 +67,9 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
                     crash_point(f"{op}:dumping")
                     with phase("criu dump"):
                         # a lazy dump's log and work files outside the snapshot: it is exported while CRIU runs
-                        work = folder / "criu" if page_server is None else sb.lifecycle.container.bundle / "criu-migrate"
-                        server = sb.lifecycle.container.checkpoint(folder / "criu", work,
-                                                          leave_running=leave_running,
-                                                          criu=os.environ.get("AGENTENV_CRIU"),
-                                                          page_server=page_server)
+                        work = folder / "criu" if page_server is None else container.bundle / "criu-migrate"
+                        server = container.checkpoint(folder / "criu", work, leave_running=leave_running,
+                                                      criu=os.environ.get("AGENTENV_CRIU"), page_server=page_server)
                     if server is not None and served is not None:
                         served.append(server)
                     break
@@ -125,7 +124,7 @@ def meta(sb: Parts, snap_id: str, folder: Path, memory: bool, labels: dict[str, 
 @contextlib.contextmanager
 def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
     """Hold every process of ``sb`` still (cgroup freezer); with ``quiesce``, first close the host's connections."""
-    gate = sb.lifecycle.channel.gate
+    gate, container = sb.lifecycle.channel.gate, sb.lifecycle.container
     if quiesce:
         gate.shut()
     try:
@@ -134,11 +133,11 @@ def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
                 _quiesce(sb)
         try:
             with phase("freeze"):
-                sb.lifecycle.container.freeze(True)
+                container.freeze(True)
             yield
         finally:
-            if sb.lifecycle.container.freezer() is not None:
-                sb.lifecycle.container.freeze(False)
+            if container.freezer() is not None:
+                container.freeze(False)
     finally:
         if quiesce:
             gate.open()

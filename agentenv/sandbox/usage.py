@@ -51,9 +51,10 @@ def _stat(path: Path) -> dict[str, int]:
 
 def read(sb: Parts) -> Usage | None:
     """The sandbox's usage now; None when it has no cgroup (it is not running)."""
+    container = sb.lifecycle.container
     cpu = mem = None
     cache = 0
-    for d in cgroups.existing(sb.lifecycle.container.cgroup):
+    for d in cgroups.existing(container.cgroup):
         if (v := _number(d / "cpuacct.usage")) is not None:  # v1: nanoseconds
             cpu = v / 1e9
         elif "usage_usec" in (stat := _stat(d / "cpu.stat")):  # v2: microseconds
@@ -64,10 +65,9 @@ def read(sb: Parts) -> Usage | None:
             mem, cache = v, _stat(d / "memory.stat").get("file", 0)
     if cpu is None or mem is None:
         return None
-    layer = sb.lifecycle.container.layer
-    disk = volume.referenced(layer)
+    disk = volume.referenced(container.layer)
     return Usage(time.time(), cpu, max(0, mem - cache), cache,
-                 disk if disk is not None else volume.disk_usage(sb.lifecycle.container.upper))
+                 disk if disk is not None else volume.disk_usage(container.upper))
 
 
 def sample(sandboxes: Iterable[Parts], window: float = 0.2) -> dict[str, tuple[Usage, float]]:
