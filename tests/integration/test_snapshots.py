@@ -147,6 +147,22 @@ def test_pause_frees_the_sandbox_and_resume_continues(counting):
     assert ask_after_resume(counting) == 4
 
 
+def test_a_paused_sandbox_forks_from_its_pause_snapshot_and_stays_paused(counting):
+    # the one fork path (forking): the server's fork of a paused sandbox comes here too
+    snap = counting.pause()
+    kids = counting.fork(2)
+    try:
+        assert [ask(k) for k in kids] == [4, 4]  # each child continues from where the parent was paused
+        assert counting.state == "paused" and counting.paused_snapshot == snap.id
+        assert agentenv.Snapshot.get(snap.id).id == snap.id  # the pause snapshot is kept for the resume
+        with pytest.raises(SandboxStateError):
+            counting.fork(1, memory=False)  # its files alone: it must run
+    finally:
+        for k in kids:
+            k.close()
+    assert ask_after_resume(counting) == 4
+
+
 def ask_after_resume(sb: agentenv.Sandbox) -> int:
     sb.resume()
     assert sb.state == "running"
