@@ -83,7 +83,7 @@ class Sandbox(Calls, Record):
         self._container = Container(f"ae-{self.id}", p.sandboxes / self.id, p.runc_root,
                                     p.layers / layer if layer else None)
         self.lifecycle: SandboxLifecycle[Sandbox] = SandboxLifecycle(self, self._container)
-        self._channel = self.lifecycle.channel
+        self._channel = self.lifecycle.channel  # the same parts, as ``Record`` and ``Calls`` name them
 
     # --- creation ------------------------------------------------------------------------------
 
