@@ -129,7 +129,7 @@ def idle(made: list[Any], report: Report, cap: int, floor: int, minutes: float) 
     for sb in asked:
         with contextlib.suppress(Exception):  # one that does not answer is counted as such
             answered += sb.exec("echo ok").stdout == "ok\n"
-    charged = sum(cgroup_memory(Path(sb._container.cgroup.lstrip("/"))) for sb in made)
+    charged = sum(cgroup_memory(Path(sb.lifecycle.container.cgroup.lstrip("/"))) for sb in made)
     report.info["idle"] = {"count": len(made), "stopped_by": stop, "host_bytes_used": used,
                            "host_bytes_per_sandbox": used // max(1, len(made)),
                            "cgroup_bytes_per_sandbox": charged // max(1, len(made)),

@@ -52,7 +52,7 @@ def host_used() -> int:
 
 def cgroup_memory(sb: agentenv.Sandbox) -> int:
     """The memory the sandbox's cgroup is charged (v2 memory.current, v1 memory.usage_in_bytes), bytes."""
-    for d in cgroups.existing(sb._container.cgroup):
+    for d in cgroups.existing(sb.lifecycle.container.cgroup):
         for name in ("memory.current", "memory.usage_in_bytes"):
             with contextlib.suppress(OSError, ValueError):
                 return int((d / name).read_text())
@@ -63,7 +63,7 @@ def anon_rss(sbs: list[agentenv.Sandbox]) -> int:
     """The anonymous resident memory of the sandboxes' processes (a page KSM merged counts in each), bytes."""
     total = 0
     for sb in sbs:
-        for pid in sb._container.pids():
+        for pid in sb.lifecycle.container.pids():
             with contextlib.suppress(OSError, StopIteration):
                 total += 1024 * next(int(ln.split()[1]) for ln in Path(f"/proc/{pid}/status").read_text()
                                      .splitlines() if ln.startswith("RssAnon:"))

@@ -65,13 +65,13 @@ class Calls:
     _channel: Channel
 
     if TYPE_CHECKING:
-        def _spec(self) -> ContainerSpec: ...
+        def container_spec(self) -> ContainerSpec: ...
 
         def require_running(self) -> None: ...
 
     def _workdir(self) -> str:
         """Where relative paths start: the sandbox's working directory."""
-        return self._spec().workdir
+        return self.container_spec().workdir
 
     def as_user(self, name: str) -> Calls:
         """These calls as the account ``name`` of the sandbox's image (E2B's ``user=``; not part of the backend
@@ -92,7 +92,7 @@ class Calls:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         h = self._channel.exec({"cmd": command, "timeout": timeout, "cwd": cwd, "env": env or {},
-                                "max_output": max_output(self._spec().limits.memory)}, on_output)
+                                "max_output": max_output(self.container_spec().limits.memory)}, on_output)
         out, err = (h[k].decode(errors="replace") + _dropped(n) for k, n in zip(("stdout", "stderr"), h["dropped"], strict=True))
         return ExecResult(exit_code=h["exit_code"], stdout=out, stderr=err, duration=h["duration"],
                           timed_out=h["timed_out"])
@@ -141,7 +141,7 @@ class Calls:
         """Start ``command`` with /bin/sh and return at once; its output waits in the sandbox for ``output``."""
         self.require_running()
         return jobs.start(self._channel, command, cwd=cwd, env=env, timeout=timeout, stdin=stdin, tag=tag,
-                          max_output=max_output(self._spec().limits.memory))
+                          max_output=max_output(self.container_spec().limits.memory))
 
     def start_terminal(self, command: str, size: tuple[int, int], *, cwd: str | None = None,
                        env: dict[str, str] | None = None, timeout: float | None = None,
@@ -150,7 +150,7 @@ class Calls:
         part of the backend contract): its output comes as the one stream "pty", ``send_input`` types at it."""
         self.require_running()
         return jobs.start(self._channel, command, cwd=cwd, env=env, timeout=timeout, stdin=True, tag=tag,
-                          max_output=max_output(self._spec().limits.memory), pty=size)
+                          max_output=max_output(self.container_spec().limits.memory), pty=size)
 
     def resize(self, pid: int, size: tuple[int, int]) -> None:
         """Set the (rows, cols) of the terminal of a job ``start_terminal`` made (ValueError for another job)."""
@@ -218,8 +218,8 @@ class AsUser(Calls):
         reply, _ = sandbox._channel.call({"op": "account", "name": name})
         self.uid, self.home = int(reply["account"]["uid"]), str(reply["account"]["home"])
 
-    def _spec(self) -> ContainerSpec:
-        return self.sandbox._spec()
+    def container_spec(self) -> ContainerSpec:
+        return self.sandbox.container_spec()
 
     def require_running(self) -> None:
         self.sandbox.require_running()

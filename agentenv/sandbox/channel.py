@@ -112,7 +112,7 @@ class Channel:
             except ConnectionLost:
                 raise
             except ConnectionError as e:
-                failures = self._retry(failures, epoch, deadline, e)
+                failures = self.retry(failures, epoch, deadline, e)
                 continue
             raise_for(reply)
             return reply, data
@@ -203,9 +203,9 @@ class Channel:
             except ConnectionLost:
                 raise
             except ConnectionError as e:  # closed by a snapshot: reconnect once the gate opens, resume from offsets
-                failures = self._retry(failures, epoch, deadline, e)
+                failures = self.retry(failures, epoch, deadline, e)
 
-    def _retry(self, failures: int, epoch: int, deadline: float | None, err: Exception) -> int:
+    def retry(self, failures: int, epoch: int, deadline: float | None, err: Exception) -> int:
         """After a connection closed before the answer: go on (with backoff) or give up (ConnectionLost).
 
         A close while a snapshot in this process shut the gate is expected and costs nothing; any other

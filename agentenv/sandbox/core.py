@@ -3,15 +3,19 @@
 A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 is the agent
 (see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
 list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
-or close the same sandbox at once. This module is its lifecycle: create, restore, get and list, state,
-snapshot, fork, pause, resume and close (the record and the lock: ``agentenv.sandbox.record``). The calls into a running sandbox
-(exec, jobs, files) are ``agentenv.sandbox.calls``, which ``Sandbox`` inherits; how a snapshot is written,
-``agentenv.sandbox.snapshotting``; how a fork is made, ``agentenv.sandbox.forking``.
+or close the same sandbox at once. This module is what a user calls: create, restore, get and list, state,
+snapshot, fork, pause, resume and close. The calls into a running sandbox (exec, jobs, files) are
+``agentenv.sandbox.calls``, which ``Sandbox`` inherits, as it inherits its record and lock (``Record``:
+``agentenv.sandbox.record``).
 
-The record names the agent by pid *and* start time; each Sandbox object pins it with a pidfd and
-checks, before every connection, that the process it reaches is still that agent. A pid number that
-the kernel has since given to another sandbox's agent therefore never leads there: the handle follows
-the record (another handle may have paused and resumed the sandbox) or fails with SandboxLost.
+The lifecycle surface. The lifecycle modules (how a snapshot is written, ``snapshotting``; a fork made, ``forking``;
+a sandbox mended after ``kill -9``, ``recovery``; ``migration``, ``expiry``, ``usage``, the ``warm`` pool) work on
+a sandbox through public names only (``agentenv.sandbox.parts.Parts``): its record (``record``, ``transition``,
+``amend``, ``save_record``, ``reload``, under ``locked``) and one typed object, ``Sandbox.lifecycle``
+(``agentenv.sandbox.lifecycle``), that holds the container, the channel to the agent and the steps (start,
+a pause's end, destroy, the layer; a new sandbox of the same class). The steps are kept off ``Sandbox`` itself so
+that its methods stay what a user may call: each of those takes the lock and checks the state, then composes
+steps that do neither.
 
 What a sandbox writes goes to its layer on the volume (``agentenv.host.volume``): a subvolume limited to its
 ``disk=`` bytes. Operations that a ``kill -9`` could cut in half say so in the record first (the
@@ -26,7 +30,6 @@ import builtins
 import contextlib
 import logging
 import os
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -42,43 +45,32 @@ from agentenv.api import (
     State,
     fork_count,
 )
-from agentenv.config import PRIVATE_DIR, crash_point, parse_disk, parse_size, paths
-from agentenv.errors import (
-    CheckpointError,
-    SandboxError,
-    SandboxLost,
-    SandboxNotFound,
-    SandboxStateError,
-)
-from agentenv.host import admission, image_store, images, ksm, userns, volume
+from agentenv.config import parse_disk, parse_size, paths
+from agentenv.errors import SandboxNotFound, SandboxStateError
+from agentenv.host import images, ksm, volume
 from agentenv.host import network as hostnet
-from agentenv.host.hostcalls import proc_start_time
-from agentenv.host.keeper_process import KeeperProcess, protect_keeper
 from agentenv.host.runtime import ContainerSpec
-from agentenv.host.trees import remove_tree
-from agentenv.inside import frames
-from agentenv.phases import phase
-from agentenv.sandbox import expiry, forking, migration, record, recovery, snapshotting, warm
+from agentenv.sandbox import (
+    expiry,
+    forking,
+    lifecycle,
+    migration,
+    record,
+    recovery,
+    snapshotting,
+    warm,
+)
 from agentenv.sandbox.calls import Calls, Process, max_output
-from agentenv.sandbox.channel import Channel, Gate, Root
-from agentenv.sandbox.parts import START_TIMEOUT
+from agentenv.sandbox.lifecycle import SandboxLifecycle
 from agentenv.sandbox.record import Record, SandboxRecord
 from agentenv.sandbox.recovery import RECOVER_PING_TIMEOUT, HostProcess
-from agentenv.snapshot import lazy_pages, shared, store
+from agentenv.snapshot import shared
 from agentenv.snapshot.container import Container
 from agentenv.snapshot.store import Snapshot
 
 __all__ = ["Process", "Sandbox", "max_output"]  # Process and max_output live in agentenv.sandbox.calls
 
 log = logging.getLogger("agentenv")
-_gates: dict[str, Gate] = {}
-_gates_lock = threading.Lock()
-
-
-def _gate(sandbox_id: str) -> Gate:
-    """One gate per sandbox per process, shared by every Sandbox object of that id."""
-    with _gates_lock:
-        return _gates.setdefault(sandbox_id, Gate())
 
 
 class Sandbox(Calls, Record):
@@ -91,9 +83,8 @@ class Sandbox(Calls, Record):
         layer = record.layer  # its name; None in records made before the volume: the bundle then
         self._container = Container(f"ae-{self.id}", p.sandboxes / self.id, p.runc_root,
                                     p.layers / layer if layer else None)
-        self._channel = Channel(self._root, _gate(self.id))
-        self._agent: KeeperProcess | None = None  # the pinned keeper, once a call has needed it
-        self._starting = False  # in _start: the record on disk does not name the new agent yet
+        self.lifecycle: SandboxLifecycle[Sandbox] = SandboxLifecycle(self, self._container)
+        self._channel = self.lifecycle.channel  # the same parts, as ``Record`` and ``Calls`` name them
 
     # --- creation ------------------------------------------------------------------------------
 
@@ -125,109 +116,9 @@ class Sandbox(Calls, Record):
                              rules=rules.to_json() if rules is not None else None, uids=warm.family(),
                              share_memory=share_memory)
         if (sb := warm.take(image, spec, ttl, labels, cls)) is None:  # a started one, where a warm pool has it
-            sb = cls._new(spec, image=image, ttl=ttl, labels=labels, parent=None)
-            sb._boot(None, "create")
+            sb = lifecycle.make(cls, spec, image=image, ttl=ttl, labels=labels, parent=None)
+            lifecycle.boot(sb, None, "create")
         return sb
-
-    @classmethod
-    def _new(cls, spec: ContainerSpec, image: str, ttl: float | None, labels: dict[str, str] | None,
-             parent: str | None) -> Sandbox:
-        """The record of a sandbox being made: state 'creating', owned by this process until it runs (if
-        the process dies first, ``recover`` removes what there is of it)."""
-        with contextlib.suppress(OSError):  # the image's last use (agentenv.host.image_store): never fails a start
-            image_store.record_use(spec.image_id, [image] if image != spec.image_id else [])
-        now = time.time()
-        sid = store.new_id("sb")
-        sb = cls(SandboxRecord(id=sid, image=image, spec=spec.to_json(), state="creating", created_at=now,
-                               expires_at=now + ttl if ttl else None, labels=dict(labels or {}),
-                               parent_snapshot=parent, layer=sid, owner=store.owner()))
-        sb._container.bundle.mkdir(mode=PRIVATE_DIR)  # the gate of its range once it holds one (userns)
-        sb._save()
-        return sb
-
-    def _boot(self, snap: Snapshot | None, op: str, page_server_key: bytes | None = None) -> None:
-        """Start a new sandbox, fresh or from a snapshot; on failure nothing of it is left."""
-        try:
-            self._start(snap, op, page_server_key=page_server_key)
-        except BaseException:
-            self._destroy()
-            raise
-
-    @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.host.admission)
-    def _start(self, snap: Snapshot | None, op: str, memory: bool = True, page_server_key: bytes | None = None) -> None:
-        """Make the layer and the bundle, start the agent (or restore every process, unless ``memory`` is False)
-        and wait until it answers. On failure the container is torn down but the record stays: the caller
-        decides its fate."""
-        restoring = None
-        try:
-            if snap is not None and snap.has_memory and memory:  # begun now: a lazy restore's daemon starts as the root is made
-                restoring = lazy_pages.Restore(snap.criu_dir, self._container.bundle, os.environ.get("AGENTENV_CRIU"),
-                                               page_server=migration.page_server_of(snap, page_server_key))
-            spec = self._spec()
-            if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
-                spec.layers = images.resolve(spec.image_id).layers
-                self.amend(spec=spec.to_json())
-            if spec.uids is None:  # a new family (agentenv.host.userns); snapshots and forks keep their parent's range
-                if snap is not None:
-                    raise CheckpointError(f"the snapshot {snap.id} was taken before sandboxes ran in user namespaces "
-                                        "and cannot be restored into one",
-                                        fix="create the sandbox afresh and take a new snapshot")
-                spec.uids = userns.allocate(self._container.bundle)
-                self.amend(spec=spec.to_json())
-            else:
-                userns.hold(spec.uids, self._container.bundle)
-            fs_from = snap.fs_dir if snap else None
-            if self._has_own_layer() and not os.path.lexists(self._container.layer):
-                if snap is not None and snap.layer and volume.can_clone(snap.files, self._container.layer):
-                    with phase("fs clone"):  # the snapshot's layer, cloned whole: nothing to copy
-                        volume.clone_layer(snap.files, self._container.layer, spec.limits.disk)
-                    fs_from = None
-                else:
-                    with phase("layer"):
-                        volume.make_layer(self._container.layer, spec.limits.disk)
-            self._container.prepare(spec, fs_from=fs_from)
-            # the files just copied (reflinks) count against the disk limit (with full quota groups once a commit
-            # accounted them: one starts now, and is done before this returns, usually long before)
-            txn = volume.account_copy(self._container.layer, spec.limits.disk) if fs_from else None
-            if restoring is not None:  # lazily where it pays: the record names the daemon until it is done
-                work = self._container.bundle / "criu-restore"
-                pid, daemon = restoring.run(
-                    lambda images, lazy: self._container.restore(images, work, spec, restoring.criu, lazy=lazy,
-                                                                 address=self._rec.address))
-                self.amend(lazy_pages=daemon)
-            else:
-                with phase("runc run"):
-                    pid = self._container.start()
-            self._container.connect(spec, pid, restored=restoring is not None, address=self._rec.address)
-            self.amend(address=(self._container.link() or {}).get("address"))
-            crash_point(f"{op}:started")
-            self._agent = None
-            self.transition("running", init_pid=pid, init_start=proc_start_time(pid), owner=None)
-            protect_keeper(pid)
-            self._starting = True
-            try:
-                with phase("keeper answers"):
-                    self.wait_started(START_TIMEOUT)
-            finally:
-                self._starting = False
-            if spec.share_memory:
-                ksm.check_flag(self.id, pid)
-            volume.wait_accounted(self._container.layer, txn)
-            self._save()
-            if spec.share_memory:
-                ksm.sync()
-        except BaseException:
-            if restoring is not None:
-                restoring.cancel()
-            self._container.destroy()
-            raise
-
-    def wait_started(self, timeout: float) -> None:
-        """Wait until the agent, starting, answers a ping (at most ``timeout`` seconds)."""
-        deadline = time.monotonic() + timeout
-        with self._channel.connect(wait=timeout, through_gate=False) as s:
-            frames.send_frame(s, {"op": "ping"}, deadline=deadline)
-            frames.recv_frame(s, 0, deadline)
 
     @classmethod
     def restore(cls, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None,
@@ -238,16 +129,7 @@ class Sandbox(Calls, Record):
         snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.get(
             snapshot if isinstance(snapshot, str) else snapshot.id)
         migration.page_server_of(snap, page_server_key)  # a missing or stray key refused before anything is made
-        return cls._restore(snap, labels, "restore", page_server_key)
-
-    @classmethod
-    def _restore(cls, snap: Snapshot, labels: dict[str, str] | None, op: str,
-                 page_server_key: bytes | None = None) -> Sandbox:
-        spec = ContainerSpec.from_json(snap.spec)
-        volume.ensure().require(spec.limits.disk)
-        sb = cls._new(spec, image=snap.labels.get("image", spec.image_id), ttl=None, labels=labels, parent=snap.id)
-        sb._boot(snap, op, page_server_key)
-        return sb
+        return lifecycle.restore(cls, snap, labels, "restore", page_server_key)
 
     # --- lookup -------------------------------------------------------------------------------
 
@@ -272,7 +154,7 @@ class Sandbox(Calls, Record):
     def state(self) -> State:
         """'running', 'paused', 'closed', or 'lost' when its processes died behind our back (not while a pause is
         under way: its container goes before the record says paused, and a pause cut short is recovered)."""
-        self._reload()
+        self.reload()
         st = self.recorded_state
         if st == "running" and not self._rec.pausing:
             runc = self._container.state()
@@ -296,8 +178,8 @@ class Sandbox(Calls, Record):
         when it resumes); host names are resolved now. NetworkRuleError (nothing changed) for a rule that
         cannot be enforced."""
         rules = netpolicy.check(allow_out, deny_out, never=(str(hostnet.subnet()),))
-        with self._locked():
-            spec = self._spec()
+        with self.locked():
+            spec = self.container_spec()
             if not spec.network:
                 raise SandboxStateError(f"sandbox {self.id} was made without network: it has no rules to change",
                                         fix="create it with network=True (or rules) to give it an outside link")
@@ -305,28 +187,29 @@ class Sandbox(Calls, Record):
                 self._container.set_rules(rules)
             spec.rules = rules.to_json()
             self.amend(spec=spec.to_json())
-            self._save()
+            self.save_record()
         assert (net := self.network) is not None
         return net
 
     def set_ttl(self, ttl: float) -> None:
         """Extend (or shorten) the time to live, counted from now."""
-        with self._locked():
+        with self.locked():
             self.amend(expires_at=time.time() + ttl)
-            self._save()
+            self.save_record()
 
     # --- snapshots ----------------------------------------------------------------------------
 
     def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> Snapshot:
         """Save the filesystem (and with ``memory=True`` every process) into the snapshot store."""
-        with self._locked():
+        with self.locked():
             self.require_running()
             snap = snapshotting.take(self, memory, leave_running=True, labels=labels, op="snapshot")
         shared.publish(snap)  # with a shared store, other servers can restore it (even once this one is gone)
         return snap
 
     def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[Sandbox]:
-        """``n`` independent sandboxes that continue from this instant; this one keeps running.
+        """``n`` independent sandboxes that continue from this instant; this one keeps running (a paused one, forked
+        with its memory, stays paused: its children continue from where it was paused).
 
         With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
         and all an episode needs when its state lives in files. How: ``agentenv.sandbox.forking``.
@@ -341,35 +224,26 @@ class Sandbox(Calls, Record):
         process dies midway, ``recover`` finishes the pause (CRIU had dumped the processes) or rolls it
         back (they still run): the sandbox ends up paused or running, never lost.
         """
-        with self._locked():
+        with self.locked():
             return snapshotting.pause(self, memory)
-
-    def _paused(self, snap_id: str) -> None:
-        """The end of a pause whose snapshot is in the store: the container and its layer go."""
-        self._container.destroy()
-        self._drop_layer()
-        self.transition("paused", paused_snapshot=snap_id, pausing=None, owner=None, init_pid=None, init_start=None)
-        self._agent = None
-        self._save()
-        self._unshare()
 
     def resume(self, memory: bool = True) -> None:
         """Bring a paused sandbox back where it was; with ``memory=False`` (or from a files-only pause) boot it
         afresh from its files instead: its processes are gone, the agent starts anew."""
-        with self._locked():
+        with self.locked():
             if self._rec.state != "paused":
                 raise SandboxStateError(f"sandbox {self.id} is {self._rec.state}, not paused")
             snap = Snapshot.get(self._rec.paused_snapshot or "")
-            self._drop_layer()
+            self.lifecycle.drop_layer()
             try:
-                self._start(snap, "resume", memory)
+                self.lifecycle.start(snap, "resume", memory)
             except BaseException:
                 self.transition("paused", init_pid=None, init_start=None)
-                self._agent = None
-                self._save()
+                self.lifecycle.agent = None
+                self.save_record()
                 raise
             self.amend(paused_snapshot=None)
-            self._save()
+            self.save_record()
         snap.delete(background=True)
 
     # --- teardown -----------------------------------------------------------------------------
@@ -379,38 +253,12 @@ class Sandbox(Calls, Record):
         if not self._container.bundle.exists():
             self.transition("closed")
             return
-        with self._locked(allow_closed=True):
+        with self.locked(allow_closed=True):
             paused = self._rec.paused_snapshot
-            self._destroy()
+            self.lifecycle.destroy()
         if paused:
             with contextlib.suppress(Exception):
                 Snapshot.get(paused).delete()
-
-    def _destroy(self) -> None:
-        self._container.destroy()
-        self._agent = None
-        self.transition("closed")
-        self._drop_layer()  # before the record goes: a close cut short is closed again
-        remove_tree(self._container.bundle)  # never through a layer mount a start cut short left there
-        self._unshare()
-
-    def _unshare(self) -> None:
-        """After a sharing sandbox stopped running: KSM off if it was the host's last (``ksm.sync``)."""
-        if self._rec.spec.get("share_memory"):
-            ksm.sync()
-
-    def _has_own_layer(self) -> bool:
-        """True if the sandbox's layer is its own folder on the volume (not its bundle, as in older sandboxes)."""
-        return self._container.layer != self._container.bundle
-
-    def _drop_layer(self) -> None:
-        if self._has_own_layer():
-            volume.drop_layer(self._container.layer)
-            for name in self._rec.retired_layers or []:  # a pooled sandbox's own, before a fork took it
-                volume.drop_layer(paths().layers / name)
-        else:
-            for d in (self._container.upper, self._container.work):
-                remove_tree(d)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -450,39 +298,5 @@ class Sandbox(Calls, Record):
         cp of a dead one is still working on (``recover`` waits for those).
         """
         return recovery.thaw_abandoned(self, procs)
-
-    # --- internals ----------------------------------------------------------------------------
-
-    def _root(self) -> Root:
-        """The agent's root, for one connection, after checking that the process is the sandbox's agent.
-
-        If the agent this object knew is gone, the record is read again: another handle (or process)
-        may have paused, resumed or closed the sandbox. If the record still names the dead agent, the
-        sandbox is lost (SandboxLost); a pid number reused by another process is never followed.
-        """
-        for _attempt in range(3):
-            ref = self._agent
-            pid = self._rec.init_pid
-            if ref is None or ref.pid != pid:
-                ref = None
-                if self._rec.state == "running" and pid:
-                    with contextlib.suppress(OSError):
-                        ref = KeeperProcess(pid, self._rec.init_start, self._container.cgroup)
-                self._agent = ref
-            if ref is not None:
-                with contextlib.suppress(OSError):
-                    return ref.root()
-                self._agent = None
-            if self._starting:
-                raise SandboxError(f"the keeper of sandbox {self.id} (pid {pid}) exited as it started",
-                                   fix=f"check that the image has python3 (docker run --rm {self.image} python3 -V)")
-            seen = pid, self._rec.init_start
-            self._reload()
-            self.require_running()
-            if (self._rec.init_pid, self._rec.init_start) == seen:
-                break
-        raise SandboxLost(f"sandbox {self.id} is lost: its keeper (pid {self._rec.init_pid}) is gone",
-                          fix="close it; restore one of its snapshots to go on from there")
-
 
 warm.bind(Sandbox.create)  # the warm pool starts its sandboxes as ``Sandbox.create`` does

@@ -52,7 +52,7 @@ def expire(sb: Parts) -> str | None:
     have just extended it. Returns what was done ('pause', 'kill'), or None. SandboxStateError while a post-copy
     migration holds it frozen: the move decides where it goes (a later round reaps it if it stays here), and a
     pause would wait out the quiesce deadline on an agent CRIU holds, with the sandbox's lock (and its calls)."""
-    with sb._locked():
+    with sb.locked():
         if not due(sb.expires_at, sb.recorded_state):
             return None
         if (snap := migration.moving(sb.id)) is not None:
@@ -60,7 +60,7 @@ def expire(sb: Parts) -> str | None:
                                     fix="the move decides where it goes; it is reaped here later if it stays")
         done = action(sb.labels)
         if done == "kill":
-            sb._destroy()
+            sb.lifecycle.destroy()
         else:
             snapshotting.pause(sb, memory=sb.labels.get(PAUSE_MEMORY) != "false")
         return done

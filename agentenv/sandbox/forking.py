@@ -15,7 +15,8 @@ cheapest path its children allow:
   untrusted has run in a pooled sandbox, so nothing it could have left there carries over; one that runs
   anything besides its agent (it is listed like any sandbox: someone may have used it) is booted afresh instead.
 - Otherwise (processes too, or a volume without subvolumes): one snapshot in the store, restored ``count``
-  times in parallel, then deleted off the caller's path.
+  times in parallel, then deleted off the caller's path. A paused sandbox forks (memory and all) from its pause
+  snapshot the same way, which it keeps; the server's fork route comes here too.
 
 Either way nothing half-made outlives a ``kill -9``: the children's records are written first (state
 'creating', owned by this process), so ``recover`` removes children whose maker died, thaws a parent left
@@ -51,7 +52,7 @@ log = logging.getLogger("agentenv")
 
 def fork(parent: S, count: int, memory: bool) -> builtins.list[S]:
     """``count`` running children of ``parent`` (a count ``api.fork_count`` passed); see the module doc."""
-    if not memory and volume.can_clone(parent._container.layer, paths().layers):
+    if not memory and volume.can_clone(parent.lifecycle.container.layer, paths().layers):
         return _fork_files(parent, count)
     return _fork_snapshot(parent, count, memory)
 
@@ -60,16 +61,16 @@ def _fork_files(parent: S, count: int) -> builtins.list[S]:
     """Children with the parent's files and fresh processes, their layers cloned from the parent's."""
     kids: builtins.list[S] = []
     try:
-        with parent._locked():
+        with parent.locked():
             parent.require_running()
-            spec = parent._spec()
+            spec = parent.container_spec()
             lineage = parent.parent_snapshot  # no snapshot of its own: the children descend from the parent's
             for _ in range(count):
                 kids.append(_from_pool(parent, spec, lineage)
-                            or type(parent)._new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage))
+                            or parent.lifecycle.new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage))
             disk = spec.limits.disk
             with phase("freeze+clone"), snapshotting.frozen(parent, quiesce=False):
-                volume.clone_layer(parent._container.layer, kids[0]._container.layer, disk)
+                volume.clone_layer(parent.lifecycle.container.layer, kids[0].lifecycle.container.layer, disk)
                 crash_point("fork:frozen")
         # the others are clones of the first child's copy (the parent already runs on), each started as soon as
         # its layer is there; the first child starts last, once nothing is cloned from it any more
@@ -78,7 +79,7 @@ def _fork_files(parent: S, count: int) -> builtins.list[S]:
             futures = []
             for k in kids[1:]:
                 with phase("clone"):
-                    volume.clone_layer(kids[0]._container.layer, k._container.layer, disk)
+                    volume.clone_layer(kids[0].lifecycle.container.layer, k.lifecycle.container.layer, disk)
                 futures.append(pool.submit(_boot_child, k))
             crash_point("fork:cloned")
             futures.append(pool.submit(_boot_child, kids[0]))
@@ -87,7 +88,7 @@ def _fork_files(parent: S, count: int) -> builtins.list[S]:
         return kids
     except BaseException:
         for k in kids:
-            k._destroy()
+            k.lifecycle.destroy()
         raise
 
 
@@ -98,52 +99,52 @@ def _from_pool(parent: S, spec: ContainerSpec, lineage: str | None) -> S | None:
     sb = warm.take(parent.image, spec, ttl=None, labels=parent.labels, kind=type(parent), skip=parent.id)
     if sb is None:
         return None
-    with sb._locked():
+    with sb.locked():
         retired, layer = sb.record.layer, f"{sb.id}.{uuid.uuid4().hex[:6]}"
         assert retired is not None  # the pool's sandboxes are new: each has a layer of its own
         sb.transition("creating", owner=store.owner(), parent_snapshot=lineage, layer=layer, retired_layers=[retired])
-        sb._save()
-    sb._container.layer = paths().layers / layer
+        sb.save_record()
+    sb.lifecycle.container.layer = paths().layers / layer
     return sb
 
 
 def _boot_child(kid: S) -> None:
     """Start a child whose layer is there: boot it, or, for one from the pool, give its processes the files."""
     if not kid.record.retired_layers:
-        kid._start(None, "fork")
+        kid.lifecycle.start(None, "fork")
         return
-    spec = kid._spec()
+    spec, container = kid.container_spec(), kid.lifecycle.container
     try:
         with phase("swap root"):
             try:
                 # its agent pinned as for every call: the pid in a record may name another sandbox's process by now
-                init = KeeperProcess(kid.record.init_pid or 0, kid.record.init_start, kid._container.cgroup)
-                if kid._container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
+                init = KeeperProcess(kid.record.init_pid or 0, kid.record.init_start, container.cgroup)
+                if container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
                     raise SandboxError("the pooled sandbox runs processes besides its keeper")
-                kid._container.take_root(spec, init)
+                container.take_root(spec, init)
             except (OSError, SandboxError) as e:  # e.g. a mount point the parent made a symlink: boot it instead
                 log.warning("fork: could not give the pooled sandbox %s its files (%s); starting it afresh", kid.id, e)
-                kid._container.destroy()
-                volume.reset_work(kid._container.layer)  # the overlay mounted for the swap used it
+                container.destroy()
+                volume.reset_work(container.layer)  # the overlay mounted for the swap used it
                 _retire(kid)
-                kid._start(None, "fork")
+                kid.lifecycle.start(None, "fork")
                 return
         crash_point("fork:started")
         kid.transition("running")  # on disk still 'creating' (removed if this process dies) until saved below
-        kid._starting = True
+        kid.lifecycle.starting = True
         try:
             # the agent starts again from the new root: nothing of the old one stays in use (CRIU could not
             # dump a process that maps files of a root that is no longer mounted)
             name, _, code = keeper_env().partition("=")
-            kid._channel.last_word({"op": "reroot", "cwd": spec.workdir or "/", "argv": keeper_command(),
-                                    "env": {name: code}}, START_TIMEOUT)
+            kid.lifecycle.channel.last_word({"op": "reroot", "cwd": spec.workdir or "/", "argv": keeper_command(),
+                                             "env": {name: code}}, START_TIMEOUT)
             with phase("keeper answers"):
-                kid.wait_started(START_TIMEOUT)
+                kid.lifecycle.wait_started(START_TIMEOUT)
         finally:
-            kid._starting = False
+            kid.lifecycle.starting = False
         _retire(kid)
         kid.amend(owner=None)
-        kid._save()
+        kid.save_record()
     except BaseException:
         kid.transition("creating")
         raise
@@ -158,17 +159,22 @@ def _retire(kid: S) -> None:
 
 
 def _fork_snapshot(parent: S, count: int, memory: bool) -> builtins.list[S]:
-    """Children restored from one snapshot of the parent (its processes too with ``memory``)."""
-    with parent._locked():
-        parent.require_running()
-        with phase("snapshot"):  # a fork's snapshot: gc() removes it if this process dies
-            snap = snapshotting.take(parent, memory, leave_running=True, labels={"agentenv.kind": store.FORK_KIND},
-                                    op="fork", owner=store.owner())
+    """Children restored in parallel from one snapshot of the parent (its processes too with ``memory``); those of
+    a paused parent, memory and all, from its pause snapshot, which it keeps."""
+    with parent.locked():
+        kept = parent.paused_snapshot if memory and parent.recorded_state == "paused" else None
+        if kept:
+            snap = store.Snapshot.get(kept)
+        else:
+            parent.require_running()
+            with phase("snapshot"):  # a fork's snapshot: gc() removes it if this process dies
+                snap = snapshotting.take(parent, memory, leave_running=True,
+                                         labels={"agentenv.kind": store.FORK_KIND}, op="fork", owner=store.owner())
     try:
         made: builtins.list[S | None] = [None] * count
 
         def one(i: int) -> None:
-            made[i] = type(parent)._restore(snap, parent.labels, "fork")
+            made[i] = parent.lifecycle.restore(snap, parent.labels, "fork")
 
         try:
             _all(list(range(count)), one)
@@ -180,7 +186,8 @@ def _fork_snapshot(parent: S, count: int, memory: bool) -> builtins.list[S]:
         crash_point("fork:children")
         return [k for k in made if k is not None]
     finally:
-        snap.delete(background=True)
+        if not kept:
+            snap.delete(background=True)
 
 
 def _all(items: builtins.list[T], fn: Callable[[T], object]) -> None:

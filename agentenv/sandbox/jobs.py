@@ -172,7 +172,7 @@ def _read(ch: Channel, pid: int, pos: list[int] | None, follow: bool, reading: R
         except ConnectionError as e:  # closed by a snapshot: reconnect once the gate opens, go on from pos
             if reading.interrupted:  # or shut by interrupt: the reader is gone
                 return
-            failures = ch._retry(failures, epoch, None, e)
+            failures = ch.retry(failures, epoch, None, e)
 
 
 def _offsets(value: Any, floor: list[int] | None) -> list[int]:

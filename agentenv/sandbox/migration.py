@@ -1,10 +1,10 @@
 """Post-copy migration of a running sandbox: it runs on the receiver before its memory is there.
 
-``send`` dumps the sandbox lazily (``agentenv.host.postcopy``): its files and every image but the anonymous
+``send`` dumps the sandbox lazily (``agentenv.snapshot.postcopy``): its files and every image but the anonymous
 pages make a snapshot whose label names the page server (``PAGE_SERVER``), which serves the pages on
-127.0.0.1 to whoever proves the migration's key (``Outgoing.key``, ``agentenv.host.page_channel``); the sandbox
+127.0.0.1 to whoever proves the migration's key (``Outgoing.key``, ``agentenv.snapshot.page_channel``); the sandbox
 stays frozen on the source. A restore of that snapshot with the key (here, or on another server once exported:
-``agentenv.sandbox.transfer``; the key goes there in the receiver's own request, never with the snapshot)
+``agentenv.snapshot.transfer``; the key goes there in the receiver's own request, never with the snapshot)
 restores lazily with a ``criu lazy-pages`` daemon pulling from the page server, so its processes run as soon as
 the small images are in; ``all_in`` says when every page is. The
 source's ``Outgoing.finish`` then closes the sandbox there, or, on anything less (no receiver before the
@@ -60,14 +60,14 @@ class Outgoing:
         self.sb, self.snapshot, self.server = sb, snapshot, server
         self.key = server.channel.key  # what the receiver proves (given to the caller, never stored)
         self._lock = threading.Lock()
-        self._finished = threading.Event()
+        self.finished = threading.Event()  # set once ``finish`` has ended it
         self.moved: bool | None = None
         threading.Thread(target=self._watch, name="agentenv-migration-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        if self._finished.wait(CONNECT_TIMEOUT):
+        if self.finished.wait(CONNECT_TIMEOUT):
             return
-        if self.server.listening() or not self._finished.wait(FINISH_TIMEOUT - CONNECT_TIMEOUT):
+        if self.server.listening() or not self.finished.wait(FINISH_TIMEOUT - CONNECT_TIMEOUT):
             self.finish(False)
 
     def finish(self, delivered: bool, timeout: float = ALL_IN_TIMEOUT) -> bool:
@@ -78,7 +78,7 @@ class Outgoing:
         with self._lock:
             if self.moved is None:
                 self.moved = self._finish(delivered, timeout)
-                self._finished.set()
+                self.finished.set()
                 with contextlib.suppress(KeyError):
                     del outgoing[self.snapshot.id]
             return self.moved
@@ -90,8 +90,8 @@ class Outgoing:
         try:
             if moved:
                 self.sb.close()
-            elif self.sb._container.freezer() is not None:  # (none if the sandbox was closed meanwhile)
-                self.sb._container.freeze(False)
+            elif self.sb.lifecycle.container.freezer() is not None:  # (none if the sandbox was closed meanwhile)
+                self.sb.lifecycle.container.freeze(False)
         finally:
             with contextlib.suppress(Exception):
                 self.snapshot.delete()
@@ -111,7 +111,7 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int = 0) -> Outgoing:
         raise CheckpointError(f"the page server of a post-copy migration binds loopback only, not {address!r}",
                               fix="use 127.0.0.1 (servers on one host), or a tunnel to the other host's loopback")
     served: list[postcopy.PageServer] = []
-    with sb._locked():
+    with sb.locked():
         sb.require_running()
         refuse_calls(sb.id)
         if sb.paused_snapshot:
@@ -130,7 +130,7 @@ def send(sb: Parts, address: str = "127.0.0.1", port: int = 0) -> Outgoing:
                 server.abandon()
             channel.close()
             if served:
-                sb._container.freeze(False)
+                sb.lifecycle.container.freeze(False)
             raise
     out = outgoing[snap.id] = Outgoing(sb, snap, served[0])
     return out

@@ -61,7 +61,7 @@ class SandboxRecord:
 
     id: str  # the sandbox's id (``sb-...``), also the name of its bundle's folder
     image: str  # the image it was created from, as the caller named it (or the image's id)
-    spec: dict[str, Any]  # its ContainerSpec as ``ContainerSpec.to_json`` writes it (``Record._spec`` reads it)
+    spec: dict[str, Any]  # its ContainerSpec as ``ContainerSpec.to_json`` writes it (``container_spec`` reads it)
     state: State  # where it is in TRANSITIONS ('lost' is never recorded); changed by ``Record.transition`` only
     created_at: float  # when the record was made (``time.time()``)
     expires_at: float | None = None  # when its TTL ends (``time.time()`` scale); None: it has none
@@ -80,7 +80,7 @@ class SandboxRecord:
     @classmethod
     def leftover(cls, sandbox_id: str) -> SandboxRecord:
         """The record of a sandbox folder whose own never got written: closed, with its layer of its name (so that
-        ``_destroy`` removes whatever there is of it)."""
+        ``lifecycle.destroy`` removes whatever there is of it)."""
         return cls(id=sandbox_id, image="", spec={}, state="closed", created_at=0.0, layer=sandbox_id)
 
     def to_json(self) -> dict[str, Any]:
@@ -206,19 +206,19 @@ class Record:
     def settled_state(self) -> State:
         """The recorded state once a change under way is done (a pause, resume, snapshot or fork holds the lock
         meanwhile, and a sandbox being paused still reads 'running'): what a caller acting on the state reads."""
-        with self._locked(allow_closed=True):
+        with self.locked(allow_closed=True):
             return self._rec.state
 
     def transition(self, new: State, **fields: Any) -> None:
-        """Move the record (in memory: ``_save`` writes it) to state ``new``, checked against ``TRANSITIONS``, with
-        ``fields`` changed alongside; the lifecycle modules change a sandbox's state only through this."""
+        """Move the record (in memory: ``save_record`` writes it) to state ``new``, checked against ``TRANSITIONS``,
+        with ``fields`` changed alongside; the lifecycle modules change a sandbox's state only through this."""
         _check_fields(fields)
         check_transition(self.id, self._rec.state, new)
         self._rec = dataclasses.replace(self._rec, **fields, state=new)
 
     def amend(self, **fields: Any) -> None:
-        """Change ``fields`` of the record (in memory: ``_save`` writes it); TypeError for a field it does not have,
-        or for its id or state (``transition`` changes that)."""
+        """Change ``fields`` of the record (in memory: ``save_record`` writes it); TypeError for a field it does not
+        have, or for its id or state (``transition`` changes that)."""
         _check_fields(fields)
         self._rec = dataclasses.replace(self._rec, **fields)
 
@@ -255,21 +255,23 @@ class Record:
 
     @property
     def limits(self) -> Limits:
-        return self._spec().limits
+        return self.container_spec().limits
 
     @property
     def network(self) -> Network | None:
         """The sandbox's address and outbound rules; None when it has loopback only."""
-        spec = self._spec()
+        spec = self.container_spec()
         if not spec.network:
             return None
         rules = netpolicy.Rules.from_json(spec.rules)
         return Network(rules.allow_out, rules.deny_out, self._rec.address, rules.resolved)
 
-    def _spec(self) -> ContainerSpec:
+    def container_spec(self) -> ContainerSpec:
+        """The sandbox's ``ContainerSpec`` (limits, image layers, uid range), read afresh from the record."""
         return ContainerSpec.from_json(self._rec.spec)
 
-    def _reload(self) -> None:
+    def reload(self) -> None:
+        """Read the record again from disk (another handle or process may have changed it); closed if it is gone."""
         with contextlib.suppress(FileNotFoundError):
             self._rec = load(self._container.bundle / "sandbox.json")
             return
@@ -278,16 +280,17 @@ class Record:
     def require_running(self) -> None:
         """SandboxStateError unless the sandbox is running (e.g. paused or closed)."""
         if self._rec.state != "running":
-            self._reload()
+            self.reload()
         if self._rec.state != "running":
             raise SandboxStateError(f"sandbox {self.id} is {self._rec.state}",
                                     fix="resume() a paused sandbox; a closed one is gone")
 
-    def _save(self) -> None:
+    def save_record(self) -> None:
+        """Write the record (as ``transition`` and ``amend`` left it) to disk, whole; under ``locked``."""
         save(self._container.bundle / "sandbox.json", self._rec)
 
     @contextlib.contextmanager
-    def _locked(self, allow_closed: bool = False, wait: float | None = None) -> Iterator[None]:
+    def locked(self, allow_closed: bool = False, wait: float | None = None) -> Iterator[None]:
         """An exclusive lock across processes for state changes; raises if the sandbox is gone, and
         TimeoutError if another holder keeps it past ``wait`` seconds (None: wait as long as it takes)."""
         try:
@@ -296,7 +299,7 @@ class Record:
             raise SandboxNotFound(f"no sandbox {self.id!r} (closed?)") from None
         try:
             _flock(fd, wait)
-            self._reload()
+            self.reload()
             if self._rec.state == "closed" and not allow_closed:
                 raise SandboxStateError(f"sandbox {self.id} is closed")
             if self._rec.state == "running" and self._container.frozen():

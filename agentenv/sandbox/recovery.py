@@ -79,14 +79,14 @@ def process_running(pid: int) -> bool:
 def recover(sb: Parts, procs: builtins.list[HostProcess] | None = None,
             ping_timeout: float = RECOVER_PING_TIMEOUT) -> str:
     """``Sandbox.recover`` (what it returns and mends: its docstring)."""
-    sb._reload()
+    sb.reload()
     if sb.recorded_state == "closed":
         return "closed"
     if store.owner_alive(sb.record.owner):
         return "busy"
     _wait_for_orphans(sb, host_processes() if procs is None else procs)
     try:
-        with sb._locked(allow_closed=True, wait=LOCK_WAIT):
+        with sb.locked(allow_closed=True, wait=LOCK_WAIT):
             if sb.recorded_state == "closed":
                 return "closed"
             if store.owner_alive(sb.record.owner):
@@ -111,18 +111,19 @@ def _recover_locked(sb: Parts) -> str:
     state = sb.recorded_state
     if state == "creating":  # its maker died: a half-made sandbox (a fork's child, say)
         log.warning("removing sandbox %s: the process making it died", sb.id)
-        sb._destroy()
+        sb.lifecycle.destroy()
         return "discarded"
     if pausing := sb.record.pausing:
         return _recover_pause(sb, pausing)
     if state == "paused":
-        if sb._container.state() is not None or cgroups.existing(sb._container.cgroup):
-            sb._container.destroy()  # a resume cut short left a container (or processes): the snapshot stays
-        if sb._has_own_layer() and os.path.lexists(sb._container.layer):
-            sb._drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
+        container = sb.lifecycle.container
+        if container.state() is not None or cgroups.existing(container.cgroup):
+            container.destroy()  # a resume cut short left a container (or processes): the snapshot stays
+        if sb.lifecycle.has_own_layer() and os.path.lexists(container.layer):
+            sb.lifecycle.drop_layer()  # what a resume cut short had copied: the snapshot holds the sandbox's files
         paused = sb.paused_snapshot
         return "paused" if paused and (paths().snapshots / paused / "meta.json").exists() else "lost"
-    return "running"  # _locked thawed it if a dead snapshotter left it frozen
+    return "running"  # locked() thawed it if a dead snapshotter left it frozen
 
 
 def _recover_pause(sb: Parts, snap_id: str) -> str:
@@ -135,7 +136,7 @@ def _recover_pause(sb: Parts, snap_id: str) -> str:
             store.discard(t)
         store.remove([paths().snapshot_files / snap_id])
         sb.amend(pausing=None, owner=None)
-        sb._save()
+        sb.save_record()
         log.warning("rolled back the interrupted pause of sandbox %s: it runs on", sb.id)
         return "running"
     if not published:
@@ -147,7 +148,7 @@ def _recover_pause(sb: Parts, snap_id: str) -> str:
                 store.discard(t)
             store.remove([files])
             sb.amend(pausing=None, owner=None)
-            sb._save()
+            sb.save_record()
             return "lost"
         # CRIU dumped every process (and ended them): publish what it wrote, as the pause would have
         snap = snapshotting.meta(sb, snap_id, dumped[0], True, {"agentenv.kind": "pause"})
@@ -155,24 +156,24 @@ def _recover_pause(sb: Parts, snap_id: str) -> str:
         store.publish(dumped[0], snap_id)
         for t in tmps[1:]:
             store.discard(t)
-    sb._paused(snap_id)
+    sb.lifecycle.paused(snap_id)
     log.warning("finished the interrupted pause of sandbox %s (snapshot %s)", sb.id, snap_id)
     return "paused"
 
 
 def _container_alive(sb: Parts) -> bool:
-    st = sb._container.state()
+    st = sb.lifecycle.container.state()
     return st is not None and st.get("status") in ("running", "paused", "created")
 
 
 def thaw_abandoned(sb: Parts, procs: builtins.list[HostProcess] | None = None) -> bool:
     """``Sandbox.thaw_abandoned``: thaw ``sb`` if a dead process left it frozen; True if it did."""
     try:
-        if sb.recorded_state != "running" or not sb._container.frozen():
+        if sb.recorded_state != "running" or not sb.lifecycle.container.frozen():
             return False
         if _orphans(sb, host_processes() if procs is None else procs):
             return False
-        with sb._locked(wait=0):
+        with sb.locked(wait=0):
             pass  # taking the lock thaws a sandbox that no live holder froze
     except (OSError, TimeoutError, AgentEnvError):
         return False
@@ -182,12 +183,13 @@ def thaw_abandoned(sb: Parts, procs: builtins.list[HostProcess] | None = None) -
 
 def _orphans(sb: Parts, procs: builtins.list[HostProcess]) -> builtins.list[int]:
     """The host processes still working on this sandbox for someone else (runc, CRIU, cp)."""
-    needles = (sb._container.cid.encode(), str(sb._container.layer).encode() + b"/")
+    container = sb.lifecycle.container
+    needles = (container.cid.encode(), str(container.layer).encode() + b"/")
     return [p.pid for p in procs if any(n in p.cmdline for n in needles)]
 
 
 def lazy_dump(cmdline: bytes) -> bool:
-    """True for a post-copy migration's CRIU (``criu dump --lazy-pages``, ``agentenv.host.postcopy``): it would
+    """True for a post-copy migration's CRIU (``criu dump --lazy-pages``, ``agentenv.snapshot.postcopy``): it would
     wait for a receiver its dead owner can no longer finish with, so recovery ends it instead of waiting."""
     args = cmdline.split(b"\0")
     return b"dump" in args and b"--lazy-pages" in args
@@ -201,7 +203,7 @@ def _wait_for_orphans(sb: Parts, procs: builtins.list[HostProcess]) -> None:
             os.kill(p.pid, signal.SIGKILL)
     # a post-copy move whose server died: its page server went with it (CRIU, its socket closed, ends by itself
     # and leaves the sandbox frozen), and so did the pages its snapshot names
-    if dumps or (sb.recorded_state == "running" and sb._container.frozen()):
+    if dumps or (sb.recorded_state == "running" and sb.lifecycle.container.frozen()):
         for snap in store.orphaned_forks():
             if snap.labels.get("agentenv.kind") == store.MIGRATE_KIND and snap.sandbox_id == sb.id:
                 snap.delete()

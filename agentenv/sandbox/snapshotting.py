@@ -4,7 +4,7 @@
 its cgroup freezer while its files are cloned, so files and processes are of one instant. Before a memory
 snapshot the agent first closes every connection of the host (``quiesce``, with the sandbox's gate shut so no
 new one opens): CRIU cannot dump a process holding the other end of a socket whose peer it does not own. A
-sandbox restored lazily (``agentenv.host.lazy_pages``) is dumped only once all of its memory is in. The snapshot is
+sandbox restored lazily (``agentenv.snapshot.lazy_pages``) is dumped only once all of its memory is in. The snapshot is
 written in a hidden folder of the store and renamed into place (``store.writing``): a crash leaves nothing
 half-made listed.
 """
@@ -50,16 +50,17 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
     if memory and (daemon := sb.record.lazy_pages):  # restored lazily: its memory must be all in before a dump
         lazy_pages.await_memory(daemon, sb.id)
         sb.amend(lazy_pages=None)
-        sb._save()
+        sb.save_record()
+    container = sb.lifecycle.container
     with store.writing(snap_id) as folder:
-        uids = sb._spec().uids
+        uids = sb.container_spec().uids
         if uids is not None:  # the snapshot holds its family's uid range: its files are those uids
             userns.hold(uids, folder)
         failed: CheckpointError | None = None
         for attempt in range(DUMP_ATTEMPTS):
             with frozen(sb, quiesce=memory):
                 with phase("fs"):
-                    store.save_files(sb._container.layer, sb._container.upper, store.files_of(folder))
+                    store.save_files(container.layer, container.upper, store.files_of(folder))
                 crash_point(f"{op}:frozen")
                 if not memory:
                     break
@@ -67,11 +68,9 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
                     crash_point(f"{op}:dumping")
                     with phase("criu dump"):
                         # a lazy dump's log and work files outside the snapshot: it is exported while CRIU runs
-                        work = folder / "criu" if page_server is None else sb._container.bundle / "criu-migrate"
-                        server = sb._container.checkpoint(folder / "criu", work,
-                                                          leave_running=leave_running,
-                                                          criu=os.environ.get("AGENTENV_CRIU"),
-                                                          page_server=page_server)
+                        work = folder / "criu" if page_server is None else container.bundle / "criu-migrate"
+                        server = container.checkpoint(folder / "criu", work, leave_running=leave_running,
+                                                      criu=os.environ.get("AGENTENV_CRIU"), page_server=page_server)
                     if server is not None and served is not None:
                         served.append(server)
                     break
@@ -97,7 +96,7 @@ def _terminals_named(sb: Parts, e: CheckpointError) -> CheckpointError:
     if "tty" not in str(e):
         return e
     try:
-        reply, _ = sb._channel.call({"op": "jobs"})
+        reply, _ = sb.lifecycle.channel.call({"op": "jobs"})
         open_ttys = [j for j in reply.get("jobs", []) if isinstance(j, dict) and j.get("pty") is True]
     except (OSError, ConnectionLost):
         return e
@@ -126,7 +125,7 @@ def meta(sb: Parts, snap_id: str, folder: Path, memory: bool, labels: dict[str, 
 @contextlib.contextmanager
 def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
     """Hold every process of ``sb`` still (cgroup freezer); with ``quiesce``, first close the host's connections."""
-    gate = sb._channel.gate
+    gate, container = sb.lifecycle.channel.gate, sb.lifecycle.container
     if quiesce:
         gate.shut()
     try:
@@ -135,11 +134,11 @@ def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
                 _quiesce(sb)
         try:
             with phase("freeze"):
-                sb._container.freeze(True)
+                container.freeze(True)
             yield
         finally:
-            if sb._container.freezer() is not None:
-                sb._container.freeze(False)
+            if container.freezer() is not None:
+                container.freeze(False)
     finally:
         if quiesce:
             gate.open()
@@ -148,7 +147,7 @@ def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
 def _quiesce(sb: Parts) -> None:
     """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
     try:
-        sb._channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
+        sb.lifecycle.channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
     except TimeoutError:
         raise ConnectionLost(f"the sandbox keeper did not get ready for a snapshot within {QUIESCE_TIMEOUT:g} s "
                              f"({usage.stall_hint(sb)}); nothing was saved and the sandbox was left running",
@@ -162,14 +161,14 @@ def pause(sb: Parts, memory: bool) -> Snapshot:
     sb.require_running()
     snap_id = store.new_id("snap")
     sb.amend(pausing=snap_id, owner=store.owner())
-    sb._save()
+    sb.save_record()
     try:
         snap = take(sb, memory, leave_running=False, labels={"agentenv.kind": "pause"}, op="pause", snap_id=snap_id)
     except BaseException:
         sb.amend(pausing=None, owner=None)
-        sb._save()
+        sb.save_record()
         raise
     crash_point("pause:published")
-    sb._paused(snap_id)
+    sb.lifecycle.paused(snap_id)
     shared.publish(snap)  # with a shared store, another server can resume it, even once this one is gone
     return snap

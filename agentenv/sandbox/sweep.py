@@ -89,7 +89,7 @@ def _collect() -> None:
         with contextlib.suppress(OSError):
             if not (bundle / "sandbox.json").exists() and now - bundle.stat().st_mtime > LEFTOVER_AGE:
                 log.warning("removing the sandbox folder %s: it has no record", bundle.name)
-                Sandbox(SandboxRecord.leftover(bundle.name))._destroy()
+                Sandbox(SandboxRecord.leftover(bundle.name)).lifecycle.destroy()
     for veth in network.sweep(f"{p.sandboxes}/"):
         log.warning("removed the network link %s: its sandbox is gone", veth)
     for name in store.gc():

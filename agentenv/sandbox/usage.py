@@ -51,9 +51,10 @@ def _stat(path: Path) -> dict[str, int]:
 
 def read(sb: Parts) -> Usage | None:
     """The sandbox's usage now; None when it has no cgroup (it is not running)."""
+    container = sb.lifecycle.container
     cpu = mem = None
     cache = 0
-    for d in cgroups.existing(sb._container.cgroup):
+    for d in cgroups.existing(container.cgroup):
         if (v := _number(d / "cpuacct.usage")) is not None:  # v1: nanoseconds
             cpu = v / 1e9
         elif "usage_usec" in (stat := _stat(d / "cpu.stat")):  # v2: microseconds
@@ -64,10 +65,9 @@ def read(sb: Parts) -> Usage | None:
             mem, cache = v, _stat(d / "memory.stat").get("file", 0)
     if cpu is None or mem is None:
         return None
-    layer = sb._container.layer
-    disk = volume.referenced(layer)
+    disk = volume.referenced(container.layer)
     return Usage(time.time(), cpu, max(0, mem - cache), cache,
-                 disk if disk is not None else volume.disk_usage(sb._container.upper))
+                 disk if disk is not None else volume.disk_usage(container.upper))
 
 
 def sample(sandboxes: Iterable[Parts], window: float = 0.2) -> dict[str, tuple[Usage, float]]:
@@ -81,7 +81,7 @@ def sample(sandboxes: Iterable[Parts], window: float = 0.2) -> dict[str, tuple[U
         after = read(sb)
         if after is None:
             continue
-        out[sid] = (after, cpu_share(before, after, sb._spec().limits.cpus))
+        out[sid] = (after, cpu_share(before, after, sb.container_spec().limits.cpus))
     return out
 
 
@@ -92,7 +92,7 @@ def stall_hint(sb: Parts) -> str:
     waiting in the kernel). Never raises: what cannot be read is left out."""
     said: list[str] = []
     with contextlib.suppress(Exception):
-        for d in cgroups.existing(sb._container.cgroup):
+        for d in cgroups.existing(sb.lifecycle.container.cgroup):
             used = _number(d / "memory.usage_in_bytes") or _number(d / "memory.current")
             limit = _number(d / "memory.limit_in_bytes") or _number(d / "memory.max")
             if used is not None and limit is not None:
@@ -104,7 +104,7 @@ def stall_hint(sb: Parts) -> str:
             if _text(d / "freezer.state") not in ("", "THAWED") or _text(d / "cgroup.freeze") == "1":
                 said.append("frozen")
         agent = sb.record.init_pid
-        for pid in [agent] if isinstance(agent, int) else sb._container.pids()[:1]:  # else the first started
+        for pid in [agent] if isinstance(agent, int) else sb.lifecycle.container.pids()[:1]:  # else the first started
             states: dict[str, int] = {}
             with contextlib.suppress(OSError):
                 for task in list(Path(f"/proc/{pid}/task").iterdir())[:256]:

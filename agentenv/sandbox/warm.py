@@ -86,6 +86,12 @@ def ready() -> int:
         return len(_ready)
 
 
+def waiting() -> list[str]:
+    """The ids of the sandboxes waiting in the pool now, in the order ``take`` hands them out."""
+    with _lock:
+        return [sb.id for _, sb in _ready]
+
+
 def size() -> int:
     """How many sandboxes the pool keeps started (0: no pool)."""
     with _lock:
@@ -115,7 +121,7 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
     with _lock:
         key = _key(image, spec)
         at = next((i for i, (k, sb) in enumerate(_ready)
-                   if k == key and sb.id != skip and spec.uids in (None, sb._spec().uids)), None)
+                   if k == key and sb.id != skip and spec.uids in (None, sb.container_spec().uids)), None)
         if at is None:
             return None
         found = _ready.pop(at)[1]
@@ -124,9 +130,9 @@ def take(image: str, spec: ContainerSpec, ttl: float | None, labels: dict[str, s
         global _last_take
         _last_take = time.monotonic()
         _lock.notify_all()  # the filler starts a replacement, once takes pause
-    with found._locked():
+    with found.locked():
         found.amend(labels=dict(labels or {}), expires_at=time.time() + ttl if ttl else None)
-        found._save()
+        found.save_record()
     return found
 
 
@@ -192,8 +198,8 @@ def _fill() -> None:
             keep = bool(_size) and threading.current_thread() is _filler and want == {
                 k: v for k, v in _want.items() if k != "image"} and _want.get("image") == image
             if keep:
-                _ready.append((_key(image, sb._spec()), sb))
-                _family = sb._spec().uids
+                _ready.append((_key(image, sb.container_spec()), sb))
+                _family = sb.container_spec().uids
                 _members.append(sb.id)
                 _lock.notify_all()
         if not keep:

@@ -189,31 +189,13 @@ class Service:
             return self.remember(Sandbox.restore(snap, labels=labels, page_server_key=page_server_key))
 
     def fork(self, sandbox_id: str, count: int, memory: bool) -> list[Sandbox]:
-        """``count`` children of a sandbox (``api.fork_count``), their room reserved first; those of a paused one
-        (memory and all) are restored from its pause snapshot, which it keeps."""
+        """``count`` children of a sandbox (``api.fork_count``, ``Sandbox.fork``), their room reserved first; those
+        of a paused one (memory and all) are restored from its pause snapshot, which it keeps."""
         count = fork_count(count)
-        sb = self.sandbox(sandbox_id)
-        limits = sb.limits
+        limits = self.sandbox(sandbox_id).limits
         with self.reserve(count, limits.memory, limits.disk):
-            if memory and sb.state == "paused" and (snap_id := sb.paused_snapshot):
-                kids = self._restore_n(Snapshot.get(snap_id), count, sb.labels)
-            else:
-                kids = self.call(sandbox_id, lambda s: s.fork(count, memory=memory))
+            kids = self.call(sandbox_id, lambda s: s.fork(count, memory=memory))
         return [self.remember(k) for k in kids]
-
-    @staticmethod
-    def _restore_n(snap: Snapshot, count: int, labels: dict[str, str]) -> list[Sandbox]:
-        """``count`` sandboxes restored from ``snap``; none is left if one fails."""
-        kids: list[Sandbox] = []
-        try:
-            for _ in range(count):
-                kids.append(Sandbox.restore(snap, labels=labels))
-        except BaseException:
-            for k in kids:
-                with contextlib.suppress(Exception):
-                    k.close()
-            raise
-        return kids
 
     def resume(self, sandbox_id: str, memory: bool = True) -> Sandbox:
         """A paused sandbox running again, its room reserved first (``memory=False``: booted from its files)."""

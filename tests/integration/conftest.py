@@ -191,6 +191,12 @@ def e2b_sandbox(cls: Any = None) -> Iterator[Any]:
         cls.kill(sb.sandbox_id)
 
 
+def envd_token(sb: Any) -> str | None:
+    """The envd access token of an E2B SDK sandbox, which the SDK keeps private (no public accessor): what a test
+    sends as ``X-Access-Token`` on a raw request to envd. The one place the tests reach into the SDK for it."""
+    return sb._envd_access_token  # noqa: SLF001
+
+
 @pytest.fixture
 def sandbox(e2b_url: str) -> Iterator[Any]:
     """An ``e2b.Sandbox`` on the module's E2B server, killed after the test (the E2B test files' sandbox)."""

@@ -40,7 +40,7 @@ def runc_restores(monkeypatch):
 
 
 def cgroup_file(sb: agentenv.Sandbox, hierarchy: str, name: str) -> str:
-    return (Path("/sys/fs/cgroup") / hierarchy / sb._container.cgroup.lstrip("/") / name).read_text()
+    return (Path("/sys/fs/cgroup") / hierarchy / sb.lifecycle.container.cgroup.lstrip("/") / name).read_text()
 
 
 def test_a_direct_restore_gives_the_limits_asked_for_and_runc_knows_the_sandbox(runc_restores):
@@ -58,18 +58,18 @@ def test_a_direct_restore_gives_the_limits_asked_for_and_runc_knows_the_sandbox(
         assert cgroup_file(sb, "pids", "pids.max").strip() == "100"
         devices = cgroup_file(sb, "devices", "devices.list").splitlines()
         assert "a *:* rwm" not in devices and "c 1:3 rwm" in devices and not any(d.startswith("b 8") for d in devices)
-        pids = sb._container.pids()
+        pids = sb.lifecycle.container.pids()
         assert sb.record.init_pid in pids and len(pids) >= 2
         for pid in pids:  # every process in the sandbox's own cgroup, in every hierarchy
             for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-                assert line.endswith(sb._container.cgroup), line
-        state = sb._container.state()
+                assert line.endswith(sb.lifecycle.container.cgroup), line
+        state = sb.lifecycle.container.state()
         assert state is not None and state["status"] == "running" and state["pid"] == sb.record.init_pid
         with sb.fork(1, memory=True)[0] as child:  # a later dump reads the record the restore wrote
             assert ask(child) == 5
     finally:
         sb.close()
-    assert cgroups.existing(sb._container.cgroup) == []
+    assert cgroups.existing(sb.lifecycle.container.cgroup) == []
 
 
 @pytest.mark.parametrize("how", ["images without runc's record", "AGENTENV_DIRECT_RESTORE=0"])
@@ -100,9 +100,9 @@ def test_a_restore_whose_maker_dies_before_runcs_record_leaves_no_process():
         env = {**os.environ, "AGENTENV_CRASH_AT": "restore:criu-done"}
         p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=False)
         assert p.returncode == -signal.SIGKILL, p.stderr
-        assert cgroups.existing(sb._container.cgroup), "CRIU had restored the processes into the cgroups"
+        assert cgroups.existing(sb.lifecycle.container.cgroup), "CRIU had restored the processes into the cgroups"
         assert sb.recover() == "paused"
-        assert cgroups.existing(sb._container.cgroup) == []
+        assert cgroups.existing(sb.lifecycle.container.cgroup) == []
         sb.resume()
         assert ask(sb) == 2
     finally:

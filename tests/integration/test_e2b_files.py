@@ -11,6 +11,8 @@ e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap 
 from e2b import FileType, Sandbox  # noqa: E402
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType  # noqa: E402
 
+from .conftest import envd_token  # noqa: E402
+
 XATTR = "python3 -c \"import os, sys; print(os.getxattr(sys.argv[1], 'user.e2b.' + sys.argv[2]).decode())\""
 
 
@@ -31,7 +33,7 @@ def test_metadata_is_stored_in_the_sandbox_as_xattrs_and_follows_the_file(sandbo
 
 def test_metadata_the_server_refuses_is_a_400_and_writes_nothing(sandbox: Sandbox) -> None:
     url = f"{sandbox.envd_api_url}/files"
-    headers = {"X-Access-Token": sandbox._envd_access_token or "", "E2b-Sandbox-Id": sandbox.sandbox_id,
+    headers = {"X-Access-Token": envd_token(sandbox) or "", "E2b-Sandbox-Id": sandbox.sandbox_id,
                "X-Metadata-k": "x" * 5000}
     r = httpx.post(url, params={"path": "/tmp/big.txt", "username": "user"}, content=b"x",
                    headers={**headers, "Content-Type": "application/octet-stream"})

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from .conftest import envd_token
 from .server_fixtures import TOKEN, wait_for
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
@@ -60,7 +61,7 @@ def spent(e2b_url: str) -> Iterator[Sandbox]:
 
 
 def headers(sb: Sandbox, port: str = ENVD, **extra: str) -> dict[str, str]:
-    return {"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": sb._envd_access_token or "",  # noqa: SLF001
+    return {"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": envd_token(sb) or "",
             "E2b-Sandbox-Port": port, **extra}
 
 

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
+from .conftest import envd_token
 from .server_fixtures import e2b_domain_server
 from .test_e2b_life import HEADERS_SERVER
 from .test_e2b_ports import wait_listening
@@ -167,7 +168,7 @@ def test_the_traffic_token_opens_neither_envds_commands_and_files_nor_the_interp
         assert code.status_code == 401, (header, code.text)
     left = sandbox.commands.run("ls /tmp", user="root").stdout.split()
     assert not {"planted.txt", "ran-by-traffic", "ran-by-interpreter"} & set(left), left
-    assert traffic != sandbox._envd_access_token  # noqa: SLF001 - neither token is the other
+    assert traffic != envd_token(sandbox)  # neither token is the other
     contexts = httpx.get(f"{e2b_url}/contexts", headers={"E2b-Sandbox-Id": sandbox.sandbox_id, "E2b-Sandbox-Port":
                                                          "49999", "e2b-traffic-access-token": traffic})
     assert contexts.status_code == 200, contexts.text  # what the SDK sends it to: the interpreter's contexts

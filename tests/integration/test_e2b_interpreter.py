@@ -15,7 +15,7 @@ code_interpreter = pytest.importorskip("e2b_code_interpreter")
 
 from e2b_code_interpreter import Sandbox  # noqa: E402
 
-from .conftest import e2b_sandbox  # noqa: E402
+from .conftest import e2b_sandbox, envd_token  # noqa: E402
 
 
 def _wheel(name: str, source: str) -> bytes:
@@ -89,7 +89,7 @@ def test_bash_contexts_keep_their_folder_and_variables_through_a_fork(e2b_url: s
     finally:
         kid.kill()
     # the SDK sends a context or a language; a server asked for both answers 400 where they disagree
-    headers = {"E2b-Sandbox-Id": ci.sandbox_id, "X-Access-Token": ci._envd_access_token or "",  # noqa: SLF001
+    headers = {"E2b-Sandbox-Id": ci.sandbox_id, "X-Access-Token": envd_token(ci) or "",
                "E2b-Sandbox-Port": "49999"}
     r = httpx.post(f"{e2b_url}/execute", headers=headers, json={"code": "1", "context_id": ctx.id, "language": "py"})
     assert r.status_code == 400 and "runs bash" in r.json()["message"]
@@ -112,7 +112,7 @@ def test_a_context_never_runs_code_as_another_account_than_asked(e2b_url: str, c
     import base64
 
     assert ci.run_code("import os\nos.getuid()").text == "1000"
-    headers = {"E2b-Sandbox-Id": ci.sandbox_id, "X-Access-Token": ci._envd_access_token or "",  # noqa: SLF001
+    headers = {"E2b-Sandbox-Id": ci.sandbox_id, "X-Access-Token": envd_token(ci) or "",
                "E2b-Sandbox-Port": "49999", "Authorization": "Basic " + base64.b64encode(b"root:").decode()}
     r = httpx.post(f"{e2b_url}/execute", headers=headers, json={"code": "import os\nos.getuid()"})
     assert r.status_code == 400 and "runs as user, not root" in r.json()["message"], r.text

@@ -15,6 +15,7 @@ e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap 
 from e2b import AsyncSandbox, Sandbox  # noqa: E402
 from e2b.exceptions import SandboxNotRunningException  # noqa: E402
 
+from .conftest import envd_token  # noqa: E402
 from .server_fixtures import e2b_domain_server, wait_for  # noqa: E402
 from .test_e2b_ports import DOMAIN, routed, wait_listening  # noqa: E402
 
@@ -144,7 +145,7 @@ def test_a_paused_sandbox_without_auto_resume_stays_paused(server: str) -> None:
     try:
         sb.pause()
         r = httpx.get(f"{server}/health", headers={"E2b-Sandbox-Id": sb.sandbox_id,
-                                                   "X-Access-Token": str(sb._envd_access_token)})  # noqa: SLF001
+                                                   "X-Access-Token": str(envd_token(sb))})
         assert r.status_code == 502 and "paused" in r.json()["message"]
         assert sb.get_info().state.value == "paused"
     finally:

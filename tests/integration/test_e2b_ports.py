@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .conftest import envd_token
 from .server_fixtures import e2b_domain_server
 
 e2b = pytest.importorskip("e2b", reason="the E2B SDK is a test extra; bootstrap installs it")
@@ -152,7 +153,7 @@ def test_a_web_server_inside_is_reached_on_the_headers_and_on_get_host(server: s
     r = httpx.get(f"{server}/missing", headers={"Host": host, **token})
     assert r.status_code == 404  # the listener's own answer, passed through
     # envd's port on its get_host name too, with envd's token alone
-    envd = {"X-Access-Token": str(web._envd_access_token)}  # noqa: SLF001
+    envd = {"X-Access-Token": str(envd_token(web))}
     r = httpx.get(f"{server}/health", headers={"Host": web.get_host(49983), **envd})
     assert r.status_code == 204
     r = httpx.get(f"{server}/health", headers={"Host": web.get_host(49983), **token})
@@ -201,7 +202,7 @@ def test_a_missing_or_wrong_token_is_e2bs_403(server: str, web: Sandbox) -> None
         assert r.status_code == 403
     r = httpx.get(f"{server}/hello.txt", headers={"Host": web.get_host(8000)})
     assert r.status_code == 403
-    envd = str(web._envd_access_token)  # noqa: SLF001 - envd's token is not the traffic token, in either header
+    envd = str(envd_token(web))  # envd's token is not the traffic token, in either header
     assert httpx.get(f"{server}/hello.txt", headers=routed(web, 8000, envd)).status_code == 403
     r = httpx.get(f"{server}/hello.txt", headers={**routed(web, 8000, ""), "X-Access-Token": envd})
     assert r.status_code == 403

@@ -78,10 +78,10 @@ def check_children(parent: agentenv.Sandbox, kids: list[agentenv.Sandbox]) -> No
 
 
 def test_a_files_fork_clones_the_layer_and_the_children_diverge(parent):
-    assert volume.can_clone(parent._container.layer, paths().layers)
+    assert volume.can_clone(parent.lifecycle.container.layer, paths().layers)
     kids = parent.fork(3, memory=False)
     try:
-        assert all(volume.is_subvolume(k._container.layer) for k in kids)  # clones, not copies
+        assert all(volume.is_subvolume(k.lifecycle.container.layer) for k in kids)  # clones, not copies
         assert store_is_empty()  # nothing went through the snapshot store
         check_children(parent, kids)
     finally:
@@ -106,7 +106,7 @@ def test_snapshots_clone_the_layer_and_restores_clone_the_snapshot(parent):
         assert snap.layer and volume.is_subvolume(snap.files)
         parent.exec("echo later > /testbed/many/f3")
         with agentenv.Sandbox.restore(snap) as r:
-            assert volume.is_subvolume(r._container.layer)
+            assert volume.is_subvolume(r.lifecycle.container.layer)
             assert r.exec(STATE).stdout == parent.exec(STATE).stdout
             assert r.exec("cat /testbed/many/f3").stdout == "3\n"  # as it was at the snapshot
             r.exec("echo restored > /testbed/many/f4")
@@ -141,7 +141,7 @@ sb.fork(2, memory=False)
     try:
         found = sweep.recover_all()
         assert parent.id in found["running"]
-        assert not parent._container.frozen()
+        assert not parent.lifecycle.container.frozen()
         assert parent.exec("cat /testbed/kept", timeout=30).stdout == "kept"
         others = [s for s in agentenv.Sandbox.list() if s.id != parent.id]
         assert all(s.labels.get("agentenv.kind") == warm.KIND for s in others)  # the half-made children are gone
@@ -191,8 +191,8 @@ def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(pool, parent):
         check_children(parent, kids)
         assert kids[1].exec("pwd").stdout == "/testbed\n"  # the agent runs from the new root, in the workdir
         for k in kids:  # a layer each, cloned; the pooled sandbox's own is gone
-            assert volume.is_subvolume(k._container.layer) and k._container.layer.name.startswith(k.id + ".")
-            assert [p.name for p in paths().layers.iterdir() if p.name.startswith(k.id)] == [k._container.layer.name]
+            assert volume.is_subvolume(k.lifecycle.container.layer) and k.lifecycle.container.layer.name.startswith(k.id + ".")
+            assert [p.name for p in paths().layers.iterdir() if p.name.startswith(k.id)] == [k.lifecycle.container.layer.name]
         warm.drain()
         with parent.fork(1, memory=False)[0] as booted:  # no pool now: a child that runc started
             assert mounts(kids[0]) == mounts(booted)  # /proc's masks, /dev, /sys read-only, the keeper's file
@@ -240,7 +240,7 @@ def test_a_sandbox_with_a_1_gb_layer_forks_without_copying_it():
         kids = sb.fork(2, memory=False) + sb.fork(1, memory=True)
         try:
             for k in kids:  # the whole file, from a clone (a copy would have doubled what the volume holds)
-                assert volume.is_subvolume(k._container.layer)
+                assert volume.is_subvolume(k.lifecycle.container.layer)
                 assert k.exec("sha256sum /testbed/big | cut -c1-16", timeout=120).stdout == r.stdout
             kids[0].exec("truncate -s 1M /testbed/big")
             assert kids[1].exec("stat -c %s /testbed/big").stdout == f"{(1 << 30) + 4}\n"

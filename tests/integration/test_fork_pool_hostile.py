@@ -122,7 +122,7 @@ def test_on_a_host_with_shared_mounts_the_pooled_child_gets_its_root_swapped(sha
         parent.write_file("/testbed/mine", "parent's")
         try:
             assert warm.wait_full(120)
-            pooled = warm._ready[0][1].id
+            pooled = warm.waiting()[0]
             kids = parent.fork(1, memory=False)
         finally:
             warm.drain()
@@ -134,8 +134,8 @@ def test_on_a_host_with_shared_mounts_the_pooled_child_gets_its_root_swapped(sha
             root = next(line for line in kid.exec("cat /proc/self/mountinfo").stdout.splitlines()
                         if line.split()[4] == "/")
             assert "shared:" not in root  # no peer on the host: nothing propagates between them
-            assert host_mounts_under(kid._container.bundle) == sorted([str(kid._container.rootfs),
-                                                                       str(kid._container.netns)])
+            assert host_mounts_under(kid.lifecycle.container.bundle) == sorted([str(kid.lifecycle.container.rootfs),
+                                                                       str(kid.lifecycle.container.netns)])
         finally:
             kid.close()
 
@@ -151,9 +151,9 @@ def test_a_pooled_sandbox_whose_agent_pid_names_another_sandbox_never_swaps_that
         bystander.write_file("/testbed/mine", "bystander's")
         pooled = pool(2)
         victim = next(sb for sb in agentenv.Sandbox.list() if sb.id in pooled)
-        with victim._locked():  # as if its agent had died and the bystander's got its pid
+        with victim.locked():  # as if its agent had died and the bystander's got its pid
             victim.amend(init_pid=bystander.record.init_pid)
-            victim._save()
+            victim.save_record()
         try:
             kids = parent.fork(2, memory=False)
         finally:
@@ -264,8 +264,8 @@ sb.fork(1, memory=False)
         for s in others:
             s.close()
         settled(lambda: sorted(p.name for p in paths().layers.iterdir()) == [parent.id], "a child's layer stayed")
-        assert host_mounts_under(paths().sandboxes) == sorted([str(parent._container.rootfs),
-                                                               str(parent._container.netns)])
+        assert host_mounts_under(paths().sandboxes) == sorted([str(parent.lifecycle.container.rootfs),
+                                                               str(parent.lifecycle.container.netns)])
     finally:
         parent.close()
 
@@ -282,7 +282,7 @@ import agentenv
 from agentenv.sandbox import warm
 warm.configure("agentenv/base", 1, memory="256m", disk="1g")
 assert warm.wait_full(120)
-pooled = agentenv.Sandbox.get(warm._ready[0][1].id)
+pooled = agentenv.Sandbox.get(warm.waiting()[0])
 print(pooled.id, flush=True)
 pooled.write_file("/testbed/mine", "pooled")
 kid = pooled.fork(1, memory=False)[0]

@@ -22,7 +22,7 @@ import agentenv
 from agentenv.config import CRASH_ENV, paths
 from agentenv.errors import ConnectionLost
 from agentenv.remote.client import Client
-from agentenv.sandbox import sweep
+from agentenv.sandbox import lifecycle, sweep
 from agentenv.snapshot import store
 
 from .server_fixtures import TOKEN, free_port, start_server_process
@@ -127,7 +127,7 @@ def fork_killed_at(server, point: str, n: int, network: bool = False):
 def test_kill_9_mid_fork_thaws_the_source_and_leaves_no_child_or_snapshot(server, point):
     c, src_id, found = fork_killed_at(server, point, 3)
     assert src_id in found["running"]
-    assert not local(src_id)._container.frozen()
+    assert not local(src_id).lifecycle.container.frozen()
     src = c.Sandbox.get(src_id)
     assert src.exec("cat /testbed/kept", timeout=30).stdout == "kept"  # answers: nothing holds it frozen
     assert [s.id for s in c.Sandbox.list()] == [src_id]  # the half-made children are gone ...
@@ -149,7 +149,7 @@ def test_kill_9_mid_fork_of_a_networked_sandbox_leaves_no_network_link(server, p
     assert [s.id for s in c.Sandbox.list()] == [src_id]
     links = network.links(f"{paths().home}/")
     src = local(src_id)
-    assert list(links) == [src._container.link()["veth"]], links
+    assert list(links) == [src.lifecycle.container.link()["veth"]], links
     assert c.Sandbox.get(src_id).network.address == src.network.address
     c.Sandbox.get(src_id).close()
     assert network.links(f"{paths().home}/") == {}
@@ -201,7 +201,7 @@ def test_kill_9_mid_resume_leaves_it_paused_with_nothing_running(server):
     assert server.died()
     c = server.start()
     assert sid in recovered(c)["paused"]
-    assert local(sid)._container.state() is None and not local(sid)._container.layer.exists()
+    assert local(sid).lifecycle.container.state() is None and not local(sid).lifecycle.container.layer.exists()
     sb = c.Sandbox.get(sid)
     sb.resume()
     assert sb.exec("cat /testbed/kept").stdout == "kept"
@@ -232,10 +232,11 @@ def test_one_stopped_sandbox_does_not_hold_up_the_restart(server):
 def test_recovery_in_process_is_idempotent_and_leaves_live_work_alone():
     """``recover_all`` (what ``agentenv gc`` runs) on a host where this live process is mid-creation."""
     with agentenv.Sandbox.create(memory="256m") as sb:
-        making = agentenv.Sandbox._new(sb._spec(), image="agentenv/base", ttl=None, labels=None, parent=None)
+        making = lifecycle.make(agentenv.Sandbox, sb.container_spec(), image="agentenv/base", ttl=None, labels=None,
+                                parent=None)
         try:
             first = sweep.recover_all()
             assert sb.id in first["running"] and making.id in first["busy"]
             assert sweep.recover_all() == first
         finally:
-            making._destroy()
+            making.lifecycle.destroy()

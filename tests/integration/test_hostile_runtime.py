@@ -32,7 +32,7 @@ from agentenv.errors import (
     StoreFullError,
 )
 from agentenv.host import volume
-from agentenv.inside import keeper
+from agentenv.inside import agent
 from agentenv.sandbox import channel, expiry, snapshotting
 from agentenv.snapshot import store
 
@@ -51,7 +51,7 @@ def sb():
 
 
 def agent_pid(s: agentenv.Sandbox) -> int:
-    return int(json.loads((s._container.bundle / "sandbox.json").read_text())["init_pid"])
+    return int(json.loads((s.lifecycle.container.bundle / "sandbox.json").read_text())["init_pid"])
 
 
 def agent_state(pid: int) -> str:
@@ -114,7 +114,7 @@ def test_a_dead_sandbox_whose_pid_went_to_another_agent_is_lost_not_redirected()
         os.kill(agent_pid(a), signal.SIGKILL)  # OOM, pids exhaustion ...: the agent is gone
         wait_gone(a.record.init_pid)
         # the pid reuse, made deterministic: A's record now names C's agent (A's start time kept, then C's too)
-        record = a._container.bundle / "sandbox.json"
+        record = a.lifecycle.container.bundle / "sandbox.json"
         rec = json.loads(record.read_text())
         for start in (rec.get("init_start"), c.record.init_start):
             rec.update(init_pid=agent_pid(c), init_start=start)
@@ -296,7 +296,7 @@ def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_
         with pytest.raises(ConnectionLost, match="did not get ready") as e:
             sb.snapshot(memory=True)
         assert re.search(r"keeper threads: \d+ T ", str(e.value)), e.value  # the error says it is stopped
-        assert not sb._container.frozen()
+        assert not sb.lifecycle.container.frozen()
         with pytest.raises(ConnectionLost, match="did not answer"):
             sb.exec("true", timeout=1)
         with pytest.raises(ConnectionLost):
@@ -431,7 +431,7 @@ def test_signals_to_pid_1_from_inside_do_not_end_the_agent(sb, sig):
 # --- 9 and the socket: the file API and symlinks cannot break the agent ---------------------------
 
 
-@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/keeper.py",
+@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/agent.py",
                                   "//dev/agentenv/../agentenv/agent.sock", "../../dev/agentenv/agent.sock"])
 def test_the_file_api_refuses_the_agents_own_files(sb, path):
     with pytest.raises(PermissionError):
@@ -452,6 +452,6 @@ def test_the_file_api_refuses_the_agents_folder_through_a_symlink(sb):
 
 
 def test_a_symlinked_socket_folder_cannot_send_the_host_elsewhere(sb):
-    sb.exec(f"mv {keeper.SOCKET_DIR} /dev/real && ln -s /run {keeper.SOCKET_DIR}")
+    sb.exec(f"mv {agent.SOCKET_DIR} /dev/real && ln -s /run {agent.SOCKET_DIR}")
     with pytest.raises(ConnectionLost):
         sb.exec("true")

@@ -27,7 +27,7 @@ from agentenv.snapshot.store import Snapshot
 pytestmark = pytest.mark.integration
 
 OLD_CODE_ENV = "AGENTENV_AGENT_CODE"  # the variable that carried the compiled helper before the rename
-OLD_MARK, MARK = "AGENTENV_AGENT=1", "AGENTENV_KEEPER=1"
+OLD_MARK, MARK = "AGENTENV_KEEPER=1", "AGENTENV_KEEPER=1"
 
 
 def before_the_rename(config: dict[str, Any]) -> dict[str, Any]:

@@ -73,7 +73,7 @@ def read_as_nobody(path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def _record(f: Family) -> Path:
-    return f.sb._container.bundle / "sandbox.json"
+    return f.sb.lifecycle.container.bundle / "sandbox.json"
 
 
 def _meta(f: Family) -> Path:
@@ -85,7 +85,7 @@ def _runc_record(f: Family) -> Path:
 
 
 def _restored_runc_record(f: Family) -> Path:
-    return paths().runc_root / f.kid._container.cid / "state.json"
+    return paths().runc_root / f.kid.lifecycle.container.cid / "state.json"
 
 
 SECRET_FILES: dict[str, Callable[[Family], Path]] = {
@@ -96,17 +96,17 @@ FILES: dict[str, Callable[[Family], Path]] = {
     **SECRET_FILES,
     "runc's record kept with CRIU's images": _runc_record,
     "runc's record of a restored sandbox": _restored_runc_record,
-    "a file through the sandbox's root": lambda f: f.sb._container.rootfs / "srv" / "open.txt",
-    "a file through the sandbox's layer on the volume": lambda f: f.sb._container.upper / "srv" / "open.txt",
+    "a file through the sandbox's root": lambda f: f.sb.lifecycle.container.rootfs / "srv" / "open.txt",
+    "a file through the sandbox's layer on the volume": lambda f: f.sb.lifecycle.container.upper / "srv" / "open.txt",
     "the volume's image": lambda f: paths().volume_image,
     "a snapshot's memory image": lambda f: next(f.snap.criu_dir.glob("pages-*.img")),
     "a snapshot's file on the volume": lambda f: f.snap.fs_dir / "srv" / "open.txt",
-    "a restored sandbox's file through its root": lambda f: f.kid._container.rootfs / "srv" / "open.txt",
+    "a restored sandbox's file through its root": lambda f: f.kid.lifecycle.container.rootfs / "srv" / "open.txt",
 }
 # refused already before issue 40: CRIU writes its logs 0600, and the token file is made 0600
 HELD = {
     "CRIU's dump log": lambda f: f.snap.criu_dir / "dump.log",
-    "CRIU's restore log": lambda f: f.kid._container.bundle / "criu-restore" / "restore.log",
+    "CRIU's restore log": lambda f: f.kid.lifecycle.container.bundle / "criu-restore" / "restore.log",
 }
 
 
@@ -163,9 +163,9 @@ def _bridge(root: Path, group: str | int = "nogroup") -> subprocess.CompletedPro
 def test_a_setuid_file_left_in_a_sandbox_gives_nobody_nothing(family: Family, where: str) -> None:
     """The file is setuid and its owner's (the sandbox's root, the range's base uid, as the sandbox sees it); as
     nobody, its host path is not even reachable, and the 0600 file stays unread."""
-    st = os.stat(family.sb._container.upper / "tmp" / "suidcat")
-    assert st.st_mode & 0o4000 and st.st_uid == family.sb._spec().uids
-    root = family.sb._container.rootfs if where == "root" else family.sb._container.upper
+    st = os.stat(family.sb.lifecycle.container.upper / "tmp" / "suidcat")
+    assert st.st_mode & 0o4000 and st.st_uid == family.sb.container_spec().uids
+    root = family.sb.lifecycle.container.rootfs if where == "root" else family.sb.lifecycle.container.upper
     r = _bridge(root)
     assert PRIV not in r.stdout and r.returncode != 0
     r = as_nobody(["test", "-e", str(root / "tmp" / "suidcat")])
@@ -175,15 +175,15 @@ def test_a_setuid_file_left_in_a_sandbox_gives_nobody_nothing(family: Family, wh
 def test_setuid_files_do_nothing_on_the_host_even_for_a_user_who_passes(family: Family) -> None:
     """A host user in the range's group passes the folders that keep everyone else out; the setuid bit still gives
     it nothing there (nosuid): the 0600 file is refused to it."""
-    uids = family.sb._spec().uids
+    uids = family.sb.container_spec().uids
     assert uids is not None
-    r = _bridge(family.sb._container.rootfs, group=uids)
+    r = _bridge(family.sb.lifecycle.container.rootfs, group=uids)
     assert PRIV not in r.stdout and "Permission denied" in r.stderr, (r.stdout, r.stderr)
 
 
 @pytest.mark.parametrize("where", ["the sandbox's root", "a restored sandbox's root", "the volume"])
 def test_sandbox_filesystems_are_mounted_nosuid_nodev(family: Family, where: str) -> None:
-    mount = {"the sandbox's root": family.sb._container.rootfs, "a restored sandbox's root": family.kid._container.rootfs,
+    mount = {"the sandbox's root": family.sb.lifecycle.container.rootfs, "a restored sandbox's root": family.kid.lifecycle.container.rootfs,
              "the volume": paths().volume}[where]
     flags = os.statvfs(mount).f_flag
     assert flags & os.ST_NOSUID and flags & os.ST_NODEV, f"{mount} is mounted without nosuid,nodev ({flags:#x})"
@@ -194,7 +194,7 @@ def test_a_sandbox_cannot_make_a_device_node(family: Family) -> None:
     makes no device node itself; one could come only from an image's layer or an imported snapshot."""
     r = family.sb.exec("mknod /tmp/null c 1 3")
     assert r.exit_code != 0 and "Operation not permitted" in r.stderr
-    assert not (family.sb._container.upper / "tmp" / "null").exists()
+    assert not (family.sb.lifecycle.container.upper / "tmp" / "null").exists()
 
 
 # --- the whole home, and a home an older agentenv made ------------------------------------------------------------
@@ -227,8 +227,8 @@ def test_nothing_under_the_home_is_open_to_other_users(family: Family) -> None:
     """Whatever this session has made so far (a sandbox, a snapshot, a restore, and every other test's in a
     whole run): another user passes the three folders that lead to gates, reads the agent's file, and nothing else."""
     for sb in (family.sb, family.kid):  # the gates: root's, the family's range's group
-        st = sb._container.bundle.stat()
-        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, family.sb._spec().uids, 0o710)
+        st = sb.lifecycle.container.bundle.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, family.sb.container_spec().uids, 0o710)
     assert [e for e in open_to_others(paths().home) if not _passable(e)] == []
 
 
@@ -240,10 +240,10 @@ def _age(home: Path, sb: agentenv.Sandbox, snap: Snapshot) -> None:
     """Give ``home`` the modes the code before issue 40 left on a home it made (read from one): folders 0755 and
     root's, records 0644, the volume's image 0644."""
     for d in (home / "sandboxes", home / "snapshots", home / "runc", home / "tmp", home / "volume",
-              sb._container.bundle, snap.path):
+              sb.lifecycle.container.bundle, snap.path):
         os.chown(d, 0, 0)
         d.chmod(0o755)
-    for f in (sb._container.bundle / "sandbox.json", snap.path / "meta.json", snap.criu_dir / "runc-state.json",
+    for f in (sb.lifecycle.container.bundle / "sandbox.json", snap.path / "meta.json", snap.criu_dir / "runc-state.json",
               home / "volume.img"):
         f.chmod(0o644)
 
@@ -267,13 +267,13 @@ def test_a_home_an_older_agentenv_made_is_closed_on_first_use_and_its_sandboxes_
             snap = sb.snapshot(memory=True)
             try:
                 _age(home, sb, snap)
-                assert read_as_nobody(sb._container.bundle / "sandbox.json").returncode == 0  # open, as it was
+                assert read_as_nobody(sb.lifecycle.container.bundle / "sandbox.json").returncode == 0  # open, as it was
                 first = subprocess.run([sys.executable, "-c", "import agentenv; agentenv.Sandbox.list()"],
                                        capture_output=True, text=True, timeout=120, check=False)
                 assert first.returncode == 0, first.stderr
                 assert [e for e in open_to_others(home) if not _passable(e)] == []
-                for path in (sb._container.bundle / "sandbox.json", snap.path / "meta.json",
-                             sb._container.rootfs / "srv" / "open.txt", home / "volume.img"):
+                for path in (sb.lifecycle.container.bundle / "sandbox.json", snap.path / "meta.json",
+                             sb.lifecycle.container.rootfs / "srv" / "open.txt", home / "volume.img"):
                     r = read_as_nobody(path)
                     assert r.returncode != 0 and r.stdout == "", path
                 assert sb.exec("cat /srv/open.txt").stdout == "open"

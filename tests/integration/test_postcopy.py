@@ -74,7 +74,7 @@ def test_a_sandbox_moved_post_copy_keeps_its_memory_files_and_loopback_connectio
         assert moved.read_file("/srv/state") == b"kept\n"
         assert migration.all_in(moved, 120)
         assert out.server.wait(60) == 0
-        assert holding._container.frozen()  # CRIU let the source go, still frozen: never running twice
+        assert holding.lifecycle.container.frozen()  # CRIU let the source go, still frozen: never running twice
         assert out.finish(True)
         assert holding.state == "closed"
         assert query(moved) == before
@@ -133,10 +133,10 @@ def test_a_receiver_whose_page_server_is_gone_fails_and_leaves_nothing(holding):
     out = migration.send(holding)
     assert not out.finish(False)
     with pytest.raises(CheckpointError):
-        lazy_pages.Restore(out.snapshot.criu_dir, holding._container.bundle,
+        lazy_pages.Restore(out.snapshot.criu_dir, holding.lifecycle.container.bundle,
                            page_server=page_channel.Endpoint("127.0.0.1", out.server.port, out.key)).run(
             lambda images, lazy: 0)
-    assert list(holding._container.bundle.glob("criu-lazy-*")) == []
+    assert list(holding.lifecycle.container.bundle.glob("criu-lazy-*")) == []
 
 
 def test_only_a_loopback_page_server_is_taken(holding):
@@ -149,7 +149,7 @@ def test_the_page_server_nobody_connects_to_times_out_and_the_source_runs_on(hol
     monkeypatch.setattr(migration, "CONNECT_TIMEOUT", 0.5)
     before = query(holding)
     out = migration.send(holding)
-    assert out._finished.wait(60)  # the watchdog ended it
+    assert out.finished.wait(60)  # the watchdog ended it
     assert out.moved is False
     assert query(holding) == before
     assert out.snapshot.id not in migration.outgoing

@@ -53,7 +53,7 @@ def signal_digest(sb: agentenv.Sandbox, pid: int, sig: str) -> str:
 
 def holder_host_pid(sb: agentenv.Sandbox) -> int:
     """The host pid of the holder (the sandbox's process with the most merged or resident pages)."""
-    pids = [p for p in sb._container.pids() if p != sb.record.init_pid]
+    pids = [p for p in sb.lifecycle.container.pids() if p != sb.record.init_pid]
     return max(pids, key=lambda p: int(open(f"/proc/{p}/statm").read().split()[1]))
 
 

@@ -147,6 +147,22 @@ def test_pause_frees_the_sandbox_and_resume_continues(counting):
     assert ask_after_resume(counting) == 4
 
 
+def test_a_paused_sandbox_forks_from_its_pause_snapshot_and_stays_paused(counting):
+    # the one fork path (forking): the server's fork of a paused sandbox comes here too
+    snap = counting.pause()
+    kids = counting.fork(2)
+    try:
+        assert [ask(k) for k in kids] == [4, 4]  # each child continues from where the parent was paused
+        assert counting.state == "paused" and counting.paused_snapshot == snap.id
+        assert agentenv.Snapshot.get(snap.id).id == snap.id  # the pause snapshot is kept for the resume
+        with pytest.raises(SandboxStateError):
+            counting.fork(1, memory=False)  # its files alone: it must run
+    finally:
+        for k in kids:
+            k.close()
+    assert ask_after_resume(counting) == 4
+
+
 def ask_after_resume(sb: agentenv.Sandbox) -> int:
     sb.resume()
     assert sb.state == "running"
@@ -291,13 +307,13 @@ def test_store_out_of_space_is_a_clear_error(tmp_path, monkeypatch):
 def test_a_sandbox_left_frozen_by_a_dead_snapshotter_is_thawed():
     """kill -9 between freeze and thaw must not leave the sandbox stopped for good."""
     with agentenv.Sandbox.create() as sb:
-        freezer = sb._container.freezer()
+        freezer = sb.lifecycle.container.freezer()
         assert freezer is not None
-        sb._container.freeze(True)  # what a snapshotting process leaves behind when it dies mid-way
-        assert sb._container.frozen()
+        sb.lifecycle.container.freeze(True)  # what a snapshotting process leaves behind when it dies mid-way
+        assert sb.lifecycle.container.frozen()
         snap = sb.snapshot()  # takes the lock, finds no one snapshotting, thaws first
         snap.delete()
-        assert not sb._container.frozen()
+        assert not sb.lifecycle.container.frozen()
         assert sb.exec("echo alive", timeout=10).stdout == "alive\n"
 
 
@@ -316,14 +332,14 @@ def test_a_process_waiting_on_its_vfork_child_is_not_dumped_mid_spawn():
     with agentenv.Sandbox.create(image="agentenv/base", network=False) as sb:
         sb.write_file("/tmp/spawn.py", spawn.encode())
         sb.spawn("python3 /tmp/spawn.py")
-        tasks = sb._container.freezer().parent / "tasks"
+        tasks = sb.lifecycle.container.freezer().parent / "tasks"
         deadline = time.monotonic() + 30
         while not vfork_waiters(tasks):  # the parent sits in vfork until its child opens the FIFO
             assert time.monotonic() < deadline, "the spawning process never waited on its vfork child"
             time.sleep(0.01)
         with pytest.raises(CheckpointError, match="vfork"):
             sb.snapshot(memory=True)
-        assert not sb._container.frozen()
+        assert not sb.lifecycle.container.frozen()
         assert sb.exec(": > /tmp/gate && while [ ! -e /tmp/spawned ]; do sleep 0.01; done; echo ok",
                        timeout=30).stdout.strip() == "ok"
         assert not vfork_waiters(tasks)

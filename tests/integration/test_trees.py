@@ -41,10 +41,10 @@ def test_closing_a_sandbox_spares_a_layer_mount_left_in_its_bundle(layer):
     """A start killed between mounting a layer (idmapped, under bundle/lower/0) and unmounting it leaves the
     layer mounted there; closing the sandbox then removes its bundle, the mount included, and not the layer's files."""
     sb = agentenv.Sandbox.create()
-    bundle = sb._container.bundle
+    bundle = sb.lifecycle.container.bundle
     left = bundle / "lower" / "0"
     left.mkdir(parents=True)
-    uids = sb._spec().uids
+    uids = sb.container_spec().uids
     assert uids is not None
     fd = userns.userns_fd(uids)
     try:

@@ -26,7 +26,7 @@ def _uid_map(sb: agentenv.Sandbox) -> tuple[int, int, int]:
 
 
 def _root_uid(sb: agentenv.Sandbox) -> int:
-    uids = sb._spec().uids
+    uids = sb.container_spec().uids
     assert uids is not None
     return uids
 
@@ -49,9 +49,9 @@ def test_root_in_the_sandbox_is_an_unprivileged_host_uid(sb):
     real = int(next(line for line in status.splitlines() if line.startswith("Uid:")).split()[1])
     assert real == outside  # the agent, the sandbox's PID 1, as the host sees it
     assert sb.exec("echo hi > /root/made-by-root && mkdir /srv/d && chown 1000:1000 /srv/d").exit_code == 0
-    st = (sb._container.upper / "root" / "made-by-root").stat()
+    st = (sb.lifecycle.container.upper / "root" / "made-by-root").stat()
     assert (st.st_uid, st.st_gid) == (outside, outside)
-    st = (sb._container.upper / "srv" / "d").stat()
+    st = (sb.lifecycle.container.upper / "srv" / "d").stat()
     assert (st.st_uid, st.st_gid) == (outside + 1000, outside + 1000)
     # the image's files, root's on the host's disk, are the sandbox's root's in there (idmapped layers)
     assert sb.exec("stat -c %u:%g /etc/passwd /usr/bin").stdout.split() == ["0:0", "0:0"]
@@ -119,7 +119,7 @@ def test_forks_snapshots_and_restores_keep_the_family_range_and_families_differ(
             for k in kids:
                 assert _uid_map(k)[1] == root and k.exec("cat /root/f").stdout == "kept\n"
                 assert k.exec("echo mine > /root/g").exit_code == 0
-                assert (k._container.upper / "root" / "g").stat().st_uid == root
+                assert (k.lifecycle.container.upper / "root" / "g").stat().st_uid == root
         finally:
             for k in kids:
                 k.close()
@@ -188,7 +188,7 @@ def test_a_range_past_the_low_ones_works_and_leaves_no_bound_namespace(sb, monke
         assert _uid_map(past)[1] == root
         assert past.exec("stat -c %u /etc/passwd").stdout == "0\n"  # the idmapped image layer
         assert past.exec("echo mine > /root/g").exit_code == 0
-        assert (past._container.upper / "root" / "g").stat().st_uid == root
+        assert (past.lifecycle.container.upper / "root" / "g").stat().st_uid == root
         bound = paths().home / "uids" / f"{userns.index_of(root)}.userns"
         assert bound not in pinned() - before
         kid = past.fork(1)[0]

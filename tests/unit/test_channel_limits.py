@@ -24,7 +24,7 @@ import pytest
 from agentenv.errors import ConnectionLost
 from agentenv.host.keeper_start import keeper_file
 from agentenv.inside import frames
-from agentenv.inside import jobs as agent_jobs
+from agentenv.inside import jobs as keeper_jobs
 from agentenv.sandbox import channel as channel_mod
 from agentenv.sandbox import jobs as host_jobs
 from agentenv.sandbox.channel import Channel, Gate
@@ -165,7 +165,7 @@ def test_a_dribbling_agent_meets_the_call_deadline(fake, monkeypatch):
 
 
 def test_exec_output_past_the_agents_own_cap_is_refused(fake, monkeypatch):
-    monkeypatch.setattr(agent_jobs, "MAX_OUTPUT", 4096)  # what the host side reads
+    monkeypatch.setattr(keeper_jobs, "MAX_OUTPUT", 4096)  # what the host side reads
 
     def behave(conn: socket.socket) -> None:
         with_request(conn)
