@@ -218,7 +218,7 @@ class ProcessLike(Protocol):
 class Process:
     """A ``ProcessLike`` of any sandbox, local or on a server: the part that needs no transport. How a subclass
     asks about it is its own (``exit_code``, ``kill``): ``agentenv.sandbox.calls.Process`` through the sandbox's
-    agent, ``agentenv.remote.client.RemoteProcess`` over HTTP; ``isinstance(p, agentenv.Process)`` holds for both."""
+    keeper, ``agentenv.remote.client.RemoteProcess`` over HTTP; ``isinstance(p, agentenv.Process)`` holds for both."""
 
     def __init__(self, sandbox: Any, pid: int, log: str, command: str) -> None:  # sandbox: the subclass's kind
         self.sandbox, self.pid, self.log, self.command = sandbox, pid, log, command

@@ -77,11 +77,11 @@ class Paths:
     Who may reach what: every folder and file is root's alone (0700, 0600), made so (never opened, then closed),
     except the folders a sandbox's root must pass through: a sandbox runs as an unprivileged host uid range
     (``agentenv.host.userns``) whose root must reach its bundle's ``rootfs`` (runc mounts it from inside the
-    sandbox's user namespace), a restore's CRIU images (CRIU reads them as that root) and the agent's file (a
+    sandbox's user namespace), a restore's CRIU images (CRIU reads them as that root) and the keeper's file (a
     restore's CRIU binds it there). The home, ``sandboxes/`` and ``snapshots/`` let anyone pass (0711: the names
     there cannot be listed), and each folder in those two is a *gate* (``gate``): root's, mode 0710, its group the
     gid of its sandbox's root (the range's base), so only that range and root get in. ``agents/`` (0711) holds
-    the agent alone, agentenv's own code (0644), nothing of a sandbox. Other host users reach nothing else below
+    the keeper alone, agentenv's own code (0644), nothing of a sandbox. Other host users reach nothing else below
     the home, and a sandbox's root reaches only its own family's folders, where the records are 0600 root's.
     """
 

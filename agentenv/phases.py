@@ -1,7 +1,7 @@
 """Where the milliseconds of a sandbox operation go: named phases, timed only while someone records them.
 
 A fork or a restore is a chain of steps (freeze, copying or cloning the files, the CRIU dump, runc, the
-agent's first answer); making them fast starts with knowing which one costs what on a given machine.
+keeper's first answer); making them fast starts with knowing which one costs what on a given machine.
 ``phase("fs")`` marks a step; ``recording()`` collects every phase that any thread of this process runs
 until it ends (a fork starts its children in threads), which ``bench.sandbox`` prints as a breakdown.
 Nothing is timed and nothing is kept while no one records: a marked step then costs one global read.

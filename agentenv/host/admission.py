@@ -1,7 +1,7 @@
 """Admission control: a bound on the sandboxes of this process that are starting at once.
 
 A start (create, restore, resume, a fork's child) is CPU work from end to end: the layer, the bundle, runc
-and the kernel making the namespaces and cgroup, the agent's interpreter coming up. A burst of 64 creates
+and the kernel making the namespaces and cgroup, the keeper's interpreter coming up. A burst of 64 creates
 on a machine of a few cores run all at once makes each of them wait behind all the others, so the first
 command of every one is answered late, and some time out. With a bound the burst queues instead: the
 first sandboxes start at full speed and the last ones are no later than they would have been.

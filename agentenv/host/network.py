@@ -12,7 +12,7 @@ Every sandbox has a network namespace of its own (runc makes it, owned by the sa
   bridge is delivered to the host itself (any of its addresses: loopback services, the env server, Ray, the
   host's own interfaces), nothing is forwarded from one sandbox to another, to loopback, link-local or metadata
   addresses or into the sandboxes from outside (replies excepted), no IPv6, and what leaves is masqueraded;
-- its own rules (``agentenv.netpolicy``), in a table of its namespace, which the agent cannot change: no process
+- its own rules (``agentenv.netpolicy``), in a table of its namespace, which the keeper cannot change: no process
   of the sandbox holds CAP_NET_ADMIN (not in its bounding set, and seccomp lets none make a user namespace
   where it would have it). They are loaded before ``eth0`` comes up: a restored sandbox's processes already run;
 - a resolv.conf naming the host's resolvers (``$AGENTENV_DNS`` overrides them, "none" for none), which the

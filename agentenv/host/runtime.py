@@ -66,7 +66,7 @@ class ContainerSpec:
     caps: list[str] = field(default_factory=lambda: list(DEFAULT_CAPS))
     rules: dict[str, Any] | None = None  # with network: its outbound rules (netpolicy.Rules.to_json())
     uids: int | None = None  # the host uid of the sandbox's root (agentenv.host.userns): its fork family's range
-    share_memory: bool = False  # its agent marks its pages mergeable (agentenv.host.ksm); kept by forks and snapshots
+    share_memory: bool = False  # its keeper marks its pages mergeable (agentenv.host.ksm); kept by forks and snapshots
 
     def to_json(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -95,7 +95,7 @@ def oci_config(spec: ContainerSpec, hostname: str, cgroup: str, resolv: str | No
     caps = sorted(set(spec.caps))
     mounts: list[dict[str, Any]] = [
         {"destination": "/proc", "type": "proc", "source": "proc"},
-        # one tmpfs for /dev, which also holds /dev/shm and the agent's socket and logs: CRIU saves each
+        # one tmpfs for /dev, which also holds /dev/shm and the keeper's socket and logs: CRIU saves each
         # tmpfs with tar, so every extra one costs a fork and exec on both dump and restore
         # at most half the memory limit: tmpfs pages count against it, and a full /dev/shm must leave room
         {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",

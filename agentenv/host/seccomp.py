@@ -7,7 +7,7 @@ setting ...), clone may not make namespaces, clone3 answers ENOSYS (so libc fall
 flags can be checked), socket may not open AF_VSOCK and personality takes Docker's few values. Unlike
 the Docker profile this was modelled on, io_uring is refused (as Docker itself has done since 25.0),
 and so are ptrace, process_vm_readv/writev and kcmp unless the sandbox is given CAP_SYS_PTRACE: nothing
-in a sandbox needs to look into another process, and the agent must not be looked into.
+in a sandbox needs to look into another process, and the keeper must not be looked into.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""How the agent starts a command and kills a job's processes: ``sh -c`` leading its own session (its process
+"""How the keeper starts a command and kills a job's processes: ``sh -c`` leading its own session (its process
 group is the job), with the sandbox's environment plus the request's and the job's marker, its stdin, stdout and
 stderr as pipes, a file or a terminal, as root or as another account of the image.
 
 Commands start by posix_spawn, not subprocess, whose imports would cost every sandbox start (see ``frames``), or
-as another account by ``users.spawn_as``; every process the agent starts is the OOM killer's first choice, never
-the agent. A part of the agent (``agentenv.host.keeper_start.PARTS``), apart from ``jobs.py`` because none of this
+as another account by ``users.spawn_as``; every process the keeper starts is the OOM killer's first choice, never
+the keeper. A part of the keeper (``agentenv.host.keeper_start.PARTS``), apart from ``jobs.py`` because none of this
 holds state: the job table, the reaper and the job's output are ``jobs.py``'s.
 """
 
@@ -26,17 +26,17 @@ else:
     import _signal
 
 JOB_ENV = "AGENTENV_JOB"
-CHILD_OOM_SCORE = 1000  # every process the agent starts is the OOM killer's first choice, never the agent
+CHILD_OOM_SCORE = 1000  # every process the keeper starts is the OOM killer's first choice, never the keeper
 _CHILD_PREFIX = f"echo {CHILD_OOM_SCORE} 2>/dev/null >/proc/self/oom_score_adj; "  # before the user's code runs
 
 
 class Starved(Exception):
-    """The agent cannot start a thread or a process: the sandbox is out of pids (or memory)."""
+    """The keeper cannot start a thread or a process: the sandbox is out of pids (or memory)."""
 
 
 class Child:
-    """A command the agent started (``sh -c``, leading its own session and process group): its pid, and the
-    agent's ends of its pipes, where it has pipes."""
+    """A command the keeper started (``sh -c``, leading its own session and process group): its pid, and the
+    keeper's ends of its pipes, where it has pipes."""
 
     def __init__(self, pid: int, stdin: Any = None, stdout: Any = None, stderr: Any = None) -> None:
         self.pid = pid
@@ -46,7 +46,7 @@ class Child:
 def start_command(header: dict[str, Any], job_id: int, output: int | None = None) -> Child:
     """Start the request's command: ``sh -c`` in a new session (its group is the job) with the sandbox's
     environment plus the request's; stdin a pipe if asked for, else /dev/null; stdout and stderr two pipes,
-    or both the file ``output``; for a ``pty`` job all three are a new terminal's slave end (the agent's stdin
+    or both the file ``output``; for a ``pty`` job all three are a new terminal's slave end (the keeper's stdin
     and stdout ends its master: ``agentenv.inside.pty``), forked so that it becomes the session's terminal. As
     root, posix_spawn (a vfork) rather than subprocess, whose imports cost every start of a sandbox (see the
     imports); as another account of the image (``header["user"]``), ``users.spawn_as``."""
@@ -68,7 +68,7 @@ def start_command(header: dict[str, Any], job_id: int, output: int | None = None
         if not stat.S_ISDIR(os.stat(cwd).st_mode):
             raise NotADirectoryError(errno.ENOTDIR, f"Not a directory: {cwd!r}")
         script = "cd -- '" + cwd.replace("'", "'\\''") + "' || exit 126; " + script
-    ends: list[int | None] = [None, None, None]  # the agent's ends of the child's stdin, stdout, stderr
+    ends: list[int | None] = [None, None, None]  # the keeper's ends of the child's stdin, stdout, stderr
     theirs: list[int] = []  # the child's ends, closed here once it runs
     tty = header.get("pty")
     piped = () if tty is not None else ((0,) if header.get("stdin") else ()) + ((1, 2) if output is None else ())

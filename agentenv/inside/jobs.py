@@ -1,10 +1,10 @@
-"""The agent's jobs: the commands it starts, their buffered output and exit status, and the reaper that
-collects every exit (the agent is PID 1, so orphans' too).
+"""The keeper's jobs: the commands it starts, their buffered output and exit status, and the reaper that
+collects every exit (the keeper is PID 1, so orphans' too).
 
 A job is addressed by id, so a client whose connection was closed (the host closes every connection before a
 memory snapshot) reconnects and resumes from the byte offsets it already has. A job made by ``start`` is
 addressed by pid instead (``attach``, ``input``, ``discard``, ``kill``) and stays until its end is delivered;
-its output waits in the agent, from absolute offsets, until read (or discarded). How a command starts (its
+its output waits in the keeper, from absolute offsets, until read (or discarded). How a command starts (its
 session, pipes or terminal, account) and how a job's processes are killed is ``commands.py``.
 """
 
@@ -60,7 +60,7 @@ class Job:
         self.out = [bytearray(), bytearray()]
         self.base = [0, 0]
         self.dropped = [0, 0]
-        self.held = 0  # bytes of out counted in the agent's output budget
+        self.held = 0  # bytes of out counted in the keeper's output budget
         self.info: dict[str, Any] = {}  # a started job's request, for listing
         self.tty: dict[str, int] | None = None  # a job on a terminal (``pty``): its size; one output stream
         self.stdin_lock = _thread.allocate_lock()
@@ -81,7 +81,7 @@ class Job:
         return {**self.info, "pid": self.pid, "exit_code": self.exit_code if self.done else None}
 
 class Jobs:
-    """The agent's process table and reaper, and the job calls the request handlers make (``agent.Agent``)."""
+    """The keeper's process table and reaper, and the job calls the request handlers make (``keeper.Keeper``)."""
 
     def __init__(self, log_dir: str) -> None:
         self.log_dir = log_dir  # where spawned commands' logs go
@@ -93,7 +93,7 @@ class Jobs:
         self.buffered = 0  # bytes of output all jobs hold (OUTPUT_BUDGET), under ``budget``: a leaf lock
         self.budget = _thread.allocate_lock()
         self.next_id = 1
-        self.child_started = Condition()  # reap_forever sleeps on it while the agent has no child
+        self.child_started = Condition()  # reap_forever sleeps on it while the keeper has no child
         self.new_child = False  # a child was started since reap_forever last found none (under child_started)
         self.closing: set[_socket.socket] = set()  # connections quiesce is closing: their waits and writes end
         self.keys: dict[str, int] = {}  # request key -> job id, until the result is delivered
@@ -262,7 +262,7 @@ class Jobs:
         """Send a job's output from the given absolute offsets (as it comes when streaming), then its result.
 
         Every ``HEARTBEAT`` seconds without anything to send, a ``{"beat": true}`` frame tells the
-        host the agent still runs (so that it can tell a long silent command from a stopped agent).
+        host the keeper still runs (so that it can tell a long silent command from a stopped keeper).
         Output frames say where their bytes start (``at``): past bytes a discard dropped, it goes on from
         the oldest kept. ``follow=False``: what is buffered now, then the result or ``{"running": true}``.
         """

@@ -1,6 +1,6 @@
 """A persistent Python interpreter inside a sandbox: the back end of e2b's ``Sandbox.run_code``.
 
-Like ``agent.py`` it runs with the sandbox's own python3 and the standard library only, and it treats its
+Like ``keeper.py`` it runs with the sandbox's own python3 and the standard library only, and it treats its
 sandbox as hostile. The host starts it with :func:`launch` (the source travels in an environment variable,
 so no file is needed in the sandbox), writes :func:`request` lines to its stdin and cuts its stdout into
 events with :func:`split_events`: exactly the NDJSON objects of e2b's ``/execute`` stream (``stdout``,

@@ -74,7 +74,7 @@ def account(name: str, etc: str = "/etc") -> Account:
 
 def spawn_as(acct: Account | None, argv: list[str], env: dict[str, str], cwd: str, fds: list[tuple[int, int]],
              ctty: Any = None) -> int:
-    """Fork a child that becomes ``acct`` (groups, gid, then uid; None: keeps the agent's), enters ``cwd`` as it
+    """Fork a child that becomes ``acct`` (groups, gid, then uid; None: keeps the keeper's), enters ``cwd`` as it
     and execs ``argv`` in a new session, with ``fds`` as (from, to) dups and, given ``ctty`` (a function run in
     the child after the dups), a controlling terminal; its pid. A failed step is the child's exit 126 and an
     OSError here, with the step named: the command never runs with more than the account's rights."""

@@ -268,7 +268,7 @@ class RemoteSandbox(RemoteFiles):
                                                            idempotent=True)]
 
     def discard(self, pid: int, offsets: tuple[int, int]) -> None:
-        """Let the agent drop a job's buffered output below ``offsets`` (never to be read again)."""
+        """Let the keeper drop a job's buffered output below ``offsets`` (never to be read again)."""
         self._call("POST", f"/jobs/{pid}/discard", {"offsets": [int(offsets[0]), int(offsets[1])]}, idempotent=True)
 
     def send_input(self, pid: int, data: bytes) -> None:

@@ -1,7 +1,7 @@
 """Sandboxes: containers you exec in, snapshot, fork, pause and restore (docs/architecture.md §3).
 
-A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 is the agent
-(see ``agent``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
+A sandbox is a runc container over a Docker image (see ``runtime``) whose PID 1 is the keeper
+(see ``agentenv.inside.keeper``). Its record lives in ``<home>/sandboxes/<id>/sandbox.json``, so any process can
 list, reattach to or restore it; state changes take a file lock, so two processes never snapshot
 or close the same sandbox at once. This module is what a user calls: create, restore, get and list, state,
 snapshot, fork, pause, resume and close. The calls into a running sandbox (exec, jobs, files) are
@@ -12,7 +12,7 @@ The lifecycle surface. The lifecycle modules (how a snapshot is written, ``snaps
 a sandbox mended after ``kill -9``, ``recovery``; ``migration``, ``expiry``, ``usage``, the ``warm`` pool) work on
 a sandbox through public names only (``agentenv.sandbox.parts.Parts``): its record (``record``, ``transition``,
 ``amend``, ``save_record``, ``reload``, under ``locked``) and one typed object, ``Sandbox.lifecycle``
-(``agentenv.sandbox.lifecycle``), that holds the container, the channel to the agent and the steps (start,
+(``agentenv.sandbox.lifecycle``), that holds the container, the channel to the keeper and the steps (start,
 a pause's end, destroy, the layer; a new sandbox of the same class). The steps are kept off ``Sandbox`` itself so
 that its methods stay what a user may call: each of those takes the lock and checks the state, then composes
 steps that do neither.
@@ -163,7 +163,7 @@ class Sandbox(Calls, Record):
         return st
 
     def ping(self, timeout: float | None = None) -> None:
-        """Ask the agent to answer (within ``timeout`` s, else the call's usual deadline); ConnectionLost (or
+        """Ask the keeper to answer (within ``timeout`` s, else the call's usual deadline); ConnectionLost (or
         another AgentEnvError) when it does not."""
         self._channel.call({"op": "ping"}, timeout=timeout)
 
@@ -229,7 +229,7 @@ class Sandbox(Calls, Record):
 
     def resume(self, memory: bool = True) -> None:
         """Bring a paused sandbox back where it was; with ``memory=False`` (or from a files-only pause) boot it
-        afresh from its files instead: its processes are gone, the agent starts anew."""
+        afresh from its files instead: its processes are gone, the keeper starts anew."""
         with self.locked():
             if self._rec.state != "paused":
                 raise SandboxStateError(f"sandbox {self.id} is {self._rec.state}, not paused")
@@ -239,7 +239,7 @@ class Sandbox(Calls, Record):
                 self.lifecycle.start(snap, "resume", memory)
             except BaseException:
                 self.transition("paused", init_pid=None, init_start=None)
-                self.lifecycle.agent = None
+                self.lifecycle.keeper = None
                 self.save_record()
                 raise
             self.amend(paused_snapshot=None)
@@ -294,7 +294,7 @@ class Sandbox(Calls, Record):
     def thaw_abandoned(self, procs: builtins.list[HostProcess] | None = None) -> bool:
         """Thaw the sandbox if a dead process left it frozen (its snapshot was cut short); True if it did.
 
-        Cheap (no agent call); it leaves alone a sandbox that a live process holds, or that a runc, CRIU or
+        Cheap (no keeper call); it leaves alone a sandbox that a live process holds, or that a runc, CRIU or
         cp of a dead one is still working on (``recover`` waits for those).
         """
         return recovery.thaw_abandoned(self, procs)

@@ -51,7 +51,7 @@ def expire(sb: Parts) -> str | None:
     """Pause or close ``sb`` (``action``) if, checked again under its lock, it runs past its TTL: a connect may
     have just extended it. Returns what was done ('pause', 'kill'), or None. SandboxStateError while a post-copy
     migration holds it frozen: the move decides where it goes (a later round reaps it if it stays here), and a
-    pause would wait out the quiesce deadline on an agent CRIU holds, with the sandbox's lock (and its calls)."""
+    pause would wait out the quiesce deadline on a keeper CRIU holds, with the sandbox's lock (and its calls)."""
     with sb.locked():
         if not due(sb.expires_at, sb.recorded_state):
             return None
@@ -70,7 +70,7 @@ def reap(sandboxes: Iterable[Expiring]) -> builtins.list[str]:
     """Pause or close (``action``) every running sandbox past its TTL; returns their ids.
 
     Each is checked again under its lock (``expire``), so one whose TTL a connect has just extended stays. One
-    that cannot be paused (its agent stopped, say) is logged and skipped: it neither stalls the others (every
+    that cannot be paused (its keeper stopped, say) is logged and skipped: it neither stalls the others (every
     step has a deadline) nor ends the round.
     """
     done = []

@@ -9,11 +9,11 @@ cheapest path its children allow:
   processes as soon as its layer is there (the clones wait on the disk, the starts on the CPU: they
   overlap). Nothing goes through the snapshot store and no file is copied, not even once.
   Where a warm pool (``agentenv.sandbox.warm``) holds sandboxes started like the parent, a child is one of them:
-  its layer cloned the same way and its root swapped under its running agent (``hostcalls.swap_root``:
+  its layer cloned the same way and its root swapped under its running keeper (``hostcalls.swap_root``:
   the overlay over the clone moved in, /proc, /dev and /sys moved onto it, ``pivot_root``), so a child
   costs a clone and a few system calls instead of a runc start and an interpreter coming up. Nothing
   untrusted has run in a pooled sandbox, so nothing it could have left there carries over; one that runs
-  anything besides its agent (it is listed like any sandbox: someone may have used it) is booted afresh instead.
+  anything besides its keeper (it is listed like any sandbox: someone may have used it) is booted afresh instead.
 - Otherwise (processes too, or a volume without subvolumes): one snapshot in the store, restored ``count``
   times in parallel, then deleted off the caller's path. A paused sandbox forks (memory and all) from its pause
   snapshot the same way, which it keeps; the server's fork route comes here too.
@@ -117,7 +117,7 @@ def _boot_child(kid: S) -> None:
     try:
         with phase("swap root"):
             try:
-                # its agent pinned as for every call: the pid in a record may name another sandbox's process by now
+                # its keeper pinned as for every call: the pid in a record may name another sandbox's process by now
                 init = KeeperProcess(kid.record.init_pid or 0, kid.record.init_start, container.cgroup)
                 if container.pids() != [init.pid]:  # listed like any sandbox, it may have been used meanwhile
                     raise SandboxError("the pooled sandbox runs processes besides its keeper")
@@ -133,7 +133,7 @@ def _boot_child(kid: S) -> None:
         kid.transition("running")  # on disk still 'creating' (removed if this process dies) until saved below
         kid.lifecycle.starting = True
         try:
-            # the agent starts again from the new root: nothing of the old one stays in use (CRIU could not
+            # the keeper starts again from the new root: nothing of the old one stays in use (CRIU could not
             # dump a process that maps files of a root that is no longer mounted)
             name, _, code = keeper_env().partition("=")
             kid.lifecycle.channel.last_word({"op": "reroot", "cwd": spec.workdir or "/", "argv": keeper_command(),

@@ -3,12 +3,12 @@
 ``agentenv.sandbox.core`` composes these steps into what a user calls (``Sandbox.create``, ``restore``, ``pause``,
 ``resume``, ``close``), and the lifecycle modules (``forking``, ``snapshotting``, ``recovery``, ...) use them through
 the ``Lifecycle`` protocol (``agentenv.sandbox.parts``): make a sandbox's record, start it (fresh or from a
-snapshot) and wait for its agent, end a pause, destroy it, and drop its layer. A step takes no lock and checks no
+snapshot) and wait for its keeper, end a pause, destroy it, and drop its layer. A step takes no lock and checks no
 state: its caller holds the sandbox's lock and knows where the sandbox is.
 
-The object also pins the agent: the record names the agent by pid *and* start time, and ``root`` checks, before
-every connection, that the process it reaches is still that agent (with a pidfd). A pid number that the kernel has
-since given to another sandbox's agent therefore never leads there: the handle follows the record (another handle
+The object also pins the keeper: the record names the keeper by pid *and* start time, and ``root`` checks, before
+every connection, that the process it reaches is still that keeper (with a pidfd). A pid number that the kernel has
+since given to another sandbox's keeper therefore never leads there: the handle follows the record (another handle
 may have paused and resumed the sandbox) or fails with SandboxLost.
 """
 
@@ -84,14 +84,14 @@ def boot(sb: S, snap: Snapshot | None, op: str, page_server_key: bytes | None = 
 
 
 class SandboxLifecycle(Generic[S]):
-    """The ``Lifecycle`` of ``sandbox``: its container, the channel to its agent, and the steps."""
+    """The ``Lifecycle`` of ``sandbox``: its container, the channel to its keeper, and the steps."""
 
     def __init__(self, sandbox: S, container: Container) -> None:
         self.sandbox = sandbox
         self.container = container
         self.channel = Channel(self.root, gate(sandbox.id))
-        self.agent: KeeperProcess | None = None  # the pinned agent, once a call has needed it
-        self.starting = False  # in start: the record on disk does not name the new agent yet
+        self.keeper: KeeperProcess | None = None  # the pinned keeper, once a call has needed it
+        self.starting = False  # in start: the record on disk does not name the new keeper yet
 
     def new(self, spec: ContainerSpec, image: str, ttl: float | None, labels: dict[str, str] | None,
             parent: str | None) -> S:
@@ -104,7 +104,7 @@ class SandboxLifecycle(Generic[S]):
 
     @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.host.admission)
     def start(self, snap: Snapshot | None, op: str, memory: bool = True, page_server_key: bytes | None = None) -> None:
-        """Make the layer and the bundle, start the agent (or restore every process, unless ``memory`` is False)
+        """Make the layer and the bundle, start the keeper (or restore every process, unless ``memory`` is False)
         and wait until it answers. On failure the container is torn down but the record stays: the caller
         decides its fate."""
         sb, container = self.sandbox, self.container
@@ -151,7 +151,7 @@ class SandboxLifecycle(Generic[S]):
             container.connect(spec, pid, restored=restoring is not None, address=sb.record.address)
             sb.amend(address=(container.link() or {}).get("address"))
             crash_point(f"{op}:started")
-            self.agent = None
+            self.keeper = None
             sb.transition("running", init_pid=pid, init_start=proc_start_time(pid), owner=None)
             protect_keeper(pid)
             self.starting = True
@@ -173,7 +173,7 @@ class SandboxLifecycle(Generic[S]):
             raise
 
     def wait_started(self, timeout: float) -> None:
-        """Wait until the agent, starting, answers a ping (at most ``timeout`` seconds)."""
+        """Wait until the keeper, starting, answers a ping (at most ``timeout`` seconds)."""
         deadline = time.monotonic() + timeout
         with self.channel.connect(wait=timeout, through_gate=False) as s:
             frames.send_frame(s, {"op": "ping"}, deadline=deadline)
@@ -185,14 +185,14 @@ class SandboxLifecycle(Generic[S]):
         self.drop_layer()
         self.sandbox.transition("paused", paused_snapshot=snap_id, pausing=None, owner=None, init_pid=None,
                                 init_start=None)
-        self.agent = None
+        self.keeper = None
         self.sandbox.save_record()
         self.unshare()
 
     def destroy(self) -> None:
         """Stop every process and remove the sandbox's layer and bundle; its record says closed."""
         self.container.destroy()
-        self.agent = None
+        self.keeper = None
         self.sandbox.transition("closed")
         self.drop_layer()  # before the record goes: a close cut short is closed again
         remove_tree(self.container.bundle)  # never through a layer mount a start cut short left there
@@ -218,26 +218,26 @@ class SandboxLifecycle(Generic[S]):
                 remove_tree(d)
 
     def root(self) -> Root:
-        """The agent's root, for one connection, after checking that the process is the sandbox's agent.
+        """The keeper's root, for one connection, after checking that the process is the sandbox's keeper.
 
-        If the agent this object knew is gone, the record is read again: another handle (or process)
-        may have paused, resumed or closed the sandbox. If the record still names the dead agent, the
+        If the keeper this object knew is gone, the record is read again: another handle (or process)
+        may have paused, resumed or closed the sandbox. If the record still names the dead keeper, the
         sandbox is lost (SandboxLost); a pid number reused by another process is never followed.
         """
         sb = self.sandbox
         for _attempt in range(3):
-            ref = self.agent
+            ref = self.keeper
             pid = sb.record.init_pid
             if ref is None or ref.pid != pid:
                 ref = None
                 if sb.record.state == "running" and pid:
                     with contextlib.suppress(OSError):
                         ref = KeeperProcess(pid, sb.record.init_start, self.container.cgroup)
-                self.agent = ref
+                self.keeper = ref
             if ref is not None:
                 with contextlib.suppress(OSError):
                     return ref.root()
-                self.agent = None
+                self.keeper = None
             if self.starting:
                 raise SandboxError(f"the keeper of sandbox {sb.id} (pid {pid}) exited as it started",
                                    fix=f"check that the image has python3 (docker run --rm {sb.image} python3 -V)")

@@ -3,7 +3,7 @@
 
 They take a ``Parts``: the sandbox's public surface (its record, read through ``record``, changed by ``transition``
 and ``amend``, saved by ``save_record`` and reloaded by ``reload`` under ``locked``; ``state``, ``ping``,
-``close``) and its ``lifecycle``, one typed object that holds the container, the channel to the agent and the
+``close``) and its ``lifecycle``, one typed object that holds the container, the channel to the keeper and the
 steps of the lifecycle (start, pause's end, destroy, the layer; a new sandbox of the same class). ``Sandbox``
 (``agentenv.sandbox.core``) provides the surface and ``agentenv.sandbox.lifecycle`` the steps; mypy checks both
 where ``core`` hands ``self`` over. None of these modules imports ``core`` or ``lifecycle`` (no import circle),
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from agentenv.snapshot.container import Container
     from agentenv.snapshot.store import Snapshot
 
-START_TIMEOUT = 30.0  # seconds a new or restored agent has to answer its first ping
+START_TIMEOUT = 30.0  # seconds a new or restored keeper has to answer its first ping
 S_co = TypeVar("S_co", covariant=True)  # the sandbox class whose lifecycle it is
 
 
@@ -33,7 +33,7 @@ class Lifecycle(Protocol[S_co]):
     ``agentenv.sandbox.lifecycle``). Not for users of a sandbox: a step does what it says and no more (no lock
     taken, no state checked), which is what the lifecycle modules, holding the lock, need."""
 
-    starting: bool  # in ``start``: the record on disk does not name the new agent yet
+    starting: bool  # in ``start``: the record on disk does not name the new keeper yet
 
     @property
     def container(self) -> Container: ...

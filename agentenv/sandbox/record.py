@@ -1,5 +1,5 @@
 """A sandbox's record: ``<home>/sandboxes/<id>/sandbox.json``, what every process knows of a sandbox (its spec,
-state, agent, labels, ttl, address), written whole by rename and changed under a file lock that spans processes.
+state, keeper, labels, ttl, address), written whole by rename and changed under a file lock that spans processes.
 
 ``Sandbox`` is a ``Record`` with a lifecycle (``agentenv.sandbox.core``): this module is the record's fields
 (``SandboxRecord``, typed and frozen) and their form on disk, the save and reload, the check that it runs, the lock,
@@ -66,7 +66,7 @@ class SandboxRecord:
     created_at: float  # when the record was made (``time.time()``)
     expires_at: float | None = None  # when its TTL ends (``time.time()`` scale); None: it has none
     labels: dict[str, str] = field(default_factory=dict)  # the caller's labels (``agentenv.on_expiry`` among them)
-    init_pid: int | None = None  # the pid of its agent (PID 1) while it runs
+    init_pid: int | None = None  # the pid of its keeper (PID 1) while it runs
     init_start: int | None = None  # that process's start time (``proc_start_time``): a reused pid is never followed
     owner: list[int] | None = None  # [pid, start time] of the process making or pausing it (``store.owner``)
     pausing: str | None = None  # the snapshot a pause under way writes: ``recover`` finishes or rolls it back

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from agentenv.sandbox.parts import Parts
 
 log = logging.getLogger("agentenv")
-RECOVER_PING_TIMEOUT = 2.0  # seconds a recovered sandbox's agent has to answer
+RECOVER_PING_TIMEOUT = 2.0  # seconds a recovered sandbox's keeper has to answer
 ORPHAN_WAIT = 310.0  # seconds recovery waits for a dead process's runc, CRIU or cp to end (runc's own limit: 300)
 LOCK_WAIT = 60.0  # seconds recovery waits for a live process to let go of a sandbox
 

@@ -2,7 +2,7 @@
 
 ``Sandbox.snapshot``, ``pause`` and the snapshot path of ``fork`` all come here. The sandbox is held still by
 its cgroup freezer while its files are cloned, so files and processes are of one instant. Before a memory
-snapshot the agent first closes every connection of the host (``quiesce``, with the sandbox's gate shut so no
+snapshot the keeper first closes every connection of the host (``quiesce``, with the sandbox's gate shut so no
 new one opens): CRIU cannot dump a process holding the other end of a socket whose peer it does not own. A
 sandbox restored lazily (``agentenv.snapshot.lazy_pages``) is dumped only once all of its memory is in. The snapshot is
 written in a hidden folder of the store and renamed into place (``store.writing``): a crash leaves nothing
@@ -32,7 +32,7 @@ from agentenv.snapshot.store import Snapshot
 if TYPE_CHECKING:
     from agentenv.sandbox.parts import Parts
 
-QUIESCE_TIMEOUT = 15.0  # seconds the agent has to close the host's connections before a memory snapshot
+QUIESCE_TIMEOUT = 15.0  # seconds the keeper has to close the host's connections before a memory snapshot
 # CRIU's account of a dump (stats-dump, microseconds), recorded as phases: the processes frozen (CRIU's part),
 # their pages drained into pipes and written out (memdump), and the writing alone (memwrite)
 CRIU_PHASES = {"frozen_time": "criu: frozen", "memdump_time": "criu: memdump", "memwrite_time": "criu: memwrite"}
@@ -81,7 +81,7 @@ def take(sb: Parts, memory: bool, leave_running: bool, labels: dict[str, str] | 
                         break
             shutil.rmtree(folder / "criu", ignore_errors=True)  # a failed try's images, before the next
         if failed is not None:
-            raise _terminals_named(sb, failed)  # once thawed, the gate open: the agent can answer
+            raise _terminals_named(sb, failed)  # once thawed, the gate open: the keeper can answer
         crash_point(f"{op}:dumped")
         snap = meta(sb, snap_id, folder, memory, labels, owner)
         store.write_meta(folder, snap)
@@ -145,7 +145,7 @@ def frozen(sb: Parts, quiesce: bool) -> Iterator[None]:
 
 
 def _quiesce(sb: Parts) -> None:
-    """Have the agent close every host connection, within QUIESCE_TIMEOUT (a stopped agent never will)."""
+    """Have the keeper close every host connection, within QUIESCE_TIMEOUT (a stopped keeper never will)."""
     try:
         sb.lifecycle.channel.last_word({"op": "quiesce"}, QUIESCE_TIMEOUT)  # the gate is shut: the one connection
     except TimeoutError:

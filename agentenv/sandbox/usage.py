@@ -86,9 +86,9 @@ def sample(sandboxes: Iterable[Parts], window: float = 0.2) -> dict[str, tuple[U
 
 
 def stall_hint(sb: Parts) -> str:
-    """Why the sandbox's agent may not be answering, read from its cgroups and /proc (for an error message): its
+    """Why the sandbox's keeper may not be answering, read from its cgroups and /proc (for an error message): its
     memory against the limit (and a memory OOM it is stuck in), its processes against the pids limit, a freezer
-    left on, and the states of the agent's threads (``T``: stopped, ``t``: held by a tracer such as CRIU, ``D``:
+    left on, and the states of the keeper's threads (``T``: stopped, ``t``: held by a tracer such as CRIU, ``D``:
     waiting in the kernel). Never raises: what cannot be read is left out."""
     said: list[str] = []
     with contextlib.suppress(Exception):
@@ -103,8 +103,8 @@ def stall_hint(sb: Parts) -> str:
                 said.append(f"{pids} pids of {_text(d / 'pids.max') or '?'}")
             if _text(d / "freezer.state") not in ("", "THAWED") or _text(d / "cgroup.freeze") == "1":
                 said.append("frozen")
-        agent = sb.record.init_pid
-        for pid in [agent] if isinstance(agent, int) else sb.lifecycle.container.pids()[:1]:  # else the first started
+        keeper = sb.record.init_pid
+        for pid in [keeper] if isinstance(keeper, int) else sb.lifecycle.container.pids()[:1]:  # else the first started
             states: dict[str, int] = {}
             with contextlib.suppress(OSError):
                 for task in list(Path(f"/proc/{pid}/task").iterdir())[:256]:

@@ -1,6 +1,6 @@
 """A warm pool: sandboxes started ahead of time, handed out by ``Sandbox.create`` when one matches.
 
-A start costs tens of milliseconds of CPU (runc, the kernel's namespaces, the agent coming up). A burst of
+A start costs tens of milliseconds of CPU (runc, the kernel's namespaces, the keeper coming up). A burst of
 creates bigger than the machine's cores queues behind that work (``agentenv.host.admission``) however fast one
 start is; a pool moves the work before the burst: a create whose image and limits match a pooled sandbox
 gets it at once (its labels and ttl set to the caller's), and the pool refills behind, one start at a time

@@ -4,7 +4,7 @@ Copying every page before the processes run was most of CRIU's restore (~55 ms o
 100 MB). Where a dump's pages take LAZY_MIN_BYTES or more, ``Restore`` starts a ``criu lazy-pages`` daemon over
 the images (in a thread, while the sandbox's root is mounted) and CRIU restores with ``--lazy-pages``: the
 processes run as soon as all but their anonymous memory is back, and the daemon fills pages in as they are
-touched (userfaultfd), copies the rest in the background and exits. The agent's own pages are copied up front
+touched (userfaultfd), copies the rest in the background and exits. The keeper's own pages are copied up front
 (``eager_pages``): served one fault at a time, they made its first answer ~30 ms late. The rules that keep this
 safe:
 
@@ -286,7 +286,7 @@ def eager_pages(pagemap: Path) -> None:
     """Have a lazy restore copy a process's pages up front after all: clear the lazy flag of every entry of its
     pagemap image, written anew in place of ``pagemap`` (a hard link: the snapshot's own file is left as it is).
 
-    Used for the sandbox's init, the agent: the first call after a restore runs through a few hundred of its
+    Used for the sandbox's init, the keeper: the first call after a restore runs through a few hundred of its
     ~1000 lazily restorable pages, each a page fault served by the daemon (~30 ms in all, measured, while the
     daemon also copies in the background), where copying its few MB up front takes a couple of ms. Left as it
     is if the image is not in the expected form.
