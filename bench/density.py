@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     report = Report("density", vars(args))
-    found = ksm._settings(["run", *ksm.TUNED])
+    found = ksm.settings(["run", *ksm.TUNED])
     report.info.update(run_id=run_id, image=IMAGE, ksm_found=found, ksm_tuning=ksm.TUNED, label=LABEL)
     cleanup = Cleanup(run_id)
     fam: dict[str, dict[str, Any]] = {}
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cleanup.all(None)
         ksm.sync()  # none of this run's sharing sandboxes is left: KSM back as found (unless others run)
-    report.info["ksm_after"] = ksm._settings(["run", *ksm.TUNED])
+    report.info["ksm_after"] = ksm.settings(["run", *ksm.TUNED])
     summarize(report, fam, args)
     report.print_errors()
     report.write(args.output)

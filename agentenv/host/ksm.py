@@ -163,7 +163,8 @@ def stats() -> Stats:
                  ksmd_cpu_s=ksmd_cpu_seconds())
 
 
-def _settings(names: list[str]) -> dict[str, str]:
+def settings(names: list[str]) -> dict[str, str]:
+    """KSM's settings ``names`` as they are now (a choice file's chosen value)."""
     out = {}
     for name in names:
         value = _read(name)
@@ -180,7 +181,7 @@ def switch(on: bool, saved: Path) -> None:
         if saved.exists():
             return
         tuned = {k: v for k, v in TUNED.items() if (KSM / k).is_file()}  # no advisor before kernel 6.7
-        found = _settings(["run", *tuned])  # in the order they go back: the advisor's mode first
+        found = settings(["run", *tuned])  # in the order they go back: the advisor's mode first
         write_json(saved, found)
         if found["run"] == "1":  # the host runs KSM itself: leave its settings alone
             return

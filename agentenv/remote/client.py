@@ -75,7 +75,8 @@ class Client(Transport):
         return ImageFetch.from_wire(self.request("POST", "/v1/images/ensure", {"image": image, "deadline": deadline},
                                                  timeout=wait))
 
-    def _sandbox(self, info: dict[str, Any]) -> RemoteSandbox:
+    def sandbox_of(self, info: dict[str, Any]) -> RemoteSandbox:
+        """The handle of the sandbox a server's answer describes (``on_sandbox`` is told of it)."""
         sb = RemoteSandbox(self, SandboxInfo.from_wire(info))
         if self.on_sandbox is not None:
             self.on_sandbox(sb)
@@ -298,7 +299,7 @@ class RemoteSandbox(RemoteFiles):
 
     def fork_here(self, n: int, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
         """``n`` children on this sandbox's server (QuotaExceeded when it lacks room for them all)."""
-        return [self._client._sandbox(info)
+        return [self._client.sandbox_of(info)
                 for info in self._call("POST", "/fork", {"count": n, "memory": bool(memory)})]
 
     def pause(self) -> RemoteSnapshot:
@@ -342,18 +343,18 @@ class SandboxAPI:
                 "env": env or {}, "workdir": workdir, "ttl": ttl, "labels": labels or {}}
         if share_memory:  # sent only when asked for: a server from before the option refuses the field
             body["share_memory"] = True
-        return self._client._sandbox(self._client.request("POST", "/v1/sandboxes", body))
+        return self._client.sandbox_of(self._client.request("POST", "/v1/sandboxes", body))
 
     def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
         sid = snapshot if isinstance(snapshot, str) else snapshot.id
         info = self._client.request("POST", f"/v1/snapshots/{sid}/restore", {"labels": labels or {}})
-        return self._client._sandbox(info)
+        return self._client.sandbox_of(info)
 
     def get(self, sandbox_id: str) -> RemoteSandbox:
-        return self._client._sandbox(self._client.request("GET", f"/v1/sandboxes/{sandbox_id}", idempotent=True))
+        return self._client.sandbox_of(self._client.request("GET", f"/v1/sandboxes/{sandbox_id}", idempotent=True))
 
     def list(self) -> list[RemoteSandbox]:
-        return [self._client._sandbox(i) for i in self._client.request("GET", "/v1/sandboxes", idempotent=True)]
+        return [self._client.sandbox_of(i) for i in self._client.request("GET", "/v1/sandboxes", idempotent=True)]
 
 
 class SnapshotAPI:

@@ -229,7 +229,7 @@ class PoolSandboxAPI:
         delivered = False
         try:
             import_snapshot(target, source, snap_id)
-            moved = target._sandbox(target.request("POST", f"/v1/snapshots/{snap_id}/receive",
+            moved = target.sandbox_of(target.request("POST", f"/v1/snapshots/{snap_id}/receive",
                                                    {"labels": dict(sandbox.labels), "key": started["key"]}))
             if on_running is not None:
                 on_running(moved)
