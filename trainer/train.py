@@ -1,8 +1,9 @@
 """The Trainer: the served model (``policy.model.K3Model``) trained with expert + data parallelism.
 
 One ``Trainer`` object is the whole training job. Rank 0 runs in the caller's process; with ``world > 1`` ranks
-1..world-1 are worker processes (spawned, like the policy engine's), and every call is broadcast to all ranks, which
-run it together (gloo on CPU, NCCL on GPU). A loop calls, in order::
+1..world-1 are worker processes (spawned, like the policy engine's), and every call is a typed op
+(trainer/distributed/rank.py) broadcast to all ranks by the rank loop the policy engine's ranks run too
+(policy/ranks.py), which run it together (gloo on CPU, NCCL on GPU). A loop calls, in order::
 
     trainer = Trainer(model_cfg, TrainConfig(...), world=2, ep_size=2)
     batch = rl_batch(trajectories, AdvantageConfig(...), current_version=v)     # trainer/algorithm/batch.py
