@@ -45,12 +45,12 @@ from bench.harness import (
 from policy.config import model_config
 from policy.engine import Engine, SamplingParams
 from policy.engines import EngineSpec, start, wait_healthy
+from policy.ranks import free_port
 from policy.tokenizer import load_tokenizer
-from trainer.batch import Batch, Sample
+from trainer.algorithm.batch import Batch, Sample
+from trainer.distributed.rank import write_safetensors_atomic
+from trainer.distributed.sync import Endpoint, WeightSync
 from trainer.metrics import iteration_split, read_jsonl, rollout_to_train
-from trainer.parallel import free_port
-from trainer.rank import write_safetensors_atomic
-from trainer.sync import Endpoint, WeightSync
 from trainer.train import TrainConfig, Trainer
 
 

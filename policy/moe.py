@@ -22,7 +22,7 @@ class Router(nn.Module):
         self.k, self.renormalize, self.scaling = cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor
         self.weight = nn.Parameter(torch.randn(cfg.num_experts, cfg.hidden_size) * cfg.hidden_size ** -0.5)
         # aux-loss-free balancing bias (noaux_tc): moved by the trainer after each step toward balance
-        # (trainer/balance.py, rl.router_bias_rate), never by gradients; a buffer, so it travels with the weights
+        # (trainer/algorithm/balance.py, rl.router_bias_rate), never by gradients; a buffer, so it travels with the weights
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
 
     def forward(self, x: torch.Tensor, forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,26 +1,26 @@
 """Model runners: one per EP rank, each holding its expert shard and the decoding caches of its sequences.
 
 Rank 0 lives in the serving process; ranks 1..N-1 are worker processes. Every step, rank 0 broadcasts a
-plan (which rank runs which sequences), all ranks run the same number of forward rounds so that their
-expert all-to-alls line up, and the last-token logits come back to rank 0.
+plan (``StepPlan``: which rank runs which sequences), all ranks run the same number of forward rounds so that their
+expert all-to-alls line up, and the last-token logits come back to rank 0. The broadcast, the ranks' loop and the
+gather are ``policy.ranks``'s, shared with the trainer's ranks.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from dataclasses import dataclass
-from typing import Any
+from multiprocessing.process import BaseProcess
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from policy.config import K3Config
 from policy.ep import EPGroup, init_ep, shard_state_dict
 from policy.model import Cache, K3Model
+from policy.ranks import Op, Ranks, free_port, rank_device, serve, spawn_ranks, threads_per_rank
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,28 @@ class Entry:
     cache: Cache
     logits: torch.Tensor | None = None
     routing: torch.Tensor | None = None
+
+
+StepResult = tuple[dict[int, JobResult], torch.Tensor]   # each sequence's result, and the rank's expert load
+
+
+@dataclass(frozen=True)
+class StepPlan(Op[StepResult]):
+    """One engine step on every rank: ``jobs[r]`` are rank r's; ``keep`` (sequence, entry) pairs become prefix
+    entries and ``free`` sequences are freed before the jobs, ``drop`` entries go after them."""
+
+    jobs: list[list[Job]]
+    free: list[int]
+    keep: list[tuple[int, int]]
+    drop: list[int]
+
+
+@dataclass(frozen=True)
+class LoadWeights(Op[None]):
+    """Every rank loads its shard of the checkpoint ``path`` (rank 0 checked it before sending this)."""
+
+    path: str
+    replied: ClassVar[bool] = False
 
 
 def _prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[tuple[float, int, list[tuple[int, float]]]]:
@@ -168,60 +190,32 @@ class Runner:
         for s in seq_ids:
             self.caches.pop(s, None)
 
-    def handle(self, plan: dict[str, Any]) -> tuple[dict[int, JobResult], torch.Tensor] | None:
-        """Apply one broadcast plan on this rank: keep finished sequences' states as entries, free them, run
+    def handle(self, op: StepPlan | LoadWeights) -> StepResult | None:
+        """Apply one broadcast op on this rank. A plan: keep finished sequences' states as entries, free them, run
         the jobs, then drop the entries the engine evicted (after the jobs, which may still start from them)."""
-        for seq_id, entry_id in plan.get("keep", []):
-            if seq_id in self.caches:  # only the rank that ran the sequence holds it
-                self.entries[entry_id] = Entry(self.caches[seq_id].copy())
-        self.free(plan.get("free", []))
-        result = None
-        if plan["op"] == "load":  # rank 0 checked the file before sending this plan
+        if isinstance(op, LoadWeights):
             self.entries.clear()  # states computed with the old weights
             try:
-                self.load_state(load_file(plan["path"]))
+                self.load_state(load_file(op.path))
             except Exception:
-                log.exception("rank %s could not load %s", self.ep.rank if self.ep else 0, plan["path"])
-        elif plan["op"] == "step":
-            jobs = plan["jobs"][self.ep.rank if self.ep else 0]
-            n = max(self.rounds(js) for js in plan["jobs"])
-            result = self.execute(jobs, n)
-        for entry_id in plan.get("drop", []):
+                log.exception("rank %s could not load %s", self.ep.rank if self.ep else 0, op.path)
+            return None
+        for seq_id, entry_id in op.keep:
+            if seq_id in self.caches:  # only the rank that ran the sequence holds it
+                self.entries[entry_id] = Entry(self.caches[seq_id].copy())
+        self.free(op.free)
+        jobs = op.jobs[self.ep.rank if self.ep else 0]
+        result = self.execute(jobs, max(self.rounds(js) for js in op.jobs))
+        for entry_id in op.drop:
             self.entries.pop(entry_id, None)
         return result
 
 
-def _rank_device(device: str, rank: int) -> str:
-    """One GPU per rank on CUDA (NCCL); every rank on the CPU otherwise (gloo)."""
-    if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-        return f"cuda:{rank}"
-    return "cpu"
-
-
-def _threads_per_rank(world: int) -> int:
-    """Split the machine's cores evenly over the EP ranks (they all compute at once)."""
-    return max(1, (os.cpu_count() or 1) // world)
-
-
 def _worker(rank: int, world: int, port: int, cfg: dict[str, Any], seed: int, weights: str | None, device: str) -> None:
-    torch.set_num_threads(_threads_per_rank(world))
-    dev = _rank_device(device, rank)
+    torch.set_num_threads(threads_per_rank(world))
+    dev = rank_device(device, rank)
     ep = init_ep(rank, world, port, backend="nccl" if dev.startswith("cuda") else "gloo")
-    runner = Runner(K3Config.from_dict(cfg), ep, seed, weights, dev)
-    while True:
-        box: list[Any] = [None]
-        try:
-            dist.broadcast_object_list(box, src=0)
-        except RuntimeError:   # rank 0 is gone (its process ended without "stop"): nothing left to serve
-            return
-        plan = box[0]
-        if plan["op"] == "stop":
-            break
-        result = runner.handle(plan)
-        if plan["op"] == "step":
-            dist.gather_object(result, None, dst=0)
-    dist.destroy_process_group()
+    serve(rank, Runner(K3Config.from_dict(cfg), ep, seed, weights, dev).handle, until_gone=True)
 
 
 class RankGroup:
@@ -229,42 +223,31 @@ class RankGroup:
 
     def __init__(self, cfg: K3Config, ep_size: int = 1, seed: int = 0, weights: str | None = None,
                  device: str = "cpu") -> None:
-        self.world = ep_size
-        self.procs: list[Any] = []
+        self.procs: list[BaseProcess] = []
         if ep_size > 1:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            ctx = mp.get_context("spawn")
-            for r in range(1, ep_size):
-                p = ctx.Process(target=_worker, args=(r, ep_size, port, cfg.to_dict(), seed, weights, device),
-                                daemon=True)
-                p.start()
-                self.procs.append(p)
-            torch.set_num_threads(_threads_per_rank(ep_size))
-            dev = _rank_device(device, 0)
+            port = free_port()
+            self.procs = spawn_ranks(ep_size, _worker, ep_size, port, cfg.to_dict(), seed, weights, device)
+            torch.set_num_threads(threads_per_rank(ep_size))
+            dev = rank_device(device, 0)
             ep = init_ep(0, ep_size, port, backend="nccl" if dev.startswith("cuda") else "gloo")
             self.runner = Runner(cfg, ep, seed, weights, dev)
         else:
             self.runner = Runner(cfg, None, seed, weights, device)
+        self.ranks = Ranks(ep_size, self.runner.handle)
 
-    def _send(self, plan: dict[str, Any]) -> None:
-        if self.world > 1:
-            dist.broadcast_object_list([plan], src=0)
+    @property
+    def world(self) -> int:
+        """The EP ranks this group runs on (1 once closed)."""
+        return self.ranks.world
 
     def step(self, jobs: list[list[Job]], free: list[int], keep: list[tuple[int, int]] | None = None,
-             drop: list[int] | None = None) -> tuple[dict[int, JobResult], torch.Tensor]:
+             drop: list[int] | None = None) -> StepResult:
         """Run one step; ``jobs[r]`` are rank r's. ``keep`` (sequence, entry) pairs become prefix entries before
         ``free`` is freed; ``drop`` entries go after the jobs. Returns results per sequence and the load
         (layers, experts)."""
-        plan = {"op": "step", "jobs": jobs, "free": free, "keep": keep or [], "drop": drop or []}
-        self._send(plan)
-        result = self.runner.handle(plan)
-        assert result is not None
+        gathered = self.ranks.call(StepPlan(jobs, free, keep or [], drop or []))
         if self.world == 1:
-            return result
-        gathered: list[Any] = [None] * self.world
-        dist.gather_object(result, gathered, dst=0)
+            return gathered[0]
         results = {k: v for r in gathered for k, v in r[0].items()}
         return results, torch.cat([r[1] for r in gathered], dim=1)
 
@@ -272,12 +255,12 @@ class RankGroup:
         """Check the checkpoint on rank 0, then have every rank load its shard of it."""
         self.runner.load_state(load_file(path))  # raises (nothing sent) on a missing or mismatched file
         self.runner.entries.clear()
-        self._send({"op": "load", "path": path})
+        self.ranks.send(LoadWeights(path))
 
     def close(self) -> None:
         if self.world > 1:
-            self._send({"op": "stop"})
+            self.ranks.stop()
             for p in self.procs:
                 p.join(timeout=10)
             dist.destroy_process_group()
-            self.world = 1
+            self.ranks.world = 1

@@ -8,7 +8,7 @@ demonstration trajectories, and plots of a metrics log.
     agentenv train plot runs/sft/metrics.jsonl
 
 ``agentenv train --config FILE`` starts what is missing — the policy server (``agentenv policy serve --ep 2``), a
-local Ray with rollout workers, the trainer — runs the loop of ``trainer/loop.py`` and stops what it started;
+local Ray with rollout workers, the trainer — runs the loop of ``trainer/loop/core.py`` and stops what it started;
 ``--policy-url`` / ``--ray-address`` use existing ones instead. A pre-flight checks every part before anything
 starts. ``--dry-run`` prints the plan and the effective configuration and starts nothing.
 
@@ -65,9 +65,9 @@ def train(
     from rich.console import Console
 
     from agentenv.terminal import clean, markup
-    from trainer.config import ConfigError, describe, load
-    from trainer.loop import Loop
-    from trainer.services import PreflightError, ServerError, preflight
+    from trainer.loop.config import ConfigError, describe, load
+    from trainer.loop.core import Loop
+    from trainer.loop.services import PreflightError, ServerError, preflight
 
     console = Console(soft_wrap=True, width=None if sys.stdout.isatty() else 120)
     overrides = list(set_ or [])
@@ -126,7 +126,7 @@ def train(
 @app.command("defaults")
 def defaults_cmd() -> None:
     """Print every configuration key with its default and documentation, as TOML."""
-    from trainer.config import defaults_toml
+    from trainer.loop.config import defaults_toml
     print(defaults_toml(), end="")
 
 

@@ -6,7 +6,7 @@ checkpoint), so that the file lists every step once. ``plot`` draws the standard
 reward and pass rate on training and validation tasks (the held-out figures with their intervals are in
 ``reward.png``), response length, entropy, KL, clip fraction, grad norm,
 staleness, and the time breakdown (environment / policy / training / weight sync) as stacked areas; the RL health
-panels (ratio and TIS extremes, advantages, malformed calls, routing-replay coverage) are trainer/health.py's.
+panels (ratio and TIS extremes, advantages, malformed calls, routing-replay coverage) are trainer/algorithm/health.py's.
 
 Metric names the loop and the trainer share: ``reward/train``, ``reward/<split>``, ``pass_rate/train``,
 ``pass_rate/<split>`` (an evaluation's mean@k; ``_lo`` / ``_hi``: its 95% interval; split heldout or validation),

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from trainer.batch import Batch, Sample
+from trainer.algorithm.batch import Batch, Sample
 from trainer.metrics import MetricsLog, Progress, plot
 from trainer.trackers import open_tracker
 
 if TYPE_CHECKING:
-    from trainer.config import RunConfig
+    from trainer.loop.config import RunConfig
     from trainer.train import Trainer
 
 
@@ -138,7 +138,7 @@ def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: 
     from agentenv.config import write_json
     from policy.config import model_config
     from rollout.trajectory import read
-    from trainer.tasks import resolve_function
+    from trainer.loop.tasks import resolve_function
     from trainer.train import TrainConfig, Trainer
 
     final = run_dir / "sft" / "weights.safetensors"

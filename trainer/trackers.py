@@ -64,7 +64,7 @@ def episode_table(trajectories: list[Any], limit: int = 32) -> tuple[list[str], 
 
 
 def for_run(cfg: Any, run_dir: Path) -> Tracker | None:
-    """The tracker a run's ``[metrics]`` names (``trainer.config.MetricsConfig``), or None."""
+    """The tracker a run's ``[metrics]`` names (``trainer.loop.config.MetricsConfig``), or None."""
     import dataclasses
 
     m = cfg.metrics

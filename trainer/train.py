@@ -1,13 +1,14 @@
 """The Trainer: the served model (``policy.model.K3Model``) trained with expert + data parallelism.
 
 One ``Trainer`` object is the whole training job. Rank 0 runs in the caller's process; with ``world > 1`` ranks
-1..world-1 are worker processes (spawned, like the policy engine's), and every call is broadcast to all ranks, which
-run it together (gloo on CPU, NCCL on GPU). A loop calls, in order::
+1..world-1 are worker processes (spawned, like the policy engine's), and every call is a typed op
+(trainer/distributed/rank.py) broadcast to all ranks by the rank loop the policy engine's ranks run too
+(policy/ranks.py), which run it together (gloo on CPU, NCCL on GPU). A loop calls, in order::
 
     trainer = Trainer(model_cfg, TrainConfig(...), world=2, ep_size=2)
-    batch = rl_batch(trajectories, AdvantageConfig(...), current_version=v)     # trainer/batch.py
+    batch = rl_batch(trajectories, AdvantageConfig(...), current_version=v)     # trainer/algorithm/batch.py
     metrics = trainer.step(batch)                 # one optimizer update (or ``mini_batches`` of them)
-    result = sync.push(trainer)                   # trainer/sync.py: safetensors, then every server loads them
+    result = sync.push(trainer)        # trainer/distributed/sync.py: safetensors, then every server loads them
     trainer.checkpoint(ckpt_dir, data_state={...})  # model, optimizer, step, RNG, data position
     ...
     data_state = trainer.resume(ckpt_dir)         # after a crash: continue from the last checkpoint
@@ -19,10 +20,10 @@ the whole mini-batch, are summed over ranks, clipped by their global norm, and A
 run the same number of micro-batches (a rank short of data runs a one-token micro-batch with zero loss) so that their
 expert all-to-alls pair up, forward and backward.
 
-Log-probs are computed as the serving engine computes them (``trainer.losses.token_logprobs``); with
+Log-probs are computed as the serving engine computes them (``trainer.algorithm.losses.token_logprobs``); with
 ``routing_replay`` the MoE layers use the experts the engine recorded for every position of the episode (prompt,
 tool output and generated tokens; ``routing_replay/coverage`` reports the fraction that had a recording). After
-each step the routers' balancing bias moves toward balance (trainer/balance.py, ``router_bias_rate``).
+each step the routers' balancing bias moves toward balance (trainer/algorithm/balance.py, ``router_bias_rate``).
 """
 
 from __future__ import annotations
@@ -30,26 +31,39 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 from collections.abc import Sequence
 from dataclasses import replace
+from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from agentenv.config import write_atomic
 from policy.config import K3Config
 from policy.model import K3Model
+from policy.ranks import Op, Ranks, free_port, rank_device, spawn_ranks, threads_per_rank
 from trainer import checkpoint as ckpt
-from trainer.batch import Batch, Sample, chunks, pack, split_ranks
-from trainer.health import merge, token_means
-from trainer.parallel import free_port, init_layout
-from trainer.rank import Scored, TrainConfig, _Rank, _rank_device, _threads, _worker
+from trainer.algorithm.batch import Batch, Sample, chunks, pack, split_ranks
+from trainer.algorithm.health import merge, token_means
+from trainer.distributed.parallel import init_layout
+from trainer.distributed.rank import (
+    FullState,
+    LoadCheckpoint,
+    Plan,
+    Rank,
+    SaveCheckpoint,
+    SaveWeights,
+    Score,
+    Scored,
+    Step,
+    TrainConfig,
+    serve_rank,
+)
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 # --- the controller ------------------------------------------------------------------------------------------------
@@ -70,20 +84,20 @@ class Trainer:
         """``weights``: a full safetensors file to start from (e.g. the SFT warm start); otherwise the weights of
         ``K3Model(model_cfg)`` after ``torch.manual_seed(cfg.seed)``, the same as a policy server with that seed.
         ``placement``: where ranks 1..world-1 run: "local" (processes spawned here) or "ray" (actors spread over
-        the Ray cluster the caller joined: ``trainer.ray_ranks``)."""
+        the Ray cluster the caller joined: ``trainer.distributed.ray_ranks``)."""
         if world % ep_size:
             raise ValueError(f"ep_size {ep_size} does not divide world {world}")
         if placement not in PLACEMENTS:
             raise ValueError(f"trainer placement must be one of {PLACEMENTS}, got {placement!r}")
         cfg = cfg or TrainConfig()
         self.model_cfg, self.cfg, self.world, self.ep_size = model_cfg.validate(), cfg, world, ep_size
-        self.procs: list[Any] = []
+        self.procs: list[BaseProcess] = []
         self.ray_ranks: Any = None
         backend = backend or ("nccl" if device.startswith("cuda") else "gloo")
         host = self._ray_host() if world > 1 and placement == "ray" else "127.0.0.1"
         port = free_port(host)
         if world > 1 and placement == "ray":
-            from trainer import ray_ranks
+            from trainer.distributed import ray_ranks
 
             try:
                 self.ray_ranks = ray_ranks.start_ranks(world, ep_size, host, port, model_cfg.to_dict(),
@@ -91,17 +105,14 @@ class Trainer:
             except TimeoutError as e:
                 raise TrainerError(str(e)) from e
         elif world > 1:
-            ctx = mp.get_context("spawn")
-            for r in range(1, world):
-                p = ctx.Process(target=_worker, args=(r, world, ep_size, port, model_cfg.to_dict(), cfg.to_dict(),
-                                                      weights, device, backend), daemon=True)
-                p.start()
-                self.procs.append(p)
+            self.procs = spawn_ranks(world, serve_rank, world, ep_size, port, model_cfg.to_dict(), cfg.to_dict(),
+                                     weights, device, backend)
         if world > 1:
-            torch.set_num_threads(_threads(world))
-        dev = _rank_device(device, 0)         # before the process group: NCCL binds the current device
+            torch.set_num_threads(threads_per_rank(world))
+        dev = rank_device(device, 0)         # before the process group: NCCL binds the current device
         layout = init_layout(0, world, ep_size, port, backend, host)
-        self._rank = _Rank(layout, model_cfg, cfg, weights, dev)
+        self._rank = Rank(layout, model_cfg, cfg, weights, dev)
+        self._ranks = Ranks(world, self._rank.handle, TrainerError)   # the ranks' failures raise here
         self._closed = False
 
     @staticmethod
@@ -109,7 +120,7 @@ class Trainer:
         """This node's address in the Ray cluster the caller joined, where every rank meets rank 0."""
         import ray
 
-        from trainer import ray_ranks
+        from trainer.distributed import ray_ranks
 
         if not ray.is_initialized():
             raise TrainerError("trainer placement 'ray' needs a Ray cluster: ray.init(address=...) first "
@@ -119,24 +130,11 @@ class Trainer:
         return host
 
     # -- plumbing --
-    def _call(self, op: str, per_rank: list[Any] | None = None, **kw: Any) -> list[Any]:
-        """Run ``op`` on every rank (``per_rank[r]`` is rank r's part); returns every rank's result."""
+    def _call(self, op: Op[R]) -> list[R]:
+        """Run ``op`` on every rank (its ``per_rank[r]`` is rank r's part); returns every rank's result."""
         if self._closed:
             raise TrainerError("the trainer is closed")
-        msg = {"op": op, "per_rank": per_rank, **kw}
-        if self.world == 1:
-            return [self._rank.handle(msg)]
-        dist.broadcast_object_list([msg], src=0)
-        try:
-            mine: Any = ("ok", self._rank.handle(msg))
-        except Exception:
-            mine = ("error", f"rank 0: {traceback.format_exc()}")
-        gathered: list[Any] = [None] * self.world
-        dist.gather_object(mine, gathered, dst=0)
-        errors = [g[1] for g in gathered if g[0] == "error"]
-        if errors:
-            raise TrainerError("\n".join(errors))
-        return [g[1] for g in gathered]
+        return self._ranks.call(op)
 
     @property
     def step_count(self) -> int:
@@ -152,9 +150,9 @@ class Trainer:
         w = self.cfg.warmup_steps
         return self.cfg.lr * min(1.0, (step + 1) / w) if w > 0 else self.cfg.lr
 
-    def _plan(self, samples: Sequence[Sample], groups: Sequence[Sequence[int]]) -> tuple[list[list[Any]], list[float]]:
+    def _plan(self, samples: Sequence[Sample], groups: Sequence[Sequence[int]]) -> tuple[list[list[Plan]], list[float]]:
         """Per rank, per group (mini-batch), the micro-batches (lists of samples); and each group's loss tokens."""
-        plans: list[list[Any]] = [[] for _ in range(self.world)]
+        plans: list[list[Plan]] = [[] for _ in range(self.world)]
         denoms = []
         for idx in groups:
             part = [samples[i] for i in idx]
@@ -182,7 +180,7 @@ class Trainer:
         lr = self.lr_at(self.step_count)
         groups = chunks(range(len(batch.samples)), self.cfg.mini_batches if batch.kind == "rl" else 1)
         plans, denoms = self._plan(batch.samples, groups)
-        results = self._call("step", plans, kind=batch.kind, denoms=denoms, lr=lr)
+        results = self._call(Step(batch.kind, plans, denoms, lr))
         tot: dict[str, float] = {}
         for r in results:
             merge(tot, r)
@@ -211,7 +209,7 @@ class Trainer:
             return []
         temperature = self.cfg.loss.temperature if temperature is None else temperature
         plans, _ = self._plan(samples, [list(range(len(samples)))])
-        results = self._call("score", [p[0] for p in plans], temperature=temperature)
+        results = self._call(Score([p[0] for p in plans], temperature))
         by_id: dict[int, Scored] = {}
         for r, plan in enumerate(p[0] for p in plans):
             for mb, res in zip(plan, results[r], strict=True):
@@ -221,13 +219,13 @@ class Trainer:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full (unsharded) model state, as the policy server loads it."""
-        state = self._call("full_state")[0]
+        state = self._call(FullState())[0]
         assert state is not None
         return state
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
         """Write the full model as safetensors atomically (temporary file, fsync, rename); returns the path."""
-        self._call("save_weights", path=str(path))
+        self._call(SaveWeights(str(path)))
         return Path(path)
 
     def checkpoint(self, root: str | os.PathLike[str], data_state: dict[str, Any] | None = None, keep: int = 2,
@@ -237,7 +235,7 @@ class Trainer:
         Atomic (trainer/checkpoint.py)."""
         step = self.step_count
         tmp = ckpt.begin(root, step)
-        self._call("save_checkpoint", tmp=str(tmp))
+        self._call(SaveCheckpoint(str(tmp)))
         for name, data in (files or {}).items():
             write_atomic(tmp / name, data, fsync=True)
         meta = {"data": data_state or {}, "world": self.world, "ep_size": self.ep_size,
@@ -257,7 +255,7 @@ class Trainer:
                              f"this trainer has world={self.world} ep_size={self.ep_size}")
         if K3Config.from_dict(meta.get("model_config", {})) != self.model_cfg:
             raise ValueError(f"{folder} holds a different model configuration")
-        self._call("load_checkpoint", folder=str(folder))
+        self._call(LoadCheckpoint(str(folder)))
         return meta
 
     def close(self) -> None:
@@ -265,7 +263,7 @@ class Trainer:
             return
         self._closed = True
         if self.world > 1:
-            dist.broadcast_object_list([{"op": "stop"}], src=0)
+            self._ranks.stop()
             for p in self.procs:
                 p.join(timeout=30)
             if self.ray_ranks is not None:

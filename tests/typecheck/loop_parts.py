@@ -1,11 +1,11 @@
 """Checked by mypy, never run: the real trainer and weight sync are what the training loop types its parts as
-(``trainer.parts.Steps`` and ``Pushes``, which the unit tests' fakes in tests/unit/trainer/loop_fakes.py also
+(``trainer.loop.parts.Steps`` and ``Pushes``, which the unit tests' fakes in tests/unit/trainer/loop_fakes.py also
 satisfy)."""
 
 from __future__ import annotations
 
-from trainer.parts import Pushes, Steps
-from trainer.sync import WeightSync
+from trainer.distributed.sync import WeightSync
+from trainer.loop.parts import Pushes, Steps
 from trainer.train import Trainer
 
 

@@ -202,3 +202,17 @@ def test_what_runs_inside_a_sandbox_imports_the_standard_library_only():
 def test_agentenv_keeps_few_modules_at_its_top():
     top = [p.name for p in (ROOT / "agentenv").glob("*.py")]
     assert len(top) <= 10, sorted(top)
+
+
+# inside trainer, by concern (docs/architecture.md §1): the training maths, where the training runs, the RL loop;
+# each imports only the ones before it (the modules at trainer's top, shared by the SFT run and the loop, are free)
+TRAINER_ROOMS = {"trainer.algorithm": set(), "trainer.distributed": {"trainer.algorithm"},
+                 "trainer.loop": {"trainer.algorithm", "trainer.distributed"}}
+
+
+def test_the_trainer_s_sub_packages_import_in_order():
+    wrong = sorted((m, t) for m, ts in GRAPH.items() if room(m) in TRAINER_ROOMS for t in ts
+                   if room(t) in TRAINER_ROOMS and room(t) != room(m) and room(t) not in TRAINER_ROOMS[room(m)])
+    assert wrong == []
+    assert all(room(m) in TRAINER_ROOMS for m in GRAPH if m.startswith("trainer.") and m.count(".") > 1
+               and room(m) != "trainer.viewer"), "a new sub-package of trainer: give it its place above"

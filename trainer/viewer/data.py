@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from rollout import trajectory as tj
-from trainer.advantages import AdvantageConfig, group_advantages
+from trainer.algorithm.advantages import AdvantageConfig, group_advantages
 from trainer.metrics import read_jsonl
 from trainer.viewer.runs import NAME, SEARCHES, BadViewerRequest, Run, RunNotFound, checked_name, own
 
@@ -183,7 +183,7 @@ def advantage_config(run: Run) -> tuple[AdvantageConfig, str]:
 def group(run: Run, group_id: str, decode: Callable[[list[int]], str],
           tool_calls: Callable[[str], tuple[str, list[str]]]) -> dict[str, Any]:
     """Every member of a group, side by side: reward, advantage (as the trainer computes it from the group's
-    rewards, ``trainer.advantages``) and each turn's text and tool calls."""
+    rewards, ``trainer.algorithm.advantages``) and each turn's text and tool calls."""
     members = sorted((t for t in run.episodes if t.group_id == checked_name(group_id, "group")),
                      key=lambda t: t.group_index)
     if not members:

@@ -25,8 +25,8 @@ from typer.testing import CliRunner
 from rollout import scripted, search
 from rollout import trajectory as tj
 from rollout.agent import AgentConfig, LocalTokenizer
-from trainer.advantages import group_advantages
-from trainer.evaluation import per_task_passes, summarize
+from trainer.algorithm.advantages import group_advantages
+from trainer.loop.evaluation import per_task_passes, summarize
 from trainer.metrics import MetricsLog
 
 from ..server_fixtures import free_port, threaded_app, wait_for

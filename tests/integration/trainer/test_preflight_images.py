@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from envs.images import image_exists
-from trainer.config import RunConfig
-from trainer.services import PreflightError, preflight, swe_task_records
+from trainer.loop.config import RunConfig
+from trainer.loop.services import PreflightError, preflight, swe_task_records
 
 
 def test_the_preflight_builds_a_missing_swe_task_image(tmp_path):

@@ -8,8 +8,8 @@ import pytest
 
 from policy.client import SyncPolicyClient
 from policy.config import model_config
-from trainer.batch import Batch, Sample
-from trainer.sync import Endpoint, WeightSync
+from trainer.algorithm.batch import Batch, Sample
+from trainer.distributed.sync import Endpoint, WeightSync
 from trainer.train import TrainConfig, Trainer
 
 from ..server_fixtures import k3_mini_server

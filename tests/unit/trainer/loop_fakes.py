@@ -21,8 +21,8 @@ from policy.client import PolicyClient  # noqa: E402
 from rollout import scripted  # noqa: E402
 from rollout.workers import RolloutConfig  # noqa: E402
 from trainer import checkpoint as ckpt  # noqa: E402
-from trainer.config import load  # noqa: E402
-from trainer.loop import Loop  # noqa: E402
+from trainer.loop.config import load  # noqa: E402
+from trainer.loop.core import Loop  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
 from trainer.rollouts import LoopRollout  # noqa: E402
 

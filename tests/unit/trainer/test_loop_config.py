@@ -5,7 +5,7 @@ import tomllib
 
 import pytest
 
-from trainer.config import (
+from trainer.loop.config import (
     MAIN_TOML,
     QUICK_TOML,
     ConfigError,
@@ -118,7 +118,7 @@ def test_switches_that_the_trainer_cannot_honour_are_refused():
 def test_the_mini_batches_doc_says_one_means_ratio_one():
     from dataclasses import fields
 
-    from trainer.config import RLConfig
+    from trainer.loop.config import RLConfig
 
     text = next(f.metadata["doc"] for f in fields(RLConfig) if f.name == "mini_batches")
     assert "ratio is exactly 1" in text and "REINFORCE" in text
@@ -126,7 +126,7 @@ def test_the_mini_batches_doc_says_one_means_ratio_one():
 
 
 def test_routing_replay_is_refused_for_endpoints_that_cannot_return_routing(tmp_path):
-    from trainer.services import PreflightError, preflight
+    from trainer.loop.services import PreflightError, preflight
 
     for kind in ("vllm", "sglang"):
         cfg = load(overrides=[f"policy.kind={kind}", "policy.url=http://127.0.0.1:9", "rl.routing_replay=true",

@@ -24,11 +24,11 @@ from policy.config import from_k3_json, k3_mini  # noqa: E402
 from rollout import scripted  # noqa: E402
 from rollout.trajectory import read  # noqa: E402
 from rollout.workers import RolloutConfig  # noqa: E402
-from trainer.config import load  # noqa: E402
-from trainer.loop import Loop  # noqa: E402
+from trainer.distributed.sync import Endpoint, WeightSync  # noqa: E402
+from trainer.loop.config import load  # noqa: E402
+from trainer.loop.core import Loop  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
 from trainer.rollouts import LoopRollout  # noqa: E402
-from trainer.sync import Endpoint, WeightSync  # noqa: E402
 
 HF_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 

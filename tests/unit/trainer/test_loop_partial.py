@@ -162,7 +162,7 @@ PARTIAL = ["rl.partial_rollouts=true", "rl.extra_groups=1", "rl.groups_per_itera
 
 
 def _gated_loop(tmp_path, overrides, gates, **kw):
-    from trainer.tasks import TaskRef
+    from trainer.loop.tasks import TaskRef
 
     loop, versions, backend = loop_with_fakes(tmp_path, d_is_long, PARTIAL + overrides, gate=gates, **kw)
     loop.train_src.at = lambda i: TaskRef("abcdabcd"[i], i)
@@ -208,7 +208,7 @@ def test_the_loop_cuts_the_tail_and_resumes_it_next_iteration(tmp_path):
 def test_a_group_resumed_before_any_push_gets_no_extra_staleness(tmp_path):
     """max_staleness 1: the producer resumes a paused group in its next batch before new weights exist; the pause
     cost it no version, so its bound stays k (one allowance per pause would have been k + 1)."""
-    from trainer.batch import allowed_staleness, filter_stale
+    from trainer.algorithm.batch import allowed_staleness, filter_stale
 
     gates = Gates()
     loop, versions, _ = _gated_loop(tmp_path, ["rl.max_staleness=1"], gates)

@@ -12,8 +12,8 @@ from loop_fakes import FakeBackend, loop_with_fakes, run_iterations  # noqa: E40
 
 from rollout import scripted  # noqa: E402
 from rollout.trajectory import Trajectory, Turn, read  # noqa: E402
-from trainer.batch import filter_stale, staleness  # noqa: E402
-from trainer.tasks import TaskSource  # noqa: E402
+from trainer.algorithm.batch import filter_stale, staleness  # noqa: E402
+from trainer.loop.tasks import TaskSource  # noqa: E402
 
 
 def _traj(versions, resumes=0):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import RunConfig
-from trainer.services import _check_swe
+from trainer.loop.config import RunConfig
+from trainer.loop.services import _check_swe
 
 
 def test_a_check_that_breaks_is_reported_as_itself(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,11 +1,11 @@
-"""trainer.schedule on its own: k = 0 alternates play and train; with k >= 1 play runs ahead, never more than
+"""trainer.loop.schedule on its own: k = 0 alternates play and train; with k >= 1 play runs ahead, never more than
 k + 1 batches past the last step taken; a failed producer's error reaches the caller."""
 
 import asyncio
 
 import pytest
 
-from trainer import schedule
+from trainer.loop import schedule
 
 
 def _run(total: int, k: int, fail_at: int | None = None) -> list[tuple[str, int, int]]:

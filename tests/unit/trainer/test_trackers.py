@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, RunConfig
+from trainer.loop.config import ConfigError, RunConfig
 from trainer.metrics import MetricsLog
 from trainer.trackers import episode_table, open_tracker, require
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.advantages import AdvantageConfig, group_advantages, grpo_advantages
-from trainer.batch import rl_batch
+from trainer.algorithm.advantages import AdvantageConfig, group_advantages, grpo_advantages
+from trainer.algorithm.batch import rl_batch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_helpers import make_traj  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.batch import Sample, chunks, collate, pack, split_ranks
+from trainer.algorithm.batch import Sample, chunks, collate, pack, split_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from trainer_helpers import make_traj  # noqa: E402
@@ -86,7 +86,7 @@ def test_padding_does_not_change_a_causal_models_logprobs():
     from trainer_helpers import tiny_cfg
 
     from policy.model import K3Model
-    from trainer.losses import token_logprobs
+    from trainer.algorithm.losses import token_logprobs
     torch.manual_seed(0)
     model = K3Model(tiny_cfg()).double()
     a = Sample(list(range(1, 12)), [0] * 3 + [1] * 8, [0.0] * 11)

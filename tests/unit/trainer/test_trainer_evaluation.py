@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from envs import lookup_env
-from trainer.config import load
-from trainer.evaluation import paired_gain, pass_at_k, per_task_passes, summarize
-from trainer.services import PreflightError, preflight
-from trainer.tasks import check_apart
+from trainer.loop.config import load
+from trainer.loop.evaluation import paired_gain, pass_at_k, per_task_passes, summarize
+from trainer.loop.services import PreflightError, preflight
+from trainer.loop.tasks import check_apart
 
 LOOKUP = "agentenv/Lookup-v0"
 

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from policy.runner import Runner
-from trainer.advantages import AdvantageConfig
-from trainer.balance import update_router_bias
-from trainer.batch import Batch, rl_batch
-from trainer.health import merge, plot_health
+from trainer.algorithm.advantages import AdvantageConfig
+from trainer.algorithm.balance import update_router_bias
+from trainer.algorithm.batch import Batch, rl_batch
+from trainer.algorithm.health import merge, plot_health
 from trainer.train import TrainConfig, Trainer
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -9,9 +9,9 @@ import torch
 from policy.config import k3_mini
 from policy.engine import Engine, SamplingParams
 from policy.tokenizer import load_tokenizer
-from trainer.batch import Batch, Sample
-from trainer.losses import LossConfig
-from trainer.sync import WeightSync
+from trainer.algorithm.batch import Batch, Sample
+from trainer.algorithm.losses import LossConfig
+from trainer.distributed.sync import WeightSync
 from trainer.train import TrainConfig, Trainer
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses import (
+from trainer.algorithm.losses import (
     LossConfig,
     kl_k3,
     policy_loss,

@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from policy.config import k3_mini
+from trainer.distributed.sync import Endpoint, SyncError, WeightSync
 from trainer.metrics import MetricsLog, Progress, plot, read_jsonl
-from trainer.sync import Endpoint, SyncError, WeightSync
 
 
 def test_metrics_log_rewinds_to_the_checkpoint_and_skips_torn_lines(tmp_path):

@@ -20,8 +20,8 @@ from policy.engine import Engine
 from policy.model import K3Model
 from policy.server import create_app
 from rollout.agent import AgentConfig, LocalTokenizer, run_episode
-from trainer.batch import Batch, Sample
-from trainer.config import load
+from trainer.algorithm.batch import Batch, Sample
+from trainer.loop.config import load
 from trainer.train import TrainConfig, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "envs"))
@@ -89,7 +89,7 @@ def test_coverage_reports_positions_without_recorded_routing(engine):
 
 
 def test_the_loop_asks_for_routing_when_routing_replay_is_on(tmp_path):
-    from trainer.loop import Loop
+    from trainer.loop.core import Loop
 
     on = Loop(load(overrides=[f'out_dir="{tmp_path}"', "rl.routing_replay=true"]))
     assert on.agent_config("train").return_routed_experts and on.agent_config("swe").return_routed_experts

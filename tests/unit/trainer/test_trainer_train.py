@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from policy.model import K3Model
 from policy.runner import Runner
 from trainer import checkpoint as ckpt
-from trainer.batch import Batch, Sample, rl_batch
-from trainer.losses import LossConfig
+from trainer.algorithm.batch import Batch, Sample, rl_batch
+from trainer.algorithm.losses import LossConfig
 from trainer.sft import DataCursor, run_sft, sft_samples
 from trainer.train import TrainConfig, Trainer
 
@@ -233,7 +233,7 @@ def test_grad_norm_is_reported_before_clipping_and_the_update_is_clipped():
 
 def test_a_non_finite_gradient_norm_skips_the_update_and_says_so(monkeypatch):
     """min(1, grad_clip / nan) is 1: without the check, one bad batch writes NaN weights (and the loop pushes them)."""
-    import trainer.rank as rank_mod
+    import trainer.distributed.rank as rank_mod
 
     batch = rl_batch(_trajs(4))
     with Trainer(tiny_cfg(), TrainConfig(lr=1e-2)) as t:

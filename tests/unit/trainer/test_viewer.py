@@ -16,7 +16,7 @@ from rollout import scripted, search
 from rollout import trajectory as tj
 from rollout.agent import LocalTokenizer
 from rollout.cli import _tool_calls, split_messages
-from trainer.advantages import AdvantageConfig, group_advantages
+from trainer.algorithm.advantages import AdvantageConfig, group_advantages
 from trainer.metrics import MetricsLog
 from trainer.viewer import data as viewer
 from trainer.viewer import runs as viewer_runs

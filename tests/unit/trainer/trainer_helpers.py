@@ -43,7 +43,7 @@ def make_traj(rng: random.Random, group: str = "", index: int = 0, reward: float
 
 def ep_config():
     """The float64 training settings of the parallelism tests (mini-batches, routing replay, KL, TIS)."""
-    from trainer.losses import LossConfig
+    from trainer.algorithm.losses import LossConfig
     from trainer.train import TrainConfig
 
     return TrainConfig(lr=1e-3, micro_batch_tokens=40, dtype="float64", mini_batches=2, routing_replay=True,
@@ -52,7 +52,7 @@ def ep_config():
 
 def ep_batches(groups: int, size: int, n: int = 2):
     """``n`` RL batches of ``groups`` groups of ``size`` episodes (seeded), routing recorded for 3 layers x 2."""
-    from trainer.batch import rl_batch
+    from trainer.algorithm.batch import rl_batch
 
     rng = random.Random(0)
     out = []

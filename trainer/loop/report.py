@@ -1,5 +1,5 @@
 """What a run shows of itself: the plan (``--dry-run``), a line and a metrics row per iteration and evaluation,
-``summary.json`` with its figures, and the summary table.
+the seconds per phase, ``summary.json`` with its figures, and the summary table.
 
 ``reward.png`` is the figure a reader looks at first: the training pass rate per iteration (and the reward where it
 is not the same curve), the validation mean@k during RL and the held-out mean@k after the warm start and after RL,
@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
 from agentenv.config import write_json
-from trainer.config import RunConfig
+from trainer.loop.config import RunConfig
+from trainer.loop.services import PolicyServer
+from trainer.loop.typed_toml import to_dict
 from trainer.metrics import save_figure
-from trainer.services import PolicyServer
-from trainer.typed_toml import to_dict
+
+if TYPE_CHECKING:
+    from trainer.rollouts import Collected
 
 
 def plan(cfg: RunConfig, run_dir: Path, resume: bool = False) -> str:
@@ -117,6 +121,39 @@ def iteration_line(label: str, m: dict[str, Any], version: int) -> str:
             f"train {f('time/train', '.1f')}s sync {f('time/sync', '.2f')}s | weights v{version}")
 
 
+class Times(dict[str, float]):
+    """Seconds per phase of a run (``summary.json``'s ``times``): ``add`` sums into a phase, ``timed`` times a
+    block."""
+
+    def add(self, key: str, seconds: float) -> None:
+        self[key] = self.get(key, 0.0) + seconds
+
+    @contextlib.contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(key, time.perf_counter() - t0)
+
+
+def batch_row(stats: Mapping[str, float], got: Collected, dropped: int, cfg: RunConfig, rollout_version: int
+              ) -> dict[str, Any]:
+    """The metrics row of a training batch before its step: the batch's ``stats``, the rollouts' time split, the
+    staleness filter (``dropped`` trajectories), partial rollouts, the counts, the weight version the batch was
+    played from, and the pass rate of every trajectory played."""
+    from trainer.algorithm.batch import pass_rate
+
+    m: dict[str, Any] = dict(stats)
+    m.update(got.split())
+    m.update({"staleness/bound": float(cfg.rl.max_staleness), "staleness/dropped": float(dropped),
+              "partial/paused": float(got.paused), "partial/resumed": float(got.resumed),
+              "groups": float(len(got.groups)), "episodes": float(len(got.trajectories)),
+              "version/rollout": float(rollout_version)})
+    m["pass_rate/train_all"], _, _ = pass_rate(got.trajectories, cfg.rl.pass_threshold)
+    return m
+
+
 def eval_row(res: dict[str, Any]) -> dict[str, Any]:
     """The metrics row of an evaluation: ``pass_rate/<split>`` is its mean@k, with the interval's ends."""
     split = res["split"]
@@ -129,7 +166,7 @@ def run_summary(cfg: RunConfig, run_dir: Path, evals: Mapping[str, dict[str, Any
                 counts: Mapping[str, int], times: Mapping[str, float]) -> dict[str, Any]:
     """What ``summary.json`` holds of a finished run beside its phases' own entries: the held-out evaluations after
     the warm start and after RL with their paired gain, the validation ones, counts, times and the settings."""
-    from trainer.evaluation import paired_gain
+    from trainer.loop.evaluation import paired_gain
 
     before, after = evals.get("before"), evals.get("after")
     gain = paired_gain(before["per_task"], after["per_task"], seed=cfg.seed) if before and after else None
@@ -148,9 +185,9 @@ def run_summary(cfg: RunConfig, run_dir: Path, evals: Mapping[str, dict[str, Any
 
 
 def write_summary(cfg: RunConfig, run_dir: Path, summary: dict[str, Any], evals: dict[str, dict[str, Any]]) -> None:
-    """``summary.json``, and the figures of ``metrics.jsonl``: ``metrics.png``, ``rl_health.png`` (trainer/health.py)
+    """``summary.json``, and the figures of ``metrics.jsonl``: ``metrics.png``, ``rl_health.png`` (trainer/algorithm/health.py)
     and ``reward.png`` (a figure that cannot be drawn is left out)."""
-    from trainer.health import plot_health
+    from trainer.algorithm.health import plot_health
     from trainer.metrics import plot, read_jsonl
 
     rows = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").is_file() else []

@@ -2,9 +2,9 @@
 
 ``Trainer(..., placement="ray")`` keeps rank 0 in the caller (the driver) and places ranks 1..world-1 as actors in a
 placement group of one CPU (or GPU) bundle each, spread over the cluster's nodes (``SPREAD``: best effort, so a
-one-node cluster works too). Every rank then runs the same loop as a spawned local rank (``trainer.rank._worker``);
-the process group meets on rank 0's node address, and each rank's gloo traffic leaves by the interface holding its
-own node's address (``GLOO_SOCKET_IFNAME``). The caller has joined Ray (``ray.init(address=...)``) first.
+one-node cluster works too). Every rank then runs the same loop as a spawned local rank
+(``trainer.distributed.rank.serve_rank``); the process group meets on rank 0's node address, and each rank's gloo
+traffic leaves by the interface holding its own node's address (``GLOO_SOCKET_IFNAME``). The caller has joined Ray (``ray.init(address=...)``) first.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ class RankActor:
     def run(self, rank: int, world: int, ep_size: int, host: str, port: int, model_cfg: dict[str, Any],
             cfg: dict[str, Any], weights: str | None, device: str, backend: str) -> None:
         """Join the process group on ``host:port`` and serve rank 0's calls until it says stop."""
-        from trainer.rank import _worker
+        from trainer.distributed.rank import serve_rank
 
         use_interface_of(node_address())
-        _worker(rank, world, ep_size, port, model_cfg, cfg, weights, device, backend, host=host,
+        serve_rank(rank, world, ep_size, port, model_cfg, cfg, weights, device, backend, host=host,
                 local_rank=0)  # Ray shows each actor only the GPU of its bundle
 
     def node_id(self) -> str:

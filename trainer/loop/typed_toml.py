@@ -2,7 +2,7 @@
 
 A configuration is a dataclass of section dataclasses whose fields carry their documentation (``doc``). ``merge``
 lays a TOML table over one, refusing unknown keys and values of the wrong type by name (a typo never falls back to
-a default); ``render`` writes one back as TOML with each key's documentation as a comment. ``trainer.config``
+a default); ``render`` writes one back as TOML with each key's documentation as a comment. ``trainer.loop.config``
 holds the sections of ``agentenv train``; this module knows nothing of them.
 """
 

@@ -6,7 +6,7 @@ Notation, per token t of a generated response (all tensors (B, T), the mask m_t 
     old_t       the same under the weights before this update (no gradient); with one update per batch it is
                 logp_t detached, so the ratio is 1 and its gradient is the policy gradient
     rollout_t   the log-prob the serving engine reported when it sampled y_t (the trajectory's ``logprobs``)
-    A           the episode's advantage (trainer/advantages.py), the same for every token of the episode
+    A           the episode's advantage (trainer/algorithm/advantages.py), the same for every token of the episode
 
     ratio_t     = exp(clamp(logp_t - old_t, -20, 20))
     pg_t        = max(-A * ratio_t, -A * clip(ratio_t, 1 - eps_low, 1 + eps_high))     PPO-clip, DAPO's two ranges

@@ -11,7 +11,6 @@ its whole EP group through the all-to-all.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,12 +37,6 @@ class Layout:
     @property
     def expert_dp_size(self) -> int:
         return self.world // self.ep_size
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def init_layout(rank: int, world: int, ep_size: int, port: int, backend: str, host: str = "127.0.0.1") -> Layout:

@@ -17,7 +17,7 @@ From the batch (``batch_health``, before the step):
     advantage/mean, /std, /min, /max      over the episodes that go into the loss
     groups_all_equal                      groups whose usable rewards were all equal (no signal); dropped from the
                                           loss when ``rl.drop_all_equal`` (``groups_dropped`` counts those)
-    response_length                       generated tokens per episode (``trainer.batch.episode_stats``)
+    response_length                       generated tokens per episode (``trainer.algorithm.batch.episode_stats``)
     malformed_rate                        fraction of policy turns whose tool call failed to parse
                                           (``Turn.malformed``, set from ``policy.chat.parse_assistant``)
 
@@ -89,7 +89,7 @@ def replay_coverage(mb: Any) -> dict[str, float]:
     """The positions of ``mb`` that shape a loss token (each sample's, up to its last loss position: the causal
     model's later positions, e.g. a final tool output the policy never saw, affect nothing), and how many of them
     replayed a recorded routing (every MoE layer); the same over the positions that produce loss tokens.
-    ``mb``: a ``trainer.batch.MicroBatch`` with its replay tensor."""
+    ``mb``: a ``trainer.algorithm.batch.MicroBatch`` with its replay tensor."""
     assert mb.routing is not None
     loss = mb.mask.bool()
     shaping = (mb.mask.flip(-1).cumsum(-1).flip(-1) > 0) & mb.positions.bool()

@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import ConfigError, parse_task_spec
+from trainer.loop.config import ConfigError, parse_task_spec
 
 
 @dataclass(frozen=True)

@@ -1,42 +1,5 @@
-"""The RL loop of ``agentenv train``: warm start, GRPO iterations with bounded staleness and partial rollouts,
-held-out evaluation, one SWE iteration, and what a run leaves in ``runs/<name>/``.
-
-A run, in order (``Loop.run``)::
-
-    pre-flight (trainer/services.py)        every part reachable, before anything starts
-    SFT warm start (trainer/sft.py)         scripted demonstrations through the real env path -> run_sft -> weights
-    trainer + policy server                 Trainer(weights) in this process; `agentenv policy serve --ep 2` started
-                                            with the same weights (or an existing endpoint), health-waited, checked
-    rollout workers (trainer/rollouts.py)   a local Ray (or an existing cluster) with LoopWorkers; 0: in-process
-    eval before RL (trainer/evaluation.py)  held-out tasks (trainer/tasks.py), greedy unless eval.temperature
-    iterations                              rollouts -> staleness filter -> rl_batch -> Trainer.step -> WeightSync.push
-                                            -> checkpoint -> metrics (-> eval every N)
-    eval after RL, SWE iteration            the same path on SWE-v0 tasks: a group forked from one state, SWE grading
-    summary (trainer/report.py)             table, summary.json, reward.png, metrics.png
-
-**Bounded staleness** (``rl.max_staleness = k``, trainer/schedule.py). ``k = 0`` is synchronous and on-policy: an iteration's rollouts
-run under the current weights, then the step trains on them, strictly alternating. With ``k >= 1`` a producer task
-collects batches ahead of the trainer — the batch of step ``t + 1`` (up to ``t + k``) is played while step ``t``
-trains (the training step and the weight push run in a thread) — and puts them on a queue; each trajectory's
-staleness is the current weight version minus the version of its oldest turn, and a trajectory more than ``k``
-versions old (plus the versions that passed while it was paused, trainer/partial.py) is dropped and counted
-(``staleness/dropped``), as AReaL and prime-rl do. Versions are the policy server's: each push bumps it, and every
-turn records the version that generated it; for servers that report none (vLLM, SGLang) the loop's own count of
-pushes is stamped on each turn instead (trainer/rollouts.py).
-
-**Partial rollouts** (``rl.partial_rollouts``, trainer/rollouts.py). An iteration launches ``groups_per_iteration
-+ extra_groups`` groups (groups paused earlier first) and its rollouts end as soon as ``groups_per_iteration`` are
-complete: the episodes still running are paused after their current turn to the snapshot store and resumed in the
-next iteration under the new weights, instead of holding the iteration back or being thrown away. A resumed
-episode's turns keep their own weight versions; its staleness bound grows by the versions pushed while it was
-paused; one paused more than ``max_resumes`` times is dropped (counted). Paused groups and the task cursor are part
-of a checkpoint (trainer/partial.py).
-
-Everything a run writes, under ``out_dir/name``: ``config.toml`` (the effective settings), ``demos/`` and ``sft/``
-(the warm start: demonstrations, checkpoints, metrics, ``weights.safetensors``), ``trajectories/`` (every episode
-of every phase as msgpack shards, ``metadata.phase`` = train / eval / swe), ``checkpoints/`` (trainer state per
-iteration; ``--resume`` continues from the newest), ``weights/`` (the pushed safetensors), ``metrics.jsonl``,
-``reward.png``, ``metrics.png``, ``rl_health.png`` (trainer/health.py), ``summary.json``, ``policy-server.log``.
+"""``Loop``: one ``agentenv train`` run. Its parts are typed at the top of the class; what a run does, in order, and
+how bounded staleness and partial rollouts work, is the package's header (trainer/loop/__init__.py).
 """
 
 from __future__ import annotations
@@ -47,10 +10,10 @@ import json
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any
 
 from rich.console import Console
 
@@ -58,35 +21,26 @@ from agentenv.terminal import markup
 from rollout.agent import AgentConfig
 from rollout.driver import init_ray
 from rollout.groups import GroupSpec
-from trainer import evaluation, parts
-from trainer.batch import filter_stale, pass_rate
-from trainer.config import RunConfig, describe
+from trainer.algorithm.batch import filter_stale
+from trainer.loop import evaluation, parts, report
+from trainer.loop.config import RunConfig, describe
+from trainer.loop.services import PolicyServer, check_endpoint, preflight, read_token, swe_task_records
+from trainer.loop.tasks import TaskRef, TaskSource
 from trainer.metrics import MetricsLog, Progress
 from trainer.partial import PAUSED_FILE, DataState, PartialRollouts, collect
-from trainer.report import eval_row, iteration_line, plan, run_summary, summary_table, write_summary
 from trainer.rollouts import Collected, LoopRollout
-from trainer.services import PolicyServer, check_endpoint, preflight, read_token, swe_task_records
-from trainer.tasks import TaskRef, TaskSource
 from trainer.trackers import for_run
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def started(part: T | None, name: str) -> T:
-    """``part`` once the run started it (a unit test sets its own)."""
-    if part is None:
-        raise RuntimeError(f"the loop's {name} has not started")
-    return part
 
 
 # --- the loop -----------------------------------------------------------------------------------------------------
 
 
 class Loop:
-    """One ``agentenv train`` run (see the module docstring). Its parts, in the order they are made: the task sources
-    and the paused groups with the loop, the others by ``run`` from the settings (trainer/parts.py; None until then,
-    and a unit test sets its own)."""
+    """One ``agentenv train`` run (trainer/loop/__init__.py). Its parts, in the order they are made: the task sources
+    and the paused groups with the loop, the others by ``run`` from the settings (trainer/loop/parts.py; None until
+    then, and a unit test sets its own)."""
 
     # -- the settings --
     cfg: RunConfig
@@ -94,13 +48,13 @@ class Loop:
     dir: Path                                 # the run folder (cfg.run_dir)
     console: Console
     # -- the parts --
-    train_src: TaskSource                     # the training tasks (trainer/tasks.py)
+    train_src: TaskSource                     # the training tasks (trainer/loop/tasks.py)
     heldout_src: TaskSource                   # the tasks of the evaluations before and after RL
     validation_src: TaskSource | None         # the tasks of the evaluations every eval.every iterations
     partial: PartialRollouts                  # the paused groups between batches (trainer/partial.py)
     trainer: parts.Steps | None = None        # trainer.train.Trainer
     server: PolicyServer | None = None        # the policy server this run started (None: policy.url's)
-    sync: parts.Pushes | None = None          # trainer.sync.WeightSync, to the policy endpoint
+    sync: parts.Pushes | None = None          # trainer.distributed.sync.WeightSync, to the policy endpoint
     rollout: LoopRollout | None = None        # the rollout workers (trainer/rollouts.py)
     metrics: MetricsLog | None = None         # metrics.jsonl, and a tracker (trainer/trackers.py)
     bar: Progress | None = None               # the live display, during the iterations
@@ -118,7 +72,7 @@ class Loop:
     counts: Counter[str]                      # what was dropped, kept, left (shared with ``partial``)
     evals: dict[str, dict[str, Any]]          # the evaluations by tag (before, iter<N>, after)
     # -- the record --
-    times: dict[str, float]                   # seconds per phase
+    times: report.Times                       # seconds per phase
     summary: dict[str, Any]                   # summary.json
     on_sigterm: Callable[[int, FrameType | None], Any] | None = None   # the command's (installed again after Ray)
     _own_ray: bool = False                    # this run joined Ray for its trainer's ranks (trainer.placement "ray")
@@ -126,7 +80,7 @@ class Loop:
     def __init__(self, cfg: RunConfig, *, resume: bool = False, console: Console | None = None) -> None:
         self.cfg, self.resume, self.dir = cfg, resume, cfg.run_dir
         self.console = console or Console()
-        self.times, self.summary = {}, {"name": cfg.name, "seed": cfg.seed}
+        self.times, self.summary = report.Times(), {"name": cfg.name, "seed": cfg.seed}
         self.url, self.token = cfg.policy.url, read_token(cfg.policy.token_file)
         self.task_cursor = cfg.sft.demonstrations if cfg.sft.enabled else 0
         self.counts = Counter()
@@ -142,17 +96,6 @@ class Loop:
     def say(self, text: str) -> None:
         """A progress line; its text (task ids, an endpoint's answer) is printed as text (``agentenv.terminal``)."""
         (self.bar.console if self.bar is not None and self.bar.enabled else self.console).log(markup(text))
-
-    @contextlib.contextmanager
-    def timed(self, key: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add_time(key, time.perf_counter() - t0)
-
-    def add_time(self, key: str, seconds: float) -> None:
-        self.times[key] = self.times.get(key, 0.0) + seconds
 
     # -- the run --
     def run(self) -> dict[str, Any]:
@@ -202,7 +145,7 @@ class Loop:
 
         weights, self.summary["sft"] = warm_start(cfg, self.dir, self.train_src.values(cfg.sft.demonstrations),
                                                   resume=self.resume, progress=self._progress_on(), say=self.say,
-                                                  add_time=self.add_time)
+                                                  add_time=self.times.add)
         return weights
 
     def _progress_on(self) -> bool | None:
@@ -211,7 +154,7 @@ class Loop:
     # -- 2. trainer and policy server --
     def start_trainer(self, weights: str | None) -> None:
         """The trainer, on ``weights`` (None: the seed's); with ``--resume``, at the newest checkpoint."""
-        with self.timed("trainer_start"):
+        with self.times.timed("trainer_start"):
             self.trainer = trainer = parts.build_trainer(self.cfg, weights)
         self.start_weights = weights
         meta = trainer.resume(self.dir / "checkpoints") if self.resume else None
@@ -230,11 +173,11 @@ class Loop:
         if not cfg.policy.url:
             self.server = PolicyServer(cfg, self.dir, self.start_weights)
             self.say(f"starting the policy server: {' '.join(self.server.command()[1:])}")
-            with self.timed("policy_start"):
+            with self.times.timed("policy_start"):
                 self.server.start()
                 self.server.wait(cfg.policy.startup_timeout_s)
             self.url, self.token = self.server.url, self.server.token
-        with self.timed("policy_check"):
+        with self.times.timed("policy_check"):
             info = check_endpoint(self.url, self.token, cfg.policy.model, cfg.policy.verify)
         self.say(f"policy endpoint {self.url}: {json.dumps(info)[:200]}")
         self.sync = sync = parts.build_weight_sync(cfg, self.url, self.token, self.dir)
@@ -242,8 +185,8 @@ class Loop:
             self.version = int(info["weight_version"])
         if cfg.policy.url and self.start_weights and cfg.policy.kind == "agentenv":
             self.say(f"loading {self.start_weights} into {cfg.policy.url}")
-            steps = started(self.trainer, "trainer").step_count
-            with self.timed("sync"):   # an existing server of ours: give it the trainer's starting weights
+            steps = parts.started(self.trainer, "trainer").step_count
+            with self.times.timed("sync"):   # an existing server of ours: give it the trainer's starting weights
                 res = sync.load(self.start_weights, steps)
             self.version = res.version if res.version is not None else self.version
             self.version_base = steps - self.version
@@ -267,7 +210,7 @@ class Loop:
     async def collect(self, specs: list[GroupSpec], need: int | None = None) -> Collected:
         """Play ``specs`` on the workers; with ``need``, stop once ``need`` groups are complete and pause the rest
         (partial rollouts, trainer/partial.py). Paused groups go to ``self.partial``."""
-        return await collect(started(self.rollout, "rollout"), self.partial, specs, need, version=lambda: self.version)
+        return await collect(parts.started(self.rollout, "rollout"), self.partial, specs, need, version=lambda: self.version)
 
     async def rollout_batch(self) -> Collected:
         """One iteration's groups: paused ones resumed first, then new ones; partial rollouts cut the tail. The batch
@@ -293,7 +236,7 @@ class Loop:
 
     # -- 4. evaluation --
     async def evaluate(self, tag: str, split: str = "heldout") -> dict[str, Any]:
-        """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (trainer/evaluation.py),
+        """``eval.samples`` samples of each of the first ``eval.episodes`` tasks of ``split`` (trainer/loop/evaluation.py),
         kept in ``evals[tag]``."""
         cfg = self.cfg
         src = self.heldout_src if split == "heldout" else self.validation_src
@@ -302,7 +245,7 @@ class Loop:
                                         self.collect, cfg, tag=tag, split=split, version=self.logical_version,
                                         iteration=self.iteration, say=self.say,
                                         tracker=self.metrics.tracker if self.metrics is not None else None)
-        self.add_time("eval", res["time_s"])
+        self.times.add("eval", res["time_s"])
         self.evals[tag] = res
         return res
 
@@ -315,7 +258,7 @@ class Loop:
                                             resume_step=self.iteration if self.resume else None,
                                             tracker=for_run(cfg, self.dir))
         try:
-            with self.timed("workers_start"):
+            with self.times.timed("workers_start"):
                 await rollout.start()
             if self.on_sigterm is not None:   # Ray's driver installs its own SIGTERM handler: ours again
                 import signal
@@ -323,12 +266,12 @@ class Loop:
             self.say(f"rollout workers: {cfg.ray.workers} ({'Ray at ' + cfg.ray.address if cfg.ray.address else 'local Ray' if cfg.ray.workers else 'in-process'})")
             if cfg.eval.enabled and "before" not in self.evals:
                 res = await self.evaluate("before")
-                metrics.write(self.iteration, {**eval_row(res), "eval": "before"})
+                metrics.write(self.iteration, {**report.eval_row(res), "eval": "before"})
             await self.iterations()
             self.partial.finish()    # partial episodes the last iteration left: kept for --resume or dropped, counted
             if cfg.eval.enabled and cfg.rl.iterations > 0:
                 res = await self.evaluate("after")
-                metrics.write(self.iteration, {**eval_row(res), "eval": "after"})
+                metrics.write(self.iteration, {**report.eval_row(res), "eval": "after"})
             if cfg.swe.enabled:
                 await self._swe()
         finally:
@@ -339,7 +282,7 @@ class Loop:
 
     async def iterations(self) -> None:
         """The RL iterations, synchronous (max_staleness 0) or with a producer ahead of the trainer."""
-        from trainer import schedule
+        from trainer.loop import schedule
 
         with Progress(self.cfg.rl.iterations, "GRPO", enabled=self._progress_on()) as bar:
             self.bar = bar
@@ -355,40 +298,34 @@ class Loop:
         """One step on the batch ``got`` (played from weight version ``produced_at``): the staleness filter,
         advantages, the step, the push, a checkpoint, the metrics row (returned), an evaluation every
         ``eval.every`` iterations."""
-        from trainer.advantages import AdvantageConfig
-        from trainer.batch import rl_batch
+        from trainer.algorithm.advantages import AdvantageConfig
+        from trainer.algorithm.batch import rl_batch
 
         cfg = self.cfg
-        trainer, sync = started(self.trainer, "trainer"), started(self.sync, "weight sync")
-        rollout, metrics = started(self.rollout, "rollout"), started(self.metrics, "metrics")
+        trainer, sync = parts.started(self.trainer, "trainer"), parts.started(self.sync, "weight sync")
+        rollout, metrics = parts.started(self.rollout, "rollout"), parts.started(self.metrics, "metrics")
         trajs = got.trajectories
         current = self.version
         kept, dropped = filter_stale(trajs, current, cfg.rl.max_staleness)
         self.counts["stale_dropped"] += len(dropped)
         adv = AdvantageConfig(cfg.rl.baseline, cfg.rl.std_normalize, drop_all_equal=cfg.rl.drop_all_equal)  # type: ignore[arg-type]
         batch = rl_batch(kept, adv, current_version=current, pass_threshold=cfg.rl.pass_threshold)
-        m: dict[str, Any] = dict(batch.stats)
-        m.update(got.split())
-        m.update({"staleness/bound": float(cfg.rl.max_staleness), "staleness/dropped": float(len(dropped)),
-                  "partial/paused": float(got.paused), "partial/resumed": float(got.resumed),
-                  "groups": float(len(got.groups)), "episodes": float(len(trajs)),
-                  "version/rollout": float(self.version_base + produced_at)})
-        m["pass_rate/train_all"], _, _ = pass_rate(trajs, cfg.rl.pass_threshold)
+        m = report.batch_row(batch.stats, got, len(dropped), cfg, self.version_base + produced_at)
         if batch.samples:
             t0 = time.perf_counter()
             m.update(await asyncio.to_thread(trainer.step, batch))
-            self.add_time("train", time.perf_counter() - t0)
+            self.times.add("train", time.perf_counter() - t0)
             t0 = time.perf_counter()
             res = await asyncio.to_thread(sync.push, trainer)
             self.version = res.version if res.version is not None else self.version + 1
             await rollout.set_version(self.version)   # turns the server does not version are stamped with it
             m.update(res.metrics())
-            self.add_time("sync", time.perf_counter() - t0)
+            self.times.add("sync", time.perf_counter() - t0)
         else:
             self.counts["empty_batches"] += 1
             m.update({"time/train": 0.0, "time/sync": 0.0})
-        self.add_time("rollout_env", m["time/env"])
-        self.add_time("rollout_policy", m["time/policy"])
+        self.times.add("rollout_env", m["time/env"])
+        self.times.add("rollout_policy", m["time/policy"])
         if phase == "train":
             self.iteration += 1
         m["version"] = float(self.logical_version)
@@ -396,7 +333,7 @@ class Loop:
         every = cfg.eval.every
         if phase == "train" and cfg.eval.enabled and every > 0 and self.iteration % every == 0 \
                 and self.iteration < cfg.rl.iterations:
-            m.update(eval_row(await self.evaluate(f"iter{self.iteration}", split="validation")))
+            m.update(report.eval_row(await self.evaluate(f"iter{self.iteration}", split="validation")))
         last = self.iteration >= cfg.rl.iterations or phase != "train"
         if got.cursor is not None:
             self.trained_cursor = got.cursor
@@ -407,13 +344,13 @@ class Loop:
             await asyncio.to_thread(trainer.checkpoint, self.dir / "checkpoints", self._data_state().meta(),
                                     cfg.rl.keep_checkpoints, files=files)
             checkpointed = True
-            self.add_time("checkpoint", time.perf_counter() - t0)
+            self.times.add("checkpoint", time.perf_counter() - t0)
         rollout.keep_snapshots = set(self.partial.trained(got.consumed, checkpointed, got.pending,
                                                           cfg.rl.ckpt_every > 0))
         step = self.iteration if phase == "train" else self.iteration + 1
         row = metrics.write(step, {f"{phase}/{k}" if phase != "train" else k: v for k, v in m.items()})
         label = f"iter {self.iteration}/{cfg.rl.iterations}" if phase == "train" else phase.upper()
-        self.say(iteration_line(label, m, self.logical_version))
+        self.say(report.iteration_line(label, m, self.logical_version))
         if self.bar is not None and phase == "train":
             self.bar.update(self.iteration, m)
         return row
@@ -437,32 +374,22 @@ class Loop:
     # -- 6. one SWE iteration --
     async def _swe(self) -> None:
         cfg = self.cfg
-        records = swe_task_records(cfg)
-        self.say(f"SWE iteration: {len(records)} group(s) of {cfg.swe.group_size} on {cfg.swe.env_id} "
-                 f"({', '.join(str(r.get('instance_id')) for r in records)}), {cfg.swe.max_turns} turns each")
-        t0 = time.perf_counter()
-        specs = [self._spec(TaskRef(r, cfg.seed + i), "swe", cfg.swe.group_size, cfg.swe.env_id)
-                 for i, r in enumerate(records)]
-        got = await self.collect(specs)
-        trajs = got.trajectories
-        res = evaluation.swe_stats(len(got.groups), trajs)
-        if cfg.swe.train and trajs:
-            row = await self.train_iteration(got, produced_at=self.version, phase="swe")
-            res["trained"] = "swe/loss" in row
-            res["weight_version_after"] = self.logical_version
-        res["time_s"] = time.perf_counter() - t0
-        self.add_time("swe", res["time_s"])
-        self.summary["swe"] = res
-        self.say(f"SWE iteration: resolved {res['resolved']:.2f}, reward {res['reward_mean']:.3f}, graded "
-                 f"{res['graded']}/{len(trajs)}, finish {res['finish_reasons']}")
+
+        async def train(got: Collected) -> tuple[dict[str, Any], int]:
+            return await self.train_iteration(got, produced_at=self.version, phase="swe"), self.logical_version
+
+        self.summary["swe"] = res = await evaluation.swe_iteration(
+            cfg, swe_task_records(cfg), lambda ref: self._spec(ref, "swe", cfg.swe.group_size, cfg.swe.env_id),
+            self.collect, train, self.say)
+        self.times.add("swe", res["time_s"])
 
     # -- 7. the summary --
     def _finish(self) -> None:
-        self.summary.update(run_summary(self.cfg, self.dir, self.evals, iterations=self.iteration,
+        self.summary.update(report.run_summary(self.cfg, self.dir, self.evals, iterations=self.iteration,
                                         version=self.logical_version, counts=self.counts, times=self.times))
-        write_summary(self.cfg, self.dir, self.summary, self.evals)
-        self.console.print(summary_table(self.summary))
+        report.write_summary(self.cfg, self.dir, self.summary, self.evals)
+        self.console.print(report.summary_table(self.summary))
 
     def plan(self) -> str:
         """What the run would do (``--dry-run``)."""
-        return plan(self.cfg, self.dir, self.resume)
+        return report.plan(self.cfg, self.dir, self.resume)

@@ -30,8 +30,8 @@ from typing import Any
 
 import httpx
 
-from trainer.config import ConfigError, RunConfig, parse_task_spec
-from trainer.tasks import resolve_function
+from trainer.loop.config import ConfigError, RunConfig, parse_task_spec
+from trainer.loop.tasks import resolve_function
 
 
 class PreflightError(RuntimeError):
@@ -40,12 +40,6 @@ class PreflightError(RuntimeError):
 
 class ServerError(RuntimeError):
     """A policy server started here did not come up."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def read_token(token_file: str) -> str | None:
@@ -67,6 +61,8 @@ class PolicyServer:
     """``agentenv policy serve`` as a child process (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig, folder: Path, weights: str | None) -> None:
+        from policy.ranks import free_port  # torch: loaded only when a run starts its server
+
         self.cfg, self.folder, self.weights = cfg, folder, weights
         self.port = cfg.policy.port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -192,7 +188,7 @@ def _check_tasks(spec: str, what: str) -> str | None:
 
 
 def _check_apart(cfg: RunConfig) -> str | None:
-    from trainer.tasks import check_apart
+    from trainer.loop.tasks import check_apart
 
     sets = {"env.train_tasks": cfg.env.train_tasks, "env.heldout_tasks": cfg.env.heldout_tasks}
     if cfg.env.validation_tasks.strip():

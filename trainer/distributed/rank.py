@@ -1,9 +1,10 @@
 """One training process (rank) of the Trainer: its shard of the model, its optimizer, its step.
 
-``_Rank`` holds what a rank owns (the model with its experts sharded over the EP group, AdamW over its parameters)
-and runs the controller's messages: a step over its share of the batch (micro-batches, gradient all-reduce, clip,
-update, the router bias), scoring, saving and loading. Rank 0 lives in the Trainer's process (trainer/train.py);
-``_worker`` is the loop of ranks 1..world-1, spawned processes that take each message by broadcast.
+``Rank`` holds what a rank owns (the model with its experts sharded over the EP group, AdamW over its parameters)
+and handles the controller's ops (``RankOp``): a step over its share of the batch (micro-batches, gradient
+all-reduce, clip, update, the router bias), scoring, saving and loading. Rank 0 lives in the Trainer's process
+(trainer/train.py); ``serve_rank`` runs ranks 1..world-1, spawned processes (or Ray actors) that take each op by
+broadcast in ``policy.ranks``'s loop and report their failures to rank 0.
 """
 
 
@@ -12,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 import time
-import traceback
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,14 +28,13 @@ from agentenv.config import replacing
 from policy.config import K3Config
 from policy.ep import shard_state_dict
 from policy.model import K3Model
+from policy.ranks import Op, rank_device, serve, threads_per_rank
 from trainer import checkpoint as ckpt
-from trainer.balance import expert_load, reduce_load, update_router_bias
-from trainer.batch import MicroBatch, Sample, collate
-from trainer.health import merge, replay_coverage
-from trainer.losses import LossConfig, policy_loss, sft_loss, token_logprobs
-from trainer.parallel import Layout, all_reduce_grads, grad_norm, init_layout
-
-log = logging.getLogger(__name__)
+from trainer.algorithm.balance import expert_load, reduce_load, update_router_bias
+from trainer.algorithm.batch import MicroBatch, Sample, collate
+from trainer.algorithm.health import merge, replay_coverage
+from trainer.algorithm.losses import LossConfig, policy_loss, sft_loss, token_logprobs
+from trainer.distributed.parallel import Layout, all_reduce_grads, grad_norm, init_layout
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +82,61 @@ class Scored:
     routing: torch.Tensor | None      # (len - 1, MoE layers, k): position t - 1 produced token t
 
 
+# --- the ops rank 0 sends (policy.ranks broadcasts them); ``per_rank[r]``: rank r's part ------------------------------
+
+Plan = list[list[Sample]]   # micro-batches of samples
+
+
+@dataclass(frozen=True)
+class Step(Op[dict[str, float]]):
+    """A training step: per rank, per mini-batch, its micro-batches; each mini-batch's loss tokens; the lr."""
+
+    kind: str
+    per_rank: list[list[Plan]]
+    denoms: list[float]
+    lr: float
+
+
+@dataclass(frozen=True)
+class Score(Op[list[list["Scored"]]]):
+    """Score each rank's micro-batches at ``temperature``, without training."""
+
+    per_rank: list[Plan]
+    temperature: float
+
+
+@dataclass(frozen=True)
+class SaveWeights(Op[None]):
+    """The full model as safetensors at ``path`` (written by global rank 0)."""
+
+    path: str
+
+
+@dataclass(frozen=True)
+class FullState(Op[dict[str, torch.Tensor] | None]):
+    """The unsharded model state (on global rank 0; None elsewhere)."""
+
+
+@dataclass(frozen=True)
+class SaveCheckpoint(Op[None]):
+    """Every rank's file of a checkpoint in the folder ``tmp``."""
+
+    tmp: str
+
+
+@dataclass(frozen=True)
+class LoadCheckpoint(Op[int]):
+    """Every rank's file of the checkpoint ``folder``; the step it was taken at."""
+
+    folder: str
+
+
+RankOp = Step | Score | SaveWeights | FullState | SaveCheckpoint | LoadCheckpoint
+
+
 # --- one rank ------------------------------------------------------------------------------------------------------
 
-class _Rank:
+class Rank:
     """A training rank: its model shard, optimizer, and the work of every call."""
 
     def __init__(self, layout: Layout, model_cfg: K3Config, cfg: TrainConfig, weights: str | None, device: str) -> None:
@@ -272,22 +322,22 @@ class _Rank:
         ckpt.set_rng_state(state["rng"])
         return self.n_steps
 
-    def handle(self, msg: dict[str, Any]) -> Any:
-        op = msg["op"]
-        per_rank = msg.get("per_rank")
-        mine: Any = per_rank[self.layout.rank] if per_rank is not None else None
-        if op == "step":
-            return self.step(msg["kind"], mine, msg["denoms"], msg["lr"])
-        if op == "score":
-            return self.score(mine, msg["temperature"])
-        if op == "save_weights":
-            return self.save_weights(msg["path"])
-        if op == "full_state":
+    def handle(self, op: RankOp) -> object:
+        """Run one op of rank 0's on this rank, with this rank's part of it."""
+        if isinstance(op, Step):
+            return self.step(op.kind, op.per_rank[self.layout.rank], op.denoms, op.lr)
+        if isinstance(op, Score):
+            return self.score(op.per_rank[self.layout.rank], op.temperature)
+        if isinstance(op, SaveWeights):
+            self.save_weights(op.path)
+            return None
+        if isinstance(op, FullState):
             return self.full_state()
-        if op == "save_checkpoint":
-            return self.save_checkpoint(msg["tmp"])
-        if op == "load_checkpoint":
-            return self.load_checkpoint(msg["folder"])
+        if isinstance(op, SaveCheckpoint):
+            self.save_checkpoint(op.tmp)
+            return None
+        if isinstance(op, LoadCheckpoint):
+            return self.load_checkpoint(op.folder)
         raise ValueError(f"unknown op {op!r}")
 
 
@@ -301,35 +351,13 @@ def write_safetensors_atomic(state: dict[str, torch.Tensor], path: Path, metadat
     return path
 
 
-def _rank_device(device: str, rank: int) -> str:
-    if device.startswith("cuda"):
-        torch.cuda.set_device(rank)
-        return f"cuda:{rank}"
-    return "cpu"
-
-
-def _threads(world: int) -> int:
-    return max(1, (os.cpu_count() or 1) // world)
-
-
-def _worker(rank: int, world: int, ep_size: int, port: int, model_cfg: dict[str, Any], cfg: dict[str, Any],
-            weights: str | None, device: str, backend: str, host: str = "127.0.0.1",
-            local_rank: int | None = None) -> None:
-    """Rank ``rank``'s loop: join the group on ``host:port``, then run rank 0's calls until it says stop;
+def serve_rank(rank: int, world: int, ep_size: int, port: int, model_cfg: dict[str, Any], cfg: dict[str, Any],
+               weights: str | None, device: str, backend: str, host: str = "127.0.0.1",
+               local_rank: int | None = None) -> None:
+    """Rank ``rank``'s loop: join the group on ``host:port``, then run rank 0's ops until it says stop;
     ``local_rank``: its GPU's index on its machine (default: ``rank``, every rank on one machine)."""
-    torch.set_num_threads(_threads(world))
-    dev = _rank_device(device, rank if local_rank is None else local_rank)
+    torch.set_num_threads(threads_per_rank(world))
+    dev = rank_device(device, rank if local_rank is None else local_rank)
     layout = init_layout(rank, world, ep_size, port, backend, host)
-    r = _Rank(layout, K3Config.from_dict(model_cfg), TrainConfig.from_dict(cfg), weights, dev)
-    while True:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        msg = box[0]
-        if msg["op"] == "stop":
-            break
-        try:
-            result: Any = ("ok", r.handle(msg))
-        except Exception:  # reported to rank 0, which raises it
-            result = ("error", f"rank {rank}: {traceback.format_exc()}")
-        dist.gather_object(result, None, dst=0)
-    dist.destroy_process_group()
+    r = Rank(layout, K3Config.from_dict(model_cfg), TrainConfig.from_dict(cfg), weights, dev)
+    serve(rank, r.handle, report=True)

@@ -1,10 +1,10 @@
-"""The parts of a training run (trainer/loop.py), built from its settings as torchtitan's ``TrainSpec`` builds a
+"""The parts of a training run (trainer/loop/core.py), built from its settings as torchtitan's ``TrainSpec`` builds a
 trainer's: the trainer (``build_trainer``, with ``train_config``), the weight sync (``build_weight_sync``), the
 rollout workers (``build_rollout``) and what they play (``agent_config``, ``job``: a phase's agent settings, a
 group's job).
 
 The loop's two parts that a unit test stands in for are typed by what the loop asks of them: ``Steps`` (the
-trainer, ``trainer.train.Trainer``) and ``Pushes`` (the weight sync, ``trainer.sync.WeightSync``); the fakes of
+trainer, ``trainer.train.Trainer``) and ``Pushes`` (the weight sync, ``trainer.distributed.sync.WeightSync``); the fakes of
 tests/unit/trainer/loop_fakes.py satisfy them too. tests/typecheck/loop_parts.py holds the real classes to them.
 """
 
@@ -13,17 +13,17 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rollout.agent import AgentConfig
 from rollout.workers import RolloutConfig
-from trainer.config import RunConfig
+from trainer.loop.config import RunConfig
+from trainer.loop.tasks import TaskRef, step_limit
 from trainer.rollouts import Job, LoopRollout
-from trainer.tasks import TaskRef, step_limit
 
 if TYPE_CHECKING:
-    from trainer.batch import Batch
-    from trainer.sync import SyncResult, WeightSync
+    from trainer.algorithm.batch import Batch
+    from trainer.distributed.sync import SyncResult, WeightSync
     from trainer.train import TrainConfig, Trainer
 
 
@@ -43,7 +43,7 @@ class Steps(Protocol):
 
 
 class Pushes(Protocol):
-    """What the loop asks of its weight sync (``trainer.sync.WeightSync``): the trainer's weights to the policy
+    """What the loop asks of its weight sync (``trainer.distributed.sync.WeightSync``): the trainer's weights to the policy
     server(s), and a close at the end."""
 
     def push(self, trainer: Steps) -> SyncResult: ...
@@ -51,10 +51,20 @@ class Pushes(Protocol):
     def close(self) -> None: ...
 
 
+T = TypeVar("T")
+
+
+def started(part: T | None, name: str) -> T:
+    """``part`` once the run started it (a unit test sets its own)."""
+    if part is None:
+        raise RuntimeError(f"the loop's {name} has not started")
+    return part
+
+
 def train_config(cfg: RunConfig) -> TrainConfig:
     """The trainer's settings of a run: ``rl.*`` (the loss among them, at the rollouts' temperature), the dtype and
     the seed."""
-    from trainer.losses import LossConfig
+    from trainer.algorithm.losses import LossConfig
     from trainer.train import TrainConfig
 
     loss = LossConfig(eps_low=cfg.rl.eps_low, eps_high=cfg.rl.eps_high,
@@ -78,7 +88,7 @@ def build_trainer(cfg: RunConfig, weights: str | None) -> Trainer:
 
 def build_weight_sync(cfg: RunConfig, url: str, token: str | None, run_dir: Path) -> WeightSync:
     """The weight sync to the policy endpoint ``url``; pushed weights go to ``run_dir/weights``."""
-    from trainer.sync import Endpoint, WeightSync
+    from trainer.distributed.sync import Endpoint, WeightSync
 
     return WeightSync([Endpoint(url, cfg.policy.kind, token)], str(run_dir / "weights"), mode=cfg.policy.sync_mode)
 

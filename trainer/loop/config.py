@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer import typed_toml
-from trainer.typed_toml import ConfigError, doc, merge, parse_override, read_toml, render
+from trainer.loop import typed_toml
+from trainer.loop.typed_toml import ConfigError, doc, merge, parse_override, read_toml, render
 
-CONFIGS = Path(__file__).with_name("configs")
+CONFIGS = Path(__file__).parents[1] / "configs"
 MAIN_TOML, QUICK_TOML = CONFIGS / "main.toml", CONFIGS / "quick.toml"
 
 

@@ -6,7 +6,7 @@ when a task has more samples than ``k``). Both get a percentile-bootstrap 95% in
 sample: a new draw of tasks is what a reader's next run would see). The gain of RL is a *paired* difference: the same
 tasks after RL minus after the warm start, bootstrapped over tasks, so the task-to-task spread cancels out. The
 bootstrap generator is seeded, so a run's figures repeat. ``evaluate`` plays an evaluation on the workers it is
-given (the loop's).
+given (the loop's), and ``swe_iteration`` the run's SWE iteration.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from rollout.groups import GroupSpec
-    from trainer.config import RunConfig
+    from trainer.loop.config import RunConfig
+    from trainer.loop.tasks import TaskRef
     from trainer.rollouts import Collected
-    from trainer.tasks import TaskRef
     from trainer.trackers import Tracker
 
 BOOTSTRAP = 2000
@@ -102,7 +102,7 @@ def swe_stats(groups: int, trajectories: Sequence[Trajectory]) -> dict[str, Any]
     """What the SWE iteration's episodes (of ``groups`` groups) show: the share resolved, the mean reward, how they
     finished, how many were graded, the groups' ids and whether the first group's episodes share their prompt (were
     forked from one state)."""
-    from trainer.batch import pass_rate
+    from trainer.algorithm.batch import pass_rate
 
     trajs = list(trajectories)
     rate, reward, _ = pass_rate(trajs, 1.0)
@@ -111,6 +111,31 @@ def swe_stats(groups: int, trajectories: Sequence[Trajectory]) -> dict[str, Any]
             "group_ids": sorted({t.group_id for t in trajs}),
             "shared_prompt": all(t.token_ids[:t.prompt_len] == trajs[0].token_ids[:trajs[0].prompt_len]
                                  for t in trajs if t.group_id == trajs[0].group_id and t.prompt_len) if trajs else None}
+
+
+async def swe_iteration(cfg: RunConfig, records: Sequence[dict[str, Any]], group: Callable[[TaskRef], GroupSpec],
+                        play: Callable[[list[GroupSpec]], Awaitable[Collected]],
+                        train: Callable[[Collected], Awaitable[tuple[dict[str, Any], int]]],
+                        say: Callable[[str], None]) -> dict[str, Any]:
+    """The SWE iteration (``swe.*``): a group of each task of ``records`` (``group(ref)``, forked from one state),
+    played by ``play`` and graded by the SWE grader, then, with ``swe.train``, one step on them (``train`` returns
+    the step's metrics row and the weight version after it). Returns ``swe_stats`` with ``time_s``."""
+    say(f"SWE iteration: {len(records)} group(s) of {cfg.swe.group_size} on {cfg.swe.env_id} "
+        f"({', '.join(str(r.get('instance_id')) for r in records)}), {cfg.swe.max_turns} turns each")
+    from trainer.loop.tasks import TaskRef
+
+    t0 = time.perf_counter()
+    got = await play([group(TaskRef(r, cfg.seed + i)) for i, r in enumerate(records)])
+    trajs = got.trajectories
+    res = swe_stats(len(got.groups), trajs)
+    if cfg.swe.train and trajs:
+        row, version = await train(got)
+        res["trained"] = "swe/loss" in row
+        res["weight_version_after"] = version
+    res["time_s"] = time.perf_counter() - t0
+    say(f"SWE iteration: resolved {res['resolved']:.2f}, reward {res['reward_mean']:.3f}, graded "
+        f"{res['graded']}/{len(trajs)}, finish {res['finish_reasons']}")
+    return res
 
 
 async def evaluate(refs: Sequence[TaskRef], group: Callable[[TaskRef], GroupSpec],
@@ -126,7 +151,7 @@ async def evaluate(refs: Sequence[TaskRef], group: Callable[[TaskRef], GroupSpec
     trajs = got.trajectories
     per_task = per_task_passes(trajs, cfg.rl.pass_threshold)
     stats = summarize(per_task, cfg.eval.samples, seed=cfg.seed)
-    from trainer.batch import pass_rate
+    from trainer.algorithm.batch import pass_rate
 
     _, reward, scored = pass_rate(trajs, cfg.rl.pass_threshold)
     elapsed = time.perf_counter() - t0

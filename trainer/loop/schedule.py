@@ -3,7 +3,7 @@
 ``k = 0`` is synchronous and on-policy: a batch is played under the current weights, then trained on, strictly
 alternating. With ``k >= 1`` a producer plays batches ahead of the trainer, at most ``k + 1`` beyond the last
 step taken (the one being trained and the next ``k``), and queues them; the trainer takes them in order. Which
-trajectories are then too stale to train on is ``trainer.batch.filter_stale``'s call, not this module's.
+trajectories are then too stale to train on is ``trainer.algorithm.batch.filter_stale``'s call, not this module's.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from typing import Any, Literal
 import torch
 
 from rollout.trajectory import Trajectory
-from trainer.advantages import AdvantageConfig, grpo_advantages
-from trainer.health import batch_health
+from trainer.algorithm.advantages import AdvantageConfig, grpo_advantages
+from trainer.algorithm.health import batch_health
 
 
 @dataclass
