@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.groups import GroupResult, GroupSpec
+from rollout.pausing import drop_snapshot
 from trainer.rollouts import Collected, LoopRollout, turn_times
 
 PAUSED_FILE = "paused-groups.pkl"
@@ -135,8 +136,6 @@ class PartialRollouts:
         states = [s for s in states if "snapshot" in s]
         if self.env_url or not states:
             return
-        from trainer.rollouts import drop_snapshot
-
         api = self.api
         if api is None:
             import agentenv as api

@@ -11,10 +11,10 @@ from loop_fakes import FORKY, TOK, FakeBackend, Versions, loop_with_fakes, polic
 
 from rollout import scripted  # noqa: E402
 from rollout.agent import AgentConfig  # noqa: E402
-from rollout.groups import GroupSpec  # noqa: E402
+from rollout.groups import GroupSpec, run_group  # noqa: E402
 from rollout.ownership import LabelledBackend  # noqa: E402
 from rollout.trajectory import read  # noqa: E402
-from trainer.rollouts import Job, play_group  # noqa: E402
+from trainer.rollouts import Job  # noqa: E402
 
 
 def four_turns(prompt: str, turn: int) -> str:
@@ -25,6 +25,14 @@ def _make(api):
     import gymnasium
 
     return lambda: gymnasium.make(FORKY, api=api)
+
+
+def play_group(make_env, spec, job, policy, tokenizer, should_pause, api):
+    """The group player on a ``Job``, as a ``LoopWorker`` plays it."""
+    from dataclasses import replace
+
+    return run_group(make_env, replace(spec, task=job.task), policy, tokenizer, job.agent, env_id=job.env_id,
+                     memory=job.memory_fork, partial=job.partial(should_pause, None, api))
 
 
 def test_a_group_paused_between_turns_resumes_from_the_snapshot_under_new_weights():
@@ -85,7 +93,7 @@ def test_a_lazy_env_pauses_without_a_sandbox(tmp_path):
     import gymnasium
 
     import envs  # noqa: F401
-    from trainer.rollouts import pause_env, restore_env
+    from rollout.pausing import pause_env, restore_env
 
     backend = FakeBackend()
     env = gymnasium.make("agentenv/Tool-v0", api=backend)
