@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,10 +36,6 @@ from rollout.ownership import (
     node_env_url,
     sweep,
 )
-
-log = logging.getLogger(__name__)
-
-SUMMARY_FILE = "summary.json"
 
 
 class RolloutError(RuntimeError):

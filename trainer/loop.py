@@ -56,8 +56,8 @@ from rich.console import Console
 
 from agentenv.terminal import markup
 from rollout.agent import AgentConfig
-from rollout.driver import init_ray
 from rollout.groups import GroupSpec
+from rollout.raycluster import init_ray
 from trainer import evaluation, parts
 from trainer.batch import filter_stale, pass_rate
 from trainer.config import RunConfig, describe

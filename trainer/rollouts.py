@@ -47,9 +47,10 @@ from typing import Any
 
 from envs.protocol import GymEnv
 from rollout.agent import AgentConfig
-from rollout.driver import Rollout, await_ref
+from rollout.driver import Rollout
 from rollout.groups import GroupResult, GroupSpec, Partial
 from rollout.pausing import Paused
+from rollout.raycluster import await_ref
 from rollout.trajectory import Trajectory
 from rollout.workers import RolloutWorker
 
