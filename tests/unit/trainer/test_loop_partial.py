@@ -88,6 +88,32 @@ def test_a_group_paused_between_turns_resumes_from_the_snapshot_under_new_weight
     assert backend.snapshots == {} and backend.sandboxes == {}       # snapshots dropped, envs closed
 
 
+def test_a_job_is_played_by_the_group_player_with_its_retries():
+    """``agentenv train``'s worker plays a Job with the player of ``agentenv rollout``: an env failure is played
+    again from a new fork (it was recorded as ``env_error`` before the two shared one player)."""
+    from rollout.workers import RolloutConfig
+    from trainer.rollouts import LoopWorker
+
+    backend, versions = FakeBackend(), Versions()
+    cfg = RolloutConfig(FORKY, "http://scripted", backend_factory=lambda: backend,
+                        policy_factory=policy_factory(four_turns, versions), tokenizer_factory=lambda: TOK)
+    job = Job(FORKY, "t3", env_kwargs={"failures": [1]}, agent=AgentConfig(max_turns=6))
+    spec = GroupSpec("g", job, "t3", group_size=2)
+
+    async def go():
+        worker = LoopWorker(cfg, "w0", "unit")
+        try:
+            return await worker.run_group(spec)
+        finally:
+            await worker.shutdown(wait=0)
+
+    r = asyncio.run(go())
+    assert r.spec is spec and [t.reward for t in r.trajectories] == [1.0, 1.0]
+    assert sorted(t.metadata["attempt"] for t in r.trajectories) == [1, 2]
+    assert all(t.metadata["phase"] == "train" and t.metadata["worker"] == "w0" for t in r.trajectories)
+    assert backend.sandboxes == {}
+
+
 def test_a_lazy_env_pauses_without_a_sandbox(tmp_path):
     """Tool-v0 starts no sandbox for calculator tasks: its pause keeps the task and the step count only."""
     import gymnasium
