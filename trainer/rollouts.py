@@ -168,23 +168,24 @@ class LoopRollout(Rollout):
 
     worker_class = LoopWorker
 
-    async def _each(self, method: str, *args: Any) -> None:
+    async def _each(self, local: Callable[[LoopWorker], object], remote: Callable[[Any], Any]) -> None:
+        """Call every live worker: ``local(worker)`` in process, ``remote(actor)`` (an ObjectRef) on Ray."""
         for s in self.slots:
             if s.dead:
                 continue
             if isinstance(s.handle, LoopWorker):
-                getattr(s.handle, method)(*args)
+                local(s.handle)
             else:
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(await_ref(getattr(s.handle, method).remote(*args)), 60)
+                    await asyncio.wait_for(await_ref(remote(s.handle)), 60)
 
     async def pause(self) -> None:
         """Every worker's running episodes stop after their current turn and come back paused."""
-        await self._each("pause")
+        await self._each(LoopWorker.pause, lambda actor: actor.pause.remote())
 
     async def unpause(self) -> None:
-        await self._each("unpause")
+        await self._each(LoopWorker.unpause, lambda actor: actor.unpause.remote())
 
     async def set_version(self, version: int) -> None:
         """Tell every worker the loop's weight version now (after a push returned)."""
-        await self._each("set_version", version)
+        await self._each(lambda worker: worker.set_version(version), lambda actor: actor.set_version.remote(version))
