@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from agentenv.api import Backend
 from envs.protocol import GymEnv
 from rollout.agent import AgentConfig
 from rollout.driver import Rollout
@@ -78,7 +79,7 @@ class Job:
         return bool(self.resume)
 
     def partial(self, should_pause: Callable[[], bool] | None, served_version: Callable[[], int] | None,
-                store: Any) -> Partial:
+                store: Backend | None) -> Partial:
         """The job's pause and resume as the group player takes them (``store``: where its snapshots live)."""
         return Partial(should_pause, served_version, self.resume, self.finished, store, self.keep_resumed)
 
