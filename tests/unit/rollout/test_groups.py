@@ -156,3 +156,32 @@ def test_a_paused_group_resumes_and_a_resumed_play_that_fails_is_retried_from_it
     assert all(t.metadata["resumes"] == 1 for t in done.trajectories)
     assert backend.snapshots == {} and backend.sandboxes == {}   # resumed from, done: dropped; every env closed
 
+
+
+def test_a_cancelled_resumed_group_closes_its_envs_and_keeps_its_snapshots():
+    backend = FakeBackend()
+    first = play(lambda: ForkyEnv(api=backend), GroupSpec("g", task="t1", group_size=2), bash_then_submit,
+                 partial=Partial(lambda: True, store=backend))          # paused before its first turn
+    paused = first.info["paused"]
+    assert len(paused) == 2 and len(backend.snapshots) == 2 and backend.sandboxes == {}
+
+    def slow(prompt, turn):
+        import time
+
+        time.sleep(0.2)
+        return bash_then_submit(prompt, turn)
+
+    async def go():
+        async with policy_factory(slow)() as policy:
+            task = asyncio.create_task(run_group(lambda: ForkyEnv(api=backend), GroupSpec("g", task="t1", group_size=2),
+                                                 policy, TOK, AgentConfig(), partial=Partial(resume=paused,
+                                                                                             store=backend)))
+            while len(backend.sandboxes) < 2 and not task.done():   # wait on state: both episodes restored
+                await asyncio.sleep(0.01)
+            assert len(backend.sandboxes) == 2
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(go())
+    assert backend.sandboxes == {} and len(backend.snapshots) == 2   # closed; the snapshots left for a later try
