@@ -40,6 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from envs.protocol import GymEnv, ToolMessage, tool_messages, unwrap
+from envs.tools import Toolbox
 from policy import chat
 from policy.client import Completion, PolicyClient, PolicyError, PolicyProtocolError, Sample
 from rollout.trajectory import Trajectory, Turn
@@ -93,39 +95,38 @@ def sampling_seed(traj: Trajectory) -> int | None:
     return int.from_bytes(digest, "big") >> 2   # below 2**62: every engine takes it
 
 
-def observation_messages(obs: str, info: dict[str, Any], text: str = "") -> list[dict[str, Any]]:
-    """The K3 messages for an env's answer: one tool message per tool call it ran; for an env that ran the
-    text's one call without saying so (a shell), that call's result; else a user message."""
-    calls = info.get("calls") or []
-    if calls:
-        return [{"role": "tool", "tool_call_id": c.get("id") or f"functions.{c.get('name')}:{i}",
-                 "content": str(c.get("output", ""))} for i, c in enumerate(calls)]
-    parsed = chat.parse_assistant(text).tool_calls if text else []
-    if parsed:
-        return [{"role": "tool", "tool_call_id": parsed[0]["id"], "content": obs}]
+def observation_messages(obs: str, replies: Sequence[ToolMessage],
+                         said: chat.AssistantMessage) -> list[dict[str, Any]]:
+    """The K3 messages for an env's answer: its tool messages (``info["tool_messages"]``, one per call it ran); for
+    an env that ran the text's call as a plain command (a shell), that call's result; else a user message."""
+    if replies:
+        return [m.to_chat() for m in replies]
+    if said.tool_calls:
+        return [{"role": "tool", "tool_call_id": said.tool_calls[0]["id"], "content": obs}]
     return [{"role": "user", "content": obs}]
 
 
-def _toolbox(env: Any) -> Any | None:
+def _toolbox(env: GymEnv) -> Toolbox | None:
     """The env's toolbox (envs whose actions are K3 tool-call text), or None (a shell env: actions are commands)."""
     try:
-        return getattr(getattr(env, "unwrapped", env), "toolbox", None)
+        return unwrap(env).toolbox
     except NotImplementedError:
         return None
 
 
-def env_tools(env: Any) -> list[dict[str, Any]]:
+def env_tools(env: GymEnv) -> list[dict[str, Any]]:
     """The tool declarations the policy sees: the env's toolbox, or one bash tool for a shell env."""
     toolbox = _toolbox(env)
     return list(toolbox.specs) if toolbox is not None else [BASH_TOOL]
 
 
-def env_action(env: Any, text: str) -> Any:
+def env_action(env: GymEnv, text: str, said: chat.AssistantMessage) -> Any:
     """The action for ``env``: the policy's text itself when the env parses tool calls; for a shell env, the
-    command of the text's first bash call (text without one is passed on, and fails as a command)."""
+    command of the text's first bash call (``said``: the text parsed; text without one is passed on, and fails
+    as a command)."""
     if _toolbox(env) is not None:
         return text
-    for call in chat.parse_assistant(text).tool_calls:
+    for call in said.tool_calls:
         if call["function"]["name"] == "bash":
             return str(json.loads(call["function"]["arguments"]).get("command", ""))
     return text
@@ -222,17 +223,19 @@ class Episode:
         self.traj.turns.append(turn)
         return text, turn
 
-    async def act(self, env: Any, text: str, turn: Turn) -> Step:
+    async def act(self, env: GymEnv, text: str, turn: Turn) -> Step:
         """Step ``env`` with the turn's text (raises EnvFailed); a step that does not end the episode appends
         the observation as K3 tool messages."""
+        said = chat.parse_assistant(text)  # the policy's text, read once: its action and the call it answers
         t1 = time.perf_counter()
         try:
-            obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, env_action(env, text))
+            obs, reward, terminated, truncated, info = await asyncio.to_thread(env.step, env_action(env, text, said))
+            replies = tool_messages(info)
         except Exception as e:  # noqa: BLE001 - the env failed, not the policy's task
             raise EnvFailed(f"{type(e).__name__}: {e}") from e
         finally:
             turn.env_s = time.perf_counter() - t1
-        turn.tool_calls, turn.malformed = len(info.get("calls") or []), chat.parse_assistant(text).malformed
+        turn.tool_calls, turn.malformed = len(replies), said.malformed
         self.traj.tool_calls += turn.tool_calls
         self.traj.malformed_calls += int(turn.malformed)
         done = bool(terminated or truncated)
@@ -241,7 +244,7 @@ class Episode:
             self.traj.finish_reason = "submitted" if terminated else "max_turns"
             self.traj.grade = {k: info[k] for k in GRADE_KEYS if k in info}
         else:
-            self.add_observation(observation_messages(obs, info, text))
+            self.add_observation(observation_messages(obs, replies, said))
         return Step(text, obs, float(reward), done, bool(terminated), info)
 
     def add_observation(self, messages: list[dict[str, Any]]) -> None:
@@ -263,15 +266,16 @@ class Episode:
 GRADE_KEYS = ("resolved", "FAIL_TO_PASS", "PASS_TO_PASS", "grading", "correct", "expected", "answer")
 
 
-async def begin(env: Any, tokenizer: Tokenizer, config: AgentConfig, traj: Trajectory,
+async def begin(env: GymEnv, tokenizer: Tokenizer, config: AgentConfig, traj: Trajectory,
                 first_observation: str | None, reset_options: dict[str, Any] | None,
                 keep_messages: bool = False) -> Episode:
     """The episode's start: reset the env unless ``first_observation`` is given (raises EnvFailed)."""
     if first_observation is None:
         try:
-            first_observation, info = await asyncio.to_thread(env.reset, seed=traj.seed, options=reset_options)
+            obs, info = await asyncio.to_thread(env.reset, seed=traj.seed, options=reset_options)
         except Exception as e:  # noqa: BLE001 - an env that cannot start is the episode's result
             raise EnvFailed(f"{type(e).__name__}: {e}") from e
+        first_observation = str(obs)
         traj.task_id = traj.task_id or str(info.get("task") or "")
     episode = Episode(tokenizer, env_tools(env), traj)
     if keep_messages:
@@ -280,7 +284,7 @@ async def begin(env: Any, tokenizer: Tokenizer, config: AgentConfig, traj: Traje
     return episode
 
 
-async def run_episode(env: Any, policy: PolicyClient, tokenizer: Tokenizer, config: AgentConfig = DEFAULT_CONFIG, *,
+async def run_episode(env: GymEnv, policy: PolicyClient, tokenizer: Tokenizer, config: AgentConfig = DEFAULT_CONFIG, *,
                       task_id: str = "", env_id: str = "", first_observation: str | None = None,
                       reset_options: dict[str, Any] | None = None, seed: int | None = None,
                       group_id: str = "", group_index: int = 0, keep_messages: bool = False) -> Trajectory:
@@ -298,7 +302,7 @@ async def run_episode(env: Any, policy: PolicyClient, tokenizer: Tokenizer, conf
     return episode.traj.check()
 
 
-async def play(episode: Episode, env: Any, policy: PolicyClient, config: AgentConfig,
+async def play(episode: Episode, env: GymEnv, policy: PolicyClient, config: AgentConfig,
                should_pause: Callable[[], bool] | None = None,
                served_version: Callable[[], int] | None = None) -> Trajectory | None:
     """Turns until the env ends the episode, a limit of the loop is reached, or something fails (the trajectory);

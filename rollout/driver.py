@@ -12,13 +12,9 @@
     for traj in run(tasks, "agentenv/Tool-v0", url, group_size=4, workers=2, out="runs/t"):   # the short form
         ...
 
-**Workers.** ``RolloutWorker`` is a Ray actor with a fractional CPU (``worker_cpus``) that plays many groups at
-once on one asyncio loop (``rollout.groups.run_group``: reset once, ``fork(G)``, G episodes of the token-in /
-token-out loop); env calls run in its threads, policy calls share one ``PolicyClient``. Workers are placed
-round-robin over the cluster's nodes. Each makes its envs in its own process (``gymnasium.make(env_id,
-api=...)``) against its node's sandboxes: the ``agentenv serve`` that ``env_urls`` names for its node (by Ray
-node id, node IP, or ``"*"``), else the one ``$AGENTENV_URL`` names on that node (token: ``env_token`` or
-``$AGENTENV_TOKEN``), else local sandboxes on the node itself.
+**Workers** (rollout/workers.py) are Ray actors that play many groups at once with the one group player
+(``rollout.groups.run_group``: reset once, ``fork(G)``, G episodes of the token-in / token-out loop), each against
+its node's sandboxes; rollout/raycluster.py places them round-robin over the cluster's nodes.
 
 **The driver** (``Rollout``) starts Ray (embedded: a local ``ray.init()`` sized to the machine; or joins
 ``ray_address``), starts the workers, hands out groups with backpressure (at most ``groups_per_worker`` in flight
@@ -49,11 +45,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import os
 import time
 import uuid
-from collections import Counter, deque
+from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,47 +58,15 @@ from agentenv.config import write_json
 from policy.client import PolicyClient
 from rollout.groups import GroupResult, GroupSpec, failed, policy_alive
 from rollout.ownership import RUN_FILE, RUN_LABEL, sweep, sweep_run
+from rollout.raycluster import await_ref, init_ray, ray_errors, start_workers, worker_back
 from rollout.stats import RunStats
 from rollout.trajectory import ShardWriter, Trajectory
 from rollout.workers import PolicyUnavailable, RolloutConfig, RolloutError, RolloutWorker, group_specs
 
-log = logging.getLogger(__name__)
-
 SUMMARY_FILE = "summary.json"
-WORKER_BACK_TIMEOUT = 180.0  # seconds a killed worker has to answer again once Ray restarts it
 
 
 # --- the driver -------------------------------------------------------------------------------------------
-
-
-def _ray_errors() -> tuple[type[BaseException], ...]:
-    try:
-        from ray import exceptions as rex
-    except ImportError:
-        return ()
-    errs: list[type[BaseException]] = [rex.RayActorError]
-    for name in ("ActorUnavailableError", "ActorDiedError", "WorkerCrashedError", "NodeDiedError",
-                 "OwnerDiedError", "ObjectLostError"):
-        if hasattr(rex, name):
-            errs.append(getattr(rex, name))
-    return tuple(errs)
-
-
-def init_ray(address: str | None, **overrides: Any) -> bool:
-    """Join the Ray cluster at ``address``, or start a Ray of our own sized to this machine (None); nothing if
-    this process already joined one. True if it joined here (then the caller shuts it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kw: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                          "logging_level": logging.WARNING, "configure_logging": False}
-    if address is None:
-        kw["num_cpus"] = os.cpu_count() or 1
-        kw["object_store_memory"] = 256 << 20
-    # "local": a new Ray of our own, even when another one runs on this machine (None would join it)
-    ray.init(address=address or "local", **{**kw, **overrides})
-    return True
 
 
 @dataclass
@@ -140,7 +103,7 @@ class Rollout:
         self.slots: list[_Slot] = []
         self.worker_infos: list[dict[str, Any]] = []
         self.swept: dict[str, list[str]] = {"sandboxes": [], "snapshots": []}
-        self.keep_snapshots: set[str] = set()   # never swept: a training checkpoint names them (trainer/partial.py)
+        self.keep_snapshots: set[str] = set()   # never swept: a training checkpoint names them (trainer/loop/partial.py)
         self.not_run = 0
         self._started_ray = False
         self._ready = False
@@ -199,38 +162,9 @@ class Rollout:
         self._ready = True
 
     def _start_ray_workers(self) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         self._started_ray = init_ray(self.ray_address, **self.ray_init_kwargs)
-        if self.config.env_fleet:  # the fleet's server of each node, before the workers take the config
-            from agentenv.remote import fleet
-
-            found = fleet.urls()
-            if not found:
-                raise RolloutError("env_fleet: no env server of the fleet answers on this Ray cluster; run "
-                                   "`agentenv cluster up` first")
-            self.config.env_urls = {**found, **(self.config.env_urls or {})}
-        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
-        if not nodes:
-            raise RolloutError("the Ray cluster has no live node with CPUs")
-        per_node = Counter(i % len(nodes) for i in range(self.n_workers))
-        remote = ray.remote(self.worker_class)
-        for i in range(self.n_workers):
-            node = nodes[i % len(nodes)]
-            cpus = min(self.config.worker_cpus, node["Resources"]["CPU"] / per_node[i % len(nodes)])
-            key = f"{self.run_id}-w{i}"
-            handle = remote.options(
-                name=f"rollout-{key}", num_cpus=cpus, max_restarts=self.config.max_restarts, max_task_retries=0,
-                max_concurrency=1000,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=True),
-            ).remote(self.config, key, self.run_id)
-            self.slots.append(_Slot(key, handle))
-        try:
-            infos = ray.get([s.handle.info.remote() for s in self.slots], timeout=300)
-        except Exception as e:  # noqa: BLE001 - reported as one clear error
-            raise RolloutError(f"the rollout workers did not start: {type(e).__name__}: {e}") from e
-        self.worker_infos = list(infos)
+        started, self.worker_infos = start_workers(self.worker_class, self.config, self.run_id, self.n_workers)
+        self.slots.extend(_Slot(key, handle) for key, handle in started)
 
     async def _shutdown_workers(self) -> None:
         infos = []
@@ -318,7 +252,7 @@ class Rollout:
         """Yield each group's result as it finishes (already written to the run folder)."""
         await self.start()
         c = self.config
-        errors = _ray_errors()
+        errors = ray_errors()
         specs = group_specs(tasks, self.run_id, c.group_size, c.seed)
         with contextlib.suppress(TypeError):
             self.stats.groups_total = len(tasks)  # type: ignore[arg-type]
@@ -396,22 +330,7 @@ class Rollout:
 
     async def _worker_alive(self, slot: _Slot) -> bool:
         """Whether a worker whose call failed answers again (Ray restarted it), or is gone for good."""
-        if isinstance(slot.handle, RolloutWorker):
-            return True
-        import ray.exceptions as rex
-
-        unavailable = getattr(rex, "ActorUnavailableError", ())  # restarting: a call now fails at once
-        deadline = time.monotonic() + WORKER_BACK_TIMEOUT
-        while True:
-            try:
-                await asyncio.wait_for(await_ref(slot.handle.info.remote()), max(1.0, deadline - time.monotonic()))
-                return True
-            except unavailable:
-                if time.monotonic() > deadline:
-                    return False
-                await asyncio.sleep(0.5)  # Ray is still restarting it: ask again
-            except Exception:  # noqa: BLE001 - dead for good, or not back in time: no more groups for it
-                return False
+        return isinstance(slot.handle, RolloutWorker) or await worker_back(slot.handle)
 
     async def _policy_back(self) -> bool:
         """Whether the policy answers again within a few probes."""
@@ -450,18 +369,6 @@ class Rollout:
     def trajectories(self, tasks: Iterable[Any]) -> Iterator[Trajectory]:
         for result in self.groups(tasks):
             yield from result.trajectories
-
-
-async def await_ref(ref: Any) -> Any:
-    """Await a Ray ObjectRef; cancelling this cancels the remote call."""
-    try:
-        return await ref
-    except asyncio.CancelledError:
-        with contextlib.suppress(Exception):
-            import ray
-
-            ray.cancel(ref)
-        raise
 
 
 def _count(it: Iterator[Any]) -> int:

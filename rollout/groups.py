@@ -1,4 +1,4 @@
-"""GRPO groups forked from one identical state.
+"""GRPO groups forked from one identical state: the one group player, of ``agentenv rollout`` and ``agentenv train``.
 
 A group of ``G`` episodes of one task starts from one reset: the task is set up once (image, setup commands,
 any long-running process the task starts), then ``env.fork(G)`` gives ``G`` children that continue from a
@@ -17,6 +17,17 @@ group is recorded as ``env_error``. With ``G == 1`` the episode runs in the pare
 resets again. When a policy call failed because the server is unreachable and a probe confirms it, nothing is
 retried and the result says ``policy_down``. The parent and every child are closed when the group ends, also
 when it is cancelled.
+
+**Pause and resume** (``Partial``; the training loop's partial rollouts, trainer/loop/rollouts.py). Between two turns
+each episode asks ``should_pause()``; when it says so, the episode stops after its current turn and is paused
+(rollout/pausing.py: its env's state to the snapshot store, its conversation kept). The group's result is then
+not complete: ``info["paused"]`` holds the paused episodes (``Paused``, by index) and ``info["finished"]`` the
+group's episodes that are done; ``trajectories`` is empty. Played again with ``resume`` (and ``finished``), each
+paused episode is restored from its state and goes on from its conversation (a play of it that fails on
+infrastructure is retried from the same state); the group is complete when all ``G`` episodes are.
+``metadata["resumes"]`` counts an episode's pauses. The snapshot a resumed episode was restored from is deleted
+once the episode is done or paused again, unless ``keep_resumed`` (the training loop's checkpoints may name it).
+``served_version()``, read before each request, is the weight version of a turn whose answer reports none.
 """
 
 from __future__ import annotations
@@ -24,12 +35,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import gymnasium as gym
+
+from agentenv.api import Backend
+from envs.protocol import GymEnv, unwrap
 from policy.client import PolicyClient, PolicyError
-from rollout.agent import AgentConfig, Tokenizer, run_episode
+from rollout.agent import AgentConfig, Episode, Tokenizer, begin, play
+from rollout.pausing import Paused, drop_snapshot, pause_env, restore_env
 from rollout.trajectory import Trajectory
 
 T = TypeVar("T")
@@ -67,24 +83,41 @@ class GroupResult:
         return [t.reward for t in self.trajectories]
 
 
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Pause and resume of a group's episodes (see the module docstring); the default plays every episode out."""
+
+    should_pause: Callable[[], bool] | None = None
+    served_version: Callable[[], int] | None = None
+    resume: Sequence[Paused] = ()           # the group's paused episodes, to play on
+    finished: Sequence[Trajectory] = ()     # and its episodes already done
+    store: Backend | None = None            # where the snapshots resumed from are deleted
+    keep_resumed: bool = False              # leave those snapshots to the caller
+
+
 class _Timed:
     """An env seen through the agent loop, noting when its first step (the first tool call) began."""
 
-    def __init__(self, env: Any) -> None:
+    def __init__(self, env: GymEnv) -> None:
         self.env = env
         self.first_step_at: float | None = None
 
     @property
-    def unwrapped(self) -> Any:
-        return getattr(self.env, "unwrapped", self.env)
+    def unwrapped(self) -> gym.Env[Any, Any]:
+        return self.env.unwrapped
 
-    def reset(self, **kw: Any) -> Any:
-        return self.env.reset(**kw)
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+        return self.env.reset(seed=seed, options=options)
 
-    def step(self, action: Any) -> Any:
+    def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         if self.first_step_at is None:
             self.first_step_at = time.time()
         return self.env.step(action)
+
+    def close(self) -> None:
+        self.env.close()
 
 
 async def _settled(fut: Awaitable[T], cleanup: Callable[[T], object] | None = None) -> T:
@@ -101,7 +134,7 @@ async def _settled(fut: Awaitable[T], cleanup: Callable[[T], object] | None = No
         raise
 
 
-def close_all(envs: list[Any]) -> None:
+def close_all(envs: Sequence[GymEnv]) -> None:
     for env in envs:
         with contextlib.suppress(Exception):
             env.close()
@@ -115,12 +148,12 @@ def failed(spec: GroupSpec, reason: str, error: str, env_id: str = "", index: in
     return t
 
 
-def branch(parent: Any, n: int, memory: bool, make_env: Callable[[], Any], seed: int | None) -> list[Any]:
+def branch(parent: GymEnv, n: int, memory: bool, make_env: Callable[[], GymEnv], seed: int | None) -> list[GymEnv]:
     """``n`` envs continuing the parent's reset state: ``fork(n)`` of its sandbox, or, for an env that has no
     sandbox yet (lazy), ``n`` fresh envs reset to the same task."""
-    base = getattr(parent, "unwrapped", parent)
-    if getattr(base, "lazy_sandbox", False) and getattr(base, "sandbox", None) is None:
-        kids: list[Any] = []
+    base = unwrap(parent)
+    if base.lazy_sandbox and base.sandbox is None:
+        kids: list[GymEnv] = []
         try:
             for _ in range(n):
                 kid = make_env()
@@ -142,88 +175,221 @@ async def policy_alive(policy: PolicyClient, timeout: float = 15.0) -> bool:
     return True
 
 
-async def run_group(make_env: Callable[[], Any], spec: GroupSpec, policy: PolicyClient, tokenizer: Tokenizer,
+async def run_group(make_env: Callable[[], GymEnv], spec: GroupSpec, policy: PolicyClient, tokenizer: Tokenizer,
                     config: AgentConfig | None = None, *, memory: bool = False, env_id: str = "",
-                    max_retries: int = 2, keep_messages: bool = False,
-                    metadata: dict[str, Any] | None = None) -> GroupResult:
-    """Play the group ``spec`` (see the module docstring): ``make_env()`` makes one env of the task's kind."""
-    config = config or AgentConfig()
+                    max_retries: int = 2, keep_messages: bool = False, metadata: dict[str, Any] | None = None,
+                    partial: Partial | None = None) -> GroupResult:
+    """Play the group ``spec`` (see the module docstring): ``make_env()`` makes one env of the task's kind; a result
+    with ``info["paused"]`` is not complete yet."""
     if spec.group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {spec.group_size}")
-    g, result = spec.group_size, GroupResult(spec, [], attempts=0)
-    done: dict[int, Trajectory] = {}
-    tries = dict.fromkeys(range(g), spec.attempt - 1)  # plays of each episode so far (earlier attempts too)
-    group_start = time.time()
-    opts = None if spec.task is None else {"task": spec.task}
-    parent: Any = None
-    try:
-        while len(done) < g:
-            pending = [i for i in range(g) if i not in done]
-            # --- the state to start from: the parent's reset (again, for a lone episode that is retried)
-            if parent is None:
-                t0 = time.perf_counter()
-                try:
-                    parent = await _settled(asyncio.to_thread(make_env), lambda env: close_all([env]))
-                    obs, info = await _settled(asyncio.to_thread(parent.reset, seed=spec.seed, options=opts))
-                except Exception as e:  # noqa: BLE001 - the group's result, retried below
-                    result.error = f"reset: {type(e).__name__}: {e}"
-                    if parent is not None:
-                        await asyncio.to_thread(close_all, [parent])
-                        parent = None
-                    for i in pending:
-                        tries[i] += 1
-                        if tries[i] > max_retries:
-                            done[i] = failed(spec, "env_error", result.error, env_id, i)
-                    continue
-                result.reset_s += time.perf_counter() - t0
-                first, task_id = obs, str(info.get("task") or spec.task_id)
-            # --- the envs the pending episodes run in
+    group = _Group(make_env, spec, policy, tokenizer, config or AgentConfig(), memory, env_id, max_retries,
+                   keep_messages, dict(metadata or {}), partial or Partial())
+    return await group.play()
+
+
+@dataclass
+class _Play:
+    """One play of one episode: from the parent's reset (``resumed`` None) or from its paused state."""
+
+    index: int
+    episode: Episode
+    env: _Timed
+    resumed: Paused | None
+    start: float = 0.0
+
+
+@dataclass
+class _Group:
+    """A group being played: its episodes done, paused and tried so far, and the parent's reset."""
+
+    make_env: Callable[[], GymEnv]
+    spec: GroupSpec
+    policy: PolicyClient
+    tokenizer: Tokenizer
+    config: AgentConfig
+    memory: bool
+    env_id: str
+    max_retries: int
+    keep_messages: bool
+    meta: dict[str, Any]
+    partial: Partial
+    parent: GymEnv | None = None
+    first: str = ""
+    opened: list[GymEnv] = field(default_factory=list)    # envs of this round not closed yet
+
+    def __post_init__(self) -> None:
+        spec = self.spec
+        self.result = GroupResult(spec, [], attempts=0)
+        self.done = {t.group_index: t for t in self.partial.finished}
+        self.paused: dict[int, Paused] = {}
+        self.resuming = {p.index: p for p in self.partial.resume}
+        self.tries = dict.fromkeys(range(spec.group_size), spec.attempt - 1)  # plays so far (earlier attempts too)
+        self.group_start, self.task_id = time.time(), spec.task_id
+        if self.resuming:
+            for t in self.done.values():  # they waited for the group's paused episodes: the same staleness allowance
+                t.metadata["resumes"] = int(t.metadata.get("resumes", 0) or 0) + 1
+
+    async def play(self) -> GroupResult:
+        g = self.spec.group_size
+        try:
+            while pending := [i for i in range(g) if i not in self.done and i not in self.paused]:
+                plays = [p for i in pending if i in self.resuming and (p := await self._resume(i)) is not None]
+                fresh = [i for i in pending if i not in self.resuming]
+                plays += await self._branch(fresh) if fresh else []
+                if plays:
+                    await self._round(plays)
+        finally:
+            await asyncio.to_thread(close_all, self.opened + ([self.parent] if self.parent is not None else []))
+            self.opened, self.parent = [], None
+        self.result.attempts = max(self.tries.values())
+        if self.paused:
+            self.result.info.update(paused=[self.paused[i] for i in sorted(self.paused)],
+                                    finished=[self.done[i] for i in sorted(self.done)])
+        else:
+            self.result.trajectories = [self.done[i] for i in range(g)]
+        return self.result
+
+    # --- the envs the pending episodes play in ---------------------------------------------------------------
+
+    async def _resume(self, i: int) -> _Play | None:
+        """A paused episode restored from its state (None: the restore failed, counted as a play)."""
+        paused = self.resuming[i]
+        try:
+            env = await _settled(asyncio.to_thread(restore_env, self.make_env, paused.env_state, self.spec.seed),
+                                 lambda env: close_all([env]))
+        except Exception as e:  # noqa: BLE001 - the episode's result, retried
+            await self._not_started(i, f"resume: {type(e).__name__}: {e}")
+            return None
+        self.opened.append(env)
+        episode = paused.episode(self.tokenizer)
+        episode.traj.metadata["resumes"] = paused.resumes + 1
+        return _Play(i, episode, _Timed(env), paused)
+
+    async def _branch(self, fresh: list[int]) -> list[_Play]:
+        """The fresh episodes' envs: the parent's reset (made once, again for a lone episode), then its branches."""
+        spec = self.spec
+        if self.parent is None:
             t0 = time.perf_counter()
-            if g == 1:
-                kids, own = [parent], False  # a lone episode plays in the parent itself
-            else:
-                try:
-                    kids = await _settled(asyncio.to_thread(branch, parent, len(pending), memory, make_env, spec.seed),
-                                          close_all)
-                except Exception as e:  # noqa: BLE001 - every pending episode failed to start: retried below
-                    result.error = f"fork: {type(e).__name__}: {e}"
-                    for i in pending:
-                        tries[i] += 1
-                        if tries[i] > max_retries:
-                            done[i] = failed(spec, "env_error", result.error, env_id, i)
-                    continue
-                own = True
-            fork_s = time.perf_counter() - t0 if own else 0.0
-            result.fork_s += fork_s
-            timed = [_Timed(k) for k in kids]
+            opts = None if spec.task is None else {"task": spec.task}
             try:
-                starts = [time.time()] * len(timed)
-                trajs = await asyncio.gather(*(
-                    run_episode(env, policy, tokenizer, config, task_id=task_id, env_id=env_id,
-                                first_observation=first, seed=spec.seed, group_id=spec.group_id, group_index=i,
-                                keep_messages=keep_messages)
-                    for i, env in zip(pending, timed, strict=True)))
-            finally:
-                await asyncio.to_thread(close_all, kids)
-                if not own:
-                    parent = None
-            down = False
-            if any(t.finish_reason == "policy_error" and t.error.startswith(UNREACHABLE) for t in trajs):
-                down = not await policy_alive(policy)
-                result.policy_down = result.policy_down or down
-            for i, env, t, start in zip(pending, timed, trajs, starts, strict=True):
-                tries[i] += 1
-                t.fork_s = fork_s / len(kids)
-                t.metadata.update(metadata or {})
-                t.metadata.update(attempt=tries[i], group_start=group_start, episode_start=start,
-                                  first_step_at=env.first_step_at, reset_s=result.reset_s)
-                if t.infra_error:
-                    result.error = t.error
-                if not t.infra_error or tries[i] > max_retries or down:
-                    done[i] = t
-    finally:
-        if parent is not None:
-            await asyncio.to_thread(close_all, [parent])
-    result.trajectories = [done[i] for i in range(g)]
-    result.attempts = max(tries.values())
-    return result
+                self.parent = await _settled(asyncio.to_thread(self.make_env), lambda env: close_all([env]))
+                obs, info = await _settled(asyncio.to_thread(self.parent.reset, seed=spec.seed, options=opts))
+            except Exception as e:  # noqa: BLE001 - every fresh episode failed to start: retried
+                if self.parent is not None:
+                    await asyncio.to_thread(close_all, [self.parent])
+                    self.parent = None
+                for i in fresh:
+                    await self._not_started(i, f"reset: {type(e).__name__}: {e}")
+                return []
+            self.result.reset_s += time.perf_counter() - t0
+            self.first, self.task_id = str(obs), str(info.get("task") or spec.task_id)
+        t0 = time.perf_counter()
+        if spec.group_size == 1:
+            kids, self.parent, fork_s = [self.parent], None, 0.0   # a lone episode plays in the parent itself
+        else:
+            try:
+                kids = await _settled(asyncio.to_thread(branch, self.parent, len(fresh), self.memory, self.make_env,
+                                                        spec.seed), close_all)
+            except Exception as e:  # noqa: BLE001 - every fresh episode failed to start: retried
+                for i in fresh:
+                    await self._not_started(i, f"fork: {type(e).__name__}: {e}")
+                return []
+            fork_s = time.perf_counter() - t0
+            self.result.fork_s += fork_s
+        self.opened.extend(kids)
+        plays = []
+        for i, kid in zip(fresh, kids, strict=True):
+            traj = Trajectory(task_id=self.task_id, env_id=self.env_id, seed=spec.seed, group_id=spec.group_id,
+                              group_index=i)
+            traj.fork_s = fork_s / len(kids)
+            timed = _Timed(kid)
+            plays.append(_Play(i, await begin(timed, self.tokenizer, self.config, traj, self.first, None,
+                                              self.keep_messages), timed, None))
+        return plays
+
+    async def _not_started(self, i: int, error: str) -> None:
+        """Episode ``i`` could not start (reset, fork or restore failed): counted as a play, recorded at the last."""
+        self.result.error = error
+        self.tries[i] += 1
+        if self.tries[i] <= self.max_retries:
+            return
+        paused = self.resuming.get(i)
+        if paused is None:
+            t = failed(self.spec, "env_error", error, self.env_id, i)
+        else:
+            t = paused.episode(self.tokenizer).traj
+            t.finish_reason, t.reward, t.error = "env_error", None, error[:2000]
+            t.metadata["resumes"] = paused.resumes + 1
+            await self._drop(paused)
+        t.metadata.update({k: v for k, v in self.meta.items() if k not in t.metadata}, attempt=self.tries[i])
+        self.done[i] = t.check()
+
+    # --- one round: the started episodes play until each is done, paused or failed ---------------------------
+
+    async def _round(self, plays: list[_Play]) -> None:
+        p = self.partial
+        for one in plays:
+            one.start = time.time()
+        outcomes = await asyncio.gather(*(play(one.episode, one.env, self.policy, self.config, p.should_pause,
+                                               p.served_version) for one in plays), return_exceptions=True)
+        ended: list[tuple[_Play, Trajectory]] = []
+        for one, out in zip(plays, outcomes, strict=True):
+            if isinstance(out, asyncio.CancelledError):
+                raise out
+            if isinstance(out, BaseException):
+                ended.append((one, one.episode.fail("env_error", out)))
+            elif out is not None:
+                ended.append((one, out))
+            elif (failure := await self._pause(one)) is not None:
+                ended.append((one, failure))
+        closing = [one.env.env for one, _ in ended if one.env.env in self.opened]
+        self.opened = [env for env in self.opened if env not in closing]
+        await asyncio.to_thread(close_all, closing)
+        down = False
+        if any(t.finish_reason == "policy_error" and t.error.startswith(UNREACHABLE) for _, t in ended):
+            down = not await policy_alive(self.policy)
+            self.result.policy_down = self.result.policy_down or down
+        for one, t in ended:
+            i = one.index
+            self.tries[i] += 1
+            self._stamp(one, t, self.tries[i])
+            if t.infra_error:
+                self.result.error = t.error
+            if not t.infra_error or self.tries[i] > self.max_retries or down:
+                self.done[i] = t.check()
+                if one.resumed is not None:
+                    await self._drop(one.resumed)
+
+    async def _pause(self, one: _Play) -> Trajectory | None:
+        """Pause an episode between two turns (its env to the store, then closed); a pause that fails ends the
+        play as an env error (returned)."""
+        env = one.env.env
+        self.opened.remove(env)
+        try:
+            state = await _settled(asyncio.to_thread(pause_env, env, self.memory))
+        except Exception as e:  # noqa: BLE001 - the play's result
+            return one.episode.fail("env_error", e)
+        ep = one.episode
+        self._stamp(one, ep.traj, self.tries[one.index] + 1)
+        before = one.resumed.resumes + 1 if one.resumed is not None else 0
+        self.paused[one.index] = Paused(one.index, ep.traj, ep.messages, ep.tools, state, before)
+        if one.resumed is not None:
+            await self._drop(one.resumed)
+        return None
+
+    def _stamp(self, one: _Play, t: Trajectory, attempt: int) -> None:
+        """The play's metadata: the caller's, the group's timings, this attempt; a resumed episode keeps what its
+        first play recorded."""
+        stamps = {**self.meta, "group_start": self.group_start, "episode_start": one.start,
+                  "first_step_at": one.env.first_step_at, "reset_s": self.result.reset_s}
+        if one.resumed is None:
+            t.metadata.update(stamps)
+            t.metadata.setdefault("resumes", 0)
+        else:
+            t.metadata.update({k: v for k, v in stamps.items() if k not in t.metadata})
+        t.metadata["attempt"] = attempt
+
+    async def _drop(self, paused: Paused) -> None:
+        if not self.partial.keep_resumed:
+            await asyncio.to_thread(drop_snapshot, self.partial.store, paused.env_state)

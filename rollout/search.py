@@ -31,11 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from agentenv.config import write_json
+from envs.protocol import GymEnv, unwrap
+from envs.task import Task
 from policy.client import PolicyClient, PolicyError
 from rollout.agent import DEFAULT_CONFIG, AgentConfig, EnvFailed, Episode, Step, Tokenizer, begin, play
 from rollout.trajectory import Trajectory
 
-Scorer = Callable[[Any, Step], float]  # (the child's env, the step it just took) -> higher is better
+Scorer = Callable[[GymEnv, Step], float]  # (the child's env, the step it just took) -> higher is better
 
 
 @dataclass
@@ -96,15 +98,15 @@ class SearchResult:
         return "\n".join(lines)
 
 
-def default_score(env: Any, step: Step) -> float:
+def default_score(env: GymEnv, step: Step) -> float:
     """The fraction of the task's FAIL_TO_PASS tests that pass in this fork (SWE tasks), else 0.0."""
     if step.done:
         return step.reward
-    base = getattr(env, "unwrapped", env)
-    task, sandbox = getattr(base, "task", None), getattr(base, "sandbox", None)
-    tests = list(getattr(task, "FAIL_TO_PASS", None) or [])
-    if task is None or not tests or sandbox is None or not getattr(task, "test_command", ""):
+    base = unwrap(env)
+    task, sandbox = base.task, base.sandbox
+    if not isinstance(task, Task) or not task.FAIL_TO_PASS or sandbox is None or not task.test_command:
         return 0.0
+    tests = list(task.FAIL_TO_PASS)
     from envs.grading import PASSING, parse_pytest
 
     command = task.test_command.replace("{tests}", " ".join(shlex.quote(t) for t in tests))
@@ -113,7 +115,7 @@ def default_score(env: Any, step: Step) -> float:
     return sum(statuses.get(t) in PASSING for t in tests) / len(tests)
 
 
-async def beam(env: Any, policy: PolicyClient, tokenizer: Tokenizer, *, width: int = 4, depth: int = 8,
+async def beam(env: GymEnv, policy: PolicyClient, tokenizer: Tokenizer, *, width: int = 4, depth: int = 8,
                beam_size: int | None = None, config: AgentConfig = DEFAULT_CONFIG, scorer: Scorer = default_score,
                reset_options: dict[str, Any] | None = None, memory: bool = False, keep_snapshots: bool = False,
                task_id: str = "", env_id: str = "") -> SearchResult:
@@ -132,8 +134,8 @@ async def beam(env: Any, policy: PolicyClient, tokenizer: Tokenizer, *, width: i
     except EnvFailed as failure:
         traj.finish_reason, traj.reward, traj.error = "env_error", None, str(failure)
         return SearchResult(traj.check(), nodes, [traj])
-    frontier: list[tuple[Node, Any, Episode]] = [(root, env, root_episode)]
-    open_forks: dict[int, Any] = {}  # forks made here, by id(env): each closed as soon as it is not needed
+    frontier: list[tuple[Node, GymEnv, Episode]] = [(root, env, root_episode)]
+    open_forks: dict[int, GymEnv] = {}  # forks made here, by id(env): each closed as soon as it is not needed
     try:
         for _ in range(depth):
             expanded = await asyncio.gather(*(_expand(node, e, ep, policy, config, width, memory, scorer, ids,
@@ -145,7 +147,7 @@ async def beam(env: Any, policy: PolicyClient, tokenizer: Tokenizer, *, width: i
             for node, e, _ep in alive:
                 node.kept = True
                 if keep_snapshots:
-                    node.snapshot_id = (await asyncio.to_thread(e.unwrapped.snapshot)).id
+                    node.snapshot_id = (await asyncio.to_thread(unwrap(e).snapshot)).id
             needed = {id(e) for _n, e, _ep in alive}
             await _close(open_forks, [k for k in open_forks if k not in needed])
             frontier = alive
@@ -160,14 +162,14 @@ async def beam(env: Any, policy: PolicyClient, tokenizer: Tokenizer, *, width: i
     return SearchResult(best.check(), nodes, [t.check() for t in leaves], "beam")
 
 
-async def _close(forks: dict[int, Any], keys: list[int]) -> None:
+async def _close(forks: dict[int, GymEnv], keys: list[int]) -> None:
     envs = [forks.pop(k) for k in keys]
     await asyncio.gather(*(asyncio.to_thread(e.close) for e in envs), return_exceptions=True)
 
 
-async def _expand(node: Node, env: Any, episode: Episode, policy: PolicyClient, config: AgentConfig, width: int,
-                  memory: bool, scorer: Scorer, ids: itertools.count[int], open_forks: dict[int, Any],
-                  ) -> list[tuple[Node, Any, Episode]]:
+async def _expand(node: Node, env: GymEnv, episode: Episode, policy: PolicyClient, config: AgentConfig, width: int,
+                  memory: bool, scorer: Scorer, ids: itertools.count[int], open_forks: dict[int, GymEnv],
+                  ) -> list[tuple[Node, GymEnv, Episode]]:
     """``width`` children of a node: one request with n=width, one fork per sample, each stepped and scored."""
     if episode.room(config) <= 0:
         leaf = Node(next(ids), node.id, node.depth + 1, done=True, reward=0.0, finish=episode.limit_reached(config))
@@ -178,10 +180,10 @@ async def _expand(node: Node, env: Any, episode: Episode, policy: PolicyClient, 
         failed = episode.copy()
         failed.fail("policy_error", e)
         return [(Node(next(ids), node.id, node.depth + 1, done=True, finish="policy_error"), env, failed)]
-    forks = await asyncio.to_thread(env.unwrapped.fork, width, memory)
+    forks = await asyncio.to_thread(unwrap(env).fork, width, memory)
     open_forks.update((id(f), f) for f in forks)
 
-    async def child(sample_index: int) -> tuple[Node, Any, Episode]:
+    async def child(sample_index: int) -> tuple[Node, GymEnv, Episode]:
         kid_env, ep = forks[sample_index], episode.copy()
         text, turn = ep.take(completion.samples[sample_index], completion.weight_version, policy_s,
                              completion.prompt_routed_experts)
@@ -200,7 +202,7 @@ async def _expand(node: Node, env: Any, episode: Episode, policy: PolicyClient, 
     return list(await asyncio.gather(*(child(i) for i in range(len(completion.samples)))))
 
 
-async def best_of_n(env: Any, policy: PolicyClient, tokenizer: Tokenizer, n: int = 4, *,
+async def best_of_n(env: GymEnv, policy: PolicyClient, tokenizer: Tokenizer, n: int = 4, *,
                     config: AgentConfig = DEFAULT_CONFIG, reset_options: dict[str, Any] | None = None,
                     memory: bool = False, task_id: str = "", env_id: str = "") -> SearchResult:
     """``n`` whole episodes from ``n`` forks of one reset, the best by reward (the verifier is the env's grader)."""
@@ -217,7 +219,7 @@ async def best_of_n(env: Any, policy: PolicyClient, tokenizer: Tokenizer, n: int
     except PolicyError as e:
         root.fail("policy_error", e)
         return SearchResult(root.traj.check(), [Node(0, None, 0)], [root.traj])
-    forks = await asyncio.to_thread(env.unwrapped.fork, n, memory)
+    forks = await asyncio.to_thread(unwrap(env).fork, n, memory)
 
     async def episode(i: int) -> Trajectory:
         ep = root.copy()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -24,9 +23,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from envs.protocol import GymEnv
 from policy.client import PolicyClient
 from rollout.agent import AgentConfig, LocalTokenizer, Tokenizer
-from rollout.groups import GroupResult, GroupSpec, run_group
+from rollout.groups import GroupResult, GroupSpec, Partial, run_group
 from rollout.ownership import (
     LOCAL,
     RUN_LABEL,
@@ -36,10 +36,6 @@ from rollout.ownership import (
     node_env_url,
     sweep,
 )
-
-log = logging.getLogger(__name__)
-
-SUMMARY_FILE = "summary.json"
 
 
 class RolloutError(RuntimeError):
@@ -148,22 +144,34 @@ class RolloutWorker:
             loop.set_default_executor(ThreadPoolExecutor(max_workers=c.threads, thread_name_prefix="rollout-env"))
         return self._policy
 
-    def make_env(self) -> Any:
+    def make_env(self) -> GymEnv:
         import gymnasium
 
         import envs  # noqa: F401  (registers the env ids)
 
         return gymnasium.make(self.config.env_id, api=self.api, **self.config.env_kwargs)
 
+    @property
+    def running(self) -> int:
+        """The groups this worker is playing now."""
+        return self._running
+
     async def run_group(self, spec: GroupSpec) -> GroupResult:
+        c = self.config
+        return await self.play(spec, self.make_env, c.agent, env_id=c.env_id, memory=c.memory_fork)
+
+    async def play(self, spec: GroupSpec, make_env: Callable[[], GymEnv], agent: AgentConfig, *, env_id: str,
+                   memory: bool, metadata: dict[str, Any] | None = None, partial: Partial | None = None) -> GroupResult:
+        """Play a group with ``run_group`` (retries, the probe, pause and resume), this worker's policy client and
+        the run's retry and message settings; ``metadata`` goes into each trajectory's."""
         policy = self._policy_client()
         self._running += 1
         try:
-            meta = {"worker": self.key, "node_id": self.node_id, "env_url": self.env_url}
+            meta = {**(metadata or {}), "worker": self.key, "node_id": self.node_id, "env_url": self.env_url}
             c = self.config
-            result = await run_group(self.make_env, spec, policy, self.tokenizer, c.agent, memory=c.memory_fork,
-                                     env_id=c.env_id, max_retries=c.max_retries, keep_messages=c.keep_messages,
-                                     metadata=meta)
+            result = await run_group(make_env, spec, policy, self.tokenizer, agent, memory=memory, env_id=env_id,
+                                     max_retries=c.max_retries, keep_messages=c.keep_messages, metadata=meta,
+                                     partial=partial)
             result.info.update(worker=self.key)
             return result
         finally:

@@ -2,7 +2,8 @@
 
 - ``core``: ``@tool``, ``ToolGroup``, ``ToolCall`` / ``ToolOutput``, ``check_arguments`` (the schema check);
 - ``actions``: ``parse_action`` (K3 tool-call text through ``policy.chat.parse_assistant``, dicts, JSON);
-- ``toolbox``: ``Toolbox`` (runs an action's calls in order), ``Turn``, ``CallResult``;
+- ``toolbox``: ``Toolbox`` (runs an action's calls in order), ``Turn``, ``CallResult``, ``ToolMessage`` (a call's
+  answer as the agent's conversation holds it);
 - the groups: ``BashTool``, ``PythonTool``, ``SearchTool`` (programs), ``FileTools`` (files),
   ``CalculatorTool``, ``SubmitTool`` and ``AnswerTool`` (finish).
 """
@@ -24,8 +25,8 @@ from envs.tools.core import (
 from envs.tools.files import WORKDIR, FileTools, confine
 from envs.tools.finish import AnswerTool, SubmitTool
 from envs.tools.programs import BashTool, PythonTool, SearchTool
-from envs.tools.toolbox import CallResult, Toolbox, Turn
+from envs.tools.toolbox import CallResult, Toolbox, ToolMessage, Turn
 
 __all__ = ["WORKDIR", "ActionError", "AnswerTool", "BashTool", "Box", "CalculatorTool", "CallResult", "FileTools",
-           "PythonTool", "SandboxTools", "SearchTool", "SubmitTool", "Tool", "ToolCall", "ToolGroup", "ToolOutput",
-           "Toolbox", "Turn", "calculate", "check_arguments", "confine", "describe_tools", "parse_action", "tool"]
+           "PythonTool", "SandboxTools", "SearchTool", "SubmitTool", "Tool", "ToolCall", "ToolGroup", "ToolMessage",
+           "ToolOutput", "Toolbox", "Turn", "calculate", "check_arguments", "confine", "describe_tools", "parse_action", "tool"]

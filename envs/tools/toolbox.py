@@ -4,7 +4,9 @@
 every call in order — each one's arguments checked against its tool's schema — and stops after a
 call that ends the episode (``submit``, ``answer``). Nothing an agent sends raises: a malformed
 action, an unknown tool, bad arguments or a failing tool each come back as text that says what was
-wrong. The ``Turn`` it returns holds each call's result and the observation text.
+wrong. The ``Turn`` it returns holds each call's result and the observation text, and the K3 tool messages that
+answer the action's calls (``Turn.messages``: what an env's step hands the agent loop as ``info["tool_messages"]``,
+so the loop never parses the observation again).
 """
 
 from __future__ import annotations
@@ -18,6 +20,18 @@ from envs.tools.core import ActionError, ToolCall, ToolGroup, ToolOutput, check_
 from policy.chat import validate_tools
 
 MAX_OUTPUT = 10_000
+TOOL_MESSAGES = "tool_messages"  # the key of a step's ``info`` that holds its ``ToolMessage``s
+
+
+@dataclass(frozen=True)
+class ToolMessage:
+    """The env's answer to one tool call of an action, as the agent's conversation holds it (a K3 tool message)."""
+
+    call_id: str
+    content: str
+
+    def to_chat(self) -> dict[str, Any]:
+        return {"role": "tool", "tool_call_id": self.call_id, "content": self.content}
 
 
 @dataclass(frozen=True)
@@ -60,10 +74,17 @@ class Turn:
         """The call that ended the episode, if one did (it is the last that ran)."""
         return self.calls[-1] if self.calls and self.calls[-1].submitted else None
 
+    @property
+    def messages(self) -> tuple[ToolMessage, ...]:
+        """One tool message per call that ran; none for an action whose calls could not be read (``problem``: it
+        named no call the agent could be answered on, so the agent sees the observation as plain text)."""
+        return tuple(ToolMessage(c.id or f"functions.{c.name}:{i}", c.output) for i, c in enumerate(self.calls))
+
     def info(self) -> dict[str, Any]:
-        """``tool`` (the first call's name), ``error`` and ``calls`` (``{id, name, error, output}`` each)."""
+        """``tool`` (the first call's name), ``error``, ``calls`` (``{id, name, error, output}`` each) and
+        ``tool_messages`` (``messages``)."""
         return {"tool": self.calls[0].name if self.calls else None, "error": self.error,
-                "calls": [c.to_info() for c in self.calls]}
+                "calls": [c.to_info() for c in self.calls], TOOL_MESSAGES: self.messages}
 
 
 class Toolbox:

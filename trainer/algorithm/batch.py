@@ -111,7 +111,7 @@ def staleness(traj: Trajectory, current_version: int) -> int:
 
 def allowed_staleness(traj: Trajectory, max_staleness: int) -> int:
     """The bound for ``traj``: ``max_staleness``, plus the weight versions pushed while it was paused
-    (``metadata["paused_versions"]``, trainer/partial.py): a partial rollout spans the versions it waited through,
+    (``metadata["paused_versions"]``, trainer/loop/partial.py): a partial rollout spans the versions it waited through,
     and no more. A trajectory paused before that count existed: one per pause (``resumes``)."""
     md = traj.metadata
     if "paused_versions" in md:

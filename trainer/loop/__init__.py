@@ -10,7 +10,7 @@ A run, in order (``Loop.run``)::
     SFT warm start (trainer/sft.py)     scripted demonstrations through the real env path -> run_sft -> weights
     trainer + policy server (parts.py)  Trainer(weights) in this process; `agentenv policy serve --ep 2` started
                                         with the same weights (or an existing endpoint), health-waited, checked
-    rollout workers (trainer/rollouts.py)  a local Ray (or an existing cluster) with LoopWorkers; 0: in-process
+    rollout workers (trainer/loop/rollouts.py)  a local Ray (or an existing cluster) with LoopWorkers; 0: in-process
     eval before RL (evaluation.py)      held-out tasks (tasks.py), greedy unless eval.temperature
     iterations                          rollouts -> staleness filter -> rl_batch -> Trainer.step -> WeightSync.push
                                         -> checkpoint -> metrics (-> eval every N)
@@ -22,18 +22,18 @@ iteration's rollouts run under the current weights, then the step trains on them
 ``k >= 1`` a producer task collects batches ahead of the trainer — the batch of step ``t + 1`` (up to ``t + k``) is played while step ``t``
 trains (the training step and the weight push run in a thread) — and puts them on a queue; each trajectory's
 staleness is the current weight version minus the version of its oldest turn, and a trajectory more than ``k``
-versions old (plus the versions that passed while it was paused, trainer/partial.py) is dropped and counted
+versions old (plus the versions that passed while it was paused, trainer/loop/partial.py) is dropped and counted
 (``staleness/dropped``), as AReaL and prime-rl do. Versions are the policy server's: each push bumps it, and every
 turn records the version that generated it; for servers that report none (vLLM, SGLang) the loop's own count of
-pushes is stamped on each turn instead (trainer/rollouts.py).
+pushes is stamped on each turn instead (trainer/loop/rollouts.py).
 
-**Partial rollouts** (``rl.partial_rollouts``, trainer/rollouts.py). An iteration launches ``groups_per_iteration
+**Partial rollouts** (``rl.partial_rollouts``, trainer/loop/rollouts.py). An iteration launches ``groups_per_iteration
 + extra_groups`` groups (groups paused earlier first) and its rollouts end as soon as ``groups_per_iteration`` are
 complete: the episodes still running are paused after their current turn to the snapshot store and resumed in the
 next iteration under the new weights, instead of holding the iteration back or being thrown away. A resumed
 episode's turns keep their own weight versions; its staleness bound grows by the versions pushed while it was
 paused; one paused more than ``max_resumes`` times is dropped (counted). Paused groups and the task cursor are part
-of a checkpoint (trainer/partial.py).
+of a checkpoint (trainer/loop/partial.py).
 
 Everything a run writes, under ``out_dir/name``: ``config.toml`` (the effective settings), ``demos/`` and ``sft/``
 (the warm start: demonstrations, checkpoints, metrics, ``weights.safetensors``), ``trajectories/`` (every episode

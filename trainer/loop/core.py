@@ -19,16 +19,16 @@ from rich.console import Console
 
 from agentenv.terminal import markup
 from rollout.agent import AgentConfig
-from rollout.driver import init_ray
 from rollout.groups import GroupSpec
+from rollout.raycluster import init_ray
 from trainer.algorithm.batch import filter_stale
 from trainer.loop import evaluation, parts, report
 from trainer.loop.config import RunConfig, describe
+from trainer.loop.partial import PAUSED_FILE, DataState, PartialRollouts, collect
+from trainer.loop.rollouts import Collected, LoopRollout
 from trainer.loop.services import PolicyServer, check_endpoint, preflight, read_token, swe_task_records
 from trainer.loop.tasks import TaskRef, TaskSource
 from trainer.metrics import MetricsLog, Progress
-from trainer.partial import PAUSED_FILE, DataState, PartialRollouts, collect
-from trainer.rollouts import Collected, LoopRollout
 from trainer.trackers import for_run
 
 log = logging.getLogger(__name__)
@@ -51,11 +51,11 @@ class Loop:
     train_src: TaskSource                     # the training tasks (trainer/loop/tasks.py)
     heldout_src: TaskSource                   # the tasks of the evaluations before and after RL
     validation_src: TaskSource | None         # the tasks of the evaluations every eval.every iterations
-    partial: PartialRollouts                  # the paused groups between batches (trainer/partial.py)
+    partial: PartialRollouts                  # the paused groups between batches (trainer/loop/partial.py)
     trainer: parts.Steps | None = None        # trainer.train.Trainer
     server: PolicyServer | None = None        # the policy server this run started (None: policy.url's)
     sync: parts.Pushes | None = None          # trainer.distributed.sync.WeightSync, to the policy endpoint
-    rollout: LoopRollout | None = None        # the rollout workers (trainer/rollouts.py)
+    rollout: LoopRollout | None = None        # the rollout workers (trainer/loop/rollouts.py)
     metrics: MetricsLog | None = None         # metrics.jsonl, and a tracker (trainer/trackers.py)
     bar: Progress | None = None               # the live display, during the iterations
     # -- the policy's weights --
@@ -64,7 +64,7 @@ class Loop:
     start_weights: str | None = None          # what the policy starts from (the warm start's, a resume's)
     version: int = 0                          # the policy server's weight version now
     version_base: int = 0                     # trainer steps taken before this server's version 0 (resume)
-    # -- the data position (a checkpoint's: trainer/partial.py, DataState) --
+    # -- the data position (a checkpoint's: trainer/loop/partial.py, DataState) --
     iteration: int = 0                        # RL iterations done
     task_cursor: int                          # training tasks handed out (demonstrations first)
     trained_cursor: int | None = None         # the task cursor as the newest trained batch left it
@@ -209,7 +209,7 @@ class Loop:
 
     async def collect(self, specs: list[GroupSpec], need: int | None = None) -> Collected:
         """Play ``specs`` on the workers; with ``need``, stop once ``need`` groups are complete and pause the rest
-        (partial rollouts, trainer/partial.py). Paused groups go to ``self.partial``."""
+        (partial rollouts, trainer/loop/partial.py). Paused groups go to ``self.partial``."""
         return await collect(parts.started(self.rollout, "rollout"), self.partial, specs, need, version=lambda: self.version)
 
     async def rollout_batch(self) -> Collected:

@@ -24,8 +24,8 @@ from rollout.trajectory import Trajectory
 if TYPE_CHECKING:
     from rollout.groups import GroupSpec
     from trainer.loop.config import RunConfig
+    from trainer.loop.rollouts import Collected
     from trainer.loop.tasks import TaskRef
-    from trainer.rollouts import Collected
     from trainer.trackers import Tracker
 
 BOOTSTRAP = 2000

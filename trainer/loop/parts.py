@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from rollout.agent import AgentConfig
 from rollout.workers import RolloutConfig
 from trainer.loop.config import RunConfig
+from trainer.loop.rollouts import Job, LoopRollout
 from trainer.loop.tasks import TaskRef, step_limit
-from trainer.rollouts import Job, LoopRollout
 
 if TYPE_CHECKING:
     from trainer.algorithm.batch import Batch

@@ -25,7 +25,7 @@ from trainer.loop.typed_toml import to_dict
 from trainer.metrics import save_figure
 
 if TYPE_CHECKING:
-    from trainer.rollouts import Collected
+    from trainer.loop.rollouts import Collected
 
 
 def plan(cfg: RunConfig, run_dir: Path, resume: bool = False) -> str:

@@ -1,5 +1,6 @@
-"""GRPO groups (rollout.groups.run_group) on the fake backend: one reset, G forked children, shared group id and
-prompt ids, retries from a new fork, infrastructure failures recorded, everything closed (also on cancel)."""
+"""GRPO groups (rollout.groups.run_group, the one group player) on the fake backend: one reset, G forked children,
+shared group id and prompt ids, retries from a new fork, infrastructure failures recorded, everything closed (also on
+cancel); pause and resume, a resumed play that fails retried from its snapshot; a training Job played with retries."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from envs import ToolEnv
+from rollout import scripted
 from rollout.agent import AgentConfig
-from rollout.groups import GroupSpec, run_group
+from rollout.groups import GroupSpec, Partial, run_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_fakes import (  # noqa: E402
@@ -129,3 +131,57 @@ def test_a_cancelled_group_closes_its_sandboxes():
 
     asyncio.run(go())
     assert backend.sandboxes == {}
+
+
+def test_a_paused_group_resumes_and_a_resumed_play_that_fails_is_retried_from_its_snapshot():
+    backend, failures, pause = FakeBackend(), [0], [False]
+
+    def script(prompt, turn):
+        if turn == 1:
+            pause[0] = True            # asked to pause while the episodes are on their first or second turn
+        return scripted.tool_call("bash", {"command": "submit" if turn >= 2 else f"echo {turn}"})
+
+    def make():
+        return ForkyEnv(api=backend, failures=failures)
+
+    spec = GroupSpec("g", task="t1", group_size=2, seed=1)
+    first = play(make, spec, script, partial=Partial(lambda: pause[0], store=backend))
+    paused = first.info["paused"]
+    assert first.trajectories == [] and [p.index for p in paused] == [0, 1] and first.info["finished"] == []
+    assert backend.sandboxes == {} and {p.env_state["snapshot"] for p in paused} == set(backend.snapshots)
+    failures[0] = 1                    # the first step after the resume fails: that play starts from its snapshot again
+    done = play(make, spec, script, partial=Partial(resume=paused, store=backend))
+    assert [(t.group_index, t.reward) for t in done.trajectories] == [(0, 1.0), (1, 1.0)]
+    assert sorted(t.metadata["attempt"] for t in done.trajectories) == [1, 2] and done.attempts == 2
+    assert all(t.metadata["resumes"] == 1 for t in done.trajectories)
+    assert backend.snapshots == {} and backend.sandboxes == {}   # resumed from, done: dropped; every env closed
+
+
+
+def test_a_cancelled_resumed_group_closes_its_envs_and_keeps_its_snapshots():
+    backend = FakeBackend()
+    first = play(lambda: ForkyEnv(api=backend), GroupSpec("g", task="t1", group_size=2), bash_then_submit,
+                 partial=Partial(lambda: True, store=backend))          # paused before its first turn
+    paused = first.info["paused"]
+    assert len(paused) == 2 and len(backend.snapshots) == 2 and backend.sandboxes == {}
+
+    def slow(prompt, turn):
+        import time
+
+        time.sleep(0.2)
+        return bash_then_submit(prompt, turn)
+
+    async def go():
+        async with policy_factory(slow)() as policy:
+            task = asyncio.create_task(run_group(lambda: ForkyEnv(api=backend), GroupSpec("g", task="t1", group_size=2),
+                                                 policy, TOK, AgentConfig(), partial=Partial(resume=paused,
+                                                                                             store=backend)))
+            while len(backend.sandboxes) < 2 and not task.done():   # wait on state: both episodes restored
+                await asyncio.sleep(0.01)
+            assert len(backend.sandboxes) == 2
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(go())
+    assert backend.sandboxes == {} and len(backend.snapshots) == 2   # closed; the snapshots left for a later try

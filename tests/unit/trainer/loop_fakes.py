@@ -23,8 +23,8 @@ from rollout.workers import RolloutConfig  # noqa: E402
 from trainer import checkpoint as ckpt  # noqa: E402
 from trainer.loop.config import load  # noqa: E402
 from trainer.loop.core import Loop  # noqa: E402
+from trainer.loop.rollouts import LoopRollout  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
-from trainer.rollouts import LoopRollout  # noqa: E402
 
 __all__ = ["FORKY", "TOK", "FakeBackend", "FakeSync", "FakeTrainer", "Versions", "loop_with_fakes", "policy_factory"]
 

@@ -27,8 +27,8 @@ from rollout.workers import RolloutConfig  # noqa: E402
 from trainer.distributed.sync import Endpoint, WeightSync  # noqa: E402
 from trainer.loop.config import load  # noqa: E402
 from trainer.loop.core import Loop  # noqa: E402
+from trainer.loop.rollouts import LoopRollout  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
-from trainer.rollouts import LoopRollout  # noqa: E402
 
 HF_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 

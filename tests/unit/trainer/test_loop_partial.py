@@ -11,10 +11,10 @@ from loop_fakes import FORKY, TOK, FakeBackend, Versions, loop_with_fakes, polic
 
 from rollout import scripted  # noqa: E402
 from rollout.agent import AgentConfig  # noqa: E402
-from rollout.groups import GroupSpec  # noqa: E402
+from rollout.groups import GroupSpec, run_group  # noqa: E402
 from rollout.ownership import LabelledBackend  # noqa: E402
 from rollout.trajectory import read  # noqa: E402
-from trainer.rollouts import Job, play_group  # noqa: E402
+from trainer.loop.rollouts import Job  # noqa: E402
 
 
 def four_turns(prompt: str, turn: int) -> str:
@@ -25,6 +25,14 @@ def _make(api):
     import gymnasium
 
     return lambda: gymnasium.make(FORKY, api=api)
+
+
+def play_group(make_env, spec, job, policy, tokenizer, should_pause, api):
+    """The group player on a ``Job``, as a ``LoopWorker`` plays it."""
+    from dataclasses import replace
+
+    return run_group(make_env, replace(spec, task=job.task), policy, tokenizer, job.agent, env_id=job.env_id,
+                     memory=job.memory_fork, partial=job.partial(should_pause, None, api))
 
 
 def test_a_group_paused_between_turns_resumes_from_the_snapshot_under_new_weights():
@@ -80,12 +88,38 @@ def test_a_group_paused_between_turns_resumes_from_the_snapshot_under_new_weight
     assert backend.snapshots == {} and backend.sandboxes == {}       # snapshots dropped, envs closed
 
 
+def test_a_job_is_played_by_the_group_player_with_its_retries():
+    """``agentenv train``'s worker plays a Job with the player of ``agentenv rollout``: an env failure is played
+    again from a new fork (it was recorded as ``env_error`` before the two shared one player)."""
+    from rollout.workers import RolloutConfig
+    from trainer.loop.rollouts import LoopWorker
+
+    backend, versions = FakeBackend(), Versions()
+    cfg = RolloutConfig(FORKY, "http://scripted", backend_factory=lambda: backend,
+                        policy_factory=policy_factory(four_turns, versions), tokenizer_factory=lambda: TOK)
+    job = Job(FORKY, "t3", env_kwargs={"failures": [1]}, agent=AgentConfig(max_turns=6))
+    spec = GroupSpec("g", job, "t3", group_size=2)
+
+    async def go():
+        worker = LoopWorker(cfg, "w0", "unit")
+        try:
+            return await worker.run_group(spec)
+        finally:
+            await worker.shutdown(wait=0)
+
+    r = asyncio.run(go())
+    assert r.spec is spec and [t.reward for t in r.trajectories] == [1.0, 1.0]
+    assert sorted(t.metadata["attempt"] for t in r.trajectories) == [1, 2]
+    assert all(t.metadata["phase"] == "train" and t.metadata["worker"] == "w0" for t in r.trajectories)
+    assert backend.sandboxes == {}
+
+
 def test_a_lazy_env_pauses_without_a_sandbox(tmp_path):
     """Tool-v0 starts no sandbox for calculator tasks: its pause keeps the task and the step count only."""
     import gymnasium
 
     import envs  # noqa: F401
-    from trainer.rollouts import pause_env, restore_env
+    from rollout.pausing import pause_env, restore_env
 
     backend = FakeBackend()
     env = gymnasium.make("agentenv/Tool-v0", api=backend)
@@ -236,7 +270,7 @@ def test_resume_restores_the_paused_groups_and_the_trained_batchs_task_cursor(tm
     after step 1's checkpoint. --resume hands tasks 4-6 out again (batch 2 was never trained on) and resumes d from
     the snapshot it was paused to in batch 1, which survived the sweeps because the checkpoint names it."""
     from trainer import checkpoint as ckpt
-    from trainer.partial import PAUSED_FILE, snapshot_ids
+    from trainer.loop.partial import PAUSED_FILE, snapshot_ids
 
     gates = Gates()
     loop, versions, backend = _gated_loop(tmp_path, ["rl.max_staleness=1", "rl.iterations=4"], gates)

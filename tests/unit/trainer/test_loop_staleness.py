@@ -114,7 +114,7 @@ def test_a_batch_whose_every_episode_failed_on_infrastructure_stops_the_run(tmp_
     import pytest
 
     from agentenv.errors import AgentEnvError
-    from trainer.partial import InfraError
+    from trainer.loop.partial import InfraError
 
     class DockerDown(FakeBackend):
         def __init__(self) -> None:

@@ -1,11 +1,11 @@
 """The training loop's paused groups (partial rollouts) across batches, weight versions and checkpoints.
 
-A group whose episodes were still running when a batch was complete comes back paused (trainer/rollouts.py); it is
+A group whose episodes were still running when a batch was complete comes back paused (trainer/loop/rollouts.py); it is
 kept here with the loop's weight version at that moment, and the next batch resumes it first.
 
 **Staleness allowance.** A trajectory may be ``rl.max_staleness`` versions old when trained on, plus the weight
 versions that passed while it was paused: ``metadata["paused_versions"]`` grows by (version at resume - version
-at pause) on every resume (``trainer.batch.allowed_staleness``). A group paused and resumed in the producer's next
+at pause) on every resume (``trainer.algorithm.batch.allowed_staleness``). A group paused and resumed in the producer's next
 batch before any new weights were pushed gets no extra allowance; one that waited through a push gets one.
 
 **Checkpoints.** A checkpoint after the step on batch ``t`` holds the data position as batch ``t`` left it: the
@@ -23,6 +23,7 @@ end of the run (counted ``partial_kept_for_resume``); other paused groups left a
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
 import time
 from collections import Counter
@@ -32,9 +33,26 @@ from pathlib import Path
 from typing import Any
 
 from rollout.groups import GroupResult, GroupSpec
-from trainer.rollouts import Collected, LoopRollout, turn_times
+from rollout.pausing import drop_snapshot
+from trainer.loop.rollouts import Collected, LoopRollout, turn_times
 
 PAUSED_FILE = "paused-groups.pkl"
+# where the classes a checkpoint pickled before issue 42 split trainer/ by concern live now (old runs' --resume)
+MOVED = {**{f"trainer.{m}": f"trainer.loop.{m}" for m in ("rollouts", "partial", "config", "typed_toml", "tasks",
+                                                         "schedule", "evaluation", "services", "report", "parts")},
+         **{f"trainer.{m}": f"trainer.algorithm.{m}" for m in ("advantages", "losses", "batch", "balance", "health")},
+         **{f"trainer.{m}": f"trainer.distributed.{m}" for m in ("parallel", "rank", "ray_ranks", "sync")}}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(MOVED.get(module, module), name)
+
+
+def load_groups(data: bytes) -> list[PausedGroup]:
+    """The paused groups ``dump`` wrote, by this version or one from before the trainer's modules moved."""
+    groups: list[PausedGroup] = _Unpickler(io.BytesIO(data)).load()
+    return groups
 
 
 @dataclass
@@ -98,7 +116,7 @@ class PartialRollouts:
         returns the ids the newest checkpoint names."""
         self.consumed.extend(consumed)
         if checkpointed and pending is not None:
-            self._refer(pickle.loads(pending))
+            self._refer(load_groups(pending))
         if checkpointed or not checkpoints:
             keep = [s for s in self.consumed if s.get("snapshot") in self.referenced]
             self.drop([s for s in self.consumed if s.get("snapshot") not in self.referenced])
@@ -110,7 +128,7 @@ class PartialRollouts:
         path = Path(folder) / PAUSED_FILE
         if not path.is_file():
             return 0
-        self.groups = pickle.loads(path.read_bytes())
+        self.groups = load_groups(path.read_bytes())
         self._refer(self.groups)
         return len(self.groups)
 
@@ -135,8 +153,6 @@ class PartialRollouts:
         states = [s for s in states if "snapshot" in s]
         if self.env_url or not states:
             return
-        from trainer.rollouts import drop_snapshot
-
         api = self.api
         if api is None:
             import agentenv as api
