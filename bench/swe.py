@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-from concurrent.futures import wait
 
 from bench.harness import (
     Report,
@@ -128,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 with Timer() as tg:
                     result = e.grade()
                 with Timer() as tc:
-                    wait(e._closing)  # noqa: SLF001 - the background close of the grading sandbox
+                    e.wait_graders_closed()
                 grade.add(tg.s)
                 closed.add(tg.s + tc.s)
                 for phase, seconds in result.timings.items():

@@ -219,6 +219,10 @@ class SWEEnv(SandboxEnv[Task]):
     def close(self) -> None:
         super().close()
         self._hold(None)
+        self.wait_graders_closed()
+
+    def wait_graders_closed(self) -> None:
+        """Wait until the grading sandboxes being closed in the background are gone."""
         closing, self._closing = self._closing, []
         wait(closing)
 
