@@ -10,7 +10,7 @@ import os
 import re
 import signal
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, BinaryIO, Literal, TextIO, overload
@@ -303,11 +303,12 @@ def write_atomic(path: str | os.PathLike[str], data: str | bytes, *, mode: int |
         f.write(data.encode() if isinstance(data, str) else data)
 
 
-def write_json(path: str | os.PathLike[str], obj: Any, *, mode: int | None = None, fsync: bool = False,
-               **dumps: Any) -> None:
-    """Write ``obj`` as JSON (``json.dumps(obj, **dumps)``) to ``path`` whole or not at all (``write_atomic``). A
-    value the encoder refuses raises before any file is made."""
-    write_atomic(path, json.dumps(obj, **dumps), mode=mode, fsync=fsync)
+def write_json(path: str | os.PathLike[str], obj: object, *, mode: int | None = None, fsync: bool = False,
+               indent: int | None = None, sort_keys: bool = False,
+               default: Callable[[object], object] | None = None) -> None:
+    """Write ``obj`` as JSON (``json.dumps(obj, indent=, sort_keys=, default=)``) to ``path`` whole or not at all
+    (``write_atomic``). A value the encoder refuses raises before any file is made."""
+    write_atomic(path, json.dumps(obj, indent=indent, sort_keys=sort_keys, default=default), mode=mode, fsync=fsync)
 
 
 def write_private(path: Path, data: str | bytes) -> None:
