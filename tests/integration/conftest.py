@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+import agentenv
+from agentenv.cli.tour import ASK, COUNTER
 from agentenv.host.trees import remove_tree
 
 DOCKERD_LOG = "/var/log/agentenv-dockerd.log"
@@ -202,3 +204,31 @@ def sandbox(e2b_url: str) -> Iterator[Any]:
     """An ``e2b.Sandbox`` on the module's E2B server, killed after the test (the E2B test files' sandbox)."""
     with e2b_sandbox() as sb:
         yield sb
+
+
+# the tour's counter (agentenv.cli.tour): a number kept only in a TCP server's memory inside a sandbox, which the
+# snapshot and fork tests start and ask, to see memory come back (or diverge) after a restore
+
+def start_counter(sb: agentenv.Sandbox, detached: bool = False) -> None:
+    """Start the counter server (``detached``: from an exec's shell with ``&``, which then exits); the probe that
+    finds it up asks once, so it stands at 1."""
+    sb.write_file("/opt/counter.py", COUNTER)
+    if detached:
+        sb.exec("nohup python3 /opt/counter.py >/dev/null 2>&1 &")
+    else:
+        sb.spawn("python3 /opt/counter.py")
+    for _ in range(200):
+        if sb.exec(ASK).exit_code == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("counter did not start")
+
+
+def ask(sb: agentenv.Sandbox, times: int = 1) -> int:
+    """Ask the counter ``times`` times; its last answer."""
+    value = 0
+    for _ in range(times):
+        r = sb.exec(ASK)
+        assert r.exit_code == 0, r.stderr
+        value = int(r.stdout)
+    return value

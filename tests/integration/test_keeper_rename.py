@@ -12,17 +12,18 @@ way.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 
 import agentenv
-from agentenv.cli.tour import ASK, COUNTER
+from agentenv.cli.tour import COUNTER
 from agentenv.host import runtime
 from agentenv.host.keeper_start import CODE_ENV, KEEPER_DEST, OLD_DEST
 from agentenv.snapshot.restore import DIRECT_RESTORE_ENV
 from agentenv.snapshot.store import Snapshot
+
+from .conftest import ask, start_counter
 
 pytestmark = pytest.mark.integration
 
@@ -40,23 +41,6 @@ def before_the_rename(config: dict[str, Any]) -> dict[str, Any]:
     process["env"] = [OLD_MARK if e == MARK else OLD_CODE_ENV + e[len(CODE_ENV):] if e.startswith(CODE_ENV + "=")
                       else e for e in process["env"]]
     return config
-
-
-def ask(sb: agentenv.Sandbox) -> int:
-    r = sb.exec(ASK)
-    assert r.exit_code == 0, r.stderr
-    return int(r.stdout)
-
-
-def counting(sb: agentenv.Sandbox) -> None:
-    """A counter kept only in a server's memory, asked once (so it stands at 1)."""
-    sb.write_file("/opt/counter.py", COUNTER)
-    sb.spawn("python3 /opt/counter.py")
-    for _ in range(200):
-        if sb.exec(ASK).exit_code == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("counter did not start")
 
 
 def helper_paths(sb: agentenv.Sandbox) -> list[str]:
@@ -83,7 +67,7 @@ def test_snapshots_and_a_paused_sandbox_from_before_the_rename_restore_and_answe
             made.append(paused)
             assert helper_paths(sb) == [OLD_DEST, OLD_DEST]  # the layout of before the rename
             for s in (sb, paused):
-                counting(s)
+                start_counter(s)
             snaps.append(sb.snapshot(memory=True))
             snaps.append(sb.snapshot())  # files only
             paused.pause()

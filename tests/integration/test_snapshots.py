@@ -13,35 +13,11 @@ import pytest
 
 import agentenv
 from agentenv import phases
-from agentenv.cli.tour import ASK, COUNTER  # a counter kept only in a TCP server's memory
 from agentenv.errors import SandboxStateError
 
-from .conftest import restart_dockerd
+from .conftest import ask, restart_dockerd, start_counter
 
 pytestmark = pytest.mark.integration
-
-def start_counter(sb: agentenv.Sandbox, detached: bool = False) -> None:
-    """Start the counter server (``detached``: from an exec's shell with ``&``, which then exits)."""
-    sb.write_file("/opt/counter.py", COUNTER)
-    if detached:
-        sb.exec("nohup python3 /opt/counter.py >/dev/null 2>&1 &")
-    else:
-        sb.spawn("python3 /opt/counter.py")
-    for _ in range(200):
-        if sb.exec(ASK).exit_code == 0:
-            return
-        time.sleep(0.05)
-    raise AssertionError("counter did not start")
-
-
-def ask(sb: agentenv.Sandbox, times: int = 1) -> int:
-    value = 0
-    for _ in range(times):
-        r = sb.exec(ASK)
-        assert r.exit_code == 0, r.stderr
-        value = int(r.stdout)
-    return value
-
 
 @pytest.fixture
 def counting():
@@ -184,7 +160,7 @@ def test_restore_in_a_new_process_after_kill_9(tmp_path):
 import os, signal, sys
 sys.path.insert(0, {os.getcwd()!r})
 import agentenv
-from tests.integration.test_snapshots import start_counter, ask
+from tests.integration.conftest import start_counter, ask
 sb = agentenv.Sandbox.create()
 start_counter(sb)
 ask(sb, 4)
