@@ -1,5 +1,5 @@
 """The pooled files-fork path (``agentenv.sandbox.forking``: a warm pool's sandbox given a clone of the parent's layer by
-``hostcalls.swap_root``, its agent re-executed by the op ``reroot``) against what a hostile sandbox or an ordinary
+``hostcalls.swap_root``, its keeper re-executed by the op ``reroot``) against what a hostile sandbox or an ordinary
 host can do to it: code inside a sandbox sending ``reroot`` itself, a host whose mounts propagate (systemd's
 default), a pooled sandbox whose recorded agent pid now names another process, a fork of a sandbox that waits in
 the pool itself, kill -9 mid-swap, and the pooled child's later life (pause and resume, a restore in another
@@ -80,7 +80,7 @@ open("/tmp/attack.out", "w").write(reply.decode())
 
 def test_code_in_a_sandbox_cannot_make_its_agent_reexecute_as_another_program():
     # reroot (a pooled fork child's agent starting again from its new root) replaces PID 1's program with the
-    # argv of the request; sent from inside, the sandbox's own code would run as its agent, whose pid is the
+    # argv of the request; sent from inside, the sandbox's own code would run as its keeper, whose pid is the
     # one the host pins and checks (SO_PEERCRED): an impostor the host could not tell from the agent
     with agentenv.Sandbox.create(**LIMITS) as sb:
         sb.write_file("/tmp/attack.py", ATTACK)
@@ -151,7 +151,7 @@ def test_a_pooled_sandbox_whose_agent_pid_names_another_sandbox_never_swaps_that
         bystander.write_file("/testbed/mine", "bystander's")
         pooled = pool(2)
         victim = next(sb for sb in agentenv.Sandbox.list() if sb.id in pooled)
-        with victim.locked():  # as if its agent had died and the bystander's got its pid
+        with victim.locked():  # as if its keeper had died and the bystander's got its pid
             victim.amend(init_pid=bystander.record.init_pid)
             victim.save_record()
         try:

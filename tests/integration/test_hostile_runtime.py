@@ -32,7 +32,7 @@ from agentenv.errors import (
     StoreFullError,
 )
 from agentenv.host import volume
-from agentenv.inside import agent
+from agentenv.inside import keeper
 from agentenv.sandbox import channel, expiry, snapshotting
 from agentenv.snapshot import store
 
@@ -185,7 +185,7 @@ def test_writing_past_the_disk_limit_fails_for_the_writer_only():
         assert "Disk quota exceeded" in r.stderr or "No space left" in r.stderr, r.stderr
         assert int(s.exec("stat -c %s /big").stdout) <= 64 << 20
         assert volume_used() - before < 128 << 20  # nothing past the limit reached the disk (metadata aside)
-        assert s.exec("echo alive").stdout == "alive\n"  # the agent answers: its socket and logs are not there
+        assert s.exec("echo alive").stdout == "alive\n"  # the keeper answers: its socket and logs are not there
         with pytest.raises(OSError, match="quota|space") as full:  # as a write to a full local disk fails
             s.write_file("/more", b"x" * (32 << 20))
         assert full.value.errno in (errno.EDQUOT, errno.ENOSPC) and "[Errno" not in full.value.strerror
@@ -431,7 +431,7 @@ def test_signals_to_pid_1_from_inside_do_not_end_the_agent(sb, sig):
 # --- 9 and the socket: the file API and symlinks cannot break the agent ---------------------------
 
 
-@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/agent.py",
+@pytest.mark.parametrize("path", ["/dev/agentenv/agent.sock", "/dev/agentenv/x", "/.agentenv/keeper.py",
                                   "//dev/agentenv/../agentenv/agent.sock", "../../dev/agentenv/agent.sock"])
 def test_the_file_api_refuses_the_agents_own_files(sb, path):
     with pytest.raises(PermissionError):
@@ -452,6 +452,6 @@ def test_the_file_api_refuses_the_agents_folder_through_a_symlink(sb):
 
 
 def test_a_symlinked_socket_folder_cannot_send_the_host_elsewhere(sb):
-    sb.exec(f"mv {agent.SOCKET_DIR} /dev/real && ln -s /run {agent.SOCKET_DIR}")
+    sb.exec(f"mv {keeper.SOCKET_DIR} /dev/real && ln -s /run {keeper.SOCKET_DIR}")
     with pytest.raises(ConnectionLost):
         sb.exec("true")

@@ -23,7 +23,7 @@ SPEC = ContainerSpec(image_id="sha256:" + "ab" * 32, layers=["/var/lib/docker/ov
                      env=["PATH=/usr/bin:/bin", "TOKEN=secret"], workdir="/", limits=Limits(disk=10 << 30),
                      network=True, rules={"allow_out": [], "deny_out": []}, uids=165536).to_json()
 # a running sandbox's record as agentenv wrote it before version 2: the keys ``Sandbox._new`` writes, and the two
-# a start adds (its agent's start time, its address); a fork's pooled child and a lazy restore add the others
+# a start adds (its keeper's start time, its address); a fork's pooled child and a lazy restore add the others
 TODAYS = {"id": "sb-0123456789ab", "image": "python:3.12-slim", "spec": SPEC, "state": "running",
           "created_at": 1764480000.25, "expires_at": 1764483600.25, "labels": {"team": "rl"},
           "init_pid": 4242, "paused_snapshot": None, "parent_snapshot": "snap-0123456789ab",
