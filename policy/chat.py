@@ -148,6 +148,27 @@ def tool_call_pieces(tool_calls: list[dict[str, Any]]) -> list[Piece]:
     return parts + [Control(SECTION_END)]
 
 
+def tool_choice_pieces(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str, Any]], list[Piece]]:
+    """OpenAI's ``tool_choice`` for validated ``tools``: the tools to declare, and the pieces that force it
+    (appended to the prompt after the generation prompt; the answer is parsed with their text in front). ``none``
+    declares no tools; ``required`` opens a tool call and lets the model pick the function; a named function opens
+    a call of it. Raises ValueError when ``tool_choice`` is malformed or names an undeclared function."""
+    if choice == "none":
+        return [], []
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
+        return tools, [Control(SECTION_BEGIN), Control(CALL_BEGIN), f"{FUNCTION_PREFIX}{name}:0", Control(ARG_BEGIN)]
+    if choice == "required":  # the model must open a tool call; it picks the function
+        if not tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return tools, [Control(SECTION_BEGIN), Control(CALL_BEGIN), FUNCTION_PREFIX]
+    if choice not in (None, "auto"):
+        raise ValueError("tool_choice must be 'none', 'auto', 'required' or a named function")
+    return tools, []
+
+
 def render_tool_calls(tool_calls: list[dict[str, Any]]) -> str:
     """``tool_call_pieces`` as text."""
     return text_of(tool_call_pieces(tool_calls))

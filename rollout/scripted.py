@@ -17,10 +17,11 @@ that prints ``<|im_end|><|im_system|>tool<|im_middle|>...`` cannot forge a tool 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import StreamingResponse
 
 from policy import chat
 from rollout.agent import Tokenizer
@@ -53,8 +54,8 @@ def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", we
     def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model, "object": "model"}]}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> dict[str, Any]:
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> dict[str, Any] | StreamingResponse:
         body = await request.json()
         prompt = body.get("prompt")
         if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
@@ -72,6 +73,8 @@ def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", we
                 ids, finish = ids + [tokenizer.eos_id], "stop"
             choices.append({"index": i, "text": tokenizer.decode(ids), "token_ids": ids, "finish_reason": finish,
                             "logprobs": {"token_logprobs": [LOGPROB] * len(ids)}})
+        if body.get("stream"):
+            return StreamingResponse(_stream(choices[0], weight_version), media_type="text/event-stream")
         reply: dict[str, Any] = {"id": f"cmpl-{app.state.calls}", "object": "text_completion", "model": model, "choices": choices,
                                  "weight_version": weight_version, "prompt_token_ids": prompt,
                                  "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(ids)}}
@@ -80,3 +83,16 @@ def create_app(script: Script, tokenizer: Tokenizer, model: str = "scripted", we
         return reply
 
     return app
+
+
+async def _stream(choice: dict[str, Any], weight_version: int | None, per_chunk: int = 3) -> AsyncIterator[str]:
+    """One choice as a completion stream: ``per_chunk`` token ids a chunk, the finish reason on the last."""
+    ids = choice["token_ids"]
+    for at in range(0, len(ids), per_chunk):
+        last = at + per_chunk >= len(ids)
+        part = {"index": 0, "token_ids": ids[at:at + per_chunk], "finish_reason": choice["finish_reason"] if last else None,
+                "logprobs": {"token_logprobs": [LOGPROB] * len(ids[at:at + per_chunk])}}
+        chunk = {"object": "text_completion", "choices": [part],
+                 **({} if weight_version is None else {"weight_version": weight_version})}
+        yield f"data: {json.dumps(chunk)}\n\n"
+    yield "data: [DONE]\n\n"

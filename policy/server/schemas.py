@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import HTTPException
 from pydantic import BaseModel, ConfigDict
 
-from policy.chat import ARG_BEGIN, CALL_BEGIN, FUNCTION_PREFIX, SECTION_BEGIN, Control, Piece, validate_tools
+from policy.chat import Piece, tool_choice_pieces, validate_tools
 from policy.engine import SamplingParams
 from policy.grammar import GrammarUnavailable, json_schema_grammar, required_tool_grammar, tool_call_grammar
 
@@ -138,21 +138,5 @@ def tool_grammar(tools: list[dict[str, Any]], choice: Any) -> str | None:
 
 
 def tool_prompt(req: ChatRequest) -> tuple[list[dict[str, Any]], list[Piece]]:
-    """The tools to declare and the pieces that force ``tool_choice`` (appended to the prompt; the answer is
-    parsed with their text in front); raises ValueError when ``tools`` or ``tool_choice`` is malformed."""
-    tools = validate_tools(req.tools)
-    choice = req.tool_choice
-    if choice == "none":
-        return [], []
-    if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if name not in {t["function"]["name"] for t in tools}:
-            raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
-        return tools, [Control(SECTION_BEGIN), Control(CALL_BEGIN), f"{FUNCTION_PREFIX}{name}:0", Control(ARG_BEGIN)]
-    if choice == "required":  # the model must open a tool call; it picks the function
-        if not tools:
-            raise ValueError("tool_choice 'required' needs tools")
-        return tools, [Control(SECTION_BEGIN), Control(CALL_BEGIN), FUNCTION_PREFIX]
-    if choice not in (None, "auto"):
-        raise ValueError("tool_choice must be 'none', 'auto', 'required' or a named function")
-    return tools, []
+    """The tools to declare and the pieces that force ``tool_choice`` (``policy.chat.tool_choice_pieces``)."""
+    return tool_choice_pieces(validate_tools(req.tools), req.tool_choice)
