@@ -42,6 +42,9 @@ def serve(
     max_context: Annotated[int, typer.Option(help="context length (prompt + completion tokens)")] = 4096,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per EP rank, NCCL)")] = "cpu",
     prefix_cache_mb: Annotated[int, typer.Option(help="memory for kept prefix states (0: no prefix reuse)")] = 256,
+    echo: Annotated[Path | None, typer.Option(help="append a JSON line per finished sequence to this file: the "
+                                                   "engine's own record of its prompt ids, sampled ids and "
+                                                   "logprobs, for audits of what a client recorded")] = None,
 ) -> None:
     """Start the policy server (FastAPI + uvicorn)."""
     try:
@@ -50,6 +53,7 @@ def serve(
         from policy.config import preset as get_preset
         from policy.engine import Engine
         from policy.server import create_app
+        from policy.server.echo import Echo
         from policy.tokenizer import load_tokenizer
     except ImportError as e:
         print(f"error: the policy needs torch, tokenizers and FastAPI ({e}); pip install 'agentenv[policy]'",
@@ -67,8 +71,8 @@ def serve(
                     max_context=max_context, device=device, prefix_cache_bytes=prefix_cache_mb << 20)
     try:
         # proxy_headers off: a client is who its connection is, never what an X-Forwarded-For says (policy.authlimit)
-        uvicorn.run(create_app(engine, secret, preset), host=host, port=port, log_level="warning",
-                    proxy_headers=False)
+        uvicorn.run(create_app(engine, secret, preset, echo=Echo(echo) if echo is not None else None), host=host,
+                    port=port, log_level="warning", proxy_headers=False)
     finally:
         engine.close()
 

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from policy.authlimit import AuthFailures, Spent
 from policy.chat import Piece, chat_pieces, text_of
 from policy.engine import Engine, SamplingParams
+from policy.server.echo import Echo
 from policy.server.responses import ChatAnswer, CompletionAnswer, Formatter
 from policy.server.schemas import (
     ChatRequest,
@@ -34,11 +35,12 @@ from policy.server.streaming import Generation, generate, stream
 
 
 def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
-               template: Callable[..., list[Piece]] = chat_pieces) -> FastAPI:
+               template: Callable[..., list[Piece]] = chat_pieces, echo: Echo | None = None) -> FastAPI:
     """Build the app around a running ``engine``; ``token`` guards every route but /health and /metrics.
     ``template`` renders chat messages to pieces (K3's ``chat_pieces``; a test swaps in a broken one). Text (a
     message's content, a text ``prompt``) is tokenised with its control-token strings as plain characters
-    (``encode_text``): control ids come from the template's pieces, or from a client that sends token ids."""
+    (``encode_text``): control ids come from the template's pieces, or from a client that sends token ids.
+    ``echo``: the engine's own record of every finished sequence (``policy.server.echo``)."""
     app = FastAPI(title="agentenv policy (K3)", docs_url=None, redoc_url=None)
     app.state.auth_failures = failures = AuthFailures()
     tok = engine.tokenizer
@@ -68,7 +70,7 @@ def create_app(engine: Engine, token: str, model_name: str = "k3-mini",
             g = grammar()
             for p in params:
                 p.grammar = g
-            return generate(engine, prompt_ids, params)
+            return generate(engine, prompt_ids, params, echo.write if echo is not None else None)
         except ValueError as e:
             raise bad(str(e)) from e
 

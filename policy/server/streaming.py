@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,11 +32,15 @@ class Generation:
                 pending.discard(s.seq_id)
 
 
-def generate(engine: Engine, prompt_ids: list[int], params: list[SamplingParams]) -> Generation:
-    """Submit one sequence per ``params`` (from the event loop); raises ValueError when the engine refuses."""
+def generate(engine: Engine, prompt_ids: list[int], params: list[SamplingParams],
+             finished: Callable[[Sequence], None] | None = None) -> Generation:
+    """Submit one sequence per ``params`` (from the event loop); raises ValueError when the engine refuses.
+    ``finished(seq)`` runs on the engine's thread when a sequence finishes, before its last update is queued."""
     loop, updates = asyncio.get_running_loop(), asyncio.Queue[Update]()
 
     def listener(s: Sequence) -> None:  # runs on the engine thread
+        if finished is not None and s.finish_reason is not None:
+            finished(s)
         loop.call_soon_threadsafe(updates.put_nowait, (s, len(s.output_ids), s.finish_reason))
 
     return Generation(prompt_ids, [engine.submit(prompt_ids, p, listener) for p in params], updates)
