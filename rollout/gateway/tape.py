@@ -70,6 +70,11 @@ class Node:
         return canonical([self.answer])[0] if self.answer else {}
 
     @property
+    def seen(self) -> list[Message]:
+        """The history this call was asked with, then its answer (canonical)."""
+        return [*self.messages, self.said]
+
+    @property
     def done(self) -> bool:
         return bool(self.finish) and not self.failed
 
@@ -148,16 +153,27 @@ class Tape:
         """The prompt for a request with this history and these tools (see the module docstring)."""
         canon, key = canonical(messages), tools_key(tools)
         node = self._extended(canon, key)
+        ref = self._reference(canon, key)
         if node is not None:
             base = node.full_ids(self.tokenizer.eos_id)
             tail = self.tokenizer.encode_chat(messages[len(node.messages) + 1:], None, add_generation_prompt=True)
-            continued = all(n.parent != node.index or n.cause != "extend" or n.failed for n in self.nodes)
-            if continued:
+            if all(n.parent != node.index or n.cause != "extend" or n.failed for n in self.nodes):
                 return Plan(base + tail, node.branch, "extend", node.index, len(base))
-            return Plan(base + tail, self._new_branch(), "sibling", node.index, len(base))
+            # another call continued this one already: a sibling, unless the history follows a later call and
+            # breaks from it (its answer changed, a message after it edited): then that break is the cause
+            deeper = ref is not None and _common(canon, ref.seen) > len(node.messages) + 1
+            cause = self._cause(canon, key, ref) if deeper and ref is not None else "sibling"
+            return Plan(base + tail, self._new_branch(), cause, node.index, len(base))
         ids = self.tokenizer.encode_chat(messages, tools or None, add_generation_prompt=True)
         parent, fork_at = self._closest(ids)
-        return Plan(ids, self._new_branch(), self._cause(canon, key), parent, fork_at)
+        return Plan(ids, self._new_branch(), self._cause(canon, key, ref), parent, fork_at)
+
+    def _reference(self, canon: list[Message], key: str) -> Node | None:
+        """The done call whose history and answer share the longest prefix with ``canon``; of equals, one with the same
+        tools, then the one with the shortest history (where ``canon`` departs is nearest its answer), then the latest."""
+        done = [n for n in self.nodes if n.done]
+        return max(done, key=lambda n: (_common(canon, n.seen), n.tools_key == key, -len(n.messages), n.index)) \
+            if done else None
 
     def _new_branch(self) -> int:
         self._branches += 1
@@ -171,12 +187,11 @@ class Tape:
                 best, at = node.index, n
         return best, at
 
-    def _cause(self, canon: list[Message], key: str) -> str:
-        """Why a history that extends no call was asked for, against the call whose history it shares most."""
-        if not self.nodes:
+    def _cause(self, canon: list[Message], key: str, ref: Node | None) -> str:
+        """Why a history that does not continue ``ref`` (the call it shares most with) was asked for."""
+        if ref is None:
             return "start"
-        ref = max(reversed(self.nodes), key=lambda n: _common(canon, [*n.messages, n.said]))
-        seen = [*ref.messages, ref.said]
+        seen = ref.seen
         common = _common(canon, seen)
         if ref.tools_key != key:
             return "tools_changed"

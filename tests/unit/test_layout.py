@@ -216,3 +216,16 @@ def test_the_trainer_s_sub_packages_import_in_order():
     assert wrong == []
     assert all(room(m) in TRAINER_ROOMS for m in GRAPH if m.startswith("trainer.") and m.count(".") > 1
                and room(m) != "trainer.viewer"), "a new sub-package of trainer: give it its place above"
+
+
+# the LLM gateway (rollout/gateway/, docs/architecture.md §1): an HTTP and token layer over the policy's format; of
+# rollout it imports only the trajectory record it exports, and nothing of the sandboxes or the envs, so it serves a
+# harness on the host, in a sandbox or on another machine alike
+GATEWAY_MAY_IMPORT = ("rollout.gateway", "rollout.trajectory", "policy.chat", "policy.client", "agentenv.config")
+
+
+def test_the_gateway_imports_only_the_format_and_the_record():
+    wrong = sorted((m, t) for m, ts in GRAPH.items() if m.startswith("rollout.gateway") for t in ts
+                   if not t.startswith(GATEWAY_MAY_IMPORT))
+    assert wrong == []
+    assert any(m.startswith("rollout.gateway.") for m in GRAPH), "the gateway moved: give it its place again"
