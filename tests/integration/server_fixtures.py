@@ -166,14 +166,15 @@ def separate_servers(quotas: tuple[str, ...], prefix: str) -> Iterator[tuple[lis
 
 
 @contextmanager
-def k3_mini_server(token: str, ep: int = 1, max_model_len: int = 256, timeout: float = 180.0) -> Iterator[Any]:
-    """``agentenv policy serve --preset k3-mini`` (random weights, ``ep`` ranks) as a child process, healthy;
-    yields its ``EngineSpec`` and stops it on exit."""
+def k3_mini_server(token: str, ep: int = 1, max_model_len: int = 256, timeout: float = 180.0,
+                   extra_args: list[str] | None = None) -> Iterator[Any]:
+    """``agentenv policy serve --preset k3-mini`` (random weights, ``ep`` ranks, ``extra_args`` more) as a child
+    process, healthy; yields its ``EngineSpec`` and stops it on exit."""
     from policy.engines import EngineSpec, start
     from policy.engines import wait_healthy as policy_healthy
 
     spec = EngineSpec("agentenv", "k3-mini", port=free_port(), data_parallel_size=ep, api_key=token,
-                      max_model_len=max_model_len)
+                      max_model_len=max_model_len, extra_args=list(extra_args or []))
     proc = start(spec)
     try:
         policy_healthy(spec.base_url, timeout=timeout, interval=0.5)
