@@ -5,6 +5,7 @@
     agentenv rollout show runs/NAME [--index N]
     agentenv rollout export runs/NAME --format parquet --schema verl --out NAME.parquet   # for other RL stacks
     agentenv rollout cleanup runs/NAME          # sandboxes a killed driver's run left behind
+    agentenv rollout gateway --policy-url URL   # the LLM gateway for harnesses (rollout.gateway.cli)
 
 The run shows a live progress bar (episodes, reward mean, generated tokens/s, environment vs policy time) and
 ends with a summary table; the trajectories are msgpack shards in the out folder with ``run.json`` (the
@@ -35,10 +36,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from agentenv.terminal import markup
+from rollout.gateway import cli as gateway_cli
 
 app = typer.Typer(help="Rollouts: play tasks with a policy on Ray workers (GRPO groups forked from one state); "
                        "show the trajectories.", no_args_is_help=True, invoke_without_command=True)
 console = Console()
+app.add_typer(gateway_cli.app, name="gateway")
 
 
 EnvTokenFile = Annotated[Path | None, typer.Option(

@@ -24,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from policy.client import PolicyError, PolicyTimeout
-from rollout.gateway import anthropic, openai_chat, responses
+from rollout.gateway import admin, anthropic, openai_chat, responses
 from rollout.gateway.messages import Answer, BadCall, Call, Delta
 from rollout.gateway.sessions import Session, Unauthorized
 from rollout.gateway.turns import Gateway
@@ -65,8 +65,11 @@ def _sse(item: dict[str, Any] | str, named: bool) -> str:
     return f"{head}data: {json.dumps(item, ensure_ascii=False)}\n\n"
 
 
-def create_app(gateway: Gateway, model_name: str = "k3-mini") -> FastAPI:
+def create_app(gateway: Gateway, model_name: str = "k3-mini", admin_token: str | None = None) -> FastAPI:
+    """The gateway's app; with ``admin_token``, also its admin routes (``rollout.gateway.admin``)."""
     app = FastAPI(title="agentenv LLM gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    if admin_token is not None:
+        app.include_router(admin.router(gateway, admin_token))
 
     def session_of(request: Request, sid: str) -> Session:
         auth = request.headers.get("authorization", "")

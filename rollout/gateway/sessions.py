@@ -136,5 +136,8 @@ class Sessions:
     def pop(self, session_id: str) -> Session:
         return self._open.pop(session_id)
 
+    def open_sessions(self) -> list[Session]:
+        return list(self._open.values())
+
     def __len__(self) -> int:
         return len(self._open)

@@ -57,11 +57,21 @@ class Gateway:
     @contextlib.asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
         """New calls wait while this is held (a weight push); calls already generating go on."""
-        self._open.clear()
+        self.hold_calls()
         try:
             yield
         finally:
-            self._open.set()
+            self.release_calls()
+
+    def hold_calls(self) -> None:
+        self._open.clear()
+
+    def release_calls(self) -> None:
+        self._open.set()
+
+    @property
+    def holding(self) -> bool:
+        return not self._open.is_set()
 
     async def turn(self, session: Session, call: Call, body_hash: str, retry: bool = False
                    ) -> AsyncIterator[Delta | Answer]:

@@ -8,6 +8,8 @@ weights) scores to the recorded logprobs."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import anthropic
 import openai
@@ -108,3 +110,13 @@ def test_every_recorded_call_is_what_the_engine_generated_and_the_trainer_agrees
               for a, b, m in zip(sc.logprobs, s.logprobs, s.loss_mask, strict=True) if m]
     assert len(deltas) == sum(len(n.output_ids) for n in nodes)
     assert max(deltas) < 1e-3, f"max |logprob delta| {max(deltas)}"
+    if os.environ.get("AGENTENV_GATEWAY_FIGURES"):   # bench/gateway.py keeps this run's figures
+        causes: dict[str, int] = {}
+        for x in summaries:
+            for k, v in x["causes"].items():
+                causes[k] = causes.get(k, 0) + v
+        later = sum(x["calls"] - 1 for x in summaries)
+        figures = {"calls": len(nodes), "ids_equal_engine_share": 1.0, "sampled_tokens": len(deltas),
+                   "max_abs_logprob_delta": max(deltas), "mean_abs_logprob_delta": sum(deltas) / len(deltas),
+                   "merge_rate": causes.get("extend", 0) / later, "causes": causes}
+        Path(os.environ["AGENTENV_GATEWAY_FIGURES"]).write_text(json.dumps(figures))

@@ -129,3 +129,29 @@ def test_the_validators_fail_on_broken_streams(gw):
     for broken in ("\n\n".join(events[:-1]), resp + "data: [DONE]\n\n", resp.replace('"sequence_number": 3', '"sequence_number": 9')):
         with pytest.raises((AssertionError, KeyError)):
             sse_rules.responses_events(broken)
+
+
+def test_admin_routes_open_and_close_sessions_and_take_no_session_key():
+    engine = scripted.create_app(answer, TOK)
+    gateway = Gateway(Upstream("http://engine", transport=httpx.ASGITransport(app=engine)), load_tokenizer())
+    admin = {"Authorization": "Bearer admin-token"}
+    with TestClient(create_app(gateway, admin_token="admin-token")) as client:
+        opened = client.post("/admin/sessions", json={"budget": {"turns": 3}, "sampling": {"max_tokens": 32},
+                                                      "labels": {"task": "t1"}}, headers=admin).json()
+        assert opened["openai_base_url"].endswith(f"/s/{opened['id']}/v1")
+        s = gateway.sessions.get(opened["id"], opened["key"])
+        assert s.config.budget.turns == 3 and s.config.sampling.max_tokens == 32 and s.labels == {"task": "t1"}
+        assert client.post("/admin/sessions", json={"budget": {"turn": 3}}, headers=admin).status_code == 422
+        for headers in ({}, {"Authorization": f"Bearer {opened['key']}"}, {"Authorization": "Bearer admin-tokenx"}):
+            assert client.post("/admin/sessions", json={}, headers=headers).status_code == 401
+            assert client.delete(f"/admin/sessions/{opened['id']}", headers=headers).status_code == 401
+        r = client.post(f"/s/{opened['id']}/v1/chat/completions", json=CHAT,
+                        headers={"Authorization": f"Bearer {opened['key']}"})
+        assert r.status_code == 200
+        assert client.get(f"/admin/sessions/{opened['id']}", headers=admin).json()["calls"] == 1
+        closed = client.delete(f"/admin/sessions/{opened['id']}", headers=admin).json()
+        assert closed["summary"]["calls"] == 1 and len(closed["records"]) == 1
+        assert closed["records"][0]["token_ids"] == s.tape.nodes[0].full_ids(load_tokenizer().eos_id)
+        assert client.get(f"/admin/sessions/{opened['id']}", headers=admin).status_code == 404
+        assert client.post("/admin/hold", headers=admin).json() == {"held": True} and gateway.holding
+        assert client.post("/admin/release", headers=admin).json() == {"held": False} and not gateway.holding

@@ -173,7 +173,7 @@ def test_calls_wait_while_a_weight_push_holds_the_gate():
     async def go() -> None:
         async with engine.gateway.hold():
             call = asyncio.ensure_future(ask(engine, s, [{"role": "user", "content": "task"}]))
-            while engine.gateway._open.is_set() or not s.inflight:   # the call is waiting at the gate
+            while not engine.gateway.holding or not s.inflight:   # the call is waiting at the gate
                 await asyncio.sleep(0)
             assert not call.done() and engine.calls == 0
         await call
