@@ -225,6 +225,13 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
 
     # --- the rest ---------------------------------------------------------------------------------
 
+    def grade_submission(self, submission: str) -> tuple[float, dict[str, Any]]:
+        """The reward of an episode a harness played in this env's sandbox (``rollout.harnesses``), from what it
+        submitted and the sandbox as it left it, and the grader's details; graded on the host, never trusting the
+        sandbox's own say. An env whose episodes end only through its own actions has no such grader."""
+        raise NotImplementedError(f"{type(self).__name__} grades only its own actions; a harness episode needs an "
+                                  "env with grade_submission (agentenv/Lookup-v0, agentenv/SWE-v0)")
+
     def render(self) -> str | None:  # render_mode "ansi": the last observation
         return self.last_observation if self.render_mode == "ansi" else None
 

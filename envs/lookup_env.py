@@ -343,6 +343,20 @@ class LookupEnv(SandboxEnv[LookupTask]):
         info.update(answer=reply, correct=reward == 1.0, expected=self.task.answer)
         return text, reward, True, info
 
+    def grade_submission(self, submission: str) -> tuple[float, dict[str, Any]]:
+        """A harness's answer is the last line it submitted, scored as the ``answer`` tool's."""
+        if self.task is None:
+            raise RuntimeError("grade_submission() before reset()")
+        reply = _submitted(submission)
+        reward = self.task.score(reply)
+        return reward, {**self._info(), "answer": reply, "correct": reward == 1.0, "expected": self.task.answer}
+
+
+def _submitted(submission: str) -> str:
+    """The answer in a harness's submission: its last non-empty line (a harness may print more before it)."""
+    lines = [ln for ln in submission.splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
 
 def _plain_reply(action: Any) -> str | None:
     """The text of an action that is a plain reply (no tool call, not JSON), else None."""

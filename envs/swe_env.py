@@ -252,6 +252,11 @@ class SWEEnv(SandboxEnv[Task]):
         ending = "" if submitted else "\n[step limit reached; graded]"
         return f"{turn.text}{ending}\n{result.summary()}", result.reward, submitted, info
 
+    def grade_submission(self, submission: str) -> tuple[float, dict[str, Any]]:
+        """A harness's episode is graded as a submitted one: the sandbox's /testbed, whatever the harness printed."""
+        result = self.grade()
+        return result.reward, {**self._info(), **result.to_info()}
+
     def grade(self) -> GradeResult:
         """Grade the episode's /testbed now (SWE-bench rules) in a fresh sandbox at the task's pristine state.
 

@@ -37,6 +37,7 @@ from rich.table import Table
 
 from agentenv.terminal import markup
 from rollout.gateway import cli as gateway_cli
+from rollout.trajectory import INFRA_ERRORS
 
 app = typer.Typer(help="Rollouts: play tasks with a policy on Ray workers (GRPO groups forked from one state); "
                        "show the trajectories.", no_args_is_help=True, invoke_without_command=True)
@@ -88,7 +89,7 @@ def _env_urls(items: list[str] | None) -> dict[str, str] | None:
 def stats_line(stats: Any) -> str:
     reward = stats.reward_mean
     share = stats.env_share
-    errors = stats.finish.get("env_error", 0) + stats.finish.get("policy_error", 0)
+    errors = sum(stats.finish.get(r, 0) for r in INFRA_ERRORS)
     parts = [f"reward {reward:.3f}" if reward is not None else "reward -",
              f"{stats.tokens_per_s:.1f} tok/s",
              f"env {share:.0%} / policy {1 - share:.0%}" if share is not None else "env - / policy -"]
@@ -157,6 +158,10 @@ def rollout(
     seed: Annotated[int, typer.Option(help="group i resets with seed + i")] = 0,
     keep_messages: Annotated[bool, typer.Option(help="store each conversation as messages too")] = False,
     verify: Annotated[bool, typer.Option(help="check the policy endpoint (agentenv policy verify) first")] = False,
+    harness: Annotated[str | None, typer.Option(help="play episodes with this agent harness through the LLM "
+                                                     "gateway (mini-swe-agent) instead of the agent loop")] = None,
+    harness_arg: Annotated[list[str] | None, typer.Option(help="KEY=VALUE of the harness's own agent config "
+                                                               "(JSON values), e.g. step_limit=20")] = None,
 ) -> None:
     """Play tasks with a policy and write their trajectories (see ``agentenv rollout --help``)."""
     if ctx.invoked_subcommand is not None:
@@ -189,8 +194,14 @@ def rollout(
         raise typer.Exit(1)
     agent = AgentConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, max_total_tokens=max_total_tokens,
                         context_limit=context_limit, temperature=temperature)
+    try:
+        from rollout.harnesses import HarnessConfig
+
+        driver = None if harness is None else HarnessConfig.for_loop(harness, _kv(harness_arg, "--harness-arg"), agent)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     cfg = RolloutConfig(env, policy_url, policy_token=token, policy_model=model, group_size=group_size,
-                        memory_fork=memory_fork, agent=agent, env_kwargs=_kv(env_arg, "--env-arg"),
+                        memory_fork=memory_fork, agent=agent, env_kwargs=_kv(env_arg, "--env-arg"), harness=driver,
                         env_urls=_env_urls(env_url), env_token=read_token(env_token_file),
                         env_fleet=env_fleet, max_retries=retries,
                         groups_per_worker=groups_per_worker, worker_cpus=worker_cpus, seed=seed,

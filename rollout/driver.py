@@ -239,7 +239,7 @@ class Rollout:
 
     def _record(self, result: GroupResult) -> None:
         if self.writer is not None:
-            for t in result.trajectories:
+            for t in [*result.trajectories, *result.branches]:   # a harness episode's other branches too
                 self.writer.write(t)
         self.stats.add(result)
 

@@ -46,7 +46,8 @@ SCHEMAS: tuple[str, ...] = ("neutral", "verl", "trl", "slime")
 DICT_COLUMNS = frozenset({"grade", "metadata"})
 # slime's Sample.Status values for our finish reasons
 SLIME_STATUS = {"submitted": "completed", "max_turns": "truncated", "max_tokens": "truncated",
-                "context_limit": "truncated", "env_error": "aborted", "policy_error": "aborted"}
+                "context_limit": "truncated", "env_error": "aborted", "policy_error": "aborted",
+                "harness_error": "aborted", "timeout": "aborted"}
 
 
 class ExportError(ValueError):

@@ -37,16 +37,18 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import gymnasium as gym
 
-from agentenv.api import Backend
 from envs.protocol import GymEnv, unwrap
 from policy.client import PolicyClient, PolicyError
 from rollout.agent import AgentConfig, Episode, Tokenizer, begin, play
-from rollout.pausing import Paused, drop_snapshot, pause_env, restore_env
+from rollout.pausing import Partial, Paused, drop_snapshot, pause_env, restore_env
 from rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from rollout.harnesses import HarnessDriver
 
 T = TypeVar("T")
 UNREACHABLE = ("PolicyUnreachable", "PolicyTimeout")  # policy_error texts that may mean the server is gone
@@ -77,24 +79,11 @@ class GroupResult:
     policy_down: bool = False       # a policy call failed and the server did not answer a probe
     error: str = ""                 # the last infrastructure error, if any
     info: dict[str, Any] = field(default_factory=dict)
+    branches: list[Trajectory] = field(default_factory=list)   # a harness's other branches (rollout.harnesses)
 
     @property
     def rewards(self) -> list[float | None]:
         return [t.reward for t in self.trajectories]
-
-
-
-
-@dataclass(frozen=True)
-class Partial:
-    """Pause and resume of a group's episodes (see the module docstring); the default plays every episode out."""
-
-    should_pause: Callable[[], bool] | None = None
-    served_version: Callable[[], int] | None = None
-    resume: Sequence[Paused] = ()           # the group's paused episodes, to play on
-    finished: Sequence[Trajectory] = ()     # and its episodes already done
-    store: Backend | None = None            # where the snapshots resumed from are deleted
-    keep_resumed: bool = False              # leave those snapshots to the caller
 
 
 class _Timed:
@@ -178,13 +167,14 @@ async def policy_alive(policy: PolicyClient, timeout: float = 15.0) -> bool:
 async def run_group(make_env: Callable[[], GymEnv], spec: GroupSpec, policy: PolicyClient, tokenizer: Tokenizer,
                     config: AgentConfig | None = None, *, memory: bool = False, env_id: str = "",
                     max_retries: int = 2, keep_messages: bool = False, metadata: dict[str, Any] | None = None,
-                    partial: Partial | None = None) -> GroupResult:
+                    partial: Partial | None = None, harness: HarnessDriver | None = None) -> GroupResult:
     """Play the group ``spec`` (see the module docstring): ``make_env()`` makes one env of the task's kind; a result
-    with ``info["paused"]`` is not complete yet."""
+    with ``info["paused"]`` is not complete yet. ``harness``: each episode is played by an agent harness through the
+    LLM gateway (``rollout.harnesses``) instead of the agent loop; its episodes run to their end (no pause)."""
     if spec.group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {spec.group_size}")
     group = _Group(make_env, spec, policy, tokenizer, config or AgentConfig(), memory, env_id, max_retries,
-                   keep_messages, dict(metadata or {}), partial or Partial())
+                   keep_messages, dict(metadata or {}), partial or Partial(), harness)
     return await group.play()
 
 
@@ -214,6 +204,7 @@ class _Group:
     keep_messages: bool
     meta: dict[str, Any]
     partial: Partial
+    harness: HarnessDriver | None = None
     parent: GymEnv | None = None
     first: str = ""
     opened: list[GymEnv] = field(default_factory=list)    # envs of this round not closed yet
@@ -221,6 +212,7 @@ class _Group:
     def __post_init__(self) -> None:
         spec = self.spec
         self.result = GroupResult(spec, [], attempts=0)
+        self.side: dict[int, list[Trajectory]] = {}   # a harness episode's other branches, by index
         self.done = {t.group_index: t for t in self.partial.finished}
         self.paused: dict[int, Paused] = {}
         self.resuming = {p.index: p for p in self.partial.resume}
@@ -248,6 +240,7 @@ class _Group:
                                     finished=[self.done[i] for i in sorted(self.done)])
         else:
             self.result.trajectories = [self.done[i] for i in range(g)]
+            self.result.branches = [t for i in sorted(self.side) if i in self.done for t in self.side[i]]
         return self.result
 
     # --- the envs the pending episodes play in ---------------------------------------------------------------
@@ -328,11 +321,9 @@ class _Group:
     # --- one round: the started episodes play until each is done, paused or failed ---------------------------
 
     async def _round(self, plays: list[_Play]) -> None:
-        p = self.partial
         for one in plays:
             one.start = time.time()
-        outcomes = await asyncio.gather(*(play(one.episode, one.env, self.policy, self.config, p.should_pause,
-                                               p.served_version) for one in plays), return_exceptions=True)
+        outcomes = await asyncio.gather(*(self._drive(one) for one in plays), return_exceptions=True)
         ended: list[tuple[_Play, Trajectory]] = []
         for one, out in zip(plays, outcomes, strict=True):
             if isinstance(out, asyncio.CancelledError):
@@ -360,6 +351,15 @@ class _Group:
                 self.done[i] = t.check()
                 if one.resumed is not None:
                     await self._drop(one.resumed)
+
+    async def _drive(self, one: _Play) -> Trajectory | None:
+        """One play: the agent loop (None: paused between two turns), or the harness, to the episode's end."""
+        if self.harness is None:
+            p = self.partial
+            return await play(one.episode, one.env, self.policy, self.config, p.should_pause, p.served_version)
+        main, others = await self.harness.play(one.env, self.first, one.episode.traj)
+        self.side[one.index] = others      # a play again (after an infrastructure error) replaces them
+        return main
 
     async def _pause(self, one: _Play) -> Trajectory | None:
         """Pause an episode between two turns (its env to the store, then closed); a pause that fails ends the

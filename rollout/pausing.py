@@ -12,7 +12,7 @@ fields.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,18 @@ from rollout.agent import Episode, Tokenizer
 from rollout.trajectory import Trajectory
 
 EnvState = dict[str, Any]  # {"snapshot": id, "steps": n} or {"task": task, "steps": n}
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Pause and resume of a group's episodes (``rollout.groups``' module docstring); the default plays every episode out."""
+
+    should_pause: Callable[[], bool] | None = None
+    served_version: Callable[[], int] | None = None
+    resume: Sequence[Paused] = ()           # the group's paused episodes, to play on
+    finished: Sequence[Trajectory] = ()     # and its episodes already done
+    store: Backend | None = None            # where the snapshots resumed from are deleted
+    keep_resumed: bool = False              # leave those snapshots to the caller
 
 
 @dataclass

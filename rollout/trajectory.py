@@ -36,10 +36,13 @@ import msgpack
 from agentenv.config import replacing, write_json
 
 SCHEMA = 1
-FinishReason = Literal["submitted", "max_turns", "max_tokens", "context_limit", "env_error", "policy_error"]
+FinishReason = Literal["submitted", "max_turns", "max_tokens", "context_limit", "env_error", "policy_error",
+                       "harness_error", "timeout"]
 FINISH_REASONS: tuple[str, ...] = ("submitted", "max_turns", "max_tokens", "context_limit", "env_error",
-                                   "policy_error")
-INFRA_ERRORS = frozenset({"env_error", "policy_error"})
+                                   "policy_error", "harness_error", "timeout")
+# not the policy's doing: no reward (None, never 0). ``harness_error``: a harness driving the episode crashed
+# (rollout.harnesses); ``timeout``: it did not finish within the run's deadline
+INFRA_ERRORS = frozenset({"env_error", "policy_error", "harness_error", "timeout"})
 SHARD_GLOB = "shard-*.msgpack"
 
 

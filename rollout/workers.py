@@ -26,7 +26,8 @@ from typing import Any
 from envs.protocol import GymEnv
 from policy.client import PolicyClient
 from rollout.agent import AgentConfig, LocalTokenizer, Tokenizer
-from rollout.groups import GroupResult, GroupSpec, Partial, run_group
+from rollout.groups import GroupResult, GroupSpec, run_group
+from rollout.harnesses import GatewayServer, HarnessConfig, HarnessDriver
 from rollout.ownership import (
     LOCAL,
     RUN_LABEL,
@@ -36,6 +37,7 @@ from rollout.ownership import (
     node_env_url,
     sweep,
 )
+from rollout.pausing import Partial
 
 
 class RolloutError(RuntimeError):
@@ -70,6 +72,7 @@ class RolloutConfig:
     seed: int | None = 0                      # group i resets with seed + i
     keep_messages: bool = False               # store the conversation as messages too (for people)
     policy_concurrency: int = 256
+    harness: HarnessConfig | None = None      # episodes played by an agent harness through the gateway
     # In-process hooks (workers=0, tests): where sandboxes live, the policy client, the tokenizer.
     backend_factory: Callable[[], Any] | None = None
     policy_factory: Callable[[], PolicyClient] | None = None
@@ -80,6 +83,7 @@ class RolloutConfig:
         out = {f.name: getattr(self, f.name) for f in fields(self)
                if not f.name.endswith(("_factory", "_token"))}
         out["agent"] = asdict(self.agent)
+        out["harness"] = asdict(self.harness) if self.harness is not None else None
         return out
 
 
@@ -124,6 +128,7 @@ class RolloutWorker:
         self.api = LabelledBackend(base, {RUN_LABEL: run_id, WORKER_LABEL: key}, config.sandbox_ttl)
         self.tokenizer = config.tokenizer_factory()
         self._policy: PolicyClient | None = None
+        self._harness: HarnessDriver | None = None
         self._running = 0
         self.groups_done = 0
 
@@ -171,12 +176,23 @@ class RolloutWorker:
             c = self.config
             result = await run_group(make_env, spec, policy, self.tokenizer, agent, memory=memory, env_id=env_id,
                                      max_retries=c.max_retries, keep_messages=c.keep_messages, metadata=meta,
-                                     partial=partial)
+                                     partial=partial, harness=self._harness_driver())
             result.info.update(worker=self.key)
             return result
         finally:
             self._running -= 1
             self.groups_done += 1
+
+    def _harness_driver(self) -> HarnessDriver | None:
+        """The run's harness with this worker's gateway (started on first use), or None."""
+        c = self.config
+        if c.harness is None:
+            return None
+        if self._harness is None:
+            from policy.tokenizer import load_tokenizer  # the gateway renders with the engine's: k3-mini's
+
+            self._harness = HarnessDriver(GatewayServer(c.policy_url, c.policy_token, load_tokenizer()), c.harness)
+        return self._harness
 
     async def shutdown(self, wait: float = 60.0, keep: list[str] | None = None) -> dict[str, Any]:
         """Wait (up to ``wait`` seconds) for groups still closing (cancelled ones), close the policy client and
@@ -188,6 +204,9 @@ class RolloutWorker:
             with contextlib.suppress(Exception):
                 await self._policy.aclose()
             self._policy = None
+        if self._harness is not None:
+            await asyncio.to_thread(self._harness.server.close)
+            self._harness = None
         left = await asyncio.to_thread(sweep, self.api.inner, {RUN_LABEL: self.run_id, WORKER_LABEL: self.key},
                                        keep or ())
         info = self.info()

@@ -221,7 +221,8 @@ def test_the_trainer_s_sub_packages_import_in_order():
 # the LLM gateway (rollout/gateway/, docs/architecture.md §1): an HTTP and token layer over the policy's format; of
 # rollout it imports only the trajectory record it exports, and nothing of the sandboxes or the envs, so it serves a
 # harness on the host, in a sandbox or on another machine alike
-GATEWAY_MAY_IMPORT = ("rollout.gateway", "rollout.trajectory", "policy.chat", "policy.client", "agentenv.config")
+GATEWAY_MAY_IMPORT = ("rollout.gateway", "rollout.trajectory", "policy.chat", "policy.client", "policy.tokenizer",
+                      "agentenv.config")
 
 
 def test_the_gateway_imports_only_the_format_and_the_record():

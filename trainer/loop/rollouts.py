@@ -49,8 +49,8 @@ from agentenv.api import Backend
 from envs.protocol import GymEnv
 from rollout.agent import AgentConfig
 from rollout.driver import Rollout
-from rollout.groups import GroupResult, GroupSpec, Partial
-from rollout.pausing import Paused
+from rollout.groups import GroupResult, GroupSpec
+from rollout.pausing import Partial, Paused
 from rollout.raycluster import await_ref
 from rollout.trajectory import Trajectory
 from rollout.workers import RolloutWorker

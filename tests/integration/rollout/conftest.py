@@ -31,6 +31,7 @@ class Served:
     def __init__(self, script: scripted.Script) -> None:
         self.delay = 0.0
         inner = scripted.create_app(script, TOK)
+        self.app = inner                 # its state.calls counts the generations asked for
 
         async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
             if scope.get("type") == "http" and scope.get("path", "").endswith("/completions") and self.delay:

@@ -13,7 +13,8 @@ import pytest
 from envs import ToolEnv
 from rollout import scripted
 from rollout.agent import AgentConfig
-from rollout.groups import GroupSpec, Partial, run_group
+from rollout.groups import GroupSpec, run_group
+from rollout.pausing import Partial
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rollout_fakes import (  # noqa: E402
