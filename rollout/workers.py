@@ -128,7 +128,7 @@ class RolloutWorker:
         self.api = LabelledBackend(base, {RUN_LABEL: run_id, WORKER_LABEL: key}, config.sandbox_ttl)
         self.tokenizer = config.tokenizer_factory()
         self._policy: PolicyClient | None = None
-        self._harness: HarnessDriver | None = None
+        self._gateway: GatewayServer | None = None
         self._running = 0
         self.groups_done = 0
 
@@ -166,9 +166,11 @@ class RolloutWorker:
         return await self.play(spec, self.make_env, c.agent, env_id=c.env_id, memory=c.memory_fork)
 
     async def play(self, spec: GroupSpec, make_env: Callable[[], GymEnv], agent: AgentConfig, *, env_id: str,
-                   memory: bool, metadata: dict[str, Any] | None = None, partial: Partial | None = None) -> GroupResult:
+                   memory: bool, metadata: dict[str, Any] | None = None, partial: Partial | None = None,
+                   harness: HarnessConfig | None = None) -> GroupResult:
         """Play a group with ``run_group`` (retries, the probe, pause and resume), this worker's policy client and
-        the run's retry and message settings; ``metadata`` goes into each trajectory's."""
+        the run's retry and message settings; ``metadata`` goes into each trajectory's. ``harness`` (else the run's):
+        the episodes are played by that agent harness through this worker's gateway."""
         policy = self._policy_client()
         self._running += 1
         try:
@@ -176,23 +178,22 @@ class RolloutWorker:
             c = self.config
             result = await run_group(make_env, spec, policy, self.tokenizer, agent, memory=memory, env_id=env_id,
                                      max_retries=c.max_retries, keep_messages=c.keep_messages, metadata=meta,
-                                     partial=partial, harness=self._harness_driver())
+                                     partial=partial, harness=self._harness_driver(harness or c.harness))
             result.info.update(worker=self.key)
             return result
         finally:
             self._running -= 1
             self.groups_done += 1
 
-    def _harness_driver(self) -> HarnessDriver | None:
-        """The run's harness with this worker's gateway (started on first use), or None."""
-        c = self.config
-        if c.harness is None:
+    def _harness_driver(self, harness: HarnessConfig | None) -> HarnessDriver | None:
+        """``harness`` with this worker's gateway (started on first use), or None."""
+        if harness is None:
             return None
-        if self._harness is None:
+        if self._gateway is None:
             from policy.tokenizer import load_tokenizer  # the gateway renders with the engine's: k3-mini's
 
-            self._harness = HarnessDriver(GatewayServer(c.policy_url, c.policy_token, load_tokenizer()), c.harness)
-        return self._harness
+            self._gateway = GatewayServer(self.config.policy_url, self.config.policy_token, load_tokenizer())
+        return HarnessDriver(self._gateway, harness)
 
     async def shutdown(self, wait: float = 60.0, keep: list[str] | None = None) -> dict[str, Any]:
         """Wait (up to ``wait`` seconds) for groups still closing (cancelled ones), close the policy client and
@@ -204,9 +205,9 @@ class RolloutWorker:
             with contextlib.suppress(Exception):
                 await self._policy.aclose()
             self._policy = None
-        if self._harness is not None:
-            await asyncio.to_thread(self._harness.server.close)
-            self._harness = None
+        if self._gateway is not None:
+            await asyncio.to_thread(self._gateway.close)
+            self._gateway = None
         left = await asyncio.to_thread(sweep, self.api.inner, {RUN_LABEL: self.run_id, WORKER_LABEL: self.key},
                                        keep or ())
         info = self.info()

@@ -13,6 +13,7 @@ rendered whole and starts a new branch, labelled with its cause against the call
 ``tools_changed``     the tool declarations differ
 ``thinking_stripped`` the answer came back without its reasoning (thinking policy ``follow``)
 ``answer_edited``     the answer came back changed
+``answer_dropped``    the history goes on without the answer (mini-swe-agent drops an answer it could not parse)
 ``compacted``         the history came back shorter, rewritten from some point (a summary)
 ``history_edited``    an earlier message changed
 ``subagent``          nothing in common (another system prompt, another conversation)
@@ -34,7 +35,7 @@ from policy.chat import ChatEncoder
 from rollout.gateway.messages import Message, canonical, said
 
 CAUSES = ("start", "extend", "sibling", "resample", "tools_changed", "thinking_stripped", "answer_edited",
-          "compacted", "history_edited", "subagent")
+          "answer_dropped", "compacted", "history_edited", "subagent")
 THINKING = ("keep", "follow")
 
 
@@ -199,7 +200,9 @@ class Tape:
             return "resample"
         if common == 0 or canon[0].get("role") != seen[0].get("role"):
             return "subagent"
-        if common == len(ref.messages) and canon[common].get("role") == "assistant":
+        if common == len(ref.messages) and common < len(canon):
+            if canon[common].get("role") != "assistant":
+                return "answer_dropped"
             if said(canon[common], with_reasoning=False) == said(ref.said, with_reasoning=False):
                 return "thinking_stripped"
             return "answer_edited"

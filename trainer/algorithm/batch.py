@@ -130,13 +130,19 @@ def filter_stale(trajectories: Sequence[Trajectory], current_version: int, max_s
 
 
 def rl_batch(trajectories: Sequence[Trajectory], cfg: AdvantageConfig | None = None, *,
-             current_version: int | None = None, pass_threshold: float = 1.0) -> Batch:
+             current_version: int | None = None, pass_threshold: float = 1.0,
+             branches: Sequence[Trajectory] = ()) -> Batch:
     """GRPO advantages over ``trajectories`` (grouped by ``group_id``), then the kept episodes as samples.
 
     ``current_version``: the weight version being trained (staleness = it minus an episode's oldest turn version).
+    ``branches``: the other branches of harness episodes (docs/harnesses.md), each a sample with its own mask and the
+    advantage of its episode (the record of the same group and index); a branch whose episode is not kept is not.
     """
     adv = grpo_advantages(trajectories, cfg or AdvantageConfig())
     samples = [Sample.from_trajectory(t, adv.values[t.episode_id]) for t in adv.kept]
+    episode = {(t.group_id, t.group_index): adv.values[t.episode_id] for t in adv.kept}
+    samples += [Sample.from_trajectory(b, episode[(b.group_id, b.group_index)]) for b in branches
+                if (b.group_id, b.group_index) in episode]
     empty = sum(1 for s in samples if s.loss_tokens == 0)
     kept = [s for s in samples if s.loss_tokens > 0]
     stats = {**episode_stats(trajectories, current_version, pass_threshold),

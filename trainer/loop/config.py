@@ -89,6 +89,12 @@ class EnvConfig:
                             "tokens under the full temperature-scaled distribution, not the truncated one the engine "
                             "would sample from (evaluation samples with top_p 1 too)")
     system_prompt: str = doc("", "a system message before each task (empty: none)")
+    harness: str = doc("", "an agent harness that plays every episode, unmodified, through the LLM gateway "
+                           "instead of the agent loop (mini-swe-agent; empty: the agent loop); the limits above "
+                           "become its sessions' budgets (docs/harnesses.md)")
+    harness_agent: dict[str, Any] = doc({}, "the harness's own agent settings over its defaults (mini-swe-agent: "
+                                            "step_limit, system_template, instance_template, ...)")
+    harness_timeout_s: float = doc(1800.0, "seconds a harness episode may run before it ends as a timeout")
 
 
 @dataclass
@@ -254,6 +260,8 @@ class RunConfig:
             (self.rl.mini_batches >= 1, "rl.mini_batches must be at least 1"),
             (self.rl.dual_clip == 0 or self.rl.dual_clip > 1, "rl.dual_clip must be > 1 (or 0: off)"),
             (self.rl.router_bias_rate >= 0, "rl.router_bias_rate must be >= 0"),
+            (self.env.harness in ("", "mini-swe-agent"), "env.harness must be mini-swe-agent (or empty)"),
+            (self.env.harness_timeout_s > 0, "env.harness_timeout_s must be > 0"),
             (self.env.top_p == 1.0, f"env.top_p = {self.env.top_p}: training with top_p < 1 is refused, because the "
              "trainer computes each token's log-prob under the full temperature-scaled distribution, not the "
              "truncated, renormalised one the engine samples from, so the PPO / TIS ratios would be biased; "

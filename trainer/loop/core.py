@@ -309,7 +309,8 @@ class Loop:
         kept, dropped = filter_stale(trajs, current, cfg.rl.max_staleness)
         self.counts["stale_dropped"] += len(dropped)
         adv = AdvantageConfig(cfg.rl.baseline, cfg.rl.std_normalize, drop_all_equal=cfg.rl.drop_all_equal)  # type: ignore[arg-type]
-        batch = rl_batch(kept, adv, current_version=current, pass_threshold=cfg.rl.pass_threshold)
+        batch = rl_batch(kept, adv, current_version=current, pass_threshold=cfg.rl.pass_threshold,
+                         branches=got.branches)
         m = report.batch_row(batch.stats, got, len(dropped), cfg, self.version_base + produced_at)
         if batch.samples:
             t0 = time.perf_counter()

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rollout.agent import AgentConfig
+from rollout.harnesses import HarnessConfig
 from rollout.workers import RolloutConfig
 from trainer.loop.config import RunConfig
 from trainer.loop.rollouts import Job, LoopRollout
@@ -127,5 +129,14 @@ def job(cfg: RunConfig, ref: TaskRef, phase: str, iteration: int, version: int, 
     env_id = env_id or cfg.env.id
     turns = cfg.swe.max_turns if phase == "swe" else cfg.env.max_turns
     kwargs = dict(cfg.swe.env_kwargs if phase == "swe" else cfg.env.kwargs)
-    return Job(env_id, ref.task, {**step_limit(env_id, turns), **kwargs}, agent_config(cfg, phase), phase,
-               iteration, cfg.ray.memory_fork, weight_version=version)
+    agent = agent_config(cfg, phase)
+    return Job(env_id, ref.task, {**step_limit(env_id, turns), **kwargs}, agent, phase, iteration,
+               cfg.ray.memory_fork, weight_version=version, harness=harness_config(cfg, agent))
+
+
+def harness_config(cfg: RunConfig, agent: AgentConfig) -> HarnessConfig | None:
+    """The harness that plays a phase's episodes (``env.harness``), held to that phase's limits; None: the loop."""
+    e = cfg.env
+    if not e.harness:
+        return None
+    return replace(HarnessConfig.for_loop(e.harness, dict(e.harness_agent), agent), timeout_s=e.harness_timeout_s)

@@ -50,6 +50,7 @@ from envs.protocol import GymEnv
 from rollout.agent import AgentConfig
 from rollout.driver import Rollout
 from rollout.groups import GroupResult, GroupSpec
+from rollout.harnesses import HarnessConfig
 from rollout.pausing import Partial, Paused
 from rollout.raycluster import await_ref
 from rollout.trajectory import Trajectory
@@ -73,6 +74,7 @@ class Job:
     finished: list[Trajectory] = field(default_factory=list)   # the group's episodes already done
     weight_version: int = 0              # the loop's weight version when it made the job (module docstring)
     keep_resumed: bool = False           # leave the snapshots resumed from to the loop (module docstring)
+    harness: HarnessConfig | None = None  # an agent harness plays the episodes (rollout.harnesses)
 
     @property
     def resuming(self) -> bool:
@@ -102,6 +104,11 @@ class Collected:
     @property
     def trajectories(self) -> list[Trajectory]:
         return [t for g in self.groups for t in g.trajectories]
+
+    @property
+    def branches(self) -> list[Trajectory]:
+        """The other branches of harness episodes (``GroupResult.branches``): samples of their episode's advantage."""
+        return [t for g in self.groups for t in g.branches]
 
     def split(self) -> dict[str, float]:
         """The wall time split between environment and policy in proportion to the episodes' summed times."""
@@ -159,7 +166,8 @@ class LoopWorker(RolloutWorker):
                               lambda: max(job.weight_version, self._version), self.api)
         result = await self.play(replace(spec, task=job.task), self._make(job.env_id, job.env_kwargs), job.agent,
                                  env_id=job.env_id, memory=job.memory_fork,
-                                 metadata={"phase": job.phase, "iteration": job.iteration}, partial=partial)
+                                 metadata={"phase": job.phase, "iteration": job.iteration}, partial=partial,
+                                 harness=job.harness)
         result.spec = spec   # the loop's spec, whose task is the job: a paused group is resumed from it
         return result
 

@@ -98,6 +98,7 @@ def test_each_prefix_break_is_a_branch_labelled_with_its_cause():
         assert h[4]["reasoning_content"] == "r1"                 # h: system, user, call, result, answer, user
         await ask(engine, s, [*h[:4], {**h[4], "reasoning_content": None}, h[5]])    # thinking dropped
         await ask(engine, s, [*h[:4], {**h[4], "content": "edited"}, h[5]])          # the answer changed
+        await ask(engine, s, [*h[:4], {"role": "user", "content": "that was not a tool call"}])   # answer dropped
         await ask(engine, s, [h[0], {"role": "user", "content": "task (edited)"}, *h[2:]])   # an earlier message
         await ask(engine, s, [h[0], {"role": "user", "content": "summary of the work so far"}])   # compacted
         await ask(engine, s, [{"role": "system", "content": "you are a subagent"}, {"role": "user", "content": "x"}])
@@ -108,7 +109,8 @@ def test_each_prefix_break_is_a_branch_labelled_with_its_cause():
 
     asyncio.run(go())
     causes = [n.cause for n in s.tape.nodes]
-    assert causes == ["start", "extend", "thinking_stripped", "answer_edited", "history_edited", "compacted",
+    assert causes == ["start", "extend", "thinking_stripped", "answer_edited", "answer_dropped", "history_edited",
+                      "compacted",
                       "subagent", "tools_changed", "sibling", "resample"]
     records = export.trajectories(s)
     assert len(records) == len(causes) - 1                       # one per branch: start+extend merged

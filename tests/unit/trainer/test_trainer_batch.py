@@ -96,3 +96,21 @@ def test_padding_does_not_change_a_causal_models_logprobs():
     lp_both, _ = token_logprobs(model(both.input_ids)[0], both.targets)
     lp_alone, _ = token_logprobs(model(alone.input_ids)[0], alone.targets)
     assert torch.allclose(lp_both[1, :4], lp_alone[0], atol=1e-10)
+
+
+def test_a_harness_episodes_other_branches_are_samples_of_its_advantage():
+    """docs/harnesses.md: each branch of a harness episode is a sample with its own mask and its episode's
+    advantage; a branch of an episode left out (an infrastructure error) is left out too."""
+    from trainer.algorithm.batch import rl_batch
+
+    rng = random.Random(0)
+    win, lose = make_traj(rng, "g", 0, reward=1.0), make_traj(rng, "g", 1, reward=0.0)
+    broken = make_traj(rng, "h", 0, reward=None)
+    broken.finish_reason = "harness_error"
+    side_win, side_lose, side_broken = make_traj(rng, "g", 0), make_traj(rng, "g", 1), make_traj(rng, "h", 0)
+    batch = rl_batch([win, lose, broken], branches=[side_win, side_lose, side_broken])
+    by_tokens = {tuple(s.token_ids): s.advantage for s in batch.samples}
+    assert len(batch.samples) == 4 and tuple(side_broken.token_ids) not in by_tokens
+    assert by_tokens[tuple(side_win.token_ids)] == by_tokens[tuple(win.token_ids)] > 0
+    assert by_tokens[tuple(side_lose.token_ids)] == by_tokens[tuple(lose.token_ids)] < 0
+    assert batch.stats["episodes"] == 3.0            # branches are samples, not episodes
