@@ -88,35 +88,42 @@ class HarnessExit:
     error: str = ""
 
 
-class GatewayServer:
-    """A gateway on a loopback port, served by uvicorn on a thread of its own, for the harnesses of one worker."""
+class LoopbackServer:
+    """An ASGI app on a free loopback port, served by uvicorn on a thread of its own until ``close``."""
 
-    def __init__(self, policy_url: str, policy_token: str | None, tokenizer: ChatEncoder) -> None:
+    def __init__(self, app: Any, name: str) -> None:
         import socket
 
         import uvicorn
 
-        self.gateway = Gateway(Upstream(policy_url, policy_token), tokenizer)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = int(s.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(create_app(self.gateway), host="127.0.0.1", port=self.port,
-                                                     log_level="error", timeout_graceful_shutdown=1))
-        self._thread = threading.Thread(target=self._server.run, name="gateway", daemon=True)
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="error",
+                                                     timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, name=name, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the gateway did not start")
+                raise RuntimeError(f"the {name} server did not start")
             time.sleep(0.01)
-
-    def open(self, harness: HarnessConfig, labels: dict[str, str]) -> Session:
-        return self.gateway.open(SessionConfig(harness.sampling, harness.budget, harness.thinking), labels)
 
     def close(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=30)
+
+
+class GatewayServer(LoopbackServer):
+    """A gateway on a loopback port, for the harnesses of one worker."""
+
+    def __init__(self, policy_url: str, policy_token: str | None, tokenizer: ChatEncoder) -> None:
+        self.gateway = Gateway(Upstream(policy_url, policy_token), tokenizer)
+        super().__init__(create_app(self.gateway), "gateway")
+
+    def open(self, harness: HarnessConfig, labels: dict[str, str]) -> Session:
+        return self.gateway.open(SessionConfig(harness.sampling, harness.budget, harness.thinking), labels)
 
 
 def run_mini_swe_agent(env: GymEnv, task: str, base_url: str, key: str, harness: HarnessConfig) -> HarnessExit:

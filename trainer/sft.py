@@ -159,6 +159,8 @@ def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: 
         expert = resolve_function(cfg.sft.expert)
         if "seed" in inspect.signature(expert).parameters and "seed" not in cfg.sft.expert_kwargs:
             extra["seed"] = cfg.seed     # which demonstrations guess: from the run's seed, like everything else
+        if cfg.env.harness and "harness_agent" in inspect.signature(expert).parameters:
+            extra["harness_agent"] = dict(cfg.env.harness_agent)   # demonstrations in the trained harness's format
         expert(cfg.env.id, list(tasks), str(demos), n, **extra, **cfg.sft.expert_kwargs)
         timed("sft_demos", t0)
     trajs = sorted(read(demos), key=lambda t: (t.task_id, t.seed or 0))   # shards fill in finishing order
