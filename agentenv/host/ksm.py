@@ -53,8 +53,9 @@ SCAN_S = float(os.environ.get("AGENTENV_KSM_SCAN_S", "5"))
 MIN_PAGES = 100
 TUNED = {"advisor_mode": "none", "pages_to_scan": PAGES, "sleep_millisecs": SLEEP_MS}
 # A claim holds the host's merging for its owner this long after the owner last started a sharing sandbox, even
-# while nothing is flagged yet (a start in flight), and for as long as any process has mergeable memory.
-CLAIM_HOLD_S = 300.0
+# while nothing is flagged yet (a start in flight: the claim is made once admitted, before the layer and the
+# runtime, and the keeper flags itself as it starts), and for as long as any process has mergeable memory.
+CLAIM_HOLD_S = 60.0
 
 
 @dataclass(frozen=True)
