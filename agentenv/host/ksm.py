@@ -168,21 +168,23 @@ def check_flag(sandbox_id: str, pid: int) -> None:
 
 
 def mergeable_bytes() -> int:
-    """The anonymous memory of the host's processes that KSM may merge: those with the flag or a mapping
-    madvise'd MADV_MERGEABLE (each counted whole, at least a page), bytes; 0 when none has any."""
+    """The memory of the host's processes that KSM may merge: the private writable memory (VmData) of those with
+    the flag or a mapping madvise'd MADV_MERGEABLE (each counted whole, at least a page), bytes; 0 when none has
+    any. VmData, not what is resident: a memory fork's children hold their parent's memory from their start, while
+    a lazy restore brings its pages in over the next seconds, and ksmd should scan at the rate they will need."""
     total = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
             st = _ksm_stat(entry.name)
             if st.get("ksm_merge_any") == "yes" or st.get("ksm_mergeable") == "yes":
-                total += max(_rss_anon(entry.name), os.sysconf("SC_PAGE_SIZE"))
+                total += max(_vm_data(entry.name), os.sysconf("SC_PAGE_SIZE"))
     return total
 
 
-def _rss_anon(pid: str) -> int:
+def _vm_data(pid: str) -> int:
     with contextlib.suppress(OSError, ValueError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+            if line.startswith("VmData:"):
                 return int(line.split()[1]) * 1024
     return 0
 
