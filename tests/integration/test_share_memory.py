@@ -4,15 +4,19 @@ pages, and KSM back as it was found once no sharing sandbox runs."""
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 import agentenv
-from agentenv.host import ksm
+from agentenv.errors import MemorySharingUnsupported
+from agentenv.host import ksm, volume
 from envs import ShellEnv
 from rollout.groups import branch, close_all
 
+from .conftest import cleanup
 from .server_fixtures import TOKEN, threaded_server
 
 pytestmark = pytest.mark.integration
@@ -160,3 +164,26 @@ def test_the_remote_api_carries_the_opt_in():
             assert ksm.merge_any(agentenv.Sandbox.get(sb.id).record.init_pid)
         with client.Sandbox.create(memory="256m") as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "0"
+
+
+def test_another_homes_sandboxes_never_merge_with_ours(request, monkeypatch):
+    """KSM merges every flagged process of the host alike, so the host's merging is one agentenv home's at a time:
+    while this session's sharing sandbox runs, another home's default gets a plain sandbox (no flag, so never
+    merged with ours), and its explicit share_memory=True is refused, naming the home that shares."""
+    if ksm.holder() not in (None, ksm.owner()):
+        pytest.skip(f"the sandboxes of another agentenv home ({ksm.holder()}) share this host's memory now")
+    mine = ksm.owner()
+    with agentenv.Sandbox.create(memory="256m", share_memory=True) as ours:
+        assert flagged(ours) and ksm.holder() == mine
+        home = Path(tempfile.mkdtemp(dir="/var/tmp"))  # another owner: one the sandbox's root can pass through
+        request.addfinalizer(lambda: cleanup(home))
+        monkeypatch.setenv("AGENTENV_HOME", str(home))
+        monkeypatch.setenv(volume.VOLUME_ENV, "off")  # a light home: no volume of its own (disk=None)
+        with agentenv.Sandbox.create(memory="256m", disk=None, share_memory=None) as theirs:
+            assert theirs.record.spec["share_memory"] is False and not flagged(theirs)
+            assert theirs.exec(ASK_MERGE).stdout.split() == ["-1", "-1", "1"]  # nor can its code ask (seccomp)
+        with pytest.raises(MemorySharingUnsupported, match="another agentenv home") as e:
+            agentenv.Sandbox.create(memory="256m", disk=None, share_memory=True)
+        assert mine in str(e.value) and "without share_memory" in (e.value.fix or "")
+        assert agentenv.Sandbox.list() == []
+
