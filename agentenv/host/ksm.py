@@ -36,6 +36,7 @@ from pathlib import Path
 
 from agentenv.config import paths, write_json
 from agentenv.errors import MemorySharingUnsupported, SandboxError
+from agentenv.host.hostcalls import proc_start_time
 
 KSM = Path("/sys/kernel/mm/ksm")
 PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
@@ -52,9 +53,10 @@ SLEEP_MS = os.environ.get("AGENTENV_KSM_SLEEP_MS", "20")
 SCAN_S = float(os.environ.get("AGENTENV_KSM_SCAN_S", "5"))
 MIN_PAGES = 100
 TUNED = {"advisor_mode": "none", "pages_to_scan": PAGES, "sleep_millisecs": SLEEP_MS}
-# A claim holds the host's merging for its owner this long after the owner last started a sharing sandbox, even
-# while nothing is flagged yet (a start in flight: the claim is made once admitted, before the layer and the
-# runtime, and the keeper flags itself as it starts), and for as long as any process has mergeable memory.
+# A claim holds the host's merging for its owner while any process of the host has mergeable memory, and for
+# CLAIM_HOLD_S after the owner's process last started a sharing sandbox while that process lives, though nothing
+# is flagged yet (a start in flight: the claim is made once admitted, before the layer and the runtime, and the
+# keeper flags itself as it starts).
 CLAIM_HOLD_S = 60.0
 
 
@@ -224,13 +226,21 @@ def sync() -> bool:
 
 def holder() -> str | None:
     """The owner whose sandboxes may merge on this host now: the last claim's, while a process of the host has
-    mergeable memory or the claim is younger than CLAIM_HOLD_S; None where the host's merging is free."""
+    mergeable memory, or while the claim is younger than CLAIM_HOLD_S and its process lives; None where the host's
+    merging is free."""
     try:
         claimed = json.loads(STATE.with_suffix(".owner").read_text())
-        who, at = str(claimed["owner"]), float(claimed["at"])
+        who, at, pid, started = str(claimed["owner"]), float(claimed["at"]), int(claimed["pid"]), int(claimed["start"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return who if time.time() - at < CLAIM_HOLD_S or wanted() else None
+    return who if (time.time() - at < CLAIM_HOLD_S and _alive(pid, started)) or wanted() else None
+
+
+def _alive(pid: int, started: int) -> bool:
+    try:
+        return proc_start_time(pid) == started
+    except (ProcessLookupError, ValueError):
+        return False
 
 
 def claim() -> None:
@@ -239,7 +249,8 @@ def claim() -> None:
     me = owner()
     with _locked():
         decide(True, me, None, holder())
-        write_json(STATE.with_suffix(".owner"), {"owner": me, "at": time.time()})
+        write_json(STATE.with_suffix(".owner"), {"owner": me, "at": time.time(), "pid": os.getpid(),
+                                                  "start": proc_start_time(os.getpid())})
 
 
 def merging_pages(pid: int) -> int:

@@ -157,13 +157,16 @@ def test_a_memory_snapshot_of_a_sharing_sandbox_restores_sharing():
         snap.delete()
 
 
-def test_the_remote_api_carries_the_opt_in():
+def test_the_remote_api_carries_the_opt_in_and_the_default():
     with threaded_server() as url, agentenv.connect(url, TOKEN) as client:
         with client.Sandbox.create(memory="256m", share_memory=True) as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "1"
             assert ksm.merge_any(agentenv.Sandbox.get(sb.id).record.init_pid)
         with client.Sandbox.create(memory="256m") as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "0"
+        free = ksm.holder() in (None, ksm.owner())  # the server is this home's: its default shares unless another's
+        with client.Sandbox.create(memory="256m", share_memory=None) as sb:
+            assert sb.exec(GET_MERGE).stdout.strip() == ("1" if free else "0")
 
 
 def test_another_homes_sandboxes_never_merge_with_ours(request, monkeypatch):

@@ -5,6 +5,8 @@ the host can) against its refusals (True where the kernel cannot merge)."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from pydantic import ValidationError
 import agentenv
 from agentenv.errors import MemorySharingUnsupported
 from agentenv.host import ksm
+from agentenv.host.hostcalls import proc_start_time
 from agentenv.server.schemas import CreateRequest
 
 FOUND = {"run": "0", "advisor_mode": "[none] scan-time", "advisor_target_scan_time": "200",
@@ -126,12 +129,19 @@ def test_the_hosts_merging_is_one_owners_at_a_time(state: Path, monkeypatch: pyt
     assert ksm.choose(None) is False  # b's default: no sharing, no error
     with pytest.raises(MemorySharingUnsupported):
         ksm.choose(True)
-    # an old claim holds while some process still has mergeable memory, and frees the host once none has
-    json.dump({"owner": "/home/a", "at": time.time() - ksm.CLAIM_HOLD_S - 1}, state.with_suffix(".owner").open("w"))
+    # a claim holds while some process has mergeable memory; without any, only while it is fresh (a start in
+    # flight) and its process lives
+    me = {"pid": os.getpid(), "start": proc_start_time(os.getpid())}
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    monkeypatch.setattr(ksm, "wanted", lambda: False)
+    for at, by, holds in ((time.time(), me, True), (time.time(), {"pid": gone.pid, "start": 1}, False),
+                          (time.time() - ksm.CLAIM_HOLD_S - 1, me, False)):
+        state.with_suffix(".owner").write_text(json.dumps({"owner": "/home/a", "at": at, **by}))
+        assert ksm.holder() == ("/home/a" if holds else None) and ksm.choose(None) is not holds
     monkeypatch.setattr(ksm, "wanted", lambda: True)
     assert ksm.holder() == "/home/a" and ksm.choose(None) is False
     monkeypatch.setattr(ksm, "wanted", lambda: False)
-    assert ksm.holder() is None and ksm.choose(None) is True
     ksm.claim()
     assert ksm.holder() == "/home/b"
 
