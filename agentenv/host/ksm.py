@@ -41,7 +41,7 @@ from agentenv.host.hostcalls import proc_start_time
 KSM = Path("/sys/kernel/mm/ksm")
 PR_SET_MEMORY_MERGE, PR_GET_MEMORY_MERGE = 67, 68
 STATE = Path(os.environ.get("AGENTENV_KSM_STATE", "/run/agentenv-ksm"))  # host-wide: .lock, .json (found
-# settings), .owner (the owner whose sandboxes merge now: its home and when it last started one)
+# settings), .owner (the last claim: the owner's home, when and by which process it last started a sharing one)
 MERGE_ENV = "AGENTENV_SHARE_MEMORY"  # in the keeper's environment: set the flag on itself (the keeper pops it)
 # While on: up to PAGES per SLEEP_MS wake (~1 GB/s; ksmd then takes at most one CPU, less once smart_scan skips
 # pages that never merge), scaled down to a full pass of the mergeable memory every SCAN_S seconds (``pages_for``),
