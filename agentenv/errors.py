@@ -74,7 +74,8 @@ class DiskLimitUnsupported(AgentEnvError):
 
 class MemorySharingUnsupported(AgentEnvError):
     """``share_memory=True`` was asked for where this host cannot merge pages (no KSM, no PR_SET_MEMORY_MERGE, or
-    not allowed to switch KSM on); the message says which."""
+    not allowed to switch KSM on), or while another agentenv home's sandboxes share the host's memory
+    (``agentenv.host.ksm``); the message says which. The default (None) falls back to no sharing instead."""
 
 
 class DiskLimitRequired(AgentEnvError, PermissionError):

@@ -84,6 +84,12 @@ def holding(cleanup: Cleanup, code: str, mb: int, share: bool, memory: str) -> a
     """A sandbox whose one process runs ``code`` and holds ``mb`` MB once it printed 'ready'."""
     sb = agentenv.Sandbox.create(IMAGE, cpus=CPUS, memory=memory, labels=cleanup.labels, share_memory=share)
     cleanup.sandboxes.append(sb)
+    hold(sb, code, mb)
+    return sb
+
+
+def hold(sb: agentenv.Sandbox, code: str, mb: int) -> None:
+    """Run ``code`` in ``sb`` as one process, and wait until it printed 'ready' and holds ``mb`` MB."""
     proc = sb.spawn(f'exec python3 -c "{code}"')
 
     def rss_kb() -> int:
@@ -93,7 +99,6 @@ def holding(cleanup: Cleanup, code: str, mb: int, share: bool, memory: str) -> a
         return 0
 
     wait_until(lambda: "ready" in proc.output() and rss_kb() >= mb * 1000, 120, f"{mb} MB process")
-    return sb
 
 
 def _steady(xs: list[float], n: int = 5, tol: float = 0.02) -> bool:
@@ -101,22 +106,30 @@ def _steady(xs: list[float], n: int = 5, tol: float = 0.02) -> bool:
     return len(tail) == n and max(tail) - min(tail) <= tol * max(abs(max(tail)), 1.0)
 
 
-def family(report: Report, cleanup: Cleanup, share: bool, mb: int, forks: int, window: float) -> dict[str, Any]:
-    """One fork family (see the module doc): its memory, sampled after the fork; returns the figures."""
+Parent = Callable[[], agentenv.Sandbox]  # the family's parent, holding its memory
+Fork = Callable[[agentenv.Sandbox, int], list[agentenv.Sandbox]]  # its memory forks
+
+
+def family(report: Report, cleanup: Cleanup, share: bool, mb: int, forks: int, window: float, *,
+           key: str | None = None, make: Parent | None = None, fork: Fork | None = None) -> dict[str, Any]:
+    """One fork family (see the module doc): its memory, sampled after the fork; returns the figures. ``make``
+    and ``fork``: how its parent is made and forked (default: ``Sandbox.create(share_memory=share)``, ``fork``);
+    ``share``: whether they share, which decides how long it is sampled."""
     tag = "shared" if share else "private"
-    m = report.result(f"fork{forks}_{mb}mb_{tag}", note=f"fork({forks}) with memory of a {mb} MB random-data "
-                      f"sandbox, share_memory={share}")
+    m = report.result(key or f"fork{forks}_{mb}mb_{tag}", note=f"fork({forks}) with memory of a {mb} MB "
+                      f"random-data sandbox, share_memory={share}")
     out: dict[str, Any] = {}
     with recording(m, f"family {tag}"):
         base = host_used()
-        parent = holding(cleanup, HOLDER.format(mb=mb), mb, share, "1g")
+        parent = make() if make else holding(cleanup, HOLDER.format(mb=mb), mb, share, "1g")
         out["one_sandbox_host_mb"] = (host_used() - base) / MIB
         out["one_sandbox_cgroup_mb"] = cgroup_memory(parent) / MIB
         out["one_sandbox_anon_mb"] = anon_rss([parent]) / MIB
         cpu0, ks0 = ksm.ksmd_cpu_seconds(), ksm.stats()
         with phases.recording() as found, Timer() as t:
-            kids = parent.fork(forks)
+            kids = fork(parent, forks) if fork else parent.fork(forks)
         cleanup.sandboxes.extend(kids)
+        out["share_memory_records"] = [sb.record.spec.get("share_memory") for sb in [parent, *kids]]
         m.add(t.s)
         for name, secs in phases.totals(found).items():
             m.add_extra(f"phase:{name}", secs)

@@ -5,7 +5,10 @@ The base owns what every such env does the same way:
 - ``api``: where sandboxes live — a ``Backend``: this host (the ``agentenv`` module; also for None), a
   server (``agentenv.connect(...)``) or several (``agentenv.Pool``);
 - ``sandbox``: started at ``reset()`` (or on first use, ``box()``, when ``lazy_sandbox``), closed at the
-  next reset and at ``close()``;
+  next reset and at ``close()``; made with ``share_memory=None`` unless the env's kwargs say otherwise, so the
+  forks of a group or a search tree share the pages none of them wrote where the host can (KSM, fixed when the
+  sandbox is made: ``agentenv.host.ksm``); ``share_memory=False`` (``--env-arg share_memory=false``, or
+  ``[env] kwargs`` in a train config) opts out, True insists;
 - the guards: ``step()`` before ``reset()`` raises; a step after the episode ended says so and changes nothing;
 - the step count and the step limit (below);
 - ``snapshot()`` / ``fork(n)`` / ``restore(snapshot)``: a snapshot's labels carry the task and the step
@@ -55,6 +58,7 @@ from envs.task import TaskError
 from envs.tools import Toolbox
 
 TASK_LABEL, STEPS_LABEL = "agentenv.task", "agentenv.steps"
+SHARE_WHERE_POSSIBLE = None  # share_memory's default for an env's sandboxes (see the module doc)
 OVER = "The episode is over; call reset()."
 
 TaskT = TypeVar("TaskT")
@@ -73,7 +77,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
             raise ValueError(f"max_steps must be at least 1 (or None: no limit), got {max_steps}")
         self.api: Backend = agentenv if api is None else api
         self.max_steps, self.render_mode = max_steps, render_mode
-        self.sandbox_kwargs = dict(sandbox_kwargs or {})
+        self.sandbox_kwargs = {"share_memory": SHARE_WHERE_POSSIBLE, **(sandbox_kwargs or {})}
         self.task: TaskT | None = None
         self._sandbox: SandboxLike | None = None
         self.steps, self.done, self.last_observation = 0, False, ""

@@ -1,4 +1,9 @@
-"""The running totals of a rollout run: what its progress bar shows and its ``summary.json`` keeps."""
+"""The running totals of a rollout run: what its progress bar shows and its ``summary.json`` keeps.
+
+``ksmd_cpu_s``: the CPU seconds this host's ksmd spent while the run ran, what merging its groups' memory cost
+(the envs share memory within a fork family by default: ``envs/base.py``, ``agentenv.host.ksm``); None where the
+host has no ksmd. Host-wide: sandboxes of other runs on the host count too, and env servers on other hosts do not.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentenv.host import ksm
 from rollout.groups import GroupResult
 
 
@@ -30,6 +36,22 @@ class RunStats:
     worker_failures: int = 0     # group attempts lost to a dead worker
     groups_total: int | None = None
     ended: float | None = None
+    ksmd: int | None = field(default_factory=ksm.ksmd_pid)
+    ksmd_cpu: list[float | None] = field(default_factory=list)  # at the start, and once read after the end
+
+    def __post_init__(self) -> None:
+        self.ksmd_cpu.append(self._ksmd_now())
+
+    def _ksmd_now(self) -> float | None:
+        return ksm.ksmd_cpu_seconds(self.ksmd) if self.ksmd is not None else None
+
+    @property
+    def ksmd_cpu_s(self) -> float | None:
+        """ksmd's CPU seconds from the run's start to now, or to its end once ended (see the module doc)."""
+        if self.ended is not None and len(self.ksmd_cpu) == 1:
+            self.ksmd_cpu.append(self._ksmd_now())
+        start, now = self.ksmd_cpu[0], self.ksmd_cpu[1] if len(self.ksmd_cpu) > 1 else self._ksmd_now()
+        return None if start is None or now is None else now - start
 
     def add(self, result: GroupResult) -> None:
         self.groups += 1
@@ -88,4 +110,5 @@ class RunStats:
                 "env_step_s": round(self.env_s, 3), "reset_s": round(self.reset_s, 3), "fork_s": round(self.fork_s, 3),
                 "env_share": None if share is None else round(share, 4),
                 "policy_share": None if share is None else round(1 - share, 4),
-                "retried_episodes": self.retried, "worker_failures": self.worker_failures}
+                "retried_episodes": self.retried, "worker_failures": self.worker_failures,
+                "ksmd_cpu_s": None if (k := self.ksmd_cpu_s) is None else round(k, 2)}

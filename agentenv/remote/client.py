@@ -335,14 +335,15 @@ class SandboxAPI:
     def create(self, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
                disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
                env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
-               labels: dict[str, str] | None = None, share_memory: bool = False) -> RemoteSandbox:
+               labels: dict[str, str] | None = None, share_memory: bool | None = False) -> RemoteSandbox:
         """A sandbox on the server, as ``agentenv.Sandbox.create`` makes one (``network``: False, True, or
-        outbound rules: a ``Network`` or a mapping with ``allow_out`` / ``deny_out``)."""
+        outbound rules: a ``Network`` or a mapping with ``allow_out`` / ``deny_out``; ``share_memory`` None: where
+        the server's host can)."""
         body = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "disk": disk,
                 "network": _network_body(network),
                 "env": env or {}, "workdir": workdir, "ttl": ttl, "labels": labels or {}}
-        if share_memory:  # sent only when asked for: a server from before the option refuses the field
-            body["share_memory"] = True
+        if share_memory is not False:  # sent only when asked for: a server from before the option refuses it
+            body["share_memory"] = share_memory
         return self._client.sandbox_of(self._client.request("POST", "/v1/sandboxes", body))
 
     def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:

@@ -92,18 +92,20 @@ class Sandbox(Calls, Record):
     def create(cls, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
                disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
                env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
-               labels: dict[str, str] | None = None, share_memory: bool = False) -> Sandbox:
+               labels: dict[str, str] | None = None, share_memory: bool | None = False) -> Sandbox:
         """Start a sandbox from a Docker image: CPU/memory/pids limits, a disk limit (``disk`` bytes, e.g. '10g';
         None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it. ``network``: False
         (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
         ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
-        memory forks share unwritten pages (KSM, opt-in: ``agentenv.host.ksm``); MemorySharingUnsupported where not."""
+        memory forks share unwritten pages (KSM, ``agentenv.host.ksm``): True (MemorySharingUnsupported where
+        not), None (where this host can and no other owner shares: what the envs ask for) or False. The record's
+        ``spec.share_memory`` says what it got."""
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
-        if not isinstance(share_memory, bool):
-            raise ValueError(f"share_memory must be True or False, got {share_memory!r}")
-        if share_memory:
-            ksm.require()
+        if share_memory is not None and not isinstance(share_memory, bool):
+            raise ValueError(f"share_memory must be True, False or None (share where this host can), got "
+                             f"{share_memory!r}")
+        share = ksm.choose(share_memory)
         disk_bytes = parse_disk(disk)
         rules = netpolicy.requested(network, never=(str(hostnet.subnet()),))
         limits = Limits(cpus=cpus, memory=parse_size(memory), pids=pids, disk=disk_bytes).checked()
@@ -114,7 +116,7 @@ class Sandbox(Calls, Record):
         spec = ContainerSpec(image_id=info.id, layers=info.layers, env=[f"{k}={v}" for k, v in merged.items()],
                              workdir=workdir or info.workdir, limits=limits, network=rules is not None,
                              rules=rules.to_json() if rules is not None else None, uids=warm.family(),
-                             share_memory=share_memory)
+                             share_memory=share)
         if (sb := warm.take(image, spec, ttl, labels, cls)) is None:  # a started one, where a warm pool has it
             sb = lifecycle.make(cls, spec, image=image, ttl=ttl, labels=labels, parent=None)
             lifecycle.boot(sb, None, "create")

@@ -114,6 +114,8 @@ class SandboxLifecycle(Generic[S]):
                 restoring = lazy_pages.Restore(snap.criu_dir, container.bundle, os.environ.get("AGENTENV_CRIU"),
                                                page_server=migration.page_server_of(snap, page_server_key))
             spec = sb.container_spec()
+            if spec.share_memory:  # the host's merging is this home's from now, or it is refused
+                ksm.claim()
             if not images.layers_present(spec.layers):  # e.g. the engine re-created its storage
                 spec.layers = images.resolve(spec.image_id).layers
                 sb.amend(spec=spec.to_json())

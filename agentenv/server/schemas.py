@@ -145,8 +145,10 @@ class CreateRequest(_Body):
     workdir: Workdir = None
     ttl: Annotated[float, Field(ge=1e-3, le=1e7, strict=True)] | None = None
     labels: Labels = Field(default_factory=dict)
-    share_memory: StrictBool = Field(False, description="its memory forks share the pages none of them wrote (KSM): "
-                                                        "a timing side channel across sharing sandboxes, hence opt-in")
+    share_memory: StrictBool | None = Field(False, description="its memory forks share the pages none of them wrote "
+                                            "(KSM): true, false, or null: where this host can and no other agentenv "
+                                            "home's sandboxes share (what the envs ask for); a timing side channel "
+                                            "across sharing sandboxes (docs/security.md)")
 
     @field_validator("memory")
     @classmethod

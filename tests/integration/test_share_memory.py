@@ -1,15 +1,22 @@
-"""share_memory (agentenv.host.ksm): opt-in, carried to forks, copy-on-write kept after KSM merged the children's
+"""share_memory (agentenv.host.ksm): off for a plain sandbox, on by default for an env's (so a rollout group
+forked from it merges) with the env's opt-out, carried to forks, copy-on-write kept after KSM merged the children's
 pages, and KSM back as it was found once no sharing sandbox runs."""
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
 import agentenv
-from agentenv.host import ksm
+from agentenv.errors import MemorySharingUnsupported
+from agentenv.host import ksm, volume
+from envs import ShellEnv
+from rollout.groups import branch, close_all
 
+from .conftest import cleanup
 from .server_fixtures import TOKEN, threaded_server
 
 pytestmark = pytest.mark.integration
@@ -70,6 +77,51 @@ def test_a_sandbox_without_the_opt_in_has_no_mergeable_memory_and_cannot_ask_for
         assert not flagged(sb) and ksm.merging_pages(sb.record.init_pid) == 0
 
 
+def start_holder(sb: agentenv.Sandbox) -> int:
+    """The HOLDER running in ``sb`` with its handlers set (a signal no longer kills it); its pid in the sandbox."""
+    sb.write_file("/opt/holder.py", HOLDER)
+    proc = sb.spawn("exec python3 /opt/holder.py")
+    up = sb.exec("for i in $(seq 400); do test -f /tmp/sum && break; sleep 0.05; done; cat /tmp/sum")
+    assert up.exit_code == 0, "the holder did not start"
+    return proc.pid
+
+
+def wait_merged(kids: list[agentenv.Sandbox]) -> None:
+    """KSM merges in its own time: wait on the state (the children's holders have merged pages), generously."""
+    deadline = time.monotonic() + 120
+    while not all(ksm.merging_pages(holder_host_pid(k)) > 1000 for k in kids):
+        assert time.monotonic() < deadline, f"KSM merged nothing in 120 s: {ksm.stats()}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize(("kwargs", "shares"), [({}, True), ({"share_memory": False}, False)])
+def test_a_rollout_group_shares_by_default_and_not_with_the_opt_out(kwargs, shares):
+    """An env's sandbox is made at reset with share_memory where the host can (its record says what it got), and
+    a group forked from it by the rollout path (rollout.groups.branch) keeps it: KSM merges the children's copies
+    of the parent's memory. ``share_memory=False`` in the env's kwargs: none of that."""
+    if shares and ksm.holder() not in (None, ksm.owner()):
+        pytest.skip(f"the sandboxes of another agentenv home ({ksm.holder()}) share this host's memory now")
+    env = ShellEnv(memory="256m", **kwargs)
+    kids = []
+    try:
+        env.reset()
+        parent = agentenv.Sandbox.get(env.sandbox.id)
+        assert parent.record.spec["share_memory"] is shares and flagged(parent) is shares
+        start_holder(parent)
+        kids = branch(env, 2, True, lambda: ShellEnv(memory="256m", **kwargs), None)
+        boxes = [agentenv.Sandbox.get(k.unwrapped.sandbox.id) for k in kids]
+        assert [b.record.spec["share_memory"] for b in boxes] == [shares, shares]
+        assert [flagged(b) for b in boxes] == [shares, shares]
+        if shares:
+            assert ksm.holder() == ksm.owner() and ksm.stats().run
+            wait_merged(boxes)
+        else:
+            assert all(ksm.merging_pages(p) == 0 for b in [parent, *boxes] for p in b.lifecycle.container.pids())
+    finally:
+        close_all(kids)
+        env.close()
+
+
 def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged():
     found = ksm._read("run")
     sb = agentenv.Sandbox.create(share_memory=True)
@@ -77,23 +129,16 @@ def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged():
     try:
         assert flagged(sb)
         assert ksm.stats().run
-        sb.write_file("/opt/holder.py", HOLDER)
-        proc = sb.spawn("exec python3 /opt/holder.py")
-        up = sb.exec("for i in $(seq 400); do test -f /tmp/sum && break; sleep 0.05; done; cat /tmp/sum")
-        assert up.exit_code == 0, "the holder did not start"  # its handlers are set: a signal no longer kills it
-        first = signal_digest(sb, proc.pid, "USR1")
+        pid = start_holder(sb)
+        first = signal_digest(sb, pid, "USR1")
         kids = sb.fork(2)
         assert all(flagged(k) for k in kids)  # the restored agent flagged again, and what it starts
-        # KSM merges in its own time: wait on the state (the children's holders have merged pages), generously
-        deadline = time.monotonic() + 120
-        while not all(ksm.merging_pages(holder_host_pid(k)) > 1000 for k in kids):
-            assert time.monotonic() < deadline, f"KSM merged nothing in 120 s: {ksm.stats()}"
-            time.sleep(0.2)
-        scribbled = signal_digest(kids[0], proc.pid, "USR2")
+        wait_merged(kids)
+        scribbled = signal_digest(kids[0], pid, "USR2")
         assert scribbled != first
-        assert signal_digest(kids[1], proc.pid, "USR1") == first  # the other child and the parent kept theirs
-        assert signal_digest(sb, proc.pid, "USR1") == first
-        assert signal_digest(kids[0], proc.pid, "USR1") == scribbled
+        assert signal_digest(kids[1], pid, "USR1") == first  # the other child and the parent kept theirs
+        assert signal_digest(sb, pid, "USR1") == first
+        assert signal_digest(kids[0], pid, "USR1") == scribbled
     finally:
         for k in [*kids, sb]:
             k.close()
@@ -112,10 +157,36 @@ def test_a_memory_snapshot_of_a_sharing_sandbox_restores_sharing():
         snap.delete()
 
 
-def test_the_remote_api_carries_the_opt_in():
+def test_the_remote_api_carries_the_opt_in_and_the_default():
     with threaded_server() as url, agentenv.connect(url, TOKEN) as client:
         with client.Sandbox.create(memory="256m", share_memory=True) as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "1"
             assert ksm.merge_any(agentenv.Sandbox.get(sb.id).record.init_pid)
         with client.Sandbox.create(memory="256m") as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "0"
+        free = ksm.holder() in (None, ksm.owner())  # the server is this home's: its default shares unless another's
+        with client.Sandbox.create(memory="256m", share_memory=None) as sb:
+            assert sb.exec(GET_MERGE).stdout.strip() == ("1" if free else "0")
+
+
+def test_another_homes_sandboxes_never_merge_with_ours(request, monkeypatch):
+    """KSM merges every flagged process of the host alike, so the host's merging is one agentenv home's at a time:
+    while this session's sharing sandbox runs, another home's default gets a plain sandbox (no flag, so never
+    merged with ours), and its explicit share_memory=True is refused, naming the home that shares."""
+    if ksm.holder() not in (None, ksm.owner()):
+        pytest.skip(f"the sandboxes of another agentenv home ({ksm.holder()}) share this host's memory now")
+    mine = ksm.owner()
+    with agentenv.Sandbox.create(memory="256m", share_memory=True) as ours:
+        assert flagged(ours) and ksm.holder() == mine
+        home = Path(tempfile.mkdtemp(dir="/var/tmp"))  # another owner: one the sandbox's root can pass through
+        request.addfinalizer(lambda: cleanup(home))
+        monkeypatch.setenv("AGENTENV_HOME", str(home))
+        monkeypatch.setenv(volume.VOLUME_ENV, "off")  # a light home: no volume of its own (disk=None)
+        with agentenv.Sandbox.create(memory="256m", disk=None, share_memory=None) as theirs:
+            assert theirs.record.spec["share_memory"] is False and not flagged(theirs)
+            assert theirs.exec(ASK_MERGE).stdout.split() == ["-1", "-1", "1"]  # nor can its code ask (seccomp)
+        with pytest.raises(MemorySharingUnsupported, match="another agentenv home") as e:
+            agentenv.Sandbox.create(memory="256m", disk=None, share_memory=True)
+        assert mine in str(e.value) and "without share_memory" in (e.value.fix or "")
+        assert agentenv.Sandbox.list() == []
+

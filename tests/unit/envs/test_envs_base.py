@@ -130,3 +130,17 @@ def test_observations_are_cut_to_the_space(backend):
         env.reset()
         obs = env.step("yes")[0]
         assert 8000 < len(obs) <= env.observation_space.max_length and "characters truncated" in obs
+
+
+@pytest.mark.parametrize("make", [lambda api, **kw: ShellEnv(api=api, **kw), lambda api, **kw: ToolEnv(api=api, **kw),
+                                  lambda api, **kw: SWEEnv(task=TASK, api=api, **kw)])
+def test_an_envs_sandboxes_share_memory_where_possible_unless_it_opts_out(backend, make):
+    """share_memory is fixed when a sandbox is made: the env asks for it at reset (None: where the host can,
+    ``agentenv.host.ksm``), and its kwargs (``--env-arg``, ``[env] kwargs``) opt out or insist."""
+    for kwargs, asked in (({}, None), ({"share_memory": False}, False), ({"share_memory": True}, True)):
+        env = make(backend, **kwargs)
+        env.reset()
+        env.box()
+        assert backend.created[-1][1]["share_memory"] is asked
+        env.close()
+

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agentenv.host import ksm
 from rollout import trajectory
 from rollout.agent import AgentConfig
 from rollout.driver import Rollout
@@ -44,6 +45,10 @@ def test_groups_stream_into_shards_with_a_summary(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["episodes"] == 12 and summary["reward_mean"] == 1.0 and summary["groups"] == 4
     assert summary["finish_reasons"] == {"submitted": 12} and 0 <= summary["env_share"] <= 1
+    # what ksmd cost this host while the run ran (the groups' shared memory): None only where there is no ksmd
+    assert (summary["ksmd_cpu_s"] is None) is (ksm.ksmd_pid() is None)
+    assert summary["ksmd_cpu_s"] is None or summary["ksmd_cpu_s"] >= 0
+    assert r.summary()["ksmd_cpu_s"] == summary["ksmd_cpu_s"]  # held at the run's end
     assert json.loads((out / "run.json").read_text())["run_id"] == r.run_id
     assert backend.sandboxes == {} and backend.snapshots == {}
 
