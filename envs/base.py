@@ -68,6 +68,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
     """An episode of a task in one sandbox; subclasses supply the task, the tools and the reward."""
 
     metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 1}
+    workdir: str = "/"      # where the task's files are: a harness playing the episode starts there
     observation_space: TextSpace
     lazy_sandbox: ClassVar[bool] = False  # True: the sandbox starts when a tool first needs it, not at reset
 

@@ -274,6 +274,8 @@ class ShellTool(SandboxTools):
 class LookupEnv(SandboxEnv[LookupTask]):
     """One generated lookup task per episode (see the module docstring)."""
 
+    workdir = WORKDIR
+
     def __init__(self, task: Any = None, levels: Sequence[int] = LEVELS, split: str = "train",
                  max_steps: int | None = DEFAULT_MAX_STEPS, answer_tool: bool = True, words: int = WORDS,
                  max_output: int = 1000,

@@ -50,6 +50,9 @@ class BranchingEnv(GymEnv, Protocol):
     steps: int
     """The steps taken in this episode (a restored lazy episode's count is set back)."""
 
+    workdir: str
+    """Where the task's files are (a harness playing the episode starts there)."""
+
     @property
     def lazy_sandbox(self) -> bool:
         """The sandbox starts when a tool first needs it, not at reset."""

@@ -90,6 +90,8 @@ class Pristine:
 class SWEEnv(SandboxEnv[Task]):
     """One task per episode in its own sandbox; actions are tool calls, reward comes from grading."""
 
+    workdir = "/testbed"
+
     def __init__(self, task: Task | str | Mapping[str, Any] | None = None,
                  tasks: Iterable[Task | str | Mapping[str, Any]] | str | os.PathLike[str] | None = None,
                  max_steps: int | None = DEFAULT_MAX_STEPS, max_output: int = 10_000,

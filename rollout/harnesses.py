@@ -63,7 +63,7 @@ class HarnessConfig:
     sampling: Sampling = field(default_factory=Sampling)
     thinking: str = "keep"
     timeout_s: float = 1800.0
-    cwd: str = "/"
+    cwd: str = ""                   # where the harness starts (empty: the env's workdir, where its task's files are)
 
     @classmethod
     def for_loop(cls, name: str, agent: dict[str, Any], loop: AgentConfig) -> HarnessConfig:
@@ -141,7 +141,7 @@ def run_mini_swe_agent(env: GymEnv, task: str, base_url: str, key: str, harness:
         raise RuntimeError("the episode has no sandbox for the harness to work in")
     model = LitellmModel(model_name="openai/agentenv-policy", cost_tracking="ignore_errors",
                          model_kwargs={"api_base": base_url, "api_key": key})
-    workspace = AgentenvEnvironment(sandbox=box, cwd=harness.cwd)
+    workspace = AgentenvEnvironment(sandbox=box, cwd=harness.cwd or unwrap(env).workdir)
     agent = DefaultAgent(model, workspace, **(get_config_from_spec("default")["agent"] | harness.agent))
     try:
         out = agent.run(task)
