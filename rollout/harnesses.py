@@ -130,12 +130,14 @@ def run_mini_swe_agent(env: GymEnv, task: str, base_url: str, key: str, harness:
     """mini-swe-agent's ``DefaultAgent`` and ``LitellmModel``, unmodified, in the episode's sandbox."""
     os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # litellm's bundled map: no fetch from the internet
+    import litellm
     from minisweagent.agents.default import DefaultAgent
     from minisweagent.config import get_config_from_spec
     from minisweagent.models.litellm_model import LitellmModel
 
     from agentenv.harness.minisweagent import AgentenvEnvironment
 
+    litellm.suppress_debug_info = True   # its "Provider List" banner on every call of a model it cannot price
     box = unwrap(env).sandbox
     if box is None:
         raise RuntimeError("the episode has no sandbox for the harness to work in")

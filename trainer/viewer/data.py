@@ -159,10 +159,30 @@ def episode(run: Run, episode_id: str, decode: Callable[[list[int]], str],
                       "after": _tokens(t, texts, gen_end, starts[i + 1])})
     tail = _tokens(t, texts, prompt_end, len(t.token_ids)) if not t.turns else []  # an episode with no turn
     return {"run": run.name, **row(t), "seed": t.seed, "prompt_len": t.prompt_len, "fork_s": t.fork_s,
+            "harness": harness_view(run, t),
             "error": t.error, "metadata": t.metadata, "grade": grade_view(t.grade),
             "time": {"policy_s": sum(x.policy_s for x in t.turns), "env_s": sum(x.env_s for x in t.turns),
                      "reset_s": float(t.metadata.get("reset_s") or 0.0), "fork_s": t.fork_s},
             "prompt": _tokens(t, texts, 0, prompt_end), "turns_detail": turns, "tail": tail}
+
+
+def harness_view(run: Run, t: tj.Trajectory) -> dict[str, Any] | None:
+    """A harness episode's record (rollout.harnesses, docs/harnesses.md): the harness and how it ended, this
+    branch of its gateway session (cause, parent, the shared prefix, the session's calls each turn was), the
+    session's figures, and the records of the episode's other branches; None for an episode of the agent loop."""
+    gw = t.metadata.get("gateway")
+    if not isinstance(gw, dict):
+        return None
+    others = [o for o in run.episodes if o is not t and o.group_id == t.group_id and o.group_index == t.group_index
+              and isinstance(o.metadata.get("gateway"), dict)]
+    return {"name": t.metadata.get("harness"), "outcome": t.metadata.get("outcome"),
+            "exit": t.metadata.get("harness_exit"), "branch": gw.get("branch"), "cause": gw.get("cause"),
+            "parent_branch": gw.get("parent_branch"), "fork_at": gw.get("fork_at"),
+            "calls": gw.get("calls_in_branch", []),
+            "session": {k: gw.get(k) for k in ("calls", "branches", "causes", "merge_rate", "retries", "errors",
+                                               "stopped")},
+            "other_branches": [{"episode_id": o.episode_id, "branch": o.metadata["gateway"].get("branch"),
+                                "cause": o.metadata["gateway"].get("cause")} for o in others]}
 
 
 # --- groups and advantages --------------------------------------------------------------------------------------

@@ -247,3 +247,26 @@ def test_agentenv_serve_runs_finds_the_viewer_through_its_entry_point(root):
     c = TestClient(create_app(TOKEN, e2b=False, pages=[_console_pages("runs", root)]), base_url="http://127.0.0.1:8700")
     c.post("/console/login", data={"token": TOKEN})
     assert [r["name"] for r in c.get("/console/api/runs").json()["runs"]] == ["roll", "train"]
+
+
+def test_a_harness_episode_shows_its_branch_its_session_and_its_other_branches(tmp_path):
+    """docs/harnesses.md: the records of one harness episode's branches (same group and index) link to each other,
+    and each shows its cause, parent and the session's calls its turns were."""
+    session = {"session": "s", "calls": 3, "branches": 2, "causes": {"start": 1, "extend": 1, "answer_dropped": 1},
+               "merge_rate": 0.5, "retries": 0, "errors": 0, "stopped": None}
+    main, side = episode("h1", 0, 1.0), episode("h1", 0, 1.0)
+    main.metadata.update(harness="mini-swe-agent", outcome="graded", harness_exit="Submitted", gateway={
+        **session, "branch": 1, "cause": "answer_dropped", "parent_branch": 0, "parent_call": 0, "fork_at": 12,
+        "calls_in_branch": [1, 2]})
+    side.metadata.update(harness="mini-swe-agent", outcome="graded", gateway={
+        **session, "branch": 0, "cause": "start", "parent_branch": None, "parent_call": None, "fork_at": 0,
+        "calls_in_branch": [0]})
+    plain = episode("h1", 1, 0.0)
+    tj.write(tmp_path / "runs" / "h", [main, side, plain])
+    run = viewer_runs.load(tmp_path / "runs", "h")
+    h = viewer.episode(run, main.episode_id, TOK.decode, _tool_calls, split_messages)["harness"]
+    assert (h["name"], h["outcome"], h["cause"], h["parent_branch"], h["fork_at"]) == (
+        "mini-swe-agent", "graded", "answer_dropped", 0, 12)
+    assert h["calls"] == [1, 2] and h["session"]["causes"]["answer_dropped"] == 1
+    assert h["other_branches"] == [{"episode_id": side.episode_id, "branch": 0, "cause": "start"}]
+    assert viewer.episode(run, plain.episode_id, TOK.decode, _tool_calls, split_messages)["harness"] is None

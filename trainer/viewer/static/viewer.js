@@ -203,6 +203,23 @@ function turnBlock(t) {
   return block;
 }
 
+function harnessFacts(run, h) {
+  // a harness episode (docs/harnesses.md): the harness, this branch of its gateway session, the session's figures
+  const causes = Object.entries(h.session.causes || {}).map(([k, v]) => k + " " + v).join(", ");
+  const others = h.other_branches.map((o) => make("a", { href: runUrl(run, "episodes", o.episode_id) },
+    "branch " + o.branch + " (" + o.cause + ")"));
+  const rows = [["harness", h.name + ": " + h.outcome + (h.exit ? " (" + h.exit + ")" : "")],
+    ["branch", h.branch + " (" + h.cause + ")" + (h.parent_branch === null ? ""
+      : ", from branch " + h.parent_branch + " after " + h.fork_at + " tokens") + "; its turns are the session's calls "
+      + h.calls.join(", ")],
+    ["session", h.session.calls + " calls, " + h.session.branches + " branches (" + causes + "), merge rate "
+      + num(h.session.merge_rate) + ", " + h.session.retries + " retries, " + h.session.errors + " engine errors"
+      + (h.session.stopped ? ", stopped by its " + h.session.stopped + " budget" : "")]];
+  const dl = document.getElementById("facts");
+  for (const [k, v] of rows) dl.append(make("dt", {}, k), make("dd", {}, v));
+  if (others.length) dl.append(make("dt", {}, "other branches"), make("dd", {}, ...others));
+}
+
 async function showEpisode() {
   const [run, , id] = parts();
   runLinks(run);
@@ -217,6 +234,7 @@ async function showEpisode() {
     ["time", "policy " + e.time.policy_s.toFixed(2) + " s, env steps " + e.time.env_s.toFixed(2) + " s, reset "
       + e.time.reset_s.toFixed(2) + " s, fork " + e.time.fork_s.toFixed(2) + " s"],
     ["phase", e.phase || "–"]]);
+  if (e.harness) harnessFacts(run, e.harness);
   showGrade(e.grade);
   const conv = document.getElementById("conversation");
   conv.replaceChildren(make("details", { class: "prompt" }, make("summary", {}, "prompt (" + e.prompt.length
