@@ -125,6 +125,14 @@ class GatewayServer(LoopbackServer):
     def open(self, harness: HarnessConfig, labels: dict[str, str]) -> Session:
         return self.gateway.open(SessionConfig(harness.sampling, harness.budget, harness.thinking), labels)
 
+    def openai_url(self, session: Session) -> str:
+        """The base URL an OpenAI client of ``session`` is given."""
+        return f"{self.url}/s/{session.id}/v1"
+
+    def anthropic_url(self, session: Session) -> str:
+        """The base URL an Anthropic client of ``session`` is given."""
+        return f"{self.url}/s/{session.id}"
+
 
 def run_mini_swe_agent(env: GymEnv, task: str, base_url: str, key: str, harness: HarnessConfig) -> HarnessExit:
     """mini-swe-agent's ``DefaultAgent`` and ``LitellmModel``, unmodified, in the episode's sandbox."""
@@ -180,7 +188,7 @@ async def play_harness(env: GymEnv, task: str, server: GatewayServer, harness: H
     t0 = time.perf_counter()
     runner = RUNNERS[harness.name]
     try:
-        done = await asyncio.wait_for(asyncio.to_thread(runner, env, task, session_url(server, session), session.key,
+        done = await asyncio.wait_for(asyncio.to_thread(runner, env, task, server.openai_url(session), session.key,
                                                         harness), harness.timeout_s)
     except TimeoutError:
         done = None
@@ -220,7 +228,3 @@ class HarnessDriver:
     async def play(self, env: GymEnv, task: str, base: Trajectory) -> tuple[Trajectory, list[Trajectory]]:
         return await play_harness(env, task, self.server, self.config, base)
 
-
-def session_url(server: GatewayServer, session: Session) -> str:
-    """The OpenAI base URL of ``session`` (an Anthropic client takes it without ``/v1``)."""
-    return f"{server.url}/s/{session.id}/v1"

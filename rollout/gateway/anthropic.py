@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from policy import chat
-from rollout.gateway.messages import Answer, BadCall, Call, Delta, Message, text_of
+from rollout.gateway.messages import Answer, BadCall, Call, Delta, Message, function_tools, text_of
 from rollout.gateway.sessions import Session
 
 SIGNATURE = "agentenv"   # a thinking block's signature: the gateway checks none, the SDKs want one
@@ -84,18 +84,11 @@ def _user(blocks: list[dict[str, Any]], session: Session) -> list[Message]:
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise BadCall("tools must be a list")
-    out = []
-    for t in tools:
-        if not isinstance(t, dict) or t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
-            raise BadCall("only custom tools ({'name', 'description', 'input_schema'}) are supported")
-        out.append({"type": "function", "function": {"name": t["name"], "description": str(t.get("description", "")),
-                                                      "parameters": t.get("input_schema") or {"type": "object"}}})
-    return out
+def _tool(t: dict[str, Any]) -> dict[str, Any] | None:
+    if t.get("type", "custom") != "custom" or not isinstance(t.get("name"), str):
+        return None
+    return {"name": t["name"], "description": str(t.get("description", "")),
+            "parameters": t.get("input_schema") or {"type": "object"}}
 
 
 def _choice(choice: Any) -> Any:
@@ -129,7 +122,8 @@ def read(body: dict[str, Any], session: Session) -> Call:
         else:
             raise BadCall("a message's role must be 'user' or 'assistant'")
     try:
-        tools, forced = chat.tool_choice_pieces(chat.validate_tools(_tools(body.get("tools"))),
+        tools, forced = chat.tool_choice_pieces(chat.validate_tools(function_tools(
+            body.get("tools"), _tool, "only custom tools ({'name', 'description', 'input_schema'}) are supported")),
                                                 _choice(body.get("tool_choice")))
     except ValueError as e:
         raise BadCall(str(e)) from None

@@ -19,6 +19,7 @@ are the harness's handles (an adapter maps them back to the ids the model genera
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -92,6 +93,23 @@ def read_answer(text: str, finish: str, prompt_tokens: int, completion_tokens: i
     content = body if said.malformed else said.content
     why: Finish = "length" if finish == "length" else "tool_calls" if calls else "stop"
     return Answer(content, reasoning, calls, said.malformed, why, prompt_tokens, completion_tokens)
+
+
+def function_tools(tools: Any, convert: Callable[[dict[str, Any]], dict[str, Any] | None], refused: str
+                   ) -> list[dict[str, Any]]:
+    """An API's tool declarations as OpenAI function tools: ``convert`` makes a function of one, or None for a kind
+    the gateway refuses (``refused`` says which it takes)."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise BadCall("tools must be a list")
+    out = []
+    for t in tools:
+        fn = convert(t) if isinstance(t, dict) else None
+        if fn is None:
+            raise BadCall(refused)
+        out.append({"type": "function", "function": fn})
+    return out
 
 
 def text_of(content: Any) -> str:

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from policy import chat
-from rollout.gateway.messages import Answer, BadCall, Call, Delta, Message, text_of
+from rollout.gateway.messages import Answer, BadCall, Call, Delta, Message, function_tools, text_of
 from rollout.gateway.sessions import Session
 
 
@@ -83,17 +83,10 @@ def read_input(items: Any, session: Session) -> list[Message]:
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
-    if tools is None:
-        return []
-    if not isinstance(tools, list):
-        raise BadCall("tools must be a list")
-    out = []
-    for t in tools:
-        if not isinstance(t, dict) or t.get("type") != "function":
-            raise BadCall("only function tools are supported (built-in tools run on OpenAI's side)")
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if k in t}})
-    return out
+def _tool(t: dict[str, Any]) -> dict[str, Any] | None:
+    if t.get("type") != "function":
+        return None
+    return {k: t[k] for k in ("name", "description", "parameters") if k in t}
 
 
 def _choice(choice: Any) -> Any:
@@ -130,7 +123,8 @@ def read(body: dict[str, Any], session: Session) -> Call:
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise BadCall("max_output_tokens must be a positive integer")
     try:
-        tools, forced = chat.tool_choice_pieces(chat.validate_tools(_tools(body.get("tools"))),
+        tools, forced = chat.tool_choice_pieces(chat.validate_tools(function_tools(
+            body.get("tools"), _tool, "only function tools are supported (built-in tools run on OpenAI's side)")),
                                                 _choice(body.get("tool_choice")))
     except ValueError as e:
         raise BadCall(str(e)) from None

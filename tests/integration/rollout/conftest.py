@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 import uvicorn
 
+from policy.tokenizer import load_tokenizer
 from rollout import scripted
 from rollout.agent import LocalTokenizer
+from rollout.harnesses import GatewayServer
 
 TOK = LocalTokenizer()
 
@@ -67,46 +69,16 @@ def serve_policy() -> Iterator[Callable[[scripted.Script], Served]]:
         s.stop()
 
 
-class GatewayServed:
-    """The LLM gateway (``rollout.gateway``) in front of ``upstream_url``, on a loopback port of its own."""
-
-    def __init__(self, upstream_url: str, token: str | None = None) -> None:
-        from policy.tokenizer import load_tokenizer
-        from rollout.gateway.app import create_app
-        from rollout.gateway.turns import Gateway
-        from rollout.gateway.upstream import Upstream
-
-        self.gateway = Gateway(Upstream(upstream_url, token), load_tokenizer())
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.gateway), host="127.0.0.1", port=self.port,
-                                                    log_level="error", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        for _ in range(400):
-            if self.server.started:
-                break
-            time.sleep(0.025)
-
-    def openai_url(self, session: Any) -> str:
-        return f"{self.url}/s/{session.id}/v1"
-
-    def anthropic_url(self, session: Any) -> str:
-        return f"{self.url}/s/{session.id}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
 
 @pytest.fixture()
-def serve_gateway() -> Iterator[Callable[..., GatewayServed]]:
-    made: list[GatewayServed] = []
+def serve_gateway() -> Iterator[Callable[..., GatewayServer]]:
+    """The LLM gateway (``rollout.gateway``) in front of an engine URL, on a loopback port of its own."""
+    made: list[GatewayServer] = []
 
-    def start(upstream_url: str, token: str | None = None) -> GatewayServed:
-        made.append(GatewayServed(upstream_url, token))
+    def start(upstream_url: str, token: str | None = None) -> GatewayServer:
+        made.append(GatewayServer(upstream_url, token, load_tokenizer()))
         return made[-1]
 
     yield start
     for g in made:
-        g.stop()
+        g.close()
