@@ -48,6 +48,7 @@ from agentenv.inside.users import AsAccount, UnknownUser, account
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import signal as _signal  # no stub for _signal: its names are signal's
+    import socket
     from typing import Any
 else:
     import _signal
@@ -69,7 +70,7 @@ class Keeper(Jobs):
         self.conns: set[_socket.socket] = set()
         self.socket_path = ""  # where main listens
         self.tunnels: set[_socket.socket] = set()  # the sandbox ends of the host's tunnels to its ports (and forwards')
-        self.listeners: dict[int, _socket.socket] = {}  # the sandbox's ports forwarded to the host, by port
+        self.listeners: dict[int, socket.socket] = {}  # the sandbox's ports forwarded to the host, by port
 
     def serve(self, conn: _socket.socket, starved: bool = False) -> None:
         """Answer requests on one connection until the host closes it (registered by ``accept``).

@@ -22,6 +22,10 @@ import errno
 from agentenv.inside.commands import Starved
 from agentenv.inside.frames import send_frame, suppress
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import socket
+
 TUNNEL_CONNECT_TIMEOUT = 5.0  # seconds for the sandbox's listener to accept
 TUNNEL_CHUNK = 1 << 16
 FORWARD_BACKLOG = 128  # connections of the sandbox to a forwarded port that wait for the host to take them
@@ -49,14 +53,16 @@ def open_tunnel(conn: _socket.socket, port: int, active: set[_socket.socket]) ->
         tcp.close()
 
 
-def listen(port: int, listeners: dict[int, _socket.socket]) -> None:
+def listen(port: int, listeners: dict[int, socket.socket]) -> None:
     """Listen on ``127.0.0.1:port`` of the sandbox for a forward from the host, unless ``listeners`` has it already
     (the caller holds the keeper's lock). OSError (EADDRINUSE: a process of the sandbox has the port) if it cannot."""
     if not 0 < port < 65536:
         raise ValueError(f"port {port} is out of range")
     if port in listeners:
         return
-    server = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)
+    import socket  # here, not at the top: every start imports the keeper, and only a forward needs accept()
+
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         server.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         server.bind(("127.0.0.1", port))
@@ -68,10 +74,10 @@ def listen(port: int, listeners: dict[int, _socket.socket]) -> None:
     listeners[port] = server
 
 
-def accept_forward(conn: _socket.socket, server: _socket.socket, active: set[_socket.socket]) -> None:
+def accept_forward(conn: _socket.socket, server: socket.socket, active: set[_socket.socket]) -> None:
     """Wait until a process of the sandbox connects to ``server`` (a forward's listener) or the host closes ``conn``;
     then answer ``ok`` on ``conn`` and relay both ways until both ends are done (the caller closes ``conn``)."""
-    import select  # here, not at the top: every start imports the keeper, and only forwards need it
+    import select  # here, not at the top, as socket in ``listen``
 
     poll = select.poll()
     poll.register(server.fileno(), select.POLLIN)
@@ -80,11 +86,10 @@ def accept_forward(conn: _socket.socket, server: _socket.socket, active: set[_so
         if any(fd == conn.fileno() for fd, _ in poll.poll()):
             return
         try:
-            fd, _addr = server._accept()  # type: ignore[attr-defined]
+            tcp, _addr = server.accept()
         except (BlockingIOError, InterruptedError):  # another waiting connection took it
             continue
         break
-    tcp = _socket.socket(fileno=fd)
     try:
         tcp.setblocking(True)
         _relay(conn, tcp, active)

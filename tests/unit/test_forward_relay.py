@@ -1,0 +1,165 @@
+"""The host side of a forward (``agentenv.sandbox.forward``) against a hostile keeper, played here by a unix socket
+server of the test's (no container): one that answers every post at once, and one that begins an answer and
+goes silent. The host connects to its one target alone, at most ``max_connections`` at once, and gives up on a
+stalled answer at its deadline. The keeper's own side (and the real thing) is ``tests/integration/test_forward.py``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentenv.inside import frames
+from agentenv.sandbox import forward
+from agentenv.sandbox.channel import Channel, Gate
+from agentenv.sandbox.forward import Forward
+
+
+def _wait(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+class Target:
+    """A TCP server on loopback that holds every connection open and counts them (now, at most, in all)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.lock = threading.Lock()
+        self.now = self.most = self.total = 0
+        self.received = b""
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.now += 1
+                self.total += 1
+                self.most = max(self.most, self.now)
+            threading.Thread(target=self.hold, args=(conn,), daemon=True).start()
+
+    def hold(self, conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(4096):
+                with self.lock:
+                    self.received += data
+        with self.lock:
+            self.now -= 1
+
+
+class HostileKeeper:
+    """A keeper that answers each forward post at once (``stall``: with a frame's first bytes only, then silence);
+    each answered connection then sends ``hi`` and stays open."""
+
+    def __init__(self, path: str, stall: bool = False) -> None:
+        self.server = socket.socket(socket.AF_UNIX)
+        self.server.bind(path)
+        self.server.listen(256)
+        self.stall, self.posts, self.closed = stall, 0, 0
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            try:
+                header, _ = frames.recv_frame(conn)
+                assert header["op"] == "forward"
+                self.posts += 1
+                if self.stall:
+                    conn.sendall(b"\0\0")  # the head of a frame, and nothing more
+                    threading.Thread(target=self.see_closed, args=(conn,), daemon=True).start()
+                else:
+                    frames.send_frame(conn, {"ok": True})
+                    conn.sendall(b"hi")
+            except OSError:  # the host gave up on it (the test's forward dropped)
+                conn.close()
+
+    def see_closed(self, conn: socket.socket) -> None:
+        try:
+            ended = conn.recv(1) == b""
+        except ConnectionResetError:
+            ended = True
+        if ended:
+            self.closed += 1
+
+
+@pytest.fixture
+def keeper_path(tmp_path: Path) -> Iterator[str]:
+    yield str(tmp_path / "agent.sock")
+
+
+def _forward(sandbox_id: str, path: str, fwd: Forward) -> None:
+    forward.add(sandbox_id, fwd, Channel(lambda: "/", Gate(), path), lambda: "running")
+
+
+def test_a_keeper_that_answers_every_post_gets_max_connections_to_the_one_target(keeper_path: str):
+    target, other = Target(), Target()
+    keeper = HostileKeeper(keeper_path)
+    try:
+        _forward("sb-flood", keeper_path, Forward(8000, "127.0.0.1", target.port, max_connections=5))
+        _wait(lambda: target.now == 5 and forward.active("sb-flood") == 5, "five relays run")
+        time.sleep(0.3)  # were the bound not held, the posts would go on meanwhile
+        assert (target.most, keeper.posts, other.total) == (5, 5, 0)
+        _wait(lambda: target.received == b"hi" * 5, "the keeper's bytes reach the target")
+        for conn in keeper.conns:  # the sandbox's side ends: the relays end, and the slots are posted again
+            conn.close()
+        _wait(lambda: keeper.posts == 10 and target.total == 10, "the freed slots are posted again")
+        assert target.most == 5
+    finally:
+        forward.dropped("sb-flood")
+    assert forward.of("sb-flood") == []
+
+
+def test_an_answer_begun_and_left_unfinished_is_given_up_at_its_deadline(keeper_path: str,
+                                                                        monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(forward, "CALL_TIMEOUT", 0.3)
+    target = Target()
+    keeper = HostileKeeper(keeper_path, stall=True)
+    try:
+        _forward("sb-stall", keeper_path, Forward(8000, "127.0.0.1", target.port, max_connections=2))
+        _wait(lambda: keeper.closed >= 2 and keeper.posts >= 4, "stalled answers are closed and posted again")
+        assert target.total == 0
+    finally:
+        forward.dropped("sb-stall")
+
+
+@pytest.mark.parametrize(("fwd", "message"), [
+    (Forward(0, "127.0.0.1", 80), "port of a forward"),
+    (Forward(8000, "127.0.0.1", 70000), "host port"),
+    (Forward(8000, "localhost", 80), "IP address"),
+    (Forward(8000, "127.0.0.1", 80, max_connections=0), "max_connections"),
+    (Forward(8000, "127.0.0.1", 80, idle_timeout=float("inf")), "idle_timeout"),
+])
+def test_a_bad_forward_is_refused_saying_what(fwd: Forward, message: str):
+    with pytest.raises(ValueError, match=message):
+        fwd.checked()
+
+
+def test_a_port_forwarded_elsewhere_is_refused(keeper_path: str):
+    target = Target()
+    HostileKeeper(keeper_path, stall=True)
+    fwd = Forward(8000, "127.0.0.1", target.port)
+    try:
+        _forward("sb-twice", keeper_path, fwd)
+        _forward("sb-twice", keeper_path, fwd)  # the same again: nothing changes
+        with pytest.raises(ValueError, match="forwarded to"):
+            _forward("sb-twice", keeper_path, Forward(8000, "127.0.0.1", target.port + 1))
+        assert forward.of("sb-twice") == [fwd]
+    finally:
+        forward.dropped("sb-twice")
