@@ -92,6 +92,7 @@ def accept_forward(conn: _socket.socket, server: socket.socket, active: set[_soc
         break
     try:
         tcp.setblocking(True)
+        tcp.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)  # each piece relayed goes out as it comes
         _relay(conn, tcp, active)
     finally:
         active.discard(tcp)
