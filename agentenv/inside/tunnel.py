@@ -70,7 +70,8 @@ def listen(port: int, listeners: dict[int, socket.socket]) -> None:
         server.setblocking(False)  # several host connections wait on it: the one that accepts first takes it
     except OSError as e:
         server.close()
-        raise OSError(e.errno, f"cannot listen on 127.0.0.1:{port} in the sandbox ({e.strerror})") from None
+        raise OSError(e.errno, f"cannot listen on 127.0.0.1:{port} in the sandbox ({e.strerror}): a process of the "
+                               "sandbox may hold the port; forward another one") from None
     listeners[port] = server
 
 

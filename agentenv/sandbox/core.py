@@ -201,10 +201,13 @@ class Sandbox(Calls, Record):
         each closed after ``idle_timeout`` s of silence. Relayed by this process, until the sandbox closes (a
         fork made here keeps it, a restore needs it again: ``agentenv.sandbox.forward``). ValueError for a bad
         port or target, or a port forwarded elsewhere already; OSError if the port is taken inside."""
+        if not (isinstance(to, tuple | list) and len(to) == 2):
+            raise ValueError(f"to must be (host address, port), e.g. ('127.0.0.1', 8080); got {to!r}")
         fwd = Forward(port, to[0], to[1], max_connections, idle_timeout).checked()
         self.require_running()
         self._channel.call({"op": "listen", "port": fwd.port})
-        forward.add(self.id, fwd, self._channel, lambda: self.state)
+        relayed = type(self).get(self.id)  # a handle of the relays' own: their reloads never undo this one's changes
+        forward.add(self.id, fwd, relayed.lifecycle.channel, lambda: relayed.state)
         return fwd
 
     @property

@@ -53,6 +53,19 @@ print(got == body, hashlib.sha256(got).hexdigest()[:8])"""))
             sb.forward(PORT, ("127.0.0.1", ep.port + 1))
 
 
+def test_a_port_taken_inside_or_a_bad_target_is_refused_saying_what(ep: Endpoint):
+    with agentenv.Sandbox.create() as sb:
+        server = sb.spawn("python3 -m http.server 8001 --bind 127.0.0.1")
+        _wait(lambda: _listening(sb, 8001), "the sandbox's own server listens")
+        with pytest.raises(OSError, match="may hold the port; forward another one"):
+            sb.forward(8001, ("127.0.0.1", ep.port))
+        with pytest.raises(ValueError, match="host address, port"):
+            sb.forward(PORT, "127.0.0.1:80")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="IP address"):
+            sb.forward(PORT, ("localhost", ep.port))
+        assert sb.forwards == [] and server.exit_code is None
+
+
 def test_a_streamed_response_reaches_the_sandbox_event_by_event(ep: Endpoint):
     """Server-sent events, as a harness streams a completion: the first event is read inside while the server
     still holds the rest of the response."""
@@ -159,10 +172,18 @@ print("closed" if s.recv(1) == b"" else "answered", flush=True)"""))
         assert r.stdout == "hello /next\n", r.stderr
 
 
+def _tcp(sb: agentenv.Sandbox) -> list[list[str]]:
+    """The sandbox's TCP sockets, as ``/proc/net/tcp`` lists them (local, remote, state in columns 1 to 3)."""
+    return [line.split() for line in sb.read_file("/proc/net/tcp").decode().splitlines()[1:]]
+
+
 def _connected(sb: agentenv.Sandbox, port: int) -> bool:
-    """Whether a connection to ``127.0.0.1:port`` of the sandbox is established (``/proc/net/tcp``)."""
-    rows = [line.split() for line in sb.read_file("/proc/net/tcp").decode().splitlines()[1:]]
-    return any(r[2].endswith(f":{port:04X}") and r[3] == "01" for r in rows)
+    """Whether a connection to ``127.0.0.1:port`` of the sandbox is established."""
+    return any(r[2].endswith(f":{port:04X}") and r[3] == "01" for r in _tcp(sb))
+
+
+def _listening(sb: agentenv.Sandbox, port: int) -> bool:
+    return any(r[1].endswith(f":{port:04X}") and r[3] == "0A" for r in _tcp(sb))
 
 
 def _served(sb: agentenv.Sandbox, path: str) -> str:
