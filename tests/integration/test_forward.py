@@ -6,6 +6,8 @@ a working forward (a restore once it is made again)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -235,3 +237,16 @@ def test_a_restore_is_forwarded_once_asked_and_a_connection_made_meanwhile_waits
             assert ep.paths == ["/waited"]
     finally:
         snap.delete()
+
+
+def test_another_process_snapshots_a_sandbox_this_one_relays(ep: Endpoint):
+    """The keeper connections this process leaves waiting are closed by another process's snapshot, and posted again
+    after it: its dumps succeed, and the forward serves between them."""
+    with agentenv.Sandbox.create() as sb:
+        sb.forward(PORT, ("127.0.0.1", ep.port))
+        for i in range(3):
+            r = subprocess.run([sys.executable, "-c", "import agentenv\n"
+                                f"agentenv.Sandbox.get({sb.id!r}).snapshot(memory=True).delete()"],
+                               capture_output=True, text=True, timeout=300)
+            assert r.returncode == 0, r.stderr[-2000:]
+            assert _served(sb, f"/{i}") == f"hello /{i}"
