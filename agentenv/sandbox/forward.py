@@ -131,8 +131,8 @@ class _Relays:
             await f.slots.acquire()
             try:
                 conn = await self.accepted(f)
-            except (OSError, AgentEnvError) as e:  # a snapshot cut it, or the sandbox is not running
-                f.slots.release()
+            except Exception as e:  # noqa: BLE001 - a snapshot cut it, the sandbox is not running, or its keeper
+                f.slots.release()  # answered nonsense (any error name): the post goes on, after a pause
                 failures += 1
                 if not await self.pause_after(f, e, failures):
                     dropped(f.sandbox_id)

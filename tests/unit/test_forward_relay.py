@@ -59,14 +59,14 @@ class Target:
 
 
 class HostileKeeper:
-    """A keeper that answers each forward post at once (``stall``: with a frame's first bytes only, then silence);
-    each answered connection then sends ``hi`` and stays open."""
+    """A keeper that answers each forward post at once: ``ok`` (then sends ``hi`` and stays open), ``stall`` (a
+    frame's first bytes only, then silence) or ``nonsense`` (an error reply naming an exception of its choice)."""
 
-    def __init__(self, path: str, stall: bool = False) -> None:
+    def __init__(self, path: str, mode: str = "ok") -> None:
         self.server = socket.socket(socket.AF_UNIX)
         self.server.bind(path)
         self.server.listen(256)
-        self.stall, self.posts, self.closed = stall, 0, 0
+        self.mode, self.posts, self.closed = mode, 0, 0
         self.conns: list[socket.socket] = []
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -81,9 +81,11 @@ class HostileKeeper:
                 header, _ = frames.recv_frame(conn)
                 assert header["op"] == "forward"
                 self.posts += 1
-                if self.stall:
+                if self.mode == "stall":
                     conn.sendall(b"\0\0")  # the head of a frame, and nothing more
                     threading.Thread(target=self.see_closed, args=(conn,), daemon=True).start()
+                elif self.mode == "nonsense":
+                    frames.send_frame(conn, {"error": "ValueError", "message": "no"})
                 else:
                     frames.send_frame(conn, {"ok": True})
                     conn.sendall(b"hi")
@@ -130,13 +132,24 @@ def test_an_answer_begun_and_left_unfinished_is_given_up_at_its_deadline(keeper_
                                                                         monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(forward, "CALL_TIMEOUT", 0.3)
     target = Target()
-    keeper = HostileKeeper(keeper_path, stall=True)
+    keeper = HostileKeeper(keeper_path, "stall")
     try:
         _forward("sb-stall", keeper_path, Forward(8000, "127.0.0.1", target.port, max_connections=2))
         _wait(lambda: keeper.closed >= 2 and keeper.posts >= 4, "stalled answers are closed and posted again")
         assert target.total == 0
     finally:
         forward.dropped("sb-stall")
+
+
+def test_a_keeper_answering_errors_of_its_choice_is_posted_to_again_and_reaches_nothing(keeper_path: str):
+    target = Target()
+    keeper = HostileKeeper(keeper_path, "nonsense")
+    try:
+        _forward("sb-nonsense", keeper_path, Forward(8000, "127.0.0.1", target.port))
+        _wait(lambda: keeper.posts >= 3 * forward.PENDING, "the posts go on after each error")
+        assert target.total == 0
+    finally:
+        forward.dropped("sb-nonsense")
 
 
 @pytest.mark.parametrize(("fwd", "message"), [
@@ -153,7 +166,7 @@ def test_a_bad_forward_is_refused_saying_what(fwd: Forward, message: str):
 
 def test_a_port_forwarded_elsewhere_is_refused(keeper_path: str):
     target = Target()
-    HostileKeeper(keeper_path, stall=True)
+    HostileKeeper(keeper_path, "stall")
     fwd = Forward(8000, "127.0.0.1", target.port)
     try:
         _forward("sb-twice", keeper_path, fwd)
