@@ -179,12 +179,13 @@ def _recv_exact(sock: _socket.socket, n: int, deadline: float | None = None) -> 
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def recv_header(sock: _socket.socket, max_blob: int = MAX_BLOB,
-                deadline: float | None = None) -> tuple[dict[str, Any], int]:
-    """Receive a frame's header and the length of the blob that follows (not read yet)."""
+def recv_header(sock: _socket.socket, max_blob: int = MAX_BLOB, deadline: float | None = None,
+                max_header: int = MAX_HEADER) -> tuple[dict[str, Any], int]:
+    """Receive a frame's header (at most ``max_header`` bytes) and the length of the blob that follows (not read
+    yet)."""
     hlen, blen = _HEAD.unpack(_recv_exact(sock, _HEAD.size, deadline))
-    if hlen > MAX_HEADER or blen > max_blob:
-        raise FrameError(f"frame of {hlen} + {blen} bytes is over the limit ({MAX_HEADER} + {max_blob})")
+    if hlen > max_header or blen > max_blob:
+        raise FrameError(f"frame of {hlen} + {blen} bytes is over the limit ({max_header} + {max_blob})")
     try:
         header = _loads(_recv_exact(sock, hlen, deadline).decode())
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -194,11 +195,11 @@ def recv_header(sock: _socket.socket, max_blob: int = MAX_BLOB,
     return header, blen
 
 
-def recv_frame(sock: _socket.socket, max_blob: int = MAX_BLOB,
-               deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+def recv_frame(sock: _socket.socket, max_blob: int = MAX_BLOB, deadline: float | None = None,
+               max_header: int = MAX_HEADER) -> tuple[dict[str, Any], bytes]:
     """Receive one frame; ConnectionError when the peer closed, FrameError past the caps,
     TimeoutError past ``deadline`` (a ``time.monotonic()`` instant)."""
-    header, blen = recv_header(sock, max_blob, deadline)
+    header, blen = recv_header(sock, max_blob, deadline, max_header)
     return header, _recv_exact(sock, blen, deadline) if blen else b""
 
 

@@ -50,6 +50,7 @@ CALL_TIMEOUT = 10.0  # seconds for a keeper connection and its request, the rest
 DORMANT_POLL = 0.5  # seconds between looks at the record of a sandbox that is not running (paused, or a snapshot)
 BACKOFF = (0.05, 2.0)  # seconds before posting again after a keeper connection failed, doubling up to the second
 CHUNK = 1 << 16
+ANSWER_MAX = 4096  # bytes of the keeper's answer to a post at most: ``ok``, or an error and its message
 
 
 @dataclass(frozen=True)
@@ -201,8 +202,8 @@ class _Relays:
 
     @staticmethod
     def answer(conn: socket) -> None:
-        """The keeper's answer, begun: the rest within ``CALL_TIMEOUT``; an error reply raised."""
-        reply, _ = frames.recv_frame(conn, 0, time.monotonic() + CALL_TIMEOUT)
+        """The keeper's answer, begun: the rest within ``CALL_TIMEOUT``, a small one; an error reply raised."""
+        reply, _ = frames.recv_frame(conn, 0, time.monotonic() + CALL_TIMEOUT, max_header=ANSWER_MAX)
         raise_for(reply)
 
     async def relay(self, f: _Forwarded, conn: socket) -> None:

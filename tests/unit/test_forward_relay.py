@@ -6,6 +6,7 @@ stalled answer at its deadline. The keeper's own side (and the real thing) is ``
 from __future__ import annotations
 
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -60,7 +61,8 @@ class Target:
 
 class HostileKeeper:
     """A keeper that answers each forward post at once: ``ok`` (then sends ``hi`` and stays open), ``stall`` (a
-    frame's first bytes only, then silence) or ``nonsense`` (an error reply naming an exception of its choice)."""
+    frame's first bytes only, then silence), ``nonsense`` (an error reply naming an exception of its choice) or
+    ``huge`` (a header announced far past what an answer needs)."""
 
     def __init__(self, path: str, mode: str = "ok") -> None:
         self.server = socket.socket(socket.AF_UNIX)
@@ -86,6 +88,9 @@ class HostileKeeper:
                     threading.Thread(target=self.see_closed, args=(conn,), daemon=True).start()
                 elif self.mode == "nonsense":
                     frames.send_frame(conn, {"error": "ValueError", "message": "no"})
+                elif self.mode == "huge":  # announces a header of 32 MiB (the wire's own cap), sends none of it
+                    conn.sendall(struct.pack(">II", frames.MAX_HEADER, 0))
+                    threading.Thread(target=self.see_closed, args=(conn,), daemon=True).start()
                 else:
                     frames.send_frame(conn, {"ok": True})
                     conn.sendall(b"hi")
@@ -150,6 +155,20 @@ def test_a_keeper_answering_errors_of_its_choice_is_posted_to_again_and_reaches_
         assert target.total == 0
     finally:
         forward.dropped("sb-nonsense")
+
+
+def test_an_answer_announced_past_its_size_is_refused_before_it_is_read(keeper_path: str,
+                                                                       monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(forward, "CALL_TIMEOUT", 60.0)  # refused at once: no deadline ends it
+    target = Target()
+    keeper = HostileKeeper(keeper_path, "huge")
+    try:
+        _forward("sb-huge", keeper_path, Forward(8000, "127.0.0.1", target.port))
+        _wait(lambda: keeper.closed >= 2 and keeper.posts >= 4, "the oversized answers are closed and posted again",
+              timeout=20)
+        assert target.total == 0
+    finally:
+        forward.dropped("sb-huge")
 
 
 @pytest.mark.parametrize(("fwd", "message"), [
