@@ -96,6 +96,7 @@ class _Forwarded:
         self.wake = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
         self.relays = 0  # relays in flight (tests and benchmarks read it through ``active``)
+        self.target_down = False  # the last connection to the target failed (said once in the log)
 
 
 class _Relays:
@@ -217,9 +218,12 @@ class _Relays:
                 target, target_w = await asyncio.wait_for(asyncio.open_connection(f.fwd.host, f.fwd.host_port),
                                                           CALL_TIMEOUT)
             except (OSError, TimeoutError) as e:  # the client inside sees its connection closed
-                log.warning("forward of port %d: %s:%d does not accept (%s)", f.fwd.port, f.fwd.host,
-                            f.fwd.host_port, e)
+                if not f.target_down:  # once until it accepts again: the sandbox's connections cannot flood the log
+                    log.warning("forward of port %d: %s:%d does not accept (%s)", f.fwd.port, f.fwd.host,
+                                f.fwd.host_port, e)
+                f.target_down = True
                 return
+            f.target_down = False
             ends.append(target_w)
             last = [time.monotonic()]
             try:

@@ -94,6 +94,7 @@ class HostileKeeper:
                 else:
                     frames.send_frame(conn, {"ok": True})
                     conn.sendall(b"hi")
+                    threading.Thread(target=self.see_closed, args=(conn,), daemon=True).start()
             except OSError:  # the host gave up on it (the test's forward dropped)
                 conn.close()
 
@@ -125,12 +126,28 @@ def test_a_keeper_that_answers_every_post_gets_max_connections_to_the_one_target
         assert (target.most, keeper.posts, other.total) == (5, 5, 0)
         _wait(lambda: target.received == b"hi" * 5, "the keeper's bytes reach the target")
         for conn in keeper.conns:  # the sandbox's side ends: the relays end, and the slots are posted again
-            conn.close()
+            conn.shutdown(socket.SHUT_RDWR)
         _wait(lambda: keeper.posts == 10 and target.total == 10, "the freed slots are posted again")
         assert target.most == 5
     finally:
         forward.dropped("sb-flood")
     assert forward.of("sb-flood") == []
+
+
+def test_a_target_that_does_not_accept_closes_the_connection_inside_and_is_logged_once(
+        keeper_path: str, caplog: pytest.LogCaptureFixture):
+    gone = socket.create_server(("127.0.0.1", 0))
+    port = gone.getsockname()[1]
+    gone.close()  # nothing accepts there now
+    keeper = HostileKeeper(keeper_path)
+    try:
+        with caplog.at_level("WARNING", logger="agentenv"):
+            _forward("sb-down", keeper_path, Forward(8000, "127.0.0.1", port))
+            _wait(lambda: keeper.closed >= 20, "the sandbox's connections are closed, one after another")
+        said = [r for r in caplog.records if "does not accept" in r.getMessage()]
+        assert len(said) == 1, said
+    finally:
+        forward.dropped("sb-down")
 
 
 def test_an_answer_begun_and_left_unfinished_is_given_up_at_its_deadline(keeper_path: str,
