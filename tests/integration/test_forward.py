@@ -121,6 +121,10 @@ for op in ("forward", "listen"):
         assert r.stdout.split("\n")[:2] == ["[Errno 1] forward is the host's request alone: refused",
                                             "[Errno 1] listen is the host's request alone: refused"], r.stderr
         assert probe(sb, ["127.0.0.1:8001"]) == {"127.0.0.1:8001": "ConnectionRefusedError"}
+        # the forward is on the sandbox's own loopback: another sandbox does not reach it at its address
+        assert sb.network is not None and sb.network.address
+        with agentenv.Sandbox.create(network=True) as peer:
+            assert reached(probe(peer, [f"{sb.network.address}:{PORT}"])) == []
         assert other.paths == []
 
 
