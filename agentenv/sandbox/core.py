@@ -278,6 +278,8 @@ class Sandbox(Calls, Record):
                 raise
             self.amend(paused_snapshot=None)
             self.save_record()
+        for fwd in self.forwards:  # listening again before this returns (a keeper started afresh has no listener)
+            self._channel.call({"op": "listen", "port": fwd.port})
         forward.woken(self.id)
         snap.delete(background=True)
 

@@ -214,6 +214,9 @@ def test_forks_pauses_and_snapshots_keep_a_working_forward(ep: Endpoint):
         sb.pause()
         sb.resume()
         assert _served(sb, "/resumed") == "hello /resumed"
+        sb.pause(memory=False)  # its keeper starts afresh, with no listener: the relay's next post makes one
+        sb.resume()
+        assert _served(sb, "/booted") == "hello /booted"
         held = sb.spawn(get(f"{fwd.url}/hold", timeout=120))
         _wait(lambda: "/hold" in ep.paths, "a relay is in flight")
         snap = sb.snapshot(memory=True)  # its relay is cut for the dump
