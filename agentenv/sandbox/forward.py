@@ -17,11 +17,11 @@ another sandbox's relays; the keeper connections are made by a few worker thread
 Lifetime: a forward belongs to this process, where its relays run, until the sandbox closes or the process ends.
 A snapshot cuts the relays in flight (the keeper closes the host's connections before CRIU runs; a client inside
 sees its connection end) and the forward serves again once the snapshot is done. A pause stops it, and it serves
-again when the sandbox runs again (``resume``, in any process). The children of a ``fork`` made in this process get
-the same forwards (``Sandbox.fork``). A restore, or a handle in another process, has none until ``forward`` is
-called on it: a snapshot taken long ago must not reach whatever listens on its old target now. Its listener
-comes back with a memory snapshot, so a connection made inside meanwhile waits in its backlog and is served once
-the forward is made again.
+again when the sandbox runs again (as ``resume`` returns in this process; in another, within ``DORMANT_POLL``).
+The children of a ``fork`` made in this process get the same forwards (``Sandbox.fork``). A restore, or a handle
+in another process, has none until ``forward`` is called on it: a snapshot taken long ago must not reach whatever
+listens on its old target now. Its listener comes back with a memory snapshot, so a connection made inside
+meanwhile waits in its backlog and is served once the forward is made again.
 """
 
 from __future__ import annotations
