@@ -95,7 +95,7 @@ class _Forwarded:
         self.slots = asyncio.Semaphore(fwd.max_connections)
         self.wake = asyncio.Event()
         self.tasks: set[asyncio.Task[None]] = set()
-        self.relays = 0  # relays in flight (tests and benchmarks read it through ``active``)
+        self.relays = 0  # relays in flight (``active`` sums them)
         self.target_down = False  # the last connection to the target failed (said once in the log)
 
 
