@@ -174,18 +174,7 @@ class _Relays:
             await asyncio.sleep(0.01)
         conn = await self.loop.run_in_executor(self.pool, self.request, f)
         try:
-            readable: asyncio.Future[None] = self.loop.create_future()
-
-            def ready() -> None:
-                if not readable.done():
-                    readable.set_result(None)
-
-            self.loop.add_reader(conn.fileno(), ready)
-            try:
-                await readable  # no deadline: the sandbox connects when it does
-            finally:
-                self.loop.remove_reader(conn.fileno())
-            await self.loop.run_in_executor(self.pool, self.answer, conn)
+            await self.answer(conn)
         except BaseException:
             conn.close()
             raise
@@ -193,7 +182,7 @@ class _Relays:
 
     @staticmethod
     def request(f: _Forwarded) -> socket:
-        conn = f.channel.connect(through_gate=False)
+        conn = f.channel.connect(through_gate=False, at_once=True)  # a clogged keeper never holds a worker
         try:
             frames.send_frame(conn, {"op": "forward", "port": f.fwd.port}, deadline=time.monotonic() + CALL_TIMEOUT)
         except BaseException:
@@ -201,11 +190,24 @@ class _Relays:
             raise
         return conn
 
-    @staticmethod
-    def answer(conn: socket) -> None:
-        """The keeper's answer, begun: the rest within ``CALL_TIMEOUT``, a small one; an error reply raised."""
-        reply, _ = frames.recv_frame(conn, 0, time.monotonic() + CALL_TIMEOUT, max_header=ANSWER_MAX)
-        raise_for(reply)
+    async def answer(self, conn: socket) -> None:
+        """The keeper's answer to a post, read on the loop (a keeper that stalls it holds no thread): its first byte
+        whenever the sandbox connects, the rest within ``CALL_TIMEOUT``; a frame without a blob, of ``ANSWER_MAX``
+        bytes at most; its error raised. Not a byte past it is read: the sandbox's connection follows on ``conn``."""
+        conn.setblocking(False)
+        first = await self.exactly(conn, 1)
+        async with asyncio.timeout(CALL_TIMEOUT):
+            hlen, _ = frames.lengths(first + await self.exactly(conn, frames.HEAD_SIZE - 1), 0, ANSWER_MAX)
+            raise_for(frames.header_of(await self.exactly(conn, hlen)))
+
+    async def exactly(self, conn: socket, n: int) -> bytes:
+        got = b""
+        while len(got) < n:
+            chunk = await self.loop.sock_recv(conn, n - len(got))
+            if not chunk:
+                raise ConnectionError("the keeper closed the connection without an answer")
+            got += chunk
+        return got
 
     async def relay(self, f: _Forwarded, conn: socket) -> None:
         """Connect to the target and copy both ways until both ends are done, or nothing moved for idle_timeout."""

@@ -188,6 +188,52 @@ def test_an_answer_announced_past_its_size_is_refused_before_it_is_read(keeper_p
         forward.dropped("sb-huge")
 
 
+def _clogged(path: str, held: list[socket.socket]) -> None:
+    """A unix socket at ``path`` whose queue of connections is full: one more connect would wait for an accept that
+    never comes (a frozen or flooded keeper)."""
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    server.listen(0)
+    held.append(server)
+    while True:
+        filler = socket.socket(socket.AF_UNIX)
+        filler.setblocking(False)
+        try:
+            filler.connect(path)
+        except BlockingIOError:
+            filler.close()
+            return
+        held.append(filler)
+
+
+@pytest.mark.parametrize("bad", ["clogged", "stall"])
+def test_keepers_that_never_accept_or_never_answer_hold_nothing_of_another_sandboxs_forward(
+        tmp_path: Path, bad: str, monkeypatch: pytest.MonkeyPatch):
+    """Ten sandboxes whose keepers accept nothing, or answer each post with a frame's first bytes and then nothing
+    (twenty posts, more than the relays' worker threads): another sandbox's forward is served meanwhile, long
+    before those posts reach their deadline."""
+    monkeypatch.setattr(forward, "CALL_TIMEOUT", 120.0)
+    held: list[socket.socket] = []
+    target = Target()
+    try:
+        for i in range(10):
+            path = str(tmp_path / f"bad-{i}.sock")
+            if bad == "clogged":
+                _clogged(path, held)
+            else:
+                HostileKeeper(path, "stall")
+            _forward(f"sb-bad-{i}", path, Forward(8000, "127.0.0.1", target.port))
+        keeper = HostileKeeper(str(tmp_path / "healthy.sock"))
+        _forward("sb-healthy", str(tmp_path / "healthy.sock"), Forward(8000, "127.0.0.1", target.port))
+        _wait(lambda: keeper.posts >= forward.PENDING and target.total >= forward.PENDING, "the healthy one is served")
+    finally:
+        for i in range(10):
+            forward.dropped(f"sb-bad-{i}")
+        forward.dropped("sb-healthy")
+        for s in held:
+            s.close()
+
+
 @pytest.mark.parametrize(("fwd", "message"), [
     (Forward(0, "127.0.0.1", 80), "port of a forward"),
     (Forward(8000, "127.0.0.1", 70000), "host port"),
