@@ -11,8 +11,9 @@ they are: no route, no rule, no socket of the host enters the sandbox.
 Bounds, since the sandbox is hostile: at most ``max_connections`` relays of a forward at once (more connections
 wait in the keeper's listen backlog), each closed after ``idle_timeout`` seconds without a byte either way; the
 keeper's answer, the connection to the target and every write have deadlines. Every relay of the process runs on
-one event-loop thread (``_Relays``), so neither a flood of connections nor a slow sender holds a thread or stalls
-another sandbox's relays; the keeper connections are made by a few worker threads.
+one event-loop thread (``_Relays``), the keeper's answers are read there too, and the few worker threads only open
+keeper connections (at once or not at all): neither a flood of connections, a slow sender nor a keeper that accepts
+nothing or answers by halves holds a thread or stalls another sandbox's relays.
 
 Lifetime: a forward belongs to this process, where its relays run, until the sandbox closes or the process ends.
 A snapshot cuts the relays in flight (the keeper closes the host's connections before CRIU runs; a client inside
