@@ -179,26 +179,41 @@ def _recv_exact(sock: _socket.socket, n: int, deadline: float | None = None) -> 
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
-def recv_header(sock: _socket.socket, max_blob: int = MAX_BLOB,
-                deadline: float | None = None) -> tuple[dict[str, Any], int]:
-    """Receive a frame's header and the length of the blob that follows (not read yet)."""
-    hlen, blen = _HEAD.unpack(_recv_exact(sock, _HEAD.size, deadline))
-    if hlen > MAX_HEADER or blen > max_blob:
-        raise FrameError(f"frame of {hlen} + {blen} bytes is over the limit ({MAX_HEADER} + {max_blob})")
+HEAD_SIZE = _HEAD.size  # bytes of a frame's lengths, before its header
+
+
+def lengths(head: bytes, max_blob: int = MAX_BLOB, max_header: int = MAX_HEADER) -> tuple[int, int]:
+    """A frame's header and blob lengths, from its first ``HEAD_SIZE`` bytes; FrameError past the caps."""
+    hlen, blen = _HEAD.unpack(head)
+    if hlen > max_header or blen > max_blob:
+        raise FrameError(f"frame of {hlen} + {blen} bytes is over the limit ({max_header} + {max_blob})")
+    return int(hlen), int(blen)
+
+
+def header_of(raw: bytes) -> dict[str, Any]:
+    """A frame's header from its bytes; FrameError unless they are a JSON object."""
     try:
-        header = _loads(_recv_exact(sock, hlen, deadline).decode())
+        header = _loads(raw.decode())
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise FrameError(f"frame header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise FrameError("frame header is not a JSON object")
-    return header, blen
+    return header
 
 
-def recv_frame(sock: _socket.socket, max_blob: int = MAX_BLOB,
-               deadline: float | None = None) -> tuple[dict[str, Any], bytes]:
+def recv_header(sock: _socket.socket, max_blob: int = MAX_BLOB, deadline: float | None = None,
+                max_header: int = MAX_HEADER) -> tuple[dict[str, Any], int]:
+    """Receive a frame's header (at most ``max_header`` bytes) and the length of the blob that follows (not read
+    yet)."""
+    hlen, blen = lengths(_recv_exact(sock, HEAD_SIZE, deadline), max_blob, max_header)
+    return header_of(_recv_exact(sock, hlen, deadline)), blen
+
+
+def recv_frame(sock: _socket.socket, max_blob: int = MAX_BLOB, deadline: float | None = None,
+               max_header: int = MAX_HEADER) -> tuple[dict[str, Any], bytes]:
     """Receive one frame; ConnectionError when the peer closed, FrameError past the caps,
     TimeoutError past ``deadline`` (a ``time.monotonic()`` instant)."""
-    header, blen = recv_header(sock, max_blob, deadline)
+    header, blen = recv_header(sock, max_blob, deadline, max_header)
     return header, _recv_exact(sock, blen, deadline) if blen else b""
 
 

@@ -10,7 +10,7 @@ snapshot carries every job, its buffered output and the listening socket along.
 The keeper is seven files, sent into the sandbox as one (``agentenv.host.keeper_start`` joins them in this order):
 ``frames`` (the wire, shared with the host), ``users`` (the image's accounts), ``pty`` (terminals), ``jobs``
 (commands and their output), ``files`` (the file calls),
-``tunnel`` (ports reached from the host) and this one, which answers requests and runs the keeper as a sandbox's init.
+``tunnel`` (ports reached from the host, and host endpoints forwarded in) and this one, which answers requests and runs the keeper as a sandbox's init.
 
 Both ends treat the other as untrusted: a process in the sandbox can replace the socket with its own
 server, or connect to the keeper itself (so ``reroot``, which re-executes the keeper with the argv it is
@@ -42,12 +42,13 @@ from agentenv.inside.frames import (
 )
 from agentenv.inside.jobs import HEARTBEAT, INPUT_TIMEOUT, MAX_OUTPUT, Jobs, Starved, close_stdin
 from agentenv.inside.pty import resize
-from agentenv.inside.tunnel import open_tunnel
+from agentenv.inside.tunnel import accept_forward, listen, open_tunnel
 from agentenv.inside.users import AsAccount, UnknownUser, account
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import signal as _signal  # no stub for _signal: its names are signal's
+    import socket
     from typing import Any
 else:
     import _signal
@@ -68,7 +69,8 @@ class Keeper(Jobs):
         self.own_dirs = own_dirs
         self.conns: set[_socket.socket] = set()
         self.socket_path = ""  # where main listens
-        self.tunnels: set[_socket.socket] = set()  # the sandbox ends of the host's tunnels to its ports
+        self.tunnels: set[_socket.socket] = set()  # the sandbox ends of the host's tunnels to its ports (and forwards')
+        self.listeners: dict[int, socket.socket] = {}  # the sandbox's ports forwarded to the host, by port
 
     def serve(self, conn: _socket.socket, starved: bool = False) -> None:
         """Answer requests on one connection until the host closes it (registered by ``accept``).
@@ -88,7 +90,7 @@ class Keeper(Jobs):
                     send_frame(conn, {"error": "BadRequest", "message": f"a {header.get('op')!r} request "
                                                                          "carries no data"})
                     continue
-                if starved and header.get("op") in ("exec", "spawn", "start", "tunnel"):
+                if starved and header.get("op") in ("exec", "spawn", "start", "tunnel", "forward"):
                     drain(conn, blen)
                     self._refuse_starved(conn, "cannot start a thread to serve it")
                     return
@@ -218,6 +220,18 @@ class Keeper(Jobs):
                     raise PermissionError(errno.EPERM, "tunnel is the host's request alone: refused")
                 open_tunnel(conn, int(h["port"]), self.tunnels)
                 raise ConnectionError("tunnel closed")  # the connection carried raw bytes: no frame may follow
+            elif op in ("listen", "forward"):  # a host endpoint forwarded in (agentenv.sandbox.forward)
+                if peer_pid(conn) != 0:  # from inside: a process of the sandbox would open its own way out
+                    raise PermissionError(errno.EPERM, f"{op} is the host's request alone: refused")
+                port = int(h["port"])
+                with self.lock:
+                    listen(port, self.listeners)  # again after a reroot or a fresh start: it left no listener
+                    server = self.listeners[port]
+                if op == "listen":
+                    send_frame(conn, {"ok": True})
+                else:  # answered once a process of the sandbox connects: raw bytes after the answer
+                    accept_forward(conn, server, self.tunnels)
+                    raise ConnectionError("forward closed")
             elif op == "quiesce":
                 self.quiesce(conn)
                 send_frame(conn, {"ok": True})

@@ -70,10 +70,12 @@ class Channel:
     def __init__(self, root: Callable[[], str | Root], gate: Gate, path: str = keeper.SOCKET_PATH) -> None:
         self.root, self.path, self.gate = root, path, gate
 
-    def connect(self, wait: float = 0.0, *, through_gate: bool = True, deadline: float | None = None) -> socket.socket:
+    def connect(self, wait: float = 0.0, *, through_gate: bool = True, deadline: float | None = None,
+                at_once: bool = False) -> socket.socket:
         """Open a connection, retrying for up to ``wait`` seconds (the keeper may still be starting).
 
-        Through the gate, it waits for a snapshot in progress, until ``deadline`` at most.
+        Through the gate, it waits for a snapshot in progress, until ``deadline`` at most. ``at_once``: a keeper whose
+        queue of connections is full (it is frozen, or busy) is an OSError now, never a wait.
         """
         if through_gate and not self.gate.wait_open(None if deadline is None else deadline - time.monotonic()):
             raise ConnectionLost("a snapshot of the sandbox held the call past its deadline",
@@ -82,7 +84,7 @@ class Channel:
         delay = 0.002
         while True:
             try:
-                return connect_in_root(self.root(), self.path)
+                return connect_in_root(self.root(), self.path, at_once)
             except OSError as e:
                 left = end - time.monotonic()
                 if left <= 0:
@@ -278,14 +280,15 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def connect_in_root(root: str | Root, path: str) -> socket.socket:
+def connect_in_root(root: str | Root, path: str, at_once: bool = False) -> socket.socket:
     """Connect to the unix socket at ``path`` as resolved *inside* ``root``.
 
     The sandbox owns the folders on that path: resolving it with openat2(RESOLVE_IN_ROOT) and
     refusing anything but a socket at the end means a symlink planted there cannot send the host
     to a socket of its own (the Docker socket, say). With a ``Root`` (whose descriptor this closes),
     the socket must also be served by the process ``root.pid``: a server that a process of the
-    sandbox put in the keeper's place is refused before a byte is exchanged.
+    sandbox put in the keeper's place is refused before a byte is exchanged. ``at_once``: a server whose queue of
+    connections is full is a BlockingIOError at once, not a wait for it to accept.
     """
     rootfd = root.fd if isinstance(root, Root) else os.open(root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -301,7 +304,10 @@ def connect_in_root(root: str | Root, path: str) -> socket.socket:
             raise ConnectionRefusedError(f"{path} in the sandbox is not a socket (replaced by the sandbox?)")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
+            if at_once:  # a unix socket's connect does not block then: a full queue is EAGAIN
+                s.setblocking(False)
             s.connect(f"/proc/self/fd/{fd}")
+            s.setblocking(True)
             if isinstance(root, Root):
                 peer = _PEERCRED.unpack(s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[0]
                 if peer != root.pid:

@@ -53,6 +53,7 @@ from agentenv.host.runtime import ContainerSpec
 from agentenv.sandbox import (
     expiry,
     forking,
+    forward,
     lifecycle,
     migration,
     record,
@@ -61,6 +62,7 @@ from agentenv.sandbox import (
     warm,
 )
 from agentenv.sandbox.calls import Calls, Process, max_output
+from agentenv.sandbox.forward import Forward
 from agentenv.sandbox.lifecycle import SandboxLifecycle
 from agentenv.sandbox.record import Record, SandboxRecord
 from agentenv.sandbox.recovery import RECOVER_PING_TIMEOUT, HostProcess
@@ -193,6 +195,28 @@ class Sandbox(Calls, Record):
         assert (net := self.network) is not None
         return net
 
+    def forward(self, port: int, to: tuple[str, int], *, max_connections: int = 64,
+                idle_timeout: float = 900.0) -> Forward:
+        """Make ``127.0.0.1:port`` inside the sandbox reach the host endpoint ``to`` (an IP address and a port, e.g.
+        an LLM gateway on the host's loopback) and nothing else of the host, with or without network; returns the
+        forward (its ``url`` is what a process inside connects to). At most ``max_connections`` relays at once,
+        each closed after ``idle_timeout`` s of silence. Relayed by this process, until the sandbox closes (a
+        fork made here keeps it, a restore needs it again: ``agentenv.sandbox.forward``). ValueError for a bad
+        port or target, or a port forwarded elsewhere already; OSError if the port is taken inside."""
+        if not (isinstance(to, tuple | list) and len(to) == 2):
+            raise ValueError(f"to must be (host address, port), e.g. ('127.0.0.1', 8080); got {to!r}")
+        fwd = Forward(port, to[0], to[1], max_connections, idle_timeout).checked()
+        self.require_running()
+        self._channel.call({"op": "listen", "port": fwd.port})
+        relayed = type(self).get(self.id)  # a handle of the relays' own: their reloads never undo this one's changes
+        forward.add(self.id, fwd, relayed.lifecycle.channel, lambda: relayed.state)
+        return fwd
+
+    @property
+    def forwards(self) -> builtins.list[Forward]:
+        """The host endpoints this process forwards into the sandbox (``forward``)."""
+        return forward.of(self.id)
+
     def set_ttl(self, ttl: float) -> None:
         """Extend (or shorten) the time to live, counted from now."""
         with self.locked():
@@ -216,7 +240,17 @@ class Sandbox(Calls, Record):
         With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
         and all an episode needs when its state lives in files. How: ``agentenv.sandbox.forking``.
         """
-        return forking.fork(self, fork_count(n), memory)
+        kids = forking.fork(self, fork_count(n), memory)
+        try:
+            for fwd in self.forwards:  # each child's own relays, to the same endpoints
+                for kid in kids:
+                    kid.forward(fwd.port, (fwd.host, fwd.host_port), max_connections=fwd.max_connections,
+                                idle_timeout=fwd.idle_timeout)
+        except BaseException:
+            for kid in kids:
+                kid.close()
+            raise
+        return kids
 
     def pause(self, memory: bool = True) -> Snapshot:
         """Free the sandbox's CPU and memory; its whole state goes to the snapshot store (with ``memory=False``
@@ -246,6 +280,9 @@ class Sandbox(Calls, Record):
                 raise
             self.amend(paused_snapshot=None)
             self.save_record()
+        for fwd in self.forwards:  # listening again before this returns (a keeper started afresh has no listener)
+            self._channel.call({"op": "listen", "port": fwd.port})
+        forward.woken(self.id)
         snap.delete(background=True)
 
     # --- teardown -----------------------------------------------------------------------------
@@ -258,6 +295,7 @@ class Sandbox(Calls, Record):
         with self.locked(allow_closed=True):
             paused = self._rec.paused_snapshot
             self.lifecycle.destroy()
+        forward.dropped(self.id)
         if paused:
             with contextlib.suppress(Exception):
                 Snapshot.get(paused).delete()

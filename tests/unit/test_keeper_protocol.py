@@ -142,6 +142,21 @@ def test_a_silent_keeper_is_an_error_not_a_hang(tmp_path, monkeypatch):
     mute.close()
 
 
+@pytest.mark.parametrize("op", ["listen", "forward"])
+def test_a_forward_is_the_hosts_request_alone(channel, op):
+    """A process of the sandbox (here: this test) asking the keeper to listen or forward, whatever target it names,
+    is refused: nothing listens on the port afterwards, and the keeper keeps serving."""
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    with pytest.raises(PermissionError, match="host's request alone"):
+        channel.call({"op": op, "port": port, "host": "127.0.0.1", "host_port": 22})
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=5)
+    assert channel.call({"op": "ping"})[0]["ok"] is True
+
+
 def test_a_tunnel_is_the_hosts_request_alone(channel):
     """A process in the keeper's own pid namespace (here: this test, as a command of the sandbox would be) is refused
     a tunnel to a port; the keeper answers, and keeps serving."""
