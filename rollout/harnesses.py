@@ -49,13 +49,15 @@ from rollout.gateway.upstream import Sampling, Upstream
 from rollout.trajectory import Trajectory
 
 Outcome = Literal["graded", "budget_stop", "timeout", "harness_error", "infra_error"]
-HARNESSES = ("mini-swe-agent",)
+HARNESSES = ("mini-swe-agent", "command")
+COMMAND_KEYS = {"command", "port"}     # a command harness's settings: what to run, the gateway's port inside
 
 
 @dataclass(frozen=True)
 class HarnessConfig:
-    """Which harness drives episodes, its own settings (``agent``: mini-swe-agent's agent config over its
-    ``default`` one, e.g. ``step_limit`` or shorter templates), and the run's settings for its sessions."""
+    """Which harness drives episodes, its own settings, and the run's settings for its sessions. ``agent``:
+    mini-swe-agent's agent config over its ``default`` one (e.g. ``step_limit`` or shorter templates); for
+    ``command``, the command to run inside the sandbox and the port the gateway is forwarded to there (4000)."""
 
     name: str = "mini-swe-agent"
     agent: dict[str, Any] = field(default_factory=dict)
@@ -74,6 +76,10 @@ class HarnessConfig:
     def __post_init__(self) -> None:
         if self.name not in HARNESSES:
             raise ValueError(f"harness must be one of {', '.join(HARNESSES)}, got {self.name!r}")
+        if self.name == "command" and (not isinstance(self.agent.get("command"), str)
+                                       or set(self.agent) - COMMAND_KEYS):
+            raise ValueError("a command harness takes command = \"...\" (what to run inside the sandbox) and, "
+                             f"optionally, port = N; got {sorted(self.agent)}")
         if self.timeout_s <= 0:
             raise ValueError("a harness's timeout_s must be positive")
 
@@ -134,8 +140,10 @@ class GatewayServer(LoopbackServer):
         return f"{self.url}/s/{session.id}"
 
 
-def run_mini_swe_agent(env: GymEnv, task: str, base_url: str, key: str, harness: HarnessConfig) -> HarnessExit:
-    """mini-swe-agent's ``DefaultAgent`` and ``LitellmModel``, unmodified, in the episode's sandbox."""
+def run_mini_swe_agent(env: GymEnv, task: str, server: GatewayServer, session: Session,
+                       harness: HarnessConfig) -> HarnessExit:
+    """mini-swe-agent's ``DefaultAgent`` and ``LitellmModel``, unmodified, on the host, working in the episode's
+    sandbox."""
     os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")   # litellm's bundled map: no fetch from the internet
     import litellm
@@ -150,7 +158,7 @@ def run_mini_swe_agent(env: GymEnv, task: str, base_url: str, key: str, harness:
     if box is None:
         raise RuntimeError("the episode has no sandbox for the harness to work in")
     model = LitellmModel(model_name="openai/agentenv-policy", cost_tracking="ignore_errors",
-                         model_kwargs={"api_base": base_url, "api_key": key})
+                         model_kwargs={"api_base": server.openai_url(session), "api_key": session.key})
     workspace = AgentenvEnvironment(sandbox=box, cwd=harness.cwd or unwrap(env).workdir)
     agent = DefaultAgent(model, workspace, **(get_config_from_spec("default")["agent"] | harness.agent))
     try:
@@ -160,8 +168,33 @@ def run_mini_swe_agent(env: GymEnv, task: str, base_url: str, key: str, harness:
     return HarnessExit(str(out.get("exit_status", "")), str(out.get("submission", "")))
 
 
-RUNNERS: dict[str, Callable[[GymEnv, str, str, str, HarnessConfig], HarnessExit]] = {
-    "mini-swe-agent": run_mini_swe_agent}
+def run_command(env: GymEnv, task: str, server: GatewayServer, session: Session, harness: HarnessConfig
+                ) -> HarnessExit:
+    """A harness installed in the sandbox's image, run there (``agent["command"]``): it reaches the gateway at an
+    address inside the sandbox (``Sandbox.forward``: that one host port and nothing else of the host, with or without
+    network) through ``OPENAI_BASE_URL`` / ``ANTHROPIC_BASE_URL`` and the session's key in ``OPENAI_API_KEY`` /
+    ``ANTHROPIC_API_KEY``; the task is in ``AGENTENV_TASK``. An exit status of 0 submits what it printed."""
+    from agentenv.sandbox.core import Sandbox
+
+    box = unwrap(env).sandbox
+    if not isinstance(box, Sandbox):
+        return HarnessExit(error="a command harness runs in local sandboxes (forwards are local only), not in "
+                                 f"{type(box).__name__}")
+    inside = box.forward(int(harness.agent.get("port", 4000)), to=("127.0.0.1", server.port))
+    base = f"{inside.url}/s/{session.id}"
+    env_vars = {"OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": session.key, "ANTHROPIC_BASE_URL": base,
+                "ANTHROPIC_API_KEY": session.key, "AGENTENV_TASK": task}
+    r = box.exec(str(harness.agent["command"]), timeout=harness.timeout_s + 30,   # the run's own deadline first
+                 env=env_vars, cwd=harness.cwd or unwrap(env).workdir)
+    if r.timed_out:
+        return HarnessExit("TimeExceeded")
+    if r.exit_code != 0:
+        return HarnessExit(error=f"the command exited {r.exit_code}: {r.stderr[-1500:]}")
+    return HarnessExit("Submitted", r.stdout)
+
+
+RUNNERS: dict[str, Callable[[GymEnv, str, GatewayServer, Session, HarnessConfig], HarnessExit]] = {
+    "mini-swe-agent": run_mini_swe_agent, "command": run_command}
 LIMITS = ("LimitsExceeded", "TimeExceeded")   # mini-swe-agent's own step, cost and time limits
 
 
@@ -188,8 +221,8 @@ async def play_harness(env: GymEnv, task: str, server: GatewayServer, harness: H
     t0 = time.perf_counter()
     runner = RUNNERS[harness.name]
     try:
-        done = await asyncio.wait_for(asyncio.to_thread(runner, env, task, server.openai_url(session), session.key,
-                                                        harness), harness.timeout_s)
+        done = await asyncio.wait_for(asyncio.to_thread(runner, env, task, server, session, harness),
+                                      harness.timeout_s)
     except TimeoutError:
         done = None
     finally:

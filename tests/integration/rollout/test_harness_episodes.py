@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -116,3 +117,71 @@ def test_agentenv_rollout_takes_a_harness(serve_policy, tmp_path):
     assert all(t.metadata["outcome"] == "graded" and t.metadata["harness"] == "mini-swe-agent" for t in records)
     run = json.loads((Path(out) / "run.json").read_text())
     assert run["config"]["harness"]["name"] == "mini-swe-agent"
+
+
+CLI_IMAGE = "agentenv-test/cli-harness:1"
+
+
+@pytest.fixture(scope="module")
+def cli_image():
+    """agentenv's base image with a small CLI harness installed (tests/integration/rollout/cli_harness)."""
+    import docker
+
+    client = docker.from_env()
+    client.images.build(path=str(Path(__file__).parent / "cli_harness"), tag=CLI_IMAGE, rm=True, forcerm=True,
+                        network_mode="none", pull=False)
+    yield CLI_IMAGE
+    client.images.remove(CLI_IMAGE, force=True)
+
+
+def answer_after_looking(text: str, turn: int) -> str:
+    returns = text.split("## Return of")
+    if len(returns) > 1:
+        return returns[-1].split("\n", 1)[1].split()[0]          # the file's code, as a plain answer
+    name = re.search(r"code is in file (\S+?)\?", text)
+    return "Reading." + scripted.tool_call("bash", {"command": f"cat /data/{name.group(1) if name else 'x'}"})
+
+
+def test_a_cli_harness_inside_the_sandbox_reaches_the_gateway_and_nothing_else(serve_policy, cli_image):
+    """The harness runs in the sandbox (no network at all) and asks the gateway at an address inside it, streamed;
+    the episode is recorded as one merged branch and graded. From the same sandbox, the forward's address reaches
+    the gateway only: another session's capability is refused and the host's other loopback ports are not there."""
+    engine = serve_policy(answer_after_looking)
+    server = GatewayServer(engine.url, None, load_tokenizer())
+    probe = ("import urllib.request, urllib.error, os\n"
+             "def get(url, key):\n"
+             "    try:\n"
+             "        r = urllib.request.urlopen(urllib.request.Request(url, headers={'Authorization': 'Bearer ' + key}), timeout=5)\n"
+             "        return r.status\n"
+             "    except urllib.error.HTTPError as e:\n"
+             "        return e.code\n"
+             "    except OSError as e:\n"
+             "        return type(e).__name__\n"
+             "print(get(os.environ['OPENAI_BASE_URL'] + '/models', os.environ['OPENAI_API_KEY']))\n"
+             "print(get(os.environ['OPENAI_BASE_URL'].replace(os.environ['SID'], os.environ['OTHER']) + '/models', os.environ['OPENAI_API_KEY']))\n"
+             "print(get('http://127.0.0.1:%s/v1/models' % os.environ['ENGINE_PORT'], 'x'))\n")
+    other = server.gateway.open()
+    harness = HarnessConfig("command", {"command": "python3 /opt/harness/agent.py"}, timeout_s=120)
+    try:
+        result = asyncio.run(run_group(
+            lambda: gymnasium.make("agentenv/Lookup-v0", image=cli_image, answer_tool=False),
+            GroupSpec("g3", TASK, TASK, group_size=2, seed=1), None, LocalTokenizer(), env_id="agentenv/Lookup-v0",
+            harness=HarnessDriver(server, harness)))
+        for t in result.trajectories:
+            assert t.metadata["outcome"] == "graded" and t.reward == 1.0, (t.error, t.grade)
+            gw = t.metadata["gateway"]
+            assert gw["calls"] == 2 and gw["branches"] == 1 and gw["merge_rate"] == 1.0
+        env = gymnasium.make("agentenv/Lookup-v0", image=cli_image)
+        try:
+            env.reset(options={"task": TASK})
+            box = env.unwrapped.sandbox
+            s = server.gateway.open()
+            inside = box.forward(4000, to=("127.0.0.1", server.port))
+            r = box.exec(f"python3 -c {shlex.quote(probe)}", env={
+                "OPENAI_BASE_URL": f"{inside.url}/s/{s.id}/v1", "OPENAI_API_KEY": s.key, "SID": s.id,
+                "OTHER": other.id, "ENGINE_PORT": str(engine.port)}, timeout=60)
+            assert r.stdout.split() == ["200", "401", "URLError"], r.stdout + r.stderr
+        finally:
+            env.close()
+    finally:
+        server.close()
