@@ -8,6 +8,7 @@ record is exactly the engine's ids."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -225,3 +226,43 @@ def test_litellm_as_mini_swe_agent_calls_it_and_default_agent_on_a_sandbox(gatew
     assert result["exit_status"] == "Submitted" and result["submission"].strip() == "42", result
     summary = export.session_summary(s)
     assert summary["calls"] == 2 and summary["branches"] == 1 and summary["merge_rate"] == 1.0, summary
+
+
+@pytest.mark.parametrize("api", ["chat", "responses"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_openai_agents_sdk_runs_its_tool_loop_through_the_gateway(gw, api, stream):
+    """The OpenAI Agents SDK, unmodified: an ``Agent`` with a function tool, run by its ``Runner`` (streamed and
+    not) on either of its OpenAI models, against the gateway; the session is one merged branch."""
+    from agents import (
+        Agent,
+        OpenAIChatCompletionsModel,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+
+    set_tracing_disabled(True)    # no trace export to OpenAI's servers
+    looked: list[str] = []
+
+    @function_tool
+    def lookup(key: str) -> str:
+        """Look a key up."""
+        looked.append(key)
+        return f"{key} = 42"
+
+    s = gw.gateway.open()
+    client = openai.AsyncOpenAI(base_url=gw.openai_url(s), api_key=s.key, max_retries=0)
+    model = OpenAIChatCompletionsModel("gpt-4o", client) if api == "chat" else OpenAIResponsesModel("gpt-4o", client)
+    agent = Agent(name="looker", instructions="Answer with the tool.", tools=[lookup], model=model)
+
+    async def run() -> str:
+        if not stream:
+            return str((await Runner.run(agent, "a?")).final_output)
+        streamed = Runner.run_streamed(agent, "a?")
+        async for _ in streamed.stream_events():
+            pass
+        return str(streamed.final_output)
+
+    assert asyncio.run(run()) == FINAL and looked == ["a"]
+    one_merged_branch(s)
