@@ -42,6 +42,21 @@ while True:
 """
 
 
+def another_home_shares() -> str | None:
+    """The agentenv home whose sandboxes share this host's memory now, when it is not this session's (KSM merges one
+    home's at a time: then this session's share_memory=True is refused, and its default gets none)."""
+    holder = ksm.holder()
+    return holder if holder not in (None, ksm.owner()) else None
+
+
+@pytest.fixture()
+def merging_here() -> None:
+    """Skip a test that needs this session's sandboxes to share while another home's do (another run on the host):
+    what cannot run here is said, not failed."""
+    if (other := another_home_shares()) is not None:
+        pytest.skip(f"the sandboxes of another agentenv home ({other}) share this host's memory now")
+
+
 def flagged(sb: agentenv.Sandbox) -> bool:
     """The sandbox's agent has the flag (host view), and a command it starts inherits it (the sandbox's view)."""
     inside = sb.exec(GET_MERGE)
@@ -99,8 +114,8 @@ def test_a_rollout_group_shares_by_default_and_not_with_the_opt_out(kwargs, shar
     """An env's sandbox is made at reset with share_memory where the host can (its record says what it got), and
     a group forked from it by the rollout path (rollout.groups.branch) keeps it: KSM merges the children's copies
     of the parent's memory. ``share_memory=False`` in the env's kwargs: none of that."""
-    if shares and ksm.holder() not in (None, ksm.owner()):
-        pytest.skip(f"the sandboxes of another agentenv home ({ksm.holder()}) share this host's memory now")
+    if shares and (other := another_home_shares()) is not None:
+        pytest.skip(f"the sandboxes of another agentenv home ({other}) share this host's memory now")
     env = ShellEnv(memory="256m", **kwargs)
     kids = []
     try:
@@ -122,7 +137,7 @@ def test_a_rollout_group_shares_by_default_and_not_with_the_opt_out(kwargs, shar
         env.close()
 
 
-def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged():
+def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged(merging_here):
     found = ksm._read("run")
     sb = agentenv.Sandbox.create(share_memory=True)
     kids: list[agentenv.Sandbox] = []
@@ -146,7 +161,7 @@ def test_forks_inherit_sharing_and_diverge_after_a_write_once_merged():
         assert ksm._read("run") == found
 
 
-def test_a_memory_snapshot_of_a_sharing_sandbox_restores_sharing():
+def test_a_memory_snapshot_of_a_sharing_sandbox_restores_sharing(merging_here):
     with agentenv.Sandbox.create(share_memory=True) as sb:
         snap = sb.snapshot(memory=True)
     try:
@@ -157,7 +172,7 @@ def test_a_memory_snapshot_of_a_sharing_sandbox_restores_sharing():
         snap.delete()
 
 
-def test_the_remote_api_carries_the_opt_in_and_the_default():
+def test_the_remote_api_carries_the_opt_in_and_the_default(merging_here):
     with threaded_server() as url, agentenv.connect(url, TOKEN) as client:
         with client.Sandbox.create(memory="256m", share_memory=True) as sb:
             assert sb.exec(GET_MERGE).stdout.strip() == "1"
@@ -169,12 +184,10 @@ def test_the_remote_api_carries_the_opt_in_and_the_default():
             assert sb.exec(GET_MERGE).stdout.strip() == ("1" if free else "0")
 
 
-def test_another_homes_sandboxes_never_merge_with_ours(request, monkeypatch):
+def test_another_homes_sandboxes_never_merge_with_ours(request, monkeypatch, merging_here):
     """KSM merges every flagged process of the host alike, so the host's merging is one agentenv home's at a time:
     while this session's sharing sandbox runs, another home's default gets a plain sandbox (no flag, so never
     merged with ours), and its explicit share_memory=True is refused, naming the home that shares."""
-    if ksm.holder() not in (None, ksm.owner()):
-        pytest.skip(f"the sandboxes of another agentenv home ({ksm.holder()}) share this host's memory now")
     mine = ksm.owner()
     with agentenv.Sandbox.create(memory="256m", share_memory=True) as ours:
         assert flagged(ours) and ksm.holder() == mine
