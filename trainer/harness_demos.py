@@ -9,6 +9,12 @@ records are the demonstrations. The engine answers as the Lookup expert would (`
 shown the command outputs without mini-swe-agent's wrapper) and submits its answer the harness's way (``echo
 COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; echo ANSWER``).
 
+With ``one_command`` (the default) the expert looks and submits in one command, ``echo
+COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; cat NAME``: the file's content is the submission, so no episode asks the
+policy to copy a code out of mini-swe-agent's ``<output>`` wrapper into a 60-token command (one token in about 80,
+which a warm start averages away), and what RL then learns is the main job's decision, looking against guessing.
+It fits the levels where the named file holds the code (0 and 1); ``one_command=False`` looks, then submits.
+
 As in ``trainer.demos``, the demonstrator is imperfect on purpose: on a fraction ``guess`` of the tasks (drawn per
 task, in list order, from the run's seed) it submits a code drawn from the env's whole list without looking. Every
 episode is written (token ids, mask, the engine's logprobs, reward); ``demos.json`` counts them. Lookup-v0 only.
@@ -34,19 +40,25 @@ from rollout.trajectory import Trajectory
 
 LOOKUP = "agentenv/Lookup-v0"
 SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; echo {answer}"
+LOOK_AND_SUBMIT = "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT; {look}"
 _WRAPPED = re.compile(r"<returncode>-?\d+</returncode>\n(?:<exception>.*?</exception>\n)?<output>\n(.*?)</output>",
                       re.DOTALL)
 
 
-def in_harness(inner: Script) -> Script:
+def in_harness(inner: Script, one_command: bool = False) -> Script:
     """``inner`` (a script of our agent loop's format) as a mini-swe-agent expert: it reads the command outputs
-    without mini-swe-agent's wrapper, and its final answer (plain text, or an ``answer`` call) becomes a submission."""
+    without mini-swe-agent's wrapper, and its final answer (plain text, or an ``answer`` call) becomes a submission.
+    With ``one_command``, a first look (``cat NAME``) is itself the submission (``LOOK_AND_SUBMIT``)."""
 
     def script(prompt: str, turn: int) -> str:
         said = inner(_WRAPPED.sub(lambda m: m.group(1), prompt), turn)
         text = said if isinstance(said, str) else said[0]
         msg = chat.parse_assistant(text)
-        if any(c["function"]["name"] == "bash" for c in msg.tool_calls):
+        looks = [json.loads(c["function"]["arguments"])["command"] for c in msg.tool_calls
+                 if c["function"]["name"] == "bash"]
+        if looks and one_command and str(looks[0]).startswith("cat "):
+            return tool_call("bash", {"command": LOOK_AND_SUBMIT.format(look=looks[0])})
+        if looks:
             return text
         given = json.loads(msg.tool_calls[0]["function"]["arguments"]).get("answer", "") if msg.tool_calls \
             else msg.content
@@ -57,7 +69,8 @@ def in_harness(inner: Script) -> Script:
 
 def write_demonstrations(env_id: str, tasks: Iterable[Any], out: str | Path, n: int | None = None, *,
                          env_kwargs: Mapping[str, Any] | None = None, harness_agent: Mapping[str, Any] | None = None,
-                         guess: float = 0.5, seed: int = 0, concurrency: int = 4) -> dict[str, Any]:
+                         guess: float = 0.5, one_command: bool = True, seed: int = 0,
+                         concurrency: int = 4) -> dict[str, Any]:
     """Play the (imperfect) demonstrator through mini-swe-agent on the first ``n`` of ``tasks`` and write every
     episode's records to ``out`` (msgpack shards, and ``demos.json``)."""
     from envs.lookup_env import VALUES
@@ -73,7 +86,7 @@ def write_demonstrations(env_id: str, tasks: Iterable[Any], out: str | Path, n: 
     looked = [t for t, g in zip(chosen, guessing, strict=True) if not g]
     guessed = [t for t, g in zip(chosen, guessing, strict=True) if g]
     kwargs, agent = dict(env_kwargs or {}), dict(harness_agent or {})
-    episodes = [*play(env_id, looked, in_harness(lookup_expert()), kwargs, agent, concurrency),
+    episodes = [*play(env_id, looked, in_harness(lookup_expert(), one_command), kwargs, agent, concurrency),
                 *play(env_id, guessed, in_harness(guessing_script(list(VALUES), False, seed)), kwargs, agent,
                       concurrency)]
     records = [t for main, others in episodes for t in (main, *others)]
@@ -83,9 +96,10 @@ def write_demonstrations(env_id: str, tasks: Iterable[Any], out: str | Path, n: 
                 w.write(t)
     report: dict[str, Any] = {
         "env_id": env_id, "harness": "mini-swe-agent", "episodes": len(episodes), "records": len(records),
-        "guess": guess, "guessed": len(guessed), "looked": len(looked),
+        "guess": guess, "one_command": one_command, "guessed": len(guessed), "looked": len(looked),
         "solved": sum(1 for main, _ in episodes if main.reward == 1.0),
         "infra_errors": sum(1 for t in records if t.infra_error),
+        "errors": sorted({f"{t.finish_reason}: {t.error}" for t in records if t.infra_error})[:5],
         "outcomes": {o: sum(1 for t in records if t.metadata.get("outcome") == o)
                      for o in sorted({str(t.metadata.get("outcome")) for t in records})}}
     Path(out, "demos.json").write_text(json.dumps(report, indent=1))

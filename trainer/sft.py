@@ -167,7 +167,8 @@ def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: 
     samples = sft_samples(trajs)
     solved = sum(1 for t in trajs if t.reward is not None and t.reward >= cfg.rl.pass_threshold)
     if not samples:
-        raise RuntimeError(f"the expert wrote no usable demonstration in {demos}")
+        raise RuntimeError(f"the expert wrote no usable demonstration in {demos} (its demos.json may say why: "
+                           "infra errors mean the sandboxes or the engine failed: is dockerd up? scripts/bootstrap.sh starts it)")
     say(f"warm start: SFT on {len(samples)} demonstrations ({solved}/{len(trajs)} solved), "
         f"{cfg.sft.steps} steps of {cfg.sft.batch_size}")
     tcfg = TrainConfig(lr=cfg.sft.lr, warmup_steps=cfg.sft.warmup_steps, seed=cfg.seed, dtype=cfg.trainer.dtype,

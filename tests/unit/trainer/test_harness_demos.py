@@ -8,7 +8,7 @@ from policy import chat
 from rollout import scripted
 from rollout.agent import LocalTokenizer
 from rollout.experts import lookup_expert
-from trainer.harness_demos import SUBMIT, in_harness
+from trainer.harness_demos import LOOK_AND_SUBMIT, SUBMIT, in_harness
 
 TOK = LocalTokenizer()
 BASH = [chat.tool_spec("bash", "Execute a bash command", {"command": {"type": "string"}}, ["command"])]
@@ -37,3 +37,11 @@ def test_the_expert_looks_then_submits_what_mini_swe_agent_showed_it():
 def test_a_plain_answer_is_submitted_the_harness_way():
     script = in_harness(lambda p, turn: "python")
     assert command(script("anything", 0)) == SUBMIT.format(answer="python")
+
+
+def test_with_one_command_the_look_is_the_submission():
+    script = in_harness(lookup_expert(), one_command=True)
+    first = [{"role": "system", "content": "Use bash."}, {"role": "user", "content": "What code is in the file model?"}]
+    assert command(script(prompt(first), 0)) == LOOK_AND_SUBMIT.format(look="cat *")   # level 0: one file
+    level2 = [first[0], {"role": "user", "content": "What is the code of model in the files?"}]
+    assert command(script(prompt(level2), 0)) == "grep model *"      # not a look whose output is the code
