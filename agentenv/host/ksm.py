@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agentenv.config import paths, write_json
-from agentenv.errors import MemorySharingUnsupported, SandboxError
+from agentenv.errors import MemorySharingUnsupported
 from agentenv.host.hostcalls import proc_start_time
 
 KSM = Path("/sys/kernel/mm/ksm")
@@ -161,12 +161,13 @@ def merge_any(pid: int) -> bool:
 
 
 def check_flag(sandbox_id: str, pid: int) -> None:
-    """SandboxError unless the keeper ``pid`` of a sharing sandbox has its pages mergeable (an image's python3
-    without ctypes cannot set the flag): sharing is never promised and then silently missing."""
+    """MemorySharingUnsupported unless the keeper ``pid`` of a sharing sandbox has its pages mergeable (an image's
+    python3 without ctypes cannot set the flag): sharing is never promised and then silently missing. A create that
+    asked for the default (None) starts again without sharing (``agentenv.sandbox.core``)."""
     if not merge_any(pid):
-        raise SandboxError(f"the keeper of sandbox {sandbox_id} could not mark its memory mergeable "
-                           "(PR_SET_MEMORY_MERGE)", fix="use an image whose python3 has ctypes, or create the "
-                                                        "sandbox without share_memory")
+        raise MemorySharingUnsupported(f"the keeper of sandbox {sandbox_id} could not mark its memory mergeable "
+                                       "(PR_SET_MEMORY_MERGE)", fix="use an image whose python3 has ctypes, or "
+                                                                    "create the sandbox without share_memory")
 
 
 def mergeable_bytes() -> int:

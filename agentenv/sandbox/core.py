@@ -46,7 +46,7 @@ from agentenv.api import (
     fork_count,
 )
 from agentenv.config import parse_disk, parse_size, paths
-from agentenv.errors import SandboxNotFound, SandboxStateError
+from agentenv.errors import MemorySharingUnsupported, SandboxNotFound, SandboxStateError
 from agentenv.host import images, ksm, volume
 from agentenv.host import network as hostnet
 from agentenv.host.runtime import ContainerSpec
@@ -100,7 +100,8 @@ class Sandbox(Calls, Record):
         (loopback only), True (the outside, never the host), or outbound rules (``Network`` or a mapping with
         ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
         memory forks share unwritten pages (KSM, ``agentenv.host.ksm``): True (MemorySharingUnsupported where
-        not), None (where this host can and no other owner shares: what the envs ask for) or False. The record's
+        not), None (where this host can, no other owner shares and the image's python3 can flag its pages: what the
+        envs ask for) or False. The record's
         ``spec.share_memory`` says what it got."""
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
@@ -120,8 +121,16 @@ class Sandbox(Calls, Record):
                              rules=rules.to_json() if rules is not None else None, uids=warm.family(),
                              share_memory=share)
         if (sb := warm.take(image, spec, ttl, labels, cls)) is None:  # a started one, where a warm pool has it
-            sb = lifecycle.make(cls, spec, image=image, ttl=ttl, labels=labels, parent=None)
-            lifecycle.boot(sb, None, "create")
+            try:
+                sb = lifecycle.make(cls, spec, image=image, ttl=ttl, labels=labels, parent=None)
+                lifecycle.boot(sb, None, "create")
+            except MemorySharingUnsupported:
+                if share_memory is not None:
+                    raise
+                # the default falls back: this image's python3 could not flag its pages (no ctypes)
+                spec.share_memory = False
+                sb = lifecycle.make(cls, spec, image=image, ttl=ttl, labels=labels, parent=None)
+                lifecycle.boot(sb, None, "create")
         return sb
 
     @classmethod

@@ -12,7 +12,7 @@ import pytest
 
 import agentenv
 from agentenv.errors import MemorySharingUnsupported
-from agentenv.host import ksm, volume
+from agentenv.host import images, ksm, volume
 from envs import ShellEnv
 from rollout.groups import branch, close_all
 
@@ -203,3 +203,30 @@ def test_another_homes_sandboxes_never_merge_with_ours(request, monkeypatch, mer
         assert mine in str(e.value) and "without share_memory" in (e.value.fix or "")
         assert agentenv.Sandbox.list() == []
 
+
+
+NO_CTYPES = "agentenv-test/no-ctypes:1"
+
+
+@pytest.fixture(scope="module")
+def no_ctypes_image(tmp_path_factory) -> str:
+    """agentenv's base image without ctypes in its python3: its keeper cannot flag its own pages."""
+    context = tmp_path_factory.mktemp("no-ctypes")
+    (context / "Dockerfile").write_text("FROM agentenv/base\nRUN rm -rf /usr/lib/python3*/ctypes "
+                                        "/usr/lib/python3*/lib-dynload/_ctypes*\n")
+    images.build(str(context), NO_CTYPES)
+    yield NO_CTYPES
+    images.docker_client().images.remove(NO_CTYPES, force=True)
+
+
+def test_the_default_falls_back_where_the_images_python3_cannot_flag_its_pages(no_ctypes_image, merging_here):
+    """share_memory=None (the envs' default) on an image whose python3 lacks ctypes starts a sandbox that does not
+    share (it used to fail to start); share_memory=True still refuses, naming the fix, and leaves nothing behind."""
+    with agentenv.Sandbox.create(no_ctypes_image, share_memory=None) as sb:
+        assert sb.record.spec["share_memory"] is False
+        assert not ksm.merge_any(sb.record.init_pid)
+        assert sb.exec("echo up").stdout == "up\n"
+    with pytest.raises(MemorySharingUnsupported, match="could not mark its memory mergeable") as e:
+        agentenv.Sandbox.create(no_ctypes_image, share_memory=True)
+    assert "ctypes" in (e.value.fix or "")
+    assert [s for s in agentenv.Sandbox.list() if s.image == no_ctypes_image] == []
