@@ -183,6 +183,10 @@ if [ "$SKIP_VENV" = 0 ]; then
     log "python environment ready: $VENV ($("$VENV/bin/python" -c 'import sys; print(sys.version.split()[0], sys._base_executable)'))"
     # --- 5. The sandbox volume of the default home (/var/lib/agentenv): made once, mounted again after a reboot
     "$VENV/bin/agentenv" volume || die "the sandbox volume has no quotas: sandboxes cannot get disk limits"
+    # --- 5b. E2B's code-interpreter image: the base image and the pinned data stack (wheels through .venv's pip)
+    AGENTENV_PIP="$VENV/bin/python -m pip" "$ROOT/scripts/build-code-interpreter-image.sh" 2>&1 \
+        | { grep -v "is ignored: it is neither" || true; } \
+        || die "the code-interpreter image did not build (its output is above)"
     # --- 6. harbor's own venv (harbor needs Python >= 3.12, Debian 12 has 3.11): CPython 3.13 built from Debian's
     # source, about 3 minutes on 2 cores more, so only when asked; without it the harbor test skips, saying how
     if [ "${AGENTENV_HARBOR:-0}" = 1 ]; then

@@ -36,7 +36,7 @@ from typing import Any
 
 from agentenv.inside.magics import MAGIC, Magics, Shell, transform
 from agentenv.inside.nodejs import Node
-from agentenv.inside.results import error_text, figures, formats
+from agentenv.inside.results import INLINE_BACKEND, InlineBackend, error_text, figures, formats
 
 ENV_NAME = "AGENTENV_KERNEL"  # carries the source; the loader pops it, so user code never inherits it
 MAX_LINE = 64 << 20  # bytes of one request line; a longer one is answered with an error and skipped
@@ -143,7 +143,8 @@ class Kernel:
         self.ns = module.__dict__
         self.magics, self.shell, self.node = Magics(self.ns), Shell(), Node()
         sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115 (lives as long as the kernel)
-        os.environ.setdefault("MPLBACKEND", "agg")  # no GUI; figures are shown as png results
+        sys.meta_path.append(InlineBackend(self.figures))  # no GUI: figures are shown as png results
+        os.environ.setdefault("MPLBACKEND", f"module://{INLINE_BACKEND}")
         self.rebind()
         threading.Thread(target=self.drain, name="kernel-drain", daemon=True).start()
 

@@ -11,11 +11,14 @@ kernel writes as an event.
 from __future__ import annotations
 
 import base64
+import importlib
+import importlib.abc
+import importlib.util
 import json
 import os
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 MIMES = {  # Jupyter's MIME types and the keys of e2b's Result; any other goes to ``extra``
@@ -90,6 +93,31 @@ def figures() -> Iterator[dict[str, Any]]:
         fig.savefig(buf, format="png", bbox_inches="tight")
         yield {"text": repr(fig), "png": base64.b64encode(buf.getvalue()).decode(), "extra": {}}
     plt.close("all")
+
+
+INLINE_BACKEND = "agentenv_inline"  # matplotlib's backend in the kernel: MPLBACKEND=module://agentenv_inline
+
+
+class InlineBackend(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Matplotlib's backend in the kernel, as Jupyter's inline one: Agg's canvas, and ``plt.show()`` emits the open
+    figures at once (``show``), so a chart comes before the cell's result; a figure left open comes after it. A
+    finder of the one module name, since the kernel runs from no file, and matplotlib is imported only if the cell
+    does."""
+
+    def __init__(self, show: Callable[[], None]) -> None:
+        self.show = show
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.util.spec_from_loader(name, self) if name == INLINE_BACKEND else None
+
+    def create_module(self, spec: Any) -> None:
+        return None
+
+    def exec_module(self, module: Any) -> None:
+        # the cell's own matplotlib, which is loading this backend: never imported otherwise
+        backend_agg = importlib.import_module("matplotlib.backends.backend_agg")
+        module.FigureCanvas, module.FigureManager = backend_agg.FigureCanvasAgg, backend_agg.FigureManager
+        module.show = lambda *args, **kwargs: self.show()
 
 
 def _own(filename: str) -> bool:

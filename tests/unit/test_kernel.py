@@ -166,10 +166,12 @@ def test_matplotlib_figures_are_png_results():
     kern = Kernel({"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")})
     try:  # the kernel runs this interpreter, which has matplotlib
         evs = kern.run("import matplotlib.pyplot as plt\nplt.plot([1, 2])\nplt.show()\n5", timeout=15)
-        main, fig = of(evs, "result")
-        assert main["text"] == "5" and fig["is_main_result"] is False
+        fig, main = of(evs, "result")  # plt.show() emits at once, as Jupyter's inline backend does
+        assert main["text"] == "5" and main["is_main_result"] and fig["is_main_result"] is False
         assert fig["text"].startswith("<Figure") and fig["png"].startswith("iVBORw0KGgo")
         assert of(kern.run("plt.get_fignums()"), "result")[0]["text"] == "[]"  # shown once, then closed
+        main, fig = of(kern.run("plt.plot([2, 1])\n6", timeout=15), "result")  # left open: after the value
+        assert main["text"] == "6" and fig["png"].startswith("iVBORw0KGgo")
     finally:
         kern.close()
 

@@ -1,7 +1,9 @@
 """E2B's control plane over the same ``Service`` as the native routes: create, connect, pause, kill, list,
 fork and snapshot sandboxes with the JSON bodies and status codes the ``e2b`` SDK (2.x) expects.
 
-What maps to what: a template is an image (``base`` and ``code-interpreter-v1`` are ours, ``agentenv/base``),
+What maps to what: a template is an image (``base`` is ``agentenv/base``; ``code-interpreter-v1``, the code
+interpreter SDK's default, is ``agentenv/code-interpreter``: the same with the data stack people chart with,
+numpy, pandas and matplotlib, built offline by the bootstrap from pinned wheels),
 or a snapshot id (a sandbox restored from it, as E2B starts sandboxes from snapshots), or a template built here
 (``templates``: its image, or the snapshot taken once its start command was ready); ``timeout`` is the
 sandbox's TTL; ``metadata`` its labels; ``envVars`` its environment. A sandbox whose TTL runs out is killed, as
@@ -52,7 +54,9 @@ from agentenv.server.e2b.tokens import CLIENT_ID, ENVD_VERSION, envd_token, traf
 from agentenv.server.service import Service
 from agentenv.snapshot.store import Snapshot
 
-TEMPLATES = {"base": DEFAULT_IMAGE, "code-interpreter-v1": DEFAULT_IMAGE, "code-interpreter": DEFAULT_IMAGE}
+CODE_INTERPRETER_IMAGE = "agentenv/code-interpreter"  # the base image and numpy, pandas, matplotlib (bootstrap builds it)
+TEMPLATES = {"base": DEFAULT_IMAGE, "code-interpreter-v1": CODE_INTERPRETER_IMAGE,
+             "code-interpreter": CODE_INTERPRETER_IMAGE}
 MEMORY, DISK, CPUS = 1 << 30, parse_size(DEFAULT_DISK), 1.0  # what every E2B sandbox gets: Sandbox.create's
 # defaults (E2B takes them from the template), so that `agentenv serve --warm-pool N` has them started
 TEMPLATE_LABEL = "e2b.template"
