@@ -11,6 +11,9 @@ that are tested"):
   change to this file, reviewed); a skipped Python block still compiles, and what it imports from this repository
   exists.
 
+Every ``agentenv`` command line of a shell block, run or skipped, names a command that exists with flags it takes
+(``agentenv_commands``; tests/unit/test_docs.py reads each one's ``--help``).
+
 Each block runs on its own (a fresh namespace, or a fresh shell) in a scratch folder that links the repository's
 top-level entries, so ``trainer/configs/main.toml`` resolves and nothing a block writes lands in the checkout.
 ``python tests/docblocks.py`` prints how many blocks run in each tier and how many are skipped per reason.
@@ -169,6 +172,34 @@ def _import(block: Block, name: str) -> ModuleType | None:
         if block.reason == "framework" and (e.name or "").split(".")[0] not in FIRST_PARTY:
             return None
         raise
+
+
+SEPARATORS = re.compile(r"&&|\|\||[;&|]")
+WORD = re.compile(r"^[a-z][a-z-]*$")
+
+
+def agentenv_commands(block: Block) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Each ``agentenv`` command line of a shell block, run or not: (the words that may name its subcommand, the
+    ``--flags`` it passes). Continuations are joined, comments dropped, ``[--opt X]`` read as ``--opt X``."""
+    if block.language not in SHELL:
+        return []
+    out = []
+    for line in block.source.replace("\\\n", " ").splitlines():
+        for part in SEPARATORS.split(re.sub(r"(^|\s)#.*", "", line)):
+            words = [w.strip("[]") for w in part.split() if "=" not in w.split("--")[0] or w.startswith("--")]
+            if not words or words[0] != "agentenv":
+                continue
+            path = tuple(w for w in _leading(words[1:]))
+            flags = tuple(sorted({w.split("=", 1)[0] for w in words if w.startswith("--") and len(w) > 2}))
+            out.append((path, flags))
+    return out
+
+
+def _leading(words: list[str]) -> Iterator[str]:
+    for w in words:
+        if not WORD.match(w):
+            return
+        yield w
 
 
 def shell_env() -> dict[str, str]:

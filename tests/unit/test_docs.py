@@ -7,6 +7,7 @@ tests/integration/test_docs_run.py runs the ``sandbox`` ones.
 
 from __future__ import annotations
 
+import functools
 import re
 import shutil
 import subprocess
@@ -119,3 +120,47 @@ def test_the_index_links_every_page() -> None:
     linked = {(index.parent / t.split("#", 1)[0]).resolve() for t in _links(index)}
     unlinked = [str(p.relative_to(ROOT / "docs")) for p in DOC_PAGES if p != index and p.resolve() not in linked]
     assert not unlinked, f"link these pages from docs/index.md: {unlinked}"
+
+
+def _commands() -> dict[tuple[str, ...], dict[str, list[str]]]:
+    """Each ``agentenv`` subcommand the docs' shell blocks name: the flags they pass it, and where."""
+    found: dict[tuple[str, ...], dict[str, list[str]]] = {}
+    for b in BLOCKS:
+        for path, flags in docblocks.agentenv_commands(b):
+            for flag in (*flags, ""):
+                found.setdefault(path, {}).setdefault(flag, []).append(b.id)
+    return found
+
+
+COMMANDS = _commands()
+
+
+@functools.cache
+def _help(path: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+    env = {**docblocks.shell_env(), "COLUMNS": "300", "NO_COLOR": "1", "TERM": "dumb"}
+    return subprocess.run(["agentenv", *path, "--help"], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+
+
+def test_the_docs_name_agentenv_commands() -> None:
+    """The check below has commands to check (skipped blocks included: they are not run, so this is their test)."""
+    assert {("serve",), ("train",), ("rollout",)} <= set(COMMANDS), sorted(COMMANDS)
+
+
+@pytest.mark.parametrize("path", sorted(COMMANDS), ids=lambda p: " ".join(("agentenv", *p)))
+def test_commands_and_flags_in_the_docs_exist(path: tuple[str, ...]) -> None:
+    """Every ``agentenv`` command of a shell block, run or skipped, exists and takes every ``--flag`` it is given
+    there (read from its ``--help``)."""
+    r = _help(path)
+    where = sorted({w for ids in COMMANDS[path].values() for w in ids})
+    assert r.returncode == 0, f"`agentenv {' '.join(path)}` (in {where}) does not exist:\n{r.stdout}{r.stderr}"
+    missing = {f: ids for f, ids in COMMANDS[path].items() if f and not re.search(rf"(?<![\w-]){f}(?![\w-])", r.stdout)}
+    assert not missing, f"`agentenv {' '.join(path)}` takes no {sorted(missing)}; fix the docs at {missing}"
+
+
+def test_a_wrong_command_or_flag_is_caught() -> None:
+    """The flag check can fail: a flag no command takes is not found in a help text, a missing command exits non-zero."""
+    assert docblocks.agentenv_commands(Block(ROOT / "x.md", 1, "bash", "agentenv serve \\\n  [--no-such-flag X]\n",
+                                             "skip", "gpu")) == [(("serve",), ("--no-such-flag",))]
+    assert "--token-file" in _help(("serve",)).stdout and "--no-such-flag" not in _help(("serve",)).stdout
+    assert _help(("no-such-command",)).returncode != 0
