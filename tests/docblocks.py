@@ -11,8 +11,9 @@ that are tested"):
   change to this file, reviewed); a skipped Python block still compiles, and what it imports from this repository
   exists.
 
-Every ``agentenv`` command line of a shell block, run or skipped, names a command that exists with flags it takes
-(``agentenv_commands``; tests/unit/test_docs.py reads each one's ``--help``).
+Every command line of a shell block that runs this repository's command line (``agentenv``, ``python -m envs.tasks``,
+...), run or skipped, names a command that exists with flags it takes (``commands``; tests/unit/test_docs.py reads
+each one's ``--help``).
 
 Each block runs on its own (a fresh namespace, or a fresh shell) in a scratch folder that links the repository's
 top-level entries, so ``trainer/configs/main.toml`` resolves and nothing a block writes lands in the checkout.
@@ -178,20 +179,29 @@ SEPARATORS = re.compile(r"&&|\|\||[;&|]")
 WORD = re.compile(r"^[a-z][a-z-]*$")
 
 
-def agentenv_commands(block: Block) -> list[tuple[tuple[str, ...], tuple[str, ...]]]:
-    """Each ``agentenv`` command line of a shell block, run or not: (the words that may name its subcommand, the
-    ``--flags`` it passes). Continuations are joined, comments dropped, ``[--opt X]`` read as ``--opt X``."""
+Command = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]  # program, subcommand words, flags
+
+
+def commands(block: Block) -> list[Command]:
+    """Each command line of a shell block, run or not, that runs this repository's command line (``agentenv ...``,
+    ``python -m envs.tasks ...``, ``python -m bench.X ...``): (the program, the words that may name its subcommand,
+    the ``--flags`` it passes). Continuations are joined, comments dropped, ``[--opt X]`` read as ``--opt X``."""
     if block.language not in SHELL:
         return []
-    out = []
+    out: list[Command] = []
     for line in block.source.replace("\\\n", " ").splitlines():
         for part in SEPARATORS.split(re.sub(r"(^|\s)#.*", "", line)):
             words = [w.strip("[]") for w in part.split() if "=" not in w.split("--")[0] or w.startswith("--")]
-            if not words or words[0] != "agentenv":
+            prog: tuple[str, ...]
+            if words[:1] == ["agentenv"]:
+                prog, rest = ("agentenv",), words[1:]
+            elif (len(words) > 2 and Path(words[0]).name.startswith("python") and words[1] == "-m"
+                  and words[2].split(".")[0] in FIRST_PARTY | {"bench"}):
+                prog, rest = ("python", "-m", words[2]), words[3:]
+            else:
                 continue
-            path = tuple(w for w in _leading(words[1:]))
-            flags = tuple(sorted({w.split("=", 1)[0] for w in words if w.startswith("--") and len(w) > 2}))
-            out.append((path, flags))
+            flags = tuple(sorted({w.split("=", 1)[0] for w in rest if w.startswith("--") and len(w) > 2}))
+            out.append((prog, tuple(_leading(rest)), flags))
     return out
 
 

@@ -77,6 +77,28 @@ def test_a_skipped_block_with_a_wrong_import_fails() -> None:
         docblocks.check_skipped(Block(ROOT / "README.md", 1, "python", "def (:\n", "skip", "gpu"))
 
 
+INDENTED_COMMAND = re.compile(r"^(?: {4,}|\t)(?:agentenv|python3?|pip|bash|sh|sudo|docker|curl|export|\.venv/\S+"
+                              r"|[A-Z_]+=\S*)\s", re.M)
+FENCED = re.compile(r"^\s*(```|~~~).*?^\s*\1", re.S | re.M)
+
+
+def indented_commands(text: str) -> list[str]:
+    """Command lines in indented (unfenced) code blocks: no marker can be put on them, so none may exist."""
+    return [m.group(0).strip() for m in INDENTED_COMMAND.finditer(FENCED.sub("", text))]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_commands_are_in_fenced_blocks(page: Path) -> None:
+    """A command shown in an indented code block would escape the markers; fence it (```bash) and mark it."""
+    found = indented_commands(page.read_text())
+    assert not found, f"{page.name}: put these commands in a fenced, marked block: {found}"
+
+
+def test_an_indented_command_is_found() -> None:
+    assert indented_commands("text\n\n    python -m envs.tasks validate\n") == ["python"]
+    assert indented_commands("text\n\n```bash\n    python -m envs.tasks validate\n```\n") == []
+
+
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -123,12 +145,13 @@ def test_the_index_links_every_page() -> None:
 
 
 def _commands() -> dict[tuple[str, ...], dict[str, list[str]]]:
-    """Each ``agentenv`` subcommand the docs' shell blocks name: the flags they pass it, and where."""
+    """Each command of this repository the docs' shell blocks name (program and subcommand words): the flags they pass
+    it, and where."""
     found: dict[tuple[str, ...], dict[str, list[str]]] = {}
     for b in BLOCKS:
-        for path, flags in docblocks.agentenv_commands(b):
+        for prog, path, flags in docblocks.commands(b):
             for flag in (*flags, ""):
-                found.setdefault(path, {}).setdefault(flag, []).append(b.id)
+                found.setdefault((*prog, *path), {}).setdefault(flag, []).append(b.id)
     return found
 
 
@@ -136,31 +159,36 @@ COMMANDS = _commands()
 
 
 @functools.cache
-def _help(path: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+def _help(command: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
     env = {**docblocks.shell_env(), "COLUMNS": "300", "NO_COLOR": "1", "TERM": "dumb"}
-    return subprocess.run(["agentenv", *path, "--help"], capture_output=True, text=True, env=env, timeout=120,
-                          check=False)
+    return subprocess.run([*command, "--help"], capture_output=True, text=True, env=env, timeout=120, check=False)
 
 
-def test_the_docs_name_agentenv_commands() -> None:
+def test_the_docs_name_commands() -> None:
     """The check below has commands to check (skipped blocks included: they are not run, so this is their test)."""
-    assert {("serve",), ("train",), ("rollout",)} <= set(COMMANDS), sorted(COMMANDS)
+    expected = {("agentenv", "serve"), ("agentenv", "train"), ("agentenv", "rollout"),
+                ("python", "-m", "envs.tasks", "validate")}
+    assert expected <= set(COMMANDS), sorted(COMMANDS)
 
 
-@pytest.mark.parametrize("path", sorted(COMMANDS), ids=lambda p: " ".join(("agentenv", *p)))
-def test_commands_and_flags_in_the_docs_exist(path: tuple[str, ...]) -> None:
-    """Every ``agentenv`` command of a shell block, run or skipped, exists and takes every ``--flag`` it is given
-    there (read from its ``--help``)."""
-    r = _help(path)
-    where = sorted({w for ids in COMMANDS[path].values() for w in ids})
-    assert r.returncode == 0, f"`agentenv {' '.join(path)}` (in {where}) does not exist:\n{r.stdout}{r.stderr}"
-    missing = {f: ids for f, ids in COMMANDS[path].items() if f and not re.search(rf"(?<![\w-]){f}(?![\w-])", r.stdout)}
-    assert not missing, f"`agentenv {' '.join(path)}` takes no {sorted(missing)}; fix the docs at {missing}"
+@pytest.mark.parametrize("command", sorted(COMMANDS), ids=" ".join)
+def test_commands_and_flags_in_the_docs_exist(command: tuple[str, ...]) -> None:
+    """Every command of this repository in a shell block, run or skipped, exists and takes every ``--flag`` it is
+    given there (read from its ``--help``)."""
+    r = _help(command)
+    where = sorted({w for ids in COMMANDS[command].values() for w in ids})
+    assert r.returncode == 0, f"`{' '.join(command)}` (in {where}) does not exist:\n{r.stdout}{r.stderr}"
+    missing = {f: ids for f, ids in COMMANDS[command].items()
+               if f and not re.search(rf"(?<![\w-]){f}(?![\w-])", r.stdout)}
+    assert not missing, f"`{' '.join(command)}` takes no {sorted(missing)}; fix the docs at {missing}"
 
 
 def test_a_wrong_command_or_flag_is_caught() -> None:
     """The flag check can fail: a flag no command takes is not found in a help text, a missing command exits non-zero."""
-    assert docblocks.agentenv_commands(Block(ROOT / "x.md", 1, "bash", "agentenv serve \\\n  [--no-such-flag X]\n",
-                                             "skip", "gpu")) == [(("serve",), ("--no-such-flag",))]
-    assert "--token-file" in _help(("serve",)).stdout and "--no-such-flag" not in _help(("serve",)).stdout
-    assert _help(("no-such-command",)).returncode != 0
+    bash = "agentenv serve \\\n  [--no-such-flag X]\n.venv/bin/python -m envs.tasks validate --tasks t.jsonl\n"
+    assert docblocks.commands(Block(ROOT / "x.md", 1, "bash", bash, "skip", "gpu")) == [
+        (("agentenv",), ("serve",), ("--no-such-flag",)),
+        (("python", "-m", "envs.tasks"), ("validate",), ("--tasks",))]
+    assert "--token-file" in _help(("agentenv", "serve")).stdout
+    assert "--no-such-flag" not in _help(("agentenv", "serve")).stdout
+    assert _help(("agentenv", "no-such-command")).returncode != 0
