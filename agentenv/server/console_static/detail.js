@@ -21,6 +21,30 @@ const SANDBOX = decodeURIComponent(window.location.pathname.split("/").pop());
 const api = "/console/api/sandboxes/" + encodeURIComponent(SANDBOX);
 let tailPid = null;  // the job whose tail is shown
 let busy = false;  // a refresh in flight: a reading meanwhile is skipped
+let listed = false;  // the file browser has listed its folder (once the sandbox runs)
+
+// what the sandbox came from and what came of it (console.js's lineage of the reading), as links; its labels
+function showLineage(state, sb) {
+  const { kids, snaps } = lineage(state);
+  const link = (kind, id) => el("a", { href: kind === "sandbox" ? sandboxHref(id) : snapshotHref(id),
+    "data-kind": kind, "data-id": id }, id);
+  const from = document.getElementById("from");
+  const parent = sb.parent_snapshot ? snaps.get(sb.parent_snapshot) : null;
+  from.replaceChildren(...(!parent ? ["an image"] : parent.gone ? ["snapshot " + parent.id + " (deleted)"]
+    : ["snapshot ", link("snapshot", parent.id), ...(parent.sandbox_id ? [" of sandbox ", link("sandbox", parent.sandbox_id)]
+      : [])]));
+  const children = [];
+  for (const snap of kids.get("sb:" + sb.id) || []) {
+    const restored = (kids.get(snap.key) || []).filter((k) => k.kind === "sandbox");
+    children.push(el("li", {}, "snapshot ", link("snapshot", snap.item.id), ...(restored.length ? [" → "] : []),
+      ...restored.flatMap((k, i) => [i ? ", " : "", link("sandbox", k.item.id)])));
+  }
+  document.getElementById("children").replaceChildren(...children);
+  document.getElementById("no-children").hidden = children.length > 0;
+  const labels = Object.entries(sb.labels || {});
+  document.getElementById("labels").replaceChildren(...labels.map(([k, v]) => el("span", { class: "label" }, k + "=" + v)),
+    labels.length ? "" : "none");
+}
 
 function rows(tbody, items, row) {
   document.querySelector(tbody).replaceChildren(...items.map(row));
@@ -56,7 +80,10 @@ async function refreshTail() {
   title.hidden = pre.hidden = false;
   if (!r.ok) { title.textContent = "job " + tailPid + ": " + failure(r); pre.replaceChildren(); return; }
   title.textContent = "job " + tailPid + ": the last " + bytes(r.body.tail_bytes) + " of each stream";
+  const following = pre.dataset.pid !== String(tailPid) || pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+  pre.dataset.pid = String(tailPid);
   pre.replaceChildren(...r.body.output.map((o) => el("span", { class: o.stream, "data-stream": o.stream }, o.text)));
+  if (following) pre.scrollTop = pre.scrollHeight;  // the newest line in sight, unless the reader scrolled up
 }
 
 function showSandbox(state) {
@@ -74,15 +101,19 @@ function showSandbox(state) {
   badge.className = "state " + sb.state;
   document.body.dataset.state = sb.state;
   const limits = sb.limits || {};
-  document.getElementById("summary").textContent = sb.image + ", " + age(state.now - sb.created_at) + " old, "
-    + "memory " + bytes(sb.mem_used) + " / " + bytes(limits.memory) + ", disk " + bytes(sb.disk_used)
-    + (sb.parent_snapshot ? ", from snapshot " + sb.parent_snapshot : "");
+  document.getElementById("summary").textContent = imageOf(sb) + ", " + age(state.now - sb.created_at) + " old, "
+    + "memory " + bytes(sb.mem_used) + " / " + bytes(limits.memory) + ", disk " + bytes(sb.disk_used);
+  showLineage(state, sb);
   const wanted = (BUTTONS[sb.state] || ["close"]).join(" ");
   if (actions.dataset.buttons !== wanted) {
     actions.dataset.buttons = wanted;
     actions.replaceChildren(...wanted.split(" ").map((a) => el("button", { type: "button", "data-action": a }, a)));
   }
-  if (sb.state === "running") { refreshSandbox(); return; }
+  if (sb.state === "running") {
+    refreshSandbox();
+    if (!listed) { listed = true; browse(document.getElementById("path").value); }  // the files at once
+    return;
+  }
   // paused (or lost): no processes to ask; what the last reading listed is no longer so
   rows("#processes tbody", [], () => null);
   rows("#jobs tbody", [], () => null);

@@ -143,3 +143,20 @@ def test_the_server_page_draws_its_charts(browser, url, client):
     finally:
         s.close()
         snap.delete()
+
+
+def test_the_files_list_at_once_and_the_tail_follows_the_newest_line(browser, url, sb):
+    job = sb.start("seq 1 3000; sleep 600")
+    open_page(browser, url, sb)
+    # the root is listed as the page opens, before anyone presses "open"
+    wait_for(lambda: present(browser, '#files a[data-path="/tmp"]'), "the root's entries without asking")
+    click(browser, f'button[data-tail="{job.pid}"]')
+    wait_for(lambda: "3000" in text(browser, "#tail"), "the job's last line")
+
+    def at_bottom() -> bool:
+        return bool(browser.execute_script("const p = document.getElementById('tail');"
+                                           "return p.scrollHeight > p.clientHeight"
+                                           " && p.scrollTop + p.clientHeight >= p.scrollHeight - 4"))
+
+    wait_for(at_bottom, "the tail scrolled to its newest line")
+    sb.signal(job.pid, 9)

@@ -1,6 +1,7 @@
-"""The console's fork tree in the real browser against a real server and real sandboxes (the fixtures of
-``test_console``): three generations nested under one another, folded and unfolded, each node a link, and a
-snapshot restored and deleted from the page, each after a confirmation."""
+"""The console's lineage in the real browser against a real server and real sandboxes (the fixtures of
+``test_console``): the fork tree's three generations nested under one another, folded and unfolded, each node a
+link; a snapshot restored and deleted from the page, each after a confirmation; a sandbox page's lineage and
+labels; an E2B sandbox shown by its template."""
 
 from __future__ import annotations
 
@@ -68,7 +69,15 @@ def test_generations_nest_fold_and_link(browser, url, family):
 
 
 def test_a_snapshot_is_restored_and_deleted_after_asking(browser, url, client, family):
-    s2 = family["snap2"]
+    s2 = family["grandchild"].snapshot()  # its own: the family stays whole for the other tests
+    try:
+        restore_and_delete(browser, url, client, family, s2)
+    finally:
+        with contextlib.suppress(SnapshotNotFound):
+            s2.delete()
+
+
+def restore_and_delete(browser: Any, url: str, client: Any, family: dict[str, Any], s2: Any) -> None:
     log_in(browser, url, TOKEN)
     browser.get(f"{url}/console/snapshots")
     link = f'{sel("snapshot", s2.id)} > .node a'
@@ -100,6 +109,33 @@ def test_a_snapshot_is_restored_and_deleted_after_asking(browser, url, client, f
     click(browser, '#snap-actions button[data-action="delete"]')
     browser.switch_to.alert.accept()
     wait_for(lambda: httpx.get(f"{url}/v1/snapshots/{s2.id}", headers=AUTH).status_code == 404, "the snapshot deleted")
-    # the grandchild still names it: drawn as deleted, and the panel says so
     wait_for(lambda: attribute(browser, "#snapshot", "data-state") == "deleted"
-             and present(browser, f'{sel("snapshot", s2.id)} > .node.gone'), "the snapshot shown as deleted")
+             and not present(browser, sel("snapshot", s2.id)), "the snapshot gone from the tree, the panel saying so")
+
+
+def test_a_sandbox_page_shows_its_lineage_and_labels(browser, url, family):
+    p, s, k, s2, g = (family[n] for n in ("parent", "snap", "child", "snap2", "grandchild"))
+    log_in(browser, url, TOKEN)
+    browser.get(f"{url}/console/sandbox/{k.id}")
+    wait_for(lambda: present(browser, f'#from a[data-kind="snapshot"][data-id="{s.id}"]')
+             and present(browser, f'#from a[data-kind="sandbox"][data-id="{p.id}"]'), "where it came from")
+    wait_for(lambda: present(browser, f'#children a[data-id="{s2.id}"]')
+             and present(browser, f'#children a[data-kind="sandbox"][data-id="{g.id}"]'), "what came of it")
+    assert text(browser, "#labels") == "gen=1"
+    click(browser, f'#children a[data-id="{g.id}"]')
+    wait_for(lambda: browser.current_url == f"{url}/console/sandbox/{g.id}", "the grandchild's page")
+    wait_for(lambda: present(browser, f'#from a[data-id="{s2.id}"]') and text(browser, "#no-children") == "none",
+             "the grandchild's lineage")
+
+
+def test_an_e2b_sandbox_shows_its_template_not_its_image(browser, url, client):
+    sb = client.Sandbox.create(memory="256m", labels={"e2b.template": "code-interpreter-v1"})
+    try:
+        log_in(browser, url, TOKEN)
+        row = f'tr[data-id="{sb.id}"]'
+        wait_for(lambda: "E2B template code-interpreter-v1" in text(browser, row), "the template in its row")
+        assert sb.info().image not in text(browser, f"{row} td:nth-child(3)")
+        browser.get(f"{url}/console/sandbox/{sb.id}")
+        wait_for(lambda: text(browser, "#summary").startswith("E2B template code-interpreter-v1"), "its page")
+    finally:
+        sb.close()
