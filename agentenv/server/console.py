@@ -56,6 +56,8 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 def install(app: Any) -> None:
     """Serve the console on ``app`` (made by ``create_app``, whose state holds the token and the service)."""
     serve_login(app)
+    app.state.console_links = [(f"{PREFIX}/", "Sandboxes"), (f"{PREFIX}/snapshots", "Snapshots"),
+                               (f"{PREFIX}/server", "Server"), *getattr(app.state, "console_links", ())]
     app.state.console_readings = Readings(app.state.service)
     app.include_router(router)
     app.include_router(console_sandbox.router)

@@ -220,6 +220,7 @@ function listen() {
     window.addEventListener("hashchange", () => { if (last) show(last); });
   }
   const live = document.getElementById("live");
+  live.hidden = false;
   const source = new EventSource("/console/api/events");
   source.addEventListener("state", (e) => {
     last = JSON.parse(e.data);

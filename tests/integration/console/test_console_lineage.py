@@ -15,7 +15,7 @@ import pytest
 from agentenv.errors import SandboxNotFound, SnapshotNotFound
 
 from ..server_fixtures import TOKEN, wait_for
-from .test_console import AUTH, attribute, browser, click, client, log_in, present, text, url
+from .test_console import AUTH, By, attribute, browser, click, client, displayed, log_in, present, text, url
 
 pytestmark = pytest.mark.integration
 __all__ = ["browser", "client", "url"]  # the module's fixtures, shared
@@ -139,3 +139,18 @@ def test_an_e2b_sandbox_shows_its_template_not_its_image(browser, url, client):
         wait_for(lambda: text(browser, "#summary").startswith("E2B template code-interpreter-v1"), "its page")
     finally:
         sb.close()
+
+
+def test_every_page_has_the_same_top_bar(browser, url, family):
+    log_in(browser, url, TOKEN)
+    bars = {}
+    for path, here in (("/console/", "Sandboxes"), ("/console/snapshots", "Snapshots"), ("/console/server", "Server"),
+                       (f"/console/sandbox/{family['child'].id}", "Sandboxes")):
+        browser.get(url + path)
+        wait_for(lambda: attribute(browser, "#live", "data-state") == "live", f"{path} live")
+        assert [a.text for a in browser.find_elements(By.CSS_SELECTOR, "nav > a.here")] == [here], path
+        assert displayed(browser, "#live") and displayed(browser, "#logout"), path
+        bars[path] = browser.execute_script("const n = document.querySelector('nav').cloneNode(true);"
+                                            "n.querySelectorAll('.here').forEach(a => a.removeAttribute('class'));"
+                                            "return n.innerHTML")
+    assert len(set(bars.values())) == 1, bars

@@ -183,7 +183,9 @@ def test_the_printed_url_logs_in_and_lists_the_run(browser, site):
     assert "token" not in browser.current_url
     wait_for(lambda: present(browser, 'tr[data-run="calc"]'), "the run's row")
     assert not present(browser, 'tr[data-run="outside"]')  # the symlink out is not a run
-    assert not browser.find_element(By.ID, "console-links").is_displayed()  # agentenv view: no sandboxes here
+    # agentenv view: the console's bar with no sandboxes' pages, and no live badge (no event stream here)
+    assert [a.text for a in browser.find_elements(By.CSS_SELECTOR, "nav > a")] == ["Runs"]
+    assert not displayed(browser, "#live")
     row = browser.find_element(By.CSS_SELECTOR, 'tr[data-run="calc"]').text
     assert f"{len(site['trajs'])}" in row and "1 searches" in row
     shot(browser, "viewer-runs")
