@@ -1,6 +1,6 @@
 // The console's sandbox page (processes, jobs, a job's tail, a read-only file browser, the action buttons) and
-// server page (small SVG charts of the server's figures). Uses console.js's el, bytes, age, say and act, and its
-// event stream: every reading redraws. Everything a sandbox made (names, output, commands) is set as text only.
+// server page (SVG charts of the server's figures, with axis.js's ticks). Uses console.js's el, bytes, age, say,
+// act and lineage, and its event stream: every reading redraws. Everything a sandbox made (names, output, commands) is set as text only.
 "use strict";
 
 async function getJSON(url) {
@@ -207,27 +207,57 @@ const CHARTS = {
     text: (f) => bytes(f.capacity.memory_used) + " of " + bytes(f.capacity.max_memory) },
 };
 
-function line(values, top, cls) {
-  const step = 300 / Math.max(1, values.length - 1);  // the readings there are, across the whole width
-  const points = values.map((v, i) => (i * step).toFixed(1) + "," + (78 - 76 * v / top).toFixed(1));
-  const node = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  node.setAttribute("points", points.join(" "));
-  node.setAttribute("class", cls);
+const SVG = "http://www.w3.org/2000/svg";
+
+function svgEl(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = text;
   return node;
 }
 
-// the charts span the readings kept (up to five minutes), newest on the right; the dashed line is the limit
+// what a chart's y ticks say: bytes for the store and memory, counts otherwise
+const IN_BYTES = new Set(["store", "memory"]);
+
+// the charts span the readings kept (up to five minutes), newest on the right, each as wide as its figure (the
+// page's grid shares the width out); y ticks at round values from 0, x ticks in seconds before the newest reading;
+// the dashed line is the limit
 function drawCharts() {
   if (!figures.length) return;
   const last = figures[figures.length - 1];
+  const ago = figures.map((f) => f.now - last.now);
   for (const [name, chart] of Object.entries(CHARTS)) {
     const figure = document.querySelector('figure[data-metric="' + name + '"]');
+    const box = figure.querySelector("svg");
+    const W = Math.max(240, Math.floor(figure.clientWidth - 20)), H = 120, L = 64, R = 10, T = 8, B = 20;
     const series = chart.series.map((get) => figures.map(get));
     const limits = chart.limit ? figures.map(chart.limit) : [];
-    const top = Math.max(1, ...series.flat(), ...limits) * 1.05;
-    const lines = series.map((values, i) => line(values, top, "s" + i));
-    if (chart.limit) lines.push(line(limits, top, "limit"));
-    figure.querySelector("svg").replaceChildren(...lines);
+    const top = Math.max(1, ...series.flat(), ...limits);
+    const unit = IN_BYTES.has(name) ? 1024 ** Math.max(0, Math.floor(Math.log(top) / Math.log(1024))) : 1;
+    const t = ticks(0, top / unit, 4, !IN_BYTES.has(name));  // bytes: round numbers of KiB, MiB, GiB
+    const yt = { lo: t.lo * unit, hi: t.hi * unit, step: t.step * unit, values: t.values.map((v) => v * unit) };
+    const xt = ticks(Math.min(-60, ago[0]), 0, Math.max(2, Math.floor((W - L - R) / 90)), true);
+    const X = (x) => L + (x - xt.lo) / (xt.hi - xt.lo) * (W - L - R);
+    const Y = (y) => T + (1 - (y - yt.lo) / (yt.hi - yt.lo)) * (H - T - B);
+    const parts = [];
+    for (const v of yt.values) {
+      parts.push(svgEl("line", { x1: L, y1: Y(v), x2: W - R, y2: Y(v), class: "grid" }),
+        svgEl("text", { x: L - 4, y: Y(v) + 3, class: "tick y", "text-anchor": "end", "data-value": v },
+          IN_BYTES.has(name) ? bytes(v) : tickText(v, yt.step)));
+    }
+    for (const v of xt.values) {
+      parts.push(svgEl("text", { x: X(v), y: H - 6, class: "tick x", "text-anchor": "middle" }, v ? v + " s" : "now"));
+    }
+    parts.push(svgEl("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }),
+      svgEl("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" }));
+    const line = (values, cls) => svgEl("polyline", { class: cls,
+      points: values.map((v, i) => X(ago[i]).toFixed(1) + "," + Y(v).toFixed(1)).join(" ") });
+    parts.push(...series.map((values, i) => line(values, "s" + i)));
+    if (chart.limit) parts.push(line(limits, "limit"));
+    box.setAttribute("viewBox", "0 0 " + W + " " + H);
+    box.setAttribute("width", W);
+    box.setAttribute("height", H);
+    box.replaceChildren(...parts);
     figure.querySelector(".value").textContent = chart.text(last);
     figure.dataset.readings = figures.length;
   }

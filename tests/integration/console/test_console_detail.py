@@ -139,6 +139,15 @@ def test_the_server_page_draws_its_charts(browser, url, client):
             wait_for(lambda line=line: points(browser, line) >= 3, f"the {metric} chart's line over readings")
         assert "of 8" in text(browser, 'figure[data-metric="sandboxes"] .value')  # the server's max_sandboxes
         assert "off" in text(browser, 'figure[data-metric="warm"] .value')  # no warm pool on this server
+        # the charts share the page's width, with round y ticks from 0 (bytes where they count bytes)
+        width = browser.execute_script("return document.getElementById('charts').getBoundingClientRect().width")
+        for svg in browser.find_elements(By.CSS_SELECTOR, "figure.chart svg"):
+            assert float(svg.get_attribute("width")) > 0.4 * width
+        ys = [float(t.get_attribute("data-value"))
+              for t in browser.find_elements(By.CSS_SELECTOR, 'figure[data-metric="sandboxes"] text.tick.y')]
+        assert len(ys) >= 3 and ys[0] == 0 and ys[-1] >= 8, ys  # up to the limit, 8 sandboxes
+        store_ticks = [t.text for t in browser.find_elements(By.CSS_SELECTOR, store + " text.tick.y")]
+        assert store_ticks[0] == "0 B" and store_ticks[-1].endswith("B"), store_ticks
         shot(browser, "server")
     finally:
         s.close()
