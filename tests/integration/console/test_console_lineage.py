@@ -15,7 +15,20 @@ import pytest
 from agentenv.errors import SandboxNotFound, SnapshotNotFound
 
 from ..server_fixtures import TOKEN, wait_for
-from .test_console import AUTH, By, attribute, browser, click, client, displayed, log_in, present, text, url
+from .test_console import (
+    AUTH,
+    By,
+    attribute,
+    browser,
+    click,
+    client,
+    displayed,
+    log_in,
+    present,
+    shot,
+    text,
+    url,
+)
 
 pytestmark = pytest.mark.integration
 __all__ = ["browser", "client", "url"]  # the module's fixtures, shared
@@ -101,6 +114,7 @@ def restore_and_delete(browser: Any, url: str, client: Any, family: dict[str, An
         wait_for(lambda: present(browser, f'{sel("snapshot", s2.id)} > ul > {sel("sandbox", new)}'),
                  "the restored sandbox under its snapshot")
         assert new in text(browser, "#status")
+        shot(browser, "snapshots-tree")
     finally:
         client.Sandbox.get(new).close()
     click(browser, '#snap-actions button[data-action="delete"]')
