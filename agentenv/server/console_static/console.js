@@ -127,7 +127,8 @@ function lineage(state) {
     items.push({ kind: "snapshot", key: "snap:" + s.id, item: s, up });
   }
   for (const sb of boxes.values()) {
-    items.push({ kind: "sandbox", key: "sb:" + sb.id, item: sb, up: sb.parent_snapshot ? "snap:" + sb.parent_snapshot : null });
+    const up = sb.parent_snapshot ? "snap:" + sb.parent_snapshot : null;
+    items.push({ kind: "sandbox", key: "sb:" + sb.id, item: sb, up });
   }
   const kids = new Map();
   for (const it of items) {

@@ -1,6 +1,7 @@
 // The console's sandbox page (processes, jobs, a job's tail, a read-only file browser, the action buttons) and
 // server page (SVG charts of the server's figures, with axis.js's ticks). Uses console.js's el, bytes, age, say,
-// act and lineage, and its event stream: every reading redraws. Everything a sandbox made (names, output, commands) is set as text only.
+// act and lineage, and its event stream: every reading redraws. Everything a sandbox made (names, output,
+// commands) is set as text only.
 "use strict";
 
 async function getJSON(url) {
@@ -31,8 +32,8 @@ function showLineage(state, sb) {
   const from = document.getElementById("from");
   const parent = sb.parent_snapshot ? snaps.get(sb.parent_snapshot) : null;
   from.replaceChildren(...(!parent ? ["an image"] : parent.gone ? ["snapshot " + parent.id + " (deleted)"]
-    : ["snapshot ", link("snapshot", parent.id), ...(parent.sandbox_id ? [" of sandbox ", link("sandbox", parent.sandbox_id)]
-      : [])]));
+    : ["snapshot ", link("snapshot", parent.id),
+      ...(parent.sandbox_id ? [" of sandbox ", link("sandbox", parent.sandbox_id)] : [])]));
   const children = [];
   for (const snap of kids.get("sb:" + sb.id) || []) {
     const restored = (kids.get(snap.key) || []).filter((k) => k.kind === "sandbox");
@@ -42,8 +43,8 @@ function showLineage(state, sb) {
   document.getElementById("children").replaceChildren(...children);
   document.getElementById("no-children").hidden = children.length > 0;
   const labels = Object.entries(sb.labels || {});
-  document.getElementById("labels").replaceChildren(...labels.map(([k, v]) => el("span", { class: "label" }, k + "=" + v)),
-    labels.length ? "" : "none");
+  document.getElementById("labels").replaceChildren(
+    ...labels.map(([k, v]) => el("span", { class: "label" }, k + "=" + v)), labels.length ? "" : "none");
 }
 
 function rows(tbody, items, row) {
