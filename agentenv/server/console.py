@@ -1,6 +1,6 @@
 """The web console under ``/console``: the sandboxes (state, CPU, memory, disk, live over server-sent events), the
-snapshots' fork tree, and buttons that pause, resume, fork, snapshot and close a sandbox; a sandbox's own page
-and the server's figures are ``console_sandbox``'s and ``console_metrics``'.
+snapshots' fork tree, buttons that pause, resume, fork, snapshot and close a sandbox, and buttons that restore and
+delete a snapshot; a sandbox's own page and the server's figures are ``console_sandbox``'s and ``console_metrics``'.
 
 Behind the server's token: the login page (``console_auth``) takes it and sets a cookie holding a random session
 id (never the token), scoped to ``/console`` (HttpOnly, SameSite=Strict). The cookie opens the console only: the API routes
@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
@@ -40,7 +40,7 @@ from agentenv.server.console_auth import (
 )
 from agentenv.server.routes import sandboxes, snapshots
 from agentenv.server.routing import error_response
-from agentenv.server.schemas import ForkRequest, SandboxId, SnapshotRequest
+from agentenv.server.schemas import ForkRequest, RestoreRequest, SandboxId, SnapshotId, SnapshotRequest
 from agentenv.server.service import Service
 from agentenv.snapshot.store import Snapshot
 
@@ -56,6 +56,8 @@ router = APIRouter(prefix=PREFIX, include_in_schema=False)
 def install(app: Any) -> None:
     """Serve the console on ``app`` (made by ``create_app``, whose state holds the token and the service)."""
     serve_login(app)
+    app.state.console_links = [(f"{PREFIX}/", "Sandboxes"), (f"{PREFIX}/snapshots", "Snapshots"),
+                               (f"{PREFIX}/server", "Server"), *getattr(app.state, "console_links", ())]
     app.state.console_readings = Readings(app.state.service)
     app.include_router(router)
     app.include_router(console_sandbox.router)
@@ -152,6 +154,7 @@ async def events(request: Request) -> Response:
 
 
 Action = Literal["pause", "resume", "fork", "snapshot", "close"]
+SnapshotAction = Literal["restore", "delete"]
 
 
 def _act(service: Service, action: Action, sandbox_id: str) -> Response:
@@ -167,16 +170,35 @@ def _act(service: Service, action: Action, sandbox_id: str) -> Response:
     return sandboxes.close_sandbox(service, sandbox_id)
 
 
-@router.post("/api/sandboxes/{sandbox_id}/{action}")
-async def act(request: Request, sandbox_id: SandboxId, action: Action) -> Response:
-    """Pause, resume, fork (two children, memory and all), snapshot (memory and all) or close a sandbox."""
+def _act_on_snapshot(service: Service, action: SnapshotAction, snapshot_id: str) -> Response:
+    """The API's route function for ``action`` on the snapshot: a new sandbox from it (no labels), or its deletion."""
+    if action == "restore":
+        return snapshots.restore(service, snapshot_id, RestoreRequest())
+    return snapshots.delete_snapshot(snapshot_id)
+
+
+async def _action(request: Request, run: Callable[[Service], Response]) -> Response:
+    """``run``'s reply for a logged-in console page of this origin with the action header; the API's typed error
+    for what it raised."""
     if not logged_in(request):
         return unauthorized()
     if request.headers.get(ACTION_HEADER) != "1" or not same_origin(request):
         return forbidden(f"a console action (with {ACTION_HEADER}: 1)")
     try:
-        reply = await run_in_threadpool(_act, request.app.state.service, action, sandbox_id)
+        reply = await run_in_threadpool(run, request.app.state.service)
     except Exception as e:  # noqa: BLE001 - mapped to the API's typed error body
         reply = error_response(e, request)
     reply.headers.update(HEADERS)
     return reply
+
+
+@router.post("/api/sandboxes/{sandbox_id}/{action}")
+async def act(request: Request, sandbox_id: SandboxId, action: Action) -> Response:
+    """Pause, resume, fork (two children, memory and all), snapshot (memory and all) or close a sandbox."""
+    return await _action(request, lambda service: _act(service, action, sandbox_id))
+
+
+@router.post("/api/snapshots/{snapshot_id}/{action}")
+async def act_on_snapshot(request: Request, snapshot_id: SnapshotId, action: SnapshotAction) -> Response:
+    """Restore a snapshot into a new sandbox, or delete it (the page asks first)."""
+    return await _action(request, lambda service: _act_on_snapshot(service, action, snapshot_id))

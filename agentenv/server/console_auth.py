@@ -39,7 +39,7 @@ HEADERS = {  # on every console reply
     "Cache-Control": "no-store",
 }
 
-MORE_LINKS = '<span id="more-links"></span>'  # in the nav of every console page: where console_links go
+BAR = "<nav></nav>"  # in every page: where its top bar goes (``top_bar``)
 
 auth = APIRouter(prefix=PREFIX, include_in_schema=False)  # login, logout, scripts: every console page's
 
@@ -89,12 +89,25 @@ def logged_in(request: Request) -> bool:
     return sessions(request).valid(request.cookies.get(COOKIE))
 
 
-def console_page(request: Request, name: str) -> Response:
-    """A page of the console, its nav with the links other packages added (``app.state.console_links``: pairs of
-    path and label; ``agentenv serve --runs`` adds the viewer's Runs)."""
-    links = "".join(f' <a href="{html.escape(href)}">{html.escape(label)}</a>'
-                    for href, label in getattr(request.app.state, "console_links", ()))
-    return page_file(name, replace=(MORE_LINKS, f'<span id="more-links">{links}</span>') if links else None)
+def top_bar(request: Request) -> str:
+    """The top bar of every page, the same everywhere: the links the app's parts added (``app.state.console_links``:
+    pairs of path and label; the console's Sandboxes, Snapshots and Server, the viewer's Runs), the one the page
+    is under marked, a place for a page's own links (``run-links``), log out, and the badge of the event stream
+    (shown by the pages it feeds)."""
+    links = getattr(request.app.state, "console_links", ())
+    path = request.url.path
+    under = [href for href, _ in links if path == href or path.startswith(href.rstrip("/") + "/")]
+    here = max(under, key=len, default=None)
+    items = "".join(' <a href="{}"{}>{}</a>'.format(html.escape(href), ' class="here"' if href == here else "",
+                                                    html.escape(label)) for href, label in links)
+    return (f'<nav><b>agentenv</b>{items} <span id="run-links"></span>\n<form method="post" action="{PREFIX}/logout">'
+            '<button type="submit" id="logout">Log out</button></form>\n'
+            '<span id="live" data-state="connecting" hidden>connecting</span></nav>')
+
+
+def console_page(request: Request, name: str, folder: Path = STATIC) -> Response:
+    """A page of the console (or of a package's ``folder``) with its top bar."""
+    return page_file(name, replace=(BAR, top_bar(request)), folder=folder)
 
 
 def page_file(name: str, status: int = 200, replace: tuple[str, str] | None = None, folder: Path = STATIC) -> Response:

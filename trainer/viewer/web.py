@@ -30,7 +30,6 @@ STATIC = Path(__file__).with_name("static")  # the viewer's pages, script and st
 PAGES = {"runs": "runs.html", "run": "run.html", "episode": "episode.html", "group": "group.html",
          "searches": "searches.html", "metrics": "metrics.html"}
 DEFAULT_PORT = 8701
-CONSOLE_LINKS = '<span id="console-links" hidden>'  # in every page's nav
 
 router = APIRouter(prefix=console.PREFIX, include_in_schema=False)
 
@@ -43,8 +42,7 @@ def install(app: FastAPI, root: str | Path, mode: str = "serve") -> None:
         raise ValueError(f"--runs {folder}: not a folder (give the folder that holds the run folders)")
     app.state.viewer_root, app.state.viewer_mode = folder, mode
     console.serve_static(app, STATIC)
-    if mode == "serve":  # beside the sandboxes: the console's pages link here
-        app.state.console_links = [*getattr(app.state, "console_links", ()), (f"{console.PREFIX}/runs", "Runs")]
+    app.state.console_links = [*getattr(app.state, "console_links", ()), (f"{console.PREFIX}/runs", "Runs")]
     app.include_router(router)
 
 
@@ -103,9 +101,7 @@ def _page(request: Request, page: str, run: str | None = None) -> Response:
                 raise viewer_runs.RunNotFound(f"no run {run!r} under the viewer's folder", fix="pick one from the runs page")
         except (viewer_runs.BadViewerRequest, viewer_runs.RunNotFound) as e:
             return _error(e)
-    served = request.app.state.viewer_mode == "serve"  # beside the sandboxes: the console's links shown
-    return console.page_file(PAGES[page], replace=(CONSOLE_LINKS, CONSOLE_LINKS.replace(" hidden", "")) if served else None,
-                             folder=STATIC)
+    return console.console_page(request, PAGES[page], folder=STATIC)  # the console's bar, with its links
 
 
 def _root(request: Request) -> Path:

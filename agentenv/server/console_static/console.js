@@ -32,10 +32,20 @@ function say(text, isError) {
   status.className = isError ? "error" : "";
 }
 
-async function act(id, action) {
-  if (action === "close" && !window.confirm("Close sandbox " + id + "? Its state is lost.")) return;
+// what each action says once done, and the question it asks first (the ones that lose or make something)
+const DONE = { pause: "paused ", resume: "resumed ", fork: "forked into ", snapshot: "snapshot ", close: "closed ",
+  restore: "restored into ", delete: "deleted " };
+const ASK = {
+  close: (id) => "Close sandbox " + id + "? Its state is lost.",
+  restore: (id) => "Restore snapshot " + id + " into a new sandbox?",
+  delete: (id) => "Delete snapshot " + id + "? Nothing can be restored from it afterwards.",
+};
+
+// an action on a sandbox (what = "sandboxes") or a snapshot ("snapshots"), through the console's action route
+async function act(id, action, what) {
+  if (ASK[action] && !window.confirm(ASK[action](id))) return;
   say(action + " " + id + "…");
-  const reply = await fetch("/console/api/sandboxes/" + encodeURIComponent(id) + "/" + action,
+  const reply = await fetch("/console/api/" + (what || "sandboxes") + "/" + encodeURIComponent(id) + "/" + action,
     { method: "POST", headers: { "X-Agentenv-Console": "1" }, credentials: "same-origin" });
   let body = null;
   try { body = await reply.json(); } catch (e) { body = null; }
@@ -45,8 +55,7 @@ async function act(id, action) {
     return;
   }
   const made = Array.isArray(body) ? body.map((k) => k.id).join(", ") : (body && body.id) || id;
-  say({ pause: "paused ", resume: "resumed ", fork: "forked into ", snapshot: "snapshot ", close: "closed " }[action]
-      + made);
+  say(DONE[action] + made);
 }
 
 const BUTTONS = {
@@ -66,7 +75,7 @@ function sandboxRow(sb, now) {
   return el("tr", { "data-id": sb.id, "data-state": sb.state },
     el("td", { class: "id" }, el("a", { href: "/console/sandbox/" + encodeURIComponent(sb.id) }, sb.id)),
     el("td", {}, el("span", { class: "state " + sb.state }, sb.state)),
-    el("td", {}, sb.image),
+    el("td", {}, imageOf(sb)),
     el("td", {}, age(now - sb.created_at)),
     el("td", { class: "cpu" }, cpu + " of " + limits.cpus),
     el("td", { class: "mem" }, bytes(sb.mem_used) + " / " + bytes(limits.memory)),
@@ -81,15 +90,29 @@ function showSandboxes(state) {
   document.getElementById("empty").hidden = state.sandboxes.length > 0;
 }
 
-function node(kind, id, text, gone) {
-  return el("span", { class: "node " + kind + (gone ? " gone" : "") },
-    el("span", { class: "kind" }, gone ? "deleted " + kind : kind), el("code", {}, id), text ? " " + text : "");
+// an E2B sandbox's image is the template it was made from (its alias), not the image the template was built as
+function imageOf(sb) {
+  const template = (sb.labels || {})["e2b.template"];
+  return template === undefined ? sb.image : "E2B template " + template;
 }
 
-// The tree: a snapshot's children are the snapshots whose parent it is and the sandboxes restored or forked from
-// it; a snapshot with no parent hangs under the live sandbox it was taken from. A snapshot that sandboxes name but
-// the store no longer has (a fork's own) is drawn as deleted.
-function showTree(state) {
+function sandboxHref(id) { return "/console/sandbox/" + encodeURIComponent(id); }
+function snapshotHref(id) { return "/console/snapshots#" + encodeURIComponent(id); }
+
+function node(kind, item, text) {
+  const id = el("code", {}, item.id);
+  return el("span", { class: "node " + kind + (item.gone ? " gone" : "") },
+    el("span", { class: "kind" }, item.gone ? "deleted " + kind : kind),
+    item.gone ? id : el("a", { href: kind === "sandbox" ? sandboxHref(item.id) : snapshotHref(item.id) }, id),
+    text ? " " + text : "");
+}
+
+// The lineage of a reading: every snapshot (those sandboxes name but the store no longer has, a fork's own, drawn
+// as deleted) and sandbox, with the key ("sb:ID" or "snap:ID") of what it hangs under (null: a root). A snapshot
+// hangs under the live sandbox it was taken from, else under its parent snapshot; a sandbox under the snapshot it
+// was restored or forked from. So a sandbox's snapshots, and what was restored from them, nest under it,
+// generation after generation.
+function lineage(state) {
   const snaps = new Map(state.snapshots.map((s) => [s.id, s]));
   const boxes = new Map(state.sandboxes.map((s) => [s.id, s]));
   for (const sb of state.sandboxes) {
@@ -97,36 +120,75 @@ function showTree(state) {
       snaps.set(sb.parent_snapshot, { id: sb.parent_snapshot, parent_id: null, sandbox_id: null, gone: true });
     }
   }
-  const kids = new Map();
-  const roots = [];
-  const hang = (parent, item) => {
-    if (parent === null) { roots.push(item); return; }
-    if (!kids.has(parent)) kids.set(parent, []);
-    kids.get(parent).push(item);
-  };
+  const items = [];
   for (const s of snaps.values()) {
-    if (s.parent_id && snaps.has(s.parent_id)) hang("snap:" + s.parent_id, { kind: "snapshot", item: s });
-    else if (s.sandbox_id && boxes.has(s.sandbox_id)) hang("sb:" + s.sandbox_id, { kind: "snapshot", item: s });
-    else hang(null, { kind: "snapshot", item: s });
+    const up = s.sandbox_id && boxes.has(s.sandbox_id) ? "sb:" + s.sandbox_id
+      : s.parent_id && snaps.has(s.parent_id) ? "snap:" + s.parent_id : null;
+    items.push({ kind: "snapshot", key: "snap:" + s.id, item: s, up });
   }
   for (const sb of boxes.values()) {
-    hang(sb.parent_snapshot ? "snap:" + sb.parent_snapshot : null, { kind: "sandbox", item: sb });
+    const up = sb.parent_snapshot ? "snap:" + sb.parent_snapshot : null;
+    items.push({ kind: "sandbox", key: "sb:" + sb.id, item: sb, up });
   }
-  const seen = new Set();
-  const draw = ({ kind, item }) => {
-    const key = (kind === "sandbox" ? "sb:" : "snap:") + item.id;
-    const text = kind === "sandbox" ? item.state
-      : item.gone ? "" : (item.has_memory ? "memory + files, " : "files, ") + bytes(item.size_bytes)
-        + (item.sandbox_id ? ", from " + item.sandbox_id : "");
-    const li = el("li", { "data-kind": kind, "data-id": item.id }, node(kind, item.id, text, item.gone));
-    if (!seen.has(key) && kids.has(key)) {
-      seen.add(key);
-      li.append(el("ul", {}, ...kids.get(key).map(draw)));
+  const kids = new Map();
+  for (const it of items) {
+    if (it.up === null) continue;
+    if (!kids.has(it.up)) kids.set(it.up, []);
+    kids.get(it.up).push(it);
+  }
+  return { items, kids, snaps, boxes };
+}
+
+const folded = new Set();  // the keys of the nodes folded on the snapshots page (kept across readings)
+
+function showTree(state) {
+  const { items, kids, snaps } = lineage(state);
+  const drawn = new Set();
+  const draw = (it) => {
+    drawn.add(it.key);
+    const { kind, item } = it;
+    const text = kind === "sandbox" ? item.state + ", " + imageOf(item)
+      : item.gone ? "" : (item.has_memory ? "memory + files, " : "files, ") + bytes(item.size_bytes);
+    const below = (kids.get(it.key) || []).filter((k) => !drawn.has(k.key));
+    const li = el("li", { "data-kind": kind, "data-id": item.id });
+    if (below.length) {
+      const open = !folded.has(it.key);
+      li.dataset.open = String(open);
+      li.append(el("button", { type: "button", class: "toggle", "data-toggle": it.key, "aria-expanded": String(open),
+        title: open ? "fold" : "unfold" }, open ? "▾" : "▸"));
+      li.append(node(kind, item, text));
+      if (open) li.append(el("ul", {}, ...below.map(draw)));
+      else li.append(el("span", { class: "folded" }, " (" + below.length + " below)"));
+    } else {
+      li.append(node(kind, item, text));
     }
     return li;
   };
-  document.getElementById("tree").replaceChildren(...roots.map(draw));
-  document.getElementById("empty").hidden = roots.length > 0;
+  document.getElementById("tree").replaceChildren(...items.filter((it) => it.up === null).map(draw));
+  document.getElementById("empty").hidden = items.length > 0;
+  showSnapshot(snaps);
+}
+
+// the snapshot a link in the tree picked (the address's #ID): what it is, and its restore and delete buttons
+function showSnapshot(snaps) {
+  const panel = document.getElementById("snapshot");
+  const id = decodeURIComponent(window.location.hash.slice(1));
+  panel.hidden = !id;
+  if (!id) return;
+  const s = snaps.get(id);
+  document.getElementById("snap-id").textContent = id;
+  const buttons = document.getElementById("snap-actions");
+  buttons.hidden = !s || s.gone;
+  panel.dataset.state = !s || s.gone ? "deleted" : "kept";
+  if (!s || s.gone) {
+    document.getElementById("snap-facts").textContent = "deleted: no longer in the store";
+    return;
+  }
+  const labels = Object.entries(s.labels || {}).map(([k, v]) => k + "=" + v).join(", ");
+  document.getElementById("snap-facts").textContent = (s.has_memory ? "memory + files" : "files only") + ", "
+    + bytes(s.size_bytes) + ", taken " + new Date(s.created_at * 1000).toISOString().replace("T", " ").slice(0, 19)
+    + (s.sandbox_id ? " from sandbox " + s.sandbox_id : "") + (s.parent_id ? ", after snapshot " + s.parent_id : "")
+    + (labels ? "; labels " + labels : "");
 }
 
 // What each page does with a reading (detail.js adds the sandbox and server pages').
@@ -134,6 +196,8 @@ const SHOW = { sandboxes: showSandboxes, snapshots: showTree };
 
 function listen() {
   const page = document.body.dataset.page;
+  const show = SHOW[page];
+  let last = null;  // the latest reading, redrawn when a node is folded or picked
   const table = document.getElementById("sandboxes");
   if (table) {  // one listener for the table's buttons: its rows are redrawn at every reading
     table.addEventListener("click", (e) => {
@@ -141,11 +205,27 @@ function listen() {
       if (button) act(button.closest("tr").dataset.id, button.dataset.action);
     });
   }
-  const show = SHOW[page];
+  const tree = document.getElementById("tree");
+  if (tree) {  // the same for the tree's fold buttons, and the picked snapshot's buttons
+    tree.addEventListener("click", (e) => {
+      const button = e.target.closest("button[data-toggle]");
+      if (!button) return;
+      const key = button.dataset.toggle;
+      if (!folded.delete(key)) folded.add(key);
+      if (last) show(last);
+    });
+    document.getElementById("snap-actions").addEventListener("click", (e) => {
+      const button = e.target.closest("button[data-action]");
+      if (button) act(document.getElementById("snap-id").textContent, button.dataset.action, "snapshots");
+    });
+    window.addEventListener("hashchange", () => { if (last) show(last); });
+  }
   const live = document.getElementById("live");
+  live.hidden = false;
   const source = new EventSource("/console/api/events");
   source.addEventListener("state", (e) => {
-    show(JSON.parse(e.data));
+    last = JSON.parse(e.data);
+    show(last);
     live.dataset.state = "live";
     live.textContent = "live";
   });

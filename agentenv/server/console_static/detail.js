@@ -1,6 +1,7 @@
 // The console's sandbox page (processes, jobs, a job's tail, a read-only file browser, the action buttons) and
-// server page (small SVG charts of the server's figures). Uses console.js's el, bytes, age, say and act, and its
-// event stream: every reading redraws. Everything a sandbox made (names, output, commands) is set as text only.
+// server page (SVG charts of the server's figures, with axis.js's ticks). Uses console.js's el, bytes, age, say,
+// act and lineage, and its event stream: every reading redraws. Everything a sandbox made (names, output,
+// commands) is set as text only.
 "use strict";
 
 async function getJSON(url) {
@@ -21,6 +22,30 @@ const SANDBOX = decodeURIComponent(window.location.pathname.split("/").pop());
 const api = "/console/api/sandboxes/" + encodeURIComponent(SANDBOX);
 let tailPid = null;  // the job whose tail is shown
 let busy = false;  // a refresh in flight: a reading meanwhile is skipped
+let listed = false;  // the file browser has listed its folder (once the sandbox runs)
+
+// what the sandbox came from and what came of it (console.js's lineage of the reading), as links; its labels
+function showLineage(state, sb) {
+  const { kids, snaps } = lineage(state);
+  const link = (kind, id) => el("a", { href: kind === "sandbox" ? sandboxHref(id) : snapshotHref(id),
+    "data-kind": kind, "data-id": id }, id);
+  const from = document.getElementById("from");
+  const parent = sb.parent_snapshot ? snaps.get(sb.parent_snapshot) : null;
+  from.replaceChildren(...(!parent ? ["an image"] : parent.gone ? ["snapshot " + parent.id + " (deleted)"]
+    : ["snapshot ", link("snapshot", parent.id),
+      ...(parent.sandbox_id ? [" of sandbox ", link("sandbox", parent.sandbox_id)] : [])]));
+  const children = [];
+  for (const snap of kids.get("sb:" + sb.id) || []) {
+    const restored = (kids.get(snap.key) || []).filter((k) => k.kind === "sandbox");
+    children.push(el("li", {}, "snapshot ", link("snapshot", snap.item.id), ...(restored.length ? [" → "] : []),
+      ...restored.flatMap((k, i) => [i ? ", " : "", link("sandbox", k.item.id)])));
+  }
+  document.getElementById("children").replaceChildren(...children);
+  document.getElementById("no-children").hidden = children.length > 0;
+  const labels = Object.entries(sb.labels || {});
+  document.getElementById("labels").replaceChildren(
+    ...labels.map(([k, v]) => el("span", { class: "label" }, k + "=" + v)), labels.length ? "" : "none");
+}
 
 function rows(tbody, items, row) {
   document.querySelector(tbody).replaceChildren(...items.map(row));
@@ -56,7 +81,10 @@ async function refreshTail() {
   title.hidden = pre.hidden = false;
   if (!r.ok) { title.textContent = "job " + tailPid + ": " + failure(r); pre.replaceChildren(); return; }
   title.textContent = "job " + tailPid + ": the last " + bytes(r.body.tail_bytes) + " of each stream";
+  const following = pre.dataset.pid !== String(tailPid) || pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
+  pre.dataset.pid = String(tailPid);
   pre.replaceChildren(...r.body.output.map((o) => el("span", { class: o.stream, "data-stream": o.stream }, o.text)));
+  if (following) pre.scrollTop = pre.scrollHeight;  // the newest line in sight, unless the reader scrolled up
 }
 
 function showSandbox(state) {
@@ -74,15 +102,19 @@ function showSandbox(state) {
   badge.className = "state " + sb.state;
   document.body.dataset.state = sb.state;
   const limits = sb.limits || {};
-  document.getElementById("summary").textContent = sb.image + ", " + age(state.now - sb.created_at) + " old, "
-    + "memory " + bytes(sb.mem_used) + " / " + bytes(limits.memory) + ", disk " + bytes(sb.disk_used)
-    + (sb.parent_snapshot ? ", from snapshot " + sb.parent_snapshot : "");
+  document.getElementById("summary").textContent = imageOf(sb) + ", " + age(state.now - sb.created_at) + " old, "
+    + "memory " + bytes(sb.mem_used) + " / " + bytes(limits.memory) + ", disk " + bytes(sb.disk_used);
+  showLineage(state, sb);
   const wanted = (BUTTONS[sb.state] || ["close"]).join(" ");
   if (actions.dataset.buttons !== wanted) {
     actions.dataset.buttons = wanted;
     actions.replaceChildren(...wanted.split(" ").map((a) => el("button", { type: "button", "data-action": a }, a)));
   }
-  if (sb.state === "running") { refreshSandbox(); return; }
+  if (sb.state === "running") {
+    refreshSandbox();
+    if (!listed) { listed = true; browse(document.getElementById("path").value); }  // the files at once
+    return;
+  }
   // paused (or lost): no processes to ask; what the last reading listed is no longer so
   rows("#processes tbody", [], () => null);
   rows("#jobs tbody", [], () => null);
@@ -176,27 +208,57 @@ const CHARTS = {
     text: (f) => bytes(f.capacity.memory_used) + " of " + bytes(f.capacity.max_memory) },
 };
 
-function line(values, top, cls) {
-  const step = 300 / Math.max(1, values.length - 1);  // the readings there are, across the whole width
-  const points = values.map((v, i) => (i * step).toFixed(1) + "," + (78 - 76 * v / top).toFixed(1));
-  const node = document.createElementNS("http://www.w3.org/2000/svg", "polyline");
-  node.setAttribute("points", points.join(" "));
-  node.setAttribute("class", cls);
+const SVG = "http://www.w3.org/2000/svg";
+
+function svgEl(tag, attrs, text) {
+  const node = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined) node.textContent = text;
   return node;
 }
 
-// the charts span the readings kept (up to five minutes), newest on the right; the dashed line is the limit
+// what a chart's y ticks say: bytes for the store and memory, counts otherwise
+const IN_BYTES = new Set(["store", "memory"]);
+
+// the charts span the readings kept (up to five minutes), newest on the right, each as wide as its figure (the
+// page's grid shares the width out); y ticks at round values from 0, x ticks in seconds before the newest reading;
+// the dashed line is the limit
 function drawCharts() {
   if (!figures.length) return;
   const last = figures[figures.length - 1];
+  const ago = figures.map((f) => f.now - last.now);
   for (const [name, chart] of Object.entries(CHARTS)) {
     const figure = document.querySelector('figure[data-metric="' + name + '"]');
+    const box = figure.querySelector("svg");
+    const W = Math.max(240, Math.floor(figure.clientWidth - 20)), H = 120, L = 64, R = 10, T = 8, B = 20;
     const series = chart.series.map((get) => figures.map(get));
     const limits = chart.limit ? figures.map(chart.limit) : [];
-    const top = Math.max(1, ...series.flat(), ...limits) * 1.05;
-    const lines = series.map((values, i) => line(values, top, "s" + i));
-    if (chart.limit) lines.push(line(limits, top, "limit"));
-    figure.querySelector("svg").replaceChildren(...lines);
+    const top = Math.max(1, ...series.flat(), ...limits);
+    const unit = IN_BYTES.has(name) ? 1024 ** Math.max(0, Math.floor(Math.log(top) / Math.log(1024))) : 1;
+    const t = ticks(0, top / unit, 4, !IN_BYTES.has(name));  // bytes: round numbers of KiB, MiB, GiB
+    const yt = { lo: t.lo * unit, hi: t.hi * unit, step: t.step * unit, values: t.values.map((v) => v * unit) };
+    const xt = ticks(Math.min(-60, ago[0]), 0, Math.max(2, Math.floor((W - L - R) / 90)), true);
+    const X = (x) => L + (x - xt.lo) / (xt.hi - xt.lo) * (W - L - R);
+    const Y = (y) => T + (1 - (y - yt.lo) / (yt.hi - yt.lo)) * (H - T - B);
+    const parts = [];
+    for (const v of yt.values) {
+      parts.push(svgEl("line", { x1: L, y1: Y(v), x2: W - R, y2: Y(v), class: "grid" }),
+        svgEl("text", { x: L - 4, y: Y(v) + 3, class: "tick y", "text-anchor": "end", "data-value": v },
+          IN_BYTES.has(name) ? bytes(v) : tickText(v, yt.step)));
+    }
+    for (const v of xt.values) {
+      parts.push(svgEl("text", { x: X(v), y: H - 6, class: "tick x", "text-anchor": "middle" }, v ? v + " s" : "now"));
+    }
+    parts.push(svgEl("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }),
+      svgEl("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" }));
+    const line = (values, cls) => svgEl("polyline", { class: cls,
+      points: values.map((v, i) => X(ago[i]).toFixed(1) + "," + Y(v).toFixed(1)).join(" ") });
+    parts.push(...series.map((values, i) => line(values, "s" + i)));
+    if (chart.limit) parts.push(line(limits, "limit"));
+    box.setAttribute("viewBox", "0 0 " + W + " " + H);
+    box.setAttribute("width", W);
+    box.setAttribute("height", H);
+    box.replaceChildren(...parts);
     figure.querySelector(".value").textContent = chart.text(last);
     figure.dataset.readings = figures.length;
   }

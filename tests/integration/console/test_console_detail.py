@@ -139,7 +139,33 @@ def test_the_server_page_draws_its_charts(browser, url, client):
             wait_for(lambda line=line: points(browser, line) >= 3, f"the {metric} chart's line over readings")
         assert "of 8" in text(browser, 'figure[data-metric="sandboxes"] .value')  # the server's max_sandboxes
         assert "off" in text(browser, 'figure[data-metric="warm"] .value')  # no warm pool on this server
+        # the charts share the page's width, with round y ticks from 0 (bytes where they count bytes)
+        width = browser.execute_script("return document.getElementById('charts').getBoundingClientRect().width")
+        for svg in browser.find_elements(By.CSS_SELECTOR, "figure.chart svg"):
+            assert float(svg.get_attribute("width")) > 0.4 * width
+        ys = [float(t.get_attribute("data-value"))
+              for t in browser.find_elements(By.CSS_SELECTOR, 'figure[data-metric="sandboxes"] text.tick.y')]
+        assert len(ys) >= 3 and ys[0] == 0 and ys[-1] >= 8, ys  # up to the limit, 8 sandboxes
+        store_ticks = [t.text for t in browser.find_elements(By.CSS_SELECTOR, store + " text.tick.y")]
+        assert store_ticks[0] == "0 B" and store_ticks[-1].endswith("B"), store_ticks
         shot(browser, "server")
     finally:
         s.close()
         snap.delete()
+
+
+def test_the_files_list_at_once_and_the_tail_follows_the_newest_line(browser, url, sb):
+    job = sb.start("seq 1 3000; sleep 600")
+    open_page(browser, url, sb)
+    # the root is listed as the page opens, before anyone presses "open"
+    wait_for(lambda: present(browser, '#files a[data-path="/tmp"]'), "the root's entries without asking")
+    click(browser, f'button[data-tail="{job.pid}"]')
+    wait_for(lambda: "3000" in text(browser, "#tail"), "the job's last line")
+
+    def at_bottom() -> bool:
+        return bool(browser.execute_script("const p = document.getElementById('tail');"
+                                           "return p.scrollHeight > p.clientHeight"
+                                           " && p.scrollTop + p.clientHeight >= p.scrollHeight - 4"))
+
+    wait_for(at_bottom, "the tail scrolled to its newest line")
+    sb.signal(job.pid, 9)

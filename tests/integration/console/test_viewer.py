@@ -31,7 +31,7 @@ from trainer.metrics import MetricsLog
 
 from ..server_fixtures import free_port, threaded_app, wait_for
 from .test_console import browser as browser  # noqa: PLC0414 - the console tests' Chromium, one per module
-from .test_console import displayed, present, shot
+from .test_console import displayed, present, shot, text
 
 pytestmark = pytest.mark.integration
 TOK = LocalTokenizer()
@@ -39,6 +39,7 @@ HOSTILE = '<img src=x onerror="document.title=1">'  # the agent's text: shown as
 CALC = scripted.tool_call("calculator", {"expression": "37 * 1234 - 5678"})
 PY = scripted.tool_call("python", {"code": "print(37 * 1234 - 5678)"})
 RIGHT, WRONG = (scripted.tool_call("answer", {"answer": a}) for a in ("39980", "1"))
+NOISE = 2e-17  # a metric's rounding noise around 0
 
 from selenium.webdriver.common.by import By  # noqa: E402 - after test_console skipped where there is no browser
 
@@ -106,7 +107,8 @@ def _metrics(run: Path, trajs: list[tj.Trajectory]) -> None:
         s = summarize(per_task_passes(seen, 1.0), k=1)
         lo, hi = s["mean_at_k_ci"]
         log.write(step, {"reward/train": sum(rewards) / len(rewards), "pass_rate/heldout": s["mean_at_k"],
-                         "pass_rate/heldout_lo": lo, "pass_rate/heldout_hi": hi})
+                         "pass_rate/heldout_lo": lo, "pass_rate/heldout_hi": hi,
+                         "advantage/mean": NOISE * (-1) ** step})  # a mean that is 0 but for rounding
 
 
 @pytest.fixture(scope="module")
@@ -181,7 +183,9 @@ def test_the_printed_url_logs_in_and_lists_the_run(browser, site):
     assert "token" not in browser.current_url
     wait_for(lambda: present(browser, 'tr[data-run="calc"]'), "the run's row")
     assert not present(browser, 'tr[data-run="outside"]')  # the symlink out is not a run
-    assert not browser.find_element(By.ID, "console-links").is_displayed()  # agentenv view: no sandboxes here
+    # agentenv view: the console's bar with no sandboxes' pages, and no live badge (no event stream here)
+    assert [a.text for a in browser.find_elements(By.CSS_SELECTOR, "nav > a")] == ["Runs"]
+    assert not displayed(browser, "#live")
     row = browser.find_element(By.CSS_SELECTOR, 'tr[data-run="calc"]').text
     assert f"{len(site['trajs'])}" in row and "1 searches" in row
     shot(browser, "viewer-runs")
@@ -200,6 +204,13 @@ def test_the_episode_list_filters(browser, site):
     ready(browser, f"{site['base']}/console/runs/calc")
     assert len(browser.find_elements(By.CSS_SELECTOR, "#episodes tbody tr")) == len(site["trajs"])
     shot(browser, "viewer-episodes")
+
+
+def test_an_unknown_filter_is_refused_with_a_message(browser, site):
+    browser.get(f"{site['base']}/console/runs/calc?reward_max=0&colour=red&apply=1")
+    wait_for(lambda: "no filter apply, colour" in text(browser, "#status.error"), "the viewer refusing the filters")
+    assert "filter by reward_min" in text(browser, "#status")  # what to do instead
+    assert not browser.find_elements(By.CSS_SELECTOR, "#episodes tbody tr")
 
 
 def test_the_episode_page_highlights_exactly_the_loss_mask(browser, site):
@@ -258,4 +269,23 @@ def test_the_metrics_page_draws_every_point_and_interval(browser, site):
     bars = browser.find_elements(By.CSS_SELECTOR, 'svg[data-key="pass_rate/heldout"] line.interval')
     assert len(held) == len(bars) == groups
     assert not present(browser, 'svg[data-key="pass_rate/heldout_lo"]')  # the interval's ends are not series
+    # the charts fill the page's width, a row at a time
+    width = browser.execute_script("return document.getElementById('charts').getBoundingClientRect().width")
+    rights = browser.execute_script("return [...document.querySelectorAll('#charts figure')].map("
+                                    "f => f.getBoundingClientRect().right - document.getElementById('charts')"
+                                    ".getBoundingClientRect().left)")
+    assert max(rights) > 0.95 * width, (rights, width)
+    for svg in browser.find_elements(By.CSS_SELECTOR, "svg.chart"):
+        assert float(svg.get_attribute("width")) > 0.4 * width
+    # the y axis has round ticks, evenly spaced, not only its ends
+    values = [float(t.get_attribute("data-value")) for t in
+              browser.find_elements(By.CSS_SELECTOR, 'svg[data-key="reward/train"] text.tick.y')]
+    assert len(values) >= 3 and len({round(b - a, 12) for a, b in itertools.pairwise(values)}) == 1, values
+    # rounding noise around 0 draws flat, on an axis that does not blow it up
+    noise = browser.find_elements(By.CSS_SELECTOR, 'svg[data-key="advantage/mean"] circle.point')
+    assert len(noise) == groups
+    heights = [float(c.get_attribute("cy")) for c in noise]
+    assert max(heights) - min(heights) < 1, heights
+    shown = [t.text for t in browser.find_elements(By.CSS_SELECTOR, 'svg[data-key="advantage/mean"] text.tick.y')]
+    assert not any("e-17" in t for t in shown), shown
     shot(browser, "viewer-metrics")

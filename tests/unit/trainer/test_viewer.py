@@ -5,6 +5,7 @@ mask and logprob, groups with the run's advantage settings, saved searches, metr
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -204,7 +205,17 @@ def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):
     assert c.post("/console/login", data={"token": TOKEN}).status_code == 303
     page = c.get("/console/runs")
     assert page.status_code == 200 and "viewer.js" in page.text
-    assert '<span id="console-links">' in page.text  # the sandboxes' pages linked from the viewer's nav
+    assert '<a href="/console/">Sandboxes</a>' in page.text  # the sandboxes' pages linked from the viewer's nav
+    # one top bar on every page, the console's and the viewer's, the page's own section marked
+    bars = {}
+    for path, here in (("/console/", "Sandboxes"), ("/console/snapshots", "Snapshots"), ("/console/server", "Server"),
+                       ("/console/sandbox/sb-x", "Sandboxes"), ("/console/runs", "Runs"), ("/console/runs/roll", "Runs"),
+                       ("/console/runs/roll/metrics", "Runs")):
+        bar = re.search(r"<nav>.*?</nav>", c.get(path).text, re.S)
+        assert bar is not None, path
+        assert re.findall(r'class="here">([^<]*)<', bar.group(0)) == [here], path
+        bars[path] = bar.group(0).replace(' class="here"', "")
+    assert len(set(bars.values())) == 1, bars
     assert "script-src 'self'" in page.headers["content-security-policy"]
     listed = c.get("/console/api/runs").json()
     assert listed["mode"] == "serve" and [r["name"] for r in listed["runs"]] == ["roll", "train"]

@@ -1,4 +1,5 @@
-// The trajectory viewer's pages (trainer/viewer_web.py serves them, /console/api/runs/... feeds them). Everything
+// The trajectory viewer's pages (trainer/viewer_web.py serves them, /console/api/runs/... feeds them; the charts'
+// ticks are the console's axis.js). Everything
 // a run holds (the agent's text, tool output, task ids) is hostile: it is only ever set as text, never as HTML.
 "use strict";
 
@@ -95,13 +96,16 @@ function episodeRow(run, r) {
     make("td", {}, r.tampering ? make("span", { class: "flag" }, "tampering") : "no"), make("td", {}, r.phase || "–"));
 }
 
-async function showEpisodes(offset) {
+// ``unknown``: the address's parameters that are no filter of the form, sent as they are on the first load, so
+// that the viewer refuses them with its message (a filter it does not know is never ignored)
+async function showEpisodes(offset, unknown) {
   const [run] = parts();
   runLinks(run);
   document.getElementById("title").textContent = run;
   const form = document.getElementById("filters");
   const query = new URLSearchParams();
   for (const [k, v] of new FormData(form)) if (v !== "") query.set(k, v);
+  for (const [k, v] of unknown || []) query.append(k, v);
   window.history.replaceState(null, "", window.location.pathname + (query.size ? "?" + query : ""));
   if (offset) query.set("offset", offset);
   say("loading…");
@@ -118,16 +122,17 @@ async function showEpisodes(offset) {
 function startEpisodes() {
   const form = document.getElementById("filters");
   const given = new URLSearchParams(window.location.search);
+  const unknown = new URLSearchParams();
   for (const [k, v] of given) {
-    const input = form.elements[k];
-    if (!input) continue;
+    const input = [...form.elements].find((e) => e.name === k && e.type !== "submit");
+    if (!input) { unknown.append(k, v); continue; }
     if (input.tagName === "SELECT" && ![...input.options].some((o) => o.value === v)) {
       input.append(make("option", { value: v }, v));
     }
     input.value = v;
   }
   form.addEventListener("submit", (e) => { e.preventDefault(); showEpisodes(0).catch((err) => say(err.message, true)); });
-  return showEpisodes(0);
+  return showEpisodes(0, unknown);
 }
 
 // --- one episode ------------------------------------------------------------------------------------------------
@@ -311,28 +316,29 @@ async function showSearches() {
 
 // --- metrics ----------------------------------------------------------------------------------------------------
 
-function chart(key, points, interval) {
-  const W = 360, H = 180, L = 48, R = 10, T = 10, B = 26;
+// one chart, ``width`` pixels wide (its figure's): gridlines and labels at the y axis's ticks, steps on the x axis
+function chart(key, points, interval, width) {
+  const W = Math.max(240, Math.floor(width)), H = 200, L = 64, R = 12, T = 10, B = 26;
   const xs = points.map((p) => p[0]);
   const ys = points.flatMap((p) => interval ? [p[1], p[2], p[3]] : [p[1]]);
-  let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
-  if (x0 === x1) { x0 -= 1; x1 += 1; }
-  if (y0 === y1) { y0 -= Math.abs(y0) * 0.1 || 1; y1 += Math.abs(y1) * 0.1 || 1; }
-  const X = (x) => L + (x - x0) / (x1 - x0) * (W - L - R);
-  const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
+  const xt = ticks(Math.min(...xs), Math.max(...xs), Math.max(2, Math.floor((W - L - R) / 90)), true);
+  const yt = ticks(Math.min(...ys), Math.max(...ys), 5, false);
+  const X = (x) => L + (x - xt.lo) / (xt.hi - xt.lo) * (W - L - R);
+  const Y = (y) => T + (1 - (y - yt.lo) / (yt.hi - yt.lo)) * (H - T - B);
   const box = svg("svg", { viewBox: "0 0 " + W + " " + H, width: W, height: H, class: "chart", "data-key": key });
+  for (const v of yt.values) {
+    box.append(svg("line", { x1: L, y1: Y(v), x2: W - R, y2: Y(v), class: "grid" }));
+    const label = svg("text", { x: L - 4, y: Y(v) + 3, class: "tick y", "text-anchor": "end", "data-value": v });
+    label.textContent = tickText(v, yt.step);
+    box.append(label);
+  }
+  for (const v of xt.values) {
+    const label = svg("text", { x: X(v), y: H - 8, class: "tick x", "text-anchor": "middle" });
+    label.textContent = String(v);
+    box.append(label);
+  }
   box.append(svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }),
     svg("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" }));
-  for (const [v, y] of [[y1, T + 4], [y0, H - B]]) {
-    const label = svg("text", { x: L - 4, y, class: "tick", "text-anchor": "end" });
-    label.textContent = Math.abs(v) >= 1000 || (Math.abs(v) < 0.01 && v !== 0) ? v.toExponential(1) : num(v, 2);
-    box.append(label);
-  }
-  for (const [v, anchor] of [[x0, "start"], [x1, "end"]]) {
-    const label = svg("text", { x: X(v), y: H - 8, class: "tick", "text-anchor": anchor });
-    label.textContent = "step " + num(v, 0);
-    box.append(label);
-  }
   if (!interval && points.length > 1) {
     box.append(svg("polyline", { points: points.map((p) => X(p[0]) + "," + Y(p[1])).join(" "), class: "line" }));
   }
@@ -345,7 +351,7 @@ function chart(key, points, interval) {
     dot.append(tip);
     box.append(dot);
   }
-  return make("figure", { "data-key": key }, make("figcaption", {}, key + (interval ? " (with interval)" : "")), box);
+  return box;
 }
 
 async function showMetrics() {
@@ -354,14 +360,20 @@ async function showMetrics() {
   document.getElementById("title").textContent = run;
   const data = await get(API + "/" + encodeURIComponent(run) + "/metrics");
   const filter = document.getElementById("keys");
+  const all = [...Object.entries(data.intervals).map(([k, p]) => [k, p, true]),
+    ...Object.entries(data.series).map(([k, p]) => [k, p, false])];
+  // the figures first (the grid gives each its share of the page's width), then each chart at its figure's width
   const draw = () => {
     const want = filter.value.trim();
-    const figures = [...Object.entries(data.intervals).map(([k, p]) => [k, p, true]),
-      ...Object.entries(data.series).map(([k, p]) => [k, p, false])]
-      .filter(([k]) => !want || k.includes(want)).map(([k, p, i]) => chart(k, p, i));
+    const shown = all.filter(([k]) => !want || k.includes(want));
+    const figures = shown.map(([k, , i]) => make("figure", { "data-key": k }, make("figcaption", {}, k
+      + (i ? " (with interval)" : ""))));
     document.getElementById("charts").replaceChildren(...figures);
+    figures.forEach((f, n) => f.append(chart(shown[n][0], shown[n][1], shown[n][2], f.clientWidth - 12)));
   };
   filter.addEventListener("input", draw);
+  let pending = null;
+  window.addEventListener("resize", () => { clearTimeout(pending); pending = setTimeout(draw, 150); });
   draw();
   document.getElementById("empty").hidden = data.rows > 0;
   say(data.rows + " rows");
