@@ -12,7 +12,7 @@ of a Ray fleet (``cluster.py``) and of Docker images (``images.py``) are their o
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,13 +21,37 @@ from rich.table import Table
 from rich.text import Text
 
 from agentenv.cli import cluster, images
+from agentenv.cli.plugins import PluginGroup
 from agentenv.cli.shared import ImageMirror, ImagePull, ImageTarballs, PullDeadline, console, when
 from agentenv.terminal import guard_logs, markup, plain
 
-app = typer.Typer(help="agentenv: sandboxes that snapshot, fork and resume fast.", no_args_is_help=True)
+DISTRIBUTION = "agentenv-rl"  # the name pip installs agentenv under (pyproject's [project] name)
+
+app = typer.Typer(cls=PluginGroup, help="agentenv: sandboxes that snapshot, fork and resume fast.",
+                  no_args_is_help=True)
 snapshots_app = typer.Typer(help="The snapshot store.", no_args_is_help=True)
 app.add_typer(snapshots_app, name="snapshots")
 app.add_typer(cluster.app, name="cluster")
+
+
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    try:
+        console.print(f"agentenv {version(DISTRIBUTION)} (distribution {DISTRIBUTION})", highlight=False)
+    except PackageNotFoundError:
+        console.print(f"[red]error:[/] the distribution {DISTRIBUTION} is not installed; in the checkout: "
+                      "pip install -e .")
+        raise typer.Exit(1) from None
+    raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                               help="print the installed version and exit")] = False,
+) -> None:
+    """agentenv: sandboxes that snapshot, fork and resume fast."""
 
 
 @app.command("tour")
@@ -200,20 +224,9 @@ def remove_snapshots(ids: list[str]) -> None:
 app.add_typer(images.app, name="images")
 
 
-def _mount_plugins() -> None:
-    for ep in entry_points(group="agentenv.commands"):
-        try:
-            sub = ep.load()
-        except ImportError as e:  # a package that is not installed adds no command
-            console.print(f"[yellow]agentenv {markup(ep.name)} unavailable: {markup(e)}[/]")
-            continue
-        app.add_typer(sub, name=ep.name)
-
-
 def main() -> None:
     """Entry point of the console script."""
     guard_logs()
-    _mount_plugins()
     from agentenv.errors import AgentEnvError
 
     try:

@@ -13,7 +13,6 @@ import re
 import socket
 import subprocess
 import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,15 @@ SECRET = "s3cret-token-in-a-file"
 
 
 def _commands() -> dict[str, Any]:
-    """Every command of the ``agentenv`` CLI by its full name, the plugins' (``agentenv.commands``) included."""
-    roots = {"agentenv": typer.main.get_command(agentenv_app)}
-    roots |= {f"agentenv {ep.name}": typer.main.get_command(ep.load()) for ep in entry_points(group="agentenv.commands")}
+    """Every command of the ``agentenv`` CLI by its full name, the plugins' (``agentenv.commands``) included, as the
+    command line resolves them."""
     found: dict[str, Any] = {}
-    todo = list(roots.items())
+    todo: list[tuple[str, Any]] = [("agentenv", typer.main.get_command(agentenv_app))]
     while todo:
         name, cmd = todo.pop()
         found[name] = cmd
-        todo += [(f"{name} {sub}", c) for sub, c in getattr(cmd, "commands", {}).items()]  # a group's
+        if hasattr(cmd, "list_commands"):  # a group's
+            todo += [(f"{name} {sub}", cmd.get_command(None, sub)) for sub in cmd.list_commands(None)]
     return found
 
 
