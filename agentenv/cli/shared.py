@@ -39,11 +39,11 @@ PullDeadline = typer.Option(help="seconds a pull may take (default: $AGENTENV_PU
 TokenFile = Annotated[Path | None, typer.Option(help="file holding the server's bearer token (else $AGENTENV_TOKEN)")]
 
 
-def read_token(path: Path | None, env: str) -> str | None:
-    """The token in the file ``path`` (stripped), else in ``$env``, else None; BadParameter for an empty or
-    unreadable file."""
+def read_token(path: Path | None, env: str | None) -> str | None:
+    """The token in the file ``path`` (stripped), else in ``$env`` (None: left to whoever uses it, e.g. a Ray
+    worker's own environment), else None; BadParameter for an empty or unreadable file."""
     if path is None:
-        return os.environ.get(env, "").strip() or None
+        return (os.environ.get(env, "").strip() or None) if env else None
     try:
         token = path.read_text().strip()
     except OSError as e:

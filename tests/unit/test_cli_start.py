@@ -20,7 +20,7 @@ from agentenv.cli import DISTRIBUTION, app
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "httpx", "fastapi", "uvicorn", "numpy", "agentenv.server", "agentenv.sandbox",
-         "agentenv.host", "trainer.viewer.web", "rollout.workers")
+         "agentenv.host", "trainer.viewer.web", "rollout.workers", "envs.datasets", "envs.tasks.__main__")
 
 
 def heavy_loaded_after(argv: list[str]) -> tuple[list[str], str]:
@@ -43,7 +43,7 @@ def test_importing_the_cli_loads_nothing_heavy():
 def test_help_lists_the_plugins_without_importing_what_they_run_on():
     loaded, printed = heavy_loaded_after(["--help"])
     assert loaded == []
-    for name in ("serve", "policy", "rollout", "train", "view"):
+    for name in ("serve", "exec", "shell", "policy", "rollout", "train", "view", "tasks"):
         assert f" {name} " in printed, name
 
 

@@ -43,6 +43,16 @@ def test_no_command_takes_a_token_on_its_command_line():
     assert any("--env-token-file" in p.opts for p in _commands()["agentenv rollout cleanup"].params)
 
 
+def test_every_token_is_a_file_flag_with_its_environment_variable():
+    """One spelling (issue 45): ``--token-file`` for the server a command serves or talks to, ``--<who>-token-file``
+    where it talks to several, and its help names the variable that holds the token otherwise."""
+    flags = {(name, opt, p.help or "") for name, cmd in _commands().items() for p in cmd.params
+             if p.param_type_name == "option" for opt in p.opts if re.search(r"-token(-|$)", opt)}
+    assert len(flags) >= 15
+    assert [(n, o) for n, o, _ in flags if not re.fullmatch(r"--([a-z]+-)?token-file", o)] == []
+    assert [(n, o) for n, o, h in flags if not re.search(r"\$AGENTENV_[A-Z_]*TOKEN\b", h)] == []
+
+
 def test_cleanup_sends_the_token_from_its_file_and_keeps_it_off_the_command_line(tmp_path):
     token_file = tmp_path / "env.token"
     token_file.write_text(SECRET + "\n")

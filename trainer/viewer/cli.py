@@ -8,6 +8,7 @@ viewer's FastAPI app is imported when the command runs.
 
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 from typing import Annotated
@@ -25,8 +26,9 @@ app = typer.Typer(help="The trajectory viewer: a run's episodes, groups, search 
 def view(
     run: Annotated[Path, typer.Argument(help="a run folder (train or rollout), or a folder of runs")],
     port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1")] = DEFAULT_PORT,
-    token_file: Annotated[Path | None, typer.Option(help="file holding the token (made if missing); default: a "
-                                                         "new token, printed in the URL")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding the token (made if missing); else "
+                                                         "$AGENTENV_VIEW_TOKEN, else a new token, printed in the "
+                                                         "URL")] = None,
 ) -> None:
     """Serve the viewer on 127.0.0.1 and print the URL that logs in."""
     import uvicorn
@@ -39,7 +41,8 @@ def view(
         typer.echo(f"error: {run} is not a folder (give a run folder or a folder of runs)", err=True)
         raise typer.Exit(2)
     try:
-        token = load_token(token_file) if token_file is not None else secrets.token_urlsafe(24)
+        token = (load_token(token_file) if token_file is not None else
+                 os.environ.get("AGENTENV_VIEW_TOKEN", "").strip() or secrets.token_urlsafe(24))
     except (ValueError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
