@@ -138,7 +138,7 @@ def serve(
     try:
         from agentenv import server
     except ImportError as e:
-        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({markup(e)}); pip install 'agentenv\[server]'")
+        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({markup(e)}); pip install -e '.\[server]' in the checkout")
         raise typer.Exit(2) from None
 
     made = token_file is not None and not token_file.exists()

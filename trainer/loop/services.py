@@ -162,7 +162,7 @@ def _check_env(env_id: str) -> str | None:
 
         import envs  # noqa: F401  (registers the env ids)
     except ImportError as e:
-        return f"the envs need Gymnasium ({e}); pip install 'agentenv[envs]'"
+        return f"the envs need Gymnasium ({e}); pip install -e '.[envs]' in the checkout"
     if env_id not in gymnasium.registry:
         ours = sorted(k for k in gymnasium.registry if k.startswith("agentenv/"))
         return f"no env {env_id!r} is registered; known: {', '.join(ours)}"
