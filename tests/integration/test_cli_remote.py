@@ -5,12 +5,15 @@ reaches the terminal as visible text (``exec``, the tables), except on ``shell``
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
 import select
+import struct
 import subprocess
 import sys
+import termios
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,6 +118,15 @@ def test_shell_is_a_real_terminal_and_says_so(served, sandbox):
                     raise AssertionError(seen.decode(errors="replace")) from None
 
     read_until(b"a real terminal in")
+    os.write(fd, b"stty size\n")
+    read_until(b"24 80")                          # a terminal that says no size: 24 x 80
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))   # the window resized: SIGWINCH
+    deadline = time.monotonic() + 60
+    while b"30 100" not in seen:                  # the sandbox's terminal follows (asked again until it has)
+        assert time.monotonic() < deadline, seen.decode(errors="replace")
+        os.write(fd, b"stty size\n")
+        while select.select([fd], [], [], 0.5)[0]:
+            seen += os.read(fd, 65536)
     os.write(fd, b"tty; echo ok-$((6*7)); printf '\\033[1mbold\\n'; exit 5\n")
     read_until(b"\x1b[1mbold")                    # escape sequences reach the terminal unchanged
     assert re.search(rb"/dev/pts/\d+", seen) and b"ok-42" in seen
