@@ -182,7 +182,7 @@ class SpawnRequest(_Body):
     env: Env = Field(default_factory=dict)
 
 
-TermSize = Annotated[list[Annotated[int, Field(ge=1, le=4096, strict=True)]], Field(
+TermSize = Annotated[list[Annotated[int, Field(ge=1, le=4096), BeforeValidator(_number)]], Field(
     min_length=2, max_length=2, description="a terminal's [rows, cols]")]
 
 
