@@ -12,7 +12,6 @@ of a Ray fleet (``cluster.py``) and of Docker images (``images.py``) are their o
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, entry_points, version
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,6 +34,8 @@ app.add_typer(cluster.app, name="cluster")
 def _print_version(asked: bool) -> None:
     if not asked:
         return
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         console.print(f"agentenv {version(DISTRIBUTION)} (distribution {DISTRIBUTION})", highlight=False)
     except PackageNotFoundError:
@@ -166,6 +167,8 @@ def serve(
 def _console_pages(name: str, folder: Path) -> Callable[[Any], None]:
     """The console pages another package declares as entry point ``name`` of ``agentenv.console`` (``runs``: the
     trajectory viewer, ``trainer.viewer.web.install``), bound to ``folder``; ValueError when none is installed."""
+    from importlib.metadata import entry_points
+
     found = [ep for ep in entry_points(group="agentenv.console") if ep.name == name]
     if not found:
         raise ValueError(f"no console pages named {name!r} are installed (the trajectory viewer comes with the "

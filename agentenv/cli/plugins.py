@@ -10,9 +10,8 @@ command, ``agentenv NAME ARGS...``, rather than a group of one. ``bench/cli_star
 from __future__ import annotations
 
 from functools import cache
-from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -20,12 +19,18 @@ from typer.core import TyperCommand, TyperGroup
 from agentenv.cli.shared import console
 from agentenv.terminal import markup
 
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
 GROUP = "agentenv.commands"
 
 
 @cache
 def _declared() -> dict[str, EntryPoint]:
-    """The entry points of ``agentenv.commands`` by name (the first of a name, should two distributions give it)."""
+    """The entry points of ``agentenv.commands`` by name (the first of a name, should two distributions give it);
+    importlib.metadata is imported here, as a command of agentenv's own never needs it."""
+    from importlib.metadata import entry_points
+
     found: dict[str, EntryPoint] = {}
     for ep in entry_points(group=GROUP):
         found.setdefault(ep.name, ep)
