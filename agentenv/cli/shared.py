@@ -1,7 +1,7 @@
 """What the command groups of ``agentenv`` share: the console they print on, how a time reads, the options saying
 where images come from, which ``serve``, ``cluster up`` and ``images pull`` all take, and how a token is read.
 
-Tokens have one spelling everywhere (docs/security.md): a file flag, ``--token-file`` for the server a command
+Tokens have one spelling everywhere (docs/operations.md): a file flag, ``--token-file`` for the server a command
 serves or talks to (``--<service>-token-file`` where it talks to several: ``--policy-token-file``,
 ``--env-token-file``), else an environment variable holding the token itself (``$AGENTENV_TOKEN``,
 ``$AGENTENV_POLICY_TOKEN``, ``$AGENTENV_GATEWAY_TOKEN``); never the value on the command line, which every local
