@@ -5,7 +5,7 @@ repository, graded like SWE-bench), ``agentenv/Tool-v0`` (small tool-use tasks w
 The rooms: ``base`` (``SandboxEnv``), ``spaces``, ``tools/`` (tool groups, each tool declared once), the envs
 (``shell_env``, ``swe_env``, ``tool_env``, ``lookup_env``), the task format and its sandbox (``task``,
 ``task_sandbox``), ``images``, ``grading/`` (the agent's patch graded in a fresh sandbox, guarded against
-tampering) and ``tasks/`` (the shipped task set and ``python -m envs.tasks``).
+tampering) and ``tasks/`` (the shipped task set and ``agentenv tasks``).
 
 ``import envs`` registers them. Each is registered with Gymnasium's step limit (``max_episode_steps``,
 so ``gymnasium.make`` wraps it in ``TimeLimit``) and the same number as the env's ``max_steps``, on

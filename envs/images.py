@@ -21,7 +21,7 @@ stand-in for conda; ``envs.swebench_layout``). A recipe may add files to the sou
 sdist leaves out, e.g. SymPy's ``bin/test``), which are then part of what the image's commit holds.
 
 ``image_head(tag)`` is the commit its /testbed is at: what a task's ``base_commit`` must be (or ``"HEAD"``),
-printed after each build and by ``python -m envs.tasks base-commit IMAGE``.
+printed after each build and by ``agentenv tasks base-commit IMAGE``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def build_hint(image: str, libraries: str = "LIBRARIES.json") -> str:
         entry = (f'{{"name": "<distribution>", "version": "{version}", "sha256": "<sdist sha256>", '
                  f'"repo": "{owner}/{name}"}}' if owner else
                  f'{{"name": "{name}", "version": "{version}", "sha256": "<sdist sha256>"}}')
-        return (f"build it with `python -m envs.tasks images --libraries {libraries}`, the file listing {entry}; "
+        return (f"build it with `agentenv tasks images --libraries {libraries}`, the file listing {entry}; "
                 f"or build your own image of the repository at /testbed and tag it {image} (see {DOCS})")
     return f"build or pull {image} on the sandbox host (see {DOCS})"
 

@@ -12,7 +12,7 @@ files lack have defaults (or can be given as ``defaults``):
 - ``image``: the one the record names (``image``, or its dataset's own field), else its dataset's naming rule
   (``envs.datasets.rules``); agentenv's own rule (``image_name``) is ``agentenv/swe-<name>:<version>``, where
   ``pypi/NAME`` gives ``NAME`` and ``OWNER/NAME`` gives ``OWNER__NAME`` (lowercased), e.g. ``astropy/astropy`` 4.3
-  -> ``agentenv/swe-astropy__astropy:4.3``: what ``python -m envs.tasks images`` builds;
+  -> ``agentenv/swe-astropy__astropy:4.3``: what ``agentenv tasks images`` builds;
 - ``test_command``: ``PYTEST_COMMAND`` (pytest with the ``-rA`` summary the ``pytest`` log parser reads);
 - ``base_commit``: ``"HEAD"`` (also when omitted) means the commit /testbed is at once the image is
   started and the setup commands have run; it is resolved at reset (``envs.task_sandbox.start_task``).

@@ -16,7 +16,7 @@ commands in one exec (~15 ms a reset). The script checks its own work (refs left
 fails the reset when anything is left.
 
 Images built from a long real history (one per task, at its base commit) can run the same script at
-build time (``python -m envs.tasks scrub-script``): it records the state it leaves, and a reset that
+build time (``agentenv tasks scrub-script``): it records the state it leaves, and a reset that
 finds that state unchanged skips counting the history's objects (and has nothing to repack).
 
 A task whose ``base_commit`` is ``"HEAD"`` is at the commit the setup leaves (the image's HEAD without
@@ -49,7 +49,7 @@ WORKDIR = "/testbed"
 # POSIX sh, run in /testbed; prints "agentenv-scrub <head> <refs left> <objects> <reachable> <how>" and exits 0
 # only when at most HEAD's branch is left and every object is reachable from HEAD or the index. It then
 # records the state it left (HEAD and the object counts) in .git/agentenv-scrubbed: run at image build
-# time (`python -m envs.tasks scrub-script`), that lets a reset skip counting a long history's objects.
+# time (`agentenv tasks scrub-script`), that lets a reset skip counting a long history's objects.
 SCRUB = r"""set -e
 info=$(git rev-parse --absolute-git-dir 'HEAD^{commit}' --symbolic-full-name HEAD)
 nl='
@@ -133,7 +133,7 @@ class TaskImageMissing(SetupError, LookupError):
                          f"repository {task.repo!r}, version {task.version or '?'!r}) is not on the sandbox host"
                          f"{why}", fix=build_hint(task.image) if task.dataset == "agentenv" else
                          "load it (AGENTENV_IMAGE_TARBALLS), mirror it (AGENTENV_IMAGE_MIRRORS) or pull it where a "
-                         "registry is reachable; `python -m envs.tasks prewarm` fetches a task set's images")
+                         "registry is reachable; `agentenv tasks prewarm` fetches a task set's images")
 
 
 def image_sandbox(task: Task, api: Backend, labels: dict[str, str] | None = None, **kwargs: Any) -> SandboxLike:
@@ -145,7 +145,7 @@ def image_sandbox(task: Task, api: Backend, labels: dict[str, str] | None = None
         raise TaskImageMissing(task, str(e)) from e
     except ImageNotFound as e:
         why = "" if callable(getattr(api, "ensure_image", None)) else \
-            "this backend cannot fetch images: prewarm its servers (python -m envs.tasks prewarm)"
+            "this backend cannot fetch images: prewarm its servers (agentenv tasks prewarm)"
         raise TaskImageMissing(task, why) from e
 
 
@@ -193,6 +193,6 @@ def start_task_sandbox(task: Task, api: Backend = agentenv, **sandbox_kwargs: An
 
 
 def _setup_fix(task: Task) -> str:
-    return (f"the base commit must be one the image's /testbed holds: `python -m envs.tasks base-commit "
+    return (f"the base commit must be one the image's /testbed holds: `agentenv tasks base-commit "
             f"{task.image}` prints the image's commit; or give \"base_commit\": \"HEAD\" (see {DOCS}); for "
-            "shipped tasks, rebuild the image (python -m envs.tasks images)")
+            "shipped tasks, rebuild the image (agentenv tasks images)")

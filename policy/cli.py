@@ -56,7 +56,7 @@ def serve(
         from policy.server.echo import Echo
         from policy.tokenizer import load_tokenizer
     except ImportError as e:
-        print(f"error: the policy needs torch, tokenizers and FastAPI ({e}); pip install 'agentenv[policy]'",
+        print(f"error: the policy needs torch, tokenizers and FastAPI ({e}); pip install -e '.[policy]' in the checkout",
               file=sys.stderr)
         raise typer.Exit(2) from None
 
@@ -96,7 +96,7 @@ def verify(
         from policy.verify import print_report
         from policy.verify import verify as run_verify
     except ImportError as e:
-        print(f"error: verify needs tokenizers and httpx ({e}); pip install 'agentenv[policy]'", file=sys.stderr)
+        print(f"error: verify needs tokenizers and httpx ({e}); pip install -e '.[policy]' in the checkout", file=sys.stderr)
         raise typer.Exit(2) from None
     secret = read_token(token_file)
     tok = None

@@ -39,7 +39,7 @@ def _llg() -> Any:
     try:
         import llguidance
     except ImportError as e:
-        raise GrammarUnavailable("structured outputs need llguidance (pip install 'agentenv[policy]')") from e
+        raise GrammarUnavailable("structured outputs need llguidance (pip install -e '.[policy]' in the checkout)") from e
     return llguidance
 
 

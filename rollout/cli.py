@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import functools
 import json
-import os
 import time
 import uuid
 from enum import StrEnum
@@ -35,6 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from agentenv.cli.shared import read_token
 from agentenv.terminal import markup
 from rollout.gateway import cli as gateway_cli
 from rollout.trajectory import INFRA_ERRORS
@@ -47,16 +47,6 @@ app.add_typer(gateway_cli.app, name="gateway")
 
 EnvTokenFile = Annotated[Path | None, typer.Option(
     exists=True, dir_okay=False, help="file holding the env servers' token (else $AGENTENV_TOKEN where it runs)")]
-
-
-def read_token(path: Path | None) -> str | None:
-    """The token in the file ``path`` (stripped); None without a file (the caller's environment variable then)."""
-    if path is None:
-        return None
-    token = path.read_text().strip()
-    if not token:
-        raise typer.BadParameter(f"{path} is empty; write the token into it")
-    return token
 
 
 def _kv(items: list[str] | None, what: str) -> dict[str, Any]:
@@ -174,7 +164,7 @@ def rollout(
     from rollout.driver import Rollout
     from rollout.workers import RolloutConfig, RolloutError, load_task_refs
 
-    token = read_token(policy_token_file) or os.environ.get("AGENTENV_POLICY_TOKEN")
+    token = read_token(policy_token_file, "AGENTENV_POLICY_TOKEN")
     refs: list[Any]
     if tasks is not None:
         refs = load_task_refs(tasks)
@@ -202,7 +192,7 @@ def rollout(
         raise typer.BadParameter(str(e)) from None
     cfg = RolloutConfig(env, policy_url, policy_token=token, policy_model=model, group_size=group_size,
                         memory_fork=memory_fork, agent=agent, env_kwargs=_kv(env_arg, "--env-arg"), harness=driver,
-                        env_urls=_env_urls(env_url), env_token=read_token(env_token_file),
+                        env_urls=_env_urls(env_url), env_token=read_token(env_token_file, None),
                         env_fleet=env_fleet, max_retries=retries,
                         groups_per_worker=groups_per_worker, worker_cpus=worker_cpus, seed=seed,
                         keep_messages=keep_messages)
@@ -355,7 +345,7 @@ def cleanup(
     """Close the sandboxes and delete the snapshots a run left behind (after its driver was killed)."""
     from rollout.ownership import sweep_run
 
-    swept = sweep_run(run, env_url or [], read_token(env_token_file))
+    swept = sweep_run(run, env_url or [], read_token(env_token_file, None))
     console.print(f"closed {len(swept['sandboxes'])} sandboxes, deleted {len(swept['snapshots'])} snapshots")
 
 

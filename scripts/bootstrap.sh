@@ -162,6 +162,9 @@ if [ "$SKIP_VENV" = 0 ]; then
         pip install -q --upgrade pip
         # Pin the CPU build that the package registries here serve; a bare 'torch' pulls CUDA wheels.
         "$VENV/bin/python" -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+        # the distribution was named agentenv before (that name on the package index is another project's): the old
+        # editable install goes, or its entry points and console script would stand beside the new one's
+        ! "$VENV/bin/pip" show -q agentenv >/dev/null 2>&1 || pip uninstall -q -y agentenv
         pip install -q -e "$ROOT[all,test,docs,frameworks]"
         # the official SWE-bench log parser, for a test that cross-checks ours (its own dependencies are not needed)
         pip install -q --no-deps "swebench==5.0.2"

@@ -52,7 +52,8 @@ def train(
     name: Annotated[str | None, typer.Option(help="run name: the folder out_dir/NAME")] = None,
     seed: Annotated[int | None, typer.Option(help="seed of weights, tasks and sampling")] = None,
     policy_url: Annotated[str | None, typer.Option(help="use this policy endpoint instead of starting one")] = None,
-    policy_token_file: Annotated[Path | None, typer.Option(help="its bearer token")] = None,
+    policy_token_file: Annotated[Path | None, typer.Option(help="file holding its bearer token (else "
+                                                                 "$AGENTENV_POLICY_TOKEN)")] = None,
     ray_address: Annotated[str | None, typer.Option(help="use this Ray cluster instead of a local Ray")] = None,
     resume: Annotated[bool, typer.Option(help="continue the run of this name from its newest checkpoint")] = False,
     dry_run: Annotated[bool, typer.Option(help="print the plan and the effective configuration; start "

@@ -12,22 +12,45 @@ of a Ray fleet (``cluster.py``) and of Docker images (``images.py``) are their o
 from __future__ import annotations
 
 from collections.abc import Callable
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
-from rich.text import Text
 
-from agentenv.cli import cluster, images
-from agentenv.cli.shared import ImageMirror, ImagePull, ImageTarballs, PullDeadline, console, when
-from agentenv.terminal import guard_logs, markup, plain
+from agentenv.cli import cluster, images, sandboxes
+from agentenv.cli.plugins import PluginGroup
+from agentenv.cli.shared import ImageMirror, ImagePull, ImageTarballs, PullDeadline, console
+from agentenv.terminal import clean, guard_logs, markup
 
-app = typer.Typer(help="agentenv: sandboxes that snapshot, fork and resume fast.", no_args_is_help=True)
-snapshots_app = typer.Typer(help="The snapshot store.", no_args_is_help=True)
-app.add_typer(snapshots_app, name="snapshots")
+DISTRIBUTION = "agentenv-rl"  # the name pip installs agentenv under (pyproject's [project] name)
+
+app = typer.Typer(cls=PluginGroup, help="agentenv: sandboxes that snapshot, fork and resume fast.",
+                  no_args_is_help=True)
+app.add_typer(sandboxes.app)  # ls, rm, exec, shell: on this host, or a server's with --url
+app.add_typer(sandboxes.snapshots_app, name="snapshots")
 app.add_typer(cluster.app, name="cluster")
+
+
+def _print_version(asked: bool) -> None:
+    if not asked:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        console.print(f"agentenv {version(DISTRIBUTION)} (distribution {DISTRIBUTION})", highlight=False)
+    except PackageNotFoundError:
+        console.print(f"[red]error:[/] the distribution {DISTRIBUTION} is not installed; in the checkout: "
+                      "pip install -e .")
+        raise typer.Exit(1) from None
+    raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    show_version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                               help="print the installed version and exit")] = False,
+) -> None:
+    """agentenv: sandboxes that snapshot, fork and resume fast."""
 
 
 @app.command("tour")
@@ -36,33 +59,6 @@ def run_tour(image: str = typer.Option("agentenv/base", help="image to run the t
     from agentenv.cli import tour
 
     tour.run(image)
-
-
-@app.command("ls")
-def list_sandboxes() -> None:
-    """List sandboxes on this host."""
-    from agentenv import Sandbox
-
-    t = Table("id", "state", "image", "created")
-    t.add_column("labels", overflow="fold")   # shown whole, over several lines if need be
-    for sb in Sandbox.list():
-        t.add_row(plain(sb.id), plain(sb.state), plain(sb.image), when(sb.created_at), _labels(sb.labels))
-    console.print(t)
-
-
-def _labels(labels: dict[str, str]) -> Text:
-    """A sandbox's or snapshot's labels as one cell (whoever made it chose them: printed as text)."""
-    return plain(",".join(f"{k}={v}" for k, v in labels.items()))
-
-
-@app.command("rm")
-def remove_sandbox(ids: list[str]) -> None:
-    """Close sandboxes by id."""
-    from agentenv import Sandbox
-
-    for sid in ids:
-        Sandbox.get(sid).close()
-        console.print(f"closed {markup(sid)}")
 
 
 @app.command("gc")
@@ -143,14 +139,19 @@ def serve(
     try:
         from agentenv import server
     except ImportError as e:
-        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({markup(e)}); pip install 'agentenv\[server]'")
+        console.print(rf"[red]error:[/] the server needs FastAPI and uvicorn ({markup(e)}); pip install -e '.\[server]' in the checkout")
         raise typer.Exit(2) from None
 
+    made = token_file is not None and not token_file.exists()
     try:
         token = server.load_token(token_file)
     except (ValueError, OSError) as e:
         console.print(f"[red]error:[/] {markup(e)}")
         raise typer.Exit(2) from None
+    where = "$AGENTENV_TOKEN" if token_file is None else f"{token_file.resolve()}{' (made now)' if made else ''}"
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    typer.echo(clean(f"agentenv serve: the API at {url}, the console at {url}/console/login (log in with the "
+                     f"token); the token: {where}"))
     try:
         pages = [] if runs is None else [_console_pages("runs", runs)]
         server.serve(token, host, port, max_sandboxes=max_sandboxes, max_memory=max_memory, max_disk=max_disk,
@@ -166,6 +167,8 @@ def serve(
 def _console_pages(name: str, folder: Path) -> Callable[[Any], None]:
     """The console pages another package declares as entry point ``name`` of ``agentenv.console`` (``runs``: the
     trajectory viewer, ``trainer.viewer.web.install``), bound to ``folder``; ValueError when none is installed."""
+    from importlib.metadata import entry_points
+
     found = [ep for ep in entry_points(group="agentenv.console") if ep.name == name]
     if not found:
         raise ValueError(f"no console pages named {name!r} are installed (the trajectory viewer comes with the "
@@ -174,46 +177,12 @@ def _console_pages(name: str, folder: Path) -> Callable[[Any], None]:
     return lambda app: install(app, folder)
 
 
-@snapshots_app.command("ls")
-def list_snapshots() -> None:
-    """List snapshots in the store."""
-    from agentenv import Snapshot
-
-    t = Table("id", "parent", "memory", "size MB", "created", "sandbox")
-    t.add_column("labels", overflow="fold")
-    for s in Snapshot.list():
-        t.add_row(plain(s.id), plain(s.parent_id or "-"), "yes" if s.has_memory else "no", f"{s.size_bytes / 1e6:.1f}",
-                  when(s.created_at), plain(s.sandbox_id or "-"), _labels(s.labels))
-    console.print(t)
-
-
-@snapshots_app.command("rm")
-def remove_snapshots(ids: list[str]) -> None:
-    """Delete snapshots by id."""
-    from agentenv import Snapshot
-
-    for sid in ids:
-        Snapshot.get(sid).delete()
-        console.print(f"deleted {markup(sid)}")
-
-
 app.add_typer(images.app, name="images")
-
-
-def _mount_plugins() -> None:
-    for ep in entry_points(group="agentenv.commands"):
-        try:
-            sub = ep.load()
-        except ImportError as e:  # a package that is not installed adds no command
-            console.print(f"[yellow]agentenv {markup(ep.name)} unavailable: {markup(e)}[/]")
-            continue
-        app.add_typer(sub, name=ep.name)
 
 
 def main() -> None:
     """Entry point of the console script."""
     guard_logs()
-    _mount_plugins()
     from agentenv.errors import AgentEnvError
 
     try:

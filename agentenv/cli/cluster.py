@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from agentenv.cli.shared import ImageMirror, ImagePull, ImageTarballs, PullDeadline, console
+from agentenv.cli.shared import ImageMirror, ImagePull, ImageTarballs, PullDeadline, console, read_token
 from agentenv.terminal import markup, plain
 
 app = typer.Typer(help="The env-server fleet on a Ray cluster: one `agentenv serve` per node.", no_args_is_help=True)
@@ -96,16 +96,15 @@ def cluster_ls(ray_address: RayAddress = None) -> None:
 def cluster_prewarm(
     images: list[str],
     ray_address: Annotated[str | None, typer.Option(help="the Ray cluster (default: the one on this machine)")] = None,
-    token_file: Annotated[Path | None, typer.Option(help="the servers' token (else $AGENTENV_TOKEN)")] = None,
+    token_file: Annotated[Path | None, typer.Option(help="file holding the servers' token (else "
+                                                         "$AGENTENV_TOKEN)")] = None,
     deadline: float | None = typer.Option(None, help="seconds each pull may take (at most the servers' own)"),
 ) -> None:
     """Get images onto every fleet server before a run (each server's own sources), a line per image done.
-    For a task set: `python -m envs.tasks prewarm --tasks FILE`."""
-    import os
-
+    For a task set: `agentenv tasks prewarm --tasks FILE`."""
     from agentenv.remote.prewarm import Warmed, prewarm_fleet
 
-    token = (token_file.read_text() if token_file else os.environ.get("AGENTENV_TOKEN", "")).strip()
+    token = read_token(token_file, "AGENTENV_TOKEN")
     if not token:
         console.print("[red]error:[/] give --token-file FILE or set $AGENTENV_TOKEN")
         raise typer.Exit(2)

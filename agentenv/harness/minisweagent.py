@@ -1,6 +1,6 @@
 """mini-swe-agent's ``Environment`` over an agentenv sandbox, with ``fork()`` and ``snapshot()`` for search.
 
-mini-swe-agent (``pip install agentenv[minisweagent]``) loads an environment by dotted path::
+mini-swe-agent (``pip install -e '.[minisweagent]'``) loads an environment by dotted path::
 
     environment:
       environment_class: agentenv.harness.minisweagent.AgentenvEnvironment

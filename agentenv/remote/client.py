@@ -236,6 +236,19 @@ class RemoteSandbox(RemoteFiles):
         body = {"command": command, "cwd": cwd, "env": env or {}, "timeout": timeout, "stdin": bool(stdin), "tag": tag}
         return JobInfo.from_wire(self._call("POST", "/jobs", body))
 
+    def start_terminal(self, command: str, size: tuple[int, int], *, cwd: str | None = None,
+                       env: dict[str, str] | None = None, timeout: float | None = None,
+                       tag: str | None = None) -> JobInfo:
+        """``start`` on a new terminal of ``size`` (rows, cols), as the local one: its output comes as the one
+        stream "pty", ``send_input`` types at it, ``resize`` sets its size."""
+        body = {"command": command, "cwd": cwd, "env": env or {}, "timeout": timeout, "stdin": True, "tag": tag,
+                "pty": [int(size[0]), int(size[1])]}
+        return JobInfo.from_wire(self._call("POST", "/jobs", body))
+
+    def resize(self, pid: int, size: tuple[int, int]) -> None:
+        """Set the (rows, cols) of the terminal of a job ``start_terminal`` made."""
+        self._call("POST", f"/jobs/{pid}/resize", {"size": [int(size[0]), int(size[1])]}, idempotent=True)
+
     def jobs(self) -> builtins.list[JobInfo]:
         """The jobs ``start`` made that run, or ended but whose end ``output`` has not delivered yet."""
         return [JobInfo.from_wire(j) for j in self._call("GET", "/jobs", idempotent=True)]

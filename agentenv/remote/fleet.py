@@ -44,7 +44,7 @@ def joined(address: str | None) -> Iterator[Any]:
     try:
         import ray
     except ImportError as e:
-        raise FleetError(f"the fleet needs Ray ({e})", fix="pip install 'agentenv[rl]'") from None
+        raise FleetError(f"the fleet needs Ray ({e})", fix="pip install -e '.[rl]' in the checkout") from None
     if ray.is_initialized():
         yield ray
         return

@@ -133,7 +133,7 @@ def create_app(token: str, *, max_sandboxes: int = 64, max_memory: str | int = "
         try:
             from agentenv.server import e2b as e2b_api
         except ImportError as e:
-            raise ValueError(f"the E2B API needs the e2b package ({e}): pip install 'agentenv[e2b]'") from e
+            raise ValueError(f"the E2B API needs the e2b package ({e}): pip install -e '.[e2b]' in the checkout") from e
         e2b_api.install(app, service, token, domain)
     app.add_middleware(BodyLimit)
     complete_openapi(app)

@@ -182,10 +182,20 @@ class SpawnRequest(_Body):
     env: Env = Field(default_factory=dict)
 
 
+TermSize = Annotated[list[Annotated[int, Field(ge=1, le=4096), BeforeValidator(_number)]], Field(
+    min_length=2, max_length=2, description="a terminal's [rows, cols]")]
+
+
 class StartRequest(SpawnRequest):
     timeout: Annotated[float, Field(ge=1e-3, le=1e6, strict=True)] | None = None
     stdin: StrictBool = False
     tag: Name | None = None
+    pty: TermSize | None = Field(None, description="start it on a new terminal of this size, its controlling one: "
+                                                   "the output is one stream, 'pty', and stdin types at it")
+
+
+class ResizeRequest(_Body):
+    size: TermSize
 
 
 class OutputRequest(_Body):

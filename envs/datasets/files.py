@@ -83,7 +83,7 @@ def _read_parquet(p: Path) -> list[tuple[str, Any]]:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise SourceError("reading Parquet needs pyarrow: pip install 'agentenv[envs]'", str(p)) from None
+        raise SourceError("reading Parquet needs pyarrow: pip install -e '.[envs]' in the checkout", str(p)) from None
     files = sorted(p.rglob("*.parquet")) if p.is_dir() else [p]
     if not files:
         raise SourceError("no .parquet file in this folder", str(p))

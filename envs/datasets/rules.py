@@ -22,7 +22,7 @@ Where each rule comes from (read from the datasets' cards and harnesses; the fix
 - SWE-bench-extra: nebius/SWE-bench-extra's card: SWE-bench's fields with list-typed FAIL_TO_PASS / PASS_TO_PASS,
   an int ``version``, ``meta`` and ``license``; it publishes no images, so its records get agentenv's rule.
 - agentenv: ``agentenv/swe-<name>:<version>`` (``pypi/NAME`` -> ``NAME``, ``OWNER/NAME`` -> ``owner__name``), what
-  ``python -m envs.tasks images`` builds.
+  ``agentenv tasks images`` builds.
 """
 
 from __future__ import annotations

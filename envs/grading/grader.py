@@ -38,7 +38,7 @@ What runs where:
 The canaries are not used when the command selects tests (``-k``, ``-m``, ``--deselect``, ``--lf``, ...) or
 names no ``{tests}``. A repository whose pristine configuration does not collect ``test_*`` functions
 (``python_functions``) or marks whole test modules xfail would trip it with every patch, the gold one
-too: ``python -m envs.tasks validate`` shows such a task.
+too: ``agentenv tasks validate`` shows such a task.
 
 How the task's ``test_command`` is run is ``envs.grading.command``'s: a plain pytest invocation keeps its
 arguments and gets the grader's options, the guard and the isolated run; any other command runs as the

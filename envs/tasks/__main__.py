@@ -1,9 +1,12 @@
-"""python -m envs.tasks images | base-commit | scrub-script | search | build | fixes | validate | prewarm — SWE task sets.
+"""agentenv tasks images | base-commit | scrub-script | search | build | fixes | validate | prewarm — SWE task sets.
 
 The shipped set by default; any other with ``--libraries FILE`` (the libraries images are built from,
 see envs/tasks/libraries.py) and ``--tasks FILE`` (task records, see envs/task.py: JSONL, JSON or Parquet, a
 published dataset's records as they are; ``--dataset NAME`` when their fields cannot tell which, see
 envs/datasets). ``prewarm`` gets a task set's images onto every env server of a fleet before a run.
+
+``agentenv tasks`` (``envs.tasks.cli``, an ``agentenv.commands`` plugin) runs ``main``; ``python -m envs.tasks``
+still does too, for a release, and says it is deprecated.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ def say(text: str, file: TextIO | None = None) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m envs.tasks", description=__doc__,
+    p = argparse.ArgumentParser(prog="agentenv tasks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
 
@@ -77,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
     pw.add_argument("--url", action="append", metavar="URL", help="an env server (repeatable; default: the Ray "
                     "fleet of `agentenv cluster up`)")
     pw.add_argument("--ray-address", metavar="ADDRESS", help="the Ray cluster of the fleet (default: auto)")
-    pw.add_argument("--token-file", type=Path, metavar="FILE", help="the servers' token (default: $AGENTENV_TOKEN)")
+    pw.add_argument("--token-file", type=Path, metavar="FILE", help="file holding the servers' token (else "
+                    "$AGENTENV_TOKEN)")
     pw.add_argument("--deadline", type=float, help="seconds each pull may take (at most the servers' own)")
     return p
 
@@ -169,13 +173,17 @@ def _run(args: argparse.Namespace) -> int:
 def _prewarm(args: argparse.Namespace) -> int:
     """Every image of the task set on every server; a line per image and server as each is done; non-zero when
     one could not be had."""
-    import os
-
+    from agentenv.cli.shared import read_token
     from agentenv.remote.prewarm import Warmed, prewarm, prewarm_fleet
 
     tasks = load_tasks(args.tasks, dataset=args.dataset)
     images = list(dict.fromkeys(t.image for t in tasks))
-    token = (args.token_file.read_text() if args.token_file else os.environ.get("AGENTENV_TOKEN", "")).strip()
+    import typer
+
+    try:
+        token = read_token(args.token_file, "AGENTENV_TOKEN")
+    except typer.BadParameter as e:  # an empty or unreadable token file
+        raise TaskError(e.message) from None
     if not token:
         raise TaskError("the servers' token: give --token-file FILE or set $AGENTENV_TOKEN")
 
@@ -192,4 +200,6 @@ def _prewarm(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    say("note: `python -m envs.tasks` is deprecated and goes in the next release: run `agentenv tasks` (same "
+        "commands and options)", file=sys.stderr)
     sys.exit(main())

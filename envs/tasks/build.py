@@ -1,6 +1,6 @@
 """The task-set builder: real libraries, injected bugs, kept only when the library's own tests catch them.
 
-Pipeline (``python -m envs.tasks ...``):
+Pipeline (``agentenv tasks ...``):
 
 1. ``images``   build one image per pinned library (``libraries.json``; see ``envs.images``).
 2. ``search``   for each library, try mutation sites (``envs.tasks.mutate``) in a seeded order, run the
@@ -151,7 +151,7 @@ def search(lib: Library, *, keep: int, max_tries: int, seed: int, log: Log) -> l
 
 def write_mutations(found: dict[str, list[MutationSpec]], seed: int, path: Path = MUTATIONS_FILE) -> None:
     data: dict[str, Any] = {"_comment": "Pinned bug injections (see envs/tasks/mutate.py for the kinds); "
-                                        "written by `python -m envs.tasks search`, read by `build`.",
+                                        "written by `agentenv tasks search`, read by `build`.",
                             "seed": seed, "max_failing": MAX_FAILING,
                             "mutations": {k: [s.to_json() for s in v] for k, v in found.items()}}
     path.write_text(json.dumps(data, indent=1) + "\n")
@@ -272,7 +272,7 @@ def prepare_images(tasks: Iterable[Task], libraries: Iterable[Library], *, build
             if lib is not None and build:
                 build_image(lib.recipe, log=log)
             elif lib is not None and not image_exists(image):
-                problems[image] = (f"image {image} is missing: build it with `python -m envs.tasks images "
+                problems[image] = (f"image {image} is missing: build it with `agentenv tasks images "
                                    f"--libraries {libraries_file}`")
             elif lib is None and not image_exists(image):
                 if image in agentenv_rule:  # agentenv's own images are built here, never published

@@ -1,4 +1,4 @@
-"""SWE-bench-shaped records from real upstream fixes between consecutive releases (``python -m envs.tasks fixes``).
+"""SWE-bench-shaped records from real upstream fixes between consecutive releases (``agentenv tasks fixes``).
 
 ``fixes.json`` pins, per repository, two consecutive releases of its PyPI sdist (``version`` and ``next``, each
 with its sha256) and, for each fix found by diffing them, the files of its code change and of its test change. The

@@ -1,4 +1,4 @@
-"""``python -m envs.tasks validate``: each record's gold patch resolves and nothing else does, graded as the
+"""``agentenv tasks validate``: each record's gold patch resolves and nothing else does, graded as the
 dataset's own runner grades it, records in parallel, with a per-record and a per-runner summary table.
 
 Per record, in a sandbox set up as a reset sets it up (``start_task``: SWE-smith's bug applied, R2E-Gym's tests

@@ -123,13 +123,13 @@ def e2b_domain_server(folder: Path, domain: str) -> Iterator[str]:
                 os.environ[k] = v
 
 
-def start_server_process(port: int, token_file: Path, *extra: str,
-                         env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+def start_server_process(port: int, token_file: Path, *extra: str, env: dict[str, str] | None = None,
+                         stdout: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
     """``agentenv serve`` as a child process (same $AGENTENV_HOME, plus ``env``), waited for until it answers."""
     code = "import sys; from agentenv.cli import main; sys.argv[0] = 'agentenv'; main()"
     proc = subprocess.Popen([sys.executable, "-c", code, "serve", "--port", str(port), "--token-file", str(token_file),
                              "--reap-interval", "0.5", *extra], env={**os.environ, **(env or {})},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=stdout, stderr=subprocess.PIPE)
     wait_healthy(f"http://127.0.0.1:{port}", proc)
     return proc
 

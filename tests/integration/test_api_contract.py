@@ -131,6 +131,27 @@ def test_jobs_output_stdin_and_signals(sb):
         sb.start("true", timeout=-1)
 
 
+def test_a_terminal_job_types_answers_and_resizes(sb):
+    """``start_terminal`` (what ``agentenv shell`` stands on): one stream, "pty", a controlling terminal whose size
+    ``resize`` sets; resizing a job without a terminal is refused alike on both sides."""
+    term = sb.start_terminal("sh", (24, 80), env={"PS1": "$ "})
+    sb.send_input(term.pid, b"stty size; tty\n")
+    output, items = sb.output(term.pid), []
+    while b"/dev/pts/" not in b"".join(i.data for i in items if isinstance(i, JobOutput)):
+        items.append(next(output))
+    sb.resize(term.pid, (30, 100))   # once the first answer came: sh waits for the next line
+    sb.send_input(term.pid, b"stty size; exit 4\n")
+    items += list(output)
+    text = b"".join(i.data for i in items if isinstance(i, JobOutput))
+    assert {i.stream for i in items if isinstance(i, JobOutput)} == {"pty"}
+    assert b"24 80" in text and b"30 100" in text and b"/dev/pts/" in text
+    assert isinstance(items[-1], JobEnd) and items[-1].exit_code == 4
+    plain = sb.start("sleep 30").pid
+    with pytest.raises(ValueError):
+        sb.resize(plain, (30, 100))
+    sb.signal(plain, signal.SIGKILL)
+
+
 def test_a_jobs_tail_leaves_its_output_for_output(sb):
     job = sb.start("printf 'abcdef'; exec 1>&-; sleep 600")
     deadline = time.monotonic() + 30

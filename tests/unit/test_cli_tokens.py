@@ -13,7 +13,6 @@ import re
 import socket
 import subprocess
 import sys
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +24,15 @@ SECRET = "s3cret-token-in-a-file"
 
 
 def _commands() -> dict[str, Any]:
-    """Every command of the ``agentenv`` CLI by its full name, the plugins' (``agentenv.commands``) included."""
-    roots = {"agentenv": typer.main.get_command(agentenv_app)}
-    roots |= {f"agentenv {ep.name}": typer.main.get_command(ep.load()) for ep in entry_points(group="agentenv.commands")}
+    """Every command of the ``agentenv`` CLI by its full name, the plugins' (``agentenv.commands``) included, as the
+    command line resolves them."""
     found: dict[str, Any] = {}
-    todo = list(roots.items())
+    todo: list[tuple[str, Any]] = [("agentenv", typer.main.get_command(agentenv_app))]
     while todo:
         name, cmd = todo.pop()
         found[name] = cmd
-        todo += [(f"{name} {sub}", c) for sub, c in getattr(cmd, "commands", {}).items()]  # a group's
+        if hasattr(cmd, "list_commands"):  # a group's
+            todo += [(f"{name} {sub}", cmd.get_command(None, sub)) for sub in cmd.list_commands(None)]
     return found
 
 
@@ -42,6 +41,16 @@ def test_no_command_takes_a_token_on_its_command_line():
                     if p.param_type_name == "option" for opt in p.opts if re.search(r"token$", opt))
     assert taking == []
     assert any("--env-token-file" in p.opts for p in _commands()["agentenv rollout cleanup"].params)
+
+
+def test_every_token_is_a_file_flag_with_its_environment_variable():
+    """One spelling (issue 45): ``--token-file`` for the server a command serves or talks to, ``--<who>-token-file``
+    where it talks to several, and its help names the variable that holds the token otherwise."""
+    flags = {(name, opt, p.help or "") for name, cmd in _commands().items() for p in cmd.params
+             if p.param_type_name == "option" for opt in p.opts if re.search(r"-token(-|$)", opt)}
+    assert len(flags) >= 15
+    assert [(n, o) for n, o, _ in flags if not re.fullmatch(r"--([a-z]+-)?token-file", o)] == []
+    assert [(n, o) for n, o, h in flags if not re.search(r"\$AGENTENV_[A-Z_]*TOKEN\b", h)] == []
 
 
 def test_cleanup_sends_the_token_from_its_file_and_keeps_it_off_the_command_line(tmp_path):

@@ -162,7 +162,7 @@ def _check_env(env_id: str) -> str | None:
 
         import envs  # noqa: F401  (registers the env ids)
     except ImportError as e:
-        return f"the envs need Gymnasium ({e}); pip install 'agentenv[envs]'"
+        return f"the envs need Gymnasium ({e}); pip install -e '.[envs]' in the checkout"
     if env_id not in gymnasium.registry:
         ours = sorted(k for k in gymnasium.registry if k.startswith("agentenv/"))
         return f"no env {env_id!r} is registered; known: {', '.join(ours)}"
@@ -238,7 +238,7 @@ def _check_swe(cfg: RunConfig, build: bool) -> str | None:
                 return "; ".join(problems.values()) + " (or set swe.enabled = false)"
         elif missing:
             return (f"the SWE task image {missing[0].image} is missing; the run builds it (or build it now with "
-                    "`python -m envs.tasks images`; or set swe.enabled = false)")
+                    "`agentenv tasks images`; or set swe.enabled = false)")
     except Exception as e:  # noqa: BLE001 - reported as the check's failure, named by what it is
         if _engine_unreachable(e):
             return (f"Docker is unreachable ({type(e).__name__}: {e}); run scripts/bootstrap.sh (or set "

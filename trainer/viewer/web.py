@@ -4,19 +4,15 @@ Served two ways, under the same paths (``/console/runs/...``): by ``agentenv vie
 127.0.0.1 with a token it generates, or ``--token-file``) and inside ``agentenv serve --runs DIR``'s console. Both
 use the console's login, session cookie, headers (its CSP) and static route (``agentenv.server.console_auth``): the
 pages are plain HTML in ``static/`` beside this module, and ``viewer.js`` sets every run-made text with
-``textContent``.
-
-    agentenv view runs/NAME [--port 8701] [--token-file FILE]
+``textContent``. ``agentenv view`` itself is ``trainer.viewer.cli`` (light, so that ``agentenv --help`` stays quick).
 """
 
 from __future__ import annotations
 
 import functools
-import secrets
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import typer
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import JSONResponse, RedirectResponse
 
@@ -29,7 +25,6 @@ from trainer.viewer import runs as viewer_runs
 STATIC = Path(__file__).with_name("static")  # the viewer's pages, script and style
 PAGES = {"runs": "runs.html", "run": "run.html", "episode": "episode.html", "group": "group.html",
          "searches": "searches.html", "metrics": "metrics.html"}
-DEFAULT_PORT = 8701
 
 router = APIRouter(prefix=console.PREFIX, include_in_schema=False)
 
@@ -184,39 +179,3 @@ def searches(request: Request, run: str) -> Response:
 @router.get("/api/runs/{run}/metrics")
 def metrics(request: Request, run: str) -> Response:
     return _answer(request, lambda: viewer.metrics(_run(request, run)))
-
-
-# --- agentenv view ----------------------------------------------------------------------------------------------
-
-app = typer.Typer(help="The trajectory viewer: a run's episodes, groups, search trees and metrics in a browser.",
-                  invoke_without_command=True, no_args_is_help=True,
-                  context_settings={"allow_interspersed_args": True})  # RUN before or after the options
-
-
-@app.callback(invoke_without_command=True)
-def view(
-    run: Annotated[Path, typer.Argument(help="a run folder (train or rollout), or a folder of runs")],
-    port: Annotated[int, typer.Option(help="TCP port on 127.0.0.1")] = DEFAULT_PORT,
-    token_file: Annotated[Path | None, typer.Option(help="file holding the token (made if missing); default: a "
-                                                         "new token, printed in the URL")] = None,
-) -> None:
-    """Serve the viewer on 127.0.0.1 and print the URL that logs in."""
-    import uvicorn
-
-    from agentenv.server import load_token, uvicorn_config
-
-    if not run.is_dir():
-        typer.echo(f"error: {run} is not a folder (give a run folder or a folder of runs)", err=True)
-        raise typer.Exit(2)
-    try:
-        token = load_token(token_file) if token_file is not None else secrets.token_urlsafe(24)
-    except (ValueError, OSError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    server = uvicorn.Server(uvicorn_config(create_app(run, token), "127.0.0.1", port, "warning"))
-    typer.echo(f"trajectory viewer of {run}: http://127.0.0.1:{port}{console.PREFIX}/login#token={token}")
-    server.run()
-
-
-if __name__ == "__main__":  # python -m trainer.viewer.web RUN: agentenv view before the package is installed
-    app()

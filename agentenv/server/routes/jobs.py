@@ -1,4 +1,5 @@
-"""Jobs in a sandbox: start, list, read output (streamed, from byte offsets), discard, stdin and signals.
+"""Jobs in a sandbox: start (on a terminal too), list, read output (streamed, from byte offsets), discard, stdin,
+signals and a terminal's size.
 
 A job's output waits in the sandbox's keeper until read, so ``output`` may be called again later (after a
 pause and resume, from another client) from the offsets reached. Its stream runs in a thread of its own
@@ -28,6 +29,7 @@ from agentenv.server.schemas import (
     KillRequest,
     OutputRequest,
     Pid,
+    ResizeRequest,
     SandboxId,
     StartRequest,
 )
@@ -39,8 +41,13 @@ TailSize = Annotated[int, Query(ge=1, le=MAX_OUTPUT, description="bytes at most,
 
 @router.post("/v1/sandboxes/{sandbox_id}/jobs", response_model=JobInfo, responses=SB_ERRORS)
 def start(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[StartRequest, Body()]) -> Response:
-    job = service.call(sandbox_id, lambda sb: sb.start(req.command, cwd=req.cwd, env=req.env, timeout=req.timeout,
-                                                        stdin=req.stdin, tag=req.tag))
+    if req.pty is not None:  # a terminal: its input is always open (what is typed at it)
+        rows, cols = req.pty
+        job = service.call(sandbox_id, lambda sb: sb.start_terminal(req.command, (rows, cols), cwd=req.cwd,
+                                                                     env=req.env, timeout=req.timeout, tag=req.tag))
+    else:
+        job = service.call(sandbox_id, lambda sb: sb.start(req.command, cwd=req.cwd, env=req.env,
+                                                            timeout=req.timeout, stdin=req.stdin, tag=req.tag))
     return WireResponse(job.to_wire())
 
 
@@ -103,6 +110,13 @@ async def send_input(service: ServiceDep, request: Request, sandbox_id: SandboxI
 @router.post("/v1/sandboxes/{sandbox_id}/jobs/{pid}/close-input", response_model=JobDone, responses=SB_ERRORS)
 def close_input(service: ServiceDep, sandbox_id: SandboxId, pid: Pid) -> Response:
     service.call(sandbox_id, lambda sb: sb.close_input(pid))
+    return WireResponse({"pid": pid})
+
+
+@router.post("/v1/sandboxes/{sandbox_id}/jobs/{pid}/resize", response_model=JobDone, responses=SB_ERRORS)
+def resize(service: ServiceDep, sandbox_id: SandboxId, pid: Pid, req: Annotated[ResizeRequest, Body()]) -> Response:
+    rows, cols = req.size
+    service.call(sandbox_id, lambda sb: sb.resize(pid, (rows, cols)))
     return WireResponse({"pid": pid})
 
 

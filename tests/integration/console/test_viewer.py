@@ -113,7 +113,7 @@ def _metrics(run: Path, trajs: list[tj.Trajectory]) -> None:
 
 @pytest.fixture(scope="module")
 def site() -> Iterator[dict[str, Any]]:
-    """The run (rollout, search, metrics) under a runs folder, and ``python -m trainer.viewer.web`` (what
+    """The run (rollout, search, metrics) under a runs folder, and ``python -m trainer.viewer.cli`` (what
     ``agentenv view`` runs) serving it; yields the URL it printed and the run's data."""
     root = Path(tempfile.mkdtemp(prefix="agentenv-viewer-"))
     run = root / "calc"
@@ -128,7 +128,7 @@ def site() -> Iterator[dict[str, Any]]:
         _metrics(run, trajs)
         (root / "outside").symlink_to(Path(tempfile.gettempdir()))  # a symlink out of the folder: never a run
         port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "trainer.viewer.web", str(root), "--port", str(port)],
+        proc = subprocess.Popen([sys.executable, "-m", "trainer.viewer.cli", str(root), "--port", str(port)],
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         assert proc.stdout is not None
         printed = proc.stdout.readline().strip()  # the one line it prints, or nothing when it failed to start

@@ -190,7 +190,7 @@ def test_a_patch_cannot_touch_r2e_gyms_hidden_tests(tagged):
 
 
 def test_validate_runs_each_datasets_records_and_prints_the_tables(tagged, tmp_path, capsys):
-    """`python -m envs.tasks validate` on the records as published (SWE-Gym's, which its fields cannot tell apart,
+    """`agentenv tasks validate` on the records as published (SWE-Gym's, which its fields cannot tell apart,
     from a Parquet folder with --dataset): every gold resolves and nothing else does, each by its runner."""
     import pyarrow as pa
     import pyarrow.parquet as pq

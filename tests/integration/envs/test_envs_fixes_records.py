@@ -3,7 +3,7 @@ fixes"): for each record the gold patch resolves, an empty patch does not, a no-
 touches does not, and the official ``swebench`` 5.0.2 ``get_eval_report`` on the log the grading captured agrees
 with our verdict each time.
 
-Records: ``envs/tasks/fixes_tasks.jsonl`` (``python -m envs.tasks fixes`` builds them): three Django 5.0.2 -> 5.0.3
+Records: ``envs/tasks/fixes_tasks.jsonl`` (``agentenv tasks fixes`` builds them): three Django 5.0.2 -> 5.0.3
 fixes (``tests/runtests.py``), a SymPy 1.13.0 -> 1.13.1 fix (``bin/test``) and a requests 2.32.3 -> 2.32.4 fix
 (pytest, ``parse_log_requests``). The second SymPy record (``sympy__sympy-26821``: its test file takes a minute and a
 half a run) is checked by ``bench/fixes_grading.py`` only.

@@ -19,7 +19,7 @@ from envs.tasks.validate import validate
 from envs.tool_env import ToolEnv
 
 pytestmark = pytest.mark.integration
-SAMPLE_BUDGET_S = 240  # CI validates a time-boxed sample; `python -m envs.tasks validate --all` does all
+SAMPLE_BUDGET_S = 240  # CI validates a time-boxed sample; `agentenv tasks validate --all` does all
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,7 @@ def test_a_missing_image_names_the_field_repository_version_and_the_command():
         start_task(task(), backend)
     msg = str(e.value)
     assert e.value.field == "image" and e.value.image == "agentenv/swe-demo:1.0" and isinstance(e.value, SetupError)
-    assert "'pypi/demo'" in msg and "'1.0'" in msg and "python -m envs.tasks images --libraries" in msg
+    assert "'pypi/demo'" in msg and "'1.0'" in msg and "agentenv tasks images --libraries" in msg
     assert '"name": "demo", "version": "1.0"' in msg
 
 

@@ -94,7 +94,7 @@ def test_validate_reports_missing_images_with_the_command_and_exits_non_zero(tmp
     rc = cli.main(["validate", "--tasks", str(tasks), "--libraries", str(libs), "--no-images"])
     out = capsys.readouterr().out
     assert rc == 1 and "Traceback" not in out
-    assert f"FAIL demo__1: image agentenv/swe-demo:1.0 is missing: build it with `python -m envs.tasks images " \
+    assert f"FAIL demo__1: image agentenv/swe-demo:1.0 is missing: build it with `agentenv tasks images " \
            f"--libraries {libs}`" in out
     assert "FAIL other__1: image agentenv/swe-owner__other:1.0 is missing: no library in" in out
     assert '"repo": "owner/other"' in out and "ok   present__1" in out and "1/3 tasks valid" in out
@@ -110,7 +110,7 @@ def test_base_commit_of_a_missing_image_says_how_to_build_it(monkeypatch, capsys
     monkeypatch.setattr("envs.images.image_exists", lambda image: False)
     assert cli.main(["base-commit", "agentenv/swe-six:1.16.0"]) == 2
     err = capsys.readouterr().err
-    assert "not on this host" in err and "python -m envs.tasks images --libraries" in err
+    assert "not on this host" in err and "agentenv tasks images --libraries" in err
     assert '"name": "six", "version": "1.16.0"' in err and "Traceback" not in err
 
 

@@ -239,7 +239,7 @@ def test_agentenv_serve_runs_shows_the_viewer_in_the_console(root):
 
 def test_agentenv_view_is_the_viewers_command():
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["agentenv.commands"]
-    assert scripts["view"] == "trainer.viewer.web:app"
+    assert scripts["view"] == "trainer.viewer.cli:app"
     pages = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["agentenv.console"]
     assert pages["runs"] == "trainer.viewer.web:install"
     page = (ROOT / "trainer/viewer/static/run.html").read_text()  # its form sends every filter
