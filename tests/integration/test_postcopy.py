@@ -123,7 +123,7 @@ def test_the_ttl_reaper_leaves_a_sandbox_alone_while_a_migration_holds_it(on_exp
             assert re.search(r"keeper threads: \d+ t\b", usage.stall_hint(sb))  # seized by CRIU: what an error says
         finally:
             assert not out.finish(False)
-        assert sb.id in agentenv.Sandbox.reap_expired()
+        agentenv.Sandbox.reap_expired()  # this round's, or the home's reaper's (agentenv.sandbox.watchdog)
         assert sb.state == ("paused" if on_expiry == "pause" else "closed")
     finally:
         sb.close()
