@@ -20,7 +20,7 @@ import pytest
 import agentenv
 from agentenv.api import DEFAULT_TTL
 from agentenv.host import cgroups
-from agentenv.sandbox import watchdog
+from agentenv.sandbox import sweep, watchdog
 
 from .conftest import cleanup, leaked
 
@@ -122,3 +122,23 @@ def test_the_readme_tour_leaves_nothing_behind_in_a_fresh_home(fresh_home):
     assert leaked(fresh_home) == {}
     assert [sid for sid in made if cgroups.existing(f"/agentenv/ae-{sid}")] == []
     _until("the reaper to exit", lambda: not watchdog.running())
+    # what the idle home still holds in the mount table goes with `agentenv gc`, which says so (--dry-run first)
+    held = sweep.home_mounts()
+    assert str(fresh_home / "volume") in held and any("/uids/" in m for m in held)
+    preview = _gc(fresh_home, "--dry-run")
+    assert all(f"would unmount {m}" in preview for m in held) and sweep.home_mounts() == held
+    said = _gc(fresh_home)
+    assert all(f"unmounted {m}" in said for m in held)
+    assert sweep.home_mounts() == [] and _gc(fresh_home) == f"nothing to collect in {fresh_home}"
+    # and the home works again: its next sandbox mounts what it needs
+    with agentenv.Sandbox.create() as sb:
+        assert sb.exec("echo back").stdout == "back\n"
+    assert str(fresh_home / "volume") in sweep.home_mounts()
+
+
+def _gc(home: Path, *args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "agentenv", "gc", *args], capture_output=True, text=True, timeout=600,
+                       check=False, cwd=ROOT, env={**os.environ, "AGENTENV_HOME": str(home), "PYTHONPATH": str(ROOT),
+                                                   "COLUMNS": "500"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return " ".join(r.stdout.split())
