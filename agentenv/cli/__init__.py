@@ -132,7 +132,7 @@ def serve(
     max_disk: str = typer.Option("640g", help="quota: disk limits of the live sandboxes together"),
     max_store: str | None = typer.Option(None, help="limit of the snapshot store (e.g. 200g); default: left as set"),
     unlimited_disk: bool = typer.Option(False, help="let clients make sandboxes without a disk limit (disk: null)"),
-    reap_interval: float = typer.Option(5.0, help="seconds between TTL checks (expired sandboxes are paused)"),
+    reap_interval: float = typer.Option(5.0, help="seconds between deadline checks (expired sandboxes are closed, or paused where they asked)"),
     e2b: Annotated[bool | None, typer.Option("--e2b/--no-e2b", help="serve E2B's API too (default: when the e2b "
                                                                      "package is installed)")] = None,
     warm_pool: int = typer.Option(0, min=0, help="sandboxes of the default image and limits kept started, so "
