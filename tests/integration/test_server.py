@@ -41,7 +41,7 @@ def client(url):
 
 @pytest.fixture(scope="module")
 def sb(client):
-    with client.Sandbox.create(memory="256m") as s:
+    with client.Sandbox.create(memory="256m", ttl=None) as s:  # the module's: closed at its teardown, no deadline
         yield s
 
 
