@@ -214,8 +214,8 @@ class PoolSandboxAPI:
         if sandbox.state == "paused":  # its pause snapshot is not named by the API: take a fresh one
             sandbox.resume()
         snap = sandbox.pause()
-        left = None if sandbox.expires_at is None else max(1e-3, sandbox.expires_at - time.time())  # its deadline kept
-        moved = self._restore_on(self._pool.client(server), sandbox.client, snap.id, dict(sandbox.labels), left)
+        moved = self._restore_on(self._pool.client(server), sandbox.client, snap.id, dict(sandbox.labels),
+                                 _left(sandbox))
         sandbox.close()
         return moved
 
@@ -231,7 +231,8 @@ class PoolSandboxAPI:
         try:
             import_snapshot(target, source, snap_id)
             moved = target.sandbox_of(target.request("POST", f"/v1/snapshots/{snap_id}/receive",
-                                                   {"labels": dict(sandbox.labels), "key": started["key"]}))
+                                                   {"labels": dict(sandbox.labels), "key": started["key"],
+                                                    "ttl": _left(sandbox)}))
             if on_running is not None:
                 on_running(moved)
             reply = target.request("GET", f"/v1/sandboxes/{moved.id}/memory", params={"wait": MIGRATE_WAIT},
@@ -278,3 +279,8 @@ class PoolSnapshotAPI:
     def list(self) -> list[RemoteSnapshot]:
         return sorted((s for _, snaps in self._pool._each(lambda c: c.Snapshot.list()) for s in snaps),
                       key=lambda s: s.created_at)
+
+
+def _left(sandbox: RemoteSandbox) -> float | None:
+    """What is left of ``sandbox``'s deadline, which a move keeps (None: it has none)."""
+    return None if sandbox.expires_at is None else max(1e-3, sandbox.expires_at - time.time())

@@ -275,6 +275,7 @@ class ReceiveRequest(_Body):
 
     labels: Labels = Field(default_factory=dict)
     key: str = Field(pattern=r"^[0-9a-f]{64}$", description="the key the source's migrate call returned (hex)")
+    ttl: TTL = DEFAULT_TTL  # what is left of the moved sandbox's deadline
 
 
 class MigrationFinished(BaseModel):

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -185,8 +186,10 @@ def test_a_post_copy_move_between_servers_and_one_that_fails_on_the_receiver(ser
             assert done == {"id": sb.id, "moved": False}
             assert remote_query(sb) == before
             seen: list[str] = []
+            sb.set_ttl(3000)
             moved = pool.Sandbox.move(sb, b.url, post_copy=True, on_running=lambda m: seen.append(remote_query(m)))
             try:
+                assert moved.expires_at is not None and moved.expires_at > time.time() + 2000  # its deadline kept
                 assert seen == [before]  # it answered on B before its memory was all in
                 assert moved.client is b and remote_query(moved) == before
                 assert moved.read_file("/srv/state") == b"kept\n"
