@@ -26,6 +26,7 @@ from pathlib import Path
 from agentenv.config import PRIVATE_FILE, paths
 
 MODULE = "agentenv.sandbox.reaper"  # the process ``ensure`` starts (run as ``python -m``)
+_started: list[subprocess.Popen[bytes]] = []  # the reapers this process started: waited for once they exit
 
 
 def lock_path() -> Path:
@@ -67,8 +68,10 @@ def ensure() -> None:
     """Start this home's reaper unless one runs (call it after the record with the deadline is written)."""
     if running():
         return
+    _started[:] = [p for p in _started if p.poll() is None]  # those that exited, waited for (no zombie stays)
     home = str(paths().home)
     with open(log_path(), "ab", buffering=0) as log:
         os.chmod(log.fileno(), PRIVATE_FILE)
-        subprocess.Popen([sys.executable, "-m", MODULE], cwd="/", env={**os.environ, "AGENTENV_HOME": home},
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
+        _started.append(subprocess.Popen([sys.executable, "-m", MODULE], cwd="/", env={**os.environ, "AGENTENV_HOME": home},
+                                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log,
+                                         start_new_session=True))

@@ -75,29 +75,25 @@ def test_create_fork_and_restore_get_the_default_deadline_and_none_only_when_ask
 
 
 def test_a_sandbox_its_maker_left_is_closed_at_its_deadline_with_no_server(fresh_home):
-    """A process makes a sandbox (with a short deadline), a fork of it and a paused one, and exits without closing
-    them; no server runs. The running two are closed (not paused: nobody asked to keep them); the paused one, kept
-    on purpose, stays; and the reaper exits once nothing with a deadline runs."""
+    """A process makes sandboxes with a short deadline (one, a fork of it, one that asked to be paused at its
+    deadline) and a paused one, and exits without closing them; no server runs. The first two are closed (not
+    paused: nobody asked to keep them), the third paused, the paused one stays; the reaper then exits."""
     ids = json.loads(_run("import json, agentenv\n"
                           "sb = agentenv.Sandbox.create(ttl=1)\n"
                           "kid, = sb.fork(1, ttl=1, memory=False)\n"
+                          "asked = agentenv.Sandbox.create(ttl=1, labels={'agentenv.on_expiry': 'pause'})\n"
                           "kept = agentenv.Sandbox.create(ttl=1); kept.pause()\n"
-                          "print(json.dumps([sb.id, kid.id, kept.id]))\n", fresh_home))
+                          "print(json.dumps([sb.id, kid.id, asked.id, kept.id]))\n", fresh_home))
     _until("the reaper to close the two sandboxes left running",
            lambda: not any((fresh_home / "sandboxes" / i).exists() for i in ids[:2]))
+    _until("the reaper to pause the sandbox that asked for it", lambda: agentenv.Sandbox.get(ids[2]).state == "paused")
     _until("the reaper to exit", lambda: not watchdog.running())
-    kept = agentenv.Sandbox.get(ids[2])
+    asked, kept = agentenv.Sandbox.get(ids[2]), agentenv.Sandbox.get(ids[3])
     assert kept.state == "paused"
-    assert [s.id for s in agentenv.Snapshot.list()] == [kept.paused_snapshot]  # the expiry left no snapshot
+    assert sorted(s.id for s in agentenv.Snapshot.list()) == sorted([asked.paused_snapshot, kept.paused_snapshot])
+    asked.close()
     kept.close()
     assert agentenv.Snapshot.list() == []
-
-
-def test_pause_at_the_deadline_only_when_asked(fresh_home):
-    sid = _run("import agentenv\n"
-               "print(agentenv.Sandbox.create(ttl=1, labels={'agentenv.on_expiry': 'pause'}).id)\n", fresh_home).strip()
-    _until("the reaper to pause the sandbox that asked for it", lambda: agentenv.Sandbox.get(sid).state == "paused")
-    agentenv.Sandbox.get(sid).close()
 
 
 def _readme_tour() -> str:
@@ -108,8 +104,11 @@ def _readme_tour() -> str:
     return found.group(1)
 
 
-def test_the_readme_tour_leaves_nothing_behind_in_a_fresh_home(fresh_home):
-    """What the README's tour makes is all gone once it returns: sandboxes, their mounts, uid leases and cgroups."""
+def test_the_tours_leave_nothing_behind_in_a_fresh_home(fresh_home):
+    """What `agentenv tour` and the README's tour make is all gone once they return: sandboxes, their mounts, uid
+    leases and cgroups; then `agentenv gc` gives back the idle home's own mounts, and says so."""
+    assert "tour done" in _agentenv(fresh_home, "tour")
+    assert leaked(fresh_home) == {}
     made = json.loads(_run(
         "import json\n"
         "from agentenv.sandbox import lifecycle\n"
@@ -125,19 +124,20 @@ def test_the_readme_tour_leaves_nothing_behind_in_a_fresh_home(fresh_home):
     # what the idle home still holds in the mount table goes with `agentenv gc`, which says so (--dry-run first)
     held = sweep.home_mounts()
     assert str(fresh_home / "volume") in held and any("/uids/" in m for m in held)
-    preview = _gc(fresh_home, "--dry-run")
+    preview = _agentenv(fresh_home, "gc", "--dry-run")
     assert all(f"would unmount {m}" in preview for m in held) and sweep.home_mounts() == held
-    said = _gc(fresh_home)
+    said = _agentenv(fresh_home, "gc")
     assert all(f"unmounted {m}" in said for m in held)
-    assert sweep.home_mounts() == [] and _gc(fresh_home) == f"nothing to collect in {fresh_home}"
+    assert sweep.home_mounts() == [] and _agentenv(fresh_home, "gc") == f"nothing to collect in {fresh_home}"
     # and the home works again: its next sandbox mounts what it needs
     with agentenv.Sandbox.create() as sb:
         assert sb.exec("echo back").stdout == "back\n"
     assert str(fresh_home / "volume") in sweep.home_mounts()
 
 
-def _gc(home: Path, *args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "agentenv", "gc", *args], capture_output=True, text=True, timeout=600,
+def _agentenv(home: Path, *args: str) -> str:
+    """What ``agentenv ARGS`` printed in ``home``, its whitespace folded."""
+    r = subprocess.run([sys.executable, "-m", "agentenv", *args], capture_output=True, text=True, timeout=600,
                        check=False, cwd=ROOT, env={**os.environ, "AGENTENV_HOME": str(home), "PYTHONPATH": str(ROOT),
                                                    "COLUMNS": "500"})
     assert r.returncode == 0, r.stderr[-3000:]
