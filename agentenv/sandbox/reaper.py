@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 
-from agentenv.config import paths
+from agentenv.config import where
 from agentenv.errors import AgentEnvError
 from agentenv.sandbox import expiry, record, watchdog
 from agentenv.sandbox.core import Sandbox
@@ -28,7 +28,7 @@ log = logging.getLogger("agentenv")
 
 def pending(skip: set[str] | frozenset[str] = frozenset()) -> list[record.SandboxRecord]:
     """The home's sandboxes that have a deadline still to keep (but those in ``skip``)."""
-    folder = paths().sandboxes
+    folder = where().sandboxes  # never made again here: a home removed under the reaper stays removed
     if not folder.is_dir():
         return []
     return [r for r in record.listed(folder) if r.expires_at is not None and r.state in WATCHED and r.id not in skip]
@@ -89,8 +89,10 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s reaper %(process)d: %(message)s")
     try:
         watch()
+    except FileNotFoundError:  # the home was removed: nothing is left to watch
+        pass
     except AgentEnvError as e:
-        log.warning("the reaper of %s stopped: %s", paths().home, e)
+        log.warning("the reaper of %s stopped: %s", where().home, e)
 
 
 if __name__ == "__main__":

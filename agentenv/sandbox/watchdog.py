@@ -23,14 +23,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from agentenv.config import PRIVATE_FILE, paths
+from agentenv.config import PRIVATE_FILE, paths, where
 
 MODULE = "agentenv.sandbox.reaper"  # the process ``ensure`` starts (run as ``python -m``)
 _started: list[subprocess.Popen[bytes]] = []  # the reapers this process started: waited for once they exit
 
 
 def lock_path() -> Path:
-    return paths().home / "watchdog.lock"
+    return where().home / "watchdog.lock"
 
 
 def log_path() -> Path:
@@ -40,7 +40,8 @@ def log_path() -> Path:
 
 @contextlib.contextmanager
 def held(block: bool = False) -> Iterator[bool]:
-    """This home's watchdog lock, tried (``block=False``) or waited for; yields whether it is held."""
+    """This home's watchdog lock, tried (``block=False``) or waited for; yields whether it is held.
+    FileNotFoundError once the home is gone."""
     fd = os.open(lock_path(), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE)
     try:
         try:
@@ -58,7 +59,7 @@ def held(block: bool = False) -> Iterator[bool]:
 
 def running() -> bool:
     """Whether a reaper watches this home now."""
-    if not paths().home.exists():
+    if not where().home.exists():
         return False
     with held() as free:
         return not free

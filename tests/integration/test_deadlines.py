@@ -96,6 +96,29 @@ def test_a_sandbox_its_maker_left_is_closed_at_its_deadline_with_no_server(fresh
     assert agentenv.Snapshot.list() == []
 
 
+def _reapers(home: Path) -> list[int]:
+    """The pids of the reaper processes of ``home`` (found by their command line and environment)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cmd, env = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
+        except OSError:
+            continue
+        if watchdog.MODULE.encode() in cmd and f"AGENTENV_HOME={home}".encode() in env.split(b"\0"):
+            found.append(int(proc.name))
+    return found
+
+
+def test_a_home_removed_under_its_reaper_stays_removed(fresh_home):
+    """A test suite (or a user) removes a home while a sandbox with a deadline runs there: the reaper exits and
+    never lays the home out again (it once did, leaving empty homes behind every test)."""
+    _run("import agentenv; agentenv.Sandbox.create(ttl=600)", fresh_home)
+    assert _reapers(fresh_home)
+    cleanup(fresh_home)
+    _until("the reaper of the removed home to exit", lambda: not _reapers(fresh_home))
+    assert not fresh_home.exists()
+
+
 def _readme_tour() -> str:
     text = (ROOT / "README.md").read_text()
     tour = text[text.index("## A 30-second tour of the API"):]
