@@ -27,6 +27,9 @@ DEFAULT_EXEC_TIMEOUT = 600.0
 DEFAULT_DISK = "10g"
 MAX_FORK = 64  # children one fork makes at most: ``fork_count`` holds every fork to it (the servers' schemas say it)
 MAX_DEPTH = 4096  # levels a listing goes down at most (a path of 4096 bytes has at most 2048)
+# A sandbox's deadline unless its maker asks otherwise (``ttl=None``: none), as E2B's and Modal's: absolute, counted
+# from its start and not extended by use (``set_ttl`` moves it); at the deadline it is closed (docs/sandboxes.md).
+DEFAULT_TTL = 300.0
 
 
 def fork_count(count: object) -> int:
@@ -36,6 +39,14 @@ def fork_count(count: object) -> int:
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORK:
         raise ValueError(f"fork count must be an integer in 1..{MAX_FORK}, got {count!r}")
     return count
+
+
+def check_ttl(ttl: float | None) -> float | None:
+    """``ttl`` as a sandbox's time to live: positive seconds, or None (no deadline: only when asked for); else
+    ValueError (a 400 on the wire)."""
+    if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int | float) or not 0 < ttl < float("inf")):
+        raise ValueError(f"ttl must be positive seconds (or None: no deadline), got {ttl!r}")
+    return ttl
 
 
 @dataclass(frozen=True)
@@ -352,7 +363,7 @@ class SandboxLike(Protocol):
 
     def snapshot(self, memory: bool = ..., *, labels: dict[str, str] | None = ...) -> SnapshotLike: ...
 
-    def fork(self, n: int = ..., *, memory: bool = ...) -> Sequence[SandboxLike]: ...
+    def fork(self, n: int = ..., *, memory: bool = ..., ttl: float | None = ...) -> Sequence[SandboxLike]: ...
 
     def pause(self) -> SnapshotLike: ...
 
@@ -373,7 +384,8 @@ class SandboxFactory(Protocol):
                workdir: str | None = ..., ttl: float | None = ...,
                labels: dict[str, str] | None = ..., share_memory: bool | None = ...) -> SandboxLike: ...
 
-    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = ...) -> SandboxLike: ...
+    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = ...,
+                ttl: float | None = ...) -> SandboxLike: ...
 
     def get(self, sandbox_id: str) -> SandboxLike: ...
 

@@ -166,11 +166,17 @@ class Paths:
 _laid_out: set[Path] = set()
 
 
+def where() -> Paths:
+    """The layout under $AGENTENV_HOME, as it is: nothing made (what a process that must not bring a removed home
+    back looks at; ``paths`` makes it)."""
+    return Paths(Path(os.environ.get("AGENTENV_HOME", "/var/lib/agentenv")))
+
+
 def paths() -> Paths:
     """The layout under $AGENTENV_HOME (default /var/lib/agentenv), made on first use (the volume's folders are
     made by ``agentenv.host.volume.ensure``, which may mount the volume there first); a home an older agentenv
     made is closed to other users once a process uses it (``lay_out``)."""
-    p = Paths(Path(os.environ.get("AGENTENV_HOME", "/var/lib/agentenv")))
+    p = where()
     if p.home not in _laid_out or not p.tmp.is_dir():  # one stat a call once made (a start asks ~10 times)
         lay_out(p)
         _laid_out.add(p.home)

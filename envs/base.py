@@ -9,6 +9,10 @@ The base owns what every such env does the same way:
   forks of a group or a search tree share the pages none of them wrote where the host can (KSM, fixed when the
   sandbox is made: ``agentenv.host.ksm``); ``share_memory=False`` (``--env-arg share_memory=false``, or
   ``[env] kwargs`` in a train config) opts out, True insists;
+- the sandbox's deadline: ``ttl`` (``ENV_TTL`` unless the kwargs say otherwise; None: none), for the episode's
+  sandbox, its forks and restores, and moved on from now as the episode steps (``_keep``), so that a slow CPU
+  generation or a weight push between two steps never loses it, while one nobody closes goes in time. A
+  rollout run sets its own (``rollout.ownership``);
 - the guards: ``step()`` before ``reset()`` raises; a step after the episode ended says so and changes nothing;
 - the step count and the step limit (below);
 - ``snapshot()`` / ``fork(n)`` / ``restore(snapshot)``: a snapshot's labels carry the task and the step
@@ -47,6 +51,7 @@ max_episode_steps=N)``.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import gymnasium as gym
@@ -59,6 +64,7 @@ from envs.tools import Toolbox
 
 TASK_LABEL, STEPS_LABEL = "agentenv.task", "agentenv.steps"
 SHARE_WHERE_POSSIBLE = None  # share_memory's default for an env's sandboxes (see the module doc)
+ENV_TTL = 3600.0  # an episode sandbox's deadline in seconds, moved on as it steps (see the module doc)
 OVER = "The episode is over; call reset()."
 
 TaskT = TypeVar("TaskT")
@@ -78,7 +84,8 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
             raise ValueError(f"max_steps must be at least 1 (or None: no limit), got {max_steps}")
         self.api: Backend = agentenv if api is None else api
         self.max_steps, self.render_mode = max_steps, render_mode
-        self.sandbox_kwargs = {"share_memory": SHARE_WHERE_POSSIBLE, **(sandbox_kwargs or {})}
+        self.sandbox_kwargs = {"share_memory": SHARE_WHERE_POSSIBLE, "ttl": ENV_TTL, **(sandbox_kwargs or {})}
+        self._kept_at = 0.0  # when the sandbox's deadline was last moved on (time.monotonic())
         self.task: TaskT | None = None
         self._sandbox: SandboxLike | None = None
         self.steps, self.done, self.last_observation = 0, False, ""
@@ -156,10 +163,25 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
         if self.done:
             return self._observe(OVER), 0.0, True, False, {**self._info(), "error": True}
         self.steps += 1
+        self._keep()
         obs, reward, terminated, info = self._act(action)
         truncated = not terminated and self.at_step_limit
         self.done = terminated or truncated
         return self._observe(obs), reward, terminated, truncated, info
+
+    @property
+    def sandbox_ttl(self) -> float | None:
+        """The deadline of the episode's sandboxes, in seconds (None: none)."""
+        ttl = self.sandbox_kwargs.get("ttl")
+        return None if ttl is None else float(ttl)
+
+    def _keep(self) -> None:
+        """Move the sandbox's deadline ``sandbox_ttl`` on from now, at most once a quarter of it (one call to the
+        sandbox's server in a long episode): what the agent spent thinking since the last step never counts."""
+        ttl, sandbox = self.sandbox_ttl, self._sandbox
+        if ttl is not None and sandbox is not None and time.monotonic() - self._kept_at >= ttl / 4:
+            sandbox.set_ttl(ttl)
+            self._kept_at = time.monotonic()
 
     @property
     def at_step_limit(self) -> bool:
@@ -182,6 +204,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
 
     def _begin(self, task: TaskT, sandbox: SandboxLike | None, steps: int) -> None:
         self.task, self.sandbox, self.steps, self.done, self._started = task, sandbox, steps, False, True
+        self._kept_at = time.monotonic()  # a new sandbox: its deadline is a whole ttl away
 
     def _observe(self, text: str) -> str:
         self.last_observation = self.observation_space.fit(text)
@@ -203,7 +226,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
         By default the children start from a filesystem snapshot (no CRIU dump); ``memory=True`` forks
         every process too.
         """
-        boxes = self.box().fork(n, memory=memory)
+        boxes = self.box().fork(n, memory=memory, ttl=self.sandbox_ttl)
         kids = []
         for sandbox in boxes:
             kid = copy.copy(self)  # the same settings; what belongs to one episode is set below
@@ -224,7 +247,7 @@ class SandboxEnv(gym.Env[str, Any], Generic[TaskT]):
         if task is None:
             raise TaskError(f"snapshot {snap.id} names no task; reset() with a task first")
         self._end()
-        sandbox = self.api.Sandbox.restore(snap, labels={TASK_LABEL: self._task_id(task)})
+        sandbox = self.api.Sandbox.restore(snap, labels={TASK_LABEL: self._task_id(task)}, ttl=self.sandbox_ttl)
         self._begin(task, sandbox, steps=int(snap.labels.get(STEPS_LABEL, "0")))
         return self._observe(f"Restored snapshot {snap.id} of task {self._task_id(task)} at step {self.steps}.")
 

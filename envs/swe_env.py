@@ -178,7 +178,8 @@ class SWEEnv(SandboxEnv[Task]):
     def _start_episode(self, task: Task) -> tuple[SandboxLike, Task]:
         held = self._pristine
         if held is not None and held.matches(task):  # the same task again: its pristine state, restored
-            return self.api.Sandbox.restore(held.snapshot, labels={TASK_LABEL: task.instance_id}), held.task
+            return (self.api.Sandbox.restore(held.snapshot, labels={TASK_LABEL: task.instance_id}, ttl=self.sandbox_ttl),
+                    held.task)
         sandbox, started = start_task(task, self.api, **self.sandbox_kwargs)
         # taken while reset returns and the agent thinks; every read of self.sandbox waits for it (_settle)
         self._taking = run_in_background(Pristine.take, sandbox, started, task)

@@ -27,7 +27,8 @@ LOCAL = "local"  # the env "server" that is this host's own sandboxes
 
 
 class _LabelledBox:
-    """A sandbox whose snapshots and forks carry its owner's labels (forks: its TTL too)."""
+    """A sandbox whose snapshots and forks carry its owner's labels, and whose deadline is the run's (forks' too:
+    an env moving its sandbox's deadline on moves it by the run's TTL, not its own)."""
 
     def __init__(self, sb: Any, owner: LabelledBackend) -> None:
         self._sb, self._owner = sb, owner
@@ -43,7 +44,10 @@ class _LabelledBox:
         return self._sb.snapshot(memory, labels={**(labels or {}), **self._owner.labels})
 
     def fork(self, n: int = 1, **kw: Any) -> list[Any]:
-        return [self._owner.adopt(k) for k in self._sb.fork(n, **kw)]
+        return [_LabelledBox(k, self._owner) for k in self._sb.fork(n, **{**kw, **self._owner.deadline(kw)})]
+
+    def set_ttl(self, ttl: float) -> None:
+        self._sb.set_ttl(self._owner.ttl if self._owner.ttl is not None else ttl)
 
     def __enter__(self) -> _LabelledBox:
         return self
@@ -57,14 +61,13 @@ class _LabelledSandboxes:
         self._owner = owner
         self._inner = owner.inner.Sandbox
 
-    def create(self, image: str = "agentenv/base", *, labels: dict[str, str] | None = None,
-               ttl: float | None = None, **kw: Any) -> Any:
-        ttl = ttl if ttl is not None else self._owner.ttl
-        return _LabelledBox(self._inner.create(image, labels={**(labels or {}), **self._owner.labels}, ttl=ttl, **kw),
-                            self._owner)
+    def create(self, image: str = "agentenv/base", *, labels: dict[str, str] | None = None, **kw: Any) -> Any:
+        return _LabelledBox(self._inner.create(image, labels={**(labels or {}), **self._owner.labels},
+                                               **{**kw, **self._owner.deadline(kw)}), self._owner)
 
-    def restore(self, snapshot: Any, *, labels: dict[str, str] | None = None) -> Any:
-        return self._owner.adopt(self._inner.restore(snapshot, labels={**(labels or {}), **self._owner.labels}))
+    def restore(self, snapshot: Any, *, labels: dict[str, str] | None = None, **kw: Any) -> Any:
+        return _LabelledBox(self._inner.restore(snapshot, labels={**(labels or {}), **self._owner.labels},
+                                                **{**kw, **self._owner.deadline(kw)}), self._owner)
 
     def get(self, sandbox_id: str) -> Any:
         return _LabelledBox(self._inner.get(sandbox_id), self._owner)
@@ -74,19 +77,18 @@ class _LabelledSandboxes:
 
 
 class LabelledBackend:
-    """A ``Backend`` whose every sandbox and snapshot carries ``labels`` and whose sandboxes get ``ttl``, so
-    what a worker made can be found (and closed) after the worker itself is gone."""
+    """A ``Backend`` whose every sandbox and snapshot carries ``labels`` and whose sandboxes get ``ttl`` (the run's
+    deadline, whatever the env asks for; None: the env's), so what a worker made can be found (and closed) after
+    the worker itself is gone."""
 
     def __init__(self, inner: Any, labels: Mapping[str, str], ttl: float | None = None) -> None:
         self.inner, self.labels, self.ttl = inner, dict(labels), ttl
         self.Sandbox = _LabelledSandboxes(self)
         self.Snapshot = inner.Snapshot
 
-    def adopt(self, sb: Any) -> _LabelledBox:
-        if self.ttl is not None:
-            with contextlib.suppress(Exception):
-                sb.set_ttl(self.ttl)
-        return _LabelledBox(sb, self)
+    def deadline(self, asked: Mapping[str, Any]) -> dict[str, Any]:
+        """What replaces the keywords ``asked`` of a call that makes a sandbox: the run's ``ttl``, where it has one."""
+        return {"ttl": self.ttl} if self.ttl is not None else {}
 
 
 def sweep(api: Any, labels: Mapping[str, str], keep: Iterable[str] = (), snapshots: bool = True

@@ -64,20 +64,37 @@ def run_tour(image: str = typer.Option("agentenv/base", help="image to run the t
 @app.command("gc")
 def collect(
     max_age: float | None = typer.Option(None, help="also delete snapshots older than this many seconds"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="say what is past its deadline and which of the home's "
+                                                          "mounts would go; change nothing"),
 ) -> None:
-    """Mend what a killed process left (frozen sandboxes, half-made ones, interrupted pauses, fork snapshots),
-    pause sandboxes past their TTL and remove leftovers of crashed snapshot writers."""
+    """Mend what a killed process left (frozen sandboxes, half-made ones, interrupted pauses, fork snapshots), close
+    sandboxes past their deadline (pause those that asked), remove leftovers of crashed snapshot writers, and once
+    no sandbox or snapshot is left, unmount the home's volume and kept user namespaces; print each."""
     from agentenv import Sandbox
-    from agentenv.sandbox import sweep
+    from agentenv.config import paths
+    from agentenv.sandbox import expiry, sweep
     from agentenv.snapshot import store
 
-    for where, ids in sweep.recover_all().items():
-        if where in ("discarded", "lost") and ids:
-            console.print(f"{where}: {markup(', '.join(ids))}")
-    for sid in Sandbox.reap_expired():
-        console.print(f"reaped expired sandbox {markup(sid)} (paused, or closed where it asked to be)")
-    for name in store.gc(max_age):
-        console.print(f"removed {markup(name)}")
+    said = []
+    if dry_run:
+        for sb in Sandbox.list():
+            if expiry.due(sb.expires_at, sb.state):
+                said.append(f"would {'pause' if expiry.action(sb.labels) == 'pause' else 'close'} sandbox "
+                            f"{markup(sb.id)}: past its deadline")
+        said += [f"would unmount {markup(m)}" for m in sweep.release_home(dry_run=True)]
+    else:
+        for where, ids in sweep.recover_all().items():
+            if where in ("discarded", "lost") and ids:
+                said.append(f"{where}: {markup(', '.join(ids))}")
+        asked = {sb.id: expiry.action(sb.labels) for sb in Sandbox.list()}
+        for sid in Sandbox.reap_expired():
+            said.append(f"{'paused' if asked.get(sid) == 'pause' else 'closed'} sandbox {markup(sid)}: past its deadline")
+        said += [f"removed {markup(name)}" for name in store.gc(max_age)]
+        said += [f"unmounted {markup(m)}" for m in sweep.release_home()]
+    for line in said:
+        console.print(line)
+    if not said:
+        console.print(f"nothing to collect in {markup(paths().home)}")
 
 
 @app.command("volume")
@@ -111,7 +128,7 @@ def serve(
     max_disk: str = typer.Option("640g", help="quota: disk limits of the live sandboxes together"),
     max_store: str | None = typer.Option(None, help="limit of the snapshot store (e.g. 200g); default: left as set"),
     unlimited_disk: bool = typer.Option(False, help="let clients make sandboxes without a disk limit (disk: null)"),
-    reap_interval: float = typer.Option(5.0, help="seconds between TTL checks (expired sandboxes are paused)"),
+    reap_interval: float = typer.Option(5.0, help="seconds between deadline checks (expired sandboxes are closed, or paused where they asked)"),
     e2b: Annotated[bool | None, typer.Option("--e2b/--no-e2b", help="serve E2B's API too (default: when the e2b "
                                                                      "package is installed)")] = None,
     warm_pool: int = typer.Option(0, min=0, help="sandboxes of the default image and limits kept started, so "

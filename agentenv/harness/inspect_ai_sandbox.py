@@ -36,6 +36,7 @@ import agentenv
 from agentenv import ExecResult as AgentenvResult
 from agentenv import Sandbox, Snapshot, errors
 from agentenv.api import DEFAULT_DISK, DEFAULT_IMAGE, JobEnd, JobOutput
+from agentenv.harness.fetch import HARNESS_TTL
 from agentenv.host import images
 
 RETRY_TIMEOUTS = (60, 30)  # inspect's timeout_retry: two more tries, capped at these many seconds
@@ -136,7 +137,7 @@ class AgentenvSandboxEnvironment(SandboxEnvironment):
         workdir = cfg.workdir or (await anyio.to_thread.run_sync(images.resolve, image)).workdir or "/"
         sb = await anyio.to_thread.run_sync(partial(
             Sandbox.create, image, cpus=cfg.cpus, memory=cfg.memory, pids=cfg.pids, disk=cfg.disk,
-            network=cfg.network, env=dict(cfg.env), workdir=workdir, labels={"inspect-task": task_name}))
+            network=cfg.network, env=dict(cfg.env), workdir=workdir, labels={"inspect-task": task_name}, ttl=HARNESS_TTL))
         return {"default": cls(sb, workdir)}
 
     @classmethod

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict
 
 import agentenv
 from agentenv.api import DEFAULT_IMAGE, Backend, SandboxLike, SnapshotLike
-from agentenv.harness.fetch import create_sandbox
+from agentenv.harness.fetch import HARNESS_TTL, create_sandbox
 
 SUBMIT_MARKER = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 SANDBOX_FIELDS = ("image", "cpus", "memory", "pids", "network", "sandbox_ttl")  # what making a sandbox takes
@@ -67,8 +67,8 @@ class AgentenvEnvironmentConfig(BaseModel):
     pids: int = 512
     network: bool = False
     """False: loopback only."""
-    sandbox_ttl: float | None = None
-    """Seconds until agentenv closes the sandbox on its own (None: until ``cleanup``)."""
+    sandbox_ttl: float | None = HARNESS_TTL
+    """Seconds until agentenv closes the sandbox (and each fork) on its own (None: until ``cleanup``)."""
 
 
 class AgentenvEnvironment:
@@ -93,7 +93,8 @@ class AgentenvEnvironment:
             if given:  # a running sandbox or a snapshot has these already: never accepted and ignored
                 raise ValueError(f"{', '.join(given)}: set when a sandbox is created; a sandbox given as sandbox= or "
                                  "restored from snapshot= keeps its own (they are read back into the config)")
-            self.sandbox = sandbox if sandbox is not None else self.api.Sandbox.restore(snapshot)  # type: ignore[arg-type]
+            self.sandbox = sandbox if sandbox is not None else self.api.Sandbox.restore(
+                snapshot, ttl=HARNESS_TTL)  # type: ignore[arg-type]
             limits = self.sandbox.limits
             self.config = self.config.model_copy(update={
                 "image": self.sandbox.image, "cpus": limits.cpus, "memory": limits.memory, "pids": limits.pids,
@@ -166,7 +167,7 @@ class AgentenvEnvironment:
     def fork(self, n: int = 1, *, memory: bool = True) -> list[AgentenvEnvironment]:
         """``n`` environments, each on its own copy of this sandbox (its files, and with ``memory`` its running
         processes); each owns its copy (``cleanup`` closes it). This environment goes on unchanged."""
-        copies: Sequence[SandboxLike] = self.sandbox.fork(n, memory=memory)
+        copies: Sequence[SandboxLike] = self.sandbox.fork(n, memory=memory, ttl=self.config.sandbox_ttl)
         out = []
         for sb in copies:
             child = AgentenvEnvironment(config_class=type(self.config), logger=self.logger, sandbox=sb, api=self.api,

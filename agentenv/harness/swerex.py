@@ -78,7 +78,7 @@ from swerex.runtime.abstract import (
 
 import agentenv
 from agentenv.api import DEFAULT_IMAGE, Backend, JobEnd, JobOutput, SandboxLike, SnapshotLike
-from agentenv.harness.fetch import create_sandbox
+from agentenv.harness.fetch import HARNESS_TTL, create_sandbox
 
 _T = TypeVar("_T")
 KILL_GRACE = 5.0  # seconds a timed-out command's shell has to print its marker once its processes are killed
@@ -378,7 +378,7 @@ class AgentenvDeployment(AbstractDeployment):
         if self.sandbox is None:
             raise DeploymentNotStartedError()
         out = []
-        for sb in self.sandbox.fork(n, memory=memory):
+        for sb in self.sandbox.fork(n, memory=memory, ttl=HARNESS_TTL):
             d = AgentenvDeployment(sandbox=sb, api=self.api, logger=self.logger)
             d._owned = True
             out.append(d)

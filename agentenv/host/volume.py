@@ -47,7 +47,7 @@ import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,12 +94,27 @@ def ensure() -> Volume:
     p = paths()
     key = str(p.home)
     v = _cache.get(key)
-    if v is None:
+    if v is None or (v.quotas and not os.path.ismount(v.path)):  # new, or unmounted since (``unmount``)
         with _cache_lock:
             v = _cache.get(key)
-            if v is None:
+            if v is None or (v.quotas and not os.path.ismount(v.path)):
                 v = _cache[key] = _ensure(p)
     return v
+
+
+def unmount(idle: Callable[[], bool]) -> bool:
+    """Unmount this home's volume if it is mounted and, checked under the volume's lock, ``idle()`` (nothing of the
+    home is left on it); its image file stays, and the next ``ensure`` (in any process) mounts it again. Whether
+    it was unmounted; OSError if the kernel refused (something still uses it)."""
+    p = paths()
+    with _flock(p.volume_lock):
+        if not os.path.ismount(p.volume) or not idle():
+            return False
+        r = subprocess.run(["umount", str(p.volume)], capture_output=True, text=True, check=False)
+        if r.returncode != 0:
+            raise OSError(f"umount {p.volume}: {r.stderr.strip()}")
+    forget()
+    return True
 
 
 def forget() -> None:

@@ -23,6 +23,7 @@ from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_EXEC_TIMEOUT,
     DEFAULT_IMAGE,
+    DEFAULT_TTL,
     ExecResult,
     ImageFetch,
     JobEnd,
@@ -35,6 +36,7 @@ from agentenv.api import (
     SandboxInfo,
     SnapshotInfo,
     SnapshotLike,
+    check_ttl,
     fork_count,
 )
 from agentenv.errors import ConnectionLost, SandboxNotFound
@@ -50,7 +52,7 @@ class Client(Transport):
     def __init__(self, url: str, token: str, *, timeout: float = DEFAULT_TIMEOUT, retries: int = 3) -> None:
         super().__init__(url, token, timeout=timeout, retries=retries)
         self.on_sandbox: Callable[[RemoteSandbox], None] | None = None  # told of every sandbox it hands out
-        self.spread: Callable[[RemoteSandbox, int, bool], list[RemoteSandbox]] | None = None  # a Pool's fork
+        self.spread: Callable[[RemoteSandbox, int, bool, float | None], list[RemoteSandbox]] | None = None  # a Pool's fork
         self.Sandbox = SandboxAPI(self)
         self.Snapshot = SnapshotAPI(self)
 
@@ -303,17 +305,19 @@ class RemoteSandbox(RemoteFiles):
     def snapshot(self, memory: bool = False, *, labels: dict[str, str] | None = None) -> RemoteSnapshot:
         return _snapshot(self._client, self._call("POST", "/snapshot", {"memory": memory, "labels": labels or {}}))
 
-    def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
-        """``n`` sandboxes that continue from this instant, on its server (a Pool's: spread, ``remote.spread``)."""
+    def fork(self, n: int = 1, *, memory: bool = True, ttl: float | None = DEFAULT_TTL) -> builtins.list[RemoteSandbox]:
+        """``n`` sandboxes that continue from this instant, on its server (a Pool's: spread, ``remote.spread``), each
+        with a deadline ``ttl`` from now (``agentenv.Sandbox.fork``'s)."""
         count = fork_count(n)
+        check_ttl(ttl)
         if self._client.spread is not None:
-            return self._client.spread(self, count, bool(memory))
-        return self.fork_here(count, memory=memory)
+            return self._client.spread(self, count, bool(memory), ttl)
+        return self.fork_here(count, memory=memory, ttl=ttl)
 
-    def fork_here(self, n: int, *, memory: bool = True) -> builtins.list[RemoteSandbox]:
+    def fork_here(self, n: int, *, memory: bool = True, ttl: float | None = DEFAULT_TTL) -> builtins.list[RemoteSandbox]:
         """``n`` children on this sandbox's server (QuotaExceeded when it lacks room for them all)."""
         return [self._client.sandbox_of(info)
-                for info in self._call("POST", "/fork", {"count": n, "memory": bool(memory)})]
+                for info in self._call("POST", "/fork", {"count": n, "memory": bool(memory), "ttl": check_ttl(ttl)})]
 
     def pause(self) -> RemoteSnapshot:
         return _snapshot(self._client, self._call("POST", "/pause"))
@@ -347,21 +351,22 @@ class SandboxAPI:
 
     def create(self, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
                disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
-               env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
+               env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = DEFAULT_TTL,
                labels: dict[str, str] | None = None, share_memory: bool | None = False) -> RemoteSandbox:
         """A sandbox on the server, as ``agentenv.Sandbox.create`` makes one (``network``: False, True, or
         outbound rules: a ``Network`` or a mapping with ``allow_out`` / ``deny_out``; ``share_memory`` None: where
         the server's host can)."""
         body = {"image": image, "cpus": cpus, "memory": memory, "pids": pids, "disk": disk,
                 "network": _network_body(network),
-                "env": env or {}, "workdir": workdir, "ttl": ttl, "labels": labels or {}}
+                "env": env or {}, "workdir": workdir, "ttl": check_ttl(ttl), "labels": labels or {}}
         if share_memory is not False:  # sent only when asked for: a server from before the option refuses it
             body["share_memory"] = share_memory
         return self._client.sandbox_of(self._client.request("POST", "/v1/sandboxes", body))
 
-    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None) -> RemoteSandbox:
+    def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None,
+                ttl: float | None = DEFAULT_TTL) -> RemoteSandbox:
         sid = snapshot if isinstance(snapshot, str) else snapshot.id
-        info = self._client.request("POST", f"/v1/snapshots/{sid}/restore", {"labels": labels or {}})
+        info = self._client.request("POST", f"/v1/snapshots/{sid}/restore", {"labels": labels or {}, "ttl": check_ttl(ttl)})
         return self._client.sandbox_of(info)
 
     def get(self, sandbox_id: str) -> RemoteSandbox:

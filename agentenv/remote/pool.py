@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from agentenv.api import DEFAULT_IMAGE, SnapshotLike
+from agentenv.api import DEFAULT_IMAGE, DEFAULT_TTL, SnapshotLike
 from agentenv.errors import (
     AgentEnvError,
     ConnectionLost,
@@ -94,8 +94,8 @@ class Pool:
         with self._lock:
             self._known[sb.id] = sb
 
-    def _spread(self, sandbox: RemoteSandbox, count: int, memory: bool) -> list[RemoteSandbox]:
-        return spread.fork(self._each(lambda c: c.server_info()), sandbox, count, memory)
+    def _spread(self, sandbox: RemoteSandbox, count: int, memory: bool, ttl: float | None) -> list[RemoteSandbox]:
+        return spread.fork(self._each(lambda c: c.server_info()), sandbox, count, memory, ttl)
 
     def up(self) -> list[Client]:
         """The servers not marked down (a down one is probed again once ``reprobe`` seconds have passed)."""
@@ -170,7 +170,7 @@ class PoolSandboxAPI:
         return self._pool.place(lambda c: c.Sandbox.create(image, **kwargs))
 
     def restore(self, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None,
-                server: str | None = None) -> RemoteSandbox:
+                ttl: float | None = DEFAULT_TTL, server: str | None = None) -> RemoteSandbox:
         """A sandbox from ``snapshot`` on ``server`` (a url of the pool), else on its owner while that has room,
         else on the freest server; one that lacks the snapshot pulls it from the owner first."""
         if not isinstance(snapshot, RemoteSnapshot) or snapshot.client is None:
@@ -178,7 +178,7 @@ class PoolSandboxAPI:
         owner = snapshot.client
         assert owner is not None  # a snapshot the pool found names its server
         if server is not None:
-            return self._restore_on(self._pool.client(server), owner, snapshot.id, labels)
+            return self._restore_on(self._pool.client(server), owner, snapshot.id, labels, ttl)
         ranked = self._pool._by_free_capacity()
         if owner.down:  # its server is gone: one that still sees the snapshot (in a shared store) answers for it
             snapshot = self._pool.Snapshot.get(snapshot.id)
@@ -187,16 +187,16 @@ class PoolSandboxAPI:
         if owner in ranked:
             ranked.remove(owner)
             ranked.insert(0, owner)
-        return self._pool.place(lambda c: self._restore_on(c, owner, snapshot.id, labels), ranked)
+        return self._pool.place(lambda c: self._restore_on(c, owner, snapshot.id, labels, ttl), ranked)
 
     def _restore_on(self, target: Client, owner: Client, snapshot_id: str,
-                    labels: dict[str, str] | None) -> RemoteSandbox:
+                    labels: dict[str, str] | None, ttl: float | None) -> RemoteSandbox:
         if target is not owner:
             try:
                 target.Snapshot.get(snapshot_id)
             except SnapshotNotFound:
                 import_snapshot(target, owner, snapshot_id)
-        return target.Sandbox.restore(snapshot_id, labels=labels)
+        return target.Sandbox.restore(snapshot_id, labels=labels, ttl=ttl)
 
     def move(self, sandbox: RemoteSandbox, server: str, *, post_copy: bool = False,
              on_running: Callable[[RemoteSandbox], None] | None = None) -> RemoteSandbox:
@@ -214,7 +214,8 @@ class PoolSandboxAPI:
         if sandbox.state == "paused":  # its pause snapshot is not named by the API: take a fresh one
             sandbox.resume()
         snap = sandbox.pause()
-        moved = self._restore_on(self._pool.client(server), sandbox.client, snap.id, dict(sandbox.labels))
+        moved = self._restore_on(self._pool.client(server), sandbox.client, snap.id, dict(sandbox.labels),
+                                 _left(sandbox))
         sandbox.close()
         return moved
 
@@ -230,7 +231,8 @@ class PoolSandboxAPI:
         try:
             import_snapshot(target, source, snap_id)
             moved = target.sandbox_of(target.request("POST", f"/v1/snapshots/{snap_id}/receive",
-                                                   {"labels": dict(sandbox.labels), "key": started["key"]}))
+                                                   {"labels": dict(sandbox.labels), "key": started["key"],
+                                                    "ttl": _left(sandbox)}))
             if on_running is not None:
                 on_running(moved)
             reply = target.request("GET", f"/v1/sandboxes/{moved.id}/memory", params={"wait": MIGRATE_WAIT},
@@ -277,3 +279,8 @@ class PoolSnapshotAPI:
     def list(self) -> list[RemoteSnapshot]:
         return sorted((s for _, snaps in self._pool._each(lambda c: c.Snapshot.list()) for s in snaps),
                       key=lambda s: s.created_at)
+
+
+def _left(sandbox: RemoteSandbox) -> float | None:
+    """What is left of ``sandbox``'s deadline, which a move keeps (None: it has none)."""
+    return None if sandbox.expires_at is None else max(1e-3, sandbox.expires_at - time.time())

@@ -59,13 +59,13 @@ def plan(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbo
 
 
 def fork(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbox, count: int,
-         memory: bool) -> list[RemoteSandbox]:
+         memory: bool, ttl: float | None) -> list[RemoteSandbox]:
     """``count`` children of ``sandbox`` over ``servers`` (see ``plan`` and the module doc), the source's server's
-    first."""
+    first, each with a deadline ``ttl`` from now."""
     where = plan(servers, sandbox, count)
     source = sandbox.client
     if where == [(source, count)]:
-        return sandbox.fork_here(count, memory=memory)
+        return sandbox.fork_here(count, memory=memory, ttl=ttl)
     if sandbox.info().state != "running":
         raise SandboxStateError(f"sandbox {sandbox.id} is {sandbox.info().state}: its server has room for "
                                 f"{dict(where).get(source, 0)} of the {count} children, and only a running sandbox's "
@@ -87,7 +87,7 @@ def fork(servers: Sequence[tuple[Client, dict[str, Any]]], sandbox: RemoteSandbo
         for f in after:
             f.result()
         with phase("spread: restore"):
-            made[i] = target.Sandbox.restore(snap.id, labels=labels)
+            made[i] = target.Sandbox.restore(snap.id, labels=labels, ttl=ttl)
 
     futures: list[Future[None]] = []
     try:

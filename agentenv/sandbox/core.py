@@ -38,11 +38,13 @@ from agentenv import netpolicy
 from agentenv.api import (
     DEFAULT_DISK,
     DEFAULT_IMAGE,
+    DEFAULT_TTL,
     Limits,
     Network,
     SandboxInfo,
     SnapshotLike,
     State,
+    check_ttl,
     fork_count,
 )
 from agentenv.config import parse_disk, parse_size, paths
@@ -60,6 +62,7 @@ from agentenv.sandbox import (
     recovery,
     snapshotting,
     warm,
+    watchdog,
 )
 from agentenv.sandbox.calls import Calls, Process, max_output
 from agentenv.sandbox.forward import Forward
@@ -93,7 +96,7 @@ class Sandbox(Calls, Record):
     @classmethod
     def create(cls, image: str = DEFAULT_IMAGE, *, cpus: float = 1.0, memory: str | int = "1g", pids: int = 512,
                disk: str | int | None = DEFAULT_DISK, network: bool | Network | Mapping[str, Any] = False,
-               env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = None,
+               env: dict[str, str] | None = None, workdir: str | None = None, ttl: float | None = DEFAULT_TTL,
                labels: dict[str, str] | None = None, share_memory: bool | None = False) -> Sandbox:
         """Start a sandbox from a Docker image: CPU/memory/pids limits, a disk limit (``disk`` bytes, e.g. '10g';
         None: none), few capabilities. DiskLimitUnsupported if this host cannot enforce it. ``network``: False
@@ -101,10 +104,10 @@ class Sandbox(Calls, Record):
         ``allow_out`` / ``deny_out``; NetworkRuleError for one that cannot be enforced). ``share_memory``: its
         memory forks share unwritten pages (KSM, ``agentenv.host.ksm``): True (MemorySharingUnsupported where
         not), None (where this host can, no other owner shares and the image's python3 can flag its pages: what the
-        envs ask for) or False. The record's
-        ``spec.share_memory`` says what it got."""
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl must be positive seconds, got {ttl!r}")
+        envs ask for) or False. The record's ``spec.share_memory`` says what it got. ``ttl``: seconds until it is
+        closed (absolute; ``set_ttl`` moves it), enforced with or without a server (``agentenv.sandbox.watchdog``);
+        None: it lives until closed."""
+        check_ttl(ttl)
         if share_memory is not None and not isinstance(share_memory, bool):
             raise ValueError(f"share_memory must be True, False or None (share where this host can), got "
                              f"{share_memory!r}")
@@ -135,14 +138,16 @@ class Sandbox(Calls, Record):
 
     @classmethod
     def restore(cls, snapshot: SnapshotLike | str, *, labels: dict[str, str] | None = None,
-                page_server_key: bytes | None = None) -> Sandbox:
-        """A new sandbox from a snapshot, in any process, after dockerd restarts or the source is gone.
+                ttl: float | None = DEFAULT_TTL, page_server_key: bytes | None = None) -> Sandbox:
+        """A new sandbox from a snapshot, in any process, after dockerd restarts or the source is gone; ``ttl`` as
+        ``create``'s.
         ``page_server_key``: a post-copy migration's snapshot is restored with its migration's key
         (``agentenv.sandbox.migration``), which the source's page server asks for; no other snapshot takes one."""
         snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.get(
             snapshot if isinstance(snapshot, str) else snapshot.id)
+        check_ttl(ttl)
         migration.page_server_of(snap, page_server_key)  # a missing or stray key refused before anything is made
-        return lifecycle.restore(cls, snap, labels, "restore", page_server_key)
+        return lifecycle.restore(cls, snap, labels, "restore", ttl, page_server_key)
 
     # --- lookup -------------------------------------------------------------------------------
 
@@ -231,6 +236,7 @@ class Sandbox(Calls, Record):
         with self.locked():
             self.amend(expires_at=time.time() + ttl)
             self.save_record()
+        watchdog.ensure()
 
     # --- snapshots ----------------------------------------------------------------------------
 
@@ -242,14 +248,15 @@ class Sandbox(Calls, Record):
         shared.publish(snap)  # with a shared store, other servers can restore it (even once this one is gone)
         return snap
 
-    def fork(self, n: int = 1, *, memory: bool = True) -> builtins.list[Sandbox]:
+    def fork(self, n: int = 1, *, memory: bool = True, ttl: float | None = DEFAULT_TTL) -> builtins.list[Sandbox]:
         """``n`` independent sandboxes that continue from this instant; this one keeps running (a paused one, forked
-        with its memory, stays paused: its children continue from where it was paused).
+        with its memory, stays paused: its children continue from where it was paused). Each child has its own
+        deadline, ``ttl`` from now (as ``create``'s), whatever the parent's.
 
         With ``memory=False`` the children get this sandbox's files only (fresh processes): cheaper,
         and all an episode needs when its state lives in files. How: ``agentenv.sandbox.forking``.
         """
-        kids = forking.fork(self, fork_count(n), memory)
+        kids = forking.fork(self, fork_count(n), memory, check_ttl(ttl))
         try:
             for fwd in self.forwards:  # each child's own relays, to the same endpoints
                 for kid in kids:
@@ -316,12 +323,13 @@ class Sandbox(Calls, Record):
         self.close()
 
     def expire(self) -> str | None:
-        """Pause or close the sandbox if, checked under its lock, it runs past its TTL (``expiry.expire``)."""
+        """Close (or pause, where it asked to) the sandbox if, checked under its lock, it runs past its TTL
+        (``expiry.expire``)."""
         return expiry.expire(self)
 
     @classmethod
     def reap_expired(cls) -> builtins.list[str]:
-        """Pause, or close where its ``agentenv.on_expiry`` label says so, every running sandbox past its TTL;
+        """Close, or pause where its ``agentenv.on_expiry`` label asks for it, every running sandbox past its TTL;
         returns their ids (``agentenv.sandbox.expiry``)."""
         return expiry.reap(cls.list())
 

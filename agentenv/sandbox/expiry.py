@@ -1,6 +1,8 @@
-"""What happens to a sandbox when its TTL runs out: paused (its state kept, the default of the native API) or
-closed, as its ``agentenv.on_expiry`` label says (E2B's API kills on timeout unless the caller asked for
-auto-pause, and records that choice here); ``agentenv.pause_memory`` "false" pauses it with its files only. ``Sandbox.reap_expired`` runs ``reap`` over every sandbox.
+"""What happens to a sandbox when its TTL runs out: closed (the default: a sandbox its maker forgot is not kept
+for ever as a snapshot) or, where its ``agentenv.on_expiry`` label asks for it ("pause"), paused with its state
+kept (E2B's API kills on timeout unless the caller asked for auto-pause, and records that choice here);
+``agentenv.pause_memory`` "false" pauses it with its files only. ``Sandbox.reap_expired`` runs ``reap`` over every
+sandbox; who calls it: ``agentenv serve``, ``agentenv gc`` and the home's reaper (``agentenv.sandbox.watchdog``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from agentenv.sandbox import migration, snapshotting
 if TYPE_CHECKING:
     from agentenv.sandbox.parts import Parts
 
-ON_EXPIRY = "agentenv.on_expiry"  # label: "pause" (also when absent) or "kill"
+ON_EXPIRY = "agentenv.on_expiry"  # label: "kill" (also when absent) or "pause"
 PAUSE_MEMORY = "agentenv.pause_memory"  # label: "false": the expiry's pause keeps the files only (E2B's filesystem)
 ACTIONS = ("pause", "kill")
 log = logging.getLogger("agentenv")
@@ -38,8 +40,8 @@ class Expiring(Protocol):
 
 
 def action(labels: dict[str, str]) -> str:
-    """What the sandbox with these labels asked for at expiry: 'pause' or 'kill'."""
-    return "kill" if labels.get(ON_EXPIRY) == "kill" else "pause"
+    """What the sandbox with these labels asked for at expiry: 'kill' unless it asked for 'pause'."""
+    return "pause" if labels.get(ON_EXPIRY) == "pause" else "kill"
 
 
 def due(expires_at: float | None, state: str, now: float | None = None) -> bool:
@@ -67,7 +69,7 @@ def expire(sb: Parts) -> str | None:
 
 
 def reap(sandboxes: Iterable[Expiring]) -> builtins.list[str]:
-    """Pause or close (``action``) every running sandbox past its TTL; returns their ids.
+    """Close (or pause: ``action``) every running sandbox past its TTL; returns their ids.
 
     Each is checked again under its lock (``expire``), so one whose TTL a connect has just extended stays. One
     that cannot be paused (its keeper stopped, say) is logged and skipped: it neither stalls the others (every

@@ -50,14 +50,14 @@ S = TypeVar("S", bound=Parts)  # the sandbox class: its children are of it
 log = logging.getLogger("agentenv")
 
 
-def fork(parent: S, count: int, memory: bool) -> builtins.list[S]:
+def fork(parent: S, count: int, memory: bool, ttl: float | None) -> builtins.list[S]:
     """``count`` running children of ``parent`` (a count ``api.fork_count`` passed); see the module doc."""
     if not memory and volume.can_clone(parent.lifecycle.container.layer, paths().layers):
-        return _fork_files(parent, count)
-    return _fork_snapshot(parent, count, memory)
+        return _fork_files(parent, count, ttl)
+    return _fork_snapshot(parent, count, memory, ttl)
 
 
-def _fork_files(parent: S, count: int) -> builtins.list[S]:
+def _fork_files(parent: S, count: int, ttl: float | None) -> builtins.list[S]:
     """Children with the parent's files and fresh processes, their layers cloned from the parent's."""
     kids: builtins.list[S] = []
     try:
@@ -66,8 +66,8 @@ def _fork_files(parent: S, count: int) -> builtins.list[S]:
             spec = parent.container_spec()
             lineage = parent.parent_snapshot  # no snapshot of its own: the children descend from the parent's
             for _ in range(count):
-                kids.append(_from_pool(parent, spec, lineage)
-                            or parent.lifecycle.new(spec, image=parent.image, ttl=None, labels=parent.labels, parent=lineage))
+                kids.append(_from_pool(parent, spec, lineage, ttl)
+                            or parent.lifecycle.new(spec, image=parent.image, ttl=ttl, labels=parent.labels, parent=lineage))
             disk = spec.limits.disk
             with phase("freeze+clone"), snapshotting.frozen(parent, quiesce=False):
                 volume.clone_layer(parent.lifecycle.container.layer, kids[0].lifecycle.container.layer, disk)
@@ -92,11 +92,11 @@ def _fork_files(parent: S, count: int) -> builtins.list[S]:
         raise
 
 
-def _from_pool(parent: S, spec: ContainerSpec, lineage: str | None) -> S | None:
+def _from_pool(parent: S, spec: ContainerSpec, lineage: str | None, ttl: float | None) -> S | None:
     """A started sandbox from the warm pool (``agentenv.sandbox.warm``) made like ``parent`` (never ``parent`` itself, which
     may be waiting there too), now a child being made (state 'creating', owned by this process) whose layer is a
     new one, its own retired; None if there is none."""
-    sb = warm.take(parent.image, spec, ttl=None, labels=parent.labels, kind=type(parent), skip=parent.id)
+    sb = warm.take(parent.image, spec, ttl=ttl, labels=parent.labels, kind=type(parent), skip=parent.id)
     if sb is None:
         return None
     with sb.locked():
@@ -158,7 +158,7 @@ def _retire(kid: S) -> None:
         volume.drop_layer(paths().layers / name)
 
 
-def _fork_snapshot(parent: S, count: int, memory: bool) -> builtins.list[S]:
+def _fork_snapshot(parent: S, count: int, memory: bool, ttl: float | None) -> builtins.list[S]:
     """Children restored in parallel from one snapshot of the parent (its processes too with ``memory``); those of
     a paused parent, memory and all, from its pause snapshot, which it keeps."""
     with parent.locked():
@@ -174,7 +174,7 @@ def _fork_snapshot(parent: S, count: int, memory: bool) -> builtins.list[S]:
         made: builtins.list[S | None] = [None] * count
 
         def one(i: int) -> None:
-            made[i] = parent.lifecycle.restore(snap, parent.labels, "fork")
+            made[i] = parent.lifecycle.restore(snap, parent.labels, "fork", ttl)
 
         try:
             _all(list(range(count)), one)

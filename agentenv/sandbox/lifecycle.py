@@ -29,7 +29,7 @@ from agentenv.host.runtime import ContainerSpec
 from agentenv.host.trees import remove_tree
 from agentenv.inside import frames
 from agentenv.phases import phase
-from agentenv.sandbox import migration
+from agentenv.sandbox import migration, watchdog
 from agentenv.sandbox.channel import Channel, Gate, Root
 from agentenv.sandbox.parts import START_TIMEOUT, Parts
 from agentenv.sandbox.record import SandboxRecord
@@ -64,12 +64,12 @@ def make(kind: type[S], spec: ContainerSpec, image: str, ttl: float | None, labe
     return sb
 
 
-def restore(kind: type[S], snap: Snapshot, labels: dict[str, str] | None, op: str,
+def restore(kind: type[S], snap: Snapshot, labels: dict[str, str] | None, op: str, ttl: float | None,
             page_server_key: bytes | None = None) -> S:
     """A new sandbox of ``kind`` from ``snap``, started; on failure nothing of it is left."""
     spec = ContainerSpec.from_json(snap.spec)
     volume.ensure().require(spec.limits.disk)
-    sb = make(kind, spec, image=snap.labels.get("image", spec.image_id), ttl=None, labels=labels, parent=snap.id)
+    sb = make(kind, spec, image=snap.labels.get("image", spec.image_id), ttl=ttl, labels=labels, parent=snap.id)
     boot(sb, snap, op, page_server_key)
     return sb
 
@@ -98,9 +98,9 @@ class SandboxLifecycle(Generic[S]):
         """A new sandbox's record (``make``), of this one's class."""
         return make(type(self.sandbox), spec, image, ttl, labels, parent)
 
-    def restore(self, snap: Snapshot, labels: dict[str, str] | None, op: str) -> S:
+    def restore(self, snap: Snapshot, labels: dict[str, str] | None, op: str, ttl: float | None) -> S:
         """A new sandbox of this one's class from ``snap`` (``restore``)."""
-        return restore(type(self.sandbox), snap, labels, op)
+        return restore(type(self.sandbox), snap, labels, op, ttl)
 
     @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.host.admission)
     def start(self, snap: Snapshot | None, op: str, memory: bool = True, page_server_key: bytes | None = None) -> None:
@@ -166,6 +166,8 @@ class SandboxLifecycle(Generic[S]):
                 ksm.check_flag(sb.id, pid)
             volume.wait_accounted(container.layer, txn)
             sb.save_record()
+            if sb.expires_at is not None:  # running with a deadline: someone holds it to it (agentenv.sandbox.watchdog)
+                watchdog.ensure()
             if spec.share_memory:
                 ksm.sync()
         except BaseException:

@@ -2,6 +2,9 @@
 one stuck sandbox holds up none of the others (``agentenv.sandbox.recovery`` mends each), then removes layers,
 folders, network links and store entries that no record owns. ``agentenv serve`` and ``agentenv gc`` call it
 at start. Above ``core``: it lists and makes ``Sandbox`` objects.
+
+``release_home`` (``agentenv gc``) gives back what an idle home still holds in the host's mount table: its
+btrfs volume's loop mount and the user namespaces kept for its uid ranges; the next sandbox mounts them again.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from pathlib import Path
 
 from agentenv.config import paths
 from agentenv.host import network, volume
+from agentenv.host.hostcalls import umount
 from agentenv.sandbox.core import Sandbox
 from agentenv.sandbox.record import SandboxRecord
 from agentenv.sandbox.recovery import host_processes
@@ -94,3 +99,37 @@ def _collect() -> None:
         log.warning("removed the network link %s: its sandbox is gone", veth)
     for name in store.gc():
         log.warning("removed %s from the snapshot store (left by a process that died)", name)
+
+
+def home_mounts() -> builtins.list[str]:
+    """What this home holds in the host's mount table: its volume, and the user namespaces kept for its low uid
+    ranges (``agentenv.host.userns``)."""
+    p = paths()
+    targets = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    return [t for t in targets if t == str(p.volume) or t.startswith(f"{p.uids}/")]
+
+
+def idle() -> bool:
+    """No sandbox and no snapshot of this home is left."""
+    p = paths()
+    return not any(not d.name.startswith(".") for d in p.sandboxes.iterdir()) and not store.Snapshot.list()
+
+
+def release_home(dry_run: bool = False) -> builtins.list[str]:
+    """Unmount ``home_mounts()`` if the home is idle (checked again under the volume's lock before the volume goes):
+    what was unmounted, or with ``dry_run`` what would be; nothing while a sandbox or a snapshot is left. A
+    process that keeps using the home mounts them again as it needs them (``volume.ensure``, ``userns_fd``)."""
+    if not idle():
+        return []
+    p = paths()
+    found = home_mounts()
+    if dry_run:
+        return found
+    done = []
+    for m in found:
+        if m != str(p.volume):
+            umount(Path(m), lazy=True)  # a start that opened it already keeps its namespace through its descriptor
+            done.append(m)
+    if str(p.volume) in found and volume.unmount(idle):
+        done.append(str(p.volume))
+    return done

@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from agentenv.api import MAX_DEPTH, MAX_FORK, SnapshotInfo
+from agentenv.api import DEFAULT_TTL, MAX_DEPTH, MAX_FORK, SnapshotInfo
 from agentenv.netpolicy import MAX_ENTRIES
 
 _NO_NUL = r"^[^\x00]*$"
@@ -47,6 +47,8 @@ def _number(v: Any) -> Any:
 
 Int = Annotated[int, BeforeValidator(_number)]
 Float = Annotated[float, BeforeValidator(_number)]
+# a sandbox's deadline in seconds from now (api.DEFAULT_TTL when left out); null: none, only when sent so
+TTL = Annotated[float, Field(ge=1e-3, le=1e7, strict=True)] | None
 Seconds = Annotated[float, Field(gt=0), BeforeValidator(_number)]  # the bound inside, so the schema says exclusiveMinimum
 Text = Annotated[str, Field(pattern=_NO_NUL, max_length=1 << 20)]
 Name = Annotated[str, Field(pattern=_NO_NUL, max_length=4096)]
@@ -143,7 +145,7 @@ class CreateRequest(_Body):
                                                      "other sandboxes or link-local addresses); or outbound rules")
     env: Env = Field(default_factory=dict)
     workdir: Workdir = None
-    ttl: Annotated[float, Field(ge=1e-3, le=1e7, strict=True)] | None = None
+    ttl: TTL = DEFAULT_TTL
     labels: Labels = Field(default_factory=dict)
     share_memory: StrictBool | None = Field(False, description="its memory forks share the pages none of them wrote "
                                             "(KSM): true, false, or null: where this host can and no other agentenv "
@@ -224,6 +226,7 @@ class SnapshotRequest(_Body):
 class ForkRequest(_Body):
     count: Int = Field(1, ge=1, le=MAX_FORK)
     memory: StrictBool = True  # False: the children get the files only, with fresh processes
+    ttl: TTL = DEFAULT_TTL
 
 
 class TTLRequest(_Body):
@@ -232,6 +235,7 @@ class TTLRequest(_Body):
 
 class RestoreRequest(_Body):
     labels: Labels = Field(default_factory=dict)
+    ttl: TTL = DEFAULT_TTL
 
 
 _PORT = r"(?:6553[0-5]|655[0-2][0-9]|65[0-4][0-9]{2}|6[0-4][0-9]{3}|[1-5][0-9]{4}|[0-9]{1,4})"
@@ -281,6 +285,7 @@ class ReceiveRequest(_Body):
 
     labels: Labels = Field(default_factory=dict)
     key: str = Field(pattern=r"^[0-9a-f]{64}$", description="the key the source's migrate call returned (hex)")
+    ttl: TTL = DEFAULT_TTL  # what is left of the moved sandbox's deadline
 
 
 class MigrationFinished(BaseModel):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentenv import errors
-from agentenv.api import fork_count
+from agentenv.api import DEFAULT_TTL, fork_count
 from agentenv.host import network, userns
 from agentenv.sandbox import migration
 from agentenv.sandbox.core import Sandbox
@@ -177,7 +177,7 @@ class Service:
                     self._pending[i] -= amount
 
     # sandboxes made within the quotas: the operations that start sandboxes, for every route that does
-    def restore(self, snap: Snapshot, labels: dict[str, str] | None = None,
+    def restore(self, snap: Snapshot, labels: dict[str, str] | None = None, ttl: float | None = DEFAULT_TTL,
                 page_server_key: bytes | None = None) -> Sandbox:
         """A sandbox restored from ``snap``, its room reserved first (QuotaExceeded when there is none); one imported
         from elsewhere is held to this server's rule on disk limits too, as a create is (``check_disk``); a post-copy
@@ -186,15 +186,15 @@ class Service:
         if ORIGIN in snap.labels:
             self.check_disk(limits.get("disk"))
         with self.reserve(1, int(limits.get("memory", 1 << 30)), limits.get("disk")):
-            return self.remember(Sandbox.restore(snap, labels=labels, page_server_key=page_server_key))
+            return self.remember(Sandbox.restore(snap, labels=labels, ttl=ttl, page_server_key=page_server_key))
 
-    def fork(self, sandbox_id: str, count: int, memory: bool) -> list[Sandbox]:
+    def fork(self, sandbox_id: str, count: int, memory: bool, ttl: float | None = DEFAULT_TTL) -> list[Sandbox]:
         """``count`` children of a sandbox (``api.fork_count``, ``Sandbox.fork``), their room reserved first; those
         of a paused one (memory and all) are restored from its pause snapshot, which it keeps."""
         count = fork_count(count)
         limits = self.sandbox(sandbox_id).limits
         with self.reserve(count, limits.memory, limits.disk):
-            kids = self.call(sandbox_id, lambda s: s.fork(count, memory=memory))
+            kids = self.call(sandbox_id, lambda s: s.fork(count, memory=memory, ttl=ttl))
         return [self.remember(k) for k in kids]
 
     def resume(self, sandbox_id: str, memory: bool = True) -> Sandbox:

@@ -83,6 +83,7 @@ from envs.task import Task
 __all__ = ["GradeResult", "Invocation", "declared_plugins", "filter_for", "grade", "parse_test_command",
            "protected_files", "run_script"]
 DEFAULT_TIMEOUT = 900.0
+GRADING_TTL = 4 * 3600.0  # a grading sandbox's deadline: past any test run (the agentenv default is minutes)
 GRADE_ROOT = "/var/lib/agentenv-grade-"
 
 
@@ -140,10 +141,11 @@ def _graded(sandbox: SandboxLike, task: Task, pristine: SnapshotLike | str | Non
     backend: Backend = agentenv if api is None else api
     timer = Timer()
     if pristine is None:
-        starting: Future[tuple[SandboxLike, Task]] = run_in_background(task_sandbox.start_task, task, backend)
+        starting: Future[tuple[SandboxLike, Task]] = run_in_background(
+            lambda: task_sandbox.start_task(task, backend, ttl=GRADING_TTL))
     else:
         labels = {"agentenv.kind": "grading", "agentenv.task": task.instance_id}
-        starting = run_in_background(lambda: (backend.Sandbox.restore(pristine, labels=labels), task))
+        starting = run_in_background(lambda: (backend.Sandbox.restore(pristine, labels=labels, ttl=GRADING_TTL), task))
     grader: SandboxLike | None = None
     try:
         if task.base_commit == "HEAD":  # the base commit is known once the task's sandbox is set up

@@ -50,6 +50,7 @@ MUTATIONS_FILE = Path(__file__).with_name("mutations.json")
 MAX_FAILING = 25
 PATCH_EOF = "AGENTENV_PATCH_EOF"
 REINIT = "rm -rf .git && git init -q && git add -A && git commit -q -m base"
+BUILD_TTL = 6 * 3600.0  # a building sandbox's deadline: its with-block closes it; this only if the builder is killed
 
 Log = Callable[[str], None]
 
@@ -120,7 +121,7 @@ def search(lib: Library, *, keep: int, max_tries: int, seed: int, log: Log) -> l
     kept: list[MutationSpec] = []
     used_functions: set[tuple[str, str]] = set()
     per_kind_cap = max(2, (keep + 2) // 3)
-    with agentenv.Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
+    with agentenv.Sandbox.create(lib.image, cpus=1.0, memory="2g", ttl=BUILD_TTL) as sb:
         base = _baseline(sb, lib)
         timeout = max(30.0, 10 * base.seconds)
         tries = 0
@@ -203,7 +204,7 @@ def build_library(lib: Library, specs: Iterable[MutationSpec], log: Log) -> list
     src_dir = extract_sdist(fetch_sdist(lib.name, lib.version, lib.sha256),
                             Path(f"/var/tmp/agentenv-src-{lib.name}-{lib.version}"))
     tasks = []
-    with agentenv.Sandbox.create(lib.image, cpus=1.0, memory="2g") as sb:
+    with agentenv.Sandbox.create(lib.image, cpus=1.0, memory="2g", ttl=BUILD_TTL) as sb:
         base = _baseline(sb, lib)
         timeout = max(30.0, 10 * base.seconds)
         for spec in specs:

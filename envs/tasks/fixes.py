@@ -40,6 +40,7 @@ from agentenv.config import write_atomic
 from envs.images import ImageRecipe, extract_sdist, fetch_sdist
 from envs.swebench_layout import instance_image
 from envs.task import image_name
+from envs.tasks.build import BUILD_TTL
 
 FIXES_FILE = Path(__file__).with_name("fixes.json")
 RECORDS_FILE = Path(__file__).with_name("fixes_tasks.jsonl")
@@ -149,7 +150,7 @@ def build_release(release: Release, log: Log = print) -> list[dict[str, Any]]:
     records = []
     with tempfile.TemporaryDirectory(prefix="agentenv-fixes-") as tmp:
         newer = extract_sdist(fetch_sdist(release.dist, release.next, release.next_sha256), Path(tmp) / "next")
-        with agentenv.Sandbox.create(tag, cpus=1.0, memory="3g", network=False) as sb:
+        with agentenv.Sandbox.create(tag, cpus=1.0, memory="3g", network=False, ttl=BUILD_TTL) as sb:
             base = sb.exec("git rev-parse HEAD", cwd="/testbed").stdout.strip()
             for fix in release.fixes:
                 patch = _git_diff(sb, {p: (newer / p).read_bytes() for p in fix.code})

@@ -4,11 +4,13 @@ that are independent too and leaves nothing behind once drained."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 import agentenv
+from agentenv.api import DEFAULT_TTL
 from agentenv.host import admission
 from agentenv.sandbox import warm
 
@@ -56,10 +58,13 @@ def test_a_warm_pool_hands_out_started_independent_sandboxes_and_drains_clean():
         other = agentenv.Sandbox.create(memory="512m")  # other limits: not from the pool
         sbs.append(other)
         assert other.id not in pooled
+        before = time.time()
         sbs += _burst(4)
+        after = time.time()
         assert {sb.id for sb in sbs[1:]} <= pooled  # all four from the pool
         assert all(sb.labels.get("agentenv.kind") != warm.KIND and "burst" in sb.labels for sb in sbs[1:])
-        assert all(sb.expires_at is None for sb in sbs[1:])
+        # the caller's deadline (the default), set when taken: not the pool's idle one
+        assert all(before + DEFAULT_TTL <= (sb.expires_at or 0) <= after + DEFAULT_TTL for sb in sbs[1:])
         _independent(sbs)
     finally:
         warm.drain()

@@ -310,8 +310,9 @@ def test_a_snapshot_of_a_stopped_agent_fails_within_its_deadline_and_leaves_the_
 
 def test_one_stopped_sandbox_does_not_stall_the_ttl_reaper(monkeypatch):
     monkeypatch.setattr(snapshotting, "QUIESCE_TIMEOUT", 2.0)
-    stuck = agentenv.Sandbox.create(ttl=600)
-    fine = agentenv.Sandbox.create(ttl=600)
+    keep = {expiry.ON_EXPIRY: "pause"}  # a pause is what a stopped keeper can stall (a close never waits on it)
+    stuck = agentenv.Sandbox.create(ttl=600, labels=keep)
+    fine = agentenv.Sandbox.create(ttl=600, labels=keep)
     pid = agent_pid(stuck)
     try:
         for s in (stuck, fine):
@@ -340,7 +341,7 @@ def test_the_reaper_spares_a_sandbox_whose_ttl_was_extended_after_it_looked():
         assert sb.state == "running" and sb.exec("echo alive").stdout == "alive\n"
         sb.set_ttl(0.001)
         time.sleep(0.01)
-        assert expiry.reap(agentenv.Sandbox.list()) == [sb.id] and sb.state == "paused"  # due still means reaped
+        assert expiry.reap(agentenv.Sandbox.list()) == [sb.id] and sb.state == "closed"  # due still means reaped (closed)
     finally:
         sb.close()
 

@@ -82,7 +82,7 @@ def server() -> Iterator[tuple[Client, Path, Path]]:
 def published(server) -> tuple[str, str]:
     """A files-only and a memory snapshot of one sandbox, both published in the shared store."""
     client, _, _ = server
-    with client.Sandbox.create(memory="256m") as sb:
+    with client.Sandbox.create(memory="256m", ttl=None) as sb:  # the module's: closed at its teardown, no deadline
         sb.write_file("/srv/kept.txt", "kept\n")
         assert sb.exec("chown 1000:1001 /srv/kept.txt").exit_code == 0  # an owner other than the sandbox's root
         files = sb.snapshot()

@@ -42,13 +42,13 @@ class Family:
 
 @pytest.fixture(scope="module")
 def family() -> Iterator[Family]:
-    sb = agentenv.Sandbox.create(env={"AE_SECRET": SECRET})
+    sb = agentenv.Sandbox.create(env={"AE_SECRET": SECRET}, ttl=None)  # the module's: closed at its teardown, no deadline
     try:
         r = sb.exec(SETUP)
         assert r.exit_code == 0, r.stderr
         snap = sb.snapshot(memory=True)
         try:
-            kid = agentenv.Sandbox.restore(snap)
+            kid = agentenv.Sandbox.restore(snap, ttl=None)
             try:
                 yield Family(sb, snap, kid)
             finally:

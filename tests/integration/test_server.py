@@ -41,7 +41,7 @@ def client(url):
 
 @pytest.fixture(scope="module")
 def sb(client):
-    with client.Sandbox.create(memory="256m") as s:
+    with client.Sandbox.create(memory="256m", ttl=None) as s:  # the module's: closed at its teardown, no deadline
         yield s
 
 
@@ -148,14 +148,18 @@ def test_quota_is_429_and_retry_after(sb):
             c.close()
 
 
-def test_ttl_pauses_never_destroys_and_can_be_extended(client):
-    s = client.Sandbox.create(memory="256m", ttl=0.5)
+def test_ttl_closes_by_default_pauses_when_asked_and_can_be_extended(client):
+    gone = client.Sandbox.create(memory="256m", ttl=0.5)  # nobody asked to keep it: closed, no snapshot kept
+    s = client.Sandbox.create(memory="256m", ttl=0.5, labels={"agentenv.on_expiry": "pause"})
     try:
         s.write_file("/testbed/state", "kept")
         deadline = time.monotonic() + 60
         while s.state != "paused" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert s.state == "paused"
+        while gone.id in {x.id for x in client.Sandbox.list()} and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone.id not in {x.id for x in client.Sandbox.list()}
         with pytest.raises(SandboxStateError):
             s.exec("true")
         s.set_ttl(3600)

@@ -8,6 +8,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,8 +111,10 @@ def test_restore_and_move_to_another_server_keep_files_and_memory(servers):
         again = pool.Sandbox.restore(snap, server=urls[1])  # B has it now: no pull, the same state
         has_memory(again, "s3cret")
         again.close()
+        a.set_ttl(3000)
         moved = pool.Sandbox.move(a, urls[1])  # pause on A, restore on B
         assert moved.client.url == urls[1] and moved.read_file("/srv/data.bin") == data
+        assert moved.expires_at is not None and moved.expires_at > time.time() + 2000  # what was left of a's deadline
         has_memory(moved, "s3cret")
         assert a.id not in {s.id for s in pool.clients[0].Sandbox.list()}
         moved.close()

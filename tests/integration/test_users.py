@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def sb() -> Iterator[agentenv.Sandbox]:
-    with agentenv.Sandbox.create(memory="512m", cpus=1.0) as s:
+    with agentenv.Sandbox.create(memory="512m", cpus=1.0, ttl=None) as s:  # the module's: closed at its teardown, no deadline
         assert s.exec("useradd --create-home --uid 1001 other").exit_code == 0  # a second unprivileged account
         yield s
 

@@ -40,7 +40,7 @@ def test_a_round_reaps_only_the_due_and_outlives_any_one_failure(caplog):
     assert "gone" not in caplog.text  # closed by its user since it was listed: nothing to say
 
 
-@pytest.mark.parametrize(("labels", "want"), [({}, "pause"), ({expiry.ON_EXPIRY: "kill"}, "kill"),
+@pytest.mark.parametrize(("labels", "want"), [({}, "kill"), ({expiry.ON_EXPIRY: "kill"}, "kill"),
                                               ({expiry.ON_EXPIRY: "pause"}, "pause")])
 def test_the_label_chooses_what_expiry_does(labels, want):
     assert expiry.action(labels) == want

@@ -241,8 +241,7 @@ def fork(request: Request, service: ServiceDep, sandbox_id: str, body: Annotated
     one come from its pause snapshot (E2B answers 409 there)."""
     ttl = float(body.timeout or DEFAULT_TIMEOUT)
     out = []
-    for kid in service.fork(sandbox_id, body.count, memory=True):
-        kid.set_ttl(ttl)
+    for kid in service.fork(sandbox_id, body.count, memory=True, ttl=ttl):
         out.append({"sandbox": sandbox_json(request, kid, "running")})
     return JSONResponse(out, 201)
 

@@ -46,7 +46,8 @@ def migrate(service: ServiceDep, sandbox_id: SandboxId) -> Response:
 def receive(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[ReceiveRequest, Body()]) -> Response:
     """Restore a post-copy migration's snapshot (imported here first): it runs at once, its pages pulled from the
     source's page server, which takes the migration's ``key`` alone."""
-    sb = service.restore(shared.get(snapshot_id), labels=req.labels, page_server_key=bytes.fromhex(req.key))
+    sb = service.restore(shared.get(snapshot_id), labels=req.labels, ttl=req.ttl,
+                         page_server_key=bytes.fromhex(req.key))
     return WireResponse(sb.info("running").to_wire())
 
 

@@ -40,7 +40,7 @@ def snapshot(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[Snapshot
 @router.post("/v1/sandboxes/{sandbox_id}/fork", response_model=list[SandboxInfo],
              responses=error_responses(400, 401, 404, 409, 422, 429, 501, 507))
 def fork(service: ServiceDep, sandbox_id: SandboxId, req: Annotated[ForkRequest, Body()]) -> Response:
-    return WireResponse([k.info("running").to_wire() for k in service.fork(sandbox_id, req.count, req.memory)])
+    return WireResponse([k.info("running").to_wire() for k in service.fork(sandbox_id, req.count, req.memory, req.ttl)])
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/pause", response_model=SnapshotInfo,
@@ -86,7 +86,7 @@ def delete_snapshot(snapshot_id: SnapshotId,
 @router.post("/v1/snapshots/{snapshot_id}/restore", response_model=SandboxInfo,
              responses=error_responses(400, 401, 403, 404, 422, 429, 501, 502))
 def restore(service: ServiceDep, snapshot_id: SnapshotId, req: Annotated[RestoreRequest, Body()]) -> Response:
-    sb = service.restore(shared.get(snapshot_id), labels=req.labels)  # imported from the shared store if need be
+    sb = service.restore(shared.get(snapshot_id), labels=req.labels, ttl=req.ttl)  # imported from the shared store if need be
     return WireResponse(sb.info("running").to_wire())
 
 

@@ -23,7 +23,7 @@ HOSTILE = "<img src=x onerror=alert(1)>"
 
 @pytest.fixture(scope="module")
 def sb(client: Any) -> Iterator[Any]:
-    s = client.Sandbox.create(memory="256m", labels={"suite": "console-detail"})
+    s = client.Sandbox.create(memory="256m", labels={"suite": "console-detail"}, ttl=None)  # the module's: closed at its teardown, no deadline
     yield s
     s.close()
 

@@ -1,7 +1,8 @@
 """A fake Backend for the envs' unit tests: sandboxes whose files are a dict and whose exec knows a few commands.
 
 It keeps what the envs need of the contract in ``agentenv.api`` (create / restore / get / list, exec, files,
-snapshot, fork, close) and counts what is open, so a test can check that an env closes what it made.
+snapshot, fork, close, the deadline: ``ttl`` as made and each ``set_ttl``) and counts what is open, so a test can
+check that an env closes what it made.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class FakeSandbox:
     """Files in a dict; exec understands the few commands the tools send besides bash, and a few for tests."""
 
     def __init__(self, backend: FakeBackend | None = None, image: str = "fake", files: dict[str, str] | None = None,
-                 links: dict[str, str] | None = None, labels: dict[str, str] | None = None) -> None:
+                 links: dict[str, str] | None = None, labels: dict[str, str] | None = None,
+                 ttl: float | None = None) -> None:
         self.backend, self.image, self.labels = backend, image, dict(labels or {})
+        self.ttl, self.ttl_moves = ttl, []  # the deadline it was made with; each set_ttl since
         self.files, self.links, self.commands = dict(files or {}), dict(links or {}), []
         self.id = f"sb-{next(backend.ids)}" if backend else "sb"
         self.state = "running"
@@ -76,9 +79,12 @@ class FakeSandbox:
         assert self.backend is not None
         return FakeSnapshot(self.backend, self.files, labels or {})
 
-    def fork(self, n=1, *, memory=False):
+    def fork(self, n=1, *, memory=False, ttl=None):
         assert self.backend is not None
-        return [FakeSandbox(self.backend, self.image, self.files, self.links, self.labels) for _ in range(n)]
+        return [type(self)(self.backend, self.image, self.files, self.links, self.labels, ttl) for _ in range(n)]
+
+    def set_ttl(self, ttl):
+        self.ttl_moves.append(ttl)
 
     def close(self):
         self.state = "closed"
@@ -87,16 +93,18 @@ class FakeSandbox:
 
 
 class _Sandboxes:
+    kind: type[FakeSandbox] = FakeSandbox
+
     def __init__(self, backend: FakeBackend) -> None:
         self.backend = backend
 
     def create(self, image="agentenv/base", *, labels=None, **kwargs):
         self.backend.created.append((image, kwargs))
-        return FakeSandbox(self.backend, image, labels=labels)
+        return self.kind(self.backend, image, labels=labels, ttl=kwargs.get("ttl"))
 
-    def restore(self, snapshot, *, labels=None):
+    def restore(self, snapshot, *, labels=None, ttl=None):
         snap = self.backend.snapshots[snapshot if isinstance(snapshot, str) else snapshot.id]
-        return FakeSandbox(self.backend, "restored", snap.files, labels=labels)
+        return self.kind(self.backend, "restored", snap.files, labels=labels, ttl=ttl)
 
     def get(self, sandbox_id):
         return self.backend.sandboxes[sandbox_id]

@@ -54,19 +54,9 @@ class ShellSandbox(FakeSandbox):
             return result("".join(n + "\n" for n in names(["*"])))
         return result(f"sh: {argv[0] if argv else ''}: not found\n", exit_code=127)
 
-    def fork(self, n=1, *, memory=False):
-        assert self.backend is not None
-        return [ShellSandbox(self.backend, self.image, self.files, self.links, self.labels) for _ in range(n)]
-
 
 class _ShellSandboxes(_Sandboxes):
-    def create(self, image="agentenv/base", *, labels=None, **kwargs):
-        self.backend.created.append((image, kwargs))
-        return ShellSandbox(self.backend, image, labels=labels)
-
-    def restore(self, snapshot, *, labels=None):
-        snap = self.backend.snapshots[snapshot if isinstance(snapshot, str) else snapshot.id]
-        return ShellSandbox(self.backend, "restored", snap.files, labels=labels)
+    kind = ShellSandbox
 
 
 class ShellBackend(FakeBackend):

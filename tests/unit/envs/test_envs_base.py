@@ -10,6 +10,7 @@ from gymnasium.wrappers import TimeLimit
 
 import envs
 from envs import ShellEnv, SWEEnv, ToolEnv
+from envs.base import ENV_TTL
 from envs.task import Task
 
 from .fakes import HEAD, FakeBackend
@@ -144,3 +145,30 @@ def test_an_envs_sandboxes_share_memory_where_possible_unless_it_opts_out(backen
         assert backend.created[-1][1]["share_memory"] is asked
         env.close()
 
+
+
+def test_an_envs_sandboxes_its_forks_and_restores_get_its_deadline_and_each_step_moves_it_on(backend):
+    """An env's sandboxes live ``ttl`` (ENV_TTL by default, not the library's short default), forks and restores
+    too, and a step moves the deadline on from now once a quarter of it has gone by: the thinking between two
+    steps (a slow CPU generation, a weight push) never counts against it. ttl=None: none, only when asked."""
+    with ToolEnv(task="calc-001", api=backend) as env:
+        env.reset()
+        env.box()
+        assert backend.created[-1][1]["ttl"] == ENV_TTL
+        snap = env.snapshot()
+        kids = env.fork(2)
+        env.restore(snap)
+        assert [k.sandbox.ttl for k in kids] + [env.sandbox.ttl] == [ENV_TTL] * 3
+        for k in kids:
+            k.close()
+    with ToolEnv(task="calc-001", api=backend, ttl=1e-9) as env:  # a quarter of it is gone by the first step
+        env.reset()
+        env.box()
+        env.step(CALC)
+        env.step(CALC)
+        assert env.sandbox.ttl_moves == [1e-9, 1e-9]
+    with ToolEnv(task="calc-001", api=backend, ttl=None) as env:
+        env.reset()
+        env.box()
+        env.step(CALC)
+        assert backend.created[-1][1]["ttl"] is None and env.sandbox.ttl_moves == []

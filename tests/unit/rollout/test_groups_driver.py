@@ -102,9 +102,27 @@ def test_every_sandbox_and_snapshot_carries_the_run_and_worker_labels_and_sweep_
     assert all(s.labels[RUN_LABEL] == "r1" and s.labels[WORKER_LABEL] == "w1" for s in [sb, *kids, again])
     assert sb.labels["mine"] == "1" and snap.labels == {"x": "y", RUN_LABEL: "r1", WORKER_LABEL: "w1"}
     assert backend.created[0][1]["ttl"] == 60
+    assert [s.ttl for s in [*kids, again]] == [60, 60, 60]  # the run's deadline on forks and restores too
     swept = sweep(backend, {RUN_LABEL: "r1"})
     assert len(swept["sandboxes"]) == 4 and swept["snapshots"] == [snap.id]
     assert list(backend.sandboxes) == [other.id]
+
+
+def test_the_runs_deadline_wins_over_the_envs_when_the_env_asks_and_moves_it_on():
+    """The run sets its sandboxes' deadlines (issue 43): an env asking for its own ttl, at a create, a fork, a
+    restore or when a step moves it on, gets the run's; with none set by the run, the env's holds."""
+    backend = FakeBackend()
+    api = LabelledBackend(backend, {RUN_LABEL: "r1"}, ttl=4 * 3600.0)
+    sb = api.Sandbox.create("img", ttl=300.0)
+    kid, = sb.fork(1, ttl=300.0)
+    again = api.Sandbox.restore(sb.snapshot(), ttl=300.0)
+    kid.set_ttl(300.0)
+    assert [s.ttl for s in (sb, kid, again)] == [4 * 3600.0] * 3 and kid.ttl_moves == [4 * 3600.0]
+    own = LabelledBackend(backend, {RUN_LABEL: "r2"}, ttl=None).Sandbox.create("img", ttl=300.0)
+    own.set_ttl(300.0)
+    assert own.ttl == 300.0 and own.ttl_moves == [300.0]
+    sweep(backend, {RUN_LABEL: "r1"})
+    sweep(backend, {RUN_LABEL: "r2"})
 
 
 def test_task_files_load_as_records(tmp_path):
