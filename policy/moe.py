@@ -70,8 +70,9 @@ class LatentMoE(nn.Module):
     def __init__(self, cfg: K3Config, ep: EPGroup | None = None) -> None:
         super().__init__()
         self.cfg, self.ep = cfg, ep
-        D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
-        latent = L is not None
+        D = cfg.hidden_size
+        latent = cfg.routed_expert_hidden_size is not None
+        L = cfg.routed_expert_hidden_size or D
         n_local = len((ep or EPGroup()).expert_range(cfg.num_experts))
         act = gated_activation(cfg)
         self.router = Router(cfg)
@@ -79,7 +80,7 @@ class LatentMoE(nn.Module):
                                if cfg.num_shared_experts else None)
         self.latent_down: nn.Module = nn.Linear(D, L, bias=False) if latent else nn.Identity()
         self.latent_norm: nn.Module = RMSNorm(L, cfg.rms_norm_eps) if latent and cfg.latent_moe_use_norm else nn.Identity()
-        self.experts = GroupedExperts(n_local, L if latent else D, cfg.moe_intermediate_size, act)
+        self.experts = GroupedExperts(n_local, L, cfg.moe_intermediate_size, act)
         self.latent_up: nn.Module = nn.Linear(L, D, bias=False) if latent else nn.Identity()
         self.tokens_per_expert = torch.zeros(n_local, dtype=torch.long)  # last step's load, for metrics
         self.last_routing = torch.zeros(0, cfg.num_experts_per_token, dtype=torch.long)  # (tokens, k) global ids
