@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from policy.config import K3Config, from_k3_json
 
@@ -321,3 +321,37 @@ def write_checkpoint(state: dict[str, torch.Tensor], cfg: K3Config, path: str | 
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def load_state(path: str | os.PathLike[str], cfg: K3Config) -> dict[str, torch.Tensor]:
+    """Our state dict from ``path``: a Kimi checkpoint folder (what every push, ``agentenv train`` and ``agentenv
+    policy export`` write), or a single safetensors file under k3-mini's own names (what they wrote before)."""
+    path = Path(path)
+    if not path.is_dir():
+        if not path.is_file():
+            raise FileNotFoundError(f"no checkpoint at {path}: give a Kimi checkpoint folder or a .safetensors file")
+        return load_file(str(path))
+    ck = read_checkpoint(path)
+    if ck.cfg != cfg:
+        differ = sorted(k for k, v in ck.cfg.to_dict().items() if cfg.to_dict()[k] != v)
+        raise FormatError(f"{path} holds a different model than this one (config.json differs in {differ[:6]}): "
+                          "serve it with its own config (agentenv policy serve --weights FOLDER reads FOLDER/config.json)")
+    return ck.state
+
+
+def tokenizer_files(max_length: int) -> Callable[[Path], None]:
+    """Adds k3-mini's tokenizer to a checkpoint folder: ``tokenizer.json`` and ``tokenizer_config.json``."""
+    def add(folder: Path) -> None:
+        from policy.tokenizer import CACHE, load_tokenizer
+        tok = load_tokenizer()
+        shutil.copyfile(CACHE, folder / "tokenizer.json")
+        names = {i: tok.tok.id_to_token(i) for i in (tok.bos_id, tok.eos_id, tok.pad_id)}
+        (folder / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[tok.bos_id],
+            "eos_token": names[tok.eos_id], "pad_token": names[tok.pad_id], "model_max_length": max_length}, indent=1))
+    return add
+
+
+def save_model(state: dict[str, torch.Tensor], cfg: K3Config, path: str | os.PathLike[str]) -> Path:
+    """A full model as a Kimi checkpoint folder with k3-mini's tokenizer (atomic; see ``write_checkpoint``)."""
+    return write_checkpoint(state, cfg, path, files=tokenizer_files(int(cfg.max_position_embeddings)))

@@ -187,7 +187,7 @@ def test_update_weights_bumps_the_version(client, spec, tmp_path):
         if httpx.get(spec.base_url + "/metrics").json()["running"] >= 1:
             break
         time.sleep(0.005)
-    r = httpx.post(spec.base_url + "/update_weights", json={"path": _checkpoint(tmp_path / "w.safetensors", 7)},
+    r = httpx.post(spec.base_url + "/update_weights", json={"path": _checkpoint(tmp_path / "w", 7)},
                    headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
     t.join(60)
     assert r.status_code == 200 and r.json()["weight_version"] == before + 1
@@ -230,4 +230,4 @@ def test_engine_client_code_runs_against_our_server(spec, tmp_path):
     out = smoke_check(spec.base_url, TOKEN, "k3-mini")
     assert out["models"] == ["k3-mini"] and out["finish_reason"] in ("length", "stop")
     v = httpx.get(spec.base_url + "/health").json()["weight_version"]
-    assert reload_weights(spec, _checkpoint(tmp_path / "w2.safetensors", 8))["weight_version"] == v + 1
+    assert reload_weights(spec, _checkpoint(tmp_path / "w2", 8))["weight_version"] == v + 1

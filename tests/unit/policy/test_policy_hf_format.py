@@ -167,3 +167,22 @@ def test_mxfp4_release_and_vocabulary_mismatch_are_refused(tmp_path):
     assert from_k3_json(tmp_path / "again.json") == cfg  # our config.json reads back to the same model
     with pytest.raises(FormatError, match="163840 tokens.*never its tokenizer"):
         check_vocab(cfg, 4096)
+
+
+def test_export_turns_an_old_single_file_into_a_folder_the_references_load(tmp_path):
+    from typer.testing import CliRunner
+
+    from policy.cli import app
+    cfg = k3_mini(**SMALL, **K3_PARTS_ON)
+    model = random_model(cfg)
+    save_file(model.state_dict(), str(tmp_path / "old.safetensors"))   # what pushes and `agentenv train` wrote before
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg.to_dict()))
+    out = CliRunner().invoke(app, ["export", str(tmp_path / "old.safetensors"), str(tmp_path / "kimi"),
+                                   "--model-config", str(tmp_path / "cfg.json")])
+    assert out.exit_code == 0, out.output
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= {p.name for p in (tmp_path / "kimi").iterdir()}
+    reference, _ = load_model(tmp_path / "kimi")
+    ids = tokens()
+    with torch.no_grad():
+        ours = model(ids)[0].numpy()
+    assert float(np.abs(np.array(reference(mx.array(ids.numpy()))) - ours).max()) < MLX_TOL
