@@ -186,3 +186,26 @@ def test_export_turns_an_old_single_file_into_a_folder_the_references_load(tmp_p
     with torch.no_grad():
         ours = model(ids)[0].numpy()
     assert float(np.abs(np.array(reference(mx.array(ids.numpy()))) - ours).max()) < MLX_TOL
+
+
+def test_k3_release_names_and_shapes_are_what_mlx_lm_kimi_k3_expects():
+    """K3's released config on the meta device: every tensor we would write, under its on-disk name and shape, goes
+    through mlx-lm's own ``sanitize`` onto exactly the parameters its ``kimi_k3`` builds (mlx stays lazy: nothing is
+    allocated); the counts are K3's published ~2.8T total / ~104B active."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import kimi_k3
+
+    from policy.model import param_counts
+    cfg = from_k3_json(K3_JSON)
+    with torch.device("meta"):
+        model = K3Model(cfg)
+    counts = param_counts(model)
+    print(f"K3 on meta: {counts['total'] / 1e12:.3f}T total, {counts['active'] / 1e9:.1f}B active")
+    assert 2.7e12 < counts["total"] < 2.9e12 and 100e9 < counts["active"] < 110e9
+    disk = to_disk(model.state_dict(), cfg)
+    released = json.loads(K3_JSON.read_text())
+    del released["text_config"]["quantization_config"]  # the bf16 layout; MXFP4 is refused (test above)
+    reference = kimi_k3.Model(kimi_k3.ModelArgs.from_dict(released))
+    expected = {k: tuple(v.shape) for k, v in tree_flatten(reference.parameters())}
+    placed = reference.sanitize({k: mx.zeros(tuple(v.shape), dtype=mx.bfloat16) for k, v in disk.items()})
+    assert {k: tuple(v.shape) for k, v in placed.items()} == expected
