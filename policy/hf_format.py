@@ -16,10 +16,11 @@ weights, never its tokenizer: ``check_vocab`` refuses one whose vocabulary diffe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from policy.config import K3Config, from_k3_json
+from policy.ep import EPGroup, shard_state_dict
 
 INDEX = "model.safetensors.index.json"
 WRAPPER = "language_model."
@@ -208,21 +210,6 @@ def read_config(folder: Path) -> tuple[K3Config, bool]:
     return from_k3_json(path), "text_config" in raw
 
 
-def iter_tensors(folder: Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read ``names`` (full on-disk names) from the folder's shards, one shard open at a time, nothing else."""
-    where = _files(folder)
-    missing = [n for n in names if n not in where]
-    if missing:
-        raise FormatError(f"{folder} lacks {len(missing)} tensors k3-mini needs, e.g. {missing[:3]}")
-    by_file: dict[Path, list[str]] = {}
-    for n in names:
-        by_file.setdefault(where[n], []).append(n)
-    for path, keys in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
-            for k in keys:
-                yield k, f.get_tensor(k)
-
-
 def read_checkpoint(folder: str | os.PathLike[str], experts: range | None = None) -> Checkpoint:
     """Read a K3 or Kimi-Linear folder into our config and state dict; ``experts``: only those routed experts (an
     expert-parallel rank's range; default all). Every tensor not skipped must be one k3-mini uses."""
@@ -242,13 +229,51 @@ def read_checkpoint(folder: str | os.PathLike[str], experts: range | None = None
         raise FormatError(f"{folder} holds MXFP4-packed experts ({stored[0]}); k3-mini does not dequantise them: "
                           "dequantise the experts to bf16 first")
     needed = _needed(want, cfg, ids, prefix)
-    tensors = dict(iter_tensors(folder, sorted(needed)))
-    extra = [k for k in _files(folder) if k not in needed and not _skipped(k.removeprefix(prefix), cfg)
+    where = _files(folder)
+    missing = sorted(needed - where.keys())
+    if missing:
+        raise FormatError(f"{folder} lacks {len(missing)} tensors k3-mini needs, e.g. {missing[:3]}")
+    extra = [k for k in where if k not in needed and not _skipped(k.removeprefix(prefix), cfg)
              and not _other_expert(k, cfg, ids)]
     if extra:
         raise FormatError(f"{folder} holds {len(extra)} tensors k3-mini has no place for, e.g. {extra[:3]}: "
                           "its config.json switches a part off that the weights have, or it is another model")
-    return Checkpoint(cfg, from_disk(want, lambda n: tensors[prefix + n], cfg, ids), wrapper)
+    with contextlib.ExitStack() as stack:  # each tensor is read when its state-dict entry is built, nothing else
+        shards = {f: stack.enter_context(_Shard(f)) for f in set(where.values())}
+        state = from_disk(want, lambda n: shards[where[prefix + n]].read(prefix + n), cfg, ids)
+    return Checkpoint(cfg, state, wrapper)
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _Shard:
+    """One safetensors file read tensor by tensor with plain reads (no mmap: the pages a rank touches are not its
+    resident memory, so an expert-parallel rank's peak is about the tensors it keeps)."""
+
+    def __init__(self, path: Path) -> None:
+        self.f = open(path, "rb")  # noqa: SIM115 - closed by __exit__
+        n = int.from_bytes(self.f.read(8), "little")
+        self.header: dict[str, Any] = json.loads(self.f.read(n))
+        self.start = 8 + n
+
+    def read(self, name: str) -> torch.Tensor:
+        meta = self.header[name]
+        if meta["dtype"] not in _DTYPES:
+            raise FormatError(f"{name} is stored as {meta['dtype']}; k3-mini reads {sorted(_DTYPES)}")
+        begin, end = meta["data_offsets"]
+        self.f.seek(self.start + begin)
+        data = bytearray(self.f.read(end - begin))
+        flat = torch.frombuffer(data, dtype=_DTYPES[meta["dtype"]]) if data else torch.empty(0, dtype=_DTYPES[meta["dtype"]])
+        return flat.reshape(meta["shape"])
+
+    def __enter__(self) -> _Shard:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
 
 
 def _needed(want: dict[str, torch.Size], cfg: K3Config, ids: range, prefix: str) -> set[str]:
@@ -323,15 +348,18 @@ def write_checkpoint(state: dict[str, torch.Tensor], cfg: K3Config, path: str | 
     return path
 
 
-def load_state(path: str | os.PathLike[str], cfg: K3Config) -> dict[str, torch.Tensor]:
-    """Our state dict from ``path``: a Kimi checkpoint folder (what every push, ``agentenv train`` and ``agentenv
-    policy export`` write), or a single safetensors file under k3-mini's own names (what they wrote before)."""
+def load_state(path: str | os.PathLike[str], cfg: K3Config, ep: EPGroup | None = None) -> dict[str, torch.Tensor]:
+    """This rank's state dict (``ep``: its routed experts only) from ``path``: a Kimi checkpoint folder (what every
+    push, ``agentenv train`` and ``agentenv policy export`` write; an EP rank reads only its experts' tensors from
+    the shards), or a single safetensors file under k3-mini's own names (what they wrote before; read whole)."""
     path = Path(path)
+    sharded = ep is not None and ep.world > 1
     if not path.is_dir():
         if not path.is_file():
             raise FileNotFoundError(f"no checkpoint at {path}: give a Kimi checkpoint folder or a .safetensors file")
-        return load_file(str(path))
-    ck = read_checkpoint(path)
+        state = load_file(str(path))
+        return shard_state_dict(state, ep) if ep is not None and sharded else state
+    ck = read_checkpoint(path, ep.expert_range(cfg.num_experts) if ep is not None and sharded else None)
     if ck.cfg != cfg:
         differ = sorted(k for k, v in ck.cfg.to_dict().items() if cfg.to_dict()[k] != v)
         raise FormatError(f"{path} holds a different model than this one (config.json differs in {differ[:6]}): "

@@ -146,9 +146,9 @@ class Rank:
         torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
         torch.manual_seed(cfg.seed)
         full = K3Model(model_cfg)                 # identical on every rank, and to a policy server's of this seed
-        state = load_state(weights, model_cfg) if weights else full.state_dict()
+        own = shard_state_dict(full.state_dict(), layout.ep) if layout.ep.world > 1 else full.state_dict()
         self.model = K3Model(model_cfg, layout.ep) if layout.ep.world > 1 else full
-        self.model.load_state_dict(shard_state_dict(state, layout.ep) if layout.ep.world > 1 else state)
+        self.model.load_state_dict(load_state(weights, model_cfg, layout.ep) if weights else own)
         self.dtype = getattr(torch, cfg.dtype)
         self.model.to(self.device, self.dtype).train()
         self.ref: K3Model | None = None

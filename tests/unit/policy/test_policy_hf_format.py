@@ -209,3 +209,19 @@ def test_k3_release_names_and_shapes_are_what_mlx_lm_kimi_k3_expects():
     expected = {k: tuple(v.shape) for k, v in tree_flatten(reference.parameters())}
     placed = reference.sanitize({k: mx.zeros(tuple(v.shape), dtype=mx.bfloat16) for k, v in disk.items()})
     assert {k: tuple(v.shape) for k, v in placed.items()} == expected
+
+
+def test_an_expert_parallel_rank_loads_its_shard_from_a_folder_or_an_old_file(tmp_path):
+    from policy.ep import EPGroup, shard_state_dict
+    from policy.hf_format import load_state
+    cfg = k3_mini(**SMALL, **K3_PARTS_ON)
+    full = random_model(cfg).state_dict()
+    write_checkpoint(full, cfg, tmp_path / "k3")
+    save_file(full, str(tmp_path / "old.safetensors"))
+    rank = EPGroup(rank=1, world=2)
+    want = shard_state_dict(full, rank)
+    for path in (tmp_path / "k3", tmp_path / "old.safetensors"):
+        got = load_state(path, cfg, rank)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items()), path
+    with pytest.raises(FormatError, match="different model"):
+        load_state(tmp_path / "k3", k3_mini(**SMALL))
