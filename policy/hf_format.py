@@ -7,7 +7,7 @@ write it, our tokenizer's files. The wrapper puts ``language_model.`` before eve
 
 On disk, unlike in memory: routed experts are one tensor per expert and projection
 (``block_sparse_moe.experts.E.w1/w2/w3``, (out, in) like ``nn.Linear``); the short convolutions are (C, 1, K);
-``A_log`` is (1, 1, H, 1); AttnRes's pseudo-queries are ``*_res.proj_weight`` (1, D). Reading drops multi-token
+``A_log`` is (1, 1, H, 1); AttnRes's pseudo-queries are ``*_res_proj.weight`` (1, D). Reading drops multi-token
 prediction layers (``mtp``, layers past ``num_hidden_layers``) and the vision tower, keeps the stored dtype, and
 reads only the tensors asked for, so an expert-parallel rank reads only its experts. MXFP4-packed experts
 (``weight_packed``, K3's release) are refused: k3-mini does not dequantise them. A checkpoint brings only its
@@ -66,16 +66,16 @@ _LAYER: dict[str, tuple[str, str]] = {
     "mlp.experts.w_up": ("block_sparse_moe.experts.{e}.w3.weight", "experts"),
     "attn_norm.weight": ("input_layernorm.weight", "same"),
     "mlp_norm.weight": ("post_attention_layernorm.weight", "same"),
-    "attn_res.query": ("self_attention_res.proj_weight", "row"),
-    "attn_res.norm.weight": ("self_attention_res.norm_weight", "same"),
-    "mlp_res.query": ("mlp_res.proj_weight", "row"),
-    "mlp_res.norm.weight": ("mlp_res.norm_weight", "same"),
+    "attn_res.query": ("self_attention_res_proj.weight", "row"),
+    "attn_res.norm.weight": ("self_attention_res_norm.weight", "same"),
+    "mlp_res.query": ("mlp_res_proj.weight", "row"),
+    "mlp_res.norm.weight": ("mlp_res_norm.weight", "same"),
 }
 _TOP: dict[str, tuple[str, str]] = {
     "embed_tokens.weight": ("model.embed_tokens.weight", "same"),
     "norm.weight": ("model.norm.weight", "same"),
-    "final_res.query": ("model.output_attn_res.proj_weight", "row"),
-    "final_res.norm.weight": ("model.output_attn_res.norm_weight", "same"),
+    "final_res.query": ("model.output_attn_res_proj.weight", "row"),
+    "final_res.norm.weight": ("model.output_attn_res_norm.weight", "same"),
     "lm_head.weight": ("lm_head.weight", "same"),
 }
 
@@ -176,6 +176,11 @@ def _skipped(name: str, cfg: K3Config) -> bool:
     return name.startswith("model.layers.") and int(parts[2]) >= cfg.num_hidden_layers
 
 
+def _canonical(name: str) -> str:
+    """AttnRes's other spelling, which mlx-lm's kimi_k3 also reads: ``X_res.proj_weight`` is ``X_res_proj.weight``."""
+    return name.replace("_res.proj_weight", "_res_proj.weight").replace("_res.norm_weight", "_res_norm.weight")
+
+
 def _files(folder: Path) -> dict[str, Path]:
     """Which shard holds each tensor (the index, or the one ``model.safetensors``)."""
     if (folder / INDEX).is_file():
@@ -224,12 +229,14 @@ def read_checkpoint(folder: str | os.PathLike[str], experts: range | None = None
     if experts is not None:  # stacked expert tensors hold only this range
         want = {k: (torch.Size([len(ids), *s[1:]]) if k.startswith("layers.") and ".experts." in k else s)
                 for k, s in want.items()}
-    stored = [k for k in _files(folder) if any(k.endswith(s) for s in ("weight_packed", "weight_scale"))]
+    files = _files(folder)
+    stored = [k for k in files if any(k.endswith(s) for s in ("weight_packed", "weight_scale"))]
     if stored:
         raise FormatError(f"{folder} holds MXFP4-packed experts ({stored[0]}); k3-mini does not dequantise them: "
                           "dequantise the experts to bf16 first")
     needed = _needed(want, cfg, ids, prefix)
-    where = _files(folder)
+    stored_as = {_canonical(k): k for k in files}
+    where = {k: files[v] for k, v in stored_as.items()}
     missing = sorted(needed - where.keys())
     if missing:
         raise FormatError(f"{folder} lacks {len(missing)} tensors k3-mini needs, e.g. {missing[:3]}")
@@ -240,7 +247,7 @@ def read_checkpoint(folder: str | os.PathLike[str], experts: range | None = None
                           "its config.json switches a part off that the weights have, or it is another model")
     with contextlib.ExitStack() as stack:  # each tensor is read when its state-dict entry is built, nothing else
         shards = {f: stack.enter_context(_Shard(f)) for f in set(where.values())}
-        state = from_disk(want, lambda n: shards[where[prefix + n]].read(prefix + n), cfg, ids)
+        state = from_disk(want, lambda n: shards[where[prefix + n]].read(stored_as[prefix + n]), cfg, ids)
     return Checkpoint(cfg, state, wrapper)
 
 

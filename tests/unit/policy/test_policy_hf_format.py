@@ -225,3 +225,19 @@ def test_an_expert_parallel_rank_loads_its_shard_from_a_folder_or_an_old_file(tm
         assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items()), path
     with pytest.raises(FormatError, match="different model"):
         load_state(tmp_path / "k3", k3_mini(**SMALL))
+
+
+def test_a_single_unsharded_file_with_attnres_other_spelling_reads_the_same(tmp_path):
+    from safetensors.torch import load_file
+    cfg = k3_mini(**SMALL, **K3_PARTS_ON)
+    state = random_model(cfg).state_dict()
+    folder = write_checkpoint(state, cfg, tmp_path / "k3")
+    (shard,) = folder.glob("model-*.safetensors")
+    tensors = {k.replace("_res_proj.weight", "_res.proj_weight").replace("_res_norm.weight", "_res.norm_weight"): v
+               for k, v in load_file(str(shard)).items()}   # the spelling mlx-lm's sanitize renames from
+    assert "language_model.model.output_attn_res.proj_weight" in tensors
+    shard.unlink()
+    (folder / "model.safetensors.index.json").unlink()
+    save_file(tensors, str(folder / "model.safetensors"))
+    back = read_checkpoint(folder).state
+    assert all(torch.equal(back[k], v) for k, v in state.items())
