@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -367,7 +367,8 @@ def load_state(path: str | os.PathLike[str], cfg: K3Config, ep: EPGroup | None =
         state = load_file(str(path))
         return shard_state_dict(state, ep) if ep is not None and sharded else state
     ck = read_checkpoint(path, ep.expert_range(cfg.num_experts) if ep is not None and sharded else None)
-    if ck.cfg != cfg:
+    ids = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}  # the tokenizer's, not weights
+    if replace(ck.cfg, **ids) != cfg:
         differ = sorted(k for k, v in ck.cfg.to_dict().items() if cfg.to_dict()[k] != v)
         raise FormatError(f"{path} holds a different model than this one (config.json differs in {differ[:6]}): "
                           "serve it with its own config (agentenv policy serve --weights FOLDER reads FOLDER/config.json)")

@@ -32,7 +32,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def spec():
-    with k3_mini_server(TOKEN, ep=2) as spec:
+    # 320: room after verify's tool-declaring prompt (~240 tokens) for the random model's forced call
+    with k3_mini_server(TOKEN, ep=2, max_model_len=320) as spec:
         yield spec
 
 
@@ -203,7 +204,7 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(client, spec):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="k3-mini", messages=msgs, max_tokens=-1)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="k3-mini", prompt=list(range(20, 320)), max_tokens=4)  # > 256 context
+        client.completions.create(model="k3-mini", prompt=list(range(20, 420)), max_tokens=4)  # > 320 context
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="k3-mini", messages=msgs, tools=[{"type": "function", "function": {}}])
     bad = httpx.post(spec.base_url + "/v1/chat/completions", content=b"{not json",
