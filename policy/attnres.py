@@ -26,14 +26,19 @@ class BlockAttnRes(nn.Module):
 class DepthStream:
     """The residual stream across depth: sealed block sums plus the partial sum of the open block.
 
-    ``block_size`` counts sub-layers (attention and MLP each count one), like K3's ``attn_res_block_size``.
+    ``block_size`` counts sub-layers (attention and MLP each count one): twice K3's ``attn_res_block_size``, which
+    counts decoder layers. ``None`` (AttnRes off): one plain running sum, the embedding included.
     """
 
-    def __init__(self, embedding: torch.Tensor, block_size: int) -> None:
-        self.blocks: list[torch.Tensor] = [embedding]
-        self.partial: torch.Tensor | None = None
+    def __init__(self, embedding: torch.Tensor, block_size: int | None) -> None:
+        self.blocks: list[torch.Tensor] = [embedding] if block_size else []
+        self.partial: torch.Tensor | None = None if block_size else embedding
         self.block_size = block_size
         self.count = 0
+
+    def read(self, res: BlockAttnRes | None) -> torch.Tensor:
+        """What the next sub-layer reads: ``res`` over the sources, or the plain sum when AttnRes is off."""
+        return self.sources()[0] if res is None else res(self.sources())
 
     def sources(self) -> list[torch.Tensor]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
@@ -42,6 +47,6 @@ class DepthStream:
         """Add one sub-layer's output to the open block; seal it every ``block_size`` sub-layers."""
         self.partial = out if self.partial is None else self.partial + out
         self.count += 1
-        if self.count % self.block_size == 0:
+        if self.block_size and self.count % self.block_size == 0:
             self.blocks.append(self.partial)
             self.partial = None

@@ -36,7 +36,9 @@ def serve(
     host: Annotated[str, typer.Option(help="bind address (loopback by default)")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="port")] = 8000,
     token_file: TokenFile = None,
-    weights: Annotated[str | None, typer.Option(help="safetensors checkpoint to start from")] = None,
+    weights: Annotated[str | None, typer.Option(help="weights to start from: a Kimi checkpoint folder (K3 or "
+                                                     "Kimi-Linear layout; its config.json sets the model) or a "
+                                                     ".safetensors file under k3-mini's own names")] = None,
     seed: Annotated[int, typer.Option(help="initialisation seed when no weights are given")] = 0,
     max_batch: Annotated[int, typer.Option(help="most sequences in the running batch")] = 32,
     max_context: Annotated[int, typer.Option(help="context length (prompt + completion tokens)")] = 4096,
@@ -67,6 +69,10 @@ def serve(
     tok = load_tokenizer()
     cfg = get_preset(preset, vocab_size=tok.vocab_size, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
                      pad_token_id=tok.pad_id)
+    if weights is not None and Path(weights).is_dir():
+        from policy.hf_format import check_vocab, read_config
+        cfg = read_config(Path(weights))[0]
+        check_vocab(cfg, tok.vocab_size)  # a checkpoint brings its weights, never its tokenizer
     engine = Engine(cfg, tok, ep_size=ep, seed=seed, weights=weights, max_batch=max_batch,
                     max_context=max_context, device=device, prefix_cache_bytes=prefix_cache_mb << 20)
     try:
@@ -111,6 +117,24 @@ def verify(
         print_report(report)
     if not report.ok:
         raise typer.Exit(1)
+
+
+@app.command()
+def export(
+    weights: Annotated[str, typer.Argument(help="a .safetensors file under k3-mini's own names, or a Kimi folder")],
+    out: Annotated[Path, typer.Argument(help="the checkpoint folder to write (replaced atomically)")],
+    preset: Annotated[str, typer.Option(help="the model preset the .safetensors file was trained with")] = "k3-mini",
+    model_config_file: Annotated[Path | None, typer.Option("--model-config", help="or a JSON file of its K3Config "
+                                                           "fields (as agentenv train --model-config)")] = None,
+) -> None:
+    """Write weights as a checkpoint folder in the Kimi family's own Hugging Face layout (sharded safetensors under
+    the on-disk names K3's loaders read, the index, config.json, k3-mini's tokenizer), which mlx-lm's kimi_k3,
+    transformers' kimi_linear, vLLM and SGLang load."""
+    from policy.config import model_config
+    from policy.hf_format import load_state, read_config, save_model
+
+    cfg = read_config(Path(weights))[0] if Path(weights).is_dir() else model_config(preset, model_config_file)
+    print(save_model(load_state(weights, cfg), cfg, out))
 
 
 @app.command()

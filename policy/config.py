@@ -28,7 +28,9 @@ class K3Config:
     linear_num_heads: int = 96
     linear_head_dim: int = 128
     short_conv_kernel_size: int = 4
-    gate_lower_bound: float = -5.0
+    # K3: the forget gate's log-decay is ``lower_bound·sigmoid(...)``; None (Kimi-Linear): ``-exp(A_log)·softplus(...)``
+    gate_lower_bound: float | None = -5.0
+    use_full_rank_gate: bool = True  # KDA's output gate: one full-rank g_proj (K3) or low-rank g_a/g_b (Kimi-Linear)
     kda_chunk_size: int = 64
     # gated MLA, no positional encoding
     num_attention_heads: int = 96
@@ -37,17 +39,21 @@ class K3Config:
     qk_nope_head_dim: int = 128
     qk_rope_head_dim: int = 64
     v_head_dim: int = 128
-    # Attention Residuals: block size counted in sub-layers (attention and MLP each count one)
-    attn_res_block_size: int = 12
+    mla_use_output_gate: bool = True  # K3's sigmoid gate on MLA's output (Kimi-Linear has none)
+    # Attention Residuals: block size counted in decoder layers, as K3's config.json and mlx-lm's kimi_k3 count it
+    # (a block starts at every layer whose index is a multiple); None switches AttnRes off (plain residual sums)
+    attn_res_block_size: int | None = 12
     # LatentMoE
     num_experts: int = 896
     num_experts_per_token: int = 16
     num_shared_experts: int = 2
     moe_intermediate_size: int = 3072
-    routed_expert_hidden_size: int = 3584
+    # LatentMoE: routed experts run in this width between down/up projections; None runs them at hidden_size
+    routed_expert_hidden_size: int | None = 3584
     routed_scaling_factor: float = 1.0
     moe_renormalize: bool = True
-    latent_moe_use_norm: bool = True
+    latent_moe_use_norm: bool = True  # an RMSNorm on the routed experts' combined latent output, before up-projection
+    hidden_act: str = "situ"  # every MLP's activation: K3's SiTU, or SwiGLU's "silu" (Kimi-Linear)
     activation_situ_beta: float = 4.0
     activation_situ_linear_beta: float = 25.0
     tie_word_embeddings: bool = False
@@ -90,6 +96,10 @@ class K3Config:
             raise ValueError("kda_layers and full_attn_layers must partition 1..num_hidden_layers")
         if not 0 < self.num_experts_per_token <= self.num_experts:
             raise ValueError("num_experts_per_token must be in 1..num_experts")
+        if self.hidden_act not in ("situ", "silu"):
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; use 'situ' (K3) or 'silu' (Kimi-Linear)")
+        if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
+            raise ValueError("attn_res_block_size must be a positive number of layers, or None (AttnRes off)")
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,7 +129,8 @@ def from_k3_json(path: str | Path) -> K3Config:
         linear_num_heads=lin["num_heads"],
         linear_head_dim=lin["head_dim"],
         short_conv_kernel_size=lin.get("short_conv_kernel_size", 4),
-        gate_lower_bound=lin.get("gate_lower_bound", -5.0),
+        gate_lower_bound=lin.get("gate_lower_bound"),
+        use_full_rank_gate=lin.get("use_full_rank_gate", False),
         kda_chunk_size=lin.get("chunk_size", 64),
         num_attention_heads=tc["num_attention_heads"],
         q_lora_rank=tc["q_lora_rank"],
@@ -127,15 +138,17 @@ def from_k3_json(path: str | Path) -> K3Config:
         qk_nope_head_dim=tc["qk_nope_head_dim"],
         qk_rope_head_dim=tc["qk_rope_head_dim"],
         v_head_dim=tc["v_head_dim"],
-        attn_res_block_size=tc.get("attn_res_block_size", 12),
+        mla_use_output_gate=tc.get("mla_use_output_gate", False),
+        attn_res_block_size=tc.get("attn_res_block_size"),
         num_experts=tc.get("num_experts", tc.get("n_routed_experts", 0)),
         num_experts_per_token=tc.get("num_experts_per_token", tc.get("num_experts_per_tok", 0)),
         num_shared_experts=tc.get("num_shared_experts", tc.get("n_shared_experts", 0)),
         moe_intermediate_size=tc["moe_intermediate_size"],
-        routed_expert_hidden_size=tc.get("routed_expert_hidden_size", tc["hidden_size"]),
+        routed_expert_hidden_size=tc.get("routed_expert_hidden_size"),
         routed_scaling_factor=tc.get("routed_scaling_factor", 1.0),
         moe_renormalize=tc.get("moe_renormalize", True),
         latent_moe_use_norm=tc.get("latent_moe_use_norm", False),
+        hidden_act=tc.get("hidden_act", "silu"),
         activation_situ_beta=tc.get("activation_situ_beta", 4.0),
         activation_situ_linear_beta=tc.get("activation_situ_linear_beta", 25.0),
         tie_word_embeddings=tc.get("tie_word_embeddings", False),
@@ -164,7 +177,7 @@ def k3_mini(vocab_size: int = 4096, **overrides: Any) -> K3Config:
         qk_nope_head_dim=32,
         qk_rope_head_dim=16,
         v_head_dim=32,
-        attn_res_block_size=4,
+        attn_res_block_size=2,
         num_experts=64,
         num_experts_per_token=4,
         num_shared_experts=1,

@@ -167,7 +167,8 @@ class Engine:
         return seqs
 
     def update_weights(self, path: str, mode: str = "drain", timeout: float = 600.0) -> int:
-        """Load a safetensors checkpoint between steps and bump the weight version.
+        """Load a checkpoint (a Kimi checkpoint folder, or a .safetensors file under our own names) between steps and
+        bump the weight version.
 
         ``drain``: running sequences finish on the old weights first (new ones wait); ``abort``: they end
         now with ``finish_reason="abort"`` and ``abort_reason="weights_updated"``.

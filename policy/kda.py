@@ -130,17 +130,23 @@ class KimiDeltaAttention(nn.Module):
         self.q_conv = ShortConv(H * K, cfg.short_conv_kernel_size)
         self.k_conv = ShortConv(H * K, cfg.short_conv_kernel_size)
         self.v_conv = ShortConv(H * self.V, cfg.short_conv_kernel_size)
-        self.f_proj = nn.Linear(D, H * K, bias=False)         # full-rank gate (use_full_rank_gate)
+        # the forget gate is low-rank (f_a_proj, f_b_proj); the output gate is full-rank with use_full_rank_gate
+        # (K3) or low-rank (g_a_proj, g_b_proj: Kimi-Linear), as both references build them
+        self.f_proj = nn.Sequential(nn.Linear(D, K, bias=False), nn.Linear(K, H * K, bias=False))
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(H * K))
         self.b_proj = nn.Linear(D, H, bias=False)
-        self.g_proj = nn.Sequential(nn.Linear(D, self.V, bias=False), nn.Linear(self.V, H * self.V, bias=False))
+        self.g_proj: nn.Module = (nn.Linear(D, H * self.V, bias=False) if cfg.use_full_rank_gate else
+                                  nn.Sequential(nn.Linear(D, self.V, bias=False), nn.Linear(self.V, H * self.V, bias=False)))
         self.o_norm = GatedRMSNorm(self.V, eps=cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * self.V, D, bias=False)
 
     def gate(self, x: torch.Tensor) -> torch.Tensor:
-        """Log-decay ``g = lower_bound · sigmoid(exp(A_log) · (f + dt_bias))``, per head and channel."""
+        """Log-decay per head and channel: ``lower_bound · sigmoid(exp(A_log) · (f + dt_bias))`` (K3), or
+        ``-exp(A_log) · softplus(f + dt_bias)`` without a lower bound (Kimi-Linear)."""
         f = (self.f_proj(x) + self.dt_bias).unflatten(-1, (self.H, self.K))
+        if self.lower_bound is None:
+            return -self.A_log.exp()[:, None] * F.softplus(f)
         return self.lower_bound * torch.sigmoid(self.A_log.exp()[:, None] * f)
 
     def forward(self, x: torch.Tensor, state: KDAState | None = None) -> tuple[torch.Tensor, KDAState]:

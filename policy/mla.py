@@ -27,6 +27,10 @@ class LatentCache:
         return self.latent.numel() * self.latent.element_size()
 
 
+# the q and kv latents' RMSNorm epsilon: fixed, not rms_norm_eps, in both references (mlx-lm, transformers)
+LATENT_NORM_EPS = 1e-6
+
+
 class GatedMLA(nn.Module):
     """Low-rank q and kv projections, NoPE attention over the latent cache, sigmoid output gate."""
 
@@ -36,12 +40,12 @@ class GatedMLA(nn.Module):
         self.H, self.nope, self.rope, self.vdim = H, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.rank = cfg.kv_lora_rank
         self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, H * (self.nope + self.rope), bias=False)
         self.kv_a_proj = nn.Linear(D, self.rank + self.rope, bias=False)
-        self.kv_a_norm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_a_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(self.rank, H * (self.nope + self.vdim), bias=False)
-        self.g_proj = nn.Linear(D, H * self.vdim, bias=False)
+        self.g_proj = nn.Linear(D, H * self.vdim, bias=False) if cfg.mla_use_output_gate else None
         self.o_proj = nn.Linear(H * self.vdim, D, bias=False)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,5 +68,7 @@ class GatedMLA(nn.Module):
         causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(S - T)
         mask = (causal[None] & new.valid[:, None, :]).unsqueeze(1)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        o = o.transpose(1, 2).reshape(B, T, self.H * self.vdim) * torch.sigmoid(self.g_proj(x))
+        o = o.transpose(1, 2).reshape(B, T, self.H * self.vdim)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
         return self.o_proj(o), new

@@ -13,7 +13,7 @@ from policy.attnres import BlockAttnRes, DepthStream
 from policy.config import K3Config
 from policy.ep import EPGroup
 from policy.kda import KDAState, KimiDeltaAttention
-from policy.layers import RMSNorm, SiTUMLP
+from policy.layers import RMSNorm, SiTUMLP, gated_activation
 from policy.mla import GatedMLA, LatentCache
 from policy.moe import LatentMoE
 
@@ -72,15 +72,17 @@ class DecoderLayer(nn.Module):
         D = cfg.hidden_size
         self.kind = cfg.layer_kind(layer_idx)
         self.attn: nn.Module = KimiDeltaAttention(cfg) if self.kind == "kda" else GatedMLA(cfg)
-        self.mlp: nn.Module = (SiTUMLP(D, cfg.intermediate_size, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        self.mlp: nn.Module = (SiTUMLP(D, cfg.intermediate_size, gated_activation(cfg))
                                if cfg.is_dense(layer_idx) else LatentMoE(cfg, ep))
         self.attn_norm, self.mlp_norm = RMSNorm(D, cfg.rms_norm_eps), RMSNorm(D, cfg.rms_norm_eps)
-        self.attn_res, self.mlp_res = BlockAttnRes(D, cfg.rms_norm_eps), BlockAttnRes(D, cfg.rms_norm_eps)
+        res = cfg.attn_res_block_size is not None
+        self.attn_res = BlockAttnRes(D, cfg.rms_norm_eps) if res else None
+        self.mlp_res = BlockAttnRes(D, cfg.rms_norm_eps) if res else None
 
     def forward(self, stream: DepthStream, cache: LayerCache | None) -> LayerCache:
-        out, new_cache = self.attn(self.attn_norm(self.attn_res(stream.sources())), cache)
+        out, new_cache = self.attn(self.attn_norm(stream.read(self.attn_res)), cache)
         stream.add(out)
-        stream.add(self.mlp(self.mlp_norm(self.mlp_res(stream.sources()))))
+        stream.add(self.mlp(self.mlp_norm(stream.read(self.mlp_res))))
         return new_cache
 
 
@@ -92,7 +94,7 @@ class K3Model(nn.Module):
         self.cfg, self.ep = cfg.validate(), ep
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, ep) for i in range(cfg.num_hidden_layers))
-        self.final_res = BlockAttnRes(cfg.hidden_size, cfg.rms_norm_eps)
+        self.final_res = BlockAttnRes(cfg.hidden_size, cfg.rms_norm_eps) if cfg.attn_res_block_size else None
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -102,9 +104,10 @@ class K3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, cache: Cache | None = None) -> tuple[torch.Tensor, Cache]:
         """Logits (B, T, vocab) for ``input_ids`` (B, T) continuing ``cache``; returns the updated cache."""
-        stream = DepthStream(self.embed_tokens(input_ids), self.cfg.attn_res_block_size)
+        block = self.cfg.attn_res_block_size
+        stream = DepthStream(self.embed_tokens(input_ids), 2 * block if block else None)
         new = [layer(stream, cache.layers[i] if cache else None) for i, layer in enumerate(self.layers)]
-        return self.lm_head(self.norm(self.final_res(stream.sources()))), Cache(new)
+        return self.lm_head(self.norm(stream.read(self.final_res))), Cache(new)
 
     def moe_layers(self) -> list[LatentMoE]:
         return [m for m in self.modules() if isinstance(m, LatentMoE)]

@@ -9,7 +9,7 @@ from torch import nn
 
 from policy.config import K3Config
 from policy.ep import EPGroup, dispatch_combine
-from policy.layers import RMSNorm, SiTUMLP, situ
+from policy.layers import Activation, RMSNorm, SiTUMLP, gated_activation
 
 
 class Router(nn.Module):
@@ -41,41 +41,47 @@ class Router(nn.Module):
 class GroupedExperts(nn.Module):
     """This rank's routed experts as stacked SiTU-MLP weights, applied to tokens grouped by expert."""
 
-    def __init__(self, n_local: int, dim: int, hidden: int, beta: float, linear_beta: float) -> None:
+    def __init__(self, n_local: int, dim: int, hidden: int, act: Activation) -> None:
         super().__init__()
         self.w_gate = nn.Parameter(torch.randn(n_local, dim, hidden) * dim ** -0.5)
         self.w_up = nn.Parameter(torch.randn(n_local, dim, hidden) * dim ** -0.5)
         self.w_down = nn.Parameter(torch.randn(n_local, hidden, dim) * hidden ** -0.5)
-        self.beta, self.linear_beta = beta, linear_beta
+        self.act = act
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs = []
         for e, chunk in enumerate(tokens.split(counts.tolist())):
             if chunk.shape[0]:
-                h = situ(chunk @ self.w_gate[e], chunk @ self.w_up[e], self.beta, self.linear_beta)
+                h = self.act(chunk @ self.w_gate[e], chunk @ self.w_up[e])
                 outs.append(h @ self.w_down[e])
         if not outs:  # no token here: an empty result still tied to the weights, so that a backward pass runs
             # the same expert all-to-alls on this rank as on the ranks that did get tokens
-            return situ(tokens @ self.w_gate[0], tokens @ self.w_up[0], self.beta, self.linear_beta) @ self.w_down[0]
+            return self.act(tokens @ self.w_gate[0], tokens @ self.w_up[0]) @ self.w_down[0]
         return torch.cat(outs)
 
 
 class LatentMoE(nn.Module):
-    """Router + shared experts + routed experts in a latent width (down-project, experts, up-project)."""
+    """Router + shared experts + routed experts in a latent width (down-project, experts, norm, up-project).
+
+    Without ``routed_expert_hidden_size`` (Kimi-Linear) the routed experts run at the hidden width, with no
+    projections and no norm. The norm (``latent_moe_use_norm``) applies to the weighted sum of the routed experts'
+    outputs, before the up-projection, as mlx-lm's ``kimi_k3`` applies it."""
 
     def __init__(self, cfg: K3Config, ep: EPGroup | None = None) -> None:
         super().__init__()
         self.cfg, self.ep = cfg, ep
-        D, L = cfg.hidden_size, cfg.routed_expert_hidden_size
+        D = cfg.hidden_size
+        latent = cfg.routed_expert_hidden_size is not None
+        L = cfg.routed_expert_hidden_size or D
         n_local = len((ep or EPGroup()).expert_range(cfg.num_experts))
+        act = gated_activation(cfg)
         self.router = Router(cfg)
-        self.shared_experts = SiTUMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts,
-                                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        self.latent_down = nn.Linear(D, L, bias=False)
-        self.latent_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else nn.Identity()
-        self.experts = GroupedExperts(n_local, L, cfg.moe_intermediate_size,
-                                      cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        self.latent_up = nn.Linear(L, D, bias=False)
+        self.shared_experts = (SiTUMLP(D, cfg.moe_intermediate_size * cfg.num_shared_experts, act)
+                               if cfg.num_shared_experts else None)
+        self.latent_down: nn.Module = nn.Linear(D, L, bias=False) if latent else nn.Identity()
+        self.latent_norm: nn.Module = RMSNorm(L, cfg.rms_norm_eps) if latent and cfg.latent_moe_use_norm else nn.Identity()
+        self.experts = GroupedExperts(n_local, L, cfg.moe_intermediate_size, act)
+        self.latent_up: nn.Module = nn.Linear(L, D, bias=False) if latent else nn.Identity()
         self.tokens_per_expert = torch.zeros(n_local, dtype=torch.long)  # last step's load, for metrics
         self.last_routing = torch.zeros(0, cfg.num_experts_per_token, dtype=torch.long)  # (tokens, k) global ids
         self.replay: torch.Tensor | None = None  # routing replay: (tokens, k) experts the next forward must use
@@ -88,7 +94,9 @@ class LatentMoE(nn.Module):
                              f"({x.shape[0]}, {self.router.k})")
         idx, w = self.router(x, self.replay)
         self.last_routing = idx.detach()  # the experts each token of the last forward was routed to
-        z = self.latent_norm(self.latent_down(x))
-        y, counts = dispatch_combine(z, idx, w, self.experts, self.cfg.num_experts, self.ep)
+        y, counts = dispatch_combine(self.latent_down(x), idx, w, self.experts, self.cfg.num_experts, self.ep)
         self.tokens_per_expert = counts.detach().cpu()
-        return (self.latent_up(y) + self.shared_experts(x)).reshape(shape)
+        out = self.latent_up(self.latent_norm(y))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out.reshape(shape)

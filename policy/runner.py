@@ -15,10 +15,10 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
 from policy.config import K3Config
 from policy.ep import EPGroup, init_ep, shard_state_dict
+from policy.hf_format import load_state, save_model
 from policy.model import Cache, K3Model
 from policy.ranks import Op, Ranks, free_port, rank_device, serve, spawn_ranks, threads_per_rank
 
@@ -105,8 +105,8 @@ def _prompt_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[
 
 
 def save_weights(model: K3Model, path: str) -> None:
-    """Write a full (unsharded) model's weights as safetensors."""
-    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, path)
+    """Write a full (unsharded) model as a Kimi checkpoint folder (policy/hf_format.py)."""
+    save_model(model.state_dict(), model.cfg, path)
 
 
 class Runner:
@@ -118,14 +118,16 @@ class Runner:
         torch.manual_seed(seed)
         full = K3Model(cfg)                     # identical on every rank: same seed
         self.model = K3Model(cfg, ep) if ep and ep.world > 1 else full
-        self.load_state(load_file(weights) if weights else full.state_dict())
+        if weights:
+            self.load_state(load_state(weights, cfg, ep))
+        else:
+            self.load_state(shard_state_dict(full.state_dict(), ep) if ep and ep.world > 1 else full.state_dict())
         self.model.to(self.device).eval()
         self.caches: dict[int, Cache] = {}
         self.entries: dict[int, Entry] = {}  # kept prefix states, by the engine's entry id
 
     def load_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Load a full checkpoint (expert tensors are sliced to this rank); refuses before touching weights."""
-        state = shard_state_dict(state, self.ep) if self.ep and self.ep.world > 1 else state
+        """Load this rank's shard of a checkpoint (``hf_format.load_state``); refuses before touching weights."""
         own = self.model.state_dict()
         if set(state) != set(own):
             raise ValueError(f"checkpoint keys differ from the model's (missing {sorted(set(own) - set(state))[:3]}, "
@@ -196,7 +198,7 @@ class Runner:
         if isinstance(op, LoadWeights):
             self.entries.clear()  # states computed with the old weights
             try:
-                self.load_state(load_file(op.path))
+                self.load_state(load_state(op.path, self.cfg, self.ep))
             except Exception:
                 log.exception("rank %s could not load %s", self.ep.rank if self.ep else 0, op.path)
             return None
@@ -253,7 +255,7 @@ class RankGroup:
 
     def load(self, path: str) -> None:
         """Check the checkpoint on rank 0, then have every rank load its shard of it."""
-        self.runner.load_state(load_file(path))  # raises (nothing sent) on a missing or mismatched file
+        self.runner.load_state(load_state(path, self.runner.cfg, self.runner.ep))  # raises (nothing sent) on a missing or mismatched file
         self.runner.entries.clear()
         self.ranks.send(LoadWeights(path))
 

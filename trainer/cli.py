@@ -13,7 +13,8 @@ local Ray with rollout workers, the trainer — runs the loop of ``trainer/loop/
 starts. ``--dry-run`` prints the plan and the effective configuration and starts nothing.
 
 ``sft`` writes ``OUT/checkpoints/`` (every ``--ckpt-every`` steps), ``OUT/metrics.jsonl``, ``OUT/metrics.png`` and,
-at the end, ``OUT/weights.safetensors`` (what ``agentenv policy serve --weights`` or ``/update_weights`` load).
+at the end, ``OUT/weights``: a Kimi checkpoint folder (policy/hf_format.py) that ``agentenv policy serve --weights``,
+``/update_weights``, mlx-lm's ``kimi_k3`` and transformers' ``kimi_linear`` load.
 Killed at any point (``kill -9`` included), the same command with ``--resume`` continues from the last checkpoint.
 """
 
@@ -142,7 +143,7 @@ def sft(
     micro_batch_tokens: Annotated[int, typer.Option(help="padded tokens per forward/backward")] = 4096,
     preset: Annotated[str, typer.Option(help="model preset (as the policy server's)")] = "k3-mini",
     model_config_file: Annotated[Path | None, typer.Option("--model-config", help="JSON of K3Config fields")] = None,
-    init_weights: Annotated[str | None, typer.Option(help="safetensors to start from (default: seed init)")] = None,
+    init_weights: Annotated[str | None, typer.Option(help="weights to start from: a Kimi checkpoint folder or a .safetensors file (default: seed init)")] = None,
     world: Annotated[int, typer.Option(help="training ranks (processes)")] = 1,
     ep: Annotated[int, typer.Option("--ep", help="expert-parallel ranks per group (divides --world)")] = 1,
     device: Annotated[str, typer.Option(help="cpu, or cuda (one GPU per rank, NCCL)")] = "cpu",
@@ -174,8 +175,8 @@ def sft(
                  device=device) as trainer:
         run_sft(trainer, samples, steps=steps, batch_size=batch_size, out=out, ckpt_every=ckpt_every,
                 resume=resume, seed=seed, progress=progress, tracker=tracker)
-        trainer.save_weights(out / "weights.safetensors")
-    print(f"weights: {out / 'weights.safetensors'}  metrics: {out / 'metrics.jsonl'}")
+        trainer.save_weights(out / "weights")
+    print(f"weights: {out / 'weights'}  metrics: {out / 'metrics.jsonl'}")
 
 
 @app.command("plot")

@@ -121,7 +121,7 @@ def warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: b
                progress: bool | None = None, say: Callable[[str], None] = print,
                add_time: Callable[[str, float], None] | None = None) -> tuple[str, dict[str, Any]]:
     """The loop's warm start: the config's scripted expert plays ``tasks`` through the real env path into
-    ``run_dir/demos``, then ``run_sft`` trains on them; returns the weights (``run_dir/sft/weights.safetensors``)
+    ``run_dir/demos``, then ``run_sft`` trains on them; returns the weights (``run_dir/sft/weights``, a Kimi checkpoint folder)
     and a summary. Weights already there are kept (a resumed run). It takes ``sft.threads`` torch threads, by
     default the cores no other process keeps busy (``idle_cores``)."""
     threads = torch.get_num_threads()
@@ -141,9 +141,9 @@ def _warm_start(cfg: RunConfig, run_dir: Path, tasks: Sequence[Any], *, resume: 
     from trainer.loop.tasks import resolve_function
     from trainer.train import TrainConfig, Trainer
 
-    final = run_dir / "sft" / "weights.safetensors"
+    final = run_dir / "sft" / "weights"
     summary_file = run_dir / "sft" / "summary.json"
-    if final.is_file():
+    if (final / "config.json").is_file():
         say(f"warm start: {final} exists, kept")
         return str(final), json.loads(summary_file.read_text()) if summary_file.is_file() else {}
 

@@ -224,7 +224,9 @@ class Trainer:
         return state
 
     def save_weights(self, path: str | os.PathLike[str]) -> Path:
-        """Write the full model as safetensors atomically (temporary file, fsync, rename); returns the path."""
+        """Write the full model as a Kimi checkpoint folder at ``path`` (sharded safetensors under the on-disk names
+        K3's loaders read, the index, config.json, the tokenizer: policy/hf_format.py), atomically (temporary
+        folder, fsync, rename); returns the path."""
         self._call(SaveWeights(str(path)))
         return Path(path)
 

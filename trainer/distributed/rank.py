@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from agentenv.config import replacing
 from policy.config import K3Config
 from policy.ep import shard_state_dict
+from policy.hf_format import load_state, save_model
 from policy.model import K3Model
 from policy.ranks import Op, rank_device, serve, threads_per_rank
 from trainer import checkpoint as ckpt
@@ -107,7 +108,7 @@ class Score(Op[list[list["Scored"]]]):
 
 @dataclass(frozen=True)
 class SaveWeights(Op[None]):
-    """The full model as safetensors at ``path`` (written by global rank 0)."""
+    """The full model as a Kimi checkpoint folder at ``path`` (policy/hf_format.py; written by global rank 0)."""
 
     path: str
 
@@ -145,9 +146,9 @@ class Rank:
         torch.use_deterministic_algorithms(cfg.deterministic, warn_only=True)
         torch.manual_seed(cfg.seed)
         full = K3Model(model_cfg)                 # identical on every rank, and to a policy server's of this seed
-        state = load_file(weights) if weights else full.state_dict()
+        own = shard_state_dict(full.state_dict(), layout.ep) if layout.ep.world > 1 else full.state_dict()
         self.model = K3Model(model_cfg, layout.ep) if layout.ep.world > 1 else full
-        self.model.load_state_dict(shard_state_dict(state, layout.ep) if layout.ep.world > 1 else state)
+        self.model.load_state_dict(load_state(weights, model_cfg, layout.ep) if weights else own)
         self.dtype = getattr(torch, cfg.dtype)
         self.model.to(self.device, self.dtype).train()
         self.ref: K3Model | None = None
@@ -305,7 +306,7 @@ class Rank:
     def save_weights(self, path: str) -> None:
         state = self.full_state()
         if state is not None:
-            write_safetensors_atomic(state, Path(path), {"step": str(self.n_steps)})
+            save_model(state, self.model_cfg, path)
 
     def save_checkpoint(self, tmp: str) -> None:
         ckpt.save_rank(Path(tmp), self.layout.rank, {

@@ -8,13 +8,10 @@ Per kind of server (the same calls as ``policy.engines.reload_weights``):
                       -> {"success": bool, "message": str}
     vLLM (dev mode)   POST /collective_rpc            {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
 
-External engines load a checkpoint folder in the Hugging Face layout, so for them a push writes one
-(``write_hf_dir``): ``config.json`` (K3's field names, ``policy.config.from_k3_json`` reads it back),
-``model.safetensors`` (the trainer's tensors, under k3-mini's own names), ``tokenizer.json`` and
-``tokenizer_config.json``, written into a hidden temporary folder and renamed into place, so a server never sees
-half a folder. Our server (and an in-process ``policy.engine.Engine``, or anything with
-``update_weights(path) -> version``) loads a single file: the folder's ``model.safetensors`` when a folder was
-written, else ``step-N.safetensors`` alone.
+Every push writes the same thing, whatever the servers: a checkpoint folder in the Kimi family's own Hugging Face
+layout (``Trainer.save_weights``, policy/hf_format.py): sharded safetensors under the on-disk names K3's loaders
+read, ``model.safetensors.index.json``, the ``config.json`` they read, and the tokenizer's files, written as a hidden
+temporary folder and renamed into place, so a server never sees half a folder. Every server loads that folder.
 
 ``WeightSync.push(trainer)`` times the write and each server's load (all servers load in parallel) and returns the
 new weight version(s): the version the next trajectories record. Older weight files beyond ``keep`` are removed.
@@ -22,8 +19,6 @@ new weight version(s): the version the next trajectories record. Older weight fi
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import time
 from collections.abc import Sequence
@@ -58,47 +53,6 @@ class Endpoint:
         if self.kind == "vllm":
             return "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
         raise ValueError(f"unknown server kind {self.kind!r}; use agentenv, sglang or vllm")
-
-
-def hf_config(cfg: Any) -> dict[str, Any]:
-    """A ``policy.config.K3Config`` as a Hugging Face ``config.json`` with Kimi K3's field names (the inverse of
-    ``policy.config.from_k3_json``)."""
-    d = cfg.to_dict()
-    linear = {"kda_layers": list(d.pop("kda_layers")), "full_attn_layers": list(d.pop("full_attn_layers")),
-              "num_heads": d.pop("linear_num_heads"), "head_dim": d.pop("linear_head_dim"),
-              "short_conv_kernel_size": d.pop("short_conv_kernel_size"),
-              "gate_lower_bound": d.pop("gate_lower_bound"), "chunk_size": d.pop("kda_chunk_size")}
-    return {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "torch_dtype": "float32",
-            **d, "linear_attn_config": linear, "hidden_act": "situ", "mla_use_nope": True,
-            "mla_use_output_gate": True, "moe_router_activation_func": "sigmoid"}
-
-
-def write_hf_dir(trainer: Any, path: Path) -> Path:
-    """``trainer``'s weights as a Hugging Face model folder at ``path`` (see the module docstring); atomic: written
-    as ``.tmp-NAME-PID`` beside it, then renamed over any earlier folder of that name."""
-    from policy.tokenizer import CACHE, load_tokenizer
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        trainer.save_weights(tmp / "model.safetensors")
-        (tmp / "config.json").write_text(json.dumps(hf_config(trainer.model_cfg), indent=1))
-        tok = load_tokenizer()
-        shutil.copyfile(CACHE, tmp / "tokenizer.json")
-        names = {i: tok.tok.id_to_token(i) for i in (tok.bos_id, tok.eos_id, tok.pad_id)}
-        (tmp / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[tok.bos_id],
-            "eos_token": names[tok.eos_id], "pad_token": names[tok.pad_id],
-            "model_max_length": int(trainer.model_cfg.max_position_embeddings)}, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
 
 
 class SyncError(RuntimeError):
@@ -138,18 +92,13 @@ class WeightSync:
         self.keep, self.timeout, self.mode = keep, timeout, mode
         self.client = client or httpx.Client(timeout=timeout)
         self.written: list[Path] = []
-        # an external engine (vLLM, SGLang) among the servers: pushes write Hugging Face folders
-        self.external = any(isinstance(e, Endpoint) and e.kind != "agentenv" for e in self.endpoints)
 
     def push(self, trainer: Any) -> SyncResult:
-        """Write ``trainer``'s weights (``Trainer.save_weights``, atomic) and have every server load them."""
+        """Write ``trainer``'s weights (``Trainer.save_weights``: a Kimi checkpoint folder, atomic) and have every server
+        load them."""
         t0 = time.perf_counter()
         step = int(trainer.step_count)
-        if self.external:
-            path = write_hf_dir(trainer, self.folder / f"step-{step:08d}")
-        else:
-            path = self.folder / f"step-{step:08d}.safetensors"
-            trainer.save_weights(path)
+        path = trainer.save_weights(self.folder / f"step-{step:08d}")
         write_s = time.perf_counter() - t0
         result = self.load(str(path), step)
         result.write_s = write_s
@@ -181,8 +130,6 @@ class WeightSync:
 
     def _load_one(self, e: Endpoint | Loads, path: str, step: int) -> tuple[int | None, float]:
         t0 = time.perf_counter()
-        if Path(path).is_dir() and not (isinstance(e, Endpoint) and e.kind != "agentenv"):
-            path = str(Path(path) / "model.safetensors")   # ours loads the folder's one file
         if not isinstance(e, Endpoint):
             version: int | None = e.update_weights(path, self.mode, self.timeout)
             return version, time.perf_counter() - t0

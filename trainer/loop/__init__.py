@@ -36,9 +36,9 @@ paused; one paused more than ``max_resumes`` times is dropped (counted). Paused 
 of a checkpoint (trainer/loop/partial.py).
 
 Everything a run writes, under ``out_dir/name``: ``config.toml`` (the effective settings), ``demos/`` and ``sft/``
-(the warm start: demonstrations, checkpoints, metrics, ``weights.safetensors``), ``trajectories/`` (every episode
+(the warm start: demonstrations, checkpoints, metrics, ``weights``, a Kimi checkpoint folder), ``trajectories/`` (every episode
 of every phase as msgpack shards, ``metadata.phase`` = train / eval / swe), ``checkpoints/`` (trainer state per
-iteration; ``--resume`` continues from the newest), ``weights/`` (the pushed safetensors), ``metrics.jsonl``,
+iteration; ``--resume`` continues from the newest), ``weights/`` (the pushed checkpoint folders), ``metrics.jsonl``,
 ``reward.png``, ``metrics.png``, ``rl_health.png`` (trainer/algorithm/health.py), ``summary.json``,
 ``policy-server.log``.
 

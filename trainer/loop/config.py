@@ -112,7 +112,7 @@ class SFTConfig:
     batch_size: int = doc(16, "episodes per step")
     lr: float = doc(1e-3, "AdamW learning rate")
     warmup_steps: int = doc(4, "linear learning-rate warm-up")
-    init_weights: str = doc("", "safetensors to start from (empty: the seed's initial weights)")
+    init_weights: str = doc("", "weights to start from: a Kimi checkpoint folder or a .safetensors file (empty: the seed's initial weights)")
     threads: int = doc(0, "torch threads of the warm start, which runs before anything else starts (0: the cores "
                           "no other process keeps busy, measured over a second: on a machine shared with another run, two torch "
                           "processes of two threads each on two cores run several times slower than of one)")

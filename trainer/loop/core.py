@@ -163,7 +163,7 @@ class Loop:
 
             self.restore_data(meta.get("data", {}), latest(self.dir / "checkpoints"))
             self.version_base = trainer.step_count
-            path = self.dir / "weights" / f"resume-{trainer.step_count:08d}.safetensors"
+            path = self.dir / "weights" / f"resume-{trainer.step_count:08d}"
             self.start_weights = str(trainer.save_weights(path))
             self.say(f"resumed at iteration {self.iteration} (trainer step {trainer.step_count})")
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 def plan(cfg: RunConfig, run_dir: Path, resume: bool = False) -> str:
     """What a run would do, step by step (``agentenv train --dry-run``)."""
     rl = cfg.rl
-    server = PolicyServer(cfg, run_dir, str(run_dir / "sft" / "weights.safetensors") if cfg.sft.enabled
+    server = PolicyServer(cfg, run_dir, str(run_dir / "sft" / "weights") if cfg.sft.enabled
                           else (cfg.sft.init_weights or None))
     lines = [f"run folder: {run_dir}" + (" (resumed)" if resume else ""),
              "1. pre-flight: policy endpoint / port, Ray, env, tasks, expert, SWE image (nothing starts before)"]

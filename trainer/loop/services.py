@@ -312,7 +312,7 @@ def preflight(cfg: RunConfig, *, resume: bool, build: bool = True) -> list[str]:
         run("validation tasks", lambda: _check_tasks(cfg.env.validation_tasks, "env.validation_tasks"))
     if cfg.eval.enabled:
         run("splits apart", lambda: _check_apart(cfg))
-    if cfg.sft.enabled and not (run_dir / "sft" / "weights.safetensors").is_file():
+    if cfg.sft.enabled and not (run_dir / "sft" / "weights" / "config.json").is_file():
         def expert() -> str | None:
             try:
                 resolve_function(cfg.sft.expert)

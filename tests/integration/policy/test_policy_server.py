@@ -32,7 +32,8 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.fixture(scope="module")
 def spec():
-    with k3_mini_server(TOKEN, ep=2) as spec:
+    # 320: room after verify's tool-declaring prompt (~240 tokens) for the random model's forced call
+    with k3_mini_server(TOKEN, ep=2, max_model_len=320) as spec:
         yield spec
 
 
@@ -187,7 +188,7 @@ def test_update_weights_bumps_the_version(client, spec, tmp_path):
         if httpx.get(spec.base_url + "/metrics").json()["running"] >= 1:
             break
         time.sleep(0.005)
-    r = httpx.post(spec.base_url + "/update_weights", json={"path": _checkpoint(tmp_path / "w.safetensors", 7)},
+    r = httpx.post(spec.base_url + "/update_weights", json={"path": _checkpoint(tmp_path / "w", 7)},
                    headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
     t.join(60)
     assert r.status_code == 200 and r.json()["weight_version"] == before + 1
@@ -203,7 +204,7 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(client, spec):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="k3-mini", messages=msgs, max_tokens=-1)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="k3-mini", prompt=list(range(20, 320)), max_tokens=4)  # > 256 context
+        client.completions.create(model="k3-mini", prompt=list(range(20, 420)), max_tokens=4)  # > 320 context
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="k3-mini", messages=msgs, tools=[{"type": "function", "function": {}}])
     bad = httpx.post(spec.base_url + "/v1/chat/completions", content=b"{not json",
@@ -230,4 +231,4 @@ def test_engine_client_code_runs_against_our_server(spec, tmp_path):
     out = smoke_check(spec.base_url, TOKEN, "k3-mini")
     assert out["models"] == ["k3-mini"] and out["finish_reason"] in ("length", "stop")
     v = httpx.get(spec.base_url + "/health").json()["weight_version"]
-    assert reload_weights(spec, _checkpoint(tmp_path / "w2.safetensors", 8))["weight_version"] == v + 1
+    assert reload_weights(spec, _checkpoint(tmp_path / "w2", 8))["weight_version"] == v + 1

@@ -80,7 +80,7 @@ def test_quick_main_job_end_to_end(tmp_path):
     with Trainer(model_config("k3-mini"), TrainConfig.from_dict(meta["train_config"])) as trainer:
         assert trainer.resume(run / "checkpoints")["step"] == iterations + 1
         assert trainer.step_count == iterations + 1
-    assert (run / "sft" / "weights.safetensors").is_file() and list(read(run / "demos"))
+    assert (run / "sft" / "weights" / "config.json").is_file() and list(read(run / "demos"))
     for png in ("reward.png", "metrics.png"):
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (run / "config.toml").read_text().startswith('name = "quick"')

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from policy.hf_format import read_checkpoint
 from rollout.trajectory import write
 from trainer.metrics import read_jsonl
 
@@ -61,7 +61,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(inputs, tmp_path):
     assert proc.returncode == -signal.SIGKILL
     logged = len(read_jsonl(metrics))
     assert 4 <= logged < STEPS, "the run finished before it could be killed"
-    assert not (run / "weights.safetensors").exists()
+    assert not (run / "weights").exists()
 
     # a fresh run into the same folder is refused; --resume continues
     refused = subprocess.run(_cmd(data, cfg, run), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -72,7 +72,7 @@ def test_kill_9_then_resume_loses_and_repeats_no_step(inputs, tmp_path):
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))          # every step once
     assert [(r["data/epoch"], r["data/index"]) for r in b] == [(r["data/epoch"], r["data/index"]) for r in a]
     assert [r["nll"] for r in b] == pytest.approx([r["nll"] for r in a], rel=1e-6)
-    wa, wb = load_file(str(straight / "weights.safetensors")), load_file(str(run / "weights.safetensors"))
+    wa, wb = read_checkpoint(straight / "weights").state, read_checkpoint(run / "weights").state
     assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-6
     assert all(torch.isfinite(v).all() for v in wb.values())
     assert (run / "metrics.png").exists()

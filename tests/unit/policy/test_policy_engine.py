@@ -6,6 +6,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from policy.config import k3_mini
 from policy.engine import Engine, SamplingParams, sample
@@ -84,7 +85,7 @@ def test_update_weights_bumps_version_and_changes_outputs(engine, tmp_path):
     greedy = SamplingParams(max_tokens=6, temperature=0)
     before = engine.generate([tok.encode_text("hello")], greedy)[0]
     torch.manual_seed(99)
-    path = str(tmp_path / "w.safetensors")
+    path = str(tmp_path / "w")   # a Kimi checkpoint folder
     save_weights(K3Model(engine.cfg), path)
     v0 = engine.weight_version
     long = engine.submit(tok.encode_text("hello"), SamplingParams(max_tokens=400, temperature=0))
@@ -98,10 +99,16 @@ def test_update_weights_bumps_version_and_changes_outputs(engine, tmp_path):
     with pytest.raises(FileNotFoundError):
         engine.update_weights(str(tmp_path / "missing.safetensors"))
     torch.manual_seed(1)
-    save_weights(K3Model(k3_mini(vocab_size=engine.cfg.vocab_size + 1)), str(tmp_path / "other.safetensors"))
+    save_weights(K3Model(k3_mini(vocab_size=engine.cfg.vocab_size + 1)), str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="different model"):
+        engine.update_weights(str(tmp_path / "other"))
+    other = K3Model(k3_mini(vocab_size=engine.cfg.vocab_size + 1)).state_dict()
+    save_file(other, str(tmp_path / "other.safetensors"))   # the single file under our own names, as before
     with pytest.raises(ValueError, match="shapes"):
         engine.update_weights(str(tmp_path / "other.safetensors"))
     assert engine.weight_version == v0 + 1
+    save_file(K3Model(engine.cfg).state_dict(), str(tmp_path / "old.safetensors"))
+    assert engine.update_weights(str(tmp_path / "old.safetensors")) == v0 + 2   # old checkpoints still load
     assert engine.generate([tok.encode_text("hi")], greedy)[0].finish_reason == "length"  # still serving
 
 

@@ -6,7 +6,7 @@ import torch
 
 from policy.attnres import BlockAttnRes, DepthStream
 from policy.config import k3_mini
-from policy.layers import SiTUMLP, situ
+from policy.layers import SiTUMLP, gated_activation, situ
 from policy.mla import GatedMLA
 from policy.moe import LatentMoE
 
@@ -22,10 +22,10 @@ def test_mla_matches_reference_and_caches_latents_only():
     ref = torch.zeros(2, 9, H * dv, dtype=torch.float64)
     for b in range(2):
         cq = mla.q_a_proj(x[b])
-        cq = cq / torch.sqrt(cq.pow(2).mean(-1, keepdim=True) + CFG.rms_norm_eps) * mla.q_a_norm.weight
+        cq = cq / torch.sqrt(cq.pow(2).mean(-1, keepdim=True) + 1e-6) * mla.q_a_norm.weight
         q = mla.q_b_proj(cq).view(9, H, dn + dr)
         ckv, kpe = mla.kv_a_proj(x[b]).split([R, dr], -1)
-        ckv = ckv / torch.sqrt(ckv.pow(2).mean(-1, keepdim=True) + CFG.rms_norm_eps) * mla.kv_a_norm.weight
+        ckv = ckv / torch.sqrt(ckv.pow(2).mean(-1, keepdim=True) + 1e-6) * mla.kv_a_norm.weight
         kv = mla.kv_b_proj(ckv).view(9, H, dn + dv)
         for h in range(H):
             k = torch.cat([kv[:, h, :dn], kpe], -1)
@@ -60,7 +60,7 @@ def test_depth_stream_seals_blocks():
 
 
 def reference_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
-    """Loop over tokens and their experts."""
+    """Loop over tokens and their experts; the latent norm acts on the experts' weighted sum (mlx-lm's kimi_k3)."""
     cfg = moe.cfg
     out = torch.zeros_like(x)
     for n in range(x.shape[0]):
@@ -68,13 +68,13 @@ def reference_moe(moe: LatentMoE, x: torch.Tensor) -> torch.Tensor:
         chosen = sorted(range(cfg.num_experts), key=lambda e: -(scores[e] + moe.router.e_score_correction_bias[e]).item())
         chosen = chosen[:cfg.num_experts_per_token]
         w = scores[chosen] / scores[chosen].sum() * cfg.routed_scaling_factor
-        z = moe.latent_norm(moe.latent_down(x[n]))
+        z = moe.latent_down(x[n])
         y = torch.zeros_like(z)
         for we, e in zip(w, chosen, strict=True):
             ex = moe.experts
             h = situ(z @ ex.w_gate[e], z @ ex.w_up[e], cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
             y = y + we * (h @ ex.w_down[e])
-        out[n] = moe.latent_up(y) + moe.shared_experts(x[n])
+        out[n] = moe.latent_up(moe.latent_norm(y)) + moe.shared_experts(x[n])
     return out
 
 
@@ -107,7 +107,7 @@ def test_router_bias_selects_but_does_not_weigh():
 
 
 def test_dense_situ_mlp_matches_formula():
-    mlp = SiTUMLP(CFG.hidden_size, CFG.intermediate_size).double()
+    mlp = SiTUMLP(CFG.hidden_size, CFG.intermediate_size, gated_activation(CFG)).double()
     x = torch.randn(3, CFG.hidden_size, dtype=torch.float64)
     g, u = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
     h = 4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(u / 25)

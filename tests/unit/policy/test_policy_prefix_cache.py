@@ -176,7 +176,7 @@ def test_a_tiny_budget_evicts_and_a_weight_update_forgets(tok, tmp_path):
         assert held <= ledger | set(eng.prefix._dropped) and ledger <= held | {e for _, e in eng._to_keep}
         prompt = turns[-1].prompt_ids
         torch.manual_seed(5)
-        path = str(tmp_path / "w.safetensors")
+        path = str(tmp_path / "w")
         save_weights(K3Model(cfg), path)
         eng.update_weights(path)
         assert len(eng.prefix) == 0 and not eng.group.runner.entries

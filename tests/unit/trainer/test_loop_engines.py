@@ -1,6 +1,6 @@
 """External engines (vLLM, SGLang): their answers carry no weight version, so the loop stamps its own on each turn
 (else every turn is version 0 and, from the second step, the staleness filter drops everything); and a push hands
-them a Hugging Face model folder, not our single file.
+them a checkpoint folder in the Kimi family's own layout (policy/hf_format.py), the same one ours loads.
 
 The engine is a stand-in on a real loopback HTTP server (uvicorn) speaking vLLM's wire: completions with token ids
 and logprobs and no ``weight_version``, ``/collective_rpc`` ``reload_weights`` with a folder."""
@@ -12,15 +12,17 @@ from pathlib import Path
 import httpx
 import torch
 from fastapi import Request
-from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from loop_fakes import FORKY, TOK, FakeBackend, FakeTrainer, run_iterations  # noqa: E402
 from rollout_fakes import serve_app  # noqa: E402
+from trainer_helpers import tiny_cfg  # noqa: E402
 
-from policy.config import from_k3_json, k3_mini  # noqa: E402
+from policy.config import from_k3_json  # noqa: E402
+from policy.hf_format import read_checkpoint, save_model  # noqa: E402
+from policy.model import K3Model  # noqa: E402
 from rollout import scripted  # noqa: E402
 from rollout.trajectory import read  # noqa: E402
 from rollout.workers import RolloutConfig  # noqa: E402
@@ -30,20 +32,21 @@ from trainer.loop.core import Loop  # noqa: E402
 from trainer.loop.rollouts import LoopRollout  # noqa: E402
 from trainer.metrics import MetricsLog  # noqa: E402
 
-HF_FILES = ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+HF_FILES = ["config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json"]
 
 
 class WeightTrainer(FakeTrainer):
-    """Counts steps and writes a real (tiny) safetensors file; has the model config a folder's config.json needs."""
+    """Counts steps and writes a real (tiny) Kimi checkpoint folder whose final norm holds the step count."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.model_cfg = k3_mini(vocab_size=TOK._tok.vocab_size, eos_token_id=TOK.eos_id)
+        self.model_cfg = tiny_cfg(vocab_size=TOK._tok.vocab_size, eos_token_id=TOK.eos_id)
+        self.state = K3Model(self.model_cfg).state_dict()
 
     def save_weights(self, path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        save_file({"w": torch.full((2,), float(self.step_count))}, str(path))
-        return Path(path)
+        self.state["norm.weight"] = torch.full_like(self.state["norm.weight"], float(self.step_count))
+        return save_model(self.state, self.model_cfg, path)
 
 
 def vllm_like(script):
@@ -122,10 +125,10 @@ def test_a_push_to_an_external_engine_writes_a_hugging_face_folder(tmp_path):
     folder = tmp_path / "weights" / "step-00000001"
     assert res.path == str(folder) and sorted(p.name for p in folder.iterdir()) == HF_FILES
     assert seen == [("/update_weights_from_disk", {"model_path": str(folder), "weight_version": "1"})]
-    assert ours.loaded == [str(folder / "model.safetensors")]    # ours: the folder's one file
+    assert ours.loaded == [str(folder)]    # ours loads the same folder
     assert from_k3_json(folder / "config.json") == trainer.model_cfg
-    assert json.loads((folder / "config.json").read_text())["architectures"] == ["KimiLinearForCausalLM"]
-    assert load_file(str(folder / "model.safetensors"))["w"].tolist() == [1.0, 1.0]
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert read_checkpoint(folder).state["norm.weight"].unique().tolist() == [1.0]
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     assert tok.get_vocab_size() == TOK._tok.vocab_size
     special = json.loads((folder / "tokenizer_config.json").read_text())
@@ -133,13 +136,13 @@ def test_a_push_to_an_external_engine_writes_a_hugging_face_folder(tmp_path):
     trainer.step_count = 2
     sync.push(trainer)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step-00000002"]   # no temp folder, kept 1
-    assert load_file(str(tmp_path / "weights" / "step-00000002" / "model.safetensors"))["w"].tolist() == [2.0, 2.0]
+    assert read_checkpoint(tmp_path / "weights" / "step-00000002").state["norm.weight"].unique().tolist() == [2.0]
 
 
-def test_ours_alone_still_gets_one_file(tmp_path):
+def test_ours_alone_gets_the_same_folder(tmp_path):
     trainer, ours = WeightTrainer(), Local()
     sync = WeightSync([ours], str(tmp_path / "weights"))
     trainer.step_count = 3
     res = sync.push(trainer)
-    assert res.path == str(tmp_path / "weights" / "step-00000003.safetensors") and Path(res.path).is_file()
+    assert res.path == str(tmp_path / "weights" / "step-00000003") and (Path(res.path) / "config.json").is_file()
     assert ours.loaded == [res.path]

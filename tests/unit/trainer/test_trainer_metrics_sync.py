@@ -83,8 +83,8 @@ def test_sync_calls_every_kind_of_server(tmp_path):
     sync = WeightSync([Endpoint("http://ours:8000", api_key="k"), Endpoint("http://sg:30000", "sglang"),
                        Endpoint("http://vl:8000/", "vllm"), local], str(tmp_path), client=client, mode="abort")
     r = sync.push(FakeTrainer())
-    folder = str(tmp_path / "step-00000007")          # external engines: a Hugging Face folder
-    path = str(tmp_path / "step-00000007" / "model.safetensors")   # ours: the folder's one file
+    folder = str(tmp_path / "step-00000007")          # every server: the same Kimi checkpoint folder
+    path = folder
     assert sorted(seen) == sorted([
         ("ours", "/update_weights", {"path": path, "mode": "abort"}, "Bearer k"),
         ("sg", "/update_weights_from_disk", {"model_path": folder, "weight_version": "7"}, None),
@@ -113,10 +113,10 @@ def test_sync_names_the_servers_that_failed_and_prunes_old_files(tmp_path):
     for s in range(4):
         t.step_count = s
         assert ok.push(t).version == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002.safetensors", "step-00000003.safetensors"]
-    for _ in range(3):                                    # the same step pushed again keeps its file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
+    for _ in range(3):                                    # the same step pushed again keeps its folder
         ok.push(t)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002.safetensors", "step-00000003.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002", "step-00000003"]
     bad = WeightSync([Endpoint("http://good"), Endpoint("http://bad"), Endpoint("http://refuses", "sglang")],
                      str(tmp_path), client=client)
     with pytest.raises(SyncError) as e:

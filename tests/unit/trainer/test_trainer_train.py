@@ -6,10 +6,13 @@ import random
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from mlx_lm.utils import load_model
 
+from policy.hf_format import read_checkpoint
 from policy.model import K3Model
 from policy.runner import Runner
 from trainer import checkpoint as ckpt
@@ -138,15 +141,19 @@ def test_saved_weights_load_into_the_policy_runner(tmp_path):
     cfg = tiny_cfg()
     with Trainer(cfg, TrainConfig(lr=1e-2)) as t:
         t.step(rl_batch(_trajs(5)))
-        path = t.save_weights(tmp_path / "w" / "step.safetensors")
-        assert [p.name for p in path.parent.iterdir()] == ["step.safetensors"]   # no temporary left behind
+        path = t.save_weights(tmp_path / "w" / "step")
+        assert [p.name for p in path.parent.iterdir()] == ["step"]   # no temporary left behind
         runner = Runner(cfg, None, weights=str(path))
         ids = torch.randint(0, 64, (1, 9))
         with torch.no_grad():
             a = runner.model(ids)[0]
             b = t.model.eval()(ids)[0]
         assert torch.allclose(a, b, atol=1e-6)
-        assert _state_diff(load_file(str(path)), t.state_dict()) == 0
+        assert _state_diff(read_checkpoint(path).state, t.state_dict()) == 0
+        reference, _ = load_model(path)   # what a push holds is a checkpoint mlx-lm's kimi_k3 loads and agrees with
+        with torch.no_grad():
+            theirs = torch.from_numpy(np.array(reference(mx.array(ids.numpy()))))
+        assert (theirs - b).abs().max().item() < 1e-3
     # the same seed starts from the policy server's initial weights
     with Trainer(cfg, TrainConfig(seed=3)) as t:
         assert _state_diff(t.state_dict(), Runner(cfg, None, seed=3).model.state_dict()) == 0

@@ -15,7 +15,7 @@ def tiny_cfg(**kw):
     base = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, intermediate_size=64,
                 kda_layers=(1, 2, 3), full_attn_layers=(4,), linear_num_heads=2, linear_head_dim=16, kda_chunk_size=8,
                 num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                v_head_dim=8, attn_res_block_size=2, num_experts=8, num_experts_per_token=2,
+                v_head_dim=8, attn_res_block_size=1, num_experts=8, num_experts_per_token=2,
                 moe_intermediate_size=16, routed_expert_hidden_size=16)
     base.update(kw)
     return k3_mini(**base)
