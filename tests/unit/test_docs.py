@@ -167,7 +167,7 @@ def _help(command: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
 def test_the_docs_name_commands() -> None:
     """The check below has commands to check (skipped blocks included: they are not run, so this is their test)."""
     expected = {("agentenv", "serve"), ("agentenv", "train"), ("agentenv", "rollout"),
-                ("python", "-m", "envs.tasks", "validate")}
+                ("agentenv", "tasks", "validate")}
     assert expected <= set(COMMANDS), sorted(COMMANDS)
 
 
