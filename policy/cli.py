@@ -128,8 +128,8 @@ def export(
                                                            "fields (as agentenv train --model-config)")] = None,
 ) -> None:
     """Write weights as a checkpoint folder in the Kimi family's own Hugging Face layout (sharded safetensors under
-    the on-disk names K3's loaders read, the index, config.json, k3-mini's tokenizer), which mlx-lm's kimi_k3,
-    transformers' kimi_linear, vLLM and SGLang load."""
+    the on-disk names K3's loaders read, the index, config.json, k3-mini's tokenizer): mlx-lm's kimi_k3 loads it
+    (and, with K3's parts off, transformers' kimi_linear); vLLM and SGLang read this layout, not run here."""
     from policy.config import model_config
     from policy.hf_format import load_state, read_config, save_model
 
