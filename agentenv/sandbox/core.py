@@ -281,10 +281,14 @@ class Sandbox(Calls, Record):
 
     def resume(self, memory: bool = True) -> None:
         """Bring a paused sandbox back where it was; with ``memory=False`` (or from a files-only pause) boot it
-        afresh from its files instead: its processes are gone, the keeper starts anew."""
+        afresh from its files instead: its processes are gone, the keeper starts anew. A deadline that passed while
+        it was paused starts again, ``DEFAULT_TTL`` from now (as E2B's connect gives a timeout again): a resumed
+        sandbox is never reaped at once."""
         with self.locked():
             if self._rec.state != "paused":
                 raise SandboxStateError(f"sandbox {self.id} is {self._rec.state}, not paused")
+            if self._rec.expires_at is not None and self._rec.expires_at <= time.time():
+                self.amend(expires_at=time.time() + DEFAULT_TTL)
             snap = Snapshot.get(self._rec.paused_snapshot or "")
             self.lifecycle.drop_layer()
             try:

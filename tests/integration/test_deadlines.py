@@ -74,6 +74,23 @@ def test_create_fork_and_restore_get_the_default_deadline_and_none_only_when_ask
         agentenv.Sandbox.create(ttl=0)
 
 
+def test_a_deadline_that_passed_while_paused_starts_again_at_the_resume():
+    """A paused sandbox has no running deadline; one that passed meanwhile would have the reaper close the sandbox
+    right after its resume (it did): the resume gives it DEFAULT_TTL from then. One still ahead is kept."""
+    with agentenv.Sandbox.create(ttl=3600) as sb:
+        sb.pause()
+        sb.set_ttl(0.01)
+        while sb.expires_at > time.time():  # the deadline passes while it is paused
+            time.sleep(0.01)
+        sb.resume()
+        assert sb.state == "running" and sb.expires_at - time.time() == pytest.approx(DEFAULT_TTL, abs=30)
+        sb.pause()
+        sb.set_ttl(7200)
+        ahead = sb.expires_at
+        sb.resume()
+        assert sb.expires_at == ahead
+
+
 def test_a_sandbox_its_maker_left_is_closed_at_its_deadline_with_no_server(fresh_home):
     """A process makes sandboxes with a short deadline (one, a fork of it, one that asked to be paused at its
     deadline) and a paused one, and exits without closing them; no server runs. The first two are closed (not
