@@ -1,5 +1,5 @@
 """Serving real Kimi K3 on vLLM or SGLang with expert parallelism: command lines, start, health check,
-weight reload, and a client smoke check that works the same against our own k3-mini server.
+weight reload (policy/reload.py), and a client smoke check that works the same against our own k3-mini server.
 
 Command lines are built, not guessed at run time, so they are unit-tested; the API key goes in the
 environment (vLLM reads ``VLLM_API_KEY``) or, for SGLang, its ``--api-key`` flag.
@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from policy.reload import reload
 
 
 @dataclass
@@ -114,19 +116,12 @@ def wait_healthy(base_url: str, timeout: float = 600.0, interval: float = 1.0) -
         time.sleep(interval)
 
 
-def reload_weights(spec: EngineSpec, path: str) -> dict[str, Any]:
-    """Ask a running engine to load new weights from ``path`` (SGLang: /update_weights_from_disk;
-    vLLM: the dev-mode /collective_rpc ``reload_weights``; ours: /update_weights)."""
-    body: dict[str, Any]
-    if spec.kind == "sglang":
-        url, body = "/update_weights_from_disk", {"model_path": path}
-    elif spec.kind == "vllm":
-        url, body = "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
-    else:
-        url, body = "/update_weights", {"path": path}
-    r = httpx.post(spec.base_url + url, json=body, headers=_headers(spec.api_key), timeout=3600)
-    r.raise_for_status()
-    return r.json() if r.content else {}
+def reload_weights(spec: EngineSpec, path: str, version: int, timeout: float = 3600.0) -> int:
+    """Ask a running engine to load the checkpoint folder ``path`` as weight version ``version`` through its own
+    reload route (``policy.reload``: SGLang's /update_weights_from_disk, vLLM's dev-mode /collective_rpc
+    ``reload_weights``, ours /update_weights); returns the version it now reports."""
+    with httpx.Client() as client:
+        return reload(client, spec.base_url, spec.kind, path, version, timeout=timeout, api_key=spec.api_key)
 
 
 def smoke_check(base_url: str, api_key: str | None, model: str) -> dict[str, Any]:

@@ -1,12 +1,10 @@
 """Weight sync: after a step, write the weights once (safetensors, atomically) and have every policy server load them.
 
-Per kind of server (the same calls as ``policy.engines.reload_weights``):
-
-    agentenv (ours)   POST /update_weights            {"path": FILE, "mode": "drain" | "abort"}
-                      -> {"ok": true, "weight_version": N}   (N: the server's count of loads; trajectories record it)
-    SGLang            POST /update_weights_from_disk  {"model_path": DIR, "weight_version": "N", ...}
-                      -> {"success": bool, "message": str}
-    vLLM (dev mode)   POST /collective_rpc            {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
+Each server loads it through its own reload route (``policy.reload``, with the engines' request schemas and the
+versions they were read from): ours ``/update_weights``; SGLang ``/update_weights_from_disk`` with the trainer's step
+as its ``weight_version``; vLLM (dev mode) ``/pause``, ``/collective_rpc`` ``reload_weights``,
+``/update_weight_version`` with the step, ``/resume``. SGLang and vLLM then report the step as their version; ours
+reports its own count of loads (trajectories record it).
 
 Every push writes the same thing, whatever the servers: a checkpoint folder in the Kimi family's own Hugging Face
 layout (``Trainer.save_weights``, policy/hf_format.py): sharded safetensors under the on-disk names K3's loaders
@@ -29,6 +27,8 @@ from typing import Any, Protocol
 
 import httpx
 
+from policy.reload import KINDS, Mode, reload
+
 
 class Loads(Protocol):
     """An in-process engine: ``policy.engine.Engine.update_weights``."""
@@ -44,15 +44,9 @@ class Endpoint:
     kind: str = "agentenv"          # "agentenv" | "sglang" | "vllm"
     api_key: str | None = None
 
-    def request(self, path: str, version: int) -> tuple[str, dict[str, Any]]:
-        """The route and body that make this server load ``path``."""
-        if self.kind == "agentenv":
-            return "/update_weights", {"path": path}
-        if self.kind == "sglang":
-            return "/update_weights_from_disk", {"model_path": path, "weight_version": str(version)}
-        if self.kind == "vllm":
-            return "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        raise ValueError(f"unknown server kind {self.kind!r}; use agentenv, sglang or vllm")
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown server kind {self.kind!r}; use one of {', '.join(KINDS)}")
 
 
 class SyncError(RuntimeError):
@@ -133,20 +127,9 @@ class WeightSync:
         if not isinstance(e, Endpoint):
             version: int | None = e.update_weights(path, self.mode, self.timeout)
             return version, time.perf_counter() - t0
-        route, body = e.request(path, step)
-        if e.kind == "agentenv":
-            body["mode"] = self.mode
-        headers = {"Authorization": f"Bearer {e.api_key}"} if e.api_key else {}
-        r = self.client.post(e.url.rstrip("/") + route, json=body, headers=headers, timeout=self.timeout)
-        if r.status_code >= 400:
-            raise SyncError(f"HTTP {r.status_code}: {r.text[:300]}")
-        data = r.json() if r.content else {}
-        if isinstance(data, dict) and data.get("success") is False:
-            raise SyncError(str(data.get("message", "the server refused the weights")))
-        version = data.get("weight_version") if isinstance(data, dict) else None
-        if e.kind == "sglang":
-            version = step
-        return (int(version) if version is not None else None), time.perf_counter() - t0
+        mode: Mode = "abort" if self.mode == "abort" else "drain"
+        version = reload(self.client, e.url, e.kind, path, step, mode, self.timeout, e.api_key)
+        return version, time.perf_counter() - t0
 
     def _prune(self) -> None:
         while self.keep > 0 and len(self.written) > self.keep:

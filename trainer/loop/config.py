@@ -35,7 +35,8 @@ class PolicyConfig:
     token_file: str = doc("", "file holding that endpoint's bearer token (else $AGENTENV_POLICY_TOKEN; a server "
                               "started here gets a fresh token in the run folder)")
     kind: str = doc("agentenv", "how the endpoint reloads weights: agentenv (/update_weights), sglang "
-                                "(/update_weights_from_disk), vllm (/collective_rpc reload_weights)")
+                                "(/update_weights_from_disk), vllm (dev mode: /pause, /collective_rpc "
+                                "reload_weights, /update_weight_version, /resume)")
     model: str = doc("", "model name to ask for (empty: the first the endpoint lists)")
     preset: str = doc("k3-mini", "model preset of a server started here (and of the trainer)")
     ep: int = doc(2, "expert-parallel ranks (processes) of a server started here")

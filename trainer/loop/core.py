@@ -191,6 +191,9 @@ class Loop:
             self.version = res.version if res.version is not None else self.version
             self.version_base = steps - self.version
         elif cfg.policy.url and cfg.policy.kind != "agentenv":
+            # its pushes carry the trainer's step as their version (policy/reload.py): count on from there, so that a
+            # resumed run's first push is one version on, not a jump that makes every turn in flight stale
+            self.version = parts.started(self.trainer, "trainer").step_count
             self.say(f"{cfg.policy.url} ({cfg.policy.kind}) keeps the weights it serves until the first push")
 
     @property

@@ -3,19 +3,19 @@
 them a checkpoint folder in the Kimi family's own layout (policy/hf_format.py), the same one ours loads.
 
 The engine is a stand-in on a real loopback HTTP server (uvicorn) speaking vLLM's wire: completions with token ids
-and logprobs and no ``weight_version``, ``/collective_rpc`` ``reload_weights`` with a folder."""
+and logprobs and no ``weight_version``, and its reload routes (engine_schemas.py) taking a folder."""
 
 import json
 import sys
 from pathlib import Path
 
-import httpx
+import pytest
 import torch
-from fastapi import Request
 from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
+from engine_schemas import Engine, add_vllm_routes, sglang_app  # noqa: E402
 from loop_fakes import FORKY, TOK, FakeBackend, FakeTrainer, run_iterations  # noqa: E402
 from rollout_fakes import serve_app  # noqa: E402
 from trainer_helpers import tiny_cfg  # noqa: E402
@@ -50,26 +50,19 @@ class WeightTrainer(FakeTrainer):
 
 
 def vllm_like(script):
-    """The scripted completions without ``weight_version`` (as vLLM answers), and vLLM's dev-mode reload route."""
+    """The scripted completions without ``weight_version`` (as vLLM answers), and vLLM's dev-mode reload routes
+    (engine_schemas.py: its request schemas enforced)."""
     app = scripted.create_app(script, TOK, model="k3", weight_version=None)
-    app.state.loads = []
-
-    @app.post("/collective_rpc")
-    async def rpc(request: Request):
-        body = await request.json()
-        assert body["method"] == "reload_weights"
-        folder = Path(body["kwargs"]["weights_path"])
-        app.state.loads.append(sorted(p.name for p in folder.iterdir()) if folder.is_dir() else [folder.name])
-        return {"results": [None]}
-
-    return app
+    app.state.engine = Engine()
+    return add_vllm_routes(app, app.state.engine)
 
 
 def two_turns(prompt: str, turn: int) -> str:
     return scripted.tool_call("bash", {"command": "submit" if turn >= 1 else "echo x"})
 
 
-def test_vllm_turns_carry_the_loops_version_and_training_goes_on(tmp_path):
+@pytest.mark.parametrize("start", [0, 5])   # 5: a resumed run, whose pushes carry steps 6, 7, 8
+def test_vllm_turns_carry_the_loops_version_and_training_goes_on(tmp_path, start):
     app = vllm_like(two_turns)
     with serve_app(app) as url:
         cfg = load(overrides=[f'out_dir="{tmp_path}"', 'name="t"', f'env.id="{FORKY}"', 'env.train_tasks="ids:a,b"',
@@ -79,6 +72,7 @@ def test_vllm_turns_carry_the_loops_version_and_training_goes_on(tmp_path):
                               "rl.group_size=2"])
         loop = Loop(cfg)
         loop.trainer, loop.start_weights = WeightTrainer(), None
+        loop.trainer.step_count = start
         loop.start_policy()                             # the real pre-flight of the endpoint, and its WeightSync
         backend = FakeBackend()
         rc = RolloutConfig(cfg.env.id, url, backend_factory=lambda: backend, tokenizer_factory=lambda: TOK)
@@ -95,8 +89,9 @@ def test_vllm_turns_carry_the_loops_version_and_training_goes_on(tmp_path):
     by_iteration = {}
     for t in read(tmp_path / "trajectories"):
         by_iteration.setdefault(t.metadata["iteration"], []).append(t.weight_versions)
-    assert by_iteration == {i: [[i, i]] * 4 for i in range(3)}   # each turn: the version loaded when it was asked
-    assert app.state.loads == [HF_FILES] * 3                     # vLLM got a Hugging Face folder each push
+    assert by_iteration == {i: [[start + i] * 2] * 4 for i in range(3)}   # each turn: the version loaded when asked
+    assert app.state.engine.files == [HF_FILES] * 3              # vLLM got a Hugging Face folder each push
+    assert app.state.engine.version == str(start + 3)            # and the last step as its weight version
 
 
 class Local:
@@ -111,20 +106,14 @@ class Local:
 
 
 def test_a_push_to_an_external_engine_writes_a_hugging_face_folder(tmp_path):
-    seen = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append((request.url.path, json.loads(request.content)))
-        return httpx.Response(200, json={"success": True})
-
-    trainer, ours = WeightTrainer(), Local()
-    sync = WeightSync([Endpoint("http://sg:30000", "sglang"), ours], str(tmp_path / "weights"), keep=1,
-                      client=httpx.Client(transport=httpx.MockTransport(handler)))
-    trainer.step_count = 1
-    res = sync.push(trainer)
+    trainer, ours, sg = WeightTrainer(), Local(), Engine()
+    with serve_app(sglang_app(sg)) as url:
+        sync = WeightSync([Endpoint(url, "sglang"), ours], str(tmp_path / "weights"), keep=1)
+        trainer.step_count = 1
+        res = sync.push(trainer)
     folder = tmp_path / "weights" / "step-00000001"
     assert res.path == str(folder) and sorted(p.name for p in folder.iterdir()) == HF_FILES
-    assert seen == [("/update_weights_from_disk", {"model_path": str(folder), "weight_version": "1"})]
+    assert sg.loaded == [str(folder)] and res.versions[url] == 1
     assert ours.loaded == [str(folder)]    # ours loads the same folder
     assert from_k3_json(folder / "config.json") == trainer.model_cfg
     assert json.loads((folder / "config.json").read_text())["architectures"] == ["KimiK3ForConditionalGeneration"]
@@ -134,6 +123,7 @@ def test_a_push_to_an_external_engine_writes_a_hugging_face_folder(tmp_path):
     special = json.loads((folder / "tokenizer_config.json").read_text())
     assert tok.token_to_id(special["eos_token"]) == TOK.eos_id
     trainer.step_count = 2
+    sync.endpoints = [ours]
     sync.push(trainer)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["step-00000002"]   # no temp folder, kept 1
     assert read_checkpoint(tmp_path / "weights" / "step-00000002").state["norm.weight"].unique().tolist() == [2.0]

@@ -66,37 +66,27 @@ class FakeEngine:
         return self.weight_version
 
 
-def test_sync_calls_every_kind_of_server(tmp_path):
+def test_sync_calls_ours_and_in_process_engines(tmp_path):
+    """Ours over HTTP (SGLang's and vLLM's routes: test_engine_reload.py, against their schemas) and in process."""
     seen = []
 
     def handler(request: httpx.Request) -> httpx.Response:
-        body = json.loads(request.content)
-        seen.append((request.url.host, request.url.path, body, request.headers.get("authorization")))
-        if request.url.path == "/update_weights":
-            return httpx.Response(200, json={"ok": True, "weight_version": 3})
-        if request.url.path == "/update_weights_from_disk":
-            return httpx.Response(200, json={"success": True, "message": "ok"})
-        return httpx.Response(200, json={"results": [None]})
+        seen.append((request.url.host, request.url.path, json.loads(request.content), request.headers.get("authorization")))
+        return httpx.Response(200, json={"ok": True, "weight_version": 3})
 
     client = httpx.Client(transport=httpx.MockTransport(handler))
     local = FakeEngine()
-    sync = WeightSync([Endpoint("http://ours:8000", api_key="k"), Endpoint("http://sg:30000", "sglang"),
-                       Endpoint("http://vl:8000/", "vllm"), local], str(tmp_path), client=client, mode="abort")
+    sync = WeightSync([Endpoint("http://ours:8000", api_key="k"), Endpoint("http://ours2:8000/"), local],
+                      str(tmp_path), client=client, mode="abort")
     r = sync.push(FakeTrainer())
-    folder = str(tmp_path / "step-00000007")          # every server: the same Kimi checkpoint folder
-    path = folder
-    assert sorted(seen) == sorted([
-        ("ours", "/update_weights", {"path": path, "mode": "abort"}, "Bearer k"),
-        ("sg", "/update_weights_from_disk", {"model_path": folder, "weight_version": "7"}, None),
-        ("vl", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}}, None)])
+    path = str(tmp_path / "step-00000007")          # every server: the same Kimi checkpoint folder
+    assert sorted(seen) == [("ours", "/update_weights", {"path": path, "mode": "abort"}, "Bearer k"),
+                            ("ours2", "/update_weights", {"path": path, "mode": "abort"}, None)]
     assert local.loaded == [(path, "abort")]
-    assert r.versions == {"http://ours:8000": 3, "http://sg:30000": 7, "http://vl:8000/": None,
-                          f"local:{id(local):x}": 1}
+    assert r.versions == {"http://ours:8000": 3, "http://ours2:8000/": 3, f"local:{id(local):x}": 1}
     assert r.version is None                              # the servers disagree: no single version
     assert set(r.load_s) == set(r.versions) and r.total_s >= r.write_s >= 0
     assert r.metrics()["time/sync"] == r.total_s
-    with pytest.raises(ValueError):
-        Endpoint("http://x", "tgi").request("p", 1)
 
 
 def test_sync_names_the_servers_that_failed_and_prunes_old_files(tmp_path):
@@ -104,7 +94,7 @@ def test_sync_names_the_servers_that_failed_and_prunes_old_files(tmp_path):
         if request.url.host == "bad":
             return httpx.Response(400, json={"detail": "could not load weights: shape mismatch"})
         if request.url.host == "refuses":
-            return httpx.Response(200, json={"success": False, "message": "no such folder"})
+            return httpx.Response(400, json={"success": False, "message": "no such folder"})   # as SGLang refuses
         return httpx.Response(200, json={"ok": True, "weight_version": 1})
 
     client = httpx.Client(transport=httpx.MockTransport(handler))
@@ -121,5 +111,6 @@ def test_sync_names_the_servers_that_failed_and_prunes_old_files(tmp_path):
                      str(tmp_path), client=client)
     with pytest.raises(SyncError) as e:
         bad.push(t)
-    assert "http://bad: SyncError: HTTP 400" in str(e.value) and "no such folder" in str(e.value)
+    assert "http://bad: ReloadError: agentenv at http://bad: POST /update_weights answered HTTP 400: could not load " \
+        "weights: shape mismatch" in str(e.value) and "HTTP 400: no such folder" in str(e.value)
     assert "http://good" not in str(e.value)
