@@ -261,3 +261,40 @@ def test_decoding_token_by_token_agrees_with_mlx_lm_and_with_a_full_forward(tmp_
     ours_diff = float(np.abs(np.stack(ours) - full).max())
     print(f"decode vs full forward, K3 all parts on: mlx-lm kimi_k3 {mlx_diff:.3g}, ours {ours_diff:.3g}")
     assert mlx_diff < MLX_TOL and ours_diff < MLX_TOL
+
+
+class Takes:
+    """An engine in process: takes the folder a push hands it (``WeightSync``'s ``Loads``)."""
+
+    def __init__(self) -> None:
+        self.paths: list[str] = []
+
+    def update_weights(self, path: str, mode: str = "drain", timeout: float = 600.0) -> int:
+        self.paths.append(path)
+        return len(self.paths)
+
+
+def test_a_trainer_push_with_k3_s_parts_off_loads_into_transformers_kimi_linear(tmp_path):
+    """What a push hands an engine after a training step, with K3's parts off (a Kimi-Linear model): a folder that
+    transformers' kimi_linear loads, with the trained weights' logits (a push with the parts on, into mlx-lm's
+    kimi_k3: test_trainer_train.py)."""
+    from trainer.algorithm.batch import Batch, Sample
+    from trainer.distributed.sync import WeightSync
+    from trainer.train import TrainConfig, Trainer
+    cfg = k3_mini(**SMALL, **K3_PARTS_OFF)
+    ids = tokens()
+    engine = Takes()
+    with Trainer(cfg, TrainConfig(lr=1e-2)) as t:
+        before = {k: v.clone() for k, v in t.state_dict().items()}
+        t.step(Batch([Sample(row.tolist(), [0] + [1] * (len(row) - 1), [0.0] * len(row)) for row in ids], kind="sft"))
+        assert any(not torch.equal(before[k], v) for k, v in t.state_dict().items())   # trained weights
+        res = WeightSync([engine], str(tmp_path / "weights")).push(t)
+        with torch.no_grad():
+            ours = t.model.eval()(ids)[0]
+    assert engine.paths == [res.path]
+    assert json.loads((Path(res.path) / "config.json").read_text())["model_type"] == "kimi_linear"
+    reference = transformers.AutoModelForCausalLM.from_pretrained(res.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        diff = (reference(ids).logits - ours).abs().max().item()
+    print(f"a trainer's push, K3's parts off, into transformers kimi_linear: max abs logit diff {diff:.3g}")
+    assert diff < HF_TOL
