@@ -81,6 +81,17 @@ def test_ep1_equals_ep2_logits_gradients_and_step():
     mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
 
 
+def decode(model: K3Model, ids: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """Row 0 of ``ids``: the logits of a full forward, and of our decoding one token at a time (the model's caches)."""
+    with torch.no_grad():
+        full = model(ids)[0][0].numpy()
+        cache, steps = None, []
+        for t in range(ids.shape[1]):
+            logits, cache = model(ids[:, t:t + 1], cache)
+            steps.append(logits[0, 0].numpy())
+    return full, np.stack(steps)
+
+
 def _decode_worker(rank: int, port: int, cfg, state, ids, full, mlx_steps, out: str) -> None:
     """Rank ``rank`` decodes row ``rank`` one token at a time (its experts only; the other rank's through the
     all-to-all), and writes how far each step is from the full forward and from mlx-lm's decoding."""
@@ -89,14 +100,7 @@ def _decode_worker(rank: int, port: int, cfg, state, ids, full, mlx_steps, out: 
     try:
         model = K3Model(cfg, ep).eval()
         model.load_state_dict(shard_state_dict(state, ep))
-        row = ids[rank:rank + 1]
-        with torch.no_grad():
-            ep_full = model(row)[0][0].numpy()
-            cache, steps = None, []
-            for t in range(row.shape[1]):
-                logits, cache = model(row[:, t:t + 1], cache)
-                steps.append(logits[0, 0].numpy())
-        decoded = np.stack(steps)
+        ep_full, decoded = decode(model, ids[rank:rank + 1])
         diffs = {"ep2 full vs ep1 full": float(np.abs(ep_full - full[rank]).max()),
                  "ep2 decode vs full": float(np.abs(decoded - full[rank]).max()),
                  "ep2 decode vs mlx-lm decode": float(np.abs(decoded - mlx_steps[rank]).max())}

@@ -27,6 +27,7 @@ from policy.hf_format import (
     write_checkpoint,
 )
 from policy.model import K3Model
+from tests.unit.policy.test_policy_ep import decode
 
 K3_JSON = Path(__file__).resolve().parents[2] / "data" / "k3" / "config.json"  # K3's released config, a copy
 MLX_TOL = 1e-3      # fp32 logits of magnitude ~4: ours alone is ~2e-4 from its own fp64 result (chunked KDA)
@@ -243,22 +244,18 @@ def test_a_single_unsharded_file_with_attnres_other_spelling_reads_the_same(tmp_
 
 
 def test_decoding_token_by_token_agrees_with_mlx_lm_and_with_a_full_forward(tmp_path):
-    """mlx-lm's kimi_k3 decoding one token at a time (KDA's recurrent state, MLA's latent cache with its absorbed
-    projections) against our full forward at every step, and our own decoding (our caches) against the same."""
+    """EP=1 (EP=2: test_policy_ep.py): mlx-lm's kimi_k3 decoding one token at a time (KDA's recurrent state, MLA's
+    latent cache with its absorbed projections) against our full forward at every step, and our own decoding (our
+    caches) against the same."""
     cfg = k3_mini(**SMALL, **K3_PARTS_ON)
     model = random_model(cfg)
     reference, _ = load_model(write_checkpoint(model.state_dict(), cfg, tmp_path / "k3"))
     ids = tokens()[:1]
-    with torch.no_grad():
-        full = model(ids)[0][0].numpy()
-        cache, ours = None, []
-        for t in range(ids.shape[1]):
-            logits, cache = model(ids[:, t:t + 1], cache)
-            ours.append(logits[0, 0].numpy())
+    full, ours = decode(model, ids)
     mlx_cache = reference.make_cache()
     theirs = [np.array(reference(mx.array(ids[:, t:t + 1].numpy()), cache=mlx_cache))[0, 0] for t in range(ids.shape[1])]
     mlx_diff = float(np.abs(np.stack(theirs) - full).max())
-    ours_diff = float(np.abs(np.stack(ours) - full).max())
+    ours_diff = float(np.abs(ours - full).max())
     print(f"decode vs full forward, K3 all parts on: mlx-lm kimi_k3 {mlx_diff:.3g}, ours {ours_diff:.3g}")
     assert mlx_diff < MLX_TOL and ours_diff < MLX_TOL
 
