@@ -48,6 +48,14 @@ def block(page: str, holding: str) -> Example:
     return found[0]
 
 
+def run(*command: str) -> str:
+    """``command`` run as the reader's shell runs it (docblocks.shell_env) in the working folder; its stdout (it
+    fails the test if the command fails)."""
+    r = subprocess.run(command, capture_output=True, text=True, timeout=600, env=docblocks.shell_env(), check=False)
+    assert r.returncode == 0, f"{' '.join(command)} exited {r.returncode}: {r.stdout[-3000:]}{r.stderr[-3000:]}"
+    return r.stdout
+
+
 def node(kind: str, item_id: str) -> str:
     return f'li[data-kind="{kind}"][data-id="{item_id}"]'
 
@@ -121,7 +129,8 @@ def test_a_newcomers_hour(newcomer: Path, browser, monkeypatch: pytest.MonkeyPat
     with served(work, free_port()) as (url, token):
         assert processes(home, "serve")  # what the end checks is gone: the server, found by its home
         # 2. Remote, as docs/quickstart.md ("A server, and a Pool of servers") writes it: its client program, on
-        #    this server (the page's port replaced by this one's), then the CLI's ls and exec with --url.
+        #    this server (the page's port replaced by this one's), then the CLI's ls, snapshots ls and exec with
+        #    --url and --token-file (docs/operations.md).
         server_block = block("docs/quickstart.md", "agentenv serve --token-file env.token").parsed.source
         program = server_block.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
         program = program.replace("http://127.0.0.1:8790", url)
@@ -138,9 +147,10 @@ def test_a_newcomers_hour(newcomer: Path, browser, monkeypatch: pytest.MonkeyPat
                 remote = ["--url", url, "--token-file", str(work / "env.token")]
                 listed = agentenv_cli(home, "ls", *remote)
                 assert all(s.id in listed for s in [sb, *kids]), listed
+                assert snap.id in agentenv_cli(home, "snapshots", "ls", *remote)
                 assert agentenv_cli(home, "exec", kids[0].id, *remote, "--", "echo", "hi from", "$(hostname)") \
                     .startswith("hi from")
-                lap("remote: client, Pool, agentenv ls/exec --url")
+                lap("remote: client, Pool, CLI --url")
 
                 # 3. The console's fork tree (docs/console.md): the snapshot under its sandbox, the two forks
                 #    under the fork's own snapshot, each node a link.
@@ -186,10 +196,8 @@ def test_a_newcomers_hour(newcomer: Path, browser, monkeypatch: pytest.MonkeyPat
             return scripted.tool_call("answer", {"answer": "42"})
 
         with threaded_app(scripted.create_app(script, LocalTokenizer())) as policy_url:
-            r = subprocess.run(["agentenv", "rollout", "--env", "agentenv/Tool-v0", "--limit", "2", "--group-size",
-                                "2", "--workers", "0", "--policy-url", policy_url, "--out", "runs/tool-1"],
-                               capture_output=True, text=True, timeout=600, env=docblocks.shell_env(), check=False)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            run("agentenv", "rollout", "--env", "agentenv/Tool-v0", "--limit", "2", "--group-size", "2", "--workers",
+                "0", "--policy-url", policy_url, "--out", "runs/tool-1")
         ready(browser, f"{url}/console/runs")
         assert present(browser, 'tr[data-run="tool-1"]')
         ready(browser, f"{url}/console/runs/tool-1")
@@ -206,6 +214,8 @@ def test_a_newcomers_hour(newcomer: Path, browser, monkeypatch: pytest.MonkeyPat
     with contextlib.redirect_stdout(printed):
         byo.evaluate()
     assert printed.getvalue().split() == ["1.0"], printed.getvalue()
+    validated = run("agentenv", "tasks", "validate", "--tasks", "my_tasks.jsonl")  # the page's check of a task set
+    assert "1/1 tasks valid" in validated, validated  # the fix resolves it; no fix, or a wrong one, does not
     lap("your own task")
 
     # 7. One integration page: SWE-ReX's deployment on an agentenv sandbox (docs/integrations/swerex.md).
