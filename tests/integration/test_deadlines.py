@@ -23,6 +23,7 @@ from agentenv.host import cgroups
 from agentenv.sandbox import sweep, watchdog
 
 from .conftest import cleanup, leaked
+from .home_checks import agentenv_cli, reapers
 
 ROOT = Path(__file__).resolve().parents[2]
 PATIENCE = 180.0  # seconds a wait on state may take at most on a loaded host before the test fails
@@ -113,26 +114,13 @@ def test_a_sandbox_its_maker_left_is_closed_at_its_deadline_with_no_server(fresh
     assert agentenv.Snapshot.list() == []
 
 
-def _reapers(home: Path) -> list[int]:
-    """The pids of the reaper processes of ``home`` (found by their command line and environment)."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            cmd, env = (proc / "cmdline").read_bytes(), (proc / "environ").read_bytes()
-        except OSError:
-            continue
-        if watchdog.MODULE.encode() in cmd and f"AGENTENV_HOME={home}".encode() in env.split(b"\0"):
-            found.append(int(proc.name))
-    return found
-
-
 def test_a_home_removed_under_its_reaper_stays_removed(fresh_home):
     """A test suite (or a user) removes a home while a sandbox with a deadline runs there: the reaper exits and
     never lays the home out again (it once did, leaving empty homes behind every test)."""
     _run("import agentenv; agentenv.Sandbox.create(ttl=600)", fresh_home)
-    assert _reapers(fresh_home)
+    assert reapers(fresh_home)
     cleanup(fresh_home)
-    _until("the reaper of the removed home to exit", lambda: not _reapers(fresh_home))
+    _until("the reaper of the removed home to exit", lambda: not reapers(fresh_home))
     assert not fresh_home.exists()
 
 
@@ -147,7 +135,7 @@ def _readme_tour() -> str:
 def test_the_tours_leave_nothing_behind_in_a_fresh_home(fresh_home):
     """What `agentenv tour` and the README's tour make is all gone once they return: sandboxes, their mounts, uid
     leases and cgroups; then `agentenv gc` gives back the idle home's own mounts, and says so."""
-    assert "tour done" in _agentenv(fresh_home, "tour")
+    assert "tour done" in agentenv_cli(fresh_home, "tour")
     assert leaked(fresh_home) == {}
     made = json.loads(_run(
         "import json\n"
@@ -164,21 +152,13 @@ def test_the_tours_leave_nothing_behind_in_a_fresh_home(fresh_home):
     # what the idle home still holds in the mount table goes with `agentenv gc`, which says so (--dry-run first)
     held = sweep.home_mounts()
     assert str(fresh_home / "volume") in held and any("/uids/" in m for m in held)
-    preview = _agentenv(fresh_home, "gc", "--dry-run")
+    preview = agentenv_cli(fresh_home, "gc", "--dry-run")
     assert all(f"would unmount {m}" in preview for m in held) and sweep.home_mounts() == held
-    said = _agentenv(fresh_home, "gc")
+    said = agentenv_cli(fresh_home, "gc")
     assert all(f"unmounted {m}" in said for m in held)
-    assert sweep.home_mounts() == [] and _agentenv(fresh_home, "gc") == f"nothing to collect in {fresh_home}"
+    assert sweep.home_mounts() == [] and agentenv_cli(fresh_home, "gc") == f"nothing to collect in {fresh_home}"
     # and the home works again: its next sandbox mounts what it needs
     with agentenv.Sandbox.create() as sb:
         assert sb.exec("echo back").stdout == "back\n"
     assert str(fresh_home / "volume") in sweep.home_mounts()
 
-
-def _agentenv(home: Path, *args: str) -> str:
-    """What ``agentenv ARGS`` printed in ``home``, its whitespace folded."""
-    r = subprocess.run([sys.executable, "-m", "agentenv", *args], capture_output=True, text=True, timeout=600,
-                       check=False, cwd=ROOT, env={**os.environ, "AGENTENV_HOME": str(home), "PYTHONPATH": str(ROOT),
-                                                   "COLUMNS": "500"})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return " ".join(r.stdout.split())
