@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from policy.chat import CLOSE, OPEN, SEP
 from policy.tokenizer import K3Tokenizer
+from policy.tool_calls import CLOSE, OPEN, SEP
 
 # After the arguments: the ends of the JSON block, the call and the section (control tokens as Lark terminals)
 _ENDS = " ".join(f'{CLOSE} "{tag}" {SEP}' for tag in ("json", "call", "tools"))

@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envs.tools.core import ActionError, ToolCall
-from policy.chat import (
+from policy.chat import parse_assistant
+from policy.tool_calls import (
     CALL_END,
     FUNCTION_PREFIX,
     JSON_BEGIN,
@@ -24,7 +25,6 @@ from policy.chat import (
     SECTION_BEGIN,
     SECTION_END,
     SEP,
-    parse_assistant,
 )
 
 FORMAT = f'{SECTION_BEGIN}{OPEN}call tool="NAME"{SEP}{JSON_BEGIN}{{json arguments}}{JSON_END}{CALL_END}{SECTION_END}'

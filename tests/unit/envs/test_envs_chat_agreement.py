@@ -16,7 +16,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from envs.tool_env import ToolEnv
-from policy.chat import (
+from policy.chat import THINK_BEGIN, THINK_END, parse_assistant
+from policy.tool_calls import (
     ARG_END,
     CALL_END,
     CLOSE,
@@ -26,9 +27,6 @@ from policy.chat import (
     SECTION_BEGIN,
     SECTION_END,
     SEP,
-    THINK_BEGIN,
-    THINK_END,
-    parse_assistant,
 )
 
 from .fakes import FakeBackend

@@ -12,24 +12,17 @@ from hypothesis import strategies as st
 from mlx_lm.tool_parsers import kimi_k3 as mlx_kimi_k3
 
 from policy.chat import (
-    ARG_END,
-    CALL_END,
     CHAT_TOKENS,
     IM_END,
     IM_MIDDLE,
-    JSON_BEGIN,
-    JSON_END,
-    OPEN,
     ROLE_TOKEN,
-    SECTION_BEGIN,
-    SECTION_END,
-    SEP,
     TOOL_CALL_TOKENS,
     parse_assistant,
     render_assistant_body,
     render_chat,
     tool_spec,
 )
+from policy.tool_calls import ARG_END, CALL_END, JSON_BEGIN, JSON_END, OPEN, SECTION_BEGIN, SECTION_END, SEP
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
