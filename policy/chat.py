@@ -14,28 +14,11 @@ tokenised as the characters it is, so only the template puts control ids into a 
 ``decode(encode_text(s)) == s``. ``messages_of`` splits decoded pieces back into messages at control tokens only.
 ``render_chat`` is the same pieces joined, for people and for text comparisons; never tokenise it.
 
-An assistant turn is ``[<think>REASONING</think>]CONTENT[SECTION]``, where the canonical tool-call SECTION is
-what ``render_tool_calls`` emits (shown on several lines; it has no line breaks)::
-
-    <|tool_calls_section_begin|>
-    <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{"json": "object"}<|tool_call_end|>
-    ... one such call per tool call ...
-    <|tool_calls_section_end|>
-
-Lenient input (the only policy; the server and the envs both follow it through ``parse_assistant``):
-
-* accepted, and normalised to the canonical id ``functions.NAME:IDX``:
-    - a call id without the ``functions.`` prefix (``NAME:IDX``); one leading ``functions.`` is always read
-      as the prefix, so a tool whose own name starts with ``functions.`` needs the canonical id;
-    - a call id without ``:IDX`` (the index is then the call's position in the message, from 0);
-    - whitespace around the call id and around the arguments (arguments are kept stripped);
-    - a missing ``<|tool_calls_section_end|>`` at the very end of the text (generation stopped there).
-* anything else makes the whole message malformed: arguments that are not a JSON *object* (invalid JSON,
-  a JSON list or number), text after the section, a call without ``<|tool_call_argument_begin|>`` or
-  without ``<|tool_call_end|>``, an empty section, a call id that is not ``[functions.]NAME[:IDX]`` with
-  NAME of ``[A-Za-z0-9_.-]``, tool-call tokens out of order or in the content. A malformed message comes
-  back as ``AssistantMessage(content=text, tool_calls=[], malformed=True)``; parsing never raises.
-  Tool-call tokens inside a JSON string of the arguments are data (only ``<|tool_call_end|>`` ends them).
+An assistant turn is ``[<think>REASONING</think>]CONTENT[SECTION]``, where SECTION is K3's tool-call section
+(``policy.tool_calls``, which says what is read leniently and what is malformed). Reasoning stays in ``<think>``
+tokens and the roles in Kimi's ``<|im_*|>`` tokens: the rest of K3's chat template is not public.
+A malformed message comes back as ``AssistantMessage(content=text, tool_calls=[], malformed=True)``; parsing never
+raises.
 
 Canonical text round-trips byte for byte: ``render_assistant_body(parse_assistant(t).to_openai()) == t`` for
 every ``t`` that the renderer produced; lenient text parses to the same message as its canonical form.
@@ -49,23 +32,29 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-# K3's control tokens (each one token in the tokenizer, see policy/tokenizer.py)
-SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-CALL_BEGIN, ARG_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+from policy.pieces import Control, Piece, text_of
+from policy.tool_calls import (
+    OPEN,
+    SECTION_BEGIN,
+    SEP,
+    TOOL_CALL_TOKENS,
+    TOOL_NAME,
+    call_head,
+    call_index,
+    canonical_id,
+    parse_section,
+    tool_call_pieces,
+)
+
+# Kimi's chat control tokens (each one token in the tokenizer, see policy/tokenizer.py); the tool-call section's
+# are policy.tool_calls'
 THINK_BEGIN, THINK_END = "<think>", "</think>"
 IM_SYSTEM, IM_USER, IM_ASSISTANT = "<|im_system|>", "<|im_user|>", "<|im_assistant|>"
 IM_MIDDLE, IM_END = "<|im_middle|>", "<|im_end|>"
 ROLE_TOKEN = {"system": IM_SYSTEM, "user": IM_USER, "assistant": IM_ASSISTANT, "tool": IM_SYSTEM}
-TOOL_CALL_TOKENS = (SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END)
 CHAT_TOKENS = (IM_SYSTEM, IM_USER, IM_ASSISTANT, IM_MIDDLE, IM_END, *TOOL_CALL_TOKENS, THINK_BEGIN, THINK_END)
 # What a generation continues after (the end of ``render_chat(..., add_generation_prompt=True)``).
 GENERATION_PROMPT = IM_ASSISTANT + "assistant" + IM_MIDDLE
-FUNCTION_PREFIX = "functions."
-TOOL_NAME = re.compile(r"[A-Za-z0-9_\-.]{1,64}")  # what a declared tool's name may be
-
-_CALL = re.compile(re.escape(CALL_BEGIN) + r"(.*?)" + re.escape(ARG_BEGIN) + r"(.*?)" + re.escape(CALL_END),
-                   re.DOTALL)
-_CALL_ID = re.compile(r"(?:functions\.)?([A-Za-z0-9_\-.]+)(?::(\d+))?")
 
 
 @dataclass
@@ -116,36 +105,7 @@ def validate_tools(tools: Any) -> list[dict[str, Any]]:
     return tools
 
 
-@dataclass(frozen=True)
-class Control:
-    """A control token that the template inserts (``token``: its string, e.g. ``<|im_end|>``)."""
-
-    token: str
-
-
-Piece = str | Control   # a rendered conversation: control tokens and text
 GENERATION_PIECES: tuple[Piece, ...] = (Control(IM_ASSISTANT), "assistant", Control(IM_MIDDLE))
-
-
-def text_of(pieces: Iterable[Piece]) -> str:
-    """The pieces as one string (control tokens spelled out): what people read, never what is tokenised."""
-    return "".join(p.token if isinstance(p, Control) else p for p in pieces)
-
-
-def tool_call_pieces(tool_calls: list[dict[str, Any]]) -> list[Piece]:
-    """The tool-call section for OpenAI-style ``tool_calls``.
-
-    A call's id is written as given (K3's template does the same), ``functions.NAME:IDX`` when it has none;
-    arguments given as a dict are written as JSON.
-    """
-    parts: list[Piece] = [Control(SECTION_BEGIN)]
-    for i, call in enumerate(tool_calls):
-        fn = call["function"]
-        call_id = call.get("id") or f"{FUNCTION_PREFIX}{fn['name']}:{i}"
-        args = fn.get("arguments", "{}")
-        parts += [Control(CALL_BEGIN), call_id, Control(ARG_BEGIN),
-                  args if isinstance(args, str) else json.dumps(args), Control(CALL_END)]
-    return parts + [Control(SECTION_END)]
 
 
 def tool_choice_pieces(tools: list[dict[str, Any]], choice: Any) -> tuple[list[dict[str, Any]], list[Piece]]:
@@ -159,11 +119,12 @@ def tool_choice_pieces(tools: list[dict[str, Any]], choice: Any) -> tuple[list[d
         name = (choice.get("function") or {}).get("name")
         if name not in {t["function"]["name"] for t in tools}:
             raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
-        return tools, [Control(SECTION_BEGIN), Control(CALL_BEGIN), f"{FUNCTION_PREFIX}{name}:0", Control(ARG_BEGIN)]
+        return tools, [Control(OPEN), "tools", Control(SEP), Control(OPEN), call_head(str(name), 0), Control(SEP),
+                       Control(OPEN), 'json type="object"', Control(SEP)]
     if choice == "required":  # the model must open a tool call; it picks the function
         if not tools:
             raise ValueError("tool_choice 'required' needs tools")
-        return tools, [Control(SECTION_BEGIN), Control(CALL_BEGIN), FUNCTION_PREFIX]
+        return tools, [Control(OPEN), "tools", Control(SEP), Control(OPEN), 'call tool="']
     if choice not in (None, "auto"):
         raise ValueError("tool_choice must be 'none', 'auto', 'required' or a named function")
     return tools, []
@@ -201,6 +162,7 @@ def chat_pieces(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
                 add_generation_prompt: bool = True) -> list[Piece]:
     """A conversation in K3's format, ending with the assistant header when generating."""
     out: list[Piece] = []
+    ids: dict[str, str] = {}   # a call's id as given -> the canonical id its tool result names
     if tools:
         out += [Control(IM_SYSTEM), "tool_declare", Control(IM_MIDDLE),
                 json.dumps(tools, ensure_ascii=False, separators=(",", ":")), Control(IM_END)]
@@ -210,8 +172,12 @@ def chat_pieces(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | No
             raise ValueError(f"unknown message role {role!r}")
         out += [Control(ROLE_TOKEN[role]), str(m.get("name") or role), Control(IM_MIDDLE)]
         if role == "tool":
-            out.append(f"## Return of {m.get('tool_call_id', '')}\n" + _text(m.get("content")))
+            call_id = str(m.get("tool_call_id") or "")
+            out.append(f"## Return of {ids.get(call_id, call_id)}\n" + _text(m.get("content")))
         elif role == "assistant":
+            for i, call in enumerate(m.get("tool_calls") or []):
+                if call.get("id"):
+                    ids[str(call["id"])] = canonical_id(call["function"]["name"], call_index(call, i))
             out += assistant_pieces(m)
         else:
             out.append(_text(m.get("content")))
@@ -256,43 +222,10 @@ def parse_assistant(text: str) -> AssistantMessage:
     if not any(t in body for t in TOOL_CALL_TOKENS):
         return AssistantMessage(body, reasoning)
     content, _, section = body.partition(SECTION_BEGIN)
-    calls = None if any(t in content for t in TOOL_CALL_TOKENS) else _parse_section(section)
+    calls = None if any(t in content for t in TOOL_CALL_TOKENS) else parse_section(section)
     if not calls:
         return AssistantMessage(text, None, [], malformed=True)
     return AssistantMessage(content, reasoning, calls)
-
-
-def _parse_section(section: str) -> list[dict[str, Any]] | None:
-    """The calls of a tool-call section (the text after ``<|tool_calls_section_begin|>``), None if malformed."""
-    inner = section.removesuffix(SECTION_END)  # a missing section end at the very end is accepted
-    calls: list[dict[str, Any]] = []
-    pos = 0
-    while pos < len(inner):
-        m = _CALL.match(inner, pos)
-        if m is None:
-            return None
-        call = _call(m.group(1), m.group(2), len(calls))
-        if call is None:
-            return None
-        calls.append(call)
-        pos = m.end()
-    return calls
-
-
-def _call(raw_id: str, raw_args: str, position: int) -> dict[str, Any] | None:
-    """One OpenAI-style tool call with its canonical id, or None when the id or the arguments are malformed."""
-    ident = _CALL_ID.fullmatch(raw_id.strip())
-    if ident is None:
-        return None
-    name, index = ident.group(1), ident.group(2)
-    args = raw_args.strip()
-    try:
-        if not isinstance(json.loads(args), dict):
-            return None
-    except (ValueError, RecursionError):
-        return None
-    call_id = f"{FUNCTION_PREFIX}{name}:{position if index is None else index}"
-    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
 
 
 def _text(content: Any) -> str:

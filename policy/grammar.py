@@ -7,10 +7,12 @@ complete only the end-of-turn token (``<|im_end|>``) is allowed, so a constraine
 
 - ``json_schema_grammar(schema)``: the whole answer is one JSON value valid under ``schema``
   (``response_format: {"type": "json_schema", ...}`` or ``{"type": "json_object"}``);
-- ``tool_call_grammar(parameters)``: JSON arguments valid under a function's ``parameters`` then
-  ``<|tool_call_end|><|tool_calls_section_end|>`` (``tool_choice`` naming a function: the prompt already ends
-  with the call's header, see ``policy.server.schemas.tool_prompt``); ``required_tool_grammar(functions)``
-  the same for ``tool_choice: "required"``, the model choosing which declared function to call.
+- ``tool_call_grammar(parameters)``: JSON arguments valid under a function's ``parameters`` then the ends of the
+  JSON block, the call and the section, ``<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>``
+  (``tool_choice`` naming a function: the prompt already ends with the call's header, see
+  ``policy.chat.tool_choice_pieces``); ``required_tool_grammar(functions)`` the same for ``tool_choice:
+  "required"`` (the prompt ends with ``<|open|>tools<|sep|><|open|>call tool="``), the model choosing which
+  declared function to call.
 
 JSON is written compactly (``", "`` and ``": "`` separators, no free whitespace): a model with no training
 cannot run on with blanks, and valid JSON always comes out when ``max_tokens`` leaves room for it.
@@ -25,9 +27,12 @@ from typing import Any
 
 import torch
 
-from policy.chat import ARG_BEGIN, CALL_END, SECTION_END
 from policy.tokenizer import K3Tokenizer
+from policy.tool_calls import CLOSE, OPEN, SEP
 
+# After the arguments: the ends of the JSON block, the call and the section (control tokens as Lark terminals)
+_ENDS = " ".join(f'{CLOSE} "{tag}" {SEP}' for tag in ("json", "call", "tools"))
+_JSON_OPEN = " ".join([OPEN, json.dumps('json type="object"'), SEP])
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
@@ -58,17 +63,18 @@ def tool_call_grammar(parameters: dict[str, Any] | None) -> str:
     """A grammar for a tool call's JSON arguments (under ``parameters``; any object when None) and the end of
     the call and of the section."""
     schema = parameters if parameters is not None else {"type": "object"}
-    lark = f"start: args {CALL_END} {SECTION_END}\nargs: %json {json.dumps(_styled(schema))}"
+    lark = f"start: args {_ENDS}\nargs: %json {json.dumps(_styled(schema))}"
     return str(_llg().LLMatcher.grammar_from_lark(lark))
 
 
 def required_tool_grammar(functions: list[tuple[str, dict[str, Any] | None]]) -> str:
-    """For ``tool_choice: "required"`` (the prompt ends with ``<|tool_call_begin|>functions.``): one of the
-    declared ``(name, parameters)`` functions, its index ``:0``, and arguments valid under its parameters."""
+    """For ``tool_choice: "required"`` (the prompt ends with ``<|open|>tools<|sep|><|open|>call tool="``): one of
+    the declared ``(name, parameters)`` functions, its index 0, and arguments valid under its parameters."""
     rules = []
     for i, (name, params) in enumerate(functions):
         schema = params if params is not None else {"type": "object"}
-        rules.append(f'call{i}: "{name}:0" {ARG_BEGIN} args{i} {CALL_END} {SECTION_END}\n'
+        head = json.dumps(f'{name}" index="0"')   # the prompt wrote ``call tool="``
+        rules.append(f"call{i}: {head} {SEP} {_JSON_OPEN} args{i} {_ENDS}\n"
                      f"args{i}: %json {json.dumps(_styled(schema))}")
     lark = "start: " + " | ".join(f"call{i}" for i in range(len(functions))) + "\n" + "\n".join(rules)
     return str(_llg().LLMatcher.grammar_from_lark(lark))

@@ -24,8 +24,7 @@ VOCAB_SIZE = 4096
 SPECIAL_TOKENS = [
     "[BOS]", "[EOS]", "[PAD]", "[UNK]",
     "<|im_end|>", "<|im_user|>", "<|im_assistant|>", "<|im_system|>", "<|im_middle|>",
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
-    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+    "<|open|>", "<|sep|>", "<|close|>",
     "<think>", "</think>", "<|media_pad|>",
 ]
 

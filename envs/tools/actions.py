@@ -15,21 +15,23 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envs.tools.core import ActionError, ToolCall
-from policy.chat import (
-    ARG_BEGIN,
-    CALL_BEGIN,
+from policy.chat import parse_assistant
+from policy.tool_calls import (
     CALL_END,
     FUNCTION_PREFIX,
+    JSON_BEGIN,
+    JSON_END,
+    OPEN,
     SECTION_BEGIN,
     SECTION_END,
-    parse_assistant,
+    SEP,
 )
 
-FORMAT = f"{SECTION_BEGIN}{CALL_BEGIN}functions.NAME:0{ARG_BEGIN}{{json arguments}}{CALL_END}{SECTION_END}"
+FORMAT = f'{SECTION_BEGIN}{OPEN}call tool="NAME"{SEP}{JSON_BEGIN}{{json arguments}}{JSON_END}{CALL_END}{SECTION_END}'
 MALFORMED = ("malformed tool-call section: after any prose, write " + SECTION_BEGIN + ", then for each call "
-             + CALL_BEGIN + "functions.NAME:IDX" + ARG_BEGIN + "{arguments}" + CALL_END + ", then " + SECTION_END
-             + "; the arguments must be a JSON object (text that is not valid JSON, a list or a number is refused)"
-             " and nothing may follow the section")
+             + OPEN + 'call tool="NAME" index="IDX"' + SEP + JSON_BEGIN + "{arguments}" + JSON_END + CALL_END
+             + ", then " + SECTION_END + "; the arguments must be a JSON object (text that is not valid JSON, a list"
+             " or a number is refused) and nothing may follow the section")
 NO_CALL = f"no tool call found in the action: call a tool in the tool-call format ({FORMAT})"
 
 

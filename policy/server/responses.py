@@ -25,11 +25,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from policy.chat import SECTION_BEGIN, THINK_BEGIN, THINK_END, AssistantMessage, parse_assistant
+from policy.chat import THINK_BEGIN, THINK_END, AssistantMessage, parse_assistant
 from policy.engine import Sequence
 from policy.server.schemas import ChatRequest, CompletionRequest
 from policy.server.streaming import Generation
 from policy.tokenizer import K3Tokenizer
+from policy.tool_calls import SECTION_BEGIN
 
 
 @dataclass

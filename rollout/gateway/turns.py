@@ -27,13 +27,14 @@ from typing import Any
 from policy import chat
 from policy.chat import ChatEncoder
 from policy.client import PolicyError
+from policy.tool_calls import SECTION_BEGIN
 from rollout.gateway.messages import Answer, Call, Delta, Finish, read_answer
 from rollout.gateway.sessions import Session, SessionConfig, Sessions
 from rollout.gateway.tape import Node, Tape, template_hash
 from rollout.gateway.upstream import Upstream
 
 BUDGET_TEXT = "[agentenv] This episode's {what} budget is spent; no more model calls will be answered. Stop here."
-_HELD = (chat.SECTION_BEGIN, chat.THINK_END)
+_HELD = (SECTION_BEGIN, chat.THINK_END)
 
 
 class Gateway:
@@ -206,7 +207,7 @@ class Shown:
                 yield from self._deltas(_held(inner), "")
                 return
             reasoning, text = inner.split(chat.THINK_END, 1)
-        yield from self._deltas(reasoning, _held(text.split(chat.SECTION_BEGIN, 1)[0]))
+        yield from self._deltas(reasoning, _held(text.split(SECTION_BEGIN, 1)[0]))
 
     def final(self, answer: Answer) -> Iterator[Delta]:
         yield from self._deltas(answer.reasoning or "", answer.content)

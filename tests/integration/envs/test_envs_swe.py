@@ -36,8 +36,8 @@ def task(tasks):
 
 
 def k3(name: str, **args) -> str:
-    return ("<|tool_calls_section_begin|><|tool_call_begin|>functions." + name + ":0<|tool_call_argument_begin|>"
-            + json.dumps(args) + "<|tool_call_end|><|tool_calls_section_end|>")
+    return (f'<|open|>tools<|sep|><|open|>call tool="{name}" index="0"<|sep|><|open|>json type="object"<|sep|>'
+            + json.dumps(args) + "<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>")
 
 
 def apply_gold(env: SWEEnv) -> str:

@@ -60,12 +60,13 @@ def test_models_and_chat_with_tools(client):
     assert len(choice["token_ids"]) == len(choice["logprobs"]["content"]) == r.usage.completion_tokens > 0
     assert extra["prompt_token_ids"] and extra["weight_version"] == 0
     tok = load_tokenizer()
-    assert tok.decode(extra["prompt_token_ids"]).endswith("functions.get_weather:0<|tool_call_argument_begin|>")
+    assert tok.decode(extra["prompt_token_ids"]).endswith(
+        '<|open|>call tool="get_weather" index="0"<|sep|><|open|>json type="object"<|sep|>')
     # an untrained model writes arbitrary arguments: either valid tool calls or content flagged as malformed
     assert choice["malformed_tool_calls"] or choice["message"]["tool_calls"]
     req = client.chat.completions.create(model="k3-mini", messages=[{"role": "user", "content": "hi"}], tools=TOOLS,
                                          tool_choice="required", max_tokens=4)
-    assert tok.decode(req.model_extra["prompt_token_ids"]).endswith("<|tool_call_begin|>functions.")
+    assert tok.decode(req.model_extra["prompt_token_ids"]).endswith('<|open|>tools<|sep|><|open|>call tool="')
 
 
 def test_streaming_gives_the_same_tokens_as_non_streaming(client):

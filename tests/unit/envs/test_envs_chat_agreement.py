@@ -16,15 +16,17 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from envs.tool_env import ToolEnv
-from policy.chat import (
-    ARG_BEGIN,
-    CALL_BEGIN,
+from policy.chat import THINK_BEGIN, THINK_END, parse_assistant
+from policy.tool_calls import (
+    ARG_END,
     CALL_END,
+    CLOSE,
+    JSON_BEGIN,
+    JSON_END,
+    OPEN,
     SECTION_BEGIN,
     SECTION_END,
-    THINK_BEGIN,
-    THINK_END,
-    parse_assistant,
+    SEP,
 )
 
 from .fakes import FakeBackend
@@ -36,8 +38,16 @@ def section(*calls: str, end: str = SECTION_END) -> str:
     return SECTION_BEGIN + "".join(calls) + end
 
 
-def call(call_id: str, args: str) -> str:
-    return CALL_BEGIN + call_id + ARG_BEGIN + args + CALL_END
+def head(name: str, index: int | str | None = None) -> str:
+    return OPEN + f'call tool="{name}"' + ("" if index is None else f' index="{index}"') + SEP
+
+
+def call(name: str, args: str, index: int | str | None = 0) -> str:
+    return head(name, index) + JSON_BEGIN + args + JSON_END + CALL_END
+
+
+def typed(key: str, value: str, kind: str = "string") -> str:
+    return OPEN + f'argument key="{key}" type="{kind}"' + SEP + value + ARG_END
 
 
 CALC = '{"expression": "6 * 7"}'
@@ -46,27 +56,28 @@ CASES = [
     "<think>let me think</think>The answer is 4.",
     "<think></think>",
     "",
-    "Calling." + section(call("functions.calculator:0", CALC), call("functions.python:1", '{"code": "print(1)"}')),
-    "<think>t</think>" + section(call("functions.x.y-z:7", "{}")),
-    section(call("functions.calculator:0", CALC), call("functions.answer:1", '{"answer": "42"}'),
-            call("functions.calculator:2", CALC)),
-    # lenient: no functions. prefix, no :IDX, whitespace around the id and the arguments, no section end at the end
-    section(call("calculator:0", CALC)),
-    section(call("functions.calculator", CALC), call("answer", '{"answer": "42"}')),
-    section(call("  functions.calculator:3 \n", f"\n {CALC} \n")),
-    section(call("functions.calculator:0", CALC), end=""),
+    "Calling." + section(call("calculator", CALC), call("python", '{"code": "print(1)"}', 1)),
+    "<think>t</think>" + section(call("x.y-z", "{}", 7)),
+    section(call("calculator", CALC), call("answer", '{"answer": "42"}', 1), call("calculator", CALC, 2)),
+    # lenient: no index, blanks between blocks and around the arguments, typed arguments, no section end at the end
+    section(call("calculator", CALC, None), call("answer", '{"answer": "42"}', None)),
+    section("\n " + call("calculator", f"\n {CALC} \n", 3) + "\n"),
+    section(head("calculator") + typed("expression", "6 * 7") + CALL_END),
+    section(head("answer") + typed("answer", "42", "number") + CALL_END),
+    section(call("calculator", CALC), end=""),
     # malformed
-    section(call("functions.f:0", "{bad json")),
-    SECTION_BEGIN + CALL_BEGIN + "functions.f:0" + ARG_BEGIN + "{}",
+    section(call("f", "{bad json")),
+    SECTION_BEGIN + head("f") + JSON_BEGIN + "{}",
     "text" + CALL_END,
     section(call("two words", "{}")),
     section(),
-    section(call("functions.calculator:0", "[1, 2]")),
-    section(call("functions.calculator:0", CALC)) + " trailing prose",
-    section(call("functions.calculator:0", CALC)) + "\n",
-    "prose " + CALL_BEGIN + section(call("functions.calculator:0", CALC)),
-    SECTION_BEGIN + CALL_BEGIN + "functions.bash:0" + CALL_END + SECTION_END,
-    section(call("functions.calculator:0", CALC), end=SECTION_END + SECTION_END),
+    section(call("calculator", "[1, 2]")),
+    section(call("calculator", CALC)) + " trailing prose",
+    section(call("calculator", CALC, "x")),
+    section(head("answer") + typed("answer", "forty", "number") + CALL_END),
+    "prose " + CALL_END + section(call("calculator", CALC)),
+    SECTION_BEGIN + head("bash") + CALL_END + JSON_END + SECTION_END,
+    section(call("calculator", CALC), end=SECTION_END + SECTION_END),
 ]
 
 
@@ -107,25 +118,26 @@ def test_the_env_runs_exactly_what_the_policy_parses(env, text):
     check_agreement(env, text)
 
 
-PIECES = st.sampled_from([SECTION_BEGIN, SECTION_END, CALL_BEGIN, ARG_BEGIN, CALL_END, THINK_BEGIN, THINK_END,
-                          "functions.", "calculator", "answer", "search", "no_such_tool", ":0", ":1", ":x", " ", "\n",
-                          CALC, '{"answer": "42"}', '{"query": "port"}', "{}", "[1]", "{bad", '"s"', "hello", "."])
+PIECES = st.sampled_from([SECTION_BEGIN, SECTION_END, OPEN, SEP, CLOSE, "call", ' tool="calculator"',
+                          ' tool="answer"', ' index="0"', "json", JSON_BEGIN, JSON_END, CALL_END, THINK_BEGIN,
+                          THINK_END, "no_such_tool", " ", "\n", CALC, '{"answer": "42"}', '{"query": "port"}', "{}",
+                          "[1]", "{bad", '"s"', "hello", "."])
 
 
 @st.composite
 def messages(draw: st.DrawFn) -> str:
     """Near-canonical assistant messages, sometimes with one piece dropped, doubled or swapped."""
     calls = draw(st.lists(st.tuples(st.sampled_from(["calculator", "answer", "search", "bad name", "x.y"]),
-                                    st.sampled_from(["functions.{}:{}", "{}:{}", "functions.{}", "{}", " {}:{} "]),
+                                    st.sampled_from([None, 0, 1, "x", " "]),
                                     st.sampled_from([CALC, '{"answer": "42"}', "{}", " {} ", "[]", "{oops", "1"])),
                           max_size=3))
     parts = [draw(st.sampled_from(["", "Sure. ", f"{THINK_BEGIN}hm{THINK_END}"])), SECTION_BEGIN]
-    for i, (name, form, args) in enumerate(calls):
-        parts += [CALL_BEGIN, form.format(name, i), ARG_BEGIN, args, CALL_END]
+    for name, index, args in calls:
+        parts += [head(name, index), JSON_BEGIN, args, JSON_END, CALL_END]
     parts.append(draw(st.sampled_from([SECTION_END, SECTION_END, "", SECTION_END + "x"])))
     if parts and draw(st.booleans()):
         i = draw(st.integers(0, len(parts) - 1))
-        parts[i] = draw(st.sampled_from(["", parts[i] * 2, CALL_END, ARG_BEGIN]))
+        parts[i] = draw(st.sampled_from(["", parts[i] * 2, CALL_END, JSON_END]))
     return "".join(parts)
 
 

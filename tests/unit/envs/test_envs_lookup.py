@@ -186,7 +186,7 @@ def test_without_the_answer_tool_a_plain_reply_is_the_answer():
     with LookupEnv(task=t.id, api=ShellBackend(), answer_tool=False) as env:
         assert env.toolbox.names == ["bash"]
         env.reset()
-        obs, reward, term, *_ = env.step("<|tool_calls_section_begin|>oops")  # a broken call is not an answer
+        obs, reward, term, *_ = env.step("<|open|>tools<|sep|>oops")  # a broken call is not an answer
         assert "malformed" in obs and (reward, term) == (0.0, False)
         obs, reward, term, *_ = env.step('{"name": "bash", "arguments": {"command": "cat ' + t.key + '"}}')
         assert obs == t.answer + "\n" and not term

@@ -31,9 +31,9 @@ SWE_TOOLS = [*BashTool.specs(), *FileTools.specs(), *SubmitTool.specs()]
 
 
 def k3(*calls: tuple[str, dict]) -> str:
-    body = "".join(f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>{json.dumps(a)}<|tool_call_end|>"
-                   for i, (n, a) in enumerate(calls))
-    return f"Let me look.<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+    body = "".join(f'<|open|>call tool="{n}" index="{i}"<|sep|><|open|>json type="object"<|sep|>{json.dumps(a)}'
+                   "<|close|>json<|sep|><|close|>call<|sep|>" for i, (n, a) in enumerate(calls))
+    return f"Let me look.<|open|>tools<|sep|>{body}<|close|>tools<|sep|>"
 
 
 def named(calls: list[ToolCall]) -> list[tuple[str, dict]]:
@@ -68,7 +68,7 @@ def test_a_list_of_openai_tool_calls_keeps_their_ids():
 
 @pytest.mark.parametrize(("action", "words"), [
     ("just some prose", "no tool call"),
-    ("<|tool_calls_section_begin|><|tool_call_begin|>functions.bash:0<|tool_call_end|>", "malformed"),
+    ('<|open|>tools<|sep|><|open|>call tool="bash"<|sep|><|close|>json<|sep|>', "malformed"),
     (k3(("bash", {})).replace("{}", "{oops"), "not valid JSON"),
     (k3(("bash", {})).replace("{}", "[1, 2]"), "JSON object"),
     ({"arguments": {}}, "tool name"),
@@ -202,8 +202,8 @@ def test_every_call_runs_in_order_and_a_submit_ends_the_action(tools, sb):
 
 
 def test_a_malformed_action_runs_nothing_and_says_the_format(tools, sb):
-    turn = tools.run(k3(("bash", {"command": "touch x"})).replace("<|tool_call_end|>", ""))
-    assert turn.calls == () and turn.error and "malformed" in turn.text and "functions.NAME:IDX" in turn.text
+    turn = tools.run(k3(("bash", {"command": "touch x"})).replace("<|close|>call<|sep|>", ""))
+    assert turn.calls == () and turn.error and "malformed" in turn.text and 'call tool="NAME"' in turn.text
     assert sb.commands == []
 
 

@@ -1,5 +1,6 @@
 """Property tests of K3's chat format (policy/chat.py): render -> parse -> render is byte-identical, lenient
-forms parse like their canonical form, and malformed text never raises."""
+forms parse like their canonical form, malformed text never raises, and K3's reference tool parser (mlx-lm's
+``tool_parsers/kimi_k3.py``) reads what we render while we read what it reads."""
 
 from __future__ import annotations
 
@@ -8,23 +9,20 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mlx_lm.tool_parsers import kimi_k3 as mlx_kimi_k3
 
 from policy.chat import (
-    ARG_BEGIN,
-    CALL_BEGIN,
-    CALL_END,
     CHAT_TOKENS,
     IM_END,
     IM_MIDDLE,
     ROLE_TOKEN,
-    SECTION_BEGIN,
-    SECTION_END,
     TOOL_CALL_TOKENS,
     parse_assistant,
     render_assistant_body,
     render_chat,
     tool_spec,
 )
+from policy.tool_calls import ARG_END, CALL_END, JSON_BEGIN, JSON_END, OPEN, SECTION_BEGIN, SECTION_END, SEP
 
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -119,26 +117,44 @@ def test_render_parse_render_is_byte_identical(msgs, decls):
     assert render_chat(reparsed, decls, add_generation_prompt=False) == rendered
 
 
+def _attr(v: str) -> str:
+    return v.replace("&", "&amp;").replace('"', "&quot;")
+
+
+_TYPES = {str: "string", bool: "boolean", int: "number", float: "number", list: "array", dict: "object"}
+
+
 @st.composite
 def lenient(draw: st.DrawFn) -> tuple[str, str]:
     """(lenient text, its canonical form) for an assistant turn with at least one tool call."""
     msg = draw(assistant_messages())
     calls = msg.get("tool_calls") or draw(tool_calls(min_calls=1))
     msg["tool_calls"] = calls
-    canonical = render_assistant_body(msg)
     ws = st.text(alphabet=" \t\n\r", max_size=3)
     section = [SECTION_BEGIN]
     for i, c in enumerate(calls):
         name = c["function"]["name"]
-        call_id = c["id"]
-        if call_id.endswith(f":{i}") and draw(st.booleans()):  # the position is the default index
-            call_id = call_id.removesuffix(f":{i}")
-        if not name.startswith("functions.") and draw(st.booleans()):  # else the prefix is needed
-            call_id = call_id.removeprefix("functions.")
-        section += [CALL_BEGIN, draw(ws), call_id, draw(ws), ARG_BEGIN, draw(ws), c["function"]["arguments"],
-                    draw(ws), CALL_END]
+        index = c["id"].rsplit(":", 1)[1]
+        head = f'call tool="{name}"'
+        if index != str(i) or draw(st.booleans()):  # the position is the default index
+            head = f'call index="{index}" tool="{name}"' if draw(st.booleans()) else f'{head} index="{index}"'
+        section += [draw(ws), OPEN, head, draw(ws), SEP]
+        values = json.loads(c["function"]["arguments"])
+        if draw(st.booleans()):   # typed arguments, one block each: the arguments become json.dumps of them
+            c["function"]["arguments"] = json.dumps(values, ensure_ascii=False)
+            for k, v in values.items():
+                kind = "null" if v is None else _TYPES[type(v)]
+                typed = f' type="{kind}"' if kind != "string" or draw(st.booleans()) else ""
+                section += [draw(ws), OPEN, f'argument key="{_attr(k)}"{typed}', SEP,
+                            v if kind == "string" else json.dumps(v), ARG_END]
+        else:
+            opener = JSON_BEGIN if draw(st.booleans()) else f"{OPEN}json{SEP}"
+            section += [draw(ws), opener, draw(ws), c["function"]["arguments"], draw(ws), JSON_END]
+        section += [draw(ws), CALL_END]
     if draw(st.booleans()):
-        section.append(SECTION_END)
+        section += [draw(ws), SECTION_END]
+    section.append(draw(ws))
+    canonical = render_assistant_body(msg)
     prefix = canonical[: canonical.index(SECTION_BEGIN)]
     return prefix + "".join(section), canonical
 
@@ -153,36 +169,34 @@ def test_lenient_forms_parse_like_the_canonical_form(pair):
     assert render_assistant_body(got.to_openai()) == canonical
 
 
-def _swap(t: str, a: str, b: str) -> str:
-    """``t`` with its first ``a`` and the first ``b`` after it swapped."""
-    i = t.index(a)
-    j = t.index(b, i)
-    return t[:i] + b + t[i + len(a):j] + a + t[j + len(b):]
-
-
 def _first_args(t: str, new: str) -> str:
     """``t`` with the arguments of its first call replaced by ``new`` (``{}`` in it stands for the old ones)."""
-    i = t.index(ARG_BEGIN) + len(ARG_BEGIN)
-    j = t.index(CALL_END, i)
+    i = t.index(JSON_BEGIN) + len(JSON_BEGIN)
+    j = t.index(JSON_END, i)
     return t[:i] + new.replace("{}", t[i:j]) + t[j:]
 
 
 _breakers = st.sampled_from([
     lambda t: t + "x",                                              # text after the section
     lambda t: t + SECTION_END,                                      # a second section end
-    lambda t: t.replace(ARG_BEGIN, "", 1),                          # a call without its argument token
     lambda t: t.replace(CALL_END, "", 1),                           # a call without its end
-    lambda t: t.replace(CALL_BEGIN, "", 1),                         # arguments without a call
+    lambda t: t.replace(JSON_END, "", 1),                           # arguments without their end
+    lambda t: t.replace(JSON_BEGIN, "", 1),                         # arguments without their block
+    lambda t: t.replace(CALL_END, CALL_END + "x", 1),               # text between calls
     lambda t: _first_args(t, "[{}]"),                               # arguments that are not an object
     lambda t: _first_args(t, "42"),
     lambda t: _first_args(t, "{}}"),                                # or not JSON
     lambda t: _first_args(t, ""),
-    lambda t: t.replace(CALL_BEGIN, CALL_BEGIN + "functions.a b:0" + ARG_BEGIN + "{}" + CALL_END + CALL_BEGIN, 1),
-    lambda t: _swap(t, CALL_BEGIN, ARG_BEGIN),                     # tokens out of order
-    lambda t: _swap(t, ARG_BEGIN, CALL_END),
-    lambda t: t.replace(SECTION_BEGIN, CALL_END + SECTION_BEGIN, 1),  # a token in the content
+    lambda t: t.replace(' index="', ' index="x', 1),                # an index that is not a number
+    lambda t: t.replace(' index="', ' colour="red" index="', 1),    # an unknown attribute
+    lambda t: t.replace(' index="', ' tool="again" index="', 1),    # an attribute twice
+    lambda t: t.replace('call tool="', 'call name="', 1),           # no tool name
+    lambda t: t.replace('call tool="', 'call tool="a b', 1),        # a tool name that cannot be one
+    lambda t: t.replace(SECTION_BEGIN, CALL_END + SECTION_BEGIN, 1),  # a section token in the content
+    lambda t: t.replace(SECTION_BEGIN, f"{OPEN}tool{SEP}", 1),      # a section that is not one
     lambda t: t[: t.index(SECTION_BEGIN) + len(SECTION_BEGIN)],     # an empty section
     lambda t: t[: t.index(SECTION_BEGIN) + len(SECTION_BEGIN)] + SECTION_END,
+    lambda t: t.replace(JSON_BEGIN, f'{OPEN}json type="array"{SEP}', 1),  # arguments of another type
 ])
 
 
@@ -195,7 +209,9 @@ def test_malformed_text_never_raises_and_is_kept_as_content(msg, calls, breaker)
     assert got.malformed and got.tool_calls == [] and got.content == text and got.reasoning_content is None
 
 
-_soup = st.lists(st.one_of(st.sampled_from(CHAT_TOKENS + ("functions.f:0", "f", "{}", '{"a": [1]}', "[]", " ")),
+_soup = st.lists(st.one_of(st.sampled_from(CHAT_TOKENS + ("tools", "call", ' tool="f"', ' index="0"', "json", "argument",
+                                                         ' key="k"', ' type="number"', "1", "{}", '{"a": [1]}', "[]",
+                                                         " ")),
                            st.text(max_size=4)), max_size=14).map("".join)
 
 
@@ -211,3 +227,23 @@ def test_any_text_parses_without_raising_and_normalising_is_idempotent(t):
     assert render_assistant_body(parse_assistant(again).to_openai()) == again
     if not any(tok in t for tok in TOOL_CALL_TOKENS):
         assert again == t  # text without a tool call is never rewritten
+
+
+def _as_reference(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])} for c in calls]
+
+
+@SETTINGS
+@given(assistant_messages(), tool_calls(min_calls=1))
+def test_the_reference_parser_reads_what_we_render(msg, calls):
+    msg["tool_calls"] = calls
+    assert mlx_kimi_k3.parse_tool_call(render_assistant_body(msg)) == _as_reference(calls)
+
+
+@SETTINGS
+@given(lenient())
+def test_we_read_what_the_reference_parser_reads(pair):
+    variant, _ = pair   # K3's other spellings: typed arguments, attributes in any order, blanks between blocks
+    ours = parse_assistant(variant)
+    assert not ours.malformed
+    assert _as_reference(ours.tool_calls) == mlx_kimi_k3.parse_tool_call(variant)

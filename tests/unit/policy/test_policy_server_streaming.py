@@ -65,8 +65,9 @@ def _events(client: TestClient, path: str, body: dict[str, Any]) -> list[dict[st
     return [json.loads(x) for x in lines[:-1]]
 
 
-CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-        '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>')
+ENDS = "<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+CALL = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="0"<|sep|><|open|>json type="object"<|sep|>'
+        '{"city": "Paris"}' + ENDS)
 
 
 @pytest.mark.parametrize(("text", "tool_choice"), [
@@ -74,10 +75,9 @@ CALL = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<
     ("<think>reason first</think>The answer.", None),
     ("Let me look." + CALL, None),
     ("<think>r</think>" + CALL, "auto"),
-    ("Broken<|tool_calls_section_begin|><|tool_call_begin|>get_weather<|tool_call_argument_begin|>{oops", None),
-    ('{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>',
-     {"type": "function", "function": {"name": "get_weather"}}),
-    ('get_weather:0<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>', "required"),
+    ('Broken<|open|>tools<|sep|><|open|>call tool="get_weather"<|sep|><|open|>json<|sep|>{oops', None),
+    ('{"city": "Rome"}' + ENDS, {"type": "function", "function": {"name": "get_weather"}}),
+    ('get_weather" index="0"<|sep|><|open|>json type="object"<|sep|>{"city": "Oslo"}' + ENDS, "required"),
 ])
 def test_a_streamed_chat_answer_adds_up_to_the_whole_answer(text, tool_choice):
     client = _client([text])
@@ -105,7 +105,7 @@ def test_a_streamed_chat_answer_adds_up_to_the_whole_answer(text, tool_choice):
 
 
 def test_chat_tool_calls_and_malformed_come_from_parse_assistant():
-    client = _client(["Sure." + CALL.replace("functions.get_weather:0", " get_weather ")])
+    client = _client(["Sure." + CALL.replace(' index="0"<|sep|>', " <|sep|>\n")])
     r = client.post("/v1/chat/completions", json={"model": "k3-mini", "messages": [{"role": "user", "content": "x"}],
                                                   "tools": TOOLS}, headers=AUTH).json()
     choice = r["choices"][0]

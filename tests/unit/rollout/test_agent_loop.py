@@ -79,7 +79,7 @@ def test_the_whole_conversation_decodes_to_its_rendering_byte_for_byte():
 
 def test_a_wrong_answer_scores_zero_and_malformed_text_is_counted():
     def wrong(prompt, turn):
-        return "<|tool_call_begin|>oops" if turn == 0 else scripted.tool_call("answer", {"answer": "1"})
+        return '<|open|>call tool="oops' if turn == 0 else scripted.tool_call("answer", {"answer": "1"})
 
     t = play(wrong)
     assert (t.finish_reason, t.reward) == ("submitted", 0.0)

@@ -70,7 +70,7 @@ def test_lookup_demonstrations_score_one_are_short_and_in_the_trajectory_format(
     # the budget a small policy trains on: a short prompt, short episodes; level 3 takes one turn more
     for level, turns in ((0, 2), (1, 2), (2, 2), (3, 3)):
         stats = report.tokens[f"lookup-{level}"]
-        assert stats["prompt"] < 260 and stats["max_total"] < 360 and stats["turns"] == turns, (level, stats)
+        assert stats["prompt"] < 260 and stats["max_total"] < 420 and stats["turns"] == turns, (level, stats)
     assert json.loads((tmp_path / "demos" / "demos.json").read_text())["written"] == 16
 
 
@@ -84,7 +84,7 @@ def test_without_the_answer_tool_the_expert_answers_in_plain_text_and_episodes_a
     assert TOK.decode(last.token_ids).endswith(chat.GENERATION_PROMPT + last.grade["expected"] + chat.IM_END)
     for level in (0, 1, 2, 3):
         a, b = with_tool.tokens[f"lookup-{level}"], plain.tokens[f"lookup-{level}"]
-        assert b["prompt"] < a["prompt"] - 80 and b["max_total"] < 220 and b["turns"] == a["turns"]
+        assert b["prompt"] < a["prompt"] - 80 and b["max_total"] < 260 and b["turns"] == a["turns"]
 
 
 def test_episodes_that_do_not_score_one_are_left_out_and_reported(tmp_path):
