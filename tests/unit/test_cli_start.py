@@ -20,7 +20,7 @@ from agentenv.cli import DISTRIBUTION, app
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "ray", "httpx", "fastapi", "uvicorn", "numpy", "agentenv.server", "agentenv.sandbox",
-         "agentenv.host", "trainer.viewer.web", "rollout.workers", "envs.datasets", "envs.tasks.__main__")
+         "agentenv.host", "trainer.viewer.web", "rollout.workers", "envs.datasets", "envs.tasks")
 
 
 def heavy_loaded_after(argv: list[str]) -> tuple[list[str], str]:
