@@ -12,35 +12,38 @@ lifecycle: calls, fork, snapshots, recovery, the warm pool), ``inside/``
 ``wire``: the HTTP bodies both ends read), the settings (``config``, ``phases``; ``config`` also holds the one atomic
 file writer every package uses) and the command line (``cli``, ``tour``, ``terminal``).
 
-Importing this module loads the contract only: ``Sandbox`` and ``Snapshot`` (the host stack) are imported on first
-use, like ``connect`` and ``Pool`` (httpx), so a client of a server never loads the host's modules.
+Importing this module loads nothing: the contract's names (``Limits``, ``SandboxInfo``, ..., ``errors``) are
+imported on first use, so the command line (``agentenv.cli``, under this package) starts without them; ``Sandbox``
+and ``Snapshot`` (the host stack) too, like ``connect`` and ``Pool`` (httpx), so a client of a server never loads the
+host's modules.
 """
 
 from typing import TYPE_CHECKING, Any
 
-from agentenv import errors
-from agentenv.api import (
-    Backend,
-    ExecResult,
-    ImageFetch,
-    Limits,
-    Process,
-    SandboxInfo,
-    SandboxLike,
-    SnapshotInfo,
-    SnapshotLike,
-)
-
 if TYPE_CHECKING:  # what __getattr__ gives, as type checkers see it (connect and Pool stay untyped there, as before)
+    from agentenv import errors
+    from agentenv.api import (
+        Backend,
+        ExecResult,
+        ImageFetch,
+        Limits,
+        Process,
+        SandboxInfo,
+        SandboxLike,
+        SnapshotInfo,
+        SnapshotLike,
+    )
     from agentenv.sandbox.core import Sandbox
     from agentenv.snapshot.store import Snapshot
 
 __all__ = ["Backend", "ExecResult", "ImageFetch", "Limits", "Pool", "Process", "Sandbox", "SandboxInfo", "SandboxLike",
            "Snapshot", "SnapshotInfo", "SnapshotLike", "connect", "ensure_image", "errors"]
 __version__ = "0.1.0"
+_CONTRACT = frozenset({"Backend", "ExecResult", "ImageFetch", "Limits", "Process", "SandboxInfo", "SandboxLike",
+                       "SnapshotInfo", "SnapshotLike"})  # agentenv.api's names, given by __getattr__
 
 
-def ensure_image(image: str, *, deadline: float | None = None) -> ImageFetch:
+def ensure_image(image: str, *, deadline: float | None = None) -> "ImageFetch":
     """Make sure ``image`` is on this host: its local store, a ``docker load`` tarball, a mirror or a registry (the
     sources ``AGENTENV_IMAGE_*`` name; ``agentenv.host.image_store``); where it came from, or ImageUnavailable."""
     import dataclasses
@@ -55,7 +58,12 @@ def ensure_image(image: str, *, deadline: float | None = None) -> ImageFetch:
 
 def __getattr__(name: str) -> Any:
     """``connect`` and ``Pool`` (the remote API) are imported on first use, so httpx is not needed locally; so are
-    ``Sandbox`` and ``Snapshot`` (the local API), so a remote user never loads the host."""
+    ``Sandbox`` and ``Snapshot`` (the local API), so a remote user never loads the host, and the contract's names."""
+    if name in _CONTRACT or name == "errors":  # (by import_module: a from-import here would ask __getattr__ again)
+        from importlib import import_module
+
+        module = import_module(f"agentenv.{'errors' if name == 'errors' else 'api'}")
+        return module if name == "errors" else getattr(module, name)
     if name == "connect":
         from agentenv.remote.client import connect
 

@@ -117,6 +117,8 @@ class SandboxInfo(Value):
     labels: dict[str, str]
     limits: Limits
     network: Network | None = None  # None: loopback only
+    parent_snapshot: str | None = None  # the snapshot it was restored or forked from (None: made from an image)
+    forked_from: str | None = None  # the sandbox it is a fork of (None: created, or restored from a snapshot)
 
     _nested: ClassVar[dict[str, type[Value]]] = {"limits": Limits, "network": Network}
 
@@ -315,6 +317,12 @@ class SandboxLike(Protocol):
 
     @property
     def network(self) -> Network | None: ...
+
+    @property
+    def parent_snapshot(self) -> str | None: ...
+
+    @property
+    def forked_from(self) -> str | None: ...
 
     def update_network(self, allow_out: Sequence[str] = ..., deny_out: Sequence[str] = ...) -> Network: ...
 

@@ -197,6 +197,16 @@ class RemoteSandbox(RemoteFiles):
         """The sandbox's address and outbound rules (as last seen: ``info()`` asks again); None: loopback only."""
         return self._info.network
 
+    @property
+    def parent_snapshot(self) -> str | None:
+        """The snapshot it was restored or forked from (None: made from an image; or a server before the field)."""
+        return self._info.parent_snapshot
+
+    @property
+    def forked_from(self) -> str | None:
+        """The sandbox it is a fork of, on its server (None: created or restored; or a server before the field)."""
+        return self._info.forked_from
+
     def set_ttl(self, ttl: float) -> None:
         """Extend (or shorten) the time to live, counted from now."""
         self._info = SandboxInfo.from_wire(self._call("POST", "/ttl", {"ttl": ttl}))

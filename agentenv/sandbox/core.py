@@ -189,7 +189,8 @@ class Sandbox(Calls, Record):
         """What this sandbox is now (``state`` when the caller knows it, saving a runc call)."""
         return SandboxInfo(id=self.id, state=state or self.state, image=self.image,
                            created_at=self.created_at, expires_at=self.expires_at, labels=self.labels,
-                           limits=self.limits, network=self.network)
+                           limits=self.limits, network=self.network, parent_snapshot=self.parent_snapshot,
+                           forked_from=self.forked_from)
 
     def update_network(self, allow_out: Sequence[str] = (), deny_out: Sequence[str] = ()) -> Network:
         """Replace the outbound rules of a sandbox made with network, at once if it runs (a paused one gets them

@@ -67,7 +67,8 @@ def _fork_files(parent: S, count: int, ttl: float | None) -> builtins.list[S]:
             lineage = parent.parent_snapshot  # no snapshot of its own: the children descend from the parent's
             for _ in range(count):
                 kids.append(_from_pool(parent, spec, lineage, ttl)
-                            or parent.lifecycle.new(spec, image=parent.image, ttl=ttl, labels=parent.labels, parent=lineage))
+                            or parent.lifecycle.new(spec, image=parent.image, ttl=ttl, labels=parent.labels, parent=lineage,
+                                                   forked_from=parent.id))
             disk = spec.limits.disk
             with phase("freeze+clone"), snapshotting.frozen(parent, quiesce=False):
                 volume.clone_layer(parent.lifecycle.container.layer, kids[0].lifecycle.container.layer, disk)
@@ -102,7 +103,8 @@ def _from_pool(parent: S, spec: ContainerSpec, lineage: str | None, ttl: float |
     with sb.locked():
         retired, layer = sb.record.layer, f"{sb.id}.{uuid.uuid4().hex[:6]}"
         assert retired is not None  # the pool's sandboxes are new: each has a layer of its own
-        sb.transition("creating", owner=store.owner(), parent_snapshot=lineage, layer=layer, retired_layers=[retired])
+        sb.transition("creating", owner=store.owner(), parent_snapshot=lineage, forked_from=parent.id, layer=layer,
+                      retired_layers=[retired])
         sb.save_record()
     sb.lifecycle.container.layer = paths().layers / layer
     return sb
@@ -174,7 +176,7 @@ def _fork_snapshot(parent: S, count: int, memory: bool, ttl: float | None) -> bu
         made: builtins.list[S | None] = [None] * count
 
         def one(i: int) -> None:
-            made[i] = parent.lifecycle.restore(snap, parent.labels, "fork", ttl)
+            made[i] = parent.lifecycle.restore(snap, parent.labels, "fork", ttl, forked_from=parent.id)
 
         try:
             _all(list(range(count)), one)

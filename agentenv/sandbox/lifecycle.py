@@ -49,27 +49,30 @@ def gate(sandbox_id: str) -> Gate:
 
 
 def make(kind: type[S], spec: ContainerSpec, image: str, ttl: float | None, labels: dict[str, str] | None,
-         parent: str | None) -> S:
+         parent: str | None, forked_from: str | None = None) -> S:
     """The record of a sandbox being made: state 'creating', owned by this process until it runs (if
-    the process dies first, ``recover`` removes what there is of it)."""
+    the process dies first, ``recover`` removes what there is of it); ``parent``: the snapshot it comes from,
+    ``forked_from``: the sandbox it is a fork of."""
     with contextlib.suppress(OSError):  # the image's last use (agentenv.host.image_store): never fails a start
         image_store.record_use(spec.image_id, [image] if image != spec.image_id else [])
     now = time.time()
     sid = store.new_id("sb")
     sb = kind(SandboxRecord(id=sid, image=image, spec=spec.to_json(), state="creating", created_at=now,
                             expires_at=now + ttl if ttl else None, labels=dict(labels or {}),
-                            parent_snapshot=parent, layer=sid, owner=store.owner()))
+                            parent_snapshot=parent, forked_from=forked_from, layer=sid, owner=store.owner()))
     sb.lifecycle.container.bundle.mkdir(mode=PRIVATE_DIR)  # the gate of its range once it holds one (userns)
     sb.save_record()
     return sb
 
 
 def restore(kind: type[S], snap: Snapshot, labels: dict[str, str] | None, op: str, ttl: float | None,
-            page_server_key: bytes | None = None) -> S:
-    """A new sandbox of ``kind`` from ``snap``, started; on failure nothing of it is left."""
+            page_server_key: bytes | None = None, forked_from: str | None = None) -> S:
+    """A new sandbox of ``kind`` from ``snap`` (a fork of the sandbox ``forked_from``, if named), started; on failure
+    nothing of it is left."""
     spec = ContainerSpec.from_json(snap.spec)
     volume.ensure().require(spec.limits.disk)
-    sb = make(kind, spec, image=snap.labels.get("image", spec.image_id), ttl=ttl, labels=labels, parent=snap.id)
+    sb = make(kind, spec, image=snap.labels.get("image", spec.image_id), ttl=ttl, labels=labels, parent=snap.id,
+              forked_from=forked_from)
     boot(sb, snap, op, page_server_key)
     return sb
 
@@ -94,13 +97,14 @@ class SandboxLifecycle(Generic[S]):
         self.starting = False  # in start: the record on disk does not name the new keeper yet
 
     def new(self, spec: ContainerSpec, image: str, ttl: float | None, labels: dict[str, str] | None,
-            parent: str | None) -> S:
+            parent: str | None, forked_from: str | None = None) -> S:
         """A new sandbox's record (``make``), of this one's class."""
-        return make(type(self.sandbox), spec, image, ttl, labels, parent)
+        return make(type(self.sandbox), spec, image, ttl, labels, parent, forked_from)
 
-    def restore(self, snap: Snapshot, labels: dict[str, str] | None, op: str, ttl: float | None) -> S:
+    def restore(self, snap: Snapshot, labels: dict[str, str] | None, op: str, ttl: float | None,
+                forked_from: str | None = None) -> S:
         """A new sandbox of this one's class from ``snap`` (``restore``)."""
-        return restore(type(self.sandbox), snap, labels, op, ttl)
+        return restore(type(self.sandbox), snap, labels, op, ttl, forked_from=forked_from)
 
     @admission.admitted  # a burst of starts queues rather than thrashes (agentenv.host.admission)
     def start(self, snap: Snapshot | None, op: str, memory: bool = True, page_server_key: bytes | None = None) -> None:

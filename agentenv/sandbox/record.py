@@ -6,10 +6,13 @@ state, keeper, labels, ttl, address), written whole by rename and changed under 
 and the states a record goes through (``TRANSITIONS``: every change of state goes through ``Record.transition``,
 which refuses one the table does not list; other fields change through ``Record.amend``).
 
-On disk a record is one JSON object: ``{"version": 2, <every field>}``. A record without ``"version"`` is the form
-an agentenv before version 2 wrote (version 1: the same keys, each present only once set); it is read as that, and
-written back in the current form at its next save. A record of a later version, with a key that is no field, or a
-field of the wrong type is refused (``RecordError``, naming what): it is never read as something it is not.
+On disk a record is one JSON object: ``{"version": 3, <every field>}``. A record without ``"version"`` is the form
+an agentenv before version 2 wrote (version 1: the same keys, each present only once set); version 2 is version 3
+without ``forked_from`` (``ADDED``: the fields each version brought). An older record is read as what it is (a
+field its version did not have takes its default: ``forked_from=None``, its lineage unknown), and written back in
+the current form at its next save. A record of a later version, with a key that is no field (or a field its version
+did not have), or a field of the wrong type is refused (``RecordError``, naming what): it is never read as something
+it is not.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ TRANSITIONS: Mapping[State, frozenset[State]] = MappingProxyType({
     "closed": frozenset(),
     "lost": frozenset(),
 })
-RECORD_VERSION = 2  # the form ``SandboxRecord.to_json`` writes; 1: the unversioned form before it
+RECORD_VERSION = 3  # the form ``SandboxRecord.to_json`` writes; 1: the unversioned form before version 2
+ADDED: Mapping[str, int] = MappingProxyType({"forked_from": 3})  # the fields later versions brought, and which
 
 
 class RecordError(SandboxError):
@@ -72,6 +76,7 @@ class SandboxRecord:
     pausing: str | None = None  # the snapshot a pause under way writes: ``recover`` finishes or rolls it back
     paused_snapshot: str | None = None  # the snapshot a paused sandbox is kept in
     parent_snapshot: str | None = None  # the snapshot it was restored or forked from (None: made from an image)
+    forked_from: str | None = None  # the sandbox it is a fork of (None: created, restored, or read from before v3)
     layer: str | None = None  # its layer's folder under ``paths().layers``; None in records older than the volume
     retired_layers: list[str] | None = None  # a pooled sandbox's layers before a fork took it, dropped once it runs
     lazy_pages: list[int] | None = None  # [pid, start time] of the lazy-pages daemon bringing its memory in
@@ -104,7 +109,7 @@ class SandboxRecord:
             raise refuse(f"version {version} is of a later agentenv (this one reads versions up to {RECORD_VERSION})",
                          fix="use the agentenv that wrote it (or a later one) on this home")
         values = {k: v for k, v in data.items() if k != "version"}  # version 1's keys are the fields: no renames
-        if unknown := sorted(set(values) - _HINTS.keys()):
+        if unknown := sorted(k for k in values if k not in _HINTS or ADDED.get(k, 1) > version):
             raise refuse(f"unknown field(s) {', '.join(unknown)} (a version {version} record has none such)")
         if missing := [f.name for f in dataclasses.fields(cls) if f.name not in values and _required(f)]:
             raise refuse(f"missing field(s) {', '.join(missing)}")
@@ -248,6 +253,12 @@ class Record:
         """The snapshot this sandbox was restored or forked from (None for one created from an image); it may
         have been deleted since (a fork's own snapshot is)."""
         return self._rec.parent_snapshot
+
+    @property
+    def forked_from(self) -> str | None:
+        """The sandbox this one is a fork of (None for one created or restored, or recorded before version 3); it
+        may have been closed since."""
+        return self._rec.forked_from
 
     @property
     def expires_at(self) -> float | None:

@@ -83,8 +83,7 @@ def _reading(last: dict[str, usage.Usage], service: Service) -> dict[str, Any]:
     seen = {}
     for sb in Sandbox.list():
         info = sb.info()
-        row = info.to_wire() | {"parent_snapshot": sb.parent_snapshot, "cpu_pct": None, "mem_used": None,
-                                "disk_used": None}
+        row = info.to_wire() | {"cpu_pct": None, "mem_used": None, "disk_used": None}
         now = usage.read(sb) if info.state == "running" else None
         if now is not None:
             before = last.get(sb.id)

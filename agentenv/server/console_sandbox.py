@@ -58,8 +58,7 @@ async def server_history(request: Request) -> Response:
 def _detail(service: Service, sandbox_id: str) -> dict[str, Any]:
     sb = service.sandbox(sandbox_id)
     info = sb.info()
-    found: dict[str, Any] = {"sandbox": info.to_wire() | {"parent_snapshot": sb.parent_snapshot},
-                             "processes": [], "jobs": [],
+    found: dict[str, Any] = {"sandbox": info.to_wire(), "processes": [], "jobs": [],
                              "caps": {"tail_bytes": TAIL_BYTES, "max_entries": MAX_ENTRIES, "max_file": MAX_FILE}}
     if info.state == "running":  # a paused sandbox has no processes to ask (resume it first)
         found["processes"] = service.call(sandbox_id, lambda s: [p.info().to_wire() for p in s.processes()])

@@ -64,6 +64,7 @@ def check_children(parent: agentenv.Sandbox, kids: list[agentenv.Sandbox]) -> No
         assert k.exec(STATE).stdout == want
         assert k.processes() == []
         assert k.limits == parent.limits
+        assert k.forked_from == parent.id and k.info().forked_from == parent.id  # its lineage names its parent
     for i, k in enumerate(kids):  # then each goes its own way
         k.write_file("/testbed/mine", str(i))
     kids[0].exec("rm /testbed/big && echo changed > /testbed/many/f1")
@@ -201,12 +202,13 @@ def test_a_files_fork_takes_pooled_sandboxes_whose_root_it_swaps(pool, parent):
         snap = kids[0].snapshot(memory=True)
         try:
             with agentenv.Sandbox.restore(snap) as r:
+                assert r.forked_from is None and r.parent_snapshot == snap.id  # a restore, not a fork
                 assert [p.command for p in r.processes()] == ["sleep 1000"]
                 assert r.exec(STATE).stdout == kids[0].exec(STATE).stdout
         finally:
             snap.delete()
         grandkids = kids[1].fork(1, memory=False)  # a pooled child forks like any other
-        assert grandkids[0].exec("cat /testbed/mine").stdout == "1"
+        assert grandkids[0].exec("cat /testbed/mine").stdout == "1" and grandkids[0].forked_from == kids[1].id
         grandkids[0].close()
     finally:
         for k in kids:

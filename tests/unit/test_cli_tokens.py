@@ -36,6 +36,19 @@ def _commands() -> dict[str, Any]:
     return found
 
 
+def test_the_walk_reaches_every_command_and_each_declares_its_options():
+    """Every leaf command is a typer command whose options are its own (none passes unknown words on to a parser of
+    its own, as ``agentenv tasks`` did with argparse): what these tests check of options covers them all."""
+    found = _commands()
+    tasks = {f"agentenv tasks {c}" for c in ("images", "base-commit", "scrub-script", "search", "build", "fixes",
+                                             "validate", "prewarm")}
+    assert tasks <= found.keys()
+    passing_on = [name for name, cmd in found.items() if not hasattr(cmd, "list_commands")
+                  and (cmd.ignore_unknown_options or cmd.allow_extra_args)]
+    assert passing_on == []
+    assert any("--token-file" in p.opts for p in found["agentenv tasks prewarm"].params)
+
+
 def test_no_command_takes_a_token_on_its_command_line():
     taking = sorted(f"{name} {opt}" for name, cmd in _commands().items() for p in cmd.params
                     if p.param_type_name == "option" for opt in p.opts if re.search(r"token$", opt))

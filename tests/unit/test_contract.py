@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 VALUES = [
     ExecResult(exit_code=3, stdout="é\n", stderr="", duration=0.25, timed_out=True),
     SandboxInfo(id="sb-1", state="paused", image="agentenv/base", created_at=1.5, expires_at=None,
-                labels={"k": "v"}, limits=Limits(cpus=0.5, memory=256 << 20, pids=64)),
+                labels={"k": "v"}, limits=Limits(cpus=0.5, memory=256 << 20, pids=64), parent_snapshot="snap-0",
+                forked_from="sb-0"),
     SnapshotInfo(id="snap-1", parent_id=None, created_at=2.0, size_bytes=10, has_memory=True, sandbox_id="sb-1",
                  labels={"a": "b"}),
     ProcessInfo(pid=7, log="/tmp/p.log", command="sleep 1", exit_code=None),
@@ -34,6 +35,13 @@ def test_from_wire_ignores_fields_it_does_not_know():
     """An older client reads a newer server's bodies."""
     body = {**VALUES[0].to_wire(), "added_later": 1}
     assert ExecResult.from_wire(body) == VALUES[0]
+
+
+def test_a_sandbox_body_from_before_the_lineage_fields_reads_as_lineage_unknown():
+    """A newer client reads an older server's bodies: no ``parent_snapshot`` or ``forked_from`` is None."""
+    body = {k: v for k, v in VALUES[1].to_wire().items() if k not in ("parent_snapshot", "forked_from")}
+    info = SandboxInfo.from_wire(body)
+    assert (info.parent_snapshot, info.forked_from) == (None, None) and info.labels == {"k": "v"}
 
 
 def test_local_and_remote_snapshots_share_the_info_fields():

@@ -1,6 +1,7 @@
 """A sandbox's record as typed fields (``agentenv.sandbox.record.SandboxRecord``) and its form on disk: the
-unversioned form agentenv wrote before version 2 is read and written back as version 2, and a record of a later
-version, with a key that is no field or a field of the wrong type, is refused with an error that names it."""
+unversioned form agentenv wrote before version 2, and version 2 (before ``forked_from``), are read and written back
+in the current form, and a record of a later version, with a key that is no field (or not yet one in its version) or a
+field of the wrong type, is refused with an error that names it."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ TODAYS = {"id": "sb-0123456789ab", "image": "python:3.12-slim", "spec": SPEC, "s
           "init_pid": 4242, "paused_snapshot": None, "parent_snapshot": "snap-0123456789ab",
           "layer": "sb-0123456789ab", "owner": None, "pausing": None, "init_start": 987654, "address": "10.88.0.7"}
 LATER_KEYS = {"retired_layers", "lazy_pages"}
+V3_KEYS = {"forked_from"}  # what version 3 added
 OLDEST = {"id": "sb-old", "image": "python:3.12-slim", "spec": SPEC, "state": "paused", "created_at": 1.5,
           "expires_at": None, "labels": {}, "init_pid": None, "paused_snapshot": "snap-p", "parent_snapshot": None}
 
@@ -47,13 +49,15 @@ def _write(home, data: dict) -> None:
 
 
 def test_the_fields_are_the_keys_agentenv_ever_wrote():
-    assert {f.name for f in dataclasses.fields(SandboxRecord)} == set(TODAYS) | LATER_KEYS
+    assert {f.name for f in dataclasses.fields(SandboxRecord)} == set(TODAYS) | LATER_KEYS | V3_KEYS
 
 
-def test_todays_unversioned_record_loads_and_round_trips_as_version_2():
+def test_todays_unversioned_record_loads_and_round_trips_in_the_current_form():
     rec = SandboxRecord.from_json(TODAYS)
     assert rec.state == "running" and rec.init_pid == 4242 and rec.spec == SPEC and rec.labels == {"team": "rl"}
-    assert rec.to_json() == {"version": RECORD_VERSION, **TODAYS, "retired_layers": None, "lazy_pages": None}
+    assert rec.forked_from is None
+    assert rec.to_json() == {"version": RECORD_VERSION, **TODAYS, "retired_layers": None, "lazy_pages": None,
+                             "forked_from": None}
     assert SandboxRecord.from_json(rec.to_json()) == rec
     assert SandboxRecord.from_json(json.loads(json.dumps(rec.to_json()))) == rec
 
@@ -61,7 +65,7 @@ def test_todays_unversioned_record_loads_and_round_trips_as_version_2():
 def test_a_record_from_before_the_volume_takes_the_defaults_of_its_missing_fields():
     rec = SandboxRecord.from_json(OLDEST)
     assert rec.layer is None and rec.owner is None and rec.pausing is None and rec.address is None
-    assert rec.to_json() == {"version": 2, **{f.name: None for f in dataclasses.fields(rec)}, **OLDEST}
+    assert rec.to_json() == {"version": 3, **{f.name: None for f in dataclasses.fields(rec)}, **OLDEST}
 
 
 def test_a_file_is_written_back_whole_in_the_current_form_and_private(tmp_path):
@@ -70,9 +74,35 @@ def test_a_file_is_written_back_whole_in_the_current_form_and_private(tmp_path):
     rec = load(path)
     assert rec.lazy_pages == [77, 12345]
     save(path, rec)
-    assert json.loads(path.read_text()) == {"version": 2, **TODAYS, "lazy_pages": [77, 12345], "retired_layers": None}
+    assert json.loads(path.read_text()) == {"version": 3, **TODAYS, "lazy_pages": [77, 12345], "retired_layers": None,
+                                            "forked_from": None}
     assert os.stat(path).st_mode & 0o777 == 0o600  # its spec's env holds secrets
     assert load(path) == rec
+
+
+def test_a_version_2_record_loads_with_its_lineage_unknown_and_is_written_back_as_version_3(tmp_path):
+    path = tmp_path / "sandbox.json"
+    path.write_text(json.dumps({"version": 2, **TODAYS, "lazy_pages": None, "retired_layers": None}))
+    rec = load(path)
+    assert rec.forked_from is None and rec.parent_snapshot == "snap-0123456789ab"
+    save(path, dataclasses.replace(rec, forked_from="sb-parent"))
+    assert json.loads(path.read_text())["version"] == RECORD_VERSION == 3
+    assert load(path).forked_from == "sb-parent"
+
+
+def test_a_field_its_version_did_not_have_is_refused():
+    """A version 2 record naming ``forked_from`` was not written by an agentenv: it is not read as version 3."""
+    with pytest.raises(RecordError, match=r"unknown field\(s\) forked_from \(a version 2 record has none such\)"):
+        SandboxRecord.from_json({"version": 2, **TODAYS, "forked_from": "sb-x"})
+    with pytest.raises(RecordError, match="unknown field.*forked_from.*version 1"):
+        SandboxRecord.from_json({**TODAYS, "forked_from": "sb-x"})
+    assert SandboxRecord.from_json({"version": 3, **TODAYS, "forked_from": "sb-x"}).forked_from == "sb-x"
+
+
+@pytest.mark.parametrize(("key", "value"), [("forked_from", 7), ("forked_from", ["sb-x"])])
+def test_an_ill_typed_forked_from_is_refused(key, value):
+    with pytest.raises(RecordError, match=key):
+        SandboxRecord.from_json({"version": 3, **TODAYS, key: value})
 
 
 @pytest.mark.parametrize("version", [RECORD_VERSION + 1, 99])

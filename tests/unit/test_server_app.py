@@ -161,6 +161,8 @@ def test_openapi_describes_every_route_error_and_msgpack(client):
             if wire.JSON in body:
                 assert wire.MSGPACK in body, (method, path)
     assert "bearer" in str(spec["components"]["securitySchemes"]).lower()
+    lineage = spec["components"]["schemas"]["SandboxInfo"]["properties"]  # a sandbox's lineage is in its body
+    assert {"parent_snapshot", "forked_from"} <= lineage.keys()
 
 
 def test_the_server_refuses_to_run_without_a_token(monkeypatch, tmp_path):

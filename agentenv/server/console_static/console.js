@@ -110,14 +110,18 @@ function node(kind, item, text) {
 // The lineage of a reading: every snapshot (those sandboxes name but the store no longer has, a fork's own, drawn
 // as deleted) and sandbox, with the key ("sb:ID" or "snap:ID") of what it hangs under (null: a root). A snapshot
 // hangs under the live sandbox it was taken from, else under its parent snapshot; a sandbox under the snapshot it
-// was restored or forked from. So a sandbox's snapshots, and what was restored from them, nest under it,
-// generation after generation.
+// was restored or forked from, or, for a fork whose files came straight from its live parent (no snapshot of the
+// parent between them), under that parent. So a sandbox's snapshots and forks, and what was restored or forked
+// from them, nest under it, generation after generation.
 function lineage(state) {
   const snaps = new Map(state.snapshots.map((s) => [s.id, s]));
   const boxes = new Map(state.sandboxes.map((s) => [s.id, s]));
   for (const sb of state.sandboxes) {
     if (sb.parent_snapshot && !snaps.has(sb.parent_snapshot)) {
-      snaps.set(sb.parent_snapshot, { id: sb.parent_snapshot, parent_id: null, sandbox_id: null, gone: true });
+      // a deleted snapshot a fork came through was taken of the fork's parent, unless the parent names it too
+      const parent = sb.forked_from ? boxes.get(sb.forked_from) : undefined;
+      const taken = parent && parent.parent_snapshot !== sb.parent_snapshot ? parent.id : null;
+      snaps.set(sb.parent_snapshot, { id: sb.parent_snapshot, parent_id: null, sandbox_id: taken, gone: true });
     }
   }
   const items = [];
@@ -127,7 +131,9 @@ function lineage(state) {
     items.push({ kind: "snapshot", key: "snap:" + s.id, item: s, up });
   }
   for (const sb of boxes.values()) {
-    const up = sb.parent_snapshot ? "snap:" + sb.parent_snapshot : null;
+    const via = sb.parent_snapshot ? snaps.get(sb.parent_snapshot) : undefined;
+    const direct = boxes.has(sb.forked_from) && !(via && via.sandbox_id === sb.forked_from);
+    const up = direct ? "sb:" + sb.forked_from : sb.parent_snapshot ? "snap:" + sb.parent_snapshot : null;
     items.push({ kind: "sandbox", key: "sb:" + sb.id, item: sb, up });
   }
   const kids = new Map();

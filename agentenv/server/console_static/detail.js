@@ -24,21 +24,33 @@ let tailPid = null;  // the job whose tail is shown
 let busy = false;  // a refresh in flight: a reading meanwhile is skipped
 let listed = false;  // the file browser has listed its folder (once the sandbox runs)
 
-// what the sandbox came from and what came of it (console.js's lineage of the reading), as links; its labels
+// what the sandbox came from (the sandbox it is a fork of, the snapshot it was restored or forked from) and what
+// came of it (console.js's lineage of the reading), as links; its labels
 function showLineage(state, sb) {
-  const { kids, snaps } = lineage(state);
+  const { kids, snaps, boxes } = lineage(state);
   const link = (kind, id) => el("a", { href: kind === "sandbox" ? sandboxHref(id) : snapshotHref(id),
     "data-kind": kind, "data-id": id }, id);
-  const from = document.getElementById("from");
+  const snapshot = (s) => s.gone ? ["snapshot " + s.id + " (deleted)"] : ["snapshot ", link("snapshot", s.id)];
   const parent = sb.parent_snapshot ? snaps.get(sb.parent_snapshot) : null;
-  from.replaceChildren(...(!parent ? ["an image"] : parent.gone ? ["snapshot " + parent.id + " (deleted)"]
-    : ["snapshot ", link("snapshot", parent.id),
-      ...(parent.sandbox_id ? [" of sandbox ", link("sandbox", parent.sandbox_id)] : [])]));
+  let from;
+  if (sb.forked_from) {  // a fork: of which sandbox, and through which snapshot of it (none for a files-only fork)
+    const of = boxes.get(sb.forked_from);
+    from = ["forked from sandbox ", ...(of ? [link("sandbox", of.id)] : [sb.forked_from + " (closed)"])];
+    if (parent && (!of || of.parent_snapshot !== parent.id)) from.push(", through ", ...snapshot(parent));
+  } else {
+    from = !parent ? ["an image"] : [...snapshot(parent),
+      ...(!parent.gone && parent.sandbox_id ? [" of sandbox ", link("sandbox", parent.sandbox_id)] : [])];
+  }
+  document.getElementById("from").replaceChildren(...from);
   const children = [];
-  for (const snap of kids.get("sb:" + sb.id) || []) {
-    const restored = (kids.get(snap.key) || []).filter((k) => k.kind === "sandbox");
-    children.push(el("li", {}, "snapshot ", link("snapshot", snap.item.id), ...(restored.length ? [" → "] : []),
-      ...restored.flatMap((k, i) => [i ? ", " : "", link("sandbox", k.item.id)])));
+  for (const kid of kids.get("sb:" + sb.id) || []) {
+    if (kid.kind === "sandbox") {  // a fork straight from its files
+      children.push(el("li", {}, "fork ", link("sandbox", kid.item.id)));
+      continue;
+    }
+    const made = (kids.get(kid.key) || []).filter((k) => k.kind === "sandbox");
+    children.push(el("li", {}, ...snapshot(kid.item), ...(made.length ? [" → "] : []),
+      ...made.flatMap((k, i) => [i ? ", " : "", link("sandbox", k.item.id)])));
   }
   document.getElementById("children").replaceChildren(...children);
   document.getElementById("no-children").hidden = children.length > 0;

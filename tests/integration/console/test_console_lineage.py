@@ -1,7 +1,8 @@
 """The console's lineage in the real browser against a real server and real sandboxes (the fixtures of
 ``test_console``): the fork tree's three generations nested under one another, folded and unfolded, each node a
-link; a snapshot restored and deleted from the page, each after a confirmation; a sandbox page's lineage and
-labels; an E2B sandbox shown by its template."""
+link; forks of forks nested under the sandbox each was forked from; a snapshot restored and deleted from the page,
+each after a confirmation; a sandbox page's lineage (the sandbox it is a fork of among it) and labels; an E2B sandbox
+shown by its template."""
 
 from __future__ import annotations
 
@@ -79,6 +80,43 @@ def test_generations_nest_fold_and_link(browser, url, family):
     # a sandbox's id opens its page
     click(browser, f'{sel("sandbox", k.id)} > .node a')
     wait_for(lambda: browser.current_url == f"{url}/console/sandbox/{k.id}", "the child's page")
+
+
+def test_forks_of_forks_nest_under_the_sandbox_each_was_forked_from(browser, url, client, family):
+    """A fork's children hang under the sandbox they were forked from (through the fork's own snapshot, deleted once
+    they run), grandchildren under them; before ``forked_from`` the fork's snapshot was a root of its own."""
+    kids: list[Any] = []
+    p = client.Sandbox.create(memory="256m", labels={"fork": "0"})
+    try:
+        kids += p.fork(1)  # processes too: through a snapshot of p
+        k = kids[0]
+        kids += k.fork(1, memory=False)  # files only: a clone of k's layer where the volume can, else a snapshot
+        g = kids[1]
+        body = httpx.get(f"{url}/v1/sandboxes/{g.id}", headers=AUTH).json()
+        assert (k.forked_from, g.forked_from, body["forked_from"]) == (p.id, k.id, k.id)
+        assert p.forked_from is None and family["child"].info().forked_from is None  # created; restored
+        log_in(browser, url, TOKEN)
+        browser.get(f"{url}/console/snapshots")
+
+        def via(kid: Any, parent: Any) -> str:  # through the fork's snapshot, or none where no snapshot came between
+            return f"{sel('snapshot', kid.parent_snapshot)} > ul > " if kid.parent_snapshot != parent.parent_snapshot else ""
+
+        chain = (f"{sel('sandbox', p.id)} > ul > {via(k, p)}{sel('sandbox', k.id)} > ul > {via(g, k)}"
+                 f"{sel('sandbox', g.id)}")
+        wait_for(lambda: present(browser, chain), "the grandchild under the child under the sandbox they came of")
+        browser.get(f"{url}/console/sandbox/{g.id}")
+        link = f'#from a[data-kind="sandbox"][data-id="{k.id}"]'
+        wait_for(lambda: present(browser, link) and text(browser, "#from").startswith(f"forked from sandbox {k.id}"),
+                 "the grandchild's page linking the sandbox it was forked from")
+        click(browser, link)
+        wait_for(lambda: browser.current_url == f"{url}/console/sandbox/{k.id}", "the child's page")
+        wait_for(lambda: present(browser, f'#from a[data-kind="sandbox"][data-id="{p.id}"]')
+                 and present(browser, f'#children a[data-kind="sandbox"][data-id="{g.id}"]'),
+                 "the child's page: forked from the parent, its own fork below")
+    finally:
+        for sb in [*reversed(kids), p]:
+            with contextlib.suppress(SandboxNotFound):
+                sb.close()
 
 
 def test_a_snapshot_is_restored_and_deleted_after_asking(browser, url, client, family):
