@@ -5,6 +5,7 @@
 refuses MXFP4-packed experts and a vocabulary other than the tokenizer's."""
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -107,29 +108,56 @@ def on_disk(params: dict[str, torch.nn.Parameter], names) -> dict[str, torch.Ten
     return out
 
 
-def test_kimi_linear_checkpoint_agrees_with_transformers(tmp_path):
-    cfg = k3_mini(**SMALL, **K3_PARTS_OFF)
+@dataclass
+class OneBatch:
+    """Ours and transformers' kimi_linear on one batch: logits, next-token loss, and every tensor's gradient under
+    its on-disk name (ours, theirs)."""
+
+    logits: tuple[torch.Tensor, torch.Tensor]
+    loss: tuple[float, float]
+    grads: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+
+
+def kimi_linear_pair(tmp_path: Path, **overrides: Any) -> tuple[K3Config, K3Model, torch.nn.Module]:
+    """A small random Kimi-Linear model (K3's parts off; ``SMALL`` but for ``overrides``), in train mode, and
+    transformers' kimi_linear loaded from the folder we write for it."""
+    cfg = k3_mini(**{**SMALL, **K3_PARTS_OFF, **overrides})
     model = random_model(cfg).train()
     folder = write_checkpoint(model.state_dict(), cfg, tmp_path / "kl")
     assert json.loads((folder / "config.json").read_text())["model_type"] == "kimi_linear"
-    reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
-    ids = tokens()
+    return cfg, model, transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+
+
+def one_batch(model: K3Model, reference: torch.nn.Module, ids: torch.Tensor) -> OneBatch:
     ours = model(ids)[0]
     theirs = reference(ids).logits
-    diff = (ours - theirs).abs().max().item()
     loss_ours = torch.nn.functional.cross_entropy(ours[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss_theirs = torch.nn.functional.cross_entropy(theirs[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     loss_ours.backward()
     loss_theirs.backward()
-    ours_grads = to_disk({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, cfg)
-    theirs_grads = on_disk(dict(reference.named_parameters()), ours_grads.keys())
-    assert theirs_grads.keys() == ours_grads.keys()  # every tensor's gradient, under its on-disk name
+    return OneBatch((ours, theirs), (loss_ours.item(), loss_theirs.item()), grads_on_disk(model, reference))
+
+
+def grads_on_disk(model: K3Model, reference: torch.nn.Module, only: str = "") -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Our gradients and transformers' (those of its parameters named ``only...``) under the on-disk names: every
+    tensor's, in both."""
+    ours = to_disk({n: p.grad for n, p in model.named_parameters() if p.grad is not None}, model.cfg)
+    theirs = on_disk({n: p for n, p in reference.named_parameters() if n.startswith(only)}, ours.keys())
+    assert theirs.keys() == ours.keys()
+    return ours, theirs
+
+
+def test_kimi_linear_checkpoint_agrees_with_transformers(tmp_path):
+    _, model, reference = kimi_linear_pair(tmp_path)
+    got = one_batch(model, reference, tokens())
+    diff = (got.logits[0] - got.logits[1]).abs().max().item()
+    loss_diff = abs(got.loss[0] - got.loss[1])
+    ours_grads, theirs_grads = got.grads
     grad_diff = max((ours_grads[n] - g).abs().max().item() for n, g in theirs_grads.items())
     print(f"Kimi-Linear (K3's parts off) vs transformers kimi_linear: max abs logit diff {diff:.3g}, "
-          f"loss diff {abs(loss_ours.item() - loss_theirs.item()):.3g}, max abs grad diff {grad_diff:.3g} "
-          f"over {len(theirs_grads)} tensors")
+          f"loss diff {loss_diff:.3g}, max abs grad diff {grad_diff:.3g} over {len(theirs_grads)} tensors")
     assert diff < HF_TOL
-    assert abs(loss_ours.item() - loss_theirs.item()) < 1e-5
+    assert loss_diff < 1e-5
     assert grad_diff < 1e-4
 
 
@@ -252,12 +280,17 @@ def test_decoding_token_by_token_agrees_with_mlx_lm_and_with_a_full_forward(tmp_
     reference, _ = load_model(write_checkpoint(model.state_dict(), cfg, tmp_path / "k3"))
     ids = tokens()[:1]
     full, ours = decode(model, ids)
-    mlx_cache = reference.make_cache()
-    theirs = [np.array(reference(mx.array(ids[:, t:t + 1].numpy()), cache=mlx_cache))[0, 0] for t in range(ids.shape[1])]
-    mlx_diff = float(np.abs(np.stack(theirs) - full).max())
+    mlx_diff = float(np.abs(mlx_decode(reference, ids) - full).max())
     ours_diff = float(np.abs(ours - full).max())
     print(f"decode vs full forward, K3 all parts on: mlx-lm kimi_k3 {mlx_diff:.3g}, ours {ours_diff:.3g}")
     assert mlx_diff < MLX_TOL and ours_diff < MLX_TOL
+
+
+def mlx_decode(reference: Any, ids: torch.Tensor) -> np.ndarray:
+    """Row 0 of ``ids`` decoded by mlx-lm's kimi_k3 one token at a time (its own caches): the logits of each step."""
+    cache = reference.make_cache()
+    return np.stack([np.array(reference(mx.array(ids[:1, t:t + 1].numpy()), cache=cache))[0, 0]
+                     for t in range(ids.shape[1])])
 
 
 class Takes:
