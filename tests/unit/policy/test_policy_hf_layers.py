@@ -201,9 +201,8 @@ def test_each_layer_type_agrees_with_transformers_kimi_linear(tmp_path: Path):
     reference.zero_grad(set_to_none=True)
     in_model = by_type(cfg, per_layer(one_batch(model, reference, ids).grads))
     print(f"per layer type, Kimi-Linear (K3's parts off) vs transformers kimi_linear: max abs output diff "
-          f"{shown(forward)}; "
-          f"max abs grad diff of the layer's parameters: alone {shown(grads)} (largest grad: {shown(largest)}), "
-          f"in the whole model's backward on one batch {shown(in_model)}")
+          f"{shown(forward)}; max abs grad diff of the layer's parameters: alone {shown(grads)} "
+          f"(largest grad: {shown(largest)}), in the whole model's backward on one batch {shown(in_model)}")
     assert set(forward) == set(grads) == set(in_model) == {"dense (KDA)", "KDA+MoE", "MLA+MoE"}
     assert max(forward.values()) < HF_TOL
     assert all(grads[k] < 1e-5 * largest[k] for k in grads)   # alone, a unit gradient on every output: grads ~100
