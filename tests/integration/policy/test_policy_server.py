@@ -189,11 +189,14 @@ def test_update_weights_bumps_the_version(client, spec, tmp_path):
         if httpx.get(spec.base_url + "/metrics").json()["running"] >= 1:
             break
         time.sleep(0.005)
+    else:
+        raise AssertionError("the long request never showed as running")
     r = httpx.post(spec.base_url + "/update_weights", json={"path": _checkpoint(tmp_path / "w", 7)},
                    headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120)
     t.join(60)
     assert r.status_code == 200 and r.json()["weight_version"] == before + 1
-    assert result["weight_version"] == before and result["choices"][0]["finish_reason"] == "length"
+    # it ran on the old weights to its end (its length, or the end-of-turn token an untrained model may pick)
+    assert result["weight_version"] == before and result["choices"][0]["finish_reason"] in ("length", "stop")
     after = client.completions.create(model="k3-mini", prompt="x", max_tokens=3)
     assert after.model_extra["weight_version"] == before + 1
 
