@@ -36,11 +36,11 @@ from policy.pieces import Control, Piece, text_of
 from policy.tool_calls import (
     OPEN,
     SECTION_BEGIN,
-    SEP,
     TOOL_CALL_TOKENS,
     TOOL_NAME,
-    call_head,
+    block,
     call_index,
+    call_opening,
     canonical_id,
     parse_section,
     tool_call_pieces,
@@ -119,12 +119,11 @@ def tool_choice_pieces(tools: list[dict[str, Any]], choice: Any) -> tuple[list[d
         name = (choice.get("function") or {}).get("name")
         if name not in {t["function"]["name"] for t in tools}:
             raise ValueError(f"tool_choice names a function that is not in tools: {name!r}")
-        return tools, [Control(OPEN), "tools", Control(SEP), Control(OPEN), call_head(str(name), 0), Control(SEP),
-                       Control(OPEN), 'json type="object"', Control(SEP)]
+        return tools, [*block("tools"), *call_opening(str(name), 0)]
     if choice == "required":  # the model must open a tool call; it picks the function
         if not tools:
             raise ValueError("tool_choice 'required' needs tools")
-        return tools, [Control(OPEN), "tools", Control(SEP), Control(OPEN), 'call tool="']
+        return tools, [*block("tools"), Control(OPEN), 'call tool="']
     if choice not in (None, "auto"):
         raise ValueError("tool_choice must be 'none', 'auto', 'required' or a named function")
     return tools, []

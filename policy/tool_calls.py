@@ -83,17 +83,31 @@ def call_head(name: str, index: int | None) -> str:
     return f'call tool="{_attr(name)}"' + ("" if index is None else f' index="{index}"')
 
 
+def block(tag: str) -> list[Piece]:
+    """``<|open|>TAG<|sep|>``, a block's opening, as pieces (``tag`` with its attributes)."""
+    return [Control(OPEN), tag, Control(SEP)]
+
+
+def end(tag: str) -> list[Piece]:
+    """``<|close|>TAG<|sep|>``, a block's end, as pieces."""
+    return [Control(CLOSE), tag, Control(SEP)]
+
+
+def call_opening(name: str, index: int) -> list[Piece]:
+    """A call of ``name`` opened up to its JSON arguments: the pieces a named ``tool_choice`` forces too."""
+    return [*block(call_head(name, index)), *block('json type="object"')]
+
+
 def tool_call_pieces(tool_calls: list[dict[str, Any]]) -> list[Piece]:
     """The tool-call section for OpenAI-style ``tool_calls`` (index as ``call_index`` says); arguments given as a
     dict are written as JSON, a string as it is."""
-    parts: list[Piece] = [Control(OPEN), "tools", Control(SEP)]
+    parts = block("tools")
     for i, call in enumerate(tool_calls):
         fn = call["function"]
         args = fn.get("arguments", "{}")
-        parts += [Control(OPEN), call_head(fn["name"], call_index(call, i)), Control(SEP),
-                  Control(OPEN), 'json type="object"', Control(SEP), args if isinstance(args, str) else json.dumps(args),
-                  Control(CLOSE), "json", Control(SEP), Control(CLOSE), "call", Control(SEP)]
-    return parts + [Control(CLOSE), "tools", Control(SEP)]
+        parts += [*call_opening(fn["name"], call_index(call, i)), args if isinstance(args, str) else json.dumps(args),
+                  *end("json"), *end("call")]
+    return parts + end("tools")
 
 
 def parse_section(section: str) -> list[dict[str, Any]] | None:
